@@ -1,2 +1,4 @@
 // Anchor translation unit so the precompiled-header target has something to compile.
-int dtune_pch_anchor() { return 0; }
+int dtune_pch_anchor() {
+    return 0;
+}

@@ -49,6 +49,19 @@ if(DTUNE_USE_PCH)
   target_precompile_headers(dtune_pch PRIVATE "${PROJECT_SOURCE_DIR}/cmake/torch_pch.h")
 endif()
 
+if(DTUNE_USE_PCH)
+  add_library(dtune_nn_pch STATIC "${PROJECT_SOURCE_DIR}/cmake/pch_anchor.cpp")
+  target_link_libraries(dtune_nn_pch PUBLIC dtune_torch)
+  target_precompile_headers(dtune_nn_pch PRIVATE "${PROJECT_SOURCE_DIR}/cmake/torch_nn_pch.h")
+endif()
+
+# For targets made of torch::nn modules (models, and tests of them).
+function(dtune_torch_nn_pch target)
+  if(DTUNE_USE_PCH)
+    target_precompile_headers(${target} REUSE_FROM dtune_nn_pch)
+  endif()
+endfunction()
+
 function(dtune_torch_pch target)
   if(DTUNE_USE_PCH)
     target_precompile_headers(${target} REUSE_FROM dtune_pch)

@@ -3,11 +3,11 @@
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 
+#include <unistd.h>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <functional>
-#include <unistd.h>
 
 #include "cli/command.h"
 #include "core/dtype.h"
@@ -35,7 +35,8 @@ void check_attention() {
     at::Tensor q = at::randn({2, 3, 5, 8}), k = at::randn({2, 3, 7, 8}), v = at::randn({2, 3, 7, 8});
     at::Tensor fused = at::scaled_dot_product_attention(q, k, v);
     at::Tensor manual = at::softmax(at::matmul(q, k.transpose(-1, -2)) / std::sqrt(8.0), -1).matmul(v);
-    DTUNE_CHECK(at::allclose(fused, manual, 1e-5, 1e-5), "scaled_dot_product_attention differs from the reference");
+    DTUNE_CHECK(at::allclose(fused, manual, 1e-5, 1e-5),
+                "scaled_dot_product_attention differs from the reference");
 }
 
 void check_safetensors() {
@@ -52,7 +53,8 @@ void check_safetensors() {
     at::Tensor b = at::arange(5, at::kLong).to(at::kBFloat16);
     io::save_safetensors(dir / "check.safetensors", {{"a", a}, {"b", b}}, {{"format", "pt"}});
     io::SafetensorsFile f(dir / "check.safetensors");
-    DTUNE_CHECK(at::equal(f.get("a"), a) && at::equal(f.get("b"), b), "safetensors round trip changed the data");
+    DTUNE_CHECK(at::equal(f.get("a"), a) && at::equal(f.get("b"), b),
+                "safetensors round trip changed the data");
     DTUNE_CHECK(f.metadata().at("format") == "pt", "safetensors metadata lost");
 }
 
@@ -60,14 +62,16 @@ void check_thread_pool() {
     ThreadPool pool(4);
     std::vector<int> out(1000);
     pool.parallel_for(out.size(), [&](std::size_t i) { out[i] = static_cast<int>(i * i); });
-    for (std::size_t i = 0; i < out.size(); ++i) DTUNE_CHECK(out[i] == static_cast<int>(i * i), "thread pool lost work");
+    for (std::size_t i = 0; i < out.size(); ++i)
+        DTUNE_CHECK(out[i] == static_cast<int>(i * i), "thread pool lost work");
 }
 
 void check_cuda() {
     at::Tensor a = at::randn({256, 256}, at::kFloat);
     at::Tensor b = at::randn({256, 256}, at::kFloat);
     at::Tensor ref = at::matmul(a.to(at::kBFloat16), b.to(at::kBFloat16)).to(at::kFloat);
-    at::Tensor gpu = at::matmul(a.to(at::kCUDA, at::kBFloat16), b.to(at::kCUDA, at::kBFloat16)).to(at::kCPU, at::kFloat);
+    at::Tensor gpu =
+        at::matmul(a.to(at::kCUDA, at::kBFloat16), b.to(at::kCUDA, at::kBFloat16)).to(at::kCPU, at::kFloat);
     DTUNE_CHECK(at::allclose(gpu, ref, 5e-2, 5e-1), "bf16 matmul on the GPU differs from the CPU");
 }
 
@@ -93,7 +97,8 @@ int run_selfcheck(const std::vector<std::string>&) {
         const auto t0 = std::chrono::steady_clock::now();
         try {
             step.fn();
-            const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+            const double ms =
+                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
             std::printf("  ok    %-32s %7.1f ms\n", step.name, ms);
         } catch (const std::exception& e) {
             ++failures;
@@ -106,10 +111,11 @@ int run_selfcheck(const std::vector<std::string>&) {
 
 }  // namespace
 
-DTUNE_REGISTER_COMMAND(selfcheck, "selfcheck", "check that this build works here (torch, attention, I/O, GPU)",
-                       "usage: dtune selfcheck\n\nRuns quick checks of libtorch math and autograd, attention, "
-                       "safetensors writing and\nreading, the thread pool and (when present) a bf16 matmul on the "
-                       "GPU. Exit code 0 when all pass.\n",
-                       run_selfcheck);
+DTUNE_REGISTER_COMMAND(
+    selfcheck, "selfcheck", "check that this build works here (torch, attention, I/O, GPU)",
+    "usage: dtune selfcheck\n\nRuns quick checks of libtorch math and autograd, attention, "
+    "safetensors writing and\nreading, the thread pool and (when present) a bf16 matmul on the "
+    "GPU. Exit code 0 when all pass.\n",
+    run_selfcheck);
 
 }  // namespace dtune::cli

@@ -17,9 +17,10 @@ int run_version(const std::vector<std::string>&) {
 
 }  // namespace
 
-DTUNE_REGISTER_COMMAND(version, "version", "print the version, commit and libtorch/CUDA details",
-                       "usage: dtune version\n\nPrints dtune's version and git commit, the libtorch it was built "
-                       "against,\nwhether CUDA is enabled and how many CUDA devices are visible.\n",
-                       run_version);
+DTUNE_REGISTER_COMMAND(
+    version, "version", "print the version, commit and libtorch/CUDA details",
+    "usage: dtune version\n\nPrints dtune's version and git commit, the libtorch it was built "
+    "against,\nwhether CUDA is enabled and how many CUDA devices are visible.\n",
+    run_version);
 
 }  // namespace dtune::cli

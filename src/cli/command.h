@@ -28,5 +28,9 @@ bool wants_help(const std::vector<std::string>& args);
 
 }  // namespace dtune::cli
 
-#define DTUNE_REGISTER_COMMAND(ident, ...) \
-    static const ::dtune::cli::Registrar dtune_command_##ident{::dtune::cli::Command{__VA_ARGS__}}
+#define DTUNE_REGISTER_COMMAND(ident, ...)                       \
+    static const ::dtune::cli::Registrar dtune_command_##ident { \
+        ::dtune::cli::Command {                                  \
+            __VA_ARGS__                                          \
+        }                                                        \
+    }

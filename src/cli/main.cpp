@@ -24,7 +24,8 @@ const Command* find_command(const std::string& name) {
 }
 
 bool wants_help(const std::vector<std::string>& args) {
-    return std::any_of(args.begin(), args.end(), [](const std::string& a) { return a == "-h" || a == "--help"; });
+    return std::any_of(args.begin(), args.end(),
+                       [](const std::string& a) { return a == "-h" || a == "--help"; });
 }
 
 namespace {
@@ -36,7 +37,8 @@ void print_help() {
         "commands:\n",
         kVersion);
     auto sorted = commands();
-    std::sort(sorted.begin(), sorted.end(), [](const Command& a, const Command& b) { return a.name < b.name; });
+    std::sort(sorted.begin(), sorted.end(),
+              [](const Command& a, const Command& b) { return a.name < b.name; });
     for (const auto& c : sorted) std::printf("  %-12s %s\n", c.name.c_str(), c.summary.c_str());
     std::printf(
         "\noptions:\n"
@@ -59,7 +61,8 @@ int main(int argc, char** argv) {
         if (args[i] == "--log_level") {
             auto lvl = log::parse_level(args[i + 1]);
             if (!lvl) {
-                std::fprintf(stderr, "error: --log_level '%s' is not one of debug, info, warn, error\n", args[i + 1].c_str());
+                std::fprintf(stderr, "error: --log_level '%s' is not one of debug, info, warn, error\n",
+                             args[i + 1].c_str());
                 return static_cast<int>(ExitCode::kUsage);
             }
             log::set_level(*lvl);
@@ -79,7 +82,8 @@ int main(int argc, char** argv) {
 
     const cli::Command* cmd = cli::find_command(args[0]);
     if (!cmd) {
-        std::fprintf(stderr, "error: unknown command '%s'; run `dtune --help` for the list\n", args[0].c_str());
+        std::fprintf(stderr, "error: unknown command '%s'; run `dtune --help` for the list\n",
+                     args[0].c_str());
         return static_cast<int>(ExitCode::kUsage);
     }
     std::vector<std::string> rest(args.begin() + 1, args.end());

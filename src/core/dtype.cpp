@@ -62,7 +62,8 @@ c10::ScalarType parse_dtype(std::string_view text) {
     if (t == "int32" || t == "i32" || t == "int") return c10::kInt;
     if (t == "uint8" || t == "u8") return c10::kByte;
     if (t == "bool") return c10::kBool;
-    throw UsageError(str("dtype '", text, "' is not known; use one of fp32, bf16, fp16, fp64, int64, int32, uint8, bool"));
+    throw UsageError(
+        str("dtype '", text, "' is not known; use one of fp32, bf16, fp16, fp64, int64, int32, uint8, bool"));
 }
 
 std::string dtype_name(c10::ScalarType dtype) {
@@ -83,7 +84,9 @@ std::string dtype_name(c10::ScalarType dtype) {
     }
 }
 
-bool cuda_available() { return at::hasCUDA() && cuda_device_count() > 0; }
+bool cuda_available() {
+    return at::hasCUDA() && cuda_device_count() > 0;
+}
 
 int cuda_device_count() {
     if (!at::hasCUDA()) return 0;
@@ -98,8 +101,9 @@ c10::Device parse_device(std::string_view text) {
         if (device.is_cuda()) {
             DTUNE_CHECK_AS(UsageError, cuda_available(), "device '", text,
                            "' asked for CUDA but this build or machine has no CUDA device; use --device cpu");
-            DTUNE_CHECK_AS(UsageError, !device.has_index() || device.index() < cuda_device_count(), "device '",
-                           text, "' does not exist: this machine has ", cuda_device_count(), " CUDA device(s)");
+            DTUNE_CHECK_AS(UsageError, !device.has_index() || device.index() < cuda_device_count(),
+                           "device '", text, "' does not exist: this machine has ", cuda_device_count(),
+                           " CUDA device(s)");
         }
         return device;
     } catch (const c10::Error&) {

@@ -54,25 +54,25 @@ std::string str(Args&&... args) {
 
 // DTUNE_CHECK(cond, parts...) throws dtune::Error with the concatenated parts when cond is false.
 // Write the parts as "<what is wrong, naming the value>; <how to fix it>".
-#define DTUNE_CHECK(cond, ...)                                    \
-    do {                                                          \
+#define DTUNE_CHECK(cond, ...)                                        \
+    do {                                                              \
         if (!(cond)) throw ::dtune::Error(::dtune::str(__VA_ARGS__)); \
     } while (0)
 
 // Same, with a chosen error class (UsageError, DataError, ...).
-#define DTUNE_CHECK_AS(ErrorType, cond, ...)                      \
-    do {                                                          \
-        if (!(cond)) throw ErrorType(::dtune::str(__VA_ARGS__));  \
+#define DTUNE_CHECK_AS(ErrorType, cond, ...)                     \
+    do {                                                         \
+        if (!(cond)) throw ErrorType(::dtune::str(__VA_ARGS__)); \
     } while (0)
 
 // Compares two values and puts both into the message: "<parts> (got a=3, expected b=4)".
-#define DTUNE_CHECK_EQ(a, b, ...)                                                          \
-    do {                                                                                   \
-        const auto& dtune_a_ = (a);                                                        \
-        const auto& dtune_b_ = (b);                                                        \
-        if (!(dtune_a_ == dtune_b_))                                                       \
-            throw ::dtune::Error(::dtune::str(__VA_ARGS__, " (got " #a "=", dtune_a_,      \
-                                              ", expected " #b "=", dtune_b_, ")"));       \
+#define DTUNE_CHECK_EQ(a, b, ...)                                                                           \
+    do {                                                                                                    \
+        const auto& dtune_a_ = (a);                                                                         \
+        const auto& dtune_b_ = (b);                                                                         \
+        if (!(dtune_a_ == dtune_b_))                                                                        \
+            throw ::dtune::Error(                                                                           \
+                ::dtune::str(__VA_ARGS__, " (got " #a "=", dtune_a_, ", expected " #b "=", dtune_b_, ")")); \
     } while (0)
 
 #define DTUNE_FAIL(...) throw ::dtune::Error(::dtune::str(__VA_ARGS__))

@@ -15,7 +15,9 @@
 namespace dtune::fs {
 namespace {
 
-std::string errno_text() { return std::strerror(errno); }
+std::string errno_text() {
+    return std::strerror(errno);
+}
 
 stdfs::path make_temp_name(const stdfs::path& path) {
     static std::atomic<uint64_t> counter{0};
@@ -48,7 +50,8 @@ void AtomicFile::write(const void* data, std::size_t size) {
         if (n < 0) {
             if (errno == EINTR) continue;
             throw DataError(str("writing '", temp_.string(), "' failed: ", errno_text(),
-                                " (disk full?); the previous '", path_.filename().string(), "' is unchanged"));
+                                " (disk full?); the previous '", path_.filename().string(),
+                                "' is unchanged"));
         }
         p += n;
         size -= static_cast<std::size_t>(n);
@@ -58,12 +61,12 @@ void AtomicFile::write(const void* data, std::size_t size) {
 
 void AtomicFile::commit() {
     DTUNE_CHECK(!committed_, "'", path_.string(), "' committed twice");
-    if (::fsync(fd_) != 0)
-        throw DataError(str("fsync of '", temp_.string(), "' failed: ", errno_text()));
+    if (::fsync(fd_) != 0) throw DataError(str("fsync of '", temp_.string(), "' failed: ", errno_text()));
     ::close(fd_);
     fd_ = -1;
     if (::rename(temp_.c_str(), path_.c_str()) != 0)
-        throw DataError(str("renaming '", temp_.string(), "' to '", path_.string(), "' failed: ", errno_text()));
+        throw DataError(
+            str("renaming '", temp_.string(), "' to '", path_.string(), "' failed: ", errno_text()));
     committed_ = true;
     sync_directory(path_.has_parent_path() ? path_.parent_path() : stdfs::path("."));
 }

@@ -63,7 +63,9 @@ void set_level(Level level) {
     state().level = level;
 }
 
-Level level() { return state().level; }
+Level level() {
+    return state().level;
+}
 
 void set_rank(int rank, int world_size) {
     std::lock_guard lock(state().mutex);
@@ -79,8 +81,9 @@ void set_file(const std::filesystem::path& path) {
     std::error_code ec;
     if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path(), ec);
     s.file.open(path, std::ios::app);
-    if (!s.file) throw Error(str("cannot open log file '", path.string(), "' for appending; check that the ",
-                                 "directory is writable or choose another --log_file"));
+    if (!s.file)
+        throw Error(str("cannot open log file '", path.string(), "' for appending; check that the ",
+                        "directory is writable or choose another --log_file"));
 }
 
 void set_stderr(bool enabled) {

@@ -48,9 +48,17 @@ class Line {
     std::ostringstream stream_;
 };
 
-inline Line debug() { return Line(Level::kDebug); }
-inline Line info() { return Line(Level::kInfo); }
-inline Line warn() { return Line(Level::kWarn); }
-inline Line error() { return Line(Level::kError); }
+inline Line debug() {
+    return Line(Level::kDebug);
+}
+inline Line info() {
+    return Line(Level::kInfo);
+}
+inline Line warn() {
+    return Line(Level::kWarn);
+}
+inline Line error() {
+    return Line(Level::kError);
+}
 
 }  // namespace dtune::log

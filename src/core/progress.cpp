@@ -59,8 +59,8 @@ std::string Progress::render(double elapsed_s, bool with_bar) const {
             line += "|" + std::string(filled, '#') + std::string(kWidth - filled, ' ') + "|";
         }
         const double eta = rate > 0 ? (total_ - count_) / rate : -1.0;
-        line += str(" ", count_, "/", total_, " [", format_duration(elapsed_s), "<",
-                    format_duration(eta), ", ", format_rate(rate, options_.unit), "]");
+        line += str(" ", count_, "/", total_, " [", format_duration(elapsed_s), "<", format_duration(eta),
+                    ", ", format_rate(rate, options_.unit), "]");
     } else {
         line += str(count_, " ", options_.unit, " [", format_duration(elapsed_s), ", ",
                     format_rate(rate, options_.unit), "]");

@@ -88,7 +88,8 @@ at::Tensor SafetensorsFile::get(const std::string& name) const {
         return out;
     }
     auto keep_alive = map_;
-    return at::from_blob(data, t.shape, [keep_alive](void*) mutable { keep_alive.reset(); }, options);
+    return at::from_blob(
+        data, t.shape, [keep_alive](void*) mutable { keep_alive.reset(); }, options);
 }
 
 TensorList load_safetensors(const stdfs::path& path) {
@@ -106,7 +107,8 @@ void save_safetensors(const stdfs::path& path, const TensorList& tensors, const 
     for (const auto& [name, tensor] : tensors) {
         DTUNE_CHECK(seen.insert(name).second, "tensor name '", name, "' appears twice in the list saved to '",
                     path.string(), "'");
-        DTUNE_CHECK(tensor.defined(), "tensor '", name, "' is undefined and cannot be saved to '", path.string(), "'");
+        DTUNE_CHECK(tensor.defined(), "tensor '", name, "' is undefined and cannot be saved to '",
+                    path.string(), "'");
         at::Tensor c = tensor.detach().to(at::kCPU).contiguous();
         TensorInfo info;
         info.name = name;
@@ -133,7 +135,8 @@ stdfs::path find_weights_in_dir(const stdfs::path& dir, const std::string& stem)
     for (const auto& entry : stdfs::directory_iterator(dir)) {
         const std::string name = entry.path().filename().string();
         if (!stem.empty() && name.rfind(stem, 0) != 0) continue;
-        if (name.size() > 23 && name.ends_with(".safetensors.index.json")) indexes.push_back(entry.path());
+        if (name.size() > 23 && name.ends_with(".safetensors.index.json"))
+            indexes.push_back(entry.path());
         else if (name.ends_with(".safetensors") && name.find("-of-") == std::string::npos)
             singles.push_back(entry.path());
     }
@@ -163,7 +166,8 @@ WeightSource WeightSource::open(const stdfs::path& path, const std::string& stem
         nlohmann::json index = nlohmann::json::parse(fs::read_file(path), nullptr, false);
         if (index.is_discarded() || !index.is_object() || !index.contains("weight_map") ||
             !index["weight_map"].is_object())
-            throw DataError(str("sharded index '", path.string(), "' is not JSON with a \"weight_map\" object; ",
+            throw DataError(str("sharded index '", path.string(),
+                                "' is not JSON with a \"weight_map\" object; ",
                                 "the file is corrupt: re-download or re-export the model"));
         std::map<std::string, std::size_t> shard_of_file;
         for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
@@ -179,7 +183,8 @@ WeightSource WeightSource::open(const stdfs::path& path, const std::string& stem
         for (const auto& [key, shard] : src.where_)
             if (!src.shards_[shard]->contains(key))
                 throw DataError(str("sharded index '", path.string(), "' puts '", key, "' in '",
-                                    src.files_[shard].filename().string(), "' but that shard does not hold it"));
+                                    src.files_[shard].filename().string(),
+                                    "' but that shard does not hold it"));
         if (index.contains("metadata") && index["metadata"].is_object())
             for (auto it = index["metadata"].begin(); it != index["metadata"].end(); ++it)
                 src.metadata_[it.key()] = it->is_string() ? it->get<std::string>() : it->dump();
@@ -202,7 +207,8 @@ const TensorInfo& WeightSource::info(const std::string& name) const {
     auto it = where_.find(name);
     if (it == where_.end())
         throw DataError(str("tensor '", name, "' is not in '", files_.empty() ? "" : files_[0].string(), "'",
-                            files_.size() > 1 ? " or its other shards" : "", "; check the model and the key name"));
+                            files_.size() > 1 ? " or its other shards" : "",
+                            "; check the model and the key name"));
     return shards_[it->second]->info(name);
 }
 

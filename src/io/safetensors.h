@@ -57,7 +57,8 @@ class SafetensorsFile {
 
 // Writes tensors (any device; made contiguous on CPU) and metadata atomically. Tensor names must
 // be unique.
-void save_safetensors(const std::filesystem::path& path, const TensorList& tensors, const Metadata& metadata = {});
+void save_safetensors(const std::filesystem::path& path, const TensorList& tensors,
+                      const Metadata& metadata = {});
 
 // Reads every tensor of one file (zero-copy views).
 TensorList load_safetensors(const std::filesystem::path& path);
@@ -90,8 +91,10 @@ class WeightSource {
 // Writes `<dir>/<stem>.safetensors` when everything fits in one shard of `max_shard_bytes`, else
 // `<dir>/<stem>-00001-of-0000N.safetensors` + `<dir>/<stem>.safetensors.index.json` (diffusers'
 // and transformers' layout). Returns the files written.
-std::vector<std::filesystem::path> save_sharded_safetensors(const std::filesystem::path& dir, const std::string& stem,
-                                                            const TensorList& tensors, uint64_t max_shard_bytes,
+std::vector<std::filesystem::path> save_sharded_safetensors(const std::filesystem::path& dir,
+                                                            const std::string& stem,
+                                                            const TensorList& tensors,
+                                                            uint64_t max_shard_bytes,
                                                             const Metadata& metadata = {});
 
 }  // namespace dtune::io

@@ -20,10 +20,10 @@ struct DTypeRow {
 };
 
 constexpr DTypeRow kDTypes[] = {
-    {StDType::F64, "F64", 8},       {StDType::F32, "F32", 4},         {StDType::F16, "F16", 2},
-    {StDType::BF16, "BF16", 2},     {StDType::F8_E4M3, "F8_E4M3", 1}, {StDType::F8_E5M2, "F8_E5M2", 1},
-    {StDType::I64, "I64", 8},       {StDType::I32, "I32", 4},         {StDType::I16, "I16", 2},
-    {StDType::I8, "I8", 1},         {StDType::U8, "U8", 1},           {StDType::BOOL, "BOOL", 1},
+    {StDType::F64, "F64", 8},   {StDType::F32, "F32", 4},         {StDType::F16, "F16", 2},
+    {StDType::BF16, "BF16", 2}, {StDType::F8_E4M3, "F8_E4M3", 1}, {StDType::F8_E5M2, "F8_E5M2", 1},
+    {StDType::I64, "I64", 8},   {StDType::I32, "I32", 4},         {StDType::I16, "I16", 2},
+    {StDType::I8, "I8", 1},     {StDType::U8, "U8", 1},           {StDType::BOOL, "BOOL", 1},
 };
 
 [[noreturn]] void bad(std::string_view file, const std::string& what) {
@@ -31,9 +31,12 @@ constexpr DTypeRow kDTypes[] = {
                         "; the file is corrupt or truncated: re-download or re-export it"));
 }
 
-bool mul_overflows(uint64_t a, uint64_t b, uint64_t* out) { return __builtin_mul_overflow(a, b, out); }
+bool mul_overflows(uint64_t a, uint64_t b, uint64_t* out) {
+    return __builtin_mul_overflow(a, b, out);
+}
 
-TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t data_size, std::string_view file) {
+TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t data_size,
+                       std::string_view file) {
     if (!entry.is_object()) bad(file, str("entry '", name, "' is not an object"));
     TensorInfo info;
     info.name = name;
@@ -42,10 +45,12 @@ TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t data
     info.dtype = st_dtype_from_name(dt->get<std::string>(), file);
 
     auto shape = entry.find("shape");
-    if (shape == entry.end() || !shape->is_array()) bad(file, str("tensor '", name, "' has no \"shape\" array"));
+    if (shape == entry.end() || !shape->is_array())
+        bad(file, str("tensor '", name, "' has no \"shape\" array"));
     uint64_t numel = 1;
     for (const json& d : *shape) {
-        if (!d.is_number_unsigned()) bad(file, str("tensor '", name, "' has a shape entry that is not a non-negative integer"));
+        if (!d.is_number_unsigned())
+            bad(file, str("tensor '", name, "' has a shape entry that is not a non-negative integer"));
         const uint64_t dim = d.get<uint64_t>();
         if (dim > static_cast<uint64_t>(INT64_MAX) || mul_overflows(numel, dim, &numel))
             bad(file, str("tensor '", name, "' has a shape whose element count overflows"));
@@ -59,14 +64,15 @@ TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t data
     info.begin = (*offsets)[0].get<uint64_t>();
     info.end = (*offsets)[1].get<uint64_t>();
     if (info.begin > info.end)
-        bad(file, str("tensor '", name, "' has data_offsets [", info.begin, ", ", info.end, "] that run backwards"));
+        bad(file, str("tensor '", name, "' has data_offsets [", info.begin, ", ", info.end,
+                      "] that run backwards"));
     if (info.end > data_size)
-        bad(file, str("tensor '", name, "' ends at byte ", info.end, " of the data buffer but the buffer holds only ",
-                      data_size, " bytes"));
+        bad(file, str("tensor '", name, "' ends at byte ", info.end,
+                      " of the data buffer but the buffer holds only ", data_size, " bytes"));
     uint64_t expected = 0;
     if (mul_overflows(numel, st_dtype_size(info.dtype), &expected) || expected != info.end - info.begin)
-        bad(file, str("tensor '", name, "' (", st_dtype_name(info.dtype), ", ", numel, " elements) needs ", expected,
-                      " bytes but its data_offsets span ", info.end - info.begin));
+        bad(file, str("tensor '", name, "' (", st_dtype_name(info.dtype), ", ", numel, " elements) needs ",
+                      expected, " bytes but its data_offsets span ", info.end - info.begin));
     return info;
 }
 
@@ -75,9 +81,10 @@ TensorInfo parse_entry(const std::string& name, const json& entry, uint64_t data
 StDType st_dtype_from_name(std::string_view name, std::string_view file) {
     for (const auto& row : kDTypes)
         if (name == row.name) return row.dtype;
-    throw DataError(str("safetensors file '", file, "': dtype '", name,
-                        "' is not supported (supported: F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U8 BOOL); ",
-                        "convert the tensor to one of these"));
+    throw DataError(
+        str("safetensors file '", file, "': dtype '", name,
+            "' is not supported (supported: F64 F32 F16 BF16 F8_E4M3 F8_E5M2 I64 I32 I16 I8 U8 BOOL); ",
+            "convert the tensor to one of these"));
 }
 
 const char* st_dtype_name(StDType dtype) {
@@ -100,12 +107,14 @@ uint64_t TensorInfo::numel() const {
 
 SafetensorsHeader parse_safetensors_header(const uint8_t* bytes, std::size_t available, uint64_t file_size,
                                            std::string_view file) {
-    if (file_size < 8) bad(file, str("it is ", file_size, " bytes long, shorter than the 8-byte header length"));
+    if (file_size < 8)
+        bad(file, str("it is ", file_size, " bytes long, shorter than the 8-byte header length"));
     if (available < 8) bad(file, "the 8-byte header length could not be read");
     uint64_t n = 0;
     for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];  // little endian
     if (n > kMaxHeaderBytes) bad(file, str("the header claims ", n, " bytes, more than the 100 MiB limit"));
-    if (n > file_size - 8) bad(file, str("the header claims ", n, " bytes but only ", file_size - 8, " follow"));
+    if (n > file_size - 8)
+        bad(file, str("the header claims ", n, " bytes but only ", file_size - 8, " follow"));
     if (available < 8 + n) bad(file, "the header could not be read in full");
 
     const char* text = reinterpret_cast<const char*>(bytes + 8);
@@ -146,7 +155,8 @@ std::string build_safetensors_header(const std::vector<TensorInfo>& tensors,
     json root = json::object();
     if (!metadata.empty()) root["__metadata__"] = metadata;
     for (const TensorInfo& t : tensors) {
-        root[t.name] = {{"dtype", st_dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
+        root[t.name] = {
+            {"dtype", st_dtype_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {t.begin, t.end}}};
     }
     std::string text = root.dump();
     while ((8 + text.size()) % 8 != 0) text.push_back(' ');

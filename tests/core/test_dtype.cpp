@@ -24,7 +24,8 @@ TEST(DType, MixedPrecisionSemantics) {
 }
 
 TEST(DType, NamesRoundTrip) {
-    for (auto t : {c10::kFloat, c10::kBFloat16, c10::kHalf, c10::kDouble, c10::kLong, c10::kInt, c10::kByte, c10::kBool})
+    for (auto t : {c10::kFloat, c10::kBFloat16, c10::kHalf, c10::kDouble, c10::kLong, c10::kInt, c10::kByte,
+                   c10::kBool})
         EXPECT_EQ(parse_dtype(dtype_name(t)), t) << dtype_name(t);
     EXPECT_EQ(parse_dtype("bfloat16"), c10::kBFloat16);
     EXPECT_THROW(parse_dtype("complex64"), UsageError);

@@ -15,7 +15,9 @@ TEST(Error, CheckThrowsWithConcatenatedMessage) {
     }
 }
 
-TEST(Error, CheckPassesSilently) { EXPECT_NO_THROW(DTUNE_CHECK(1 + 1 == 2, "never")); }
+TEST(Error, CheckPassesSilently) {
+    EXPECT_NO_THROW(DTUNE_CHECK(1 + 1 == 2, "never"));
+}
 
 TEST(Error, CheckEqNamesBothValues) {
     try {

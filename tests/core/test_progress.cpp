@@ -34,7 +34,8 @@ TEST(Progress, RenderShowsPercentCountEtaAndRate) {
     Progress p(1000, {.label = "caching", .unit = "img", .out = f, .tty = 0, .log_interval_s = 1e9});
     p.update(420);
     // 420 items in 10 s -> 42 img/s, 580 left -> ETA 13.8 s.
-    EXPECT_EQ(p.render(10.0, true), "caching 42%|##########              | 420/1000 [00:10<00:14, 42.0 img/s]");
+    EXPECT_EQ(p.render(10.0, true),
+              "caching 42%|##########              | 420/1000 [00:10<00:14, 42.0 img/s]");
     EXPECT_EQ(p.render(10.0, false), "caching 42% 420/1000 [00:10<00:14, 42.0 img/s]");
     p.finish();
     std::fclose(f);

@@ -33,7 +33,8 @@ void expect_rejected(const std::string& bytes, std::initializer_list<const char*
     } catch (const DataError& e) {
         const std::string msg = e.what();
         EXPECT_NE(msg.find("bad.safetensors"), std::string::npos) << msg;
-        for (const char* n : needles) EXPECT_NE(msg.find(n), std::string::npos) << "'" << n << "' not in: " << msg;
+        for (const char* n : needles)
+            EXPECT_NE(msg.find(n), std::string::npos) << "'" << n << "' not in: " << msg;
     }
 }
 
@@ -69,7 +70,8 @@ TEST(Safetensors, RoundTripsEveryDType) {
         EXPECT_EQ(got.scalar_type(), t.scalar_type()) << name;
         EXPECT_EQ(got.sizes(), t.sizes()) << name;
         // Compare bytes through a float view where equality is defined for the dtype.
-        if (t.scalar_type() == at::ScalarType::Float8_e4m3fn || t.scalar_type() == at::ScalarType::Float8_e5m2)
+        if (t.scalar_type() == at::ScalarType::Float8_e4m3fn ||
+            t.scalar_type() == at::ScalarType::Float8_e5m2)
             EXPECT_TRUE(at::equal(got.to(at::kFloat), t.to(at::kFloat))) << name;
         else
             EXPECT_TRUE(at::equal(got, t.contiguous())) << name;
@@ -90,7 +92,7 @@ TEST(Safetensors, TensorsViewTheMappingWithoutCopyAndOutliveTheFile) {
         EXPECT_EQ(view.data_ptr(), again.data_ptr()) << "both reads must view the same mapped bytes";
     }
     EXPECT_TRUE(at::equal(view, big));  // the mapping outlives SafetensorsFile
-    view.mul_(2);                        // copy-on-write: the file is not changed
+    view.mul_(2);                       // copy-on-write: the file is not changed
     EXPECT_TRUE(at::equal(SafetensorsFile(dir / "v.safetensors").get("x"), big));
 }
 
@@ -118,15 +120,18 @@ TEST(Safetensors, RejectsMalformedFiles) {
     expect_rejected(raw_file(good, 4), {"tensor 'a' ends at byte 8", "holds only 4"});  // truncated data
     expect_rejected(raw_file("{\"a\": ", 0), {"not valid JSON"});
     expect_rejected(raw_file("[1,2]", 0), {"not a JSON object"});
-    expect_rejected(raw_file(R"({"a":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}})", 8), {"dtype 'C64'"});
+    expect_rejected(raw_file(R"({"a":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}})", 8),
+                    {"dtype 'C64'"});
     expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8),
                     {"needs 12 bytes", "span 8"});
     expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", 8), {"backwards"});
-    expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8), {"non-negative"});
+    expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8),
+                    {"non-negative"});
     expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[2]}})", 8), {"data_offsets"});
     expect_rejected(raw_file(R"({"a":{"shape":[2],"data_offsets":[0,8]}})", 8), {"dtype"});
-    expect_rejected(raw_file(R"({"a":{"dtype":"U8","shape":[4294967296,4294967296,16],"data_offsets":[0,8]}})", 8),
-                    {"overflows"});
+    expect_rejected(
+        raw_file(R"({"a":{"dtype":"U8","shape":[4294967296,4294967296,16],"data_offsets":[0,8]}})", 8),
+        {"overflows"});
     expect_rejected(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
                              R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
                              12),
@@ -154,8 +159,10 @@ TEST(Safetensors, MissingFileAndMissingKeyAreClear) {
 
 TEST(Safetensors, WriterRejectsDuplicatesAndUnsupportedDTypes) {
     test::TempDir dir;
-    EXPECT_THROW(save_safetensors(dir / "d.safetensors", {{"w", at::ones({1})}, {"w", at::ones({1})}}), Error);
-    EXPECT_THROW(save_safetensors(dir / "c.safetensors", {{"z", at::ones({1}, at::kComplexFloat)}}), DataError);
+    EXPECT_THROW(save_safetensors(dir / "d.safetensors", {{"w", at::ones({1})}, {"w", at::ones({1})}}),
+                 Error);
+    EXPECT_THROW(save_safetensors(dir / "c.safetensors", {{"z", at::ones({1}, at::kComplexFloat)}}),
+                 DataError);
     EXPECT_FALSE(std::filesystem::exists(dir / "d.safetensors"));
     EXPECT_FALSE(std::filesystem::exists(dir / "c.safetensors"));
 }
@@ -178,7 +185,8 @@ TEST(Safetensors, MisalignedDataIsCopiedNotMisread) {
 TEST(Safetensors, ShardedSetsWriteAndReadBack) {
     test::TempDir dir;
     TensorList tensors;
-    for (int i = 0; i < 7; ++i) tensors.emplace_back("layer." + std::to_string(i) + ".weight", at::full({256}, float(i)));
+    for (int i = 0; i < 7; ++i)
+        tensors.emplace_back("layer." + std::to_string(i) + ".weight", at::full({256}, float(i)));
     // 1 KiB each, 2.5 KiB shards -> 2 per shard -> 4 shards.
     auto files = save_sharded_safetensors(dir.path(), "model", tensors, 2560, {{"format", "pt"}});
     ASSERT_EQ(files.size(), 5u);
@@ -205,7 +213,8 @@ TEST(Safetensors, ShardedSetsWriteAndReadBack) {
 TEST(Safetensors, ShardedIndexErrorsNameTheProblem) {
     test::TempDir dir;
     save_safetensors(dir / "s1.safetensors", {{"a", at::ones({1})}});
-    fs::write_file_atomic(dir / "m.safetensors.index.json", R"({"weight_map":{"a":"s1.safetensors","b":"s1.safetensors"}})");
+    fs::write_file_atomic(dir / "m.safetensors.index.json",
+                          R"({"weight_map":{"a":"s1.safetensors","b":"s1.safetensors"}})");
     try {
         WeightSource::open(dir / "m.safetensors.index.json");
         FAIL();

@@ -27,7 +27,8 @@ TEST(SafetensorsFixtures, ReadsEveryReferenceFile) {
 }
 
 TEST(SafetensorsFixtures, TinyUNetHasTheDiffusersLayout) {
-    WeightSource unet = WeightSource::open(test::fixtures_dir() / "tiny-sdxl/unet", "diffusion_pytorch_model");
+    WeightSource unet =
+        WeightSource::open(test::fixtures_dir() / "tiny-sdxl/unet", "diffusion_pytorch_model");
     at::Tensor conv_in = unet.get("conv_in.weight");
     EXPECT_EQ(conv_in.scalar_type(), at::kFloat);
     EXPECT_EQ(conv_in.sizes(), (at::IntArrayRef{32, 4, 3, 3}));

@@ -1,0 +1,85 @@
+// Name-for-name weight loading with a listing error for mismatches.
+#include "models/common/weights.h"
+
+#include <torch/torch.h>
+
+#include <map>
+#include <set>
+
+#include "core/error.h"
+
+namespace dtune::models {
+namespace {
+
+std::string listing(const std::vector<std::string>& names) {
+    std::string out;
+    const std::size_t shown = std::min<std::size_t>(names.size(), 20);
+    for (std::size_t i = 0; i < shown; ++i) out += "\n    " + names[i];
+    if (names.size() > shown) out += str("\n    ... and ", names.size() - shown, " more");
+    return out;
+}
+
+}  // namespace
+
+LoadReport load_weights(torch::nn::Module& module, const io::WeightSource& source, const LoadOptions& options,
+                        const std::string& what) {
+    std::map<std::string, at::Tensor> targets;
+    for (auto& item : module.named_parameters(/*recurse=*/true)) targets[item.key()] = item.value();
+    for (auto& item : module.named_buffers(/*recurse=*/true)) targets[item.key()] = item.value();
+
+    LoadReport report;
+    std::set<std::string> seen;
+    std::vector<std::string> shape_errors;
+    torch::NoGradGuard no_grad;
+    for (const std::string& key : source.keys()) {
+        if (key.rfind(options.prefix, 0) != 0) continue;
+        std::string name = key.substr(options.prefix.size());
+        if (options.rename) name = options.rename(name);
+        if (name.empty()) continue;
+        auto it = targets.find(name);
+        if (it == targets.end()) {
+            report.unexpected.push_back(key);
+            continue;
+        }
+        at::Tensor src = source.get(key);
+        at::Tensor& dst = it->second;
+        if (src.sizes() != dst.sizes()) {
+            shape_errors.push_back(str(key, ": checkpoint ", src.sizes(), " vs model ", dst.sizes()));
+            continue;
+        }
+        dst.copy_(src);  // converts dtype and device in one step
+        seen.insert(name);
+        ++report.loaded;
+    }
+    for (const auto& [name, _] : targets)
+        if (!seen.count(name)) report.missing.push_back(name);
+
+    const std::string from = source.files().empty() ? "" : source.files()[0].string();
+    if (!shape_errors.empty())
+        throw DataError(str(what, ": ", shape_errors.size(), " tensor(s) in '", from,
+                            "' have the wrong shape for this model config:", listing(shape_errors),
+                            "\n  the weights belong to a different model or config.json; check both"));
+    if (options.strict && (!report.missing.empty() || !report.unexpected.empty()))
+        throw DataError(str(what, ": the weights in '", from,
+                            "' do not match the model built from its config (", report.missing.size(),
+                            " missing, ", report.unexpected.size(), " unexpected).",
+                            report.missing.empty() ? "" : "\n  missing:", listing(report.missing),
+                            report.unexpected.empty() ? "" : "\n  unexpected:", listing(report.unexpected),
+                            "\n  check that config.json and the weights come from the same model"));
+    if (options.dtype || options.device) {
+        module.to(options.device.value_or(module.parameters().empty() ? c10::Device(c10::kCPU)
+                                                                      : module.parameters()[0].device()),
+                  options.dtype.value_or(module.parameters().empty() ? c10::kFloat
+                                                                     : module.parameters()[0].scalar_type()));
+    }
+    return report;
+}
+
+io::TensorList state_dict(const torch::nn::Module& module) {
+    io::TensorList out;
+    for (const auto& item : module.named_parameters(true)) out.emplace_back(item.key(), item.value());
+    for (const auto& item : module.named_buffers(true)) out.emplace_back(item.key(), item.value());
+    return out;
+}
+
+}  // namespace dtune::models
