@@ -16,8 +16,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         // Serialising what we parsed must be parseable again.
         std::string again = dtune::io::build_safetensors_header(header.tensors, header.metadata);
         std::string file = again + std::string(header.data_size, '\0');
-        dtune::io::parse_safetensors_header(reinterpret_cast<const uint8_t*>(file.data()), file.size(), file.size(),
-                                            "fuzz-roundtrip");
+        dtune::io::parse_safetensors_header(reinterpret_cast<const uint8_t*>(file.data()), file.size(),
+                                            file.size(), "fuzz-roundtrip");
     } catch (const dtune::Error&) {
     }
     return 0;
