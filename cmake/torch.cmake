@@ -23,6 +23,13 @@ if(NOT Torch_FOUND)
 endif()
 message(STATUS "dtune: libtorch ${Torch_VERSION} from ${Torch_DIR}")
 
+# The pip CUDA builds of libtorch export libstdc++'s std::filesystem symbols from libtorch.so, a
+# stub with no libstdc++ of its own. A binary that lists libtorch.so before libstdc++.so binds its
+# std::filesystem calls to those copies, which crash (seen with torch 2.11+cu130: remove_all
+# called through a null pointer). Naming libstdc++ right before the torch libraries, not subject
+# to --as-needed, makes it the first DT_NEEDED entry, so the dynamic linker binds to it.
+set(DTUNE_LIBSTDCXX_FIRST "-Wl,--push-state,--no-as-needed,-lstdc++,--pop-state")
+
 # TORCH_CXX_FLAGS carries the ABI define; keep it on every target.
 separate_arguments(DTUNE_TORCH_CXX_FLAGS UNIX_COMMAND "${TORCH_CXX_FLAGS}")
 add_compile_options(${DTUNE_TORCH_CXX_FLAGS})
@@ -35,7 +42,7 @@ message(STATUS "dtune: CUDA in libtorch: ${DTUNE_HAS_CUDA}")
 
 # An interface target for "uses torch": include dirs as SYSTEM (no warnings from torch headers).
 add_library(dtune_torch INTERFACE)
-target_link_libraries(dtune_torch INTERFACE ${TORCH_LIBRARIES})
+target_link_libraries(dtune_torch INTERFACE ${DTUNE_LIBSTDCXX_FIRST} ${TORCH_LIBRARIES})
 target_include_directories(dtune_torch SYSTEM INTERFACE ${TORCH_INCLUDE_DIRS})
 if(DTUNE_HAS_CUDA)
   target_compile_definitions(dtune_torch INTERFACE DTUNE_WITH_CUDA=1)
