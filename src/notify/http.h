@@ -1,0 +1,42 @@
+// Minimal HTTP POST over libcurl for webhooks: JSON bodies and multipart forms, a hard timeout,
+// optional TLS verification bypass. One call = one request; retries live in the caller.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace dtune::notify {
+
+struct HttpResult {
+    long status = 0;    // HTTP status, 0 when no response arrived
+    std::string error;  // transport error (timeout, refused, TLS), empty on a response
+    bool ok() const { return error.empty() && status >= 200 && status < 300; }
+    // Worth another try: transport failure, throttling or a server error.
+    bool retryable() const { return !error.empty() || status == 429 || status >= 500; }
+};
+
+struct MultipartFile {
+    std::string field;         // form field name, e.g. "file0"
+    std::string filename;      // e.g. "step_100_cat_0_1024x1024.png"
+    std::string content_type;  // e.g. "image/png"
+    std::string bytes;
+};
+
+struct HttpOptions {
+    double timeout_s = 5.0;
+    bool ssl_no_verify = false;
+    std::vector<std::pair<std::string, std::string>> headers;  // extra headers
+};
+
+HttpResult http_post_json(const std::string& url, const std::string& json_body, const HttpOptions& options);
+HttpResult http_post_multipart(const std::string& url,
+                               const std::vector<std::pair<std::string, std::string>>& fields,
+                               const std::vector<MultipartFile>& files, const HttpOptions& options);
+
+// "https://discord.com/api/webhooks/123/abc" -> "https://discord.com/api/webhooks/…": URLs of
+// webhooks are secrets (whoever has one can post), so logs show only the scheme, host and the
+// first path segments.
+std::string redact_url(const std::string& url);
+
+}  // namespace dtune::notify

@@ -1,0 +1,62 @@
+// A real HTTP/1.1 server on 127.0.0.1 (an ephemeral port) for tests of code that posts to
+// webhooks. It accepts connections on its own thread, reads each request in full
+// (Content-Length bodies), records it, and answers with the configured status, optionally after
+// a delay (to play a slow or hung endpoint).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace dtune::test {
+
+struct HttpRequest {
+    std::string method, path;
+    std::map<std::string, std::string> headers;  // names lower-cased
+    std::string body;
+};
+
+class HttpListener {
+  public:
+    HttpListener();
+    ~HttpListener();
+    HttpListener(const HttpListener&) = delete;
+    HttpListener& operator=(const HttpListener&) = delete;
+
+    int port() const { return port_; }
+    std::string url(const std::string& path = "/hook") const;
+    void set_status(int status) { status_ = status; }
+    void set_delay(std::chrono::milliseconds delay) { delay_ms_ = delay.count(); }
+
+    // Waits until at least `n` requests arrived or `timeout` passes; returns what arrived.
+    std::vector<HttpRequest> wait_for(std::size_t n, std::chrono::milliseconds timeout);
+    std::vector<HttpRequest> requests();
+
+  private:
+    void serve();
+    void handle(int fd);
+
+    int listen_fd_ = -1;
+    int port_ = 0;
+    std::atomic<int> status_{200};
+    std::atomic<long> delay_ms_{0};
+    std::atomic<bool> stopping_{false};
+    std::mutex mutex_;
+    std::condition_variable cv_;
+    std::vector<HttpRequest> requests_;
+    std::vector<std::thread> handlers_;
+    std::thread thread_;
+};
+
+// Splits a multipart/form-data body into parts: name -> {filename, content}.
+struct FormPart {
+    std::string filename, content_type, content;
+};
+std::map<std::string, FormPart> parse_multipart(const HttpRequest& request);
+
+}  // namespace dtune::test
