@@ -6,6 +6,9 @@
 #include "cli/command.h"
 #include "core/error.h"
 #include "health/breaker.h"
+#include "notify/webhooks.h"
+
+#include <unistd.h>
 
 namespace dtune::cli {
 namespace {
@@ -48,11 +51,14 @@ void print_table(const std::vector<health::GpuReading>& readings, health::Circui
 int run_health(const std::vector<std::string>& args) {
     bool watch = false;
     double interval = 5.0;
+    std::string webhook_config;
     for (std::size_t i = 0; i < args.size(); ++i) {
         if (args[i] == "--watch")
             watch = true;
         else if (args[i] == "--interval" && i + 1 < args.size())
             interval = std::stod(args[++i]);
+        else if (args[i] == "--webhook_config" && i + 1 < args.size())
+            webhook_config = args[++i];
         else
             throw UsageError(str("unknown option '", args[i], "' for health; see dtune health --help"));
     }
@@ -62,11 +68,23 @@ int run_health(const std::vector<std::string>& args) {
         std::fprintf(stderr, "health: NVML is not available: %s\n", why.c_str());
         return static_cast<int>(ExitCode::kError);
     }
+    std::unique_ptr<notify::Notifier> notifier;
+    if (!webhook_config.empty())
+        notifier = std::make_unique<notify::Notifier>(notify::parse_webhook_config(webhook_config, "dtune"),
+                                                      "dtune-health", true);
+    char host[256] = "unknown";
+    ::gethostname(host, sizeof host - 1);
     health::CircuitBreaker breaker;
     breaker.set_baseline(source->read_all());
     for (;;) {
         print_table(source->read_all(), breaker);
-        if (!watch) break;
+        if (breaker.is_open() && notifier) {
+            const auto f = *breaker.trip_reason();
+            notifier->send(notify::gpu_fault(health::fault_type_name(f.type), "critical", f.message,
+                                             health::fault_json(f, host, -1)));
+            notifier->flush(std::chrono::seconds(10));
+        }
+        if (!watch || breaker.is_open()) break;
         std::this_thread::sleep_for(std::chrono::duration<double>(interval));
         std::printf("\n");
     }
@@ -76,11 +94,12 @@ int run_health(const std::vector<std::string>& args) {
 }  // namespace
 
 DTUNE_REGISTER_COMMAND(health, "health", "show the GPU health readings the circuit breaker acts on",
-                       "usage: dtune health [--watch] [--interval SECONDS]\n\n"
+                       "usage: dtune health [--watch] [--interval SECONDS] [--webhook_config JSON|FILE]\n\n"
                        "Reads every GPU of this machine through NVML (libnvidia-ml.so.1, loaded at run\n"
                        "time): temperature against the slowdown/shutdown thresholds, power, memory,\n"
                        "utilisation, uncorrectable ECC errors and clock-throttle reasons, and the\n"
-                       "circuit breaker's verdict. --watch repeats every --interval seconds (default 5).\n"
+                       "circuit breaker's verdict. --watch repeats every --interval seconds (default 5)\n"
+                       "until a GPU faults; with --webhook_config a fault is posted as gpu.fault.\n"
                        "Exit code 75 when a GPU is faulty, 1 when NVML is unavailable.\n\n"
                        "DTUNE_INJECT_GPU_FAULT=ecc|temperature|hw_slowdown|power_brake|thermal makes GPU 0\n"
                        "report that fault after its first reading, to test the fault path end to end.\n",
