@@ -96,19 +96,23 @@ int cuda_device_count() {
 c10::Device parse_device(std::string_view text) {
     const std::string t = lower(text);
     if (t == "auto") return cuda_available() ? c10::Device(c10::kCUDA, 0) : c10::Device(c10::kCPU);
-    try {
-        c10::Device device(t);
-        if (device.is_cuda()) {
-            DTUNE_CHECK_AS(UsageError, cuda_available(), "device '", text,
-                           "' asked for CUDA but this build or machine has no CUDA device; use --device cpu");
-            DTUNE_CHECK_AS(UsageError, !device.has_index() || device.index() < cuda_device_count(),
-                           "device '", text, "' does not exist: this machine has ", cuda_device_count(),
-                           " CUDA device(s)");
-        }
-        return device;
-    } catch (const c10::Error&) {
-        throw UsageError(str("device '", text, "' is not understood; use cpu, cuda, cuda:<index> or auto"));
+    if (t == "cpu") return c10::Device(c10::kCPU);
+    if (t == "cuda" || t.rfind("cuda:", 0) == 0) {
+        DTUNE_CHECK_AS(UsageError, cuda_available(), "device '", text,
+                       "' asked for CUDA but this build or machine has no CUDA device; use --device cpu");
+        if (t == "cuda") return c10::Device(c10::kCUDA, 0);
+        // Parsed here rather than by c10::Device, whose 8-bit index wraps large numbers around.
+        const std::string digits = t.substr(5);
+        const bool numeric =
+            !digits.empty() && digits.size() <= 3 &&
+            std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c); });
+        const int index = numeric ? std::stoi(digits) : -1;
+        DTUNE_CHECK_AS(UsageError, numeric && index < cuda_device_count(), "device '", text,
+                       "' does not exist: this machine has ", cuda_device_count(),
+                       " CUDA device(s), cuda:0 to cuda:", cuda_device_count() - 1);
+        return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index));
     }
+    throw UsageError(str("device '", text, "' is not understood; use cpu, cuda, cuda:<index> or auto"));
 }
 
 }  // namespace dtune

@@ -40,7 +40,10 @@ TEST(DType, Devices) {
     } else {
         EXPECT_TRUE(parse_device("auto").is_cuda());
         EXPECT_THROW(parse_device("cuda:999"), UsageError);
+        EXPECT_THROW(parse_device("cuda:x"), UsageError);
+        EXPECT_TRUE(parse_device("cuda:0").is_cuda());
     }
+    EXPECT_THROW(parse_device("cuda:1:2"), UsageError);
 }
 
 }  // namespace dtune
