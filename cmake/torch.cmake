@@ -43,7 +43,10 @@ message(STATUS "dtune: CUDA in libtorch: ${DTUNE_HAS_CUDA}")
 # An interface target for "uses torch": include dirs as SYSTEM (no warnings from torch headers).
 add_library(dtune_torch INTERFACE)
 target_link_libraries(dtune_torch INTERFACE ${DTUNE_LIBSTDCXX_FIRST} ${TORCH_LIBRARIES})
-target_include_directories(dtune_torch SYSTEM INTERFACE ${TORCH_INCLUDE_DIRS})
+# Some torch builds (2.11) ship their own nlohmann/json.hpp of another version; ours must come
+# first everywhere, or targets disagree on nlohmann's ABI namespace and fail to link.
+target_include_directories(dtune_torch SYSTEM INTERFACE
+  $<TARGET_PROPERTY:nlohmann_json::nlohmann_json,INTERFACE_INCLUDE_DIRECTORIES> ${TORCH_INCLUDE_DIRS})
 if(DTUNE_HAS_CUDA)
   target_compile_definitions(dtune_torch INTERFACE DTUNE_WITH_CUDA=1)
 endif()
