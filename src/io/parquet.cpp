@@ -48,6 +48,9 @@ std::shared_ptr<ParquetFile::Bytes> map_file(const std::filesystem::path& path);
 
 std::string ParquetColumnInfo::type_name() const {
     if (type == PhysicalType::kByteArray && is_string) return "STRING";
+    if (is_decimal) return "DECIMAL(" + to_string(type) + ")";
+    if (is_unsigned && type == PhysicalType::kInt32) return "UINT32";
+    if (is_unsigned && type == PhysicalType::kInt64) return "UINT64";
     return to_string(type);
 }
 
@@ -120,9 +123,12 @@ void ParquetFile::build_columns() {
         c.type = *e.type;
         c.nullable = rep == Repetition::kOptional;
         c.is_string = e.logical_string;
-        c.supported = c.type == PhysicalType::kBoolean || c.type == PhysicalType::kInt32 ||
-                      c.type == PhysicalType::kInt64 || c.type == PhysicalType::kFloat ||
-                      c.type == PhysicalType::kDouble || c.type == PhysicalType::kByteArray;
+        c.is_unsigned = e.logical_unsigned;
+        c.is_decimal = e.logical_decimal;
+        c.supported =
+            !c.is_decimal && (c.type == PhysicalType::kBoolean || c.type == PhysicalType::kInt32 ||
+                              c.type == PhysicalType::kInt64 || c.type == PhysicalType::kFloat ||
+                              c.type == PhysicalType::kDouble || c.type == PhysicalType::kByteArray);
         DTUNE_CHECK_AS(DataError, column_index(c.name) < 0, who, " has two columns named '", c.name,
                        "'; the file is corrupt");
         columns_.push_back(std::move(c));
@@ -174,6 +180,8 @@ std::vector<Cell> ParquetFile::read_column(std::size_t index) const {
                    file_label(name_), " with ", columns_.size(), " columns");
     const ParquetColumnInfo& col = columns_[index];
     const std::string who = str(file_label(name_), " column '", col.name, "'");
+    DTUNE_CHECK_AS(DataError, !col.is_decimal, who,
+                   " is a DECIMAL column, which is not supported; cast it to float64 before writing");
     DTUNE_CHECK_AS(DataError, col.supported, who, " has physical type ", to_string(col.type),
                    ", which is not supported (supported: BOOLEAN, INT32, INT64, FLOAT, DOUBLE, BYTE_ARRAY); "
                    "cast it (e.g. timestamps to int64, decimals to double) before writing");
@@ -208,6 +216,7 @@ std::vector<Cell> ParquetFile::read_column(std::size_t index) const {
         spec.type = col.type;
         spec.codec = m.codec;
         spec.optional = col.nullable;
+        spec.is_unsigned = col.is_unsigned;
         spec.num_values = static_cast<std::size_t>(rg.num_rows);
         spec.max_page_bytes = limits_.max_page_bytes;
         spec.context = where;

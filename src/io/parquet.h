@@ -26,7 +26,9 @@ struct ParquetColumnInfo {
     parquet::PhysicalType type = parquet::PhysicalType::kBoolean;
     bool nullable = false;          // OPTIONAL repetition
     bool is_string = false;         // BYTE_ARRAY annotated as UTF-8 (STRING / UTF8)
-    bool supported = false;         // read_column can decode its physical type
+    bool is_unsigned = false;       // INT32/INT64 annotated unsigned: read zero-extended
+    bool is_decimal = false;        // DECIMAL annotation: scaled integers, not supported
+    bool supported = false;         // read_column can decode it
     std::string type_name() const;  // "INT64", "STRING", "BYTE_ARRAY", ...
 };
 

@@ -25,6 +25,21 @@ namespace {
                         "(pyarrow.parquet.write_table(table, path)) or convert it to JSON lines"));
 }
 
+// Unsigned integer columns: the bits were read as signed; reinterpret them.
+void apply_unsigned(const ChunkSpec& spec, std::vector<Value>& values) {
+    if (!spec.is_unsigned) return;
+    for (Value& v : values) {
+        auto* i = std::get_if<std::int64_t>(&v);
+        if (i == nullptr) continue;
+        if (spec.type == PhysicalType::kInt32) {
+            *i = static_cast<std::uint32_t>(static_cast<std::int32_t>(*i));
+        } else if (*i < 0) {
+            throw DataError(str(spec.context, ": unsigned value ", static_cast<std::uint64_t>(*i),
+                                " does not fit a signed 64-bit integer; store it as int64 or float64"));
+        }
+    }
+}
+
 std::vector<std::uint8_t> inflate_page(const ChunkSpec& spec, const std::uint8_t* src, std::size_t src_size,
                                        std::int64_t uncompressed, bool compressed) {
     if (uncompressed < 0 || static_cast<std::uint64_t>(uncompressed) > spec.max_page_bytes) {
@@ -43,6 +58,7 @@ void decode_values(const ChunkSpec& spec, Encoding encoding, ByteView in, std::s
         case Encoding::kPlain:
             values.reserve(n);  // n <= page values, already bounded by the levels or the bytes
             decode_plain(in, spec.type, n, values, spec.context);
+            apply_unsigned(spec, values);
             return;
         case Encoding::kPlainDictionary:
         case Encoding::kRleDictionary: {
@@ -128,6 +144,7 @@ void read_dictionary_page(const ChunkSpec& spec, const PageHeader& h, const std:
     st.dictionary.emplace();
     st.dictionary->reserve(static_cast<std::size_t>(d.num_values));
     decode_plain(in, spec.type, static_cast<std::size_t>(d.num_values), *st.dictionary, spec.context);
+    apply_unsigned(spec, *st.dictionary);
 }
 
 // Reads one data page (v1 or v2) and appends its cells; returns the number of cells.

@@ -18,6 +18,7 @@ struct ChunkSpec {
     PhysicalType type = PhysicalType::kBoolean;
     Codec codec = Codec::kUncompressed;
     bool optional = false;       // max definition level 1 (nullable) or 0 (required)
+    bool is_unsigned = false;    // INT32 values zero-extend; INT64 values must be < 2^63
     std::size_t num_values = 0;  // cells this chunk must yield
     std::size_t max_page_bytes = 0;
     std::string context;  // "'file.parquet' column 'caption' row group 3"

@@ -55,22 +55,36 @@ std::string to_string(Encoding e) {
 
 namespace {
 
-// LogicalType is a union; field 1 is STRING.
-bool read_logical_is_string(CompactReader& r, Type type) {
-    bool is_string = false;
+// LogicalType is a union: 1 STRING, 4 ENUM, 5 DECIMAL, 10 INTEGER (IntType: 2 isSigned), 12 JSON.
+void read_logical_type(CompactReader& r, Type type, SchemaElement& e) {
     if (type != Type::kStruct) {
         r.skip(type);
-        return false;
+        return;
     }
     r.read_struct([&](std::int16_t id, Type t) {
-        if (id == 1 && t == Type::kStruct) is_string = true;
-        r.skip(t);
+        if (t != Type::kStruct) {
+            r.skip(t);
+            return;
+        }
+        if (id == 1 || id == 4 || id == 12) e.logical_string = true;
+        if (id == 5) e.logical_decimal = true;
+        if (id != 10) {
+            r.skip(t);
+            return;
+        }
+        r.read_struct([&](std::int16_t int_id, Type int_t) {
+            if (int_id == 2 && (int_t == Type::kTrue || int_t == Type::kFalse)) {
+                e.logical_unsigned = !r.read_bool(int_t);
+            } else {
+                r.skip(int_t);
+            }
+        });
     });
-    return is_string;
 }
 
 SchemaElement read_schema_element(CompactReader& r) {
-    constexpr std::int32_t kConvertedUtf8 = 0;
+    // ConvertedType values from parquet.thrift.
+    constexpr std::int32_t kUtf8 = 0, kEnum = 4, kDecimal = 5, kUint8 = 11, kUint64 = 14, kJson = 19;
     SchemaElement e;
     r.read_struct([&](std::int16_t id, Type t) {
         switch (id) {
@@ -80,11 +94,15 @@ SchemaElement read_schema_element(CompactReader& r) {
             case 4: e.name = r.read_string(t); break;
             case 5: e.num_children = r.read_i32(t); break;
             case 6: e.converted_type = r.read_i32(t); break;
-            case 10: e.logical_string |= read_logical_is_string(r, t); break;
+            case 10: read_logical_type(r, t, e); break;
             default: r.skip(t);
         }
     });
-    if (e.converted_type == kConvertedUtf8) e.logical_string = true;
+    if (const auto c = e.converted_type) {
+        if (*c == kUtf8 || *c == kEnum || *c == kJson) e.logical_string = true;
+        if (*c == kDecimal) e.logical_decimal = true;
+        if (*c >= kUint8 && *c <= kUint64) e.logical_unsigned = true;
+    }
     return e;
 }
 

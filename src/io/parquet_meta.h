@@ -58,7 +58,9 @@ struct SchemaElement {
     std::string name;
     std::int32_t num_children = 0;
     std::optional<std::int32_t> converted_type;
-    bool logical_string = false;  // LogicalType STRING or ConvertedType UTF8
+    bool logical_string = false;    // LogicalType STRING/ENUM/JSON or ConvertedType UTF8/ENUM/JSON
+    bool logical_unsigned = false;  // LogicalType INTEGER(signed=false) or ConvertedType UINT_*
+    bool logical_decimal = false;   // LogicalType DECIMAL or ConvertedType DECIMAL: scaled integers
 };
 
 struct ColumnMetaData {

@@ -139,6 +139,7 @@ struct TestColumn {
     std::string pages;   // concatenated pages of its one chunk
     int codec = 0;
     std::int64_t num_values = -1;  // -1: the row count
+    int converted = -1;            // ConvertedType annotation, -1: none
 };
 
 // Assembles a file with one row group holding `rows` rows.
@@ -157,7 +158,11 @@ inline std::string build_file(const std::vector<TestColumn>& columns, std::int64
         .string(4, "schema")
         .i32(5, root_children < 0 ? static_cast<int>(columns.size()) : root_children)
         .end();
-    for (const auto& c : columns) m.begin_elem().i32(1, c.type).i32(3, c.repetition).string(4, c.name).end();
+    for (const auto& c : columns) {
+        m.begin_elem().i32(1, c.type).i32(3, c.repetition).string(4, c.name);
+        if (c.converted >= 0) m.i32(6, c.converted);
+        m.end();
+    }
     m.i64(3, rows);
     m.list(4, 12, 1).begin_elem();
     m.list(1, 12, columns.size());

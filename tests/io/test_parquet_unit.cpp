@@ -111,6 +111,19 @@ TEST(ParquetUnit, Int96ListsButDoesNotRead) {
     expect_data_error([&] { f.read_column("ts"); }, "INT96");
 }
 
+TEST(ParquetUnit, UnsignedAndDecimalAnnotations) {
+    TestColumn u{"u", 1, 0, data_page_v1(2, testing::kPlain, le32(0xffffffffu) + le32(7))};
+    u.converted = 13;  // UINT_32
+    const ParquetFile f = open_string(build_file({u}, 2));
+    EXPECT_EQ(f.columns()[0].type_name(), "UINT32");
+    EXPECT_EQ(f.read_column(0), (std::vector<Cell>{std::int64_t{4294967295}, std::int64_t{7}}));
+    TestColumn d{"price", 1, 0, data_page_v1(1, testing::kPlain, le32(1234))};
+    d.converted = 5;  // DECIMAL
+    const ParquetFile g = open_string(build_file({d}, 1));
+    EXPECT_FALSE(g.columns()[0].supported);
+    expect_data_error([&] { g.read_column(0); }, "DECIMAL");
+}
+
 TEST(ParquetUnit, UnsupportedCodecIsNamed) {
     TestColumn c{"a", 2, 0, data_page_v1(1, testing::kPlain, le64(1))};
     c.codec = 5;  // LZ4 (the deprecated Hadoop framing)
