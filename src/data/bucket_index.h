@@ -1,0 +1,76 @@
+// Discovery and the persisted bucket index of one dataset.
+//
+// scan_image_headers() reads image sizes from headers only, on the thread pool, with a progress
+// bar. BucketIndex holds bucket key → sample paths and path → per-image metadata, and persists
+// both next to the data through the storage backend, in SimpleTuner's file names and layout:
+//   <instance_data_dir>/aspect_ratio_bucket_indices_<suffix>.json
+//   <instance_data_dir>/aspect_ratio_bucket_metadata_<suffix>.json
+// refresh() lists the folder, drops samples whose file is gone, scans only new files, and rebuilds
+// everything when the bucketing settings changed since the files were written.
+//
+// Invariants: every path in a bucket has metadata; a path is in exactly one bucket; per-image
+// plans are deterministic (the RNG is seeded from the dataset seed and the path), so rescans and
+// other ranks agree.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "data/buckets.h"
+
+namespace dtune {
+class ThreadPool;
+}
+
+namespace dtune::data {
+
+class StorageBackend;
+
+struct HeaderScan {
+    std::vector<std::pair<std::string, Size>> images;         // path → display size, input order
+    std::vector<std::pair<std::string, std::string>> failed;  // path → reason
+};
+
+// Reads every header on `pool`; unreadable files land in `failed`, never abort the scan.
+HeaderScan scan_image_headers(const std::vector<std::string>& paths, ThreadPool& pool,
+                              bool show_progress = true, const std::string& label = "scanning");
+
+struct FilterStats {
+    int64_t total_processed = 0;
+    int64_t too_small = 0;
+    int64_t aspect_filtered = 0;
+    int64_t error = 0;
+    int64_t not_found = 0;
+};
+
+class BucketIndex {
+  public:
+    std::map<std::string, std::vector<std::string>> buckets;   // key ("1.75") → sorted paths
+    std::map<std::string, SamplePlan> metadata;                // path → plan
+    std::vector<std::pair<std::string, std::string>> skipped;  // path → why it is not in a bucket
+    FilterStats stats;
+
+    // Brings the index up to date with the files in the dataset folder. `map` may be null.
+    // Returns the number of newly scanned files.
+    int64_t refresh(StorageBackend& storage, const DatasetConfig& config, const BucketSettings& settings,
+                    ThreadPool& pool, AspectResolutionMap* map, uint64_t seed, bool show_progress = false);
+
+    // Writes both JSON files atomically. Reads them back; false when absent or from other settings.
+    void save(StorageBackend& storage, const DatasetConfig& config) const;
+    bool load(const StorageBackend& storage, const DatasetConfig& config);
+
+    std::map<std::string, int64_t> sizes() const;
+    int64_t sample_count() const;
+
+    static std::string indices_path(const DatasetConfig& config);
+    static std::string metadata_path(const DatasetConfig& config);
+
+  private:
+    void add(const std::string& path, const SamplePlan& plan);
+    void remove_missing(const std::vector<std::string>& present);
+};
+
+}  // namespace dtune::data

@@ -1,0 +1,72 @@
+// The local-folder storage backend.
+#include "data/storage.h"
+
+#include <algorithm>
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "data/dataset_config.h"
+
+namespace dtune::data {
+
+namespace stdfs = std::filesystem;
+
+std::string LocalStorage::read(const std::string& path) const {
+    return fs::read_file(path);
+}
+
+void LocalStorage::write(const std::string& path, std::string_view bytes) {
+    const stdfs::path p(path);
+    if (p.has_parent_path()) stdfs::create_directories(p.parent_path());
+    fs::write_file_atomic(p, bytes);
+}
+
+bool LocalStorage::exists(const std::string& path) const {
+    std::error_code ec;
+    return stdfs::exists(path, ec);
+}
+
+void LocalStorage::remove(const std::string& path) {
+    std::error_code ec;
+    stdfs::remove(path, ec);
+}
+
+std::vector<std::string> LocalStorage::list_files(const std::string& root,
+                                                  const std::vector<std::string>& extensions) const {
+    std::error_code ec;
+    if (!stdfs::is_directory(root, ec))
+        throw DataError(str("'", root, "' is not a readable folder; check instance_data_dir"));
+    std::vector<std::string> out;
+    const auto options =
+        stdfs::directory_options::follow_directory_symlink | stdfs::directory_options::skip_permission_denied;
+    for (auto it = stdfs::recursive_directory_iterator(root, options, ec); !ec && it != stdfs::end(it);
+         it.increment(ec)) {
+        if (!it->is_regular_file(ec)) continue;
+        if (!extensions.empty()) {
+            std::string ext = it->path().extension().string();
+            std::transform(ext.begin(), ext.end(), ext.begin(),
+                           [](unsigned char c) { return std::tolower(c); });
+            if (std::find(extensions.begin(), extensions.end(), ext) == extensions.end()) continue;
+        }
+        out.push_back(stdfs::absolute(it->path()).lexically_normal().string());
+    }
+    if (ec) throw DataError(str("listing '", root, "' failed: ", ec.message()));
+    std::sort(out.begin(), out.end());
+    return out;
+}
+
+std::string LocalStorage::join(const std::string& root, const std::string& path) const {
+    const stdfs::path p(path);
+    return p.is_absolute() ? path : (stdfs::path(root) / p).lexically_normal().string();
+}
+
+std::unique_ptr<StorageBackend> make_storage(const DatasetConfig& config) {
+    if (config.type == StorageType::kLocal) return std::make_unique<LocalStorage>();
+    throw UsageError(
+        str("dataset '", config.id,
+            "', key 'type': \"aws\" storage is not built into dtune yet; copy the data to a local "
+            "folder and use \"type\": \"local\""));
+}
+
+}  // namespace dtune::data

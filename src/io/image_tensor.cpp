@@ -1,0 +1,50 @@
+// RgbImage ⇄ tensor conversions and the decode/resize/crop/flip preparation of one sample.
+#include "io/image_tensor.h"
+
+#include <ATen/ATen.h>
+
+#include "core/error.h"
+
+namespace dtune::io {
+
+at::Tensor to_tensor(const RgbImage& image) {
+    auto hwc =
+        at::from_blob(const_cast<uint8_t*>(image.pixels.data()), {image.height, image.width, 3}, at::kByte);
+    // [H, W, 3] uint8 -> [3, H, W] float in [-1, 1]
+    return hwc.permute({2, 0, 1}).to(at::kFloat).div_(127.5).sub_(1.0).contiguous();
+}
+
+RgbImage from_tensor(const at::Tensor& chw) {
+    DTUNE_CHECK(chw.dim() == 3 && chw.size(0) == 3, "from_tensor expects [3, H, W], got ", chw.sizes());
+    // [3, H, W] in [-1, 1] -> [H, W, 3] uint8
+    auto hwc = chw.detach().to(at::kCPU, at::kFloat).add(1.0).mul(127.5).round().clamp(0, 255).to(at::kByte);
+    hwc = hwc.permute({1, 2, 0}).contiguous();
+    RgbImage out(static_cast<int>(chw.size(2)), static_cast<int>(chw.size(1)));
+    std::memcpy(out.pixels.data(), hwc.data_ptr<uint8_t>(), out.pixels.size());
+    return out;
+}
+
+RgbImage prepare_image(const std::filesystem::path& path, const PrepareSpec& spec) {
+    DecodeOptions options;
+    options.min_width = spec.resize_width;
+    options.min_height = spec.resize_height;
+    RgbImage image = read_image(path, options);
+    if (image.width != spec.resize_width || image.height != spec.resize_height)
+        image = resize_lanczos(image, spec.resize_width, spec.resize_height);
+    if (spec.crop_width != image.width || spec.crop_height != image.height || spec.crop_top ||
+        spec.crop_left) {
+        try {
+            image = crop(image, spec.crop_top, spec.crop_left, spec.crop_width, spec.crop_height);
+        } catch (const DataError& e) {
+            throw DataError(str(path.string(), ": ", e.what()));
+        }
+    }
+    if (spec.flip) image = flip_horizontal(image);
+    return image;
+}
+
+at::Tensor prepare_image_tensor(const std::filesystem::path& path, const PrepareSpec& spec) {
+    return to_tensor(prepare_image(path, spec));
+}
+
+}  // namespace dtune::io

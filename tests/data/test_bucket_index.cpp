@@ -1,0 +1,100 @@
+// Discovery over a real folder of generated images: buckets, skipped files with reasons,
+// persistence next to the data, and refresh picking up new and removed files only.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "core/fs.h"
+#include "core/thread_pool.h"
+#include "data/bucket_index.h"
+#include "data/storage.h"
+#include "io/image.h"
+#include "support/test_support.h"
+
+namespace dtune::data {
+namespace {
+
+void write_png(const std::filesystem::path& p, int w, int h) {
+    io::RgbImage im(w, h);
+    io::write_image(p, im);
+}
+
+DatasetConfig config_for(const std::filesystem::path& dir) {
+    DatasetConfig c;
+    c.id = "pics";
+    c.cache_file_suffix = "pics";
+    c.instance_data_dir = dir.string();
+    c.resolution = pixel_edge_to_megapixels(1024);
+    c.resolution_type = ResolutionType::kArea;
+    c.minimum_image_size = 0.25;
+    c.crop_style = CropStyle::kCenter;
+    return c;
+}
+
+TEST(BucketIndex, DiscoverPersistRefresh) {
+    test::TempDir dir;
+    write_png(dir / "wide.png", 1920, 1080);
+    write_png(dir / "tall.png", 1080, 1920);
+    std::filesystem::create_directories(dir / "sub");
+    write_png(dir / "sub" / "wide2.png", 3840, 2160);
+    write_png(dir / "tiny.png", 300, 200);                       // under 0.25 MP
+    test::write_bytes(dir / "broken.jpg", "not really a jpeg");  // unreadable
+    test::write_bytes(dir / "notes.txt", "ignored");
+    DatasetConfig c = config_for(dir.path());
+    BucketSettings s = BucketSettings::from(c);
+    LocalStorage storage;
+    ThreadPool pool(2);
+    AspectResolutionMap map(c.resolution);
+
+    BucketIndex index;
+    EXPECT_EQ(index.refresh(storage, c, s, pool, &map, 42), 5);
+    EXPECT_EQ(index.sizes(), (std::map<std::string, int64_t>{{"0.57", 1}, {"1.75", 2}}));
+    ASSERT_EQ(index.skipped.size(), 2u);
+    EXPECT_EQ(index.stats.error, 1);
+    EXPECT_EQ(index.stats.too_small, 1);
+    const std::string wide = (dir / "wide.png").string();
+    EXPECT_EQ(index.metadata.at(wide).target, (Size{1344, 768}));
+    EXPECT_EQ(index.metadata.at(wide).intermediary, (Size{1367, 768}));
+
+    index.save(storage, c);
+    const auto doc = nlohmann::json::parse(fs::read_file(dir / "aspect_ratio_bucket_indices_pics.json"));
+    EXPECT_EQ(doc["aspect_ratio_bucket_indices"]["1.75"].size(), 2u);
+    const auto meta = nlohmann::json::parse(fs::read_file(dir / "aspect_ratio_bucket_metadata_pics.json"));
+    EXPECT_EQ(meta[wide]["original_size"], nlohmann::json({1920, 1080}));
+    EXPECT_EQ(meta[wide]["target_size"], nlohmann::json({1344, 768}));
+    EXPECT_EQ(meta[wide]["intermediary_size"], nlohmann::json({1367, 768}));
+    EXPECT_EQ(meta[wide]["crop_coordinates"], nlohmann::json({0, 11}));  // centre: (1367-1344)/2
+    EXPECT_DOUBLE_EQ(meta[wide]["aspect_ratio"].get<double>(), 1.75);
+
+    // Restart: load, then one file removed and one added → only the new one is scanned.
+    BucketIndex again;
+    ASSERT_TRUE(again.load(storage, c));
+    EXPECT_EQ(again.sample_count(), 3);
+    std::filesystem::remove(dir / "tall.png");
+    write_png(dir / "square.png", 1024, 1024);
+    EXPECT_EQ(again.refresh(storage, c, s, pool, &map, 42), 3);  // square + the two skipped ones
+    EXPECT_EQ(again.sizes(), (std::map<std::string, int64_t>{{"1.0", 1}, {"1.75", 2}}));
+    EXPECT_EQ(again.stats.not_found, 1);
+
+    // Changed bucketing settings invalidate the stored metadata.
+    again.save(storage, c);
+    DatasetConfig cropped = c;
+    cropped.crop = true;
+    BucketIndex stale;
+    EXPECT_FALSE(stale.load(storage, cropped));
+    EXPECT_TRUE(stale.load(storage, c));
+}
+
+TEST(BucketIndex, HeaderScanListsFailures) {
+    test::TempDir dir;
+    write_png(dir / "a.png", 10, 20);
+    test::write_bytes(dir / "b.png", "\x89PNG\r\n\x1a\n");  // signature only
+    ThreadPool pool(2);
+    HeaderScan scan = scan_image_headers({(dir / "a.png").string(), (dir / "b.png").string()}, pool, false);
+    ASSERT_EQ(scan.images.size(), 1u);
+    EXPECT_EQ(scan.images[0].second, (Size{10, 20}));
+    ASSERT_EQ(scan.failed.size(), 1u);
+    EXPECT_NE(scan.failed[0].second.find("b.png"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace dtune::data

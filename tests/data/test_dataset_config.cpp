@@ -1,0 +1,187 @@
+// multidatabackend.json parsing: SimpleTuner defaults, conversions, warnings and errors.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "data/dataset_config.h"
+
+namespace dtune::data {
+namespace {
+
+using nlohmann::json;
+
+json minimal(json image_extra = json::object()) {
+    json image = {{"id", "pics"}, {"instance_data_dir", "/data/pics"}};
+    image.update(image_extra);
+    return json::array({image,
+                        {{"id", "text"},
+                         {"dataset_type", "text_embeds"},
+                         {"default", true},
+                         {"cache_dir", "{output_dir}/cache/text"}}});
+}
+
+std::string usage_error(const json& j, GlobalDataArgs args = {}) {
+    try {
+        parse_data_backend_config(j, args);
+    } catch (const UsageError& e) {
+        return e.what();
+    }
+    return "";
+}
+
+TEST(DatasetConfig, DefaultsFollowSimpleTuner) {
+    GlobalDataArgs args;
+    args.output_dir = "/out";
+    auto cfg = parse_data_backend_config(minimal(), args);
+    ASSERT_EQ(cfg.datasets.size(), 2u);
+    const DatasetConfig& d = cfg.datasets[0];
+    EXPECT_EQ(d.type, StorageType::kLocal);
+    EXPECT_EQ(d.dataset_type, DatasetType::kImage);
+    // pixel_area 1024 becomes area 1.048576 MP (edge²/1e6).
+    EXPECT_EQ(d.resolution_type, ResolutionType::kArea);
+    EXPECT_DOUBLE_EQ(d.resolution, 1.048576);
+    EXPECT_EQ(d.resolution_type_as_written, ResolutionType::kPixelArea);
+    EXPECT_FALSE(d.crop);
+    EXPECT_EQ(d.crop_style, CropStyle::kRandom);
+    EXPECT_EQ(d.crop_aspect, CropAspect::kSquare);
+    EXPECT_EQ(d.caption_strategy, CaptionStrategy::kFilename);
+    EXPECT_EQ(d.metadata_backend, MetadataBackendKind::kDiscovery);
+    EXPECT_EQ(d.repeats, 0);
+    EXPECT_DOUBLE_EQ(d.probability, 1.0);
+    EXPECT_EQ(d.train_batch_size, 4);
+    EXPECT_EQ(d.start_epoch, 1);
+    EXPECT_EQ(d.start_step, 0);
+    EXPECT_FALSE(d.end_epoch.has_value());
+    EXPECT_TRUE(d.compress_cache);  // compress_disk_cache defaults to true in code (§13)
+    EXPECT_EQ(d.write_batch_size, 128);
+    EXPECT_DOUBLE_EQ(d.caption_dropout_probability, 0.1);
+    EXPECT_EQ(d.cache_dir_vae, "/out/cache/vae/sdxl/pics");
+    EXPECT_EQ(d.text_embeds, "text");  // the default text cache is attached
+    EXPECT_EQ(d.cache_file_suffix, "pics");
+    EXPECT_EQ(cfg.datasets[1].cache_dir, "/out/cache/text");  // {output_dir} substituted
+    EXPECT_TRUE(cfg.warnings.empty());
+}
+
+TEST(DatasetConfig, PixelAreaConvertsSizeLimits) {
+    auto cfg = parse_data_backend_config(minimal({{"minimum_image_size", 768},
+                                                  {"maximum_image_size", 2048},
+                                                  {"target_downsample_size", 1536},
+                                                  {"crop", true}}),
+                                         {});
+    const auto& d = cfg.datasets[0];
+    EXPECT_DOUBLE_EQ(*d.minimum_image_size, 0.589824);
+    EXPECT_DOUBLE_EQ(*d.maximum_image_size, 4.194304);
+    EXPECT_DOUBLE_EQ(*d.target_downsample_size, 2.359296);
+    // A small minimum is already in megapixels and stays.
+    auto cfg2 = parse_data_backend_config(minimal({{"minimum_image_size", 0.5}}), {});
+    EXPECT_DOUBLE_EQ(*cfg2.datasets[0].minimum_image_size, 0.5);
+}
+
+TEST(DatasetConfig, PixelResolutionKeepsValues) {
+    auto cfg = parse_data_backend_config(minimal({{"resolution", 768}, {"resolution_type", "pixel"}}), {});
+    EXPECT_EQ(cfg.datasets[0].resolution_type, ResolutionType::kPixel);
+    EXPECT_DOUBLE_EQ(cfg.datasets[0].resolution, 768);
+}
+
+TEST(DatasetConfig, UnknownKeysWarnByName) {
+    auto cfg = parse_data_backend_config(minimal({{"resolutoin", 512}, {"crop_styel", "center"}}), {});
+    ASSERT_EQ(cfg.warnings.size(), 1u);
+    EXPECT_NE(cfg.warnings[0].find("'resolutoin'"), std::string::npos);
+    EXPECT_NE(cfg.warnings[0].find("'crop_styel'"), std::string::npos);
+    EXPECT_NE(cfg.warnings[0].find("pics"), std::string::npos);
+}
+
+TEST(DatasetConfig, WrongTypesNameIdAndKey) {
+    std::string e = usage_error(minimal({{"repeats", "two"}}));
+    EXPECT_NE(e.find("'pics'"), std::string::npos) << e;
+    EXPECT_NE(e.find("'repeats'"), std::string::npos) << e;
+    e = usage_error(minimal({{"repeats", 1.5}}));
+    EXPECT_NE(e.find("integer"), std::string::npos) << e;
+    e = usage_error(minimal({{"crop", 3}}));
+    EXPECT_NE(e.find("'crop'"), std::string::npos) << e;
+    e = usage_error(minimal({{"crop_style", "diagonal"}}));
+    EXPECT_NE(e.find("random, center, centre, corner"), std::string::npos) << e;
+    e = usage_error(minimal({{"train_batch_size", 0}}));
+    EXPECT_NE(e.find("'train_batch_size'"), std::string::npos) << e;
+}
+
+TEST(DatasetConfig, ContradictionsAreErrors) {
+    EXPECT_NE(usage_error(minimal({{"maximum_image_size", 2048}})).find("target_downsample_size"),
+              std::string::npos);
+    EXPECT_NE(
+        usage_error(minimal({{"resolution_type", "area"}, {"resolution", 1.0}, {"minimum_image_size", 6}}))
+            .find("< 5"),
+        std::string::npos);
+    EXPECT_NE(usage_error(minimal({{"resolution_type", "pixel"},
+                                   {"maximum_image_size", 256},
+                                   {"target_downsample_size", 256}}))
+                  .find(">= 512"),
+              std::string::npos);
+    EXPECT_NE(usage_error(minimal({{"crop", true}, {"crop_aspect", "closest"}})).find("crop_aspect_buckets"),
+              std::string::npos);
+    EXPECT_NE(usage_error(minimal({{"caption_strategy", "parquet"}})).find("metadata_backend"),
+              std::string::npos);
+    EXPECT_NE(usage_error(minimal({{"crop_aspect_buckets", {{{"aspect", 1.0}, {"weight", 0.3}}}}}))
+                  .find("must add up to 1"),
+              std::string::npos);
+    EXPECT_NE(usage_error(minimal({{"disable_vae_cache", true}})).find("vae_cache_disable"),
+              std::string::npos);
+    EXPECT_NE(usage_error(minimal({{"text_embeds", "nope"}})).find("'nope'"), std::string::npos);
+    EXPECT_NE(usage_error(minimal({{"crop_style", "face"}})).find("face"), std::string::npos);
+}
+
+TEST(DatasetConfig, CrossEntryChecks) {
+    json j = minimal();
+    j.push_back({{"id", "pics"}, {"instance_data_dir", "/x"}});
+    EXPECT_NE(usage_error(j).find("used twice"), std::string::npos);
+    j = minimal();
+    j.push_back({{"id", "text2"}, {"dataset_type", "text_embeds"}, {"default", true}});
+    EXPECT_NE(usage_error(j).find("both have \"default\": true"), std::string::npos);
+    j = json::array({{{"id", "pics"}, {"instance_data_dir", "/x"}}});
+    EXPECT_NE(usage_error(j).find("no text_embeds"), std::string::npos);
+    j = minimal();
+    j.push_back({{"id", "more"}, {"instance_data_dir", "/y"}, {"cache_dir_vae", "/out/cache/vae/sdxl/pics"}});
+    GlobalDataArgs args;
+    args.output_dir = "/out";
+    EXPECT_NE(usage_error(j, args).find("also used by dataset 'pics'"), std::string::npos);
+}
+
+TEST(DatasetConfig, DisabledEntriesAreDropped) {
+    json j = minimal();
+    j.push_back({{"id", "off"}, {"disabled", true}, {"instance_data_dir", 5}});  // not even validated
+    auto cfg = parse_data_backend_config(j, {});
+    EXPECT_EQ(cfg.datasets.size(), 2u);
+    EXPECT_EQ(cfg.find("off"), nullptr);
+}
+
+TEST(DatasetConfig, ParquetBlockAndVariables) {
+    json extra = {{"metadata_backend", "parquet"},
+                  {"caption_strategy", "parquet"},
+                  {"parquet",
+                   {{"path", "{output_dir}/{id}.jsonl"},
+                    {"width_column", "w"},
+                    {"height_column", "h"},
+                    {"caption_column", "text"}}},
+                  {"cache_dir_vae", "{output_dir}/vae/{model_family}/{id}"},
+                  {"crop_aspect_buckets", {0.75, 1.0, 1.33}},
+                  {"skip_file_discovery", "vae, text"},
+                  {"vae_cache_disable", true}};
+    GlobalDataArgs args;
+    args.output_dir = "/o";
+    auto cfg = parse_data_backend_config(minimal(extra), args);
+    const auto& d = cfg.datasets[0];
+    ASSERT_TRUE(d.parquet);
+    EXPECT_EQ(d.parquet->path, "/o/pics.jsonl");
+    EXPECT_EQ(d.parquet->filename_column, "id");
+    EXPECT_EQ(d.parquet->caption_column, "text");
+    EXPECT_FALSE(d.parquet->identifier_includes_extension);
+    EXPECT_EQ(d.cache_dir_vae, "/o/vae/sdxl/pics");
+    ASSERT_EQ(d.crop_aspect_buckets.size(), 3u);
+    EXPECT_DOUBLE_EQ(d.crop_aspect_buckets[2].aspect, 1.33);
+    EXPECT_TRUE(d.skip_vae_discovery && d.skip_text_discovery);
+    EXPECT_FALSE(d.skip_aspect_discovery);
+    EXPECT_TRUE(d.vae_cache_ondemand);  // disable implies on-demand
+}
+
+}  // namespace
+}  // namespace dtune::data
