@@ -1,0 +1,150 @@
+// Random draws of a training step (see training_sampling.h).
+#include "diffusion/training_sampling.h"
+
+#include <cmath>
+#include <vector>
+
+#include "core/error.h"
+
+namespace dtune::diffusion {
+
+TrainingNoise sample_training_noise(const at::Tensor& latents, const NoiseOptions& options,
+                                    int64_t global_step, at::Generator& generator, bool flow_matching) {
+    DTUNE_CHECK(latents.dim() >= 2, "latents must be [B, C, ...]; got shape ", latents.sizes());
+    const auto opts = latents.options().dtype(at::kFloat);
+    TrainingNoise out;
+    out.noise = at::randn(latents.sizes(), generator, opts);
+    if (!flow_matching && options.offset_noise) {
+        // One uniform draw per batch decides, as SimpleTuner's random.random() does (but from our
+        // generator, so the run stays reproducible).
+        const bool apply =
+            options.noise_offset_probability >= 1.0 ||
+            at::rand({1}, generator, at::kFloat).item<double>() < options.noise_offset_probability;
+        if (apply) {
+            std::vector<int64_t> shape(static_cast<size_t>(latents.dim()), 1);
+            shape[0] = latents.size(0);
+            shape[1] = latents.size(1);
+            out.noise = out.noise + options.noise_offset * at::randn(shape, generator, opts);  // [B, C, 1, 1]
+        }
+    }
+    const bool perturb =
+        options.input_perturbation != 0.0 &&
+        (options.input_perturbation_steps <= 0 || global_step < options.input_perturbation_steps);
+    if (perturb) {
+        double p = options.input_perturbation;
+        if (options.input_perturbation_steps > 0)
+            p *= 1.0 -
+                 static_cast<double>(global_step) / static_cast<double>(options.input_perturbation_steps);
+        out.input_noise = out.noise + p * at::randn(latents.sizes(), generator, opts);
+    } else {
+        out.input_noise = out.noise;
+    }
+    return out;
+}
+
+TimestepBiasStrategy parse_timestep_bias_strategy(const std::string& name) {
+    if (name.empty() || name == "none") return TimestepBiasStrategy::kNone;
+    if (name == "earlier") return TimestepBiasStrategy::kEarlier;
+    if (name == "later") return TimestepBiasStrategy::kLater;
+    if (name == "range") return TimestepBiasStrategy::kRange;
+    throw UsageError(str("timestep_bias_strategy \"", name,
+                         "\" is not supported; use \"earlier\", \"later\", \"range\" or \"none\""));
+}
+
+at::Tensor timestep_weights(const TimestepBiasOptions& options, int64_t num_timesteps) {
+    at::Tensor weights = at::ones({num_timesteps}, at::kFloat);
+    if (options.strategy == TimestepBiasStrategy::kNone) return weights;
+    // Python's int() truncates toward zero; a portion of 0 biases nothing useful either way.
+    const auto count = static_cast<int64_t>(options.portion * static_cast<double>(num_timesteps));
+    int64_t lo = 0;
+    int64_t hi = num_timesteps;
+    switch (options.strategy) {
+        case TimestepBiasStrategy::kLater:
+            // Python's slice(-count, None) with count 0 is the whole range.
+            lo = count == 0 ? 0 : std::max<int64_t>(num_timesteps - count, 0);
+            break;
+        case TimestepBiasStrategy::kEarlier: hi = std::min(count, num_timesteps); break;
+        case TimestepBiasStrategy::kRange:
+            DTUNE_CHECK_AS(UsageError, options.begin >= 0, "timestep_bias_begin is ", options.begin,
+                           "; the range strategy needs a beginning timestep >= 0");
+            DTUNE_CHECK_AS(UsageError, options.end <= num_timesteps, "timestep_bias_end is ", options.end,
+                           "; the range strategy needs an end <= the number of timesteps (", num_timesteps,
+                           ")");
+            lo = options.begin;
+            hi = std::max(options.begin, options.end);
+            break;
+        case TimestepBiasStrategy::kNone: break;
+    }
+    DTUNE_CHECK_AS(UsageError, options.multiplier > 0, "timestep_bias_multiplier is ", options.multiplier,
+                   "; it must be > 0 (to train without a bias set timestep_bias_strategy to none)");
+    weights.slice(0, lo, hi) *= options.multiplier;
+    return weights / weights.sum();
+}
+
+at::Tensor segmented_timesteps(const at::Tensor& weights_in, int64_t batch_size, at::Generator& generator) {
+    DTUNE_CHECK(batch_size >= 1, "segmented timestep sampling needs a batch of at least 1; got ", batch_size);
+    at::Tensor weights = weights_in.to(at::kCPU, at::kFloat).clone();  // normalised in place below
+    const int64_t num = weights.size(0);
+    const int64_t first = num - 1;
+    const int64_t segment = std::max<int64_t>(num / batch_size, 1);
+    std::vector<int64_t> picked;
+    picked.reserve(static_cast<size_t>(batch_size));
+    for (int64_t i = 0; i < batch_size; ++i) {
+        const int64_t start = first - i * segment;
+        const int64_t end = i != batch_size - 1 ? std::max<int64_t>(start - segment, 0) : 0;
+        DTUNE_CHECK(start >= end, "batch of ", batch_size, " is larger than the ", num,
+                    " training timesteps; segmented sampling cannot give each sample its own segment. "
+                    "Set disable_segmented_timestep_sampling");
+        at::Tensor seg = weights.slice(0, end, start + 1);  // a view: SimpleTuner normalises in place
+        seg /= seg.sum();
+        const int64_t idx = at::multinomial(seg, 1, false, generator).item<int64_t>();
+        picked.push_back(end + idx);
+    }
+    return at::tensor(picked, at::kLong);
+}
+
+at::Tensor sample_timesteps(int64_t batch_size, int64_t num_train_timesteps,
+                            const TimestepSamplingOptions& options, at::Generator& generator) {
+    const at::Tensor weights = timestep_weights(options.bias, num_train_timesteps);
+    if (batch_size > 1 && !options.disable_segmented_timestep_sampling)
+        return segmented_timesteps(weights, batch_size, generator);
+    return at::multinomial(weights, batch_size, true, generator);
+}
+
+at::Tensor apply_flow_shift(const at::Tensor& sigmas, double shift) {
+    return (sigmas * shift) / (1 + (shift - 1) * sigmas);
+}
+
+double flux_auto_shift(int64_t image_seq_len, const FlowMatchingOptions& o) {
+    const double m =
+        (o.max_shift - o.base_shift) / static_cast<double>(o.max_image_seq_len - o.base_image_seq_len);
+    const double b = o.base_shift - m * static_cast<double>(o.base_image_seq_len);
+    return std::exp(static_cast<double>(image_seq_len) * m + b);
+}
+
+at::Tensor sample_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& options,
+                              at::IntArrayRef latent_shape, at::Generator& generator) {
+    at::Tensor sigmas =
+        options.uniform ? at::rand({batch_size}, generator, at::kFloat)
+                        : at::sigmoid(options.sigmoid_scale * at::randn({batch_size}, generator, at::kFloat));
+    if (options.shift.has_value() && *options.shift > 0) return apply_flow_shift(sigmas, *options.shift);
+    if (options.auto_shift) {
+        DTUNE_CHECK(latent_shape.size() >= 2, "flow auto shift needs the latent shape [B, C, H, W]; got ",
+                    latent_shape);
+        const int64_t h = latent_shape[latent_shape.size() - 2];
+        const int64_t w = latent_shape[latent_shape.size() - 1];
+        const int64_t frames = latent_shape.size() == 5 ? latent_shape[2] : 1;
+        const int64_t p = options.patch_size > 0 ? options.patch_size : 2;
+        return apply_flow_shift(sigmas, flux_auto_shift(frames * (h / p) * (w / p), options));
+    }
+    return sigmas;
+}
+
+at::Tensor flow_noisy_latents(const at::Tensor& x0, const at::Tensor& noise, const at::Tensor& sigmas) {
+    std::vector<int64_t> shape(static_cast<size_t>(x0.dim()), 1);
+    shape[0] = x0.size(0);
+    const at::Tensor s = sigmas.to(x0.device(), x0.scalar_type()).view(shape);  // [B, 1, 1, 1]
+    return (1 - s) * x0 + s * noise;
+}
+
+}  // namespace dtune::diffusion

@@ -1,0 +1,107 @@
+// What a training step draws at random: the noise (with SimpleTuner's offset noise and input
+// perturbation), the DDPM timesteps (uniform, SimpleTuner's timestep bias, segmented across the batch)
+// and, for flow-matching models, the sigmas (logit-normal or uniform, with SD3/Flux's shift).
+// Invariant: every random number comes from the at::Generator the caller passes, so a run is
+// reproducible from its seed and resumable from the generator's state.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace dtune::diffusion {
+
+// ---- noise -------------------------------------------------------------------------------------
+
+// SimpleTuner's option names and defaults (SIMPLETUNER.md §6): the offset applies only with
+// offset_noise=true, then with probability noise_offset_probability.
+struct NoiseOptions {
+    bool offset_noise = false;
+    double noise_offset = 0.1;
+    double noise_offset_probability = 0.25;
+    double input_perturbation = 0.0;
+    int64_t input_perturbation_steps = 0;  // 0: constant; else decays linearly to 0 at this step
+};
+
+struct TrainingNoise {
+    at::Tensor noise;        // [B, C, H, W]: what the target is built from
+    at::Tensor input_noise;  // [B, C, H, W]: what is added to the latents (noise + perturbation)
+};
+
+// Draws N(0, 1) noise shaped like `latents` (float32 on their device). With offset noise (never for
+// flow matching, as in SimpleTuner), adds noise_offset * N(0,1) per [B, C] channel when a uniform draw
+// is below the probability. With input perturbation, input_noise = noise + p * N(0, 1), p decaying
+// with global_step when input_perturbation_steps > 0.
+TrainingNoise sample_training_noise(const at::Tensor& latents, const NoiseOptions& options,
+                                    int64_t global_step, at::Generator& generator,
+                                    bool flow_matching = false);
+
+// ---- DDPM timesteps ----------------------------------------------------------------------------
+
+enum class TimestepBiasStrategy { kNone, kEarlier, kLater, kRange };
+TimestepBiasStrategy parse_timestep_bias_strategy(const std::string& name);
+
+// SimpleTuner's timestep_bias_* options and their defaults (its field registry).
+struct TimestepBiasOptions {
+    TimestepBiasStrategy strategy = TimestepBiasStrategy::kNone;
+    double multiplier = 1.0;
+    int64_t begin = 0;      // range strategy: first biased timestep
+    int64_t end = 1000;     // range strategy: one past the last biased timestep
+    double portion = 0.25;  // earlier/later: the fraction of timesteps biased
+};
+
+// [T] float32 sampling weights: ones for kNone, else the biased entries multiplied by `multiplier`
+// and the whole normalised to sum 1 (SimpleTuner's generate_timestep_weights). Throws UsageError for
+// a multiplier <= 0 or a range outside [0, T].
+at::Tensor timestep_weights(const TimestepBiasOptions& options, int64_t num_train_timesteps);
+
+// One timestep per batch element, each from its own segment of [0, T) (first element from the
+// highest segment), drawn by the segment's weights: SimpleTuner's segmented_timestep_selection. As
+// there, consecutive segments share their boundary timestep and the weights are normalised in place
+// segment by segment, so a shared boundary is drawn almost only by the higher segment. [B] int64.
+at::Tensor segmented_timesteps(const at::Tensor& weights, int64_t batch_size, at::Generator& generator);
+
+struct TimestepSamplingOptions {
+    TimestepBiasOptions bias;
+    bool disable_segmented_timestep_sampling = false;
+};
+
+// SimpleTuner's choice per step: segmented when B > 1 (unless disabled), else multinomial with
+// replacement over the weights. [B] int64 on the CPU.
+at::Tensor sample_timesteps(int64_t batch_size, int64_t num_train_timesteps,
+                            const TimestepSamplingOptions& options, at::Generator& generator);
+
+// ---- flow matching (SD3 / Flux) -----------------------------------------------------------------
+
+struct FlowMatchingOptions {
+    double sigmoid_scale = 1.0;         // flow_sigmoid_scale
+    std::optional<double> shift = 3.0;  // flow_schedule_shift (> 0 to apply)
+    bool auto_shift = false;            // flow_schedule_auto_shift: shift from the image size
+    bool uniform = false;               // flow_use_uniform_schedule
+    // Flux's scheduler_config values for the auto shift.
+    int64_t base_image_seq_len = 256;
+    int64_t max_image_seq_len = 4096;
+    double base_shift = 0.5;
+    double max_shift = 1.15;
+    int64_t patch_size = 2;
+};
+
+// sigma' = shift * sigma / (1 + (shift - 1) * sigma) (SD3 paper §5.3.2).
+at::Tensor apply_flow_shift(const at::Tensor& sigmas, double shift);
+// Flux's resolution-dependent shift exp(mu), mu linear in the token count between the two anchors.
+double flux_auto_shift(int64_t image_seq_len, const FlowMatchingOptions& options);
+
+// [B] float32 sigmas in (0, 1): sigmoid(scale * N(0,1)) (logit-normal) or U(0,1), then shifted (static
+// shift if > 0, else the auto shift from `latent_shape` [B, C, H, W] when auto_shift is on).
+at::Tensor sample_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& options,
+                              at::IntArrayRef latent_shape, at::Generator& generator);
+// (1 - sigma) x0 + sigma noise, sigma [B] broadcast over the rest.
+at::Tensor flow_noisy_latents(const at::Tensor& x0, const at::Tensor& noise, const at::Tensor& sigmas);
+// Timesteps the transformer sees: sigma * 1000.
+inline at::Tensor flow_timesteps(const at::Tensor& sigmas) {
+    return sigmas * 1000.0;
+}
+
+}  // namespace dtune::diffusion
