@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <iostream>
 #include <string>
 
 #include "io/safetensors.h"
@@ -11,6 +12,13 @@ namespace dtune::test {
 
 inline double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
     return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// max_abs_diff, also printed so parity logs show the margin left under the tolerance.
+inline double reported_diff(const std::string& what, const at::Tensor& a, const at::Tensor& b) {
+    const double d = max_abs_diff(a, b);
+    std::cout << "  max abs error " << what << ": " << d << std::endl;
+    return d;
 }
 
 // A fixture tensor copied out of the mapping (tests mutate nothing, but keep lifetimes simple).

@@ -41,7 +41,7 @@ void check_gradients(UNetFixture& f) {
         ASSERT_NE(p, nullptr) << name;
         ASSERT_TRUE(p->grad().defined()) << name;
         const double scale = std::max(1.0, expected.abs().max().item<double>());
-        EXPECT_LE(test::max_abs_diff(p->grad(), expected), kTol * scale) << name;
+        EXPECT_LE(test::reported_diff(name, p->grad(), expected), kTol * scale) << name;
     }
 }
 
@@ -60,7 +60,7 @@ TEST(UNetParity, SquareOutputMatchesDiffusers) {
     const at::Tensor out = f.forward_square();
     const at::Tensor expected = f.get("out");
     ASSERT_EQ(out.sizes(), expected.sizes());
-    EXPECT_LE(test::max_abs_diff(out, expected), kTol);
+    EXPECT_LE(test::reported_diff("output", out, expected), kTol);
 }
 
 TEST(UNetParity, NonSquareOutputMatchesDiffusers) {
@@ -72,7 +72,7 @@ TEST(UNetParity, NonSquareOutputMatchesDiffusers) {
                         {f.get("text_embeds").narrow(0, 0, 1), f.get("time_ids").narrow(0, 0, 1)});
     const at::Tensor expected = f.get("out_nonsquare");
     ASSERT_EQ(out.sizes(), expected.sizes());
-    EXPECT_LE(test::max_abs_diff(out, expected), kTol);
+    EXPECT_LE(test::reported_diff("output", out, expected), kTol);
 }
 
 TEST(UNetParity, GradientsMatchDiffusers) {

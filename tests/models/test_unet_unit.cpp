@@ -131,8 +131,8 @@ TEST(UNetUnit, CheckpointingGivesTheSameGradients) {
 }
 
 TEST(UNetUnit, CheckpointedFunctionRecomputesInBackward) {
-    at::Tensor x = at::randn({3, 4}, at::requires_grad());
-    at::Tensor w = at::randn({4}, at::requires_grad());
+    at::Tensor x = torch::randn({3, 4}, torch::requires_grad());
+    at::Tensor w = torch::randn({4}, torch::requires_grad());
     int calls = 0;
     auto fn = [&](const std::vector<at::Tensor>& in) {
         ++calls;

@@ -15,12 +15,16 @@ std::filesystem::path tiny_vae() {
     return test::fixtures_dir() / "tiny-sdxl" / "vae";
 }
 
-// A smooth image in [-1, 1]: tiles see similar statistics, as with natural images.
-at::Tensor smooth_image(int64_t h, int64_t w) {
-    at::Tensor y = at::linspace(0, 3.0, h).view({1, 1, h, 1});
-    at::Tensor x = at::linspace(0, 4.0, w).view({1, 1, 1, w});
-    at::Tensor c = at::tensor({0.5, 1.0, 1.5}).view({1, 3, 1, 1});
-    return (0.8 * (y * c + x).sin()).contiguous();  // [1, 3, h, w]
+// A smooth image in [-1, 1] with period `period` pixels in both directions. When the tile stride
+// is a multiple of the period every tile sees the same GroupNorm statistics and the same set of
+// attention keys as the whole image, so tiled and untiled differ only by tile-edge effects
+// (random weights would otherwise make any two crops of a natural image disagree).
+at::Tensor periodic_image(int64_t h, int64_t w, int64_t period = 16) {
+    const double k = 2 * M_PI / static_cast<double>(period);
+    at::Tensor y = (at::arange(h, at::kFloat) * k).view({1, 1, h, 1});
+    at::Tensor x = (at::arange(w, at::kFloat) * k).view({1, 1, 1, w});
+    at::Tensor c = at::tensor({0.3, 1.1, 2.0}).view({1, 3, 1, 1});
+    return (0.8 * (y + c).sin() * (x - c).cos()).contiguous();  // [1, 3, h, w]
 }
 
 TEST(VAEUnit, TilesReassembleLocalOperatorsExactly) {
@@ -39,35 +43,44 @@ TEST(VAEUnit, TilesReassembleLocalOperatorsExactly) {
     EXPECT_LE(test::max_abs_diff(run_tiled(x, 8, 0.25, 2.0, up), up(x)), 1e-6);
 }
 
-TEST(VAEUnit, TiledEncodeAndDecodeAreCloseToUntiled) {
+// With random weights the tiny VAE is far from local (edge effects of zero padding spread through
+// GroupNorm statistics and the global mid-block attention), so tiled and untiled outputs of a whole
+// image differ by O(1) and closeness can only be judged with trained weights. What is checked here:
+// the region that only the first tile covers equals the model run on that crop, the assembled
+// output has the untiled shape, and a tile covering the input reproduces the untiled output.
+TEST(VAEUnit, TiledEncodeAndDecodeRunTheModelOnTiles) {
     AutoencoderKL vae = load_autoencoder_kl(tiny_vae());
     torch::NoGradGuard no_grad;
-    const at::Tensor image = smooth_image(128, 160);
-    const at::Tensor mean = vae->encode(image).mean;
+    const at::Tensor image = periodic_image(128, 160);
     VAETileOptions tiles;
-    tiles.tile_sample_size = 64;
-    const at::Tensor tiled_mean = vae->encode_tiled(image, tiles).mean;
-    ASSERT_EQ(tiled_mean.sizes(), mean.sizes());
-    const double enc_err = (tiled_mean - mean).abs().mean().item<double>() / mean.abs().mean().item<double>();
-    EXPECT_LT(enc_err, 0.2) << "mean relative error of tiled encode";
+    tiles.tile_sample_size = 64;  // latent tile 8, blend 2, so each tile contributes 6x6 latents
+    const DiagonalGaussian full = vae->encode(image);
+    const DiagonalGaussian tiled = vae->encode_tiled(image, tiles);
+    ASSERT_EQ(tiled.mean.sizes(), full.mean.sizes());
+    const at::Tensor first = vae->encode(image.narrow(2, 0, 64).narrow(3, 0, 64)).mean;  // [1, 4, 8, 8]
+    EXPECT_LE(
+        test::max_abs_diff(tiled.mean.narrow(2, 0, 6).narrow(3, 0, 6), first.narrow(2, 0, 6).narrow(3, 0, 6)),
+        1e-5);
+    EXPECT_GT(test::max_abs_diff(tiled.mean, full.mean), 1e-3);  // the tiled path really tiled
 
-    const at::Tensor latents = vae->encode(image).mean;  // smooth latents [1, 4, 16, 20]
+    const at::Tensor latents = full.mean;  // [1, 4, 16, 20]
     const at::Tensor decoded = vae->decode(latents);
-    const at::Tensor tiled = vae->decode_tiled(latents, tiles);
-    ASSERT_EQ(tiled.sizes(), decoded.sizes());
-    const double dec_err =
-        (tiled - decoded).abs().mean().item<double>() / decoded.abs().mean().item<double>();
-    EXPECT_LT(dec_err, 0.2) << "mean relative error of tiled decode";
+    const at::Tensor tiled_decoded = vae->decode_tiled(latents, tiles);
+    ASSERT_EQ(tiled_decoded.sizes(), decoded.sizes());
+    const at::Tensor first_dec = vae->decode(latents.narrow(2, 0, 8).narrow(3, 0, 8));  // [1, 3, 64, 64]
+    EXPECT_LE(test::max_abs_diff(tiled_decoded.narrow(2, 0, 48).narrow(3, 0, 48),
+                                 first_dec.narrow(2, 0, 48).narrow(3, 0, 48)),
+              1e-5);
 
-    // A tile at least as large as the input is the untiled computation.
-    tiles.tile_sample_size = 256;
-    EXPECT_TRUE(at::allclose(vae->decode_tiled(latents, tiles), decoded, 0, 1e-6));
+    tiles.tile_sample_size = 256;  // one tile covers everything: the untiled computation
+    EXPECT_LE(test::max_abs_diff(vae->decode_tiled(latents, tiles), decoded), 1e-6);
+    EXPECT_LE(test::max_abs_diff(vae->encode_tiled(image, tiles).mean, full.mean), 1e-6);
 }
 
 TEST(VAEUnit, SampleIsMeanPlusStdTimesGeneratorNoise) {
     AutoencoderKL vae = load_autoencoder_kl(tiny_vae());
     torch::NoGradGuard no_grad;
-    const DiagonalGaussian post = vae->encode(smooth_image(32, 32));
+    const DiagonalGaussian post = vae->encode(periodic_image(32, 32));
     EXPECT_TRUE(at::allclose(post.std, (0.5 * post.logvar).exp()));
     at::Generator g1 = at::detail::createCPUGenerator(42);
     at::Generator g2 = at::detail::createCPUGenerator(42);
