@@ -40,7 +40,9 @@ void check_gradients(UNetFixture& f) {
         const at::Tensor* p = params.find(name);
         ASSERT_NE(p, nullptr) << name;
         ASSERT_TRUE(p->grad().defined()) << name;
-        const double scale = std::max(1.0, expected.abs().max().item<double>());
+        // Gradients are O(1e-3..1e-2), so the 1e-4 tolerance is taken relative to each one's
+        // largest entry (observed errors are ~5e-6 of it).
+        const double scale = expected.abs().max().item<double>();
         EXPECT_LE(test::reported_diff(name, p->grad(), expected), kTol * scale) << name;
     }
 }
