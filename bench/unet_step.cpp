@@ -1,0 +1,119 @@
+// bench_unet_step: one SDXL-sized training step of the UNet (forward + backward) with random
+// weights, printed as JSON. Usage:
+//   bench_unet_step <unet/config.json> [--res 1024] [--batch 1] [--steps 10] [--warmup 3]
+//                   [--dtype bf16] [--checkpointing] [--channels-last]
+// Needs CUDA at run time (exits 0 with {"skipped": ...} without it); compiles without CUDA.
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#ifdef DTUNE_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+#include "core/dtype.h"
+#include "models/unet/unet_2d_condition.h"
+
+namespace {
+
+struct Args {
+    std::string config;
+    int64_t res = 1024, batch = 1, steps = 10, warmup = 3;
+    std::string dtype = "bf16";
+    bool checkpointing = false, channels_last = false;
+};
+
+Args parse(int argc, char** argv) {
+    Args a;
+    for (int i = 1; i < argc; ++i) {
+        const std::string s = argv[i];
+        auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
+        if (s == "--res") a.res = std::stoll(next());
+        else if (s == "--batch") a.batch = std::stoll(next());
+        else if (s == "--steps") a.steps = std::stoll(next());
+        else if (s == "--warmup") a.warmup = std::stoll(next());
+        else if (s == "--dtype") a.dtype = next();
+        else if (s == "--checkpointing") a.checkpointing = true;
+        else if (s == "--channels-last") a.channels_last = true;
+        else a.config = s;
+    }
+    return a;
+}
+
+void sync() {
+#ifdef DTUNE_WITH_CUDA
+    if (at::hasCUDA()) torch::cuda::synchronize();
+#endif
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    using namespace dtune;
+    const Args a = parse(argc, argv);
+    if (a.config.empty()) {
+        std::cerr << "usage: bench_unet_step <unet/config.json> [--res N] [--batch N] [--steps N] [--dtype bf16]\n";
+        return 2;
+    }
+    if (!at::hasCUDA()) {
+        std::cout << R"({"bench": "unet_step", "skipped": "no CUDA device"})" << std::endl;
+        return 0;
+    }
+    const auto dtype = parse_dtype(a.dtype);
+    const c10::Device dev(c10::kCUDA, 0);
+    std::filesystem::path cfg_path = a.config;
+    if (std::filesystem::is_directory(cfg_path)) cfg_path /= "config.json";
+    auto config = models::UNet2DConditionConfig::from_json(models::ConfigReader::from_file(cfg_path));
+    models::UNet2DConditionModel unet(config);  // random init on CPU in fp32, then moved
+    int64_t params = 0;
+    for (const auto& p : unet->parameters()) params += p.numel();
+    unet->to(dev, dtype);
+    unet->set_gradient_checkpointing(a.checkpointing);
+    unet->set_channels_last(a.channels_last);
+
+    const int64_t lat = a.res / 8;
+    auto opts = at::TensorOptions().device(dev).dtype(dtype);
+    const at::Tensor x = at::randn({a.batch, config.in_channels, lat, lat}, opts);
+    const at::Tensor t = at::randint(0, 1000, {a.batch}, at::TensorOptions().device(dev).dtype(at::kLong));
+    const at::Tensor ctx = at::randn({a.batch, 77, config.cross_attention_dim[0]}, opts);
+    models::UNetAddedCond added;
+    if (config.text_time_embedding) {
+        const int64_t n_ids = 6;
+        added.text_embeds = at::randn(
+            {a.batch, config.projection_class_embeddings_input_dim - n_ids * config.addition_time_embed_dim}, opts);
+        added.time_ids = at::tensor({1024.0, 1024, 0, 0, 1024, 1024}, opts).repeat({a.batch, 1});
+    }
+    std::vector<double> ms;
+    for (int64_t s = 0; s < a.warmup + a.steps; ++s) {
+        if (s == a.warmup) {
+#ifdef DTUNE_WITH_CUDA
+            c10::cuda::CUDACachingAllocator::resetPeakStats(0);
+#endif
+        }
+        sync();
+        const auto t0 = std::chrono::steady_clock::now();
+        unet->zero_grad(/*set_to_none=*/true);
+        unet->forward(x, t, ctx, added).to(at::kFloat).square().mean().backward();
+        sync();
+        const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        if (s >= a.warmup) ms.push_back(dt);
+    }
+    std::sort(ms.begin(), ms.end());
+    double peak_gib = -1;
+#ifdef DTUNE_WITH_CUDA
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
+    peak_gib = static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 30);
+#endif
+    std::cout << "{\"bench\": \"unet_step\", \"params\": " << params << ", \"res\": " << a.res
+              << ", \"batch\": " << a.batch << ", \"dtype\": \"" << a.dtype << "\", \"checkpointing\": "
+              << (a.checkpointing ? "true" : "false") << ", \"channels_last\": " << (a.channels_last ? "true" : "false")
+              << ", \"steps\": " << ms.size() << ", \"ms_per_step_median\": " << ms[ms.size() / 2]
+              << ", \"ms_per_step_min\": " << ms.front() << ", \"peak_allocated_gib\": " << peak_gib << "}" << std::endl;
+    return 0;
+}

@@ -1,0 +1,147 @@
+// Attention, feed-forward and transformer blocks (diffusers' attention.py / transformer_2d.py).
+#include "models/common/attention.h"
+
+#include <torch/autograd.h>
+#include <torch/nn/modules/dropout.h>
+
+#include "models/common/blocks.h"
+#include "models/common/checkpoint.h"
+
+namespace dtune::models {
+
+AttentionImpl::AttentionImpl(const AttentionOptions& o) : options_(o) {
+    const int64_t inner = o.heads * o.head_dim;
+    const int64_t kv_dim = o.cross_attention_dim > 0 ? o.cross_attention_dim : o.query_dim;
+    if (o.norm_groups > 0)
+        group_norm_ = register_module(
+            "group_norm",
+            torch::nn::GroupNorm(torch::nn::GroupNormOptions(o.norm_groups, o.query_dim).eps(o.norm_eps)));
+    to_q_ = register_module("to_q",
+                            torch::nn::Linear(torch::nn::LinearOptions(o.query_dim, inner).bias(o.qkv_bias)));
+    to_k_ =
+        register_module("to_k", torch::nn::Linear(torch::nn::LinearOptions(kv_dim, inner).bias(o.qkv_bias)));
+    to_v_ =
+        register_module("to_v", torch::nn::Linear(torch::nn::LinearOptions(kv_dim, inner).bias(o.qkv_bias)));
+    out_proj_ = torch::nn::Linear(inner, o.query_dim);
+    to_out_ = register_module("to_out", torch::nn::ModuleList(out_proj_, torch::nn::Dropout(0.0)));
+}
+
+at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context) {
+    const at::Tensor& kv = context.defined() ? context : x;
+    const int64_t b = x.size(0), heads = options_.heads, d = options_.head_dim;
+    auto split = [&](const at::Tensor& t) {
+        return t.view({b, -1, heads, d}).transpose(1, 2);
+    };  // [B, h, N, d]
+    at::Tensor q = split(to_q_->forward(x));
+    at::Tensor k = split(to_k_->forward(kv));
+    at::Tensor v = split(to_v_->forward(kv));
+    const auto dtype = q.scalar_type();
+    const bool upcast = options_.upcast && (dtype == at::kHalf || dtype == at::kBFloat16);
+    if (upcast) {
+        q = q.to(at::kFloat), k = k.to(at::kFloat), v = v.to(at::kFloat);
+    }
+    at::Tensor o = at::scaled_dot_product_attention(q, k, v);  // [B, h, N, d]
+    if (upcast) o = o.to(dtype);
+    o = o.transpose(1, 2).reshape({b, -1, heads * d});  // [B, N, h*d]
+    return out_proj_->forward(o);
+}
+
+at::Tensor AttentionImpl::forward_spatial(const at::Tensor& x) {
+    const int64_t b = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
+    at::Tensor t = group_norm_ ? group_norm_->forward(x) : x;
+    t = t.view({b, c, h * w}).transpose(1, 2);             // [B, HW, C]
+    t = forward(t).transpose(1, 2).reshape({b, c, h, w});  // [B, C, H, W]
+    return t + x;
+}
+
+GEGLUImpl::GEGLUImpl(int64_t dim_in, int64_t dim_out) {
+    proj_ = register_module("proj", torch::nn::Linear(dim_in, dim_out * 2));
+}
+
+at::Tensor GEGLUImpl::forward(const at::Tensor& x) {
+    auto parts = proj_->forward(x).chunk(2, -1);
+    return parts[0] * at::gelu(parts[1]);
+}
+
+FeedForwardImpl::FeedForwardImpl(int64_t dim) {
+    geglu_ = GEGLU(dim, dim * 4);
+    out_ = torch::nn::Linear(dim * 4, dim);
+    register_module("net", torch::nn::ModuleList(geglu_, torch::nn::Dropout(0.0), out_));
+}
+
+at::Tensor FeedForwardImpl::forward(const at::Tensor& x) {
+    return out_->forward(geglu_->forward(x));
+}
+
+BasicTransformerBlockImpl::BasicTransformerBlockImpl(const TransformerBlockOptions& o) : options_(o) {
+    auto layer_norm = [&] { return torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.dim}).eps(1e-5)); };
+    AttentionOptions a;
+    a.query_dim = o.dim;
+    a.heads = o.heads;
+    a.head_dim = o.head_dim;
+    a.upcast = o.upcast_attention;
+    norm1_ = register_module("norm1", layer_norm());
+    a.cross_attention_dim = o.only_cross_attention ? o.cross_attention_dim : 0;
+    attn1_ = register_module("attn1", Attention(a));
+    norm2_ = register_module("norm2", layer_norm());
+    a.cross_attention_dim = o.cross_attention_dim;
+    attn2_ = register_module("attn2", Attention(a));
+    norm3_ = register_module("norm3", layer_norm());
+    ff_ = register_module("ff", FeedForward(o.dim));
+}
+
+at::Tensor BasicTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& context) {
+    at::Tensor h =
+        x + attn1_->forward(norm1_->forward(x), options_.only_cross_attention ? context : at::Tensor());
+    h = h + attn2_->forward(norm2_->forward(h), context);
+    return h + ff_->forward(norm3_->forward(h));
+}
+
+Transformer2DModelImpl::Transformer2DModelImpl(const Transformer2DOptions& o) : options_(o) {
+    const int64_t inner = o.heads * o.head_dim;
+    norm_ = register_module(
+        "norm", torch::nn::GroupNorm(torch::nn::GroupNormOptions(o.norm_groups, o.in_channels).eps(1e-6)));
+    if (o.use_linear_projection)
+        proj_in_linear_ = register_module("proj_in", torch::nn::Linear(o.in_channels, inner));
+    else
+        proj_in_conv_ =
+            register_module("proj_in", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in_channels, inner, 1)));
+    auto list = register_module("transformer_blocks", torch::nn::ModuleList());
+    for (int64_t i = 0; i < o.num_layers; ++i) {
+        blocks_.push_back(BasicTransformerBlock(TransformerBlockOptions{
+            inner, o.heads, o.head_dim, o.cross_attention_dim, o.only_cross_attention, o.upcast_attention}));
+        list->push_back(blocks_.back());
+    }
+    if (o.use_linear_projection)
+        proj_out_linear_ = register_module("proj_out", torch::nn::Linear(inner, o.in_channels));
+    else
+        proj_out_conv_ =
+            register_module("proj_out", torch::nn::Conv2d(torch::nn::Conv2dOptions(inner, o.in_channels, 1)));
+}
+
+at::Tensor Transformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor& context) {
+    const int64_t b = x.size(0), h = x.size(2), w = x.size(3);
+    at::Tensor t = norm_->forward(x);
+    if (proj_in_conv_) t = proj_in_conv_->forward(t);
+    const int64_t inner = t.size(1);
+    t = t.permute({0, 2, 3, 1}).reshape({b, h * w, inner});  // [B, HW, C]
+    if (proj_in_linear_) t = proj_in_linear_->forward(t);
+    const bool checkpoint = options_.gradient_checkpointing && at::GradMode::is_enabled();
+    for (auto& block : blocks_) {
+        if (checkpoint) {
+            auto fn = [impl = block.ptr()](const std::vector<at::Tensor>& in) {
+                return impl->forward(in[0], in[1]);
+            };
+            t = checkpointed(fn, {t, context}, parameter_list(*block));
+        } else {
+            t = block->forward(t, context);
+        }
+    }
+    if (proj_out_linear_) t = proj_out_linear_->forward(t);
+    const int64_t out_c = t.size(2);
+    t = t.reshape({b, h, w, out_c}).permute({0, 3, 1, 2}).contiguous();  // [B, C, H, W]
+    if (proj_out_conv_) t = proj_out_conv_->forward(t);
+    return t + x;
+}
+
+}  // namespace dtune::models

@@ -1,0 +1,93 @@
+// Convolutional building blocks: time embedding, ResNet block, down/up sampling.
+#include "models/common/blocks.h"
+
+#include <torch/nn/functional.h>
+
+#include <cmath>
+
+namespace dtune::models {
+
+namespace F = torch::nn::functional;
+
+at::Tensor timestep_embedding(const at::Tensor& timesteps, int64_t dim, bool flip_sin_to_cos,
+                              double freq_shift) {
+    const int64_t half = dim / 2;
+    auto opts = at::TensorOptions().dtype(at::kFloat).device(timesteps.device());
+    at::Tensor exponent =
+        -std::log(10000.0) * at::arange(0, half, opts) / (static_cast<double>(half) - freq_shift);
+    at::Tensor args = timesteps.to(at::kFloat).unsqueeze(1) * exponent.exp().unsqueeze(0);  // [N, half]
+    at::Tensor emb =
+        flip_sin_to_cos ? at::cat({args.cos(), args.sin()}, -1) : at::cat({args.sin(), args.cos()}, -1);
+    if (dim % 2 == 1) emb = at::constant_pad_nd(emb, {0, 1});
+    return emb;  // [N, dim]
+}
+
+TimestepEmbeddingImpl::TimestepEmbeddingImpl(int64_t in_channels, int64_t time_embed_dim) {
+    linear_1_ = register_module("linear_1", torch::nn::Linear(in_channels, time_embed_dim));
+    linear_2_ = register_module("linear_2", torch::nn::Linear(time_embed_dim, time_embed_dim));
+}
+
+at::Tensor TimestepEmbeddingImpl::forward(const at::Tensor& x) {
+    return linear_2_->forward(at::silu(linear_1_->forward(x)));
+}
+
+namespace {
+
+torch::nn::GroupNorm group_norm(int64_t groups, int64_t channels, double eps) {
+    return torch::nn::GroupNorm(torch::nn::GroupNormOptions(groups, channels).eps(eps));
+}
+
+torch::nn::Conv2d conv(int64_t in, int64_t out, int64_t kernel, int64_t stride = 1, int64_t padding = -1) {
+    if (padding < 0) padding = kernel / 2;
+    return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, kernel).stride(stride).padding(padding));
+}
+
+}  // namespace
+
+ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options_(o) {
+    norm1_ = register_module("norm1", group_norm(o.groups, o.in_channels, o.eps));
+    conv1_ = register_module("conv1", conv(o.in_channels, o.out_channels, 3));
+    if (o.temb_channels > 0)
+        time_emb_proj_ = register_module("time_emb_proj", torch::nn::Linear(o.temb_channels, o.out_channels));
+    norm2_ = register_module("norm2", group_norm(o.groups, o.out_channels, o.eps));
+    conv2_ = register_module("conv2", conv(o.out_channels, o.out_channels, 3));
+    if (o.in_channels != o.out_channels)
+        conv_shortcut_ = register_module("conv_shortcut", conv(o.in_channels, o.out_channels, 1));
+}
+
+at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
+    at::Tensor h = conv1_->forward(at::silu(norm1_->forward(x)));
+    if (time_emb_proj_ && temb.defined()) {
+        h = h + time_emb_proj_->forward(at::silu(temb)).unsqueeze(-1).unsqueeze(-1);  // [B, C, 1, 1]
+    }
+    h = conv2_->forward(at::silu(norm2_->forward(h)));
+    at::Tensor shortcut = conv_shortcut_ ? conv_shortcut_->forward(x) : x;
+    at::Tensor out = shortcut + h;
+    if (options_.output_scale_factor != 1.0) out = out / options_.output_scale_factor;
+    return out;
+}
+
+Downsample2DImpl::Downsample2DImpl(int64_t channels, int64_t padding) : padding_(padding) {
+    conv_ = register_module("conv", conv(channels, channels, 3, 2, padding));
+}
+
+at::Tensor Downsample2DImpl::forward(const at::Tensor& x) {
+    if (padding_ == 0) return conv_->forward(at::constant_pad_nd(x, {0, 1, 0, 1}, 0));
+    return conv_->forward(x);
+}
+
+Upsample2DImpl::Upsample2DImpl(int64_t channels) {
+    conv_ = register_module("conv", conv(channels, channels, 3));
+}
+
+at::Tensor Upsample2DImpl::forward(const at::Tensor& x, std::optional<std::vector<int64_t>> size) {
+    std::vector<int64_t> out_size = size ? *size : std::vector<int64_t>{x.size(2) * 2, x.size(3) * 2};
+    at::Tensor up = at::upsample_nearest2d(x, out_size);  // [B, C, 2H, 2W] or [B, C, size]
+    return conv_->forward(up);
+}
+
+std::vector<at::Tensor> parameter_list(const torch::nn::Module& module) {
+    return module.parameters(true);
+}
+
+}  // namespace dtune::models

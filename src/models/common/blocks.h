@@ -1,0 +1,85 @@
+// Convolutional building blocks shared by the UNet and the VAE, named as in diffusers
+// (`norm1`, `conv1`, `time_emb_proj`, `conv_shortcut`, `downsamplers.0.conv`, `linear_1`, ...).
+//
+// Tensors are NCHW (or channels-last strided NCHW). Every block computes in the dtype of its
+// weights; callers cast inputs.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+
+#include <optional>
+#include <vector>
+
+namespace dtune::models {
+
+// diffusers' get_timestep_embedding: [N] timesteps -> [N, dim] float32 sinusoids, frequencies
+// exp(-ln(10000) * i / (dim/2 - freq_shift)); [sin, cos] or [cos, sin] when flip_sin_to_cos.
+at::Tensor timestep_embedding(const at::Tensor& timesteps, int64_t dim, bool flip_sin_to_cos,
+                              double freq_shift);
+
+// linear_1 -> SiLU -> linear_2 (diffusers' TimestepEmbedding with act_fn "silu").
+class TimestepEmbeddingImpl : public torch::nn::Module {
+  public:
+    TimestepEmbeddingImpl(int64_t in_channels, int64_t time_embed_dim);
+    at::Tensor forward(const at::Tensor& x);
+
+  private:
+    torch::nn::Linear linear_1_{nullptr}, linear_2_{nullptr};
+};
+TORCH_MODULE(TimestepEmbedding);
+
+struct ResnetBlock2DOptions {
+    int64_t in_channels = 0;
+    int64_t out_channels = 0;
+    int64_t temb_channels = 0;  // 0: no time embedding (VAE)
+    int64_t groups = 32;
+    double eps = 1e-6;
+    double output_scale_factor = 1.0;
+};
+
+// GroupNorm -> SiLU -> conv -> (+ time embedding) -> GroupNorm -> SiLU -> conv, plus a 1x1
+// shortcut when the channel count changes; the sum is divided by output_scale_factor.
+class ResnetBlock2DImpl : public torch::nn::Module {
+  public:
+    explicit ResnetBlock2DImpl(const ResnetBlock2DOptions& options);
+    // temb: [B, temb_channels] or undefined.
+    at::Tensor forward(const at::Tensor& x, const at::Tensor& temb = {});
+
+  private:
+    ResnetBlock2DOptions options_;
+    torch::nn::GroupNorm norm1_{nullptr}, norm2_{nullptr};
+    torch::nn::Conv2d conv1_{nullptr}, conv2_{nullptr}, conv_shortcut_{nullptr};
+    torch::nn::Linear time_emb_proj_{nullptr};
+};
+TORCH_MODULE(ResnetBlock2D);
+
+// Strided 3x3 conv (`conv`). padding 0 pads right/bottom by one first (the VAE's layout).
+class Downsample2DImpl : public torch::nn::Module {
+  public:
+    Downsample2DImpl(int64_t channels, int64_t padding);
+    at::Tensor forward(const at::Tensor& x);
+
+  private:
+    int64_t padding_;
+    torch::nn::Conv2d conv_{nullptr};
+};
+TORCH_MODULE(Downsample2D);
+
+// Nearest 2x upsampling (or to `size`, for latents not divisible by the UNet's factor) + 3x3 conv.
+class Upsample2DImpl : public torch::nn::Module {
+  public:
+    explicit Upsample2DImpl(int64_t channels);
+    at::Tensor forward(const at::Tensor& x, std::optional<std::vector<int64_t>> size = std::nullopt);
+
+  private:
+    torch::nn::Conv2d conv_{nullptr};
+};
+TORCH_MODULE(Upsample2D);
+
+// The parameters of a module as a list (for checkpointed()).
+std::vector<at::Tensor> parameter_list(const torch::nn::Module& module);
+
+}  // namespace dtune::models

@@ -1,0 +1,32 @@
+// Loading one diffusers component folder (`unet/`, `vae/`): config.json plus
+// diffusion_pytorch_model.safetensors or its sharded index, into a requested dtype and device.
+#pragma once
+
+#include <torch/nn/module.h>
+
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "models/common/config_json.h"
+
+namespace dtune::models {
+
+struct ComponentLoadOptions {
+    c10::ScalarType dtype = c10::kFloat;
+    c10::Device device = c10::Device(c10::kCPU);
+    bool channels_last = false;  // convolution weights (and inputs) in NHWC memory order
+};
+
+// Reads `<dir>/config.json`; DataError naming the path when the folder or file is missing.
+ConfigReader read_component_config(const std::filesystem::path& dir, const std::string& what);
+
+// Moves `module` to dtype/device, then loads the folder's weights strictly (missing/unexpected keys
+// are listed in a DataError).
+void load_component_weights(torch::nn::Module& module, const std::filesystem::path& dir,
+                            const ComponentLoadOptions& options, const std::string& what);
+
+// Restrides every 4-D parameter to channels-last (NHWC) memory order, in place.
+void convert_to_channels_last(torch::nn::Module& module);
+
+}  // namespace dtune::models

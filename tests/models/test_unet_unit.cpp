@@ -1,0 +1,218 @@
+// UNet2DConditionModel without reference outputs: an SD 1.x-style config (conv projections,
+// int attention_head_dim, no addition embedding, upcast_attention) builds with diffusers' key
+// names and round-trips through safetensors; gradient checkpointing gives the plain gradients;
+// channels-last and bf16 agree with fp32; unsupported config values and missing files give errors
+// naming the key or path.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "core/error.h"
+#include "io/safetensors.h"
+#include "model_test_util.h"
+#include "models/common/checkpoint.h"
+#include "models/common/weights.h"
+#include "models/unet/unet_2d_condition.h"
+#include "support/test_support.h"
+
+namespace dtune::models {
+namespace {
+
+// A tiny SD 1.x-shaped config in diffusers' spelling (no use_linear_projection key: conv proj).
+nlohmann::json sd1_config() {
+    return nlohmann::json::parse(R"({
+      "_class_name": "UNet2DConditionModel", "act_fn": "silu", "attention_head_dim": 4,
+      "block_out_channels": [32, 64, 64], "center_input_sample": false, "cross_attention_dim": 48,
+      "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+      "downsample_padding": 1, "flip_sin_to_cos": true, "freq_shift": 0, "in_channels": 4,
+      "layers_per_block": 1, "mid_block_scale_factor": 1, "norm_eps": 1e-05, "norm_num_groups": 32,
+      "out_channels": 4, "sample_size": 16, "upcast_attention": true,
+      "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"]})");
+}
+
+UNet2DConditionModel build(const nlohmann::json& json) {
+    return UNet2DConditionModel(UNet2DConditionConfig::from_json(ConfigReader(json, "test config.json")));
+}
+
+struct Inputs {
+    at::Tensor sample, timestep, context;
+};
+
+Inputs inputs(int64_t h = 16, int64_t w = 16) {
+    at::manual_seed(3);
+    return {at::randn({2, 4, h, w}), at::tensor({10, 700}, at::kLong), at::randn({2, 7, 48})};
+}
+
+TEST(UNetUnit, TimestepEmbeddingIsTheClosedForm) {
+    // dim 4, half 2: frequencies exp(-ln(1e4) * i / 2) = {1, 0.01}; flip puts cos first.
+    const at::Tensor e = timestep_embedding(at::tensor({0.0, 1.0}), 4, /*flip_sin_to_cos=*/true, 0.0);
+    const double expected[2][4] = {{1, 1, 0, 0},
+                                   {std::cos(1.0), std::cos(0.01), std::sin(1.0), std::sin(0.01)}};
+    for (int r = 0; r < 2; ++r)
+        for (int c = 0; c < 4; ++c)
+            EXPECT_NEAR(e[r][c].item<double>(), expected[r][c], 1e-6) << r << "," << c;
+    // freq_shift 1: denominator half - 1 = 1, so frequencies {1, 1e-4}; no flip keeps sin first.
+    const at::Tensor s = timestep_embedding(at::tensor({1.0}), 4, false, 1.0);
+    EXPECT_NEAR(s[0][1].item<double>(), std::sin(1e-4), 1e-9);
+    EXPECT_NEAR(s[0][3].item<double>(), std::cos(1e-4), 1e-6);
+}
+
+TEST(UNetUnit, SD1ConfigBuildsWithDiffusersNamesAndShapes) {
+    UNet2DConditionModel unet = build(sd1_config());
+    auto params = unet->named_parameters(true);
+    // Conv projections (SD 1.x) are 1x1 convolutions; 4 heads on 32 channels.
+    const at::Tensor* proj_in = params.find("down_blocks.0.attentions.0.proj_in.weight");
+    ASSERT_NE(proj_in, nullptr);
+    EXPECT_EQ(proj_in->sizes(), (std::vector<int64_t>{32, 32, 1, 1}));
+    EXPECT_NE(params.find("down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.weight"), nullptr);
+    EXPECT_EQ(params.find("down_blocks.0.attentions.0.transformer_blocks.0.attn2.to_k.weight")->size(1), 48);
+    EXPECT_NE(params.find("down_blocks.0.attentions.0.transformer_blocks.0.ff.net.2.weight"), nullptr);
+    EXPECT_NE(params.find("up_blocks.2.attentions.1.transformer_blocks.0.attn1.to_out.0.bias"), nullptr);
+    EXPECT_NE(params.find("down_blocks.1.downsamplers.0.conv.weight"), nullptr);
+    EXPECT_NE(params.find("up_blocks.0.upsamplers.0.conv.weight"), nullptr);
+    EXPECT_EQ(params.find("up_blocks.0.attentions.0.norm.weight"), nullptr);  // UpBlock2D has no attention
+    EXPECT_EQ(params.find("add_embedding.linear_1.weight"), nullptr);
+    // Up block 2 ResNet 0: 64 from below + 32 skip channels in.
+    EXPECT_EQ(params.find("up_blocks.2.resnets.0.conv1.weight")->size(1), 96);
+
+    torch::NoGradGuard no_grad;
+    const Inputs in = inputs();
+    EXPECT_EQ(unet->forward(in.sample, in.timestep, in.context).sizes(), in.sample.sizes());
+    // 18x14 is not a multiple of the factor 4: upsampling follows the skips' sizes.
+    const Inputs odd = inputs(18, 14);
+    EXPECT_EQ(unet->forward(odd.sample, odd.timestep, odd.context).sizes(), odd.sample.sizes());
+}
+
+TEST(UNetUnit, SaveAndLoadRoundTripsAFolder) {
+    test::TempDir dir;
+    const auto folder = dir.path() / "unet";
+    std::filesystem::create_directories(folder);
+    UNet2DConditionModel a = build(sd1_config());
+    io::save_safetensors(folder / "diffusion_pytorch_model.safetensors", state_dict(*a));
+    std::ofstream(folder / "config.json") << sd1_config().dump();
+    UNet2DConditionModel b = load_unet(folder);
+    torch::NoGradGuard no_grad;
+    const Inputs in = inputs();
+    EXPECT_TRUE(at::equal(a->forward(in.sample, in.timestep, in.context),
+                          b->forward(in.sample, in.timestep, in.context)));
+
+    ComponentLoadOptions bf16;
+    bf16.dtype = at::kBFloat16;
+    UNet2DConditionModel c = load_unet(folder, bf16);
+    EXPECT_EQ(c->parameters()[0].scalar_type(), at::kBFloat16);
+    const at::Tensor ref = a->forward(in.sample, in.timestep, in.context);
+    const at::Tensor low = c->forward(in.sample, in.timestep, in.context);
+    EXPECT_EQ(low.scalar_type(), at::kBFloat16);
+    EXPECT_LE(test::max_abs_diff(low, ref), 0.1 * ref.abs().max().item<double>());
+}
+
+TEST(UNetUnit, CheckpointingGivesTheSameGradients) {
+    UNet2DConditionModel unet = build(sd1_config());
+    const Inputs in = inputs();
+    auto grads = [&](bool checkpoint) {
+        unet->set_gradient_checkpointing(checkpoint);
+        unet->zero_grad();
+        unet->forward(in.sample, in.timestep, in.context).square().mean().backward();
+        std::vector<at::Tensor> out;
+        for (const auto& p : unet->parameters()) out.push_back(p.grad().clone());
+        return out;
+    };
+    const auto plain = grads(false);
+    const auto recomputed = grads(true);
+    ASSERT_EQ(plain.size(), recomputed.size());
+    for (std::size_t i = 0; i < plain.size(); ++i) {
+        ASSERT_TRUE(recomputed[i].defined()) << i;
+        EXPECT_LE(test::max_abs_diff(plain[i], recomputed[i]),
+                  1e-6 + 1e-5 * plain[i].abs().max().item<double>())
+            << i;
+    }
+}
+
+TEST(UNetUnit, CheckpointedFunctionRecomputesInBackward) {
+    at::Tensor x = torch::randn({3, 4}, torch::requires_grad());
+    at::Tensor w = torch::randn({4}, torch::requires_grad());
+    int calls = 0;
+    auto fn = [&](const std::vector<at::Tensor>& in) {
+        ++calls;
+        return (in[0] * w).sin();
+    };
+    checkpointed(fn, {x}, {w}).sum().backward();
+    EXPECT_EQ(calls, 2);  // once in forward, once in backward
+    // d/dx sum(sin(x*w)) = cos(x*w) * w; d/dw = sum_rows cos(x*w) * x
+    const at::Tensor c = (x * w).cos().detach();
+    EXPECT_LE(test::max_abs_diff(x.grad(), c * w.detach()), 1e-6);
+    EXPECT_LE(test::max_abs_diff(w.grad(), (c * x.detach()).sum(0)), 1e-6);
+}
+
+TEST(UNetUnit, ChannelsLastMatchesContiguous) {
+    UNet2DConditionModel unet = build(sd1_config());
+    torch::NoGradGuard no_grad;
+    const Inputs in = inputs();
+    const at::Tensor ref = unet->forward(in.sample, in.timestep, in.context);
+    unet->set_channels_last(true);
+    EXPECT_TRUE(unet->named_parameters()["conv_in.weight"].is_contiguous(at::MemoryFormat::ChannelsLast));
+    EXPECT_LE(test::max_abs_diff(unet->forward(in.sample, in.timestep, in.context), ref), 1e-5);
+}
+
+void expect_usage_error(nlohmann::json json, const std::string& key) {
+    try {
+        build(json);
+        ADD_FAILURE() << "no error for " << key;
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("`" + key + "`"), std::string::npos) << e.what();
+    }
+}
+
+TEST(UNetUnit, UnsupportedConfigValuesNameTheKey) {
+    auto j = sd1_config();
+    j["addition_embed_type"] = "text";
+    expect_usage_error(j, "addition_embed_type");
+    j = sd1_config();
+    j["resnet_time_scale_shift"] = "scale_shift";
+    expect_usage_error(j, "resnet_time_scale_shift");
+    j = sd1_config();
+    j["down_block_types"][0] = "AttnDownBlock2D";
+    expect_usage_error(j, "down_block_types");
+    j = sd1_config();
+    j["class_embed_type"] = "timestep";
+    expect_usage_error(j, "class_embed_type");
+    j = sd1_config();
+    j["attention_head_dim"] = {4, 4};  // wrong length is a DataError naming the key
+    EXPECT_THROW(build(j), DataError);
+}
+
+TEST(UNetUnit, MissingFolderOrConfigNamesThePath) {
+    test::TempDir dir;
+    try {
+        load_unet(dir / "nope");
+        ADD_FAILURE();
+    } catch (const DataError& e) {
+        EXPECT_NE(std::string(e.what()).find((dir / "nope").string()), std::string::npos) << e.what();
+    }
+    try {
+        load_unet(dir.path());
+        ADD_FAILURE();
+    } catch (const DataError& e) {
+        EXPECT_NE(std::string(e.what()).find((dir / "config.json").string()), std::string::npos) << e.what();
+    }
+}
+
+TEST(UNetUnit, SDXLWithoutAddedConditioningIsAUsageError) {
+    auto j = sd1_config();
+    j["addition_embed_type"] = "text_time";
+    j["addition_time_embed_dim"] = 8;
+    j["projection_class_embeddings_input_dim"] = 80;
+    UNet2DConditionModel unet = build(j);
+    torch::NoGradGuard no_grad;
+    const Inputs in = inputs();
+    EXPECT_THROW(unet->forward(in.sample, in.timestep, in.context), UsageError);
+    // 32 pooled + 6 ids * 8 = 80 features
+    EXPECT_EQ(
+        unet->forward(in.sample, in.timestep, in.context, {at::randn({2, 32}), at::randn({2, 6})}).sizes(),
+        in.sample.sizes());
+}
+
+}  // namespace
+}  // namespace dtune::models
