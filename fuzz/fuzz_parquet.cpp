@@ -13,8 +13,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     dtune::io::ParquetLimits limits;
     limits.max_page_bytes = std::size_t{16} << 20;
     try {
-        const auto file =
-            dtune::io::ParquetFile::from_buffer(std::vector<std::uint8_t>(data, data + size), "fuzz.parquet", limits);
+        const auto file = dtune::io::ParquetFile::from_buffer(std::vector<std::uint8_t>(data, data + size),
+                                                              "fuzz.parquet", limits);
         // Null runs cost a few bytes per billion rows; cap rows so memory stays within the fuzzer's limit.
         if (file.num_rows() > 200000) return 0;
         for (std::size_t i = 0; i < file.columns().size(); ++i) {

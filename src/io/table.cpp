@@ -37,6 +37,15 @@ const std::vector<Cell>& Table::column(std::string_view name) const {
     return columns_[static_cast<std::size_t>(index)];
 }
 
+std::vector<Cell> Table::row(std::size_t index) const {
+    DTUNE_CHECK_AS(UsageError, index < num_rows_, "row ", index, " out of range for a table of ", num_rows_,
+                   " rows");
+    std::vector<Cell> cells;
+    cells.reserve(columns_.size());
+    for (const auto& column : columns_) cells.push_back(column[index]);
+    return cells;
+}
+
 std::string to_display(const Cell& cell) {
     if (!cell) return "null";
     std::ostringstream out;

@@ -35,6 +35,8 @@ class Table {
     // Throws DataError naming the missing column and the columns present.
     const std::vector<Cell>& column(std::string_view name) const;
     const Cell& at(std::size_t row, std::string_view name) const { return column(name).at(row); }
+    // One row as cells in column order (copies; prefer column() for bulk access).
+    std::vector<Cell> row(std::size_t index) const;
 
   private:
     std::vector<std::string> names_;

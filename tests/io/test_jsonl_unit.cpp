@@ -64,6 +64,9 @@ TEST(TableUnit, RejectsDuplicateNamesAndRaggedColumns) {
     EXPECT_THROW(t.add_column("a", {Cell(), Cell()}), UsageError);
     EXPECT_THROW(t.add_column("b", {Cell()}), UsageError);
     EXPECT_THROW(t.column("zzz"), DataError);
+    t.add_column("b", {Cell(std::int64_t{1}), Cell(std::string("x"))});
+    EXPECT_EQ(t.row(1), (std::vector<Cell>{Cell(), Cell(std::string("x"))}));
+    EXPECT_THROW(t.row(2), UsageError);
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "io/jsonl_table.h"
 #include "io/parquet.h"
+#include "io/table_file.h"
 #include "support/test_support.h"
 
 namespace dtune::io {
@@ -178,6 +179,18 @@ TEST(JsonlFixtures, ExpectedRowsReadLikeParquet) {
             ASSERT_EQ(jsonl.at(r, name), pq.at(r, name)) << r << name;
         }
     }
+}
+
+TEST(TableFileFixtures, DispatchesByExtensionAndSelectsColumns) {
+    const std::vector<std::string> wanted = {"caption", "filename"};
+    const Table pq = read_table_file(parquet_dir() / "snappy_dict_v1.parquet", wanted);
+    const Table jl = read_table_file(parquet_dir() / "expected_rows.jsonl", wanted);
+    EXPECT_EQ(pq.names(), wanted);
+    EXPECT_EQ(jl.names(), wanted);
+    ASSERT_EQ(pq.num_rows(), 2500u);
+    for (const auto& name : wanted) EXPECT_EQ(pq.column(name), jl.column(name)) << name;
+    EXPECT_THROW(read_table_file(parquet_dir() / "expected_rows.jsonl", {"nope"}), DataError);
+    EXPECT_THROW(read_table_file(parquet_dir() / "README.json.csv"), UsageError);
 }
 
 }  // namespace
