@@ -58,9 +58,13 @@ void Optimizer::load_state_dict(const TensorMap& state) {
                        "\" names no parameter of this ", this->name(),
                        " optimizer; resume with the same model, adapter and targets as the checkpoint");
         const at::Tensor& p = *it->second;
+        // State is a scalar, shaped like the parameter, or (Adafactor) reduced to 1 along some dims.
         const bool scalar = value.dim() == 0;
-        DTUNE_CHECK_AS(DataError, scalar || value.sizes() == p.sizes(), "optimizer state \"", full,
-                       "\" has shape ", value.sizes(), " but the parameter has ", p.sizes(),
+        bool fits = scalar || value.dim() == p.dim();
+        for (int64_t d = 0; fits && !scalar && d < p.dim(); ++d)
+            fits = value.size(d) == p.size(d) || value.size(d) == 1;
+        DTUNE_CHECK_AS(DataError, fits, "optimizer state \"", full, "\" has shape ", value.sizes(),
+                       " but the parameter has ", p.sizes(),
                        "; the checkpoint belongs to a different model configuration");
         loaded[name][full.substr(dot + 1)] = scalar ? value.clone() : value.to(p.device()).clone();
     }
@@ -116,6 +120,76 @@ void SGD::step() {
                 d = options_.nesterov ? d.add(it->second, options_.momentum) : it->second;
             }
             p.add_(d, -g.lr);
+        }
+    }
+}
+
+// ---- Adafactor ----------------------------------------------------------------------------------
+
+namespace {
+
+// torch.finfo(dtype).eps
+double machine_epsilon(at::ScalarType t) {
+    switch (t) {
+        case at::kDouble: return std::numeric_limits<double>::epsilon();
+        case at::kBFloat16: return 0.0078125;  // 2^-7
+        case at::kHalf: return 0.0009765625;   // 2^-10
+        default: return std::numeric_limits<float>::epsilon();
+    }
+}
+
+}  // namespace
+
+Adafactor::Adafactor(std::vector<ParamGroup> groups, AdafactorOptions options)
+    : Optimizer(std::move(groups)), options_(options) {}
+
+void Adafactor::step() {
+    at::NoGradGuard no_grad;
+    for (auto& g : groups_) {
+        for (size_t i = 0; i < g.params.size(); ++i) {
+            at::Tensor& p = g.params[i];
+            if (!p.grad().defined()) continue;
+            const at::Tensor grad = p.grad();
+            const bool factored = grad.dim() > 1;
+            TensorMap& st = state_of(g.names[i]);
+            if (!st.count("step")) {
+                st["step"] = at::zeros({}, at::kFloat);
+                if (factored) {
+                    auto row = grad.sizes().vec();
+                    row.back() = 1;
+                    auto col = grad.sizes().vec();
+                    col[col.size() - 2] = 1;
+                    st["row_var"] = at::zeros(row, grad.options());  // [..., R, 1]
+                    st["col_var"] = at::zeros(col, grad.options());  // [..., 1, C]
+                } else {
+                    st["variance"] = at::zeros_like(grad);
+                }
+            }
+            const double t = st["step"].add_(1).item<double>();
+            const double eps1 = options_.eps1.value_or(machine_epsilon(p.scalar_type()));
+            const double one_minus_beta2 = std::pow(t, options_.beta2_decay);
+            const double rho = std::min(g.lr, 1.0 / std::sqrt(t));
+            const double rms = p.norm().item<double>() / std::sqrt(static_cast<double>(p.numel()));
+            const double alpha = std::max(options_.eps2, rms) * rho;
+            if (g.weight_decay != 0) p.mul_(1 - g.lr * g.weight_decay);
+            at::Tensor estimate;
+            if (factored) {
+                at::Tensor& row = st["row_var"];
+                at::Tensor& col = st["col_var"];
+                row.lerp_(at::linalg_vector_norm(grad, 2, {-1}, true).square_().div_(grad.size(-1)),
+                          one_minus_beta2);
+                col.lerp_(at::linalg_vector_norm(grad, 2, {-2}, true).square_().div_(grad.size(-2)),
+                          one_minus_beta2);
+                estimate = at::matmul(row, col).div_(row.mean({-2}, true).clamp_(eps1));  // [..., R, C]
+            } else {
+                st["variance"].lerp_(grad * grad, one_minus_beta2);
+                estimate = st["variance"].clone();
+            }
+            at::Tensor update = estimate.clamp_(eps1 * eps1).rsqrt_().mul_(grad);
+            const double denom =
+                std::max(1.0, update.norm().item<double>() /
+                                  (std::sqrt(static_cast<double>(update.numel())) * options_.d));
+            p.add_(update, -alpha / denom);
         }
     }
 }

@@ -151,6 +151,28 @@ class SGD : public Optimizer {
     SGDOptions options_;
 };
 
+// ---- Adafactor -----------------------------------------------------------------------------------
+
+struct AdafactorOptions {
+    double beta2_decay = -0.8;   // 1 - beta2_t = step^beta2_decay
+    std::optional<double> eps1;  // variance floor; unset: the dtype's machine epsilon
+    double eps2 = 1e-3;          // floor of the parameter RMS in the step size
+    double d = 1.0;              // update clipping threshold
+};
+
+// torch.optim.Adafactor (Shazeer & Stern 2018 as torch implements it): factored second moments (row
+// and column means of grad^2) for parameters of 2+ dims, a full one for vectors; relative step size
+// min(lr, 1/sqrt(t)) x max(eps2, RMS(p)); decoupled weight decay; no first moment.
+class Adafactor : public Optimizer {
+  public:
+    Adafactor(std::vector<ParamGroup> groups, AdafactorOptions options = {});
+    const char* name() const override { return "adafactor"; }
+    void step() override;
+
+  private:
+    AdafactorOptions options_;
+};
+
 // ---- gradient clipping --------------------------------------------------------------------------
 
 // torch.nn.utils.clip_grad_norm_: scales all gradients by min(1, max_norm / (total + 1e-6)), where

@@ -102,6 +102,19 @@ TEST(SGD, MatchesTorchVariants) {
     }
 }
 
+TEST(Adafactor, MatchesTorch) {
+    auto params = fresh_params();  // a [3, 4] matrix (factored moments) and a [5] vector
+    Adafactor opt({group_of(params, 1e-2, 0.01)});
+    run_steps(opt, params, 0, 5);
+    for (int i = 0; i < 2; ++i) EXPECT_LE(max_abs_diff(params[i], get(str("adafactor.", i))), 1e-6);
+    const TensorMap st = opt.state_dict();
+    EXPECT_EQ(st.at("a.weight.row_var").sizes(), (at::IntArrayRef{3, 1}));
+    EXPECT_EQ(st.at("a.weight.col_var").sizes(), (at::IntArrayRef{1, 4}));
+    Adafactor again({group_of(fresh_params(), 1e-2, 0.01)});
+    again.load_state_dict(st);  // factored shapes load back
+    EXPECT_EQ(again.state_dict().size(), st.size());
+}
+
 TEST(Lion, HandComputedSteps) {
     at::Tensor p = at::ones({1}, at::kDouble).requires_grad_(true);
     Lion opt({ParamGroup{{"w"}, {p}, 0.1, 0.1}});

@@ -45,6 +45,7 @@ for i, p in enumerate(params):
     T[f"adamw.exp_avg_sq.{i}"] = opt.state[p]["exp_avg_sq"].clone()
 run("sgd", lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01, foreach=False))
 run("sgd_nesterov", lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, foreach=False))
+run("adafactor", lambda ps: torch.optim.Adafactor(ps, lr=1e-2, weight_decay=0.01, foreach=False))
 run("sgd_plain", lambda ps: torch.optim.SGD(ps, lr=0.05, foreach=False))
 
 # --- gradient clipping
