@@ -9,21 +9,8 @@
 
 namespace dtune::diffusion {
 
-namespace {
-
-struct AlphaSigma {
-    float alpha;
-    float sigma;
-    float lambda;  // log(alpha) - log(sigma): the half log-SNR the solver steps in
-};
-
-AlphaSigma vp_from_sigma(float s) {
-    const float alpha = 1.0f / std::sqrt(s * s + 1.0f);
-    const float sigma = s * alpha;
-    return {alpha, sigma, std::log(alpha) - std::log(sigma)};
-}
-
-}  // namespace
+using detail::AlphaSigma;
+using detail::vp_from_sigma;
 
 DPMSolverSampler::DPMSolverSampler(const SchedulerConfig& config) : Sampler(config) {
     if (config.schedule.rescale_betas_zero_snr) alphas_cumprod_[-1].fill_(std::pow(2.0, -24));
@@ -31,33 +18,13 @@ DPMSolverSampler::DPMSolverSampler(const SchedulerConfig& config) : Sampler(conf
 
 void DPMSolverSampler::set_timesteps(int64_t n) {
     const int64_t num_train = config_.schedule.num_train_timesteps;
-    DTUNE_CHECK_AS(UsageError, n >= 1 && n <= num_train, "number of inference steps is ", n,
-                   "; it must be between 1 and num_train_timesteps (", num_train, ")");
     // Drop the noisiest timesteps whose half log-SNR is below lambda_min_clipped.
     const at::Tensor lambdas =
         at::log(alphas_cumprod_.sqrt()) - at::log((1 - alphas_cumprod_).sqrt());  // [T]
     const int64_t clipped = (lambdas < config_.lambda_min_clipped).sum().item<int64_t>();
     const int64_t last = num_train - clipped;
-    std::vector<double> t;
-    switch (config_.timestep_spacing) {
-        case TimestepSpacing::kLinspace: {
-            auto v = detail::np_linspace(0, static_cast<double>(last - 1), n + 1);
-            for (int64_t k = n; k >= 1; --k) t.push_back(detail::np_round(v[static_cast<size_t>(k)]));
-            break;
-        }
-        case TimestepSpacing::kLeading: {
-            const int64_t ratio = last / (n + 1);
-            for (int64_t k = n; k >= 1; --k)
-                t.push_back(static_cast<double>(k * ratio + config_.steps_offset));
-            break;
-        }
-        case TimestepSpacing::kTrailing: {
-            const double ratio = static_cast<double>(num_train) / static_cast<double>(n);
-            for (double v : detail::np_arange(static_cast<double>(last), 0.0, -ratio))
-                t.push_back(detail::np_round(v) - 1);
-            break;
-        }
-    }
+    std::vector<double> t =
+        detail::multistep_timesteps(config_.timestep_spacing, num_train, last, n, config_.steps_offset);
     const std::vector<double> train = detail::train_sigmas(alphas_cumprod_);
     std::vector<double> sigmas;
     if (config_.use_karras_sigmas) {

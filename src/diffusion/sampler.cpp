@@ -7,6 +7,7 @@
 #include "diffusion/ddim.h"
 #include "diffusion/dpm_solver.h"
 #include "diffusion/euler.h"
+#include "diffusion/unipc.h"
 
 namespace dtune::diffusion {
 
@@ -33,6 +34,7 @@ std::unique_ptr<Sampler> make_sampler(const SchedulerConfig& config) {
         case SamplerKind::kEulerAncestral: return std::make_unique<EulerSampler>(config, true);
         case SamplerKind::kDDIM: return std::make_unique<DDIMSampler>(config);
         case SamplerKind::kDPMSolverMultistep: return std::make_unique<DPMSolverSampler>(config);
+        case SamplerKind::kUniPC: return std::make_unique<UniPCSampler>(config);
     }
     DTUNE_FAIL("unknown sampler kind");
 }

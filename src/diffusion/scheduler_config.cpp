@@ -16,10 +16,11 @@ SamplerKind parse_sampler_kind(const std::string& name) {
     if (name == "ddim" || name == "DDIMScheduler") return SamplerKind::kDDIM;
     if (name == "dpm++" || name == "dpmsolver++" || name == "DPMSolverMultistepScheduler")
         return SamplerKind::kDPMSolverMultistep;
+    if (name == "unipc" || name == "UniPCMultistepScheduler") return SamplerKind::kUniPC;
     throw UsageError(str("sampler \"", name,
-                         "\" is not implemented; use euler, euler-a, ddim or dpm++ (diffusers' "
+                         "\" is not implemented; use euler, euler-a, ddim, dpm++ or unipc (diffusers' "
                          "EulerDiscreteScheduler, EulerAncestralDiscreteScheduler, DDIMScheduler, "
-                         "DPMSolverMultistepScheduler)"));
+                         "DPMSolverMultistepScheduler, UniPCMultistepScheduler)"));
 }
 
 const char* to_string(SamplerKind kind) {
@@ -28,6 +29,7 @@ const char* to_string(SamplerKind kind) {
         case SamplerKind::kEulerAncestral: return "euler-a";
         case SamplerKind::kDDIM: return "ddim";
         case SamplerKind::kDPMSolverMultistep: return "dpm++";
+        case SamplerKind::kUniPC: return "unipc";
     }
     return "?";
 }
@@ -86,6 +88,13 @@ void read_unsupported(const nlohmann::json& j, SamplerKind kind, const std::stri
             reject_if(get_string(j, "timestep_type", "discrete", source) != "discrete", source,
                       "timestep_type", j, "use \"discrete\"");
     }
+    if (kind == SamplerKind::kUniPC) {
+        if (has_value(j, "predict_x0"))
+            reject_if(!get_bool(j, "predict_x0", true, source), source, "predict_x0", j, "use true");
+        if (has_value(j, "disable_corrector"))
+            reject_if(!j.at("disable_corrector").empty(), source, "disable_corrector", j, "use []");
+        if (has_value(j, "solver_p")) reject_if(true, source, "solver_p", j, "remove it");
+    }
     if (kind == SamplerKind::kDPMSolverMultistep && has_value(j, "algorithm_type"))
         reject_if(get_string(j, "algorithm_type", "dpmsolver++", source) != "dpmsolver++", source,
                   "algorithm_type", j, "use \"dpmsolver++\" (DPM++ 2M)");
@@ -114,14 +123,15 @@ SchedulerConfig SchedulerConfig::from_json(const nlohmann::json& j, std::optiona
         c.timestep_spacing = parse_timestep_spacing(get_string(j, "timestep_spacing", "", source));
     c.steps_offset = get_int(j, "steps_offset", 0, source);
     read_unsupported(j, kind, source);
-    if (kind == SamplerKind::kEuler || kind == SamplerKind::kDPMSolverMultistep) {
+    const bool multistep = kind == SamplerKind::kDPMSolverMultistep || kind == SamplerKind::kUniPC;
+    if (kind == SamplerKind::kEuler || multistep) {
         c.use_karras_sigmas = get_bool(j, "use_karras_sigmas", false, source);
         const auto final = get_string(j, "final_sigmas_type", "zero", source);
         DTUNE_CHECK_AS(UsageError, final == "zero" || final == "sigma_min", source, ": final_sigmas_type \"",
                        final, "\" is not supported; use \"zero\" or \"sigma_min\"");
         c.final_sigmas_type = final == "zero" ? FinalSigmas::kZero : FinalSigmas::kSigmaMin;
     }
-    if (kind == SamplerKind::kEuler) {
+    if (kind == SamplerKind::kEuler || kind == SamplerKind::kUniPC) {
         c.sigma_min = detail::get_optional_double(j, "sigma_min", source);
         c.sigma_max = detail::get_optional_double(j, "sigma_max", source);
     }
@@ -135,15 +145,25 @@ SchedulerConfig SchedulerConfig::from_json(const nlohmann::json& j, std::optiona
         c.clip_sample_range = get_double(j, "clip_sample_range", 1.0, source);
         c.set_alpha_to_one = get_bool(j, "set_alpha_to_one", true, source);
     }
-    if (kind == SamplerKind::kDPMSolverMultistep) {
+    if (multistep) {
         c.solver_order = get_int(j, "solver_order", 2, source);
         DTUNE_CHECK_AS(UsageError, c.solver_order == 1 || c.solver_order == 2, source, ": solver_order ",
-                       c.solver_order, " is not implemented; use 2 (DPM++ 2M) or 1");
+                       c.solver_order, " is not implemented; use 2 or 1");
+        c.lower_order_final = get_bool(j, "lower_order_final", true, source);
+    }
+    if (kind == SamplerKind::kUniPC) {
+        const auto variant = get_string(j, "solver_type", "bh2", source);
+        // diffusers maps a DPM config's solver types to bh2, as we do.
+        const bool dpm_name = variant == "midpoint" || variant == "heun" || variant == "logrho";
+        DTUNE_CHECK_AS(UsageError, variant == "bh1" || variant == "bh2" || dpm_name, source,
+                       ": solver_type \"", variant, "\" is not a UniPC variant; use \"bh1\" or \"bh2\"");
+        c.unipc_variant = variant == "bh1" ? UniPCVariant::kBh1 : UniPCVariant::kBh2;
+    }
+    if (kind == SamplerKind::kDPMSolverMultistep) {
         const auto solver = get_string(j, "solver_type", "midpoint", source);
         DTUNE_CHECK_AS(UsageError, solver == "midpoint" || solver == "heun", source, ": solver_type \"",
                        solver, "\" is not supported; use \"midpoint\" or \"heun\"");
         c.solver_type = solver == "midpoint" ? DPMSolverType::kMidpoint : DPMSolverType::kHeun;
-        c.lower_order_final = get_bool(j, "lower_order_final", true, source);
         c.euler_at_final = get_bool(j, "euler_at_final", false, source);
         c.lambda_min_clipped = get_double(j, "lambda_min_clipped", c.lambda_min_clipped, source);
     }

@@ -17,12 +17,13 @@
 
 namespace dtune::diffusion {
 
-enum class SamplerKind { kEuler, kEulerAncestral, kDDIM, kDPMSolverMultistep };
+enum class SamplerKind { kEuler, kEulerAncestral, kDDIM, kDPMSolverMultistep, kUniPC };
 enum class TimestepSpacing { kLinspace, kLeading, kTrailing };
 enum class FinalSigmas { kZero, kSigmaMin };
 enum class DPMSolverType { kMidpoint, kHeun };
+enum class UniPCVariant { kBh1, kBh2 };  // B(h) = h or e^h - 1
 
-// Accepts SimpleTuner's names (euler, euler-a, ddim, dpm++) and diffusers' class names
+// Accepts SimpleTuner's names (euler, euler-a, ddim, dpm++, unipc) and diffusers' class names
 // (EulerDiscreteScheduler, ...). Throws UsageError listing the supported ones.
 SamplerKind parse_sampler_kind(const std::string& name);
 const char* to_string(SamplerKind kind);
@@ -37,18 +38,19 @@ struct SchedulerConfig {
     // Euler / DPM
     bool use_karras_sigmas = false;
     FinalSigmas final_sigmas_type = FinalSigmas::kZero;
-    std::optional<double> sigma_min;  // Euler only: Karras range override
+    std::optional<double> sigma_min;  // Euler and UniPC: Karras range override
     std::optional<double> sigma_max;
     // DDIM
     bool clip_sample = true;
     double clip_sample_range = 1.0;
     bool set_alpha_to_one = true;
-    // DPM-Solver++
+    // DPM-Solver++ and UniPC
     int64_t solver_order = 2;
     DPMSolverType solver_type = DPMSolverType::kMidpoint;
     bool lower_order_final = true;
     bool euler_at_final = false;
     double lambda_min_clipped = -std::numeric_limits<double>::infinity();
+    UniPCVariant unipc_variant = UniPCVariant::kBh2;  // UniPC's solver_type
 
     // The defaults of `kind`'s diffusers class (0.42).
     static SchedulerConfig defaults(SamplerKind kind);

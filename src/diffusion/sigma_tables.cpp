@@ -73,6 +73,31 @@ std::vector<double> spaced_timesteps(TimestepSpacing spacing, int64_t num_train,
     return t;
 }
 
+std::vector<double> multistep_timesteps(TimestepSpacing spacing, int64_t num_train, int64_t last, int64_t n,
+                                        int64_t steps_offset) {
+    DTUNE_CHECK_AS(UsageError, n >= 1 && n <= num_train, "number of inference steps is ", n,
+                   "; it must be between 1 and num_train_timesteps (", num_train, ")");
+    std::vector<double> t;
+    switch (spacing) {
+        case TimestepSpacing::kLinspace: {
+            const auto v = np_linspace(0, static_cast<double>(last - 1), n + 1);
+            for (int64_t k = n; k >= 1; --k) t.push_back(np_round(v[static_cast<size_t>(k)]));
+            break;
+        }
+        case TimestepSpacing::kLeading: {
+            const int64_t ratio = last / (n + 1);
+            for (int64_t k = n; k >= 1; --k) t.push_back(static_cast<double>(k * ratio + steps_offset));
+            break;
+        }
+        case TimestepSpacing::kTrailing: {
+            const double ratio = static_cast<double>(num_train) / static_cast<double>(n);
+            for (double v : np_arange(static_cast<double>(last), 0.0, -ratio)) t.push_back(np_round(v) - 1);
+            break;
+        }
+    }
+    return t;
+}
+
 std::vector<double> train_sigmas(const at::Tensor& alphas_cumprod) {
     const at::Tensor s = ((1 - alphas_cumprod) / alphas_cumprod).pow(0.5).contiguous();  // [T] float32
     const float* p = s.data_ptr<float>();

@@ -8,23 +8,39 @@
 
 namespace dtune::diffusion {
 
+namespace {
+
+// Draws on the generator's device (a CPU generator gives the same numbers whatever device trains),
+// then moves to `device`.
+at::Tensor randn_from(const at::Generator& generator, at::IntArrayRef shape, const at::Device& device) {
+    at::Generator g = generator;
+    return at::randn(shape, g, at::TensorOptions().dtype(at::kFloat).device(generator.device())).to(device);
+}
+
+at::TensorOptions on_generator(const at::Generator& generator, at::ScalarType dtype) {
+    return at::TensorOptions().dtype(dtype).device(generator.device());
+}
+
+}  // namespace
+
 TrainingNoise sample_training_noise(const at::Tensor& latents, const NoiseOptions& options,
                                     int64_t global_step, at::Generator& generator, bool flow_matching) {
     DTUNE_CHECK(latents.dim() >= 2, "latents must be [B, C, ...]; got shape ", latents.sizes());
-    const auto opts = latents.options().dtype(at::kFloat);
+    const at::Device device = latents.device();
     TrainingNoise out;
-    out.noise = at::randn(latents.sizes(), generator, opts);
+    out.noise = randn_from(generator, latents.sizes(), device);
     if (!flow_matching && options.offset_noise) {
         // One uniform draw per batch decides, as SimpleTuner's random.random() does (but from our
         // generator, so the run stays reproducible).
-        const bool apply =
-            options.noise_offset_probability >= 1.0 ||
-            at::rand({1}, generator, at::kFloat).item<double>() < options.noise_offset_probability;
+        const bool apply = options.noise_offset_probability >= 1.0 ||
+                           at::rand({1}, generator, on_generator(generator, at::kFloat)).item<double>() <
+                               options.noise_offset_probability;
         if (apply) {
             std::vector<int64_t> shape(static_cast<size_t>(latents.dim()), 1);
             shape[0] = latents.size(0);
             shape[1] = latents.size(1);
-            out.noise = out.noise + options.noise_offset * at::randn(shape, generator, opts);  // [B, C, 1, 1]
+            out.noise =
+                out.noise + options.noise_offset * randn_from(generator, shape, device);  // [B, C, 1, 1]
         }
     }
     const bool perturb =
@@ -35,7 +51,7 @@ TrainingNoise sample_training_noise(const at::Tensor& latents, const NoiseOption
         if (options.input_perturbation_steps > 0)
             p *= 1.0 -
                  static_cast<double>(global_step) / static_cast<double>(options.input_perturbation_steps);
-        out.input_noise = out.noise + p * at::randn(latents.sizes(), generator, opts);
+        out.input_noise = out.noise + p * randn_from(generator, latents.sizes(), device);
     } else {
         out.input_noise = out.noise;
     }
@@ -83,7 +99,7 @@ at::Tensor timestep_weights(const TimestepBiasOptions& options, int64_t num_time
 
 at::Tensor segmented_timesteps(const at::Tensor& weights_in, int64_t batch_size, at::Generator& generator) {
     DTUNE_CHECK(batch_size >= 1, "segmented timestep sampling needs a batch of at least 1; got ", batch_size);
-    at::Tensor weights = weights_in.to(at::kCPU, at::kFloat).clone();  // normalised in place below
+    at::Tensor weights = weights_in.to(generator.device(), at::kFloat).clone();  // normalised in place below
     const int64_t num = weights.size(0);
     const int64_t first = num - 1;
     const int64_t segment = std::max<int64_t>(num / batch_size, 1);
@@ -100,7 +116,7 @@ at::Tensor segmented_timesteps(const at::Tensor& weights_in, int64_t batch_size,
         const int64_t idx = at::multinomial(seg, 1, false, generator).item<int64_t>();
         picked.push_back(end + idx);
     }
-    return at::tensor(picked, at::kLong);
+    return at::tensor(picked, at::kLong);  // [B] on the CPU
 }
 
 at::Tensor sample_timesteps(int64_t batch_size, int64_t num_train_timesteps,
@@ -108,7 +124,7 @@ at::Tensor sample_timesteps(int64_t batch_size, int64_t num_train_timesteps,
     const at::Tensor weights = timestep_weights(options.bias, num_train_timesteps);
     if (batch_size > 1 && !options.disable_segmented_timestep_sampling)
         return segmented_timesteps(weights, batch_size, generator);
-    return at::multinomial(weights, batch_size, true, generator);
+    return at::multinomial(weights.to(generator.device()), batch_size, true, generator).cpu();
 }
 
 at::Tensor apply_flow_shift(const at::Tensor& sigmas, double shift) {
@@ -125,8 +141,10 @@ double flux_auto_shift(int64_t image_seq_len, const FlowMatchingOptions& o) {
 at::Tensor sample_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& options,
                               at::IntArrayRef latent_shape, at::Generator& generator) {
     at::Tensor sigmas =
-        options.uniform ? at::rand({batch_size}, generator, at::kFloat)
-                        : at::sigmoid(options.sigmoid_scale * at::randn({batch_size}, generator, at::kFloat));
+        options.uniform ? at::rand({batch_size}, generator, on_generator(generator, at::kFloat)).cpu()
+                        : at::sigmoid(options.sigmoid_scale *
+                                      at::randn({batch_size}, generator, on_generator(generator, at::kFloat)))
+                              .cpu();
     if (options.shift.has_value() && *options.shift > 0) return apply_flow_shift(sigmas, *options.shift);
     if (options.auto_shift) {
         DTUNE_CHECK(latent_shape.size() >= 2, "flow auto shift needs the latent shape [B, C, H, W]; got ",

@@ -1,8 +1,10 @@
 // What a training step draws at random: the noise (with SimpleTuner's offset noise and input
 // perturbation), the DDPM timesteps (uniform, SimpleTuner's timestep bias, segmented across the batch)
 // and, for flow-matching models, the sigmas (logit-normal or uniform, with SD3/Flux's shift).
-// Invariant: every random number comes from the at::Generator the caller passes, so a run is
-// reproducible from its seed and resumable from the generator's state.
+// Invariant: every random number comes from the at::Generator the caller passes, drawn on that
+// generator's device (then moved), so a run is reproducible from its seed and resumable from the
+// generator's state, and a CPU generator gives the same draws whatever device trains. Timesteps and
+// sigmas come back on the CPU.
 #pragma once
 
 #include <ATen/ATen.h>

@@ -1,6 +1,6 @@
 // Parity with diffusers for what the shared fixtures do not cover: other beta schedules and the
 // zero-SNR rescale, Euler trailing/linspace/Karras, Euler-ancestral, DDIM (eta, clipping, v), DPM++ 2M
-// (spacings, Karras, Heun) and the CFG rescale. The reference values come from
+// (spacings, Karras, Heun), UniPC (bh1/bh2, Karras) and the CFG rescale. The reference values come from
 // tools/ref/gen_diffusion_ref.py (diffusers, float32, CPU), committed under tests/data/ref.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -74,9 +74,10 @@ class SamplerReference : public ::testing::Test {
             last_scaled = s->scale_model_input(x, i);
             x = s->step(outs[i], i, x, gen);
         }
-        EXPECT_LE(max_abs_diff(last_scaled, get(name + ".scaled_input_last")), kTol);
+        // Relative to the values' scale: the loops start from noise of std ~15.
+        const at::Tensor scaled = get(name + ".scaled_input_last");
+        EXPECT_LE(max_abs_diff(last_scaled, scaled) / std::max(1.0, scaled.abs().max().item<double>()), kTol);
         const at::Tensor expected = get(name + ".final");
-        // Relative to the values' scale: the Euler-family loops start from noise of std ~15.
         const double scale = std::max(1.0, expected.abs().max().item<double>());
         EXPECT_LE(max_abs_diff(x, expected) / scale, kTol) << "dtune " << x << "\ndiffusers " << expected;
     }
@@ -125,6 +126,12 @@ TEST_F(SamplerReference, DPMSolverSpacingsAndKarras) {
     check_tables("dpm_karras25", 25);
 }
 
+TEST_F(SamplerReference, UniPCSpacingsAndKarras) {
+    check_tables("unipc_linspace10", 10);
+    check_tables("unipc_trailing12", 12);
+    check_tables("unipc_karras15", 15);
+}
+
 TEST_F(SamplerReference, EulerLoopVPrediction) {
     check_loop("loop_euler_v");
 }
@@ -154,6 +161,16 @@ TEST_F(SamplerReference, DPMSolver2MKarrasLoop) {
 }
 TEST_F(SamplerReference, DPMSolver2MHeunVPredictionLoop) {
     check_loop("loop_dpm_v_heun");
+}
+
+TEST_F(SamplerReference, UniPCLoop) {
+    check_loop("loop_unipc");
+}
+TEST_F(SamplerReference, UniPCBh1VPredictionLoop) {
+    check_loop("loop_unipc_v_bh1");
+}
+TEST_F(SamplerReference, UniPCKarrasLoop) {
+    check_loop("loop_unipc_karras");
 }
 
 TEST_F(SamplerReference, GuidanceRescaleMatchesDiffusers) {

@@ -27,13 +27,13 @@ nlohmann::json sdxl_config(const std::string& class_name) {
 
 // A model that returns the exact noise of the current sample, given the clean sample x0 and eps.
 // Every deterministic sampler then stays on the schedule: Euler ends at x0 (final sigma 0), DPM++
-// likewise, DDIM at the "alpha before the first timestep" (alphas_cumprod[0] with set_alpha_to_one
+// and UniPC likewise, DDIM at the "alpha before the first timestep" (alphas_cumprod[0] with set_alpha_to_one
 // false). These identities follow from the update formulas alone, not from diffusers.
 TEST(Samplers, OracleModelRecoversTheCleanSample) {
     at::Generator g = seeded(21);
     const at::Tensor x0 = at::randn({1, 4, 4, 4}, g) * 0.5;
     const at::Tensor eps = at::randn({1, 4, 4, 4}, g);
-    for (const std::string kind : {"euler", "ddim", "dpm++"}) {
+    for (const std::string kind : {"euler", "ddim", "dpm++", "unipc"}) {
         for (const std::string spacing : {"leading", "trailing", "linspace"}) {
             SCOPED_TRACE(kind + " " + spacing);
             // diffusers' DDIM steps to t - T / n whatever the spacing, which is the next timestep only
@@ -60,6 +60,22 @@ TEST(Samplers, OracleModelRecoversTheCleanSample) {
             EXPECT_LE((x - expected).abs().max().item<double>(), 1e-4);
         }
     }
+}
+
+// diffusers' bh1 UniPC returns NaN at a final sigma of 0 (B(h) = -inf times a literal 0); the last step
+// is first order, with no correction term, so ours must stay finite and land on the oracle's x0.
+TEST(Samplers, UniPCBh1EndsFiniteAtSigmaZero) {
+    nlohmann::json cfg = sdxl_config("UniPCMultistepScheduler");
+    cfg["solver_type"] = "bh1";
+    auto s = make_sampler(cfg);
+    s->set_timesteps(6);
+    at::Generator g = seeded(2);
+    const at::Tensor x0 = at::randn({1, 4, 4, 4}, g);
+    const at::Tensor eps = at::randn({1, 4, 4, 4}, g);
+    const double a = s->alphas_cumprod()[s->timesteps()[0].item<int64_t>()].item<double>();
+    at::Tensor x = std::sqrt(a) * x0 + std::sqrt(1 - a) * eps;
+    for (int64_t i = 0; i < s->num_steps(); ++i) x = s->step(eps, i, x);
+    EXPECT_LE((x - x0).abs().max().item<double>(), 1e-4);
 }
 
 TEST(Samplers, SameSeedSameSamples) {
@@ -138,7 +154,7 @@ TEST(SchedulerConfigs, UnsupportedValuesNameTheKey) {
     cfg = sdxl_config("EulerDiscreteScheduler");
     cfg["timestep_spacing"] = "even";
     EXPECT_THROW(make_sampler(cfg), UsageError);
-    EXPECT_THROW(make_sampler(sdxl_config("UniPCMultistepScheduler")), UsageError);
+    EXPECT_THROW(make_sampler(sdxl_config("HeunDiscreteScheduler")), UsageError);
     EXPECT_THROW(make_sampler(sdxl_config("EulerDiscreteScheduler"), "heun"), UsageError);
     cfg = sdxl_config("EulerDiscreteScheduler");
     cfg["steps_offset"] = "1";

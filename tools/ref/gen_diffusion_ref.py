@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 import diffusers
 from diffusers import (DDIMScheduler, DDPMScheduler, DPMSolverMultistepScheduler,
-                       EulerAncestralDiscreteScheduler, EulerDiscreteScheduler)
+                       EulerAncestralDiscreteScheduler, EulerDiscreteScheduler, UniPCMultistepScheduler)
 from diffusers.guiders.guider_utils import rescale_noise_cfg
 
 out_dir = sys.argv[1] if len(sys.argv) > 1 else "tests/data/ref"
@@ -79,6 +79,9 @@ tables("dpm_linspace10", DPMSolverMultistepScheduler, dict(SDXL, timestep_spacin
 tables("dpm_leading20", DPMSolverMultistepScheduler, dict(SDXL), 20)
 tables("dpm_trailing16", DPMSolverMultistepScheduler, dict(SDXL, timestep_spacing="trailing"), 16)
 tables("dpm_karras25", DPMSolverMultistepScheduler, dict(SDXL, use_karras_sigmas=True), 25)
+tables("unipc_linspace10", UniPCMultistepScheduler, dict(SDXL, timestep_spacing="linspace"), 10)
+tables("unipc_trailing12", UniPCMultistepScheduler, dict(SDXL, timestep_spacing="trailing"), 12)
+tables("unipc_karras15", UniPCMultistepScheduler, dict(SDXL, use_karras_sigmas=True), 15)
 
 
 # --- whole sampling loops with a fixed sequence of model outputs
@@ -93,7 +96,8 @@ def loop(name, cls, cfg, steps, seed=None, **step_kw):
     scaled = []
     for i, t in enumerate(s.timesteps):
         scaled.append(s.scale_model_input(x, t))
-        x = s.step(outs[i], t, x, generator=gen, **step_kw).prev_sample
+        kw = dict(step_kw, generator=gen) if cls is not UniPCMultistepScheduler else step_kw
+        x = s.step(outs[i], t, x, **kw).prev_sample
     T[f"{name}.scaled_input_last"] = c(scaled[-1])
     T[f"{name}.final"] = c(x)
     CFG["cases"][name]["_seed"] = seed
@@ -114,6 +118,13 @@ loop("loop_dpm", DPMSolverMultistepScheduler, dict(SDXL), 8)
 loop("loop_dpm_karras", DPMSolverMultistepScheduler, dict(SDXL, use_karras_sigmas=True), 12)
 loop("loop_dpm_v_heun", DPMSolverMultistepScheduler,
      dict(SDXL, prediction_type="v_prediction", solver_type="heun", timestep_spacing="trailing"), 7)
+loop("loop_unipc", UniPCMultistepScheduler, dict(SDXL), 8)
+# bh1 with final_sigmas_type "zero" makes diffusers return NaN (B(h) = -inf times a literal 0 in the last,
+# first-order step), so this case ends at sigma_min.
+loop("loop_unipc_v_bh1", UniPCMultistepScheduler,
+     dict(SDXL, prediction_type="v_prediction", solver_type="bh1", timestep_spacing="trailing",
+          final_sigmas_type="sigma_min"), 6)
+loop("loop_unipc_karras", UniPCMultistepScheduler, dict(SDXL, use_karras_sigmas=True), 16)
 
 # --- guidance rescale
 g = torch.Generator().manual_seed(99)

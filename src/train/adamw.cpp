@@ -1,0 +1,166 @@
+// AdamW (fused or per-tensor) and SimpleTuner's bf16 AdamW with stochastic rounding (see optimizer.h).
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+
+#include "core/error.h"
+#include "train/optimizer.h"
+
+namespace dtune::train {
+
+AdamW::AdamW(std::vector<ParamGroup> groups, AdamWOptions options)
+    : Optimizer(std::move(groups)), options_(options) {}
+
+void AdamW::step() {
+    at::NoGradGuard no_grad;
+    for (auto& g : groups_) {
+        if (!(options_.fused && step_fused(g))) step_loop(g);
+    }
+}
+
+namespace {
+
+// Lazily creates AdamW's state: moments like the parameter, and a float32 step counter on its device
+// (the layout _fused_adamw_ takes).
+TensorMap& adam_state(TensorMap& st, const at::Tensor& p) {
+    if (!st.count("exp_avg")) {
+        st["exp_avg"] = at::zeros_like(p, at::MemoryFormat::Preserve);
+        st["exp_avg_sq"] = at::zeros_like(p, at::MemoryFormat::Preserve);
+        st["step"] = at::zeros({}, p.options().dtype(at::kFloat));
+    }
+    return st;
+}
+
+}  // namespace
+
+bool AdamW::step_fused(ParamGroup& g) {
+    std::vector<at::Tensor> params, grads, avgs, sqs, steps;
+    for (size_t i = 0; i < g.params.size(); ++i) {
+        at::Tensor& p = g.params[i];
+        if (!p.grad().defined()) continue;
+        params.push_back(p);
+        grads.push_back(p.grad());
+    }
+    if (params.empty()) return true;
+    const auto device = params.front().device();
+    const auto dtype = params.front().scalar_type();
+    for (size_t i = 0; i < params.size(); ++i) {
+        const bool ok =
+            params[i].device() == device && params[i].scalar_type() == dtype &&
+            grads[i].scalar_type() == dtype && !grads[i].is_sparse() &&
+            (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble);
+        if (!ok) return false;
+    }
+    for (size_t i = 0, k = 0; i < g.params.size(); ++i) {
+        if (!g.params[i].grad().defined()) continue;
+        TensorMap& st = adam_state(state_of(g.names[i]), params[k++]);
+        avgs.push_back(st["exp_avg"]);
+        sqs.push_back(st["exp_avg_sq"]);
+        steps.push_back(st["step"]);
+    }
+    // torch increments the counters itself before the fused kernel, which only reads them.
+    at::_foreach_add_(steps, 1);
+    at::_fused_adamw_(params, grads, avgs, sqs, /*max_exp_avg_sqs=*/{}, steps, g.lr, options_.beta1,
+                      options_.beta2, g.weight_decay, options_.eps, /*amsgrad=*/false, /*maximize=*/false);
+    return true;
+}
+
+void AdamW::step_loop(ParamGroup& g) {
+    const double b1 = options_.beta1;
+    const double b2 = options_.beta2;
+    for (size_t i = 0; i < g.params.size(); ++i) {
+        at::Tensor& p = g.params[i];
+        if (!p.grad().defined()) continue;
+        const at::Tensor grad = p.grad();
+        TensorMap& st = adam_state(state_of(g.names[i]), p);
+        st["step"].add_(1);
+        const double t = st["step"].item<double>();
+        p.mul_(1 - g.lr * g.weight_decay);
+        st["exp_avg"].lerp_(grad, 1 - b1);
+        st["exp_avg_sq"].mul_(b2).addcmul_(grad, grad, 1 - b2);
+        const double step_size = g.lr / (1 - std::pow(b1, t));
+        const double bc2_sqrt = std::sqrt(1 - std::pow(b2, t));
+        const at::Tensor denom = (st["exp_avg_sq"].sqrt() / bc2_sqrt).add_(options_.eps);
+        p.addcdiv_(st["exp_avg"], denom, -step_size);
+    }
+}
+
+// ---- bf16 AdamW with stochastic rounding ---------------------------------------------------------
+
+void copy_stochastic_(at::Tensor& target, const at::Tensor& source, at::Generator& generator) {
+    DTUNE_CHECK(source.scalar_type() == at::kFloat, "stochastic rounding reads float32; got ",
+                source.scalar_type());
+    const at::Tensor src = source.contiguous();
+    at::Tensor bits = at::randint(0, 1 << 16, src.sizes(), generator, src.options().dtype(at::kInt));
+    bits.add_(src.view(at::kInt));  // random carry into the upper 16 bits
+    bits.bitwise_and_(-65536);      // keep sign, exponent and the bf16 mantissa: 0xFFFF0000
+    target.copy_(bits.view(at::kFloat));
+}
+
+namespace {
+
+constexpr double kDecayThreshold = 5e-3;  // SimpleTuner's AdamWBF16.decay_threshold
+
+}  // namespace
+
+AdamWBF16::AdamWBF16(std::vector<ParamGroup> groups, at::Generator generator, AdamWBF16Options options)
+    : Optimizer(std::move(groups)), generator_(std::move(generator)), options_(options) {
+    for (const auto& g : groups_) {
+        for (size_t i = 0; i < g.params.size(); ++i) {
+            DTUNE_CHECK_AS(UsageError, g.params[i].scalar_type() == at::kBFloat16,
+                           "optimizer adamw_bf16 needs bf16 ", "weights but \"", g.names[i], "\" is ",
+                           g.params[i].scalar_type(), "; use optimizer adamw for fp32 master weights");
+        }
+    }
+}
+
+void AdamWBF16::step() {
+    at::NoGradGuard no_grad;
+    for (auto& g : groups_) {
+        for (size_t i = 0; i < g.params.size(); ++i) {
+            at::Tensor& p = g.params[i];
+            if (p.grad().defined()) step_param(g.names[i], p, p.grad(), g.lr, g.weight_decay);
+        }
+    }
+}
+
+void AdamWBF16::step_param(const std::string& name, at::Tensor& p, const at::Tensor& grad, double lr,
+                           double wd) {
+    TensorMap& st = state_of(name);
+    if (!st.count("exp_avg")) {
+        st["exp_avg"] = at::zeros_like(p);
+        st["exp_avg_sq"] = at::zeros_like(p);
+        st["shift"] = at::zeros_like(p);  // the update bf16 could not represent: true weight = p + shift
+        st["step"] = at::zeros({}, at::kDouble);
+        // Each parameter starts its decay counter at a random point so decays do not all land together.
+        st["accumulated_decay"] = at::rand({}, generator_, at::kDouble) * kDecayThreshold;
+    }
+    const double b1 = options_.beta1;
+    const double b2 = options_.beta2;
+    const double t = st["step"].add_(1).item<double>();
+    double accumulated = st["accumulated_decay"].item<double>() + wd * lr;
+    const double decay = accumulated > kDecayThreshold ? accumulated : 0.0;
+    st["accumulated_decay"].fill_(accumulated - decay);
+
+    at::Tensor& m = st["exp_avg"];
+    at::Tensor& v = st["exp_avg_sq"];
+    at::Tensor& shift = st["shift"];
+    const at::Tensor g32 = grad.to(at::kFloat);
+    m.mul_(b1);
+    const at::Tensor m_new =
+        options_.simpletuner_momentum ? g32 + (1 - b1) * m.to(at::kFloat) : m.to(at::kFloat) + (1 - b1) * g32;
+    copy_stochastic_(m, m_new, generator_);
+    v.mul_(b2).addcmul_(grad, grad, 1 - b2);
+    const double denom_correction = std::sqrt(1 - std::pow(b2, t));
+    const at::Tensor denom = v.sqrt().add_(options_.eps);  // bf16, as SimpleTuner computes it
+    copy_stochastic_(
+        shift, shift.to(at::kFloat).addcdiv_(m.to(at::kFloat), denom.to(at::kFloat), -lr * denom_correction),
+        generator_);
+    // Move the representable part of the shift into the weight; keep what rounding lost in the shift.
+    const at::Tensor before = p.clone();
+    copy_stochastic_(p, shift.to(at::kFloat) + p.to(at::kFloat), generator_);
+    copy_stochastic_(shift, (before - p).to(at::kFloat) + shift.to(at::kFloat), generator_);
+    if (decay > 0) shift.add_(p, -decay);
+}
+
+}  // namespace dtune::train
