@@ -25,7 +25,7 @@ for pc in .gpudeps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc .gpudeps/usr/share/pk
 done
 # Only what the build links (the ICU data alone is 31 MB; the working tree that travels is capped at 64 MiB).
 (cd .gpudeps/usr/lib/x86_64-linux-gnu && rm -f libicui18n.a libicuio.a libicutest.a libicutu.a \
-    libsnappy-shared.a libwebpdemux.a libwebpmux.a libgmock_main.a)
+    libsnappy-shared.a libwebpdemux.a libwebpmux.a)
 tar cJf .gpudeps.tar.xz .gpudeps && rm -rf .gpudeps
 rm -rf "$tmp"
 rm -rf shared && mkdir -p shared && cp -r ../shared/fixtures shared/
