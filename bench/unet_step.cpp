@@ -1,7 +1,8 @@
 // bench_unet_step: one SDXL-sized training step of the UNet (forward + backward) with random
 // weights, printed as JSON. Usage:
 //   bench_unet_step <unet/config.json> [--res 1024] [--batch 1] [--steps 10] [--warmup 3]
-//                   [--dtype bf16] [--checkpointing] [--channels-last]
+//                   [--dtype bf16] [--checkpointing] [--channels-last] [--count-only]
+// --count-only builds the model on the CPU and prints its parameter count (no CUDA needed).
 // Needs CUDA at run time (exits 0 with {"skipped": ...} without it); compiles without CUDA.
 #include <ATen/ATen.h>
 #include <torch/torch.h>
@@ -26,7 +27,7 @@ struct Args {
     std::string config;
     int64_t res = 1024, batch = 1, steps = 10, warmup = 3;
     std::string dtype = "bf16";
-    bool checkpointing = false, channels_last = false;
+    bool checkpointing = false, channels_last = false, count_only = false;
 };
 
 Args parse(int argc, char** argv) {
@@ -34,19 +35,29 @@ Args parse(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) {
         const std::string s = argv[i];
         auto next = [&] { return i + 1 < argc ? std::string(argv[++i]) : std::string(); };
-        if (s == "--res") a.res = std::stoll(next());
-        else if (s == "--batch") a.batch = std::stoll(next());
-        else if (s == "--steps") a.steps = std::stoll(next());
-        else if (s == "--warmup") a.warmup = std::stoll(next());
-        else if (s == "--dtype") a.dtype = next();
-        else if (s == "--checkpointing") a.checkpointing = true;
-        else if (s == "--channels-last") a.channels_last = true;
-        else a.config = s;
+        if (s == "--res")
+            a.res = std::stoll(next());
+        else if (s == "--batch")
+            a.batch = std::stoll(next());
+        else if (s == "--steps")
+            a.steps = std::stoll(next());
+        else if (s == "--warmup")
+            a.warmup = std::stoll(next());
+        else if (s == "--dtype")
+            a.dtype = next();
+        else if (s == "--checkpointing")
+            a.checkpointing = true;
+        else if (s == "--channels-last")
+            a.channels_last = true;
+        else if (s == "--count-only")
+            a.count_only = true;
+        else
+            a.config = s;
     }
     return a;
 }
 
-void sync() {
+void cuda_sync() {
 #ifdef DTUNE_WITH_CUDA
     if (at::hasCUDA()) torch::cuda::synchronize();
 #endif
@@ -58,21 +69,26 @@ int main(int argc, char** argv) {
     using namespace dtune;
     const Args a = parse(argc, argv);
     if (a.config.empty()) {
-        std::cerr << "usage: bench_unet_step <unet/config.json> [--res N] [--batch N] [--steps N] [--dtype bf16]\n";
+        std::cerr
+            << "usage: bench_unet_step <unet/config.json> [--res N] [--batch N] [--steps N] [--dtype bf16]\n";
         return 2;
     }
-    if (!at::hasCUDA()) {
+    if (!at::hasCUDA() && !a.count_only) {
         std::cout << R"({"bench": "unet_step", "skipped": "no CUDA device"})" << std::endl;
         return 0;
     }
     const auto dtype = parse_dtype(a.dtype);
-    const c10::Device dev(c10::kCUDA, 0);
     std::filesystem::path cfg_path = a.config;
     if (std::filesystem::is_directory(cfg_path)) cfg_path /= "config.json";
     auto config = models::UNet2DConditionConfig::from_json(models::ConfigReader::from_file(cfg_path));
     models::UNet2DConditionModel unet(config);  // random init on CPU in fp32, then moved
     int64_t params = 0;
     for (const auto& p : unet->parameters()) params += p.numel();
+    if (a.count_only) {
+        std::cout << "{\"bench\": \"unet_step\", \"params\": " << params << "}" << std::endl;
+        return 0;
+    }
+    const c10::Device dev(c10::kCUDA, 0);
     unet->to(dev, dtype);
     unet->set_gradient_checkpointing(a.checkpointing);
     unet->set_channels_last(a.channels_last);
@@ -86,8 +102,10 @@ int main(int argc, char** argv) {
     if (config.text_time_embedding) {
         const int64_t n_ids = 6;
         added.text_embeds = at::randn(
-            {a.batch, config.projection_class_embeddings_input_dim - n_ids * config.addition_time_embed_dim}, opts);
-        added.time_ids = at::tensor({1024.0, 1024, 0, 0, 1024, 1024}, opts).repeat({a.batch, 1});
+            {a.batch, config.projection_class_embeddings_input_dim - n_ids * config.addition_time_embed_dim},
+            opts);
+        added.time_ids =
+            at::tensor(std::vector<double>{1024.0, 1024, 0, 0, 1024, 1024}, opts).repeat({a.batch, 1});
     }
     std::vector<double> ms;
     for (int64_t s = 0; s < a.warmup + a.steps; ++s) {
@@ -96,12 +114,13 @@ int main(int argc, char** argv) {
             c10::cuda::CUDACachingAllocator::resetPeakStats(0);
 #endif
         }
-        sync();
+        cuda_sync();
         const auto t0 = std::chrono::steady_clock::now();
         unet->zero_grad(/*set_to_none=*/true);
         unet->forward(x, t, ctx, added).to(at::kFloat).square().mean().backward();
-        sync();
-        const double dt = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        cuda_sync();
+        const double dt =
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
         if (s >= a.warmup) ms.push_back(dt);
     }
     std::sort(ms.begin(), ms.end());
@@ -111,9 +130,11 @@ int main(int argc, char** argv) {
     peak_gib = static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 30);
 #endif
     std::cout << "{\"bench\": \"unet_step\", \"params\": " << params << ", \"res\": " << a.res
-              << ", \"batch\": " << a.batch << ", \"dtype\": \"" << a.dtype << "\", \"checkpointing\": "
-              << (a.checkpointing ? "true" : "false") << ", \"channels_last\": " << (a.channels_last ? "true" : "false")
+              << ", \"batch\": " << a.batch << ", \"dtype\": \"" << a.dtype
+              << "\", \"checkpointing\": " << (a.checkpointing ? "true" : "false")
+              << ", \"channels_last\": " << (a.channels_last ? "true" : "false")
               << ", \"steps\": " << ms.size() << ", \"ms_per_step_median\": " << ms[ms.size() / 2]
-              << ", \"ms_per_step_min\": " << ms.front() << ", \"peak_allocated_gib\": " << peak_gib << "}" << std::endl;
+              << ", \"ms_per_step_min\": " << ms.front() << ", \"peak_allocated_gib\": " << peak_gib << "}"
+              << std::endl;
     return 0;
 }
