@@ -107,6 +107,15 @@ int main(int argc, char** argv) {
         added.time_ids =
             at::tensor(std::vector<double>{1024.0, 1024, 0, 0, 1024, 1024}, opts).repeat({a.batch, 1});
     }
+    // The kernels SDPA picks for this model's level-1 attention (self and cross) at this size.
+    const int64_t heads = config.heads.size() > 1 ? config.heads[1] : config.heads[0];
+    const int64_t ch =
+        config.block_out_channels.size() > 1 ? config.block_out_channels[1] : config.block_out_channels[0];
+    const at::Tensor q =
+        at::randn({a.batch, heads, (lat / 2) * (lat / 2), ch / heads}, opts);  // [B, h, N, d]
+    const at::Tensor kv = at::randn({a.batch, heads, 77, ch / heads}, opts);
+    const std::string self_kernel = models::sdpa_backend_name(q, q, q);
+    const std::string cross_kernel = models::sdpa_backend_name(q, kv, kv);
     std::vector<double> ms;
     for (int64_t s = 0; s < a.warmup + a.steps; ++s) {
         if (s == a.warmup) {
@@ -134,7 +143,8 @@ int main(int argc, char** argv) {
               << "\", \"checkpointing\": " << (a.checkpointing ? "true" : "false")
               << ", \"channels_last\": " << (a.channels_last ? "true" : "false")
               << ", \"steps\": " << ms.size() << ", \"ms_per_step_median\": " << ms[ms.size() / 2]
-              << ", \"ms_per_step_min\": " << ms.front() << ", \"peak_allocated_gib\": " << peak_gib << "}"
+              << ", \"ms_per_step_min\": " << ms.front() << ", \"sdpa_self\": \"" << self_kernel
+              << "\", \"sdpa_cross\": \"" << cross_kernel << "\", \"peak_allocated_gib\": " << peak_gib << "}"
               << std::endl;
     return 0;
 }
