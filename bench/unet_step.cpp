@@ -3,7 +3,8 @@
 //   bench_unet_step <unet/config.json> [--res 1024] [--batch 1] [--steps 10] [--warmup 3]
 //                   [--dtype bf16] [--checkpointing] [--channels-last] [--count-only]
 // --count-only builds the model on the CPU and prints its parameter count (no CUDA needed).
-// Needs CUDA at run time (exits 0 with {"skipped": ...} without it); compiles without CUDA.
+// Needs CUDA at run time (exits 0 with {"skipped": ...} without it); compiles without CUDA (the
+// device-generic at::accelerator API gives synchronisation and allocator statistics).
 #include <ATen/ATen.h>
 #include <torch/torch.h>
 
@@ -14,9 +15,7 @@
 #include <string>
 #include <vector>
 
-#ifdef DTUNE_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
+#include <ATen/DeviceAccelerator.h>
 
 #include "core/dtype.h"
 #include "models/unet/unet_2d_condition.h"
@@ -58,9 +57,7 @@ Args parse(int argc, char** argv) {
 }
 
 void cuda_sync() {
-#ifdef DTUNE_WITH_CUDA
-    if (at::hasCUDA()) torch::cuda::synchronize();
-#endif
+    if (at::hasCUDA()) at::accelerator::synchronizeDevice(0);
 }
 
 }  // namespace
@@ -118,11 +115,7 @@ int main(int argc, char** argv) {
     const std::string cross_kernel = models::sdpa_backend_name(q, kv, kv);
     std::vector<double> ms;
     for (int64_t s = 0; s < a.warmup + a.steps; ++s) {
-        if (s == a.warmup) {
-#ifdef DTUNE_WITH_CUDA
-            c10::cuda::CUDACachingAllocator::resetPeakStats(0);
-#endif
-        }
+        if (s == a.warmup) at::accelerator::resetPeakStats(0);
         cuda_sync();
         const auto t0 = std::chrono::steady_clock::now();
         unet->zero_grad(/*set_to_none=*/true);
@@ -133,11 +126,9 @@ int main(int argc, char** argv) {
         if (s >= a.warmup) ms.push_back(dt);
     }
     std::sort(ms.begin(), ms.end());
-    double peak_gib = -1;
-#ifdef DTUNE_WITH_CUDA
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(0);
-    peak_gib = static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 30);
-#endif
+    // allocated_bytes[0] is the aggregate over pools; peak since the reset after warm-up.
+    const auto stats = at::accelerator::getDeviceStats(0);
+    const double peak_gib = static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 30);
     std::cout << "{\"bench\": \"unet_step\", \"params\": " << params << ", \"res\": " << a.res
               << ", \"batch\": " << a.batch << ", \"dtype\": \"" << a.dtype
               << "\", \"checkpointing\": " << (a.checkpointing ? "true" : "false")
