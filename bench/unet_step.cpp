@@ -102,7 +102,8 @@ int main(int argc, char** argv) {
             {a.batch, config.projection_class_embeddings_input_dim - n_ids * config.addition_time_embed_dim},
             opts);
         added.time_ids =
-            at::tensor(std::vector<double>{1024.0, 1024, 0, 0, 1024, 1024}, opts).repeat({a.batch, 1});
+            // Built in fp64 on the CPU, then converted: torch 2.11 cannot build bf16 tensors from values.
+            at::tensor(std::vector<double>{1024.0, 1024, 0, 0, 1024, 1024}).to(opts).repeat({a.batch, 1});
     }
     // The kernels SDPA picks for this model's level-1 attention (self and cross) at this size.
     const int64_t heads = config.heads.size() > 1 ? config.heads[1] : config.heads[0];
