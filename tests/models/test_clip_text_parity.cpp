@@ -6,6 +6,8 @@
 
 #include <cstdio>
 
+#include "core/error.h"
+#include "io/ldm_keys.h"
 #include "io/safetensors.h"
 #include "models/clip/sdxl_text_encoders.h"
 #include "models/common/pipeline_folder.h"
@@ -141,6 +143,64 @@ TEST(SDXLEncodePromptParity, ChunkedLongPromptFirstWindowEqualsTruncated) {
     EXPECT_LE(max_abs(c.pooled_prompt_embeds, p.pooled_prompt_embeds), 1e-6);
     chunked.max_chunks = 1;
     EXPECT_EQ(encoders().encode_prompt({text}, chunked).prompt_embeds.size(1), 77);
+}
+
+}  // namespace dtune::models
+
+namespace dtune::models {
+
+TEST(SDXLSingleFileParity, TextEncodersFromConvertedSingleFileMatchDiffusers) {
+    // The tiny pipeline's text encoders written in the ldm single-file layout by io/ldm_keys, then
+    // loaded back through the single-file path: encode_prompt must still match the reference.
+    test::TempDir dir;
+    const auto root = test::fixtures_dir() / "tiny-sdxl";
+    io::TensorList single;
+    for (const auto& [folder, kind] : {std::pair{"text_encoder", io::LdmComponent::kTextEncoder},
+                                       std::pair{"text_encoder_2", io::LdmComponent::kTextEncoder2}}) {
+        const auto src = io::WeightSource::open(root / folder / "model.safetensors");
+        io::TensorList tensors;
+        for (const auto& k : src.keys()) tensors.emplace_back(k, src.get(k));
+        for (auto& kv : io::diffusers_to_ldm(tensors, kind)) single.push_back(std::move(kv));
+    }
+    io::save_safetensors(dir / "sdxl.safetensors", single);
+    SDXLTextEncoders enc =
+        SDXLTextEncoders::load_single_file(dir / "sdxl.safetensors", PipelineFolder::open(root));
+    const auto ref = reference("encode_prompt_io.safetensors");
+    SDXLEncodeOptions opts;
+    opts.negative_prompt = std::vector<std::string>{"", "blurry"};
+    const SDXLPromptEmbeds e =
+        enc.encode_prompt({"a photo of a cat", "pseudo-camera-10k, dslr, 35mm, bokeh, golden hour"}, opts);
+    EXPECT_LE(max_abs(e.prompt_embeds, ref.get("prompt_embeds")), kTol);
+    EXPECT_LE(max_abs(e.pooled_prompt_embeds, ref.get("pooled_prompt_embeds")), kTol);
+    EXPECT_LE(max_abs(e.negative_prompt_embeds, ref.get("negative_prompt_embeds")), kTol);
+
+    // A checkpoint lacking one tensor is refused with a listing.
+    single.erase(single.begin());
+    io::save_safetensors(dir / "bad.safetensors", single);
+    try {
+        SDXLTextEncoders::load_single_file(dir / "bad.safetensors", PipelineFolder::open(root));
+        FAIL() << "a checkpoint with a missing tensor loaded";
+    } catch (const DataError& err) {
+        EXPECT_NE(std::string(err.what()).find("missing"), std::string::npos) << err.what();
+    }
+}
+
+TEST(SDXLEncodePromptParity, Bfloat16EncodersStayCloseToFloat32Reference) {
+    TextEncoderLoadOptions bf16;
+    bf16.dtype = at::kBFloat16;
+    SDXLTextEncoders enc =
+        SDXLTextEncoders::load(PipelineFolder::open(test::fixtures_dir() / "tiny-sdxl"), bf16);
+    const auto ref = reference("encode_prompt_io.safetensors");
+    SDXLEncodeOptions opts;
+    opts.negative_prompt = std::vector<std::string>{"", "blurry"};
+    const SDXLPromptEmbeds e =
+        enc.encode_prompt({"a photo of a cat", "pseudo-camera-10k, dslr, 35mm, bokeh, golden hour"}, opts);
+    EXPECT_EQ(e.prompt_embeds.scalar_type(), at::kBFloat16);
+    // bf16 keeps ~3 significant digits (eps 2^-8); through 5 residual layers the error stays within
+    // 3% of the largest reference magnitude (the penultimate states reach ~8, pooled ~2).
+    const at::Tensor pe = ref.get("prompt_embeds"), pp = ref.get("pooled_prompt_embeds");
+    EXPECT_LE(max_abs(e.prompt_embeds, pe), 0.03 * pe.abs().max().item<double>());
+    EXPECT_LE(max_abs(e.pooled_prompt_embeds, pp), 0.03 * pp.abs().max().item<double>());
 }
 
 }  // namespace dtune::models

@@ -4,8 +4,10 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <map>
 
 #include "core/error.h"
+#include "io/ldm_keys.h"
 #include "models/common/weights.h"
 
 namespace dtune::models {
@@ -94,6 +96,42 @@ Encoded run_encoder(Model& model, const at::Tensor& ids, int64_t batch, const SD
     return e;
 }
 
+// Copies named tensors into a module's parameters, strictly (the in-memory counterpart of
+// load_weights, for tensors that needed value changes such as OpenCLIP's fused q/k/v).
+void copy_named_tensors(torch::nn::Module& module, const io::TensorList& tensors,
+                        const TextEncoderLoadOptions& o, const std::string& what) {
+    std::map<std::string, at::Tensor> targets;
+    for (auto& item : module.named_parameters(true)) targets[item.key()] = item.value();
+    std::vector<std::string> problems;
+    at::NoGradGuard no_grad;
+    for (const auto& [key, value] : tensors) {
+        const std::string name = clip_text_key_to_module(key);
+        if (name.empty()) continue;
+        const auto it = targets.find(name);
+        if (it == targets.end()) {
+            problems.push_back("unexpected " + key);
+            continue;
+        }
+        if (it->second.sizes() != value.sizes()) {
+            problems.push_back(
+                str("shape of ", key, ": checkpoint ", value.sizes(), " vs model ", it->second.sizes()));
+        } else {
+            it->second.copy_(value);
+        }
+        targets.erase(it);
+    }
+    for (const auto& [name, _] : targets) problems.push_back("missing " + name);
+    if (!problems.empty()) {
+        std::string list;
+        for (std::size_t i = 0; i < problems.size() && i < 20; ++i) list += "\n    " + problems[i];
+        throw DataError(str(what, ": ", problems.size(),
+                            " tensor(s) do not match the model built from config.json:", list,
+                            "\n  check that the checkpoint is an SDXL base single file for this config"));
+    }
+    module.to(o.device.value_or(c10::Device(c10::kCPU)), o.dtype.value_or(at::kFloat));
+    module.eval();
+}
+
 }  // namespace
 
 CLIPTextModel load_clip_text_model(const stdfs::path& dir, const TextEncoderLoadOptions& options) {
@@ -112,6 +150,25 @@ SDXLTextEncoders SDXLTextEncoders::load(const PipelineFolder& folder, const Text
                        load_clip_text_model_with_projection(folder.component("text_encoder_2").path, options),
                        folder.force_zeros_for_empty_prompt()};
     return e;
+}
+
+SDXLTextEncoders SDXLTextEncoders::load_single_file(const stdfs::path& checkpoint,
+                                                    const PipelineFolder& config_folder,
+                                                    const TextEncoderLoadOptions& options) {
+    const io::WeightSource file = io::WeightSource::open(checkpoint);
+    const auto config = [&](const char* name) {
+        return CLIPTextConfig::from_json_file(config_folder.component(name).path / "config.json");
+    };
+    CLIPTextModel te1(config("text_encoder"));
+    CLIPTextModelWithProjection te2(config("text_encoder_2"));
+    const std::string from = " from " + checkpoint.string();
+    copy_named_tensors(*te1, io::ldm_to_diffusers(file, io::LdmComponent::kTextEncoder), options,
+                       "CLIPTextModel" + from);
+    copy_named_tensors(*te2, io::ldm_to_diffusers(file, io::LdmComponent::kTextEncoder2), options,
+                       "CLIPTextModelWithProjection" + from);
+    return SDXLTextEncoders{CLIPTokenizer::from_folder(config_folder.component("tokenizer").path),
+                            CLIPTokenizer::from_folder(config_folder.component("tokenizer_2").path), te1, te2,
+                            config_folder.force_zeros_for_empty_prompt()};
 }
 
 SDXLPromptEmbeds SDXLTextEncoders::encode_prompt(const std::vector<std::string>& prompt,

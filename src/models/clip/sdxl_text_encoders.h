@@ -76,6 +76,13 @@ struct SDXLTextEncoders {
 
     // tokenizer/, tokenizer_2/, text_encoder/, text_encoder_2/ of an SDXL pipeline folder.
     static SDXLTextEncoders load(const PipelineFolder& folder, const TextEncoderLoadOptions& options = {});
+    // An SDXL single-file checkpoint (ldm layout, mapped by io/ldm_keys.h): the text encoder
+    // weights come from `checkpoint`; tokenizers and the two config.json from `config_folder`, a
+    // diffusers SDXL folder (what diffusers' from_single_file takes as `config`), since single
+    // files carry neither. Strict: missing/unexpected tensors are listed in a DataError.
+    static SDXLTextEncoders load_single_file(const std::filesystem::path& checkpoint,
+                                             const PipelineFolder& config_folder,
+                                             const TextEncoderLoadOptions& options = {});
 
     // No gradient is recorded (text encoders are frozen in SDXL fine-tuning).
     SDXLPromptEmbeds encode_prompt(const std::vector<std::string>& prompt,
