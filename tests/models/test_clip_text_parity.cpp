@@ -204,3 +204,34 @@ TEST(SDXLEncodePromptParity, Bfloat16EncodersStayCloseToFloat32Reference) {
 }
 
 }  // namespace dtune::models
+
+namespace dtune::models {
+
+TEST(SDXLEncodePromptParity, CudaFloat32AndBfloat16MatchReference) {
+    if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+    const auto folder = PipelineFolder::open(test::fixtures_dir() / "tiny-sdxl");
+    const auto ref = reference("encode_prompt_io.safetensors");
+    const at::Tensor pe = ref.get("prompt_embeds"), pp = ref.get("pooled_prompt_embeds");
+    SDXLEncodeOptions opts;
+    opts.negative_prompt = std::vector<std::string>{"", "blurry"};
+    const std::vector<std::string> prompts = {"a photo of a cat",
+                                              "pseudo-camera-10k, dslr, 35mm, bokeh, golden hour"};
+    for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+        TextEncoderLoadOptions load;
+        load.dtype = dtype;
+        load.device = c10::Device(c10::kCUDA);
+        SDXLTextEncoders enc = SDXLTextEncoders::load(folder, load);
+        const SDXLPromptEmbeds e = enc.encode_prompt(prompts, opts);
+        ASSERT_TRUE(e.prompt_embeds.is_cuda());
+        EXPECT_EQ(e.prompt_embeds.scalar_type(), dtype);
+        // fp32 on the GPU differs from the CPU only by summation order; bf16 as on the CPU test.
+        const double tol = dtype == at::kFloat ? 1e-4 : 0.03;
+        const double scale_pe = dtype == at::kFloat ? 1.0 : pe.abs().max().item<double>();
+        const double scale_pp = dtype == at::kFloat ? 1.0 : pp.abs().max().item<double>();
+        EXPECT_LE(max_abs(e.prompt_embeds.cpu(), pe), tol * scale_pe);
+        EXPECT_LE(max_abs(e.pooled_prompt_embeds.cpu(), pp), tol * scale_pp);
+        EXPECT_LE(max_abs(e.negative_prompt_embeds.cpu(), ref.get("negative_prompt_embeds")), tol * scale_pe);
+    }
+}
+
+}  // namespace dtune::models
