@@ -235,3 +235,25 @@ TEST(SDXLEncodePromptParity, CudaFloat32AndBfloat16MatchReference) {
 }
 
 }  // namespace dtune::models
+
+namespace dtune::models {
+
+TEST(SDXLEncodePromptParity, ClipSkipTakesAnEarlierLayer) {
+    // diffusers: clip_skip k uses hidden_states[-(k + 2)] of both encoders.
+    const auto ref = reference("text_encoders_io.safetensors");
+    SDXLEncodeOptions opts;
+    opts.clip_skip = 1;
+    opts.do_classifier_free_guidance = false;
+    const SDXLPromptEmbeds e = encoders().encode_prompt(
+        {"a photo of a cat", "pseudo-camera-10k, dslr, 35mm, bokeh, golden hour"}, opts);
+    torch::NoGradGuard no_grad;
+    const auto h1 = encoders().text_encoder->forward(ref.get("input_ids")).hidden_states;
+    const auto h2 = encoders().text_encoder_2->forward(ref.get("input_ids_2")).hidden_states;
+    EXPECT_LE(max_abs(e.prompt_embeds, at::cat({h1.end()[-3], h2.end()[-3]}, -1)), 1e-6);
+    // ...and really differs from the default penultimate layer.
+    EXPECT_GT(max_abs(e.prompt_embeds, at::cat({h1.end()[-2], h2.end()[-2]}, -1)), 1e-2);
+    opts.clip_skip = 5;  // the tiny encoders have 5 layers
+    EXPECT_THROW(encoders().encode_prompt({"x"}, opts), UsageError);
+}
+
+}  // namespace dtune::models
