@@ -1,5 +1,5 @@
 // Unit tests for the CLIP text side: pooling rules on hand-built configs, config parsing, module
-// names, tokenizer and pipeline-folder errors on bad input. Small synthetic inputs only.
+// names, tokenizer errors on bad input. Small synthetic inputs only.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -11,7 +11,6 @@
 #include "models/clip/clip_text_model.h"
 #include "models/clip/clip_tokenizer.h"
 #include "models/clip/sdxl_text_encoders.h"
-#include "models/common/pipeline_folder.h"
 #include "models/common/weights.h"
 #include "support/test_support.h"
 
@@ -191,57 +190,6 @@ TEST(CLIPTokenizerUnit, TokenizerJsonLoads) {
     test::write_bytes(dir / "tokenizer.json", R"({"model": {"type": "WordPiece", "vocab": {}}})");
     EXPECT_NE(error_of<DataError>([&] { CLIPTokenizer::from_folder(dir.path()); }).find("BPE"),
               std::string::npos);
-}
-
-TEST(PipelineFolderUnit, ResolvesComponentsOfTheFixture) {
-    const auto root = test::fixtures_dir() / "tiny-sdxl";
-    const PipelineFolder p = PipelineFolder::open(root);
-    EXPECT_EQ(p.class_name(), "StableDiffusionXLPipeline");
-    for (const char* name :
-         {"unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"})
-        EXPECT_EQ(p.component(name).path, root / name) << name;
-    EXPECT_EQ(p.component("text_encoder_2").class_name, "CLIPTextModelWithProjection");
-    EXPECT_FALSE(p.has("image_encoder"));  // [null, null]
-    EXPECT_TRUE(p.force_zeros_for_empty_prompt());
-    EXPECT_EQ(p.vae_path(), root / "vae");
-}
-
-TEST(PipelineFolderUnit, MissingFolderAndComponentErrors) {
-    test::TempDir dir;
-    EXPECT_NE(error_of<DataError>([&] { PipelineFolder::open(dir / "absent"); }).find("absent"),
-              std::string::npos);
-    EXPECT_NE(error_of<DataError>([&] { PipelineFolder::open(dir.path()); }).find("model_index.json"),
-              std::string::npos);
-    test::write_bytes(
-        dir / "model_index.json",
-        R"({"_class_name": "StableDiffusionXLPipeline", "unet": ["diffusers", "UNet2DConditionModel"],)"
-        R"( "vae": ["diffusers", "AutoencoderKL"], "image_encoder": [null, null],)"
-        R"( "force_zeros_for_empty_prompt": false})");
-    std::filesystem::create_directory(dir / "vae");
-    const PipelineFolder p = PipelineFolder::open(dir.path());
-    EXPECT_FALSE(p.force_zeros_for_empty_prompt());
-    const std::string missing = error_of<DataError>([&] { p.component("unet"); });
-    EXPECT_NE(missing.find((dir / "unet").string()), std::string::npos) << missing;
-    const std::string unlisted = error_of<DataError>([&] { p.component("text_encoder_2"); });
-    EXPECT_NE(unlisted.find("text_encoder_2"), std::string::npos) << unlisted;
-    EXPECT_NO_THROW(p.component("vae"));
-}
-
-TEST(PipelineFolderUnit, VaeOverrideResolution) {
-    test::TempDir dir;
-    std::filesystem::create_directories(dir / "fixvae");
-    test::write_bytes(dir / "fixvae" / "config.json", "{}");
-    std::filesystem::create_directories(dir / "pipe" / "vae");
-    test::write_bytes(dir / "pipe" / "vae" / "config.json", "{}");
-    test::write_bytes(dir / "vae.safetensors", "x");
-    EXPECT_EQ(resolve_vae_path(dir / "fixvae"), dir / "fixvae");
-    EXPECT_EQ(resolve_vae_path(dir / "pipe"), dir / "pipe" / "vae");
-    EXPECT_EQ(resolve_vae_path(dir / "vae.safetensors"), dir / "vae.safetensors");
-    const std::string hub = error_of<DataError>([] { resolve_vae_path("madebyollin/sdxl-vae-fp16-fix"); });
-    EXPECT_NE(hub.find("download"), std::string::npos) << hub;
-    PipelineFolder p = PipelineFolder::open(test::fixtures_dir() / "tiny-sdxl");
-    p.set_vae_override(dir / "fixvae");
-    EXPECT_EQ(p.vae_path(), dir / "fixvae");
 }
 
 }  // namespace dtune::models
