@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 for p in /.gpudeps/ /.gpudeps.tar.xz /shared/; do grep -qxF "$p" .git/info/exclude || echo "$p" >> .git/info/exclude; done
 tmp=$(mktemp -d)
-(cd "$tmp" && apt-get download nlohmann-json3-dev libgtest-dev libgmock-dev libcurl4-openssl-dev libicu-dev \
+(cd "$tmp" && apt-get download nlohmann-json3-dev libgtest-dev libgmock-dev libcurl4-openssl-dev \
     zlib1g-dev libzstd-dev libsnappy-dev libpng-dev libjpeg62-turbo-dev libwebp-dev >/dev/null)
 rm -rf .gpudeps && mkdir -p .gpudeps
 for f in "$tmp"/*.deb; do dpkg -x "$f" .gpudeps; done
@@ -16,16 +16,16 @@ for f in "$tmp"/*.deb; do dpkg -x "$f" .gpudeps; done
 rm -rf .gpudeps/usr/share/doc .gpudeps/usr/share/man .gpudeps/usr/src \
     .gpudeps/usr/lib/x86_64-linux-gnu/libcurl.a \
     .gpudeps/usr/lib/x86_64-linux-gnu/pkgconfig/libcurl.pc
-# Link the image, compression and ICU libraries statically: the GPU image (Ubuntu) has other
+# Link the image and compression libraries statically: the GPU image (Ubuntu) has other
 # versions of their shared libraries, or none. Removing the .so links makes CMake pick the .a files.
 find .gpudeps/usr/lib/x86_64-linux-gnu -maxdepth 1 -name '*.so' -delete
 # pkg-config files must point into .gpudeps, wherever the checkout lands.
 for pc in .gpudeps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc .gpudeps/usr/share/pkgconfig/*.pc; do
     [ -f "$pc" ] && sed -i 's|^prefix=/usr$|prefix=${pcfiledir}/../../..|' "$pc"
 done
-# Only what the build links (the ICU data alone is 31 MB; the working tree that travels is capped at 64 MiB).
-(cd .gpudeps/usr/lib/x86_64-linux-gnu && rm -f libicui18n.a libicuio.a libicutest.a libicutu.a \
-    libsnappy-shared.a libwebpdemux.a libwebpmux.a)
+# Only what the build links (the working tree that travels is capped at 64 MiB). ICU is not
+# needed: the tokenizer loads the machine's own libicuuc at run time.
+(cd .gpudeps/usr/lib/x86_64-linux-gnu && rm -f libsnappy-shared.a libwebpdemux.a libwebpmux.a)
 tar cJf .gpudeps.tar.xz .gpudeps && rm -rf .gpudeps
 rm -rf "$tmp"
 rm -rf shared && mkdir -p shared && cp -r ../shared/fixtures shared/
