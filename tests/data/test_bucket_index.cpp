@@ -64,6 +64,11 @@ TEST(BucketIndex, DiscoverPersistRefresh) {
     EXPECT_EQ(meta[wide]["intermediary_size"], nlohmann::json({1367, 768}));
     EXPECT_EQ(meta[wide]["crop_coordinates"], nlohmann::json({0, 11}));  // centre: (1367-1344)/2
     EXPECT_DOUBLE_EQ(meta[wide]["aspect_ratio"].get<double>(), 1.75);
+    const auto skipped = nlohmann::json::parse(fs::read_file(dir / "skipped_files_pics.json"));
+    ASSERT_EQ(skipped.size(), 2u);
+    EXPECT_NE(skipped[(dir / "broken.jpg").string()].get<std::string>().find("broken.jpg"),
+              std::string::npos);
+    EXPECT_NE(skipped[(dir / "tiny.png").string()].get<std::string>().find("too small"), std::string::npos);
 
     // Restart: load, then one file removed and one added → only the new one is scanned.
     BucketIndex again;
