@@ -171,8 +171,8 @@ int64_t BucketIndex::refresh(StorageBackend& storage, const DatasetConfig& confi
     }
     if (!skipped.empty())
         log::warn() << "dataset '" << config.id << "': " << skipped.size()
-                    << " file(s) not bucketed (first: " << skipped.front().first << ": "
-                    << skipped.front().second << ")";
+                    << " file(s) not bucketed (first: " << skipped.front().second << "); all listed in "
+                    << skipped_path(config);
     return static_cast<int64_t>(fresh.size());
 }
 

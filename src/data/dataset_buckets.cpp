@@ -63,6 +63,14 @@ DatasetBuckets build_dataset_buckets(const DatasetConfig& config, const BucketBu
     in.apply_padding = options.apply_padding;
     in.is_eval = config.dataset_type == DatasetType::kEval;
     out.plan = plan_epoch(in, out.index.sizes());
+    for (const auto& [path, reason] : out.index.skipped) {
+        const char* kind = reason.rfind("too small", 0) == 0                ? "too small"
+                           : reason.rfind("beyond max_num_samples", 0) == 0 ? "beyond max_num_samples"
+                           : reason.find("aspect_ratio") != std::string::npos
+                               ? "outside the aspect range"
+                               : "unreadable (see skipped_files)";
+        ++out.plan.excluded_before_bucketing[kind];
+    }
     out.local = rank_bucket_lists(out.index.buckets, out.plan, config.id, options.seed,
                                   in.is_eval ? 1 : options.world_size, in.is_eval ? 0 : options.rank,
                                   in.apply_padding);

@@ -145,6 +145,9 @@ TEST(DatasetBuckets, ConfigToRankShards) {
     const DatasetBuckets limited = build_dataset_buckets(c, o, pool);
     EXPECT_EQ(limited.index.sample_count(), 10);
     EXPECT_EQ(limited.plan.total_samples, 10);
+    EXPECT_EQ(limited.plan.excluded_before_bucketing.at("beyond max_num_samples"), 3);
+    EXPECT_NE(limited.plan.report().find("not bucketed: 3 file(s) beyond max_num_samples"),
+              std::string::npos);
 }
 
 }  // namespace
