@@ -4,6 +4,10 @@
 // (it pulls GLib and a large dependency tree into a static tool), while a separable Lanczos3 is
 // ~80 lines, matches Pillow's LANCZOS (what SimpleTuner resizes with) in kernel and support, and
 // runs per image on our own thread pool, so there is no second threading runtime to tune.
+// jpeglib.h uses size_t and FILE without including their headers.
+#include <cstddef>
+#include <cstdio>
+
 #include <jpeglib.h>
 #include <png.h>
 
