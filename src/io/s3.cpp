@@ -65,9 +65,26 @@ void global_init() {
     std::call_once(once, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
 }
 
+// A connection that dies mid-response can look like a complete, shorter answer (a server that
+// closes instead of framing, or a cut inside the headers). A GET body must match its announced
+// Content-Length, and a 2xx GET of an object must announce one (or be chunked, which curl checks).
+void check_complete(const Op& op, Response& r) {
+    if (op.method != "GET" || r.status < 200 || r.status >= 300) return;
+    const auto len = r.headers.find("content-length");
+    if (len != r.headers.end()) {
+        if (std::strtoull(len->second.c_str(), nullptr, 10) != r.body.size())
+            r.transport_error = "truncated response (body shorter than its Content-Length)";
+        return;
+    }
+    const auto te = r.headers.find("transfer-encoding");
+    if (!op.key.empty() && (te == r.headers.end() || te->second.find("chunked") == std::string::npos))
+        r.transport_error = "response without Content-Length (connection cut?)";
+}
+
 bool retryable(const Response& r) {
     if (!r.transport_error.empty()) return true;
-    if (r.status == 429 || r.status == 500 || r.status == 502 || r.status == 503 || r.status == 504) return true;
+    if (r.status == 429 || r.status == 500 || r.status == 502 || r.status == 503 || r.status == 504)
+        return true;
     if (r.status == 400 && s3xml::first(r.body, "Code") == "RequestTimeout") return true;
     return false;
 }
@@ -101,7 +118,9 @@ struct S3Client::Impl {
     static void lock(CURL*, curl_lock_data data, curl_lock_access, void* self) {
         static_cast<Impl*>(self)->share_locks[data].lock();
     }
-    static void unlock(CURL*, curl_lock_data data, void* self) { static_cast<Impl*>(self)->share_locks[data].unlock(); }
+    static void unlock(CURL*, curl_lock_data data, void* self) {
+        static_cast<Impl*>(self)->share_locks[data].unlock();
+    }
 
     ThreadPool& thread_pool() {
         std::call_once(pool_once, [&] { pool = std::make_unique<ThreadPool>(config.max_connections); });
@@ -189,6 +208,7 @@ Response S3Client::Impl::attempt(const Op& op) {
     const CURLcode rc = curl_easy_perform(h);
     if (rc == CURLE_OK) {
         curl_easy_getinfo(h, CURLINFO_RESPONSE_CODE, &r.status);
+        check_complete(op, r);
     } else {
         r.transport_error = curl_easy_strerror(rc);
     }
@@ -211,8 +231,8 @@ Response S3Client::Impl::execute(const Op& op) {
         const double cap = std::min(config.backoff_cap_s, config.backoff_base_s * std::pow(2.0, attempt_no));
         const double sleep_s = std::uniform_real_distribution<double>(0.0, cap)(rng);
         log::debug() << "S3: retrying " << describe(op) << " after "
-                     << (r.transport_error.empty() ? str("HTTP ", r.status) : r.transport_error) << " (attempt "
-                     << attempt_no + 2 << "/" << config.max_attempts << ")";
+                     << (r.transport_error.empty() ? str("HTTP ", r.status) : r.transport_error)
+                     << " (attempt " << attempt_no + 2 << "/" << config.max_attempts << ")";
         std::this_thread::sleep_for(std::chrono::duration<double>(sleep_s));
     }
     if (r.transport_error.empty() && r.status >= 200 && r.status < 300) return r;
@@ -223,13 +243,15 @@ Response S3Client::Impl::execute(const Op& op) {
 void S3Client::Impl::fail(const Op& op, const Response& r) const {
     const std::string where = describe(op);
     if (!r.transport_error.empty())
-        throw DataError(str("S3: ", where, " failed after ", config.max_attempts, " attempts: ", r.transport_error,
+        throw DataError(str("S3: ", where, " failed after ", config.max_attempts,
+                            " attempts: ", r.transport_error,
                             "; check aws_endpoint_url (and that the server is reachable)"));
     const std::string code = s3xml::first(r.body, "Code");
     std::string message = s3xml::first(r.body, "Message");
     // Servers may echo request details; never let a key value through.
-    for (const std::string* secret : {&config.credentials.access_key_id, &config.credentials.secret_access_key,
-                                      &config.credentials.session_token}) {
+    for (const std::string* secret :
+         {&config.credentials.access_key_id, &config.credentials.secret_access_key,
+          &config.credentials.session_token}) {
         if (secret->empty()) continue;
         for (auto p = message.find(*secret); p != std::string::npos; p = message.find(*secret))
             message.replace(p, secret->size(), "<redacted>");
@@ -238,8 +260,9 @@ void S3Client::Impl::fail(const Op& op, const Response& r) const {
     std::string fix;
     if (code == "SignatureDoesNotMatch" || code == "InvalidAccessKeyId" || code == "InvalidToken" ||
         code == "ExpiredToken" || (r.status == 403 && code.empty()))
-        fix = "check aws_access_key_id / aws_secret_access_key / aws_session_token (or AWS_ACCESS_KEY_ID, "
-              "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, ~/.aws/credentials)";
+        fix =
+            "check aws_access_key_id / aws_secret_access_key / aws_session_token (or AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, ~/.aws/credentials)";
     else if (code == "AccessDenied")
         fix = "the credentials are valid but lack permission on this bucket/key";
     else if (code == "NoSuchBucket")
@@ -259,14 +282,18 @@ S3Client::S3Client(S3Config config)
 
 S3Client::~S3Client() = default;
 
-std::uint64_t S3Client::requests_sent() const { return impl_->requests; }
-std::uint64_t S3Client::retries() const { return impl_->retries; }
+std::uint64_t S3Client::requests_sent() const {
+    return impl_->requests;
+}
+std::uint64_t S3Client::retries() const {
+    return impl_->retries;
+}
 
 std::vector<S3Object> S3Client::list(const std::string& prefix) const {
     std::vector<S3Object> out;
     std::string token;
     for (;;) {
-        Op op{"GET", "", {{"list-type", "2"}, {"max-keys", "1000"}}, {}, {}};
+        Op op{"GET", "", {{"list-type", "2"}, {"max-keys", std::to_string(config_.list_page_size)}}, {}, {}};
         if (!prefix.empty()) op.query.emplace_back("prefix", prefix);
         if (!token.empty()) op.query.emplace_back("continuation-token", token);
         const Response r = impl_->execute(op);
@@ -280,7 +307,8 @@ std::vector<S3Object> S3Client::list(const std::string& prefix) const {
         if (s3xml::first(r.body, "IsTruncated") != "true") break;
         token = s3xml::first(r.body, "NextContinuationToken");
         DTUNE_CHECK_AS(DataError, !token.empty(), "S3: listing s3://", config_.bucket, "/", prefix, " at ",
-                       config_.endpoint, ": truncated page without NextContinuationToken; the server is not "
+                       config_.endpoint,
+                       ": truncated page without NextContinuationToken; the server is not "
                        "ListObjectsV2-compatible");
     }
     std::sort(out.begin(), out.end(), [](const S3Object& a, const S3Object& b) { return a.key < b.key; });
@@ -338,8 +366,9 @@ void S3Client::put(const std::string& key, std::string_view bytes) const {
     // server drops the parts and no partial object appears.
     const Response created = impl_->execute(Op{"POST", key, {{"uploads", ""}}, {}, {}});
     const std::string upload_id = s3xml::first(created.body, "UploadId");
-    DTUNE_CHECK_AS(DataError, !upload_id.empty(), "S3: multipart upload of s3://", config_.bucket, "/", key, " at ",
-                   config_.endpoint, ": the server returned no UploadId; it may not support multipart uploads");
+    DTUNE_CHECK_AS(DataError, !upload_id.empty(), "S3: multipart upload of s3://", config_.bucket, "/", key,
+                   " at ", config_.endpoint,
+                   ": the server returned no UploadId; it may not support multipart uploads");
     try {
         std::string complete = "<CompleteMultipartUpload>";
         const std::size_t part = config_.multipart_part_size;
@@ -348,17 +377,17 @@ void S3Client::put(const std::string& key, std::string_view bytes) const {
             const Response r = impl_->execute(
                 Op{"PUT", key, {{"partNumber", n}, {"uploadId", upload_id}}, {}, bytes.substr(offset, part)});
             const auto etag = r.headers.find("etag");
-            DTUNE_CHECK_AS(DataError, etag != r.headers.end(), "S3: part ", n, " of s3://", config_.bucket, "/",
-                           key, " came back without an ETag");
+            DTUNE_CHECK_AS(DataError, etag != r.headers.end(), "S3: part ", n, " of s3://", config_.bucket,
+                           "/", key, " came back without an ETag");
             complete += "<Part><PartNumber>" + n + "</PartNumber><ETag>" + s3xml::escape(etag->second) +
                         "</ETag></Part>";
         }
         complete += "</CompleteMultipartUpload>";
         const Response done = impl_->execute(Op{"POST", key, {{"uploadId", upload_id}}, {}, complete});
         // CompleteMultipartUpload can fail with 200 and an <Error> body.
-        DTUNE_CHECK_AS(DataError, s3xml::all(done.body, "Error").empty(), "S3: completing the multipart upload of s3://",
-                       config_.bucket, "/", key, " at ", config_.endpoint, " failed: ",
-                       s3xml::first(done.body, "Code"));
+        DTUNE_CHECK_AS(DataError, s3xml::all(done.body, "Error").empty(),
+                       "S3: completing the multipart upload of s3://", config_.bucket, "/", key, " at ",
+                       config_.endpoint, " failed: ", s3xml::first(done.body, "Code"));
     } catch (...) {
         try {
             Op abort{"DELETE", key, {{"uploadId", upload_id}}, {}, {}};

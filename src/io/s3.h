@@ -29,16 +29,17 @@ struct S3Config {
     std::string region;    // empty: AWS_REGION, AWS_DEFAULT_REGION, else us-east-1
     std::string endpoint;  // "http://127.0.0.1:8333"; empty: AWS_ENDPOINT_URL, else AWS
     S3Addressing addressing = S3Addressing::kAuto;  // auto: virtual host on AWS, path elsewhere
-    sigv4::Credentials credentials;  // empty: environment, then ~/.aws/credentials [profile]
-    std::string profile;             // empty: AWS_PROFILE, else "default"
-    int max_connections = 16;        // SimpleTuner's aws_max_pool_connections
-    int max_attempts = 6;            // 1 try + 5 retries, like SimpleTuner
-    double backoff_base_s = 0.2;     // sleep ~ U(0, min(cap, base * 2^attempt))
+    sigv4::Credentials credentials;                 // empty: environment, then ~/.aws/credentials [profile]
+    std::string profile;                            // empty: AWS_PROFILE, else "default"
+    int max_connections = 16;                       // SimpleTuner's aws_max_pool_connections
+    int max_attempts = 6;                           // 1 try + 5 retries, like SimpleTuner
+    double backoff_base_s = 0.2;                    // sleep ~ U(0, min(cap, base * 2^attempt))
     double backoff_cap_s = 10.0;
     double connect_timeout_s = 10.0;
     double low_speed_timeout_s = 60.0;  // abort a transfer slower than 1 KiB/s for this long
     std::size_t multipart_threshold = 64u << 20;
     std::size_t multipart_part_size = 16u << 20;  // S3's minimum is 5 MiB (except the last part)
+    int list_page_size = 1000;                    // ListObjectsV2 max-keys
     // curl CONNECT_TO entries ("host:port:connect-host:connect-port") so tests can reach a
     // virtual-hosted bucket name on loopback without DNS.
     std::vector<std::string> connect_to;

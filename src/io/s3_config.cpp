@@ -60,7 +60,8 @@ sigv4::Credentials resolve_credentials(const S3Config& config) {
                        "neither, to use AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or ~/.aws/credentials)");
         return given;
     }
-    sigv4::Credentials from_env{env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY"), env("AWS_SESSION_TOKEN")};
+    sigv4::Credentials from_env{env("AWS_ACCESS_KEY_ID"), env("AWS_SECRET_ACCESS_KEY"),
+                                env("AWS_SESSION_TOKEN")};
     if (!from_env.empty()) return from_env;
     std::string profile = config.profile.empty() ? env("AWS_PROFILE") : config.profile;
     if (profile.empty()) profile = "default";
@@ -135,7 +136,8 @@ S3Target s3_target(const S3Config& config, const std::string& key) {
         t.canonical_uri = e.base_path + "/" + key_path;
     } else {
         t.host = e.host;
-        t.canonical_uri = e.base_path + "/" + sigv4::uri_encode(config.bucket, true) + (key.empty() ? "" : "/") + key_path;
+        t.canonical_uri =
+            e.base_path + "/" + sigv4::uri_encode(config.bucket, true) + (key.empty() ? "" : "/") + key_path;
     }
     t.url = e.scheme + "://" + t.host + t.canonical_uri;
     return t;

@@ -67,11 +67,16 @@ std::string decode(std::string_view text) {
             continue;
         }
         const std::string_view ent = text.substr(i + 1, semi - i - 1);
-        if (ent == "amp") out += '&';
-        else if (ent == "lt") out += '<';
-        else if (ent == "gt") out += '>';
-        else if (ent == "quot") out += '"';
-        else if (ent == "apos") out += '\'';
+        if (ent == "amp")
+            out += '&';
+        else if (ent == "lt")
+            out += '<';
+        else if (ent == "gt")
+            out += '>';
+        else if (ent == "quot")
+            out += '"';
+        else if (ent == "apos")
+            out += '\'';
         else if (!ent.empty() && ent[0] == '#') {
             const std::string num(ent.substr(1));
             const bool hex = !num.empty() && (num[0] == 'x' || num[0] == 'X');

@@ -55,8 +55,8 @@ std::string sha256_hex(std::string_view data) {
 std::string hmac_sha256(std::string_view key, std::string_view data) {
     unsigned char out[EVP_MAX_MD_SIZE];
     unsigned int len = 0;
-    HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()), reinterpret_cast<const unsigned char*>(data.data()),
-         data.size(), out, &len);
+    HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
+         reinterpret_cast<const unsigned char*>(data.data()), data.size(), out, &len);
     return std::string(reinterpret_cast<const char*>(out), len);
 }
 
@@ -113,11 +113,13 @@ Signature sign(const Request& request, const Credentials& credentials, const std
         signed_headers += k;
     }
     Signature s;
-    s.canonical_request = request.method + "\n" + request.canonical_uri + "\n" + canonical_query(request.query) +
-                          "\n" + canonical_headers + "\n" + signed_headers + "\n" + request.payload_hash;
+    s.canonical_request = request.method + "\n" + request.canonical_uri + "\n" +
+                          canonical_query(request.query) + "\n" + canonical_headers + "\n" + signed_headers +
+                          "\n" + request.payload_hash;
     const std::string date = amz_date.substr(0, 8);
     const std::string scope = date + "/" + region + "/" + service + "/aws4_request";
-    s.string_to_sign = "AWS4-HMAC-SHA256\n" + amz_date + "\n" + scope + "\n" + sha256_hex(s.canonical_request);
+    s.string_to_sign =
+        "AWS4-HMAC-SHA256\n" + amz_date + "\n" + scope + "\n" + sha256_hex(s.canonical_request);
     std::string key = hmac_sha256("AWS4" + credentials.secret_access_key, date);
     key = hmac_sha256(key, region);
     key = hmac_sha256(key, service);

@@ -57,6 +57,7 @@ std::string uri_encode(std::string_view in, bool encode_slash);
 // The canonical query string: names and values encoded, sorted by name then value.
 std::string canonical_query(const Params& query);
 
-inline constexpr const char* kEmptySha256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+inline constexpr const char* kEmptySha256 =
+    "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 
 }  // namespace dtune::io::sigv4

@@ -36,7 +36,8 @@ FaultProxy::FaultProxy(int upstream_port, double fault_rate, std::uint32_t seed)
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 || ::listen(listen_fd_, 128) != 0)
+    if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+        ::listen(listen_fd_, 128) != 0)
         throw std::runtime_error("FaultProxy: cannot listen on 127.0.0.1");
     socklen_t len = sizeof addr;
     ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
@@ -65,8 +66,9 @@ void FaultProxy::serve() {
         if (u(rng) < fault_rate_) mode = 1 + static_cast<int>(u(rng) * 3) % 3;
         // Even "good" connections are cut after a random amount of response data, so faults keep
         // coming on long-lived keep-alive connections too.
-        const std::uint64_t cut = mode == kCutResponse ? static_cast<std::uint64_t>(u(rng) * 4096)
-                                                       : 64 * 1024 + static_cast<std::uint64_t>(u(rng) * 1024 * 1024);
+        const std::uint64_t cut = mode == kCutResponse
+                                      ? static_cast<std::uint64_t>(u(rng) * 4096)
+                                      : 64 * 1024 + static_cast<std::uint64_t>(u(rng) * 1024 * 1024);
         std::lock_guard lock(handlers_mutex_);
         handlers_.emplace_back([this, fd, mode, cut] { handle(fd, mode, cut); });
     }
@@ -89,9 +91,11 @@ void FaultProxy::handle(int client, int mode, std::uint64_t cut_after) {
             if (n <= 0) break;
             head.append(buf, static_cast<std::size_t>(n));
         }
-        const std::string body = "<Error><Code>SlowDown</Code><Message>Reduce your request rate.</Message></Error>";
-        const std::string resp = "HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: " +
-                                 std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
+        const std::string body =
+            "<Error><Code>SlowDown</Code><Message>Reduce your request rate.</Message></Error>";
+        const std::string resp =
+            "HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: " +
+            std::to_string(body.size()) + "\r\nConnection: close\r\n\r\n" + body;
         ++faults_;
         send_all(client, resp.data(), resp.size());
         ::close(client);

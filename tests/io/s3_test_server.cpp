@@ -10,9 +10,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <fcntl.h>
 #include <chrono>
 #include <cstdlib>
-#include <fcntl.h>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -99,16 +100,27 @@ std::unique_ptr<S3TestServer> S3TestServer::start(S3ServerKind kind) {
     std::vector<std::string> args;
     if (seaweed) {
         const std::string config = (s->dir_->path() / "s3.json").string();
-        std::ofstream(config) << R"({"identities":[{"name":"dtune","credentials":[{"accessKey":")" << kAccessKey
-                              << R"(","secretKey":")" << kSecretKey
+        std::ofstream(config) << R"({"identities":[{"name":"dtune","credentials":[{"accessKey":")"
+                              << kAccessKey << R"(","secretKey":")" << kSecretKey
                               << R"("}],"actions":["Admin","Read","Write","List","Tagging"]}]})";
         std::filesystem::create_directories(s->dir_->path() / "data");
         s->port_ = base + 3;
-        args = {exe, "mini", "-dir=" + (s->dir_->path() / "data").string(), "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                "-master.port=" + std::to_string(base), "-volume.port=" + std::to_string(base + 1),
-                "-filer.port=" + std::to_string(base + 2), "-s3.port=" + std::to_string(base + 3),
-                "-webdav.port=" + std::to_string(base + 4), "-admin.port=" + std::to_string(base + 5),
-                "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false", "-s3.config=" + config};
+        args = {exe,
+                "mini",
+                "-dir=" + (s->dir_->path() / "data").string(),
+                "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1",
+                "-master.port=" + std::to_string(base),
+                "-volume.port=" + std::to_string(base + 1),
+                "-filer.port=" + std::to_string(base + 2),
+                "-s3.port=" + std::to_string(base + 3),
+                "-webdav.port=" + std::to_string(base + 4),
+                "-admin.port=" + std::to_string(base + 5),
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
+                "-s3.domainName=localhost",
+                "-master.telemetry=false",
+                "-s3.config=" + config};
     } else {
         s->port_ = base;
         args = {exe, "-H", "127.0.0.1", "-p", std::to_string(base)};

@@ -7,9 +7,9 @@
 
 #include "support/test_support.h"
 
+#include <sys/types.h>
 #include <memory>
 #include <string>
-#include <sys/types.h>
 
 namespace dtune::test {
 

@@ -28,7 +28,8 @@ struct Examples {
 };
 
 Examples load_examples() {
-    const std::filesystem::path path = std::filesystem::path(DTUNE_TEST_SOURCE_DIR) / "sigv4_aws_examples.txt";
+    const std::filesystem::path path =
+        std::filesystem::path(DTUNE_TEST_SOURCE_DIR) / "sigv4_aws_examples.txt";
     std::ifstream in(path);
     EXPECT_TRUE(in.good()) << "missing " << path;
     Examples out;
@@ -37,7 +38,8 @@ Examples load_examples() {
     while (std::getline(in, line)) {
         if (line.empty() || line[0] == '#') continue;
         const auto sp = line.find(' ');
-        const std::string word = line.substr(0, sp), rest = sp == std::string::npos ? "" : line.substr(sp + 1);
+        const std::string word = line.substr(0, sp),
+                          rest = sp == std::string::npos ? "" : line.substr(sp + 1);
         if (word == "example") {
             out.examples.push_back({rest, {}, {}, {}, {}});
             cur = &out.examples.back();
@@ -80,10 +82,11 @@ TEST(SigV4, AwsPublishedExamples) {
         if (!e.canonical_request_sha256.empty()) {
             EXPECT_EQ(sigv4::sha256_hex(s.canonical_request), e.canonical_request_sha256);
         }
-        EXPECT_EQ(s.authorization.rfind("AWS4-HMAC-SHA256 Credential=AKIAIOSFODNN7EXAMPLE/20130524/us-east-1/s3/"
-                                        "aws4_request,SignedHeaders=",
-                                        0),
-                  0u);
+        EXPECT_EQ(
+            s.authorization.rfind("AWS4-HMAC-SHA256 Credential=AKIAIOSFODNN7EXAMPLE/20130524/us-east-1/s3/"
+                                  "aws4_request,SignedHeaders=",
+                                  0),
+            0u);
         // The secret itself never appears in anything sign() returns.
         EXPECT_EQ(s.canonical_request.find(creds.secret_access_key), std::string::npos);
         EXPECT_EQ(s.authorization.find(creds.secret_access_key), std::string::npos);
@@ -109,8 +112,9 @@ TEST(SigV4, UriEncodingAndQuery) {
     EXPECT_EQ(sigv4::uri_encode("a/b", true), "a%2Fb");
     EXPECT_EQ(sigv4::uri_encode("\xc3\xa9", true), "%C3%A9");  // é as UTF-8
     EXPECT_EQ(sigv4::uri_encode("$!*'()", true), "%24%21%2A%27%28%29");
-    EXPECT_EQ(sigv4::canonical_query({{"prefix", "a b/c"}, {"list-type", "2"}, {"continuation-token", "x=="}}),
-              "continuation-token=x%3D%3D&list-type=2&prefix=a%20b%2Fc");
+    EXPECT_EQ(
+        sigv4::canonical_query({{"prefix", "a b/c"}, {"list-type", "2"}, {"continuation-token", "x=="}}),
+        "continuation-token=x%3D%3D&list-type=2&prefix=a%20b%2Fc");
     EXPECT_EQ(sigv4::canonical_query({{"uploads", ""}}), "uploads=");
 }
 
@@ -160,7 +164,8 @@ class EnvGuard {
     }
     ~EnvGuard() {
         for (std::size_t i = 0; i < names_.size(); ++i)
-            saved_[i] ? (void)::setenv(names_[i].c_str(), saved_[i]->c_str(), 1) : (void)::unsetenv(names_[i].c_str());
+            saved_[i] ? (void)::setenv(names_[i].c_str(), saved_[i]->c_str(), 1)
+                      : (void)::unsetenv(names_[i].c_str());
     }
 
   private:
@@ -168,9 +173,9 @@ class EnvGuard {
     std::vector<std::optional<std::string>> saved_;
 };
 
-const std::vector<std::string> kAwsEnv = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                                          "AWS_REGION",        "AWS_DEFAULT_REGION",    "AWS_ENDPOINT_URL",
-                                          "AWS_PROFILE",       "AWS_SHARED_CREDENTIALS_FILE"};
+const std::vector<std::string> kAwsEnv = {
+    "AWS_ACCESS_KEY_ID",  "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_REGION",
+    "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL",      "AWS_PROFILE",       "AWS_SHARED_CREDENTIALS_FILE"};
 
 TEST(S3Credentials, ExplicitThenEnvThenProfile) {
     EnvGuard guard(kAwsEnv);
@@ -234,8 +239,10 @@ TEST(S3Credentials, MissingOrHalfGivenIsAUsageErrorWithoutTheValue) {
 
 TEST(S3Xml, ExtractsAndDecodes) {
     const std::string xml =
-        "<ListBucketResult><KeyCount>2</KeyCount><Contents><Key>a&amp;b &#233;.jpg</Key><Size>3</Size></Contents>"
-        "<Contents><Key>c&lt;d</Key><Size>10</Size></Contents><IsTruncated>false</IsTruncated></ListBucketResult>";
+        "<ListBucketResult><KeyCount>2</KeyCount><Contents><Key>a&amp;b "
+        "&#233;.jpg</Key><Size>3</Size></Contents>"
+        "<Contents><Key>c&lt;d</Key><Size>10</Size></Contents><IsTruncated>false</IsTruncated></"
+        "ListBucketResult>";
     const auto items = s3xml::all(xml, "Contents");
     ASSERT_EQ(items.size(), 2u);
     EXPECT_EQ(s3xml::first(items[0], "Key"), "a&b \xc3\xa9.jpg");
