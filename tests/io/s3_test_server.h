@@ -9,6 +9,7 @@
 
 #include <sys/types.h>
 #include <memory>
+#include <ostream>
 #include <string>
 
 namespace dtune::test {
@@ -36,6 +37,11 @@ class S3TestServer {
     int port_ = 0;
     pid_t pid_ = -1;
 };
+
+// gtest prints the parameter by this (ctest names read "GetParam() = seaweedfs").
+inline void PrintTo(S3ServerKind kind, std::ostream* os) {
+    *os << (kind == S3ServerKind::kSeaweed ? "seaweedfs" : "moto");
+}
 
 // Where a named executable lives on PATH, or "" when absent.
 std::string find_on_path(const std::string& name);
