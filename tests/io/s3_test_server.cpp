@@ -105,6 +105,11 @@ std::unique_ptr<S3TestServer> S3TestServer::start(S3ServerKind kind) {
                               << R"("}],"actions":["Admin","Read","Write","List","Tagging"]}]})";
         std::filesystem::create_directories(s->dir_->path() / "data");
         s->port_ = base + 3;
+        // Some components ignore TMPDIR and leave gRPC sockets in /tmp; ours are removed on stop.
+        for (const auto& [component, offset] : std::vector<std::pair<std::string, int>>{
+                 {"master", 0}, {"volume", 1}, {"filer", 2}, {"s3", 3}, {"admin", 5}})
+            s->leftovers_.push_back("/tmp/seaweedfs-" + component + "-grpc-" +
+                                    std::to_string(base + offset + 10000) + ".sock");
         args = {exe,
                 "mini",
                 "-dir=" + (s->dir_->path() / "data").string(),
@@ -119,6 +124,8 @@ std::unique_ptr<S3TestServer> S3TestServer::start(S3ServerKind kind) {
                 "-s3.port.iceberg=0",
                 "-s3.port.lance=0",
                 "-s3.domainName=localhost",
+                "-filer.localSocket=" + (s->dir_->path() / "filer.sock").string(),
+                "-s3.localSocket=" + (s->dir_->path() / "s3.sock").string(),
                 "-master.telemetry=false",
                 "-s3.config=" + config};
     } else {
@@ -140,7 +147,14 @@ std::unique_ptr<S3TestServer> S3TestServer::start(S3ServerKind kind) {
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
-    const int rc = posix_spawn(&s->pid_, exe.c_str(), &actions, &attr, argv.data(), environ);
+    // TMPDIR: SeaweedFS puts its gRPC unix sockets there; keep them inside the test's folder.
+    std::vector<std::string> env_strings = {"TMPDIR=" + s->dir_->path().string()};
+    for (char** e = environ; *e; ++e)
+        if (std::strncmp(*e, "TMPDIR=", 7) != 0) env_strings.emplace_back(*e);
+    std::vector<char*> envp;
+    for (auto& e : env_strings) envp.push_back(e.data());
+    envp.push_back(nullptr);
+    const int rc = posix_spawn(&s->pid_, exe.c_str(), &actions, &attr, argv.data(), envp.data());
     posix_spawn_file_actions_destroy(&actions);
     posix_spawnattr_destroy(&attr);
     if (rc != 0) {
@@ -166,14 +180,23 @@ std::unique_ptr<S3TestServer> S3TestServer::start(S3ServerKind kind) {
 }
 
 S3TestServer::~S3TestServer() {
+    stop();
+    for (const auto& path : leftovers_) ::unlink(path.c_str());
+}
+
+void S3TestServer::stop() {
     if (pid_ <= 0) return;
     ::kill(-pid_, SIGTERM);
     for (int i = 0; i < 50; ++i) {
-        if (::waitpid(pid_, nullptr, WNOHANG) == pid_) return;
+        if (::waitpid(pid_, nullptr, WNOHANG) == pid_) {
+            pid_ = -1;
+            return;
+        }
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     ::kill(-pid_, SIGKILL);
     ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
 }
 
 }  // namespace dtune::test

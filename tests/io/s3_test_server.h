@@ -11,6 +11,7 @@
 #include <memory>
 #include <ostream>
 #include <string>
+#include <vector>
 
 namespace dtune::test {
 
@@ -32,8 +33,10 @@ class S3TestServer {
 
   private:
     S3TestServer() = default;
+    void stop();
     std::unique_ptr<TempDir> dir_;
     std::string endpoint_, name_;
+    std::vector<std::string> leftovers_;
     int port_ = 0;
     pid_t pid_ = -1;
 };
