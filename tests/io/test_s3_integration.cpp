@@ -196,6 +196,27 @@ INSTANTIATE_TEST_SUITE_P(Servers, S3Integration,
                              return info.param == S3ServerKind::kSeaweed ? "SeaweedFS" : "Moto";
                          });
 
+// Keep-alive: sequential requests through one pooled handle share one TCP connection (counted
+// by a proxy that injects no faults). SeaweedFS keeps connections open; moto closes each one.
+TEST(S3SeaweedConnections, AreReusedAcrossRequests) {
+    auto server = S3TestServer::start(S3ServerKind::kSeaweed);
+    ASSERT_TRUE(server);
+    test::FaultProxy counting(server->port(), 0.0, 1);
+    S3Config c;
+    c.bucket = "dtune-reuse";
+    c.endpoint = "http://127.0.0.1:" + std::to_string(counting.port());
+    c.credentials = {S3TestServer::kAccessKey, S3TestServer::kSecretKey, ""};
+    c.max_connections = 1;
+    {
+        S3Client s3(c);
+        s3.create_bucket();
+        for (int i = 0; i < 20; ++i) s3.put("r/" + std::to_string(i), std::string(1000, 'a' + i % 26));
+        for (int i = 0; i < 20; ++i) EXPECT_EQ(s3.get("r/" + std::to_string(i)).size(), 1000u);
+        EXPECT_EQ(s3.requests_sent(), 41u);
+    }
+    EXPECT_EQ(counting.connections(), 1);
+}
+
 // SeaweedFS verifies signatures: the wrong secret must be refused, with an error that names the
 // bucket and the config keys to fix but contains no credential, and a debug log that leaks none.
 TEST(S3SeaweedAuth, WrongSecretIsRefusedAndNoCredentialIsEverWritten) {
