@@ -144,13 +144,15 @@ struct S3Client::Impl {
     std::string describe(const Op& op) const {
         return str(op.method, " s3://", config.bucket, "/", op.key, " at ", config.endpoint);
     }
+    curl_slist* signed_headers(const Op& op, const S3Target& target) const;
+    void set_transport_options(CURL* h, Response& r, curl_slist* connect_to);
     Response attempt(const Op& op);
     Response execute(const Op& op);
     [[noreturn]] void fail(const Op& op, const Response& r) const;
 };
 
-Response S3Client::Impl::attempt(const Op& op) {
-    const S3Target target = s3_target(config, op.key);
+// The request's headers, signed now (each attempt gets a fresh x-amz-date).
+curl_slist* S3Client::Impl::signed_headers(const Op& op, const S3Target& target) const {
     const std::string date = sigv4::amz_date(std::chrono::system_clock::now());
     sigv4::Request req;
     req.method = op.method;
@@ -171,18 +173,12 @@ Response S3Client::Impl::attempt(const Op& op) {
     headers = curl_slist_append(headers, "Expect:");  // no 100-continue round trip
     if (!op.body.empty() || op.method == "PUT" || op.method == "POST")
         headers = curl_slist_append(headers, "Content-Type: application/octet-stream");
+    return headers;
+}
 
-    const std::string query = sigv4::canonical_query(op.query);
-    const std::string url = target.url + (query.empty() ? "" : "?" + query);
-    Response r;
-    slots.acquire();
-    CURL* h = acquire();
-    curl_easy_reset(h);  // keeps the connection cache, drops the last request's options
-    curl_slist* connect_to = nullptr;
-    for (const auto& c : config.connect_to) connect_to = curl_slist_append(connect_to, c.c_str());
+// Transport options shared by every request on a freshly reset handle.
+void S3Client::Impl::set_transport_options(CURL* h, Response& r, curl_slist* connect_to) {
     curl_easy_setopt(h, CURLOPT_SHARE, share);
-    curl_easy_setopt(h, CURLOPT_URL, url.c_str());
-    curl_easy_setopt(h, CURLOPT_HTTPHEADER, headers);
     if (connect_to) curl_easy_setopt(h, CURLOPT_CONNECT_TO, connect_to);
     curl_easy_setopt(h, CURLOPT_NOSIGNAL, 1L);
     curl_easy_setopt(h, CURLOPT_TCP_KEEPALIVE, 1L);
@@ -194,6 +190,28 @@ Response S3Client::Impl::attempt(const Op& op) {
     curl_easy_setopt(h, CURLOPT_WRITEDATA, &r.body);
     curl_easy_setopt(h, CURLOPT_HEADERFUNCTION, on_header);
     curl_easy_setopt(h, CURLOPT_HEADERDATA, &r.headers);
+}
+
+Response S3Client::Impl::attempt(const Op& op) {
+    const S3Target target = s3_target(config, op.key);
+    curl_slist* headers = signed_headers(op, target);
+    const std::string query = sigv4::canonical_query(op.query);
+    const std::string url = target.url + (query.empty() ? "" : "?" + query);
+    Response r;
+    slots.acquire();
+    CURL* h = acquire();
+    if (!h) {
+        slots.release();
+        curl_slist_free_all(headers);
+        r.transport_error = "curl_easy_init failed (out of memory?)";
+        return r;
+    }
+    curl_easy_reset(h);  // keeps the connection cache, drops the last request's options
+    curl_slist* connect_to = nullptr;
+    for (const auto& c : config.connect_to) connect_to = curl_slist_append(connect_to, c.c_str());
+    set_transport_options(h, r, connect_to);
+    curl_easy_setopt(h, CURLOPT_URL, url.c_str());
+    curl_easy_setopt(h, CURLOPT_HTTPHEADER, headers);
     if (op.method == "HEAD") {
         curl_easy_setopt(h, CURLOPT_NOBODY, 1L);
     } else if (op.method == "GET") {
@@ -202,7 +220,8 @@ Response S3Client::Impl::attempt(const Op& op) {
         curl_easy_setopt(h, CURLOPT_CUSTOMREQUEST, op.method.c_str());
         if (op.method != "DELETE") {
             curl_easy_setopt(h, CURLOPT_POSTFIELDSIZE_LARGE, static_cast<curl_off_t>(op.body.size()));
-            curl_easy_setopt(h, CURLOPT_POSTFIELDS, op.body.data());
+            // Never NULL: curl would then read the body from its default callback (stdin).
+            curl_easy_setopt(h, CURLOPT_POSTFIELDS, op.body.empty() ? "" : op.body.data());
         }
     }
     const CURLcode rc = curl_easy_perform(h);
