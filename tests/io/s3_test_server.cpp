@@ -162,7 +162,7 @@ std::unique_ptr<S3TestServer> S3TestServer::start(S3ServerKind kind) {
         s->pid_ = -1;
         return nullptr;
     }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
     while (!answers_http(s->port_)) {
         int status = 0;
         if (::waitpid(s->pid_, &status, WNOHANG) == s->pid_) {
@@ -171,7 +171,7 @@ std::unique_ptr<S3TestServer> S3TestServer::start(S3ServerKind kind) {
             return nullptr;
         }
         if (std::chrono::steady_clock::now() > deadline) {
-            ADD_FAILURE() << binary << " did not answer on port " << s->port_ << " within 60 s; log: " << log;
+            ADD_FAILURE() << binary << " did not answer on port " << s->port_ << " within 120 s; log: " << log;
             return nullptr;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
