@@ -171,7 +171,8 @@ std::unique_ptr<S3TestServer> S3TestServer::start(S3ServerKind kind) {
             return nullptr;
         }
         if (std::chrono::steady_clock::now() > deadline) {
-            ADD_FAILURE() << binary << " did not answer on port " << s->port_ << " within 120 s; log: " << log;
+            ADD_FAILURE() << binary << " did not answer on port " << s->port_
+                          << " within 120 s; log: " << log;
             return nullptr;
         }
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
