@@ -35,8 +35,9 @@ TrainBatch SyntheticBatchSource::next(at::Generator& generator) {
     const auto& o = options_;
     const auto cpu = at::TensorOptions().dtype(at::kFloat);
     TrainBatch b;
-    b.latents = at::randn({o.batch_size, o.latent_channels, o.latent_size, o.latent_size}, generator, at::kFloat)
-                    .to(o.device);
+    b.latents =
+        at::randn({o.batch_size, o.latent_channels, o.latent_size, o.latent_size}, generator, at::kFloat)
+            .to(o.device);
     b.prompt_embeds = at::randn({o.batch_size, o.tokens, o.dim}, generator, at::kFloat).to(o.device);
     b.pooled_embeds = at::randn({o.batch_size, o.pooled_dim}, generator, at::kFloat).to(o.device);
     const double s = static_cast<double>(o.pixel_size);
@@ -50,7 +51,8 @@ TrainBatch SyntheticBatchSource::next(at::Generator& generator) {
 }
 
 PromptEmbedding SyntheticBatchSource::empty_prompt() {
-    return {at::zeros({options_.tokens, options_.dim}, at::kFloat), at::zeros({options_.pooled_dim}, at::kFloat)};
+    return {at::zeros({options_.tokens, options_.dim}, at::kFloat),
+            at::zeros({options_.pooled_dim}, at::kFloat)};
 }
 
 nlohmann::json SyntheticBatchSource::state() const {
@@ -58,7 +60,8 @@ nlohmann::json SyntheticBatchSource::state() const {
 }
 
 void SyntheticBatchSource::load_state(const nlohmann::json& state) {
-    DTUNE_CHECK_AS(UsageError, state.value("kind", "") == "synthetic", "checkpoint batch state ", state.dump(),
+    DTUNE_CHECK_AS(UsageError, state.value("kind", "") == "synthetic", "checkpoint batch state ",
+                   state.dump(),
                    " is not a synthetic source's; resume with the data configuration it was written with");
     served_ = state.at("served").get<int64_t>();
 }
@@ -86,7 +89,8 @@ int square_edge(const data::DatasetConfig& d) {
 
 class ImageFolderSource final : public BatchSource {
   public:
-    ImageFolderSource(const ImageFolderOptions& o, LatentEncoder encoder, std::shared_ptr<TextEmbedder> embedder)
+    ImageFolderSource(const ImageFolderOptions& o, LatentEncoder encoder,
+                      std::shared_ptr<TextEmbedder> embedder)
         : options_(o), encoder_(std::move(encoder)), embedder_(std::move(embedder)) {
         data::GlobalDataArgs args;
         args.output_dir = o.output_dir;
@@ -102,18 +106,21 @@ class ImageFolderSource final : public BatchSource {
             }
         DTUNE_CHECK_AS(UsageError, dataset_, o.data_backend_config.string(),
                        " has no image dataset; add an entry with \"type\": \"local\" and instance_data_dir");
-        DTUNE_CHECK_AS(UsageError, dataset_->type == data::StorageType::kLocal, o.data_backend_config.string(),
-                       ": dataset ", dataset_->id, " is not local; only local image folders are trained on for now");
+        DTUNE_CHECK_AS(UsageError, dataset_->type == data::StorageType::kLocal,
+                       o.data_backend_config.string(), ": dataset ", dataset_->id,
+                       " is not local; only local image folders are trained on for now");
         storage_ = data::make_storage(*dataset_);
         files_ = storage_->list_files(dataset_->instance_data_dir, {".png", ".jpg", ".jpeg", ".webp"});
-        DTUNE_CHECK_AS(DataError, static_cast<int>(files_.size()) >= o.batch_size, "dataset ", dataset_->id, " (",
-                       dataset_->instance_data_dir, ") has ", files_.size(), " images, fewer than train_batch_size ",
-                       o.batch_size, "; add images or lower train_batch_size");
+        DTUNE_CHECK_AS(DataError, static_cast<int>(files_.size()) >= o.batch_size, "dataset ", dataset_->id,
+                       " (", dataset_->instance_data_dir, ") has ", files_.size(),
+                       " images, fewer than train_batch_size ", o.batch_size,
+                       "; add images or lower train_batch_size");
         edge_ = square_edge(*dataset_);
-        sampler_ = std::make_unique<data::BucketSampler>(std::map<std::string, std::vector<std::string>>{{"1.0", files_}},
-                                                         o.batch_size, dataset_->repeats, o.seed, dataset_->id);
-        log::info() << "dataset " << dataset_->id << ": " << files_.size() << " images at " << edge_ << "x" << edge_
-                    << ", latents encoded on the fly (vae_cache_disable)";
+        sampler_ = std::make_unique<data::BucketSampler>(
+            std::map<std::string, std::vector<std::string>>{{"1.0", files_}}, o.batch_size, dataset_->repeats,
+            o.seed, dataset_->id);
+        log::info() << "dataset " << dataset_->id << ": " << files_.size() << " images at " << edge_ << "x"
+                    << edge_ << ", latents encoded on the fly (vae_cache_disable)";
     }
 
     TrainBatch next(at::Generator& generator) override {
@@ -130,7 +137,8 @@ class ImageFolderSource final : public BatchSource {
             time_ids.push_back(ids);
             const auto captions = data::resolve_captions(*dataset_, *storage_, path);
             // Several captions: one chosen with the step's generator (deterministic on resume).
-            const auto pick = at::randint(static_cast<int64_t>(captions.size()), {1}, generator).item<int64_t>();
+            const auto pick =
+                at::randint(static_cast<int64_t>(captions.size()), {1}, generator).item<int64_t>();
             const std::string& caption = captions[static_cast<size_t>(pick)];
             const PromptEmbedding e = embedder_->encode(caption);
             prompts.push_back(e.prompt);
@@ -139,10 +147,10 @@ class ImageFolderSource final : public BatchSource {
             b.captions.push_back(caption);
         }
         const at::Tensor pixels = at::stack(images).to(options_.device);  // [B, 3, H, W]
-        b.latents = encoder_(pixels, generator);                           // [B, C, H/f, W/f]
-        b.prompt_embeds = at::stack(prompts).to(options_.device);          // [B, 77, D]
-        b.pooled_embeds = at::stack(pooled).to(options_.device);           // [B, P]
-        b.time_ids = at::stack(time_ids).to(options_.device);              // [B, 6]
+        b.latents = encoder_(pixels, generator);                          // [B, C, H/f, W/f]
+        b.prompt_embeds = at::stack(prompts).to(options_.device);         // [B, 77, D]
+        b.pooled_embeds = at::stack(pooled).to(options_.device);          // [B, P]
+        b.time_ids = at::stack(time_ids).to(options_.device);             // [B, 6]
         return b;
     }
 
@@ -159,12 +167,13 @@ class ImageFolderSource final : public BatchSource {
     }
 
     void load_state(const nlohmann::json& s) override {
-        DTUNE_CHECK_AS(UsageError, s.value("kind", "") == "image_folder" && s.value("dataset", "") == dataset_->id,
-                       "checkpoint batch state is for dataset ", s.value("dataset", "?"), ", not ", dataset_->id,
-                       "; resume with the same multidatabackend.json");
+        DTUNE_CHECK_AS(UsageError,
+                       s.value("kind", "") == "image_folder" && s.value("dataset", "") == dataset_->id,
+                       "checkpoint batch state is for dataset ", s.value("dataset", "?"), ", not ",
+                       dataset_->id, "; resume with the same multidatabackend.json");
         DTUNE_CHECK_AS(UsageError, s.at("batch_size").get<int>() == options_.batch_size,
-                       "the checkpoint was written with train_batch_size ", s.at("batch_size").dump(), ", now ",
-                       options_.batch_size, "; resume with the same batch size");
+                       "the checkpoint was written with train_batch_size ", s.at("batch_size").dump(),
+                       ", now ", options_.batch_size, "; resume with the same batch size");
         sampler_->restore(data::SamplerState::from_json(s.at("sampler")));
     }
 
@@ -182,9 +191,10 @@ class ImageFolderSource final : public BatchSource {
         spec.crop_left = (spec.resize_width - edge_) / 2;
         spec.crop_width = spec.crop_height = edge_;
         at::Tensor image = io::prepare_image_tensor(path, spec);  // [3, edge, edge]
-        at::Tensor ids = at::tensor({double(spec.resize_height), double(spec.resize_width), double(spec.crop_top),
-                                     double(spec.crop_left), double(edge_), double(edge_)},
-                                    at::kFloat);  // [6]
+        at::Tensor ids =
+            at::tensor({double(spec.resize_height), double(spec.resize_width), double(spec.crop_top),
+                        double(spec.crop_left), double(edge_), double(edge_)},
+                       at::kFloat);  // [6]
         return {image, ids};
     }
 
@@ -201,7 +211,8 @@ class ImageFolderSource final : public BatchSource {
 
 }  // namespace
 
-std::unique_ptr<BatchSource> make_image_folder_source(const ImageFolderOptions& options, LatentEncoder encoder,
+std::unique_ptr<BatchSource> make_image_folder_source(const ImageFolderOptions& options,
+                                                      LatentEncoder encoder,
                                                       std::shared_ptr<TextEmbedder> embedder) {
     return std::make_unique<ImageFolderSource>(options, std::move(encoder), std::move(embedder));
 }

@@ -20,10 +20,10 @@
 namespace dtune::train {
 
 struct TrainBatch {
-    at::Tensor latents;        // [B, C, h, w] scaled VAE latents (what the UNet is trained on)
-    at::Tensor prompt_embeds;  // [B, 77, D] CLIP-L ⊕ CLIP-G penultimate hidden states
-    at::Tensor pooled_embeds;  // [B, P] CLIP-G projected pooled output
-    at::Tensor time_ids;       // [B, 6] orig_h, orig_w, crop_top, crop_left, target_h, target_w
+    at::Tensor latents;                 // [B, C, h, w] scaled VAE latents (what the UNet is trained on)
+    at::Tensor prompt_embeds;           // [B, 77, D] CLIP-L ⊕ CLIP-G penultimate hidden states
+    at::Tensor pooled_embeds;           // [B, P] CLIP-G projected pooled output
+    at::Tensor time_ids;                // [B, 6] orig_h, orig_w, crop_top, crop_left, target_h, target_w
     std::vector<std::string> paths;     // the samples' files (for error messages)
     std::vector<std::string> captions;  // the captions before dropout
 };
@@ -115,7 +115,8 @@ struct ImageFolderOptions {
     c10::Device device = c10::Device(c10::kCPU);
 };
 
-std::unique_ptr<BatchSource> make_image_folder_source(const ImageFolderOptions& options, LatentEncoder encoder,
+std::unique_ptr<BatchSource> make_image_folder_source(const ImageFolderOptions& options,
+                                                      LatentEncoder encoder,
                                                       std::shared_ptr<TextEmbedder> embedder);
 
 }  // namespace dtune::train

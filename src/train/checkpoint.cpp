@@ -74,7 +74,8 @@ std::string checkpoint_problem(const stdfs::path& dir) {
     const auto manifest = nlohmann::json::parse(fs::read_file(dir / kManifest), nullptr, false);
     if (manifest.is_discarded() || !manifest.contains("files")) return str(kManifest, " is not valid");
     for (const auto& f : manifest.at("files"))
-        if (!stdfs::exists(dir / f.get<std::string>())) return str("the file ", f.get<std::string>(), " is missing");
+        if (!stdfs::exists(dir / f.get<std::string>()))
+            return str("the file ", f.get<std::string>(), " is missing");
     return "";
 }
 
@@ -94,8 +95,8 @@ std::optional<stdfs::path> resolve_resume_checkpoint(const stdfs::path& output_d
     const auto all = list_checkpoints(output_dir);
     std::optional<int64_t> below;  // search only checkpoints older than this step
     if (spec != "latest") {
-        const stdfs::path dir = stdfs::path(spec).is_absolute() || stdfs::exists(spec) ? stdfs::path(spec)
-                                                                                        : output_dir / spec;
+        const stdfs::path dir =
+            stdfs::path(spec).is_absolute() || stdfs::exists(spec) ? stdfs::path(spec) : output_dir / spec;
         const std::string problem = checkpoint_problem(dir);
         if (problem.empty()) return dir;
         const auto step = checkpoint_step(dir);
@@ -113,8 +114,9 @@ std::optional<stdfs::path> resolve_resume_checkpoint(const stdfs::path& output_d
         log::warn() << "skipping " << it->second.string() << ": " << problem << "; delete it";
     }
     if (below)
-        throw UsageError(str("resume_from_checkpoint ", spec, " is incomplete and no complete checkpoint precedes it",
-                             " in ", output_dir.string(), "; set resume_from_checkpoint to none to start afresh"));
+        throw UsageError(str("resume_from_checkpoint ", spec,
+                             " is incomplete and no complete checkpoint precedes it", " in ",
+                             output_dir.string(), "; set resume_from_checkpoint to none to start afresh"));
     return std::nullopt;
 }
 

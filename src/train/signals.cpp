@@ -17,7 +17,8 @@ extern "C" void on_stop_signal(int signo) {
     if (g_requests.fetch_add(1) >= 1) _exit(128 + signo);  // second signal: leave now
     g_signal.store(signo);
     static const char kMessage[] =
-        "\ndtune: stop requested; saving a checkpoint at the end of this step (press again to exit at once)\n";
+        "\ndtune: stop requested; saving a checkpoint at the end of this step (press again to exit at "
+        "once)\n";
     const ssize_t ignored = write(STDERR_FILENO, kMessage, sizeof kMessage - 1);
     (void)ignored;
 }

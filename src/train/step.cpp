@@ -45,16 +45,16 @@ int64_t apply_caption_dropout(TrainBatch& batch, const PromptEmbedding& empty, d
     for (int64_t i = 0; i < n; ++i) {
         if (a[i] >= probability) continue;
         batch.prompt_embeds[i].copy_(empty.prompt);  // [77, D]
-        batch.pooled_embeds[i].zero_();             // [P]
-        batch.time_ids[i].zero_();                  // [6]
+        batch.pooled_embeds[i].zero_();              // [P]
+        batch.time_ids[i].zero_();                   // [6]
         ++dropped;
     }
     return dropped;
 }
 
 MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
-                     const diffusion::NoiseSchedule& schedule, const StepOptions& options, int64_t global_step,
-                     at::Generator& generator) {
+                     const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+                     int64_t global_step, at::Generator& generator) {
     const at::Tensor latents = batch.latents.to(at::kFloat);  // [B, C, h, w]
     const int64_t b = latents.size(0);
     const auto noise = diffusion::sample_training_noise(latents, options.noise, global_step, generator);

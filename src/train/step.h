@@ -44,7 +44,7 @@ struct MicroStep {
 
 // Forward of one micro-batch: loss = per-sample loss averaged over the batch.
 MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
-                     const diffusion::NoiseSchedule& schedule, const StepOptions& options, int64_t global_step,
-                     at::Generator& generator);
+                     const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+                     int64_t global_step, at::Generator& generator);
 
 }  // namespace dtune::train

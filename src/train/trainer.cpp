@@ -50,8 +50,9 @@ c10::Device parse_train_device(const std::string& name) {
 }
 
 Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
-    DTUNE_CHECK_AS(UsageError, config_.text("model_type") == "full", "model_type ", config_.text("model_type"),
-                   " is not trained by dtune yet (LoRA adapters are landing); set model_type to full for now");
+    DTUNE_CHECK_AS(
+        UsageError, config_.text("model_type") == "full", "model_type ", config_.text("model_type"),
+        " is not trained by dtune yet (LoRA adapters are landing); set model_type to full for now");
     model_dir_ = config_.text("pretrained_model_name_or_path");
     DTUNE_CHECK_AS(UsageError, !model_dir_.empty() && std::filesystem::is_directory(model_dir_),
                    "pretrained_model_name_or_path \"", model_dir_.string(),
@@ -63,8 +64,10 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     load.device = device_;
     load.dtype = config_.text("optimizer") == "adamw_bf16" ? at::kBFloat16 : at::kFloat;
     unet_ = models::load_unet(model_dir_ / "unet", load);
-    const auto sched_json = nlohmann::json::parse(fs::read_file(model_dir_ / "scheduler" / "scheduler_config.json"));
-    schedule_.emplace(diffusion::NoiseScheduleConfig::from_json(sched_json, (model_dir_ / "scheduler").string()));
+    const auto sched_json =
+        nlohmann::json::parse(fs::read_file(model_dir_ / "scheduler" / "scheduler_config.json"));
+    schedule_.emplace(
+        diffusion::NoiseScheduleConfig::from_json(sched_json, (model_dir_ / "scheduler").string()));
 
     models::ComponentLoadOptions vae_load;
     vae_load.device = device_;  // fp32: SDXL's VAE overflows in fp16 and encode cost is small
@@ -78,8 +81,9 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     };
     const auto& uc = unet_->config();
     const int64_t pooled_dim = uc.projection_class_embeddings_input_dim - 6 * uc.addition_time_embed_dim;
-    log::warn() << "the SDXL text encoders are not in dtune yet: captions are embedded by a seeded placeholder, "
-                   "so this run exercises the trainer but the model will not learn to follow prompts";
+    log::warn()
+        << "the SDXL text encoders are not in dtune yet: captions are embedded by a seeded placeholder, "
+           "so this run exercises the trainer but the model will not learn to follow prompts";
     auto embedder = std::make_shared<HashedTextEmbedder>(77, uc.cross_attention_dim.at(0), pooled_dim);
     ImageFolderOptions io;
     io.data_backend_config = config_.text("data_backend_config");
@@ -96,7 +100,10 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
 
 Trainer::Trainer(TrainConfig config, models::UNet2DConditionModel unet, diffusion::NoiseSchedule schedule,
                  std::unique_ptr<BatchSource> source)
-    : config_(std::move(config)), unet_(std::move(unet)), schedule_(std::move(schedule)), source_(std::move(source)) {
+    : config_(std::move(config)),
+      unet_(std::move(unet)),
+      schedule_(std::move(schedule)),
+      source_(std::move(source)) {
     device_ = unet_->parameters().front().device();
     config_.set("seed", std::to_string(resolve_seed(config_)), "resolved seed");
     init_common();
@@ -125,7 +132,8 @@ void Trainer::init_common() {
                        : diffusion::parse_prediction_type(config_.text("prediction_type"), "prediction_type");
     s.caption_dropout_probability = config_.real("caption_dropout_probability");
     const std::string mp = config_.text("mixed_precision");
-    DTUNE_CHECK_AS(UsageError, mp != "fp16", "mixed_precision fp16 needs loss scaling, which dtune does not have ",
+    DTUNE_CHECK_AS(UsageError, mp != "fp16",
+                   "mixed_precision fp16 needs loss scaling, which dtune does not have ",
                    "yet; use bf16 or no");
     s.compute_dtype = mp == "bf16" && device_.is_cuda() ? at::kBFloat16 : at::kFloat;
     empty_prompt_ = source_->empty_prompt();
@@ -134,9 +142,9 @@ void Trainer::init_common() {
 
     const int64_t accum = config_.integer("gradient_accumulation_steps");
     const auto max_steps = config_.opt_integer("max_train_steps");
-    total_steps_ = max_steps && *max_steps > 0
-                       ? *max_steps
-                       : config_.integer("num_train_epochs") * ((source_->batches_per_epoch() + accum - 1) / accum);
+    total_steps_ = max_steps && *max_steps > 0 ? *max_steps
+                                               : config_.integer("num_train_epochs") *
+                                                     ((source_->batches_per_epoch() + accum - 1) / accum);
     for (const auto& item : unet_->named_parameters()) trainable_.push_back({item.key(), item.value()});
     config_.write_resolved(output_dir_ / kResolvedConfig);
 }
@@ -160,8 +168,9 @@ void Trainer::build_optimizer() {
     std::vector<ParamGroup> groups{std::move(group)};
     if (name == "adamw_bf16") {
         for (const auto& p : trainable_)
-            DTUNE_CHECK_AS(UsageError, p.tensor.scalar_type() == at::kBFloat16, "optimizer adamw_bf16 needs bf16 ",
-                           "weights but ", p.name, " is ", dtype_name(p.tensor.scalar_type()),
+            DTUNE_CHECK_AS(UsageError, p.tensor.scalar_type() == at::kBFloat16,
+                           "optimizer adamw_bf16 needs bf16 ", "weights but ", p.name, " is ",
+                           dtype_name(p.tensor.scalar_type()),
                            "; choose optimizer torch-adamw for fp32 weights");
         AdamWBF16Options o;
         o.beta1 = b1, o.beta2 = b2;
@@ -189,8 +198,8 @@ void Trainer::resume() {
     at::NoGradGuard no_grad;
     for (auto& p : trainable_) {
         auto it = by_name.find(p.name);
-        DTUNE_CHECK_AS(DataError, it != by_name.end(), "checkpoint ", dir->string(), " has no weight ", p.name,
-                       "; it was written by a different model or model_type");
+        DTUNE_CHECK_AS(DataError, it != by_name.end(), "checkpoint ", dir->string(), " has no weight ",
+                       p.name, "; it was written by a different model or model_type");
         p.tensor.copy_(it->second);
     }
     TensorMap opt;
@@ -267,7 +276,7 @@ void Trainer::save(const std::string& why) {
 
 void Trainer::append_metrics(double loss, double lr, double grad_norm, double img_per_s) {
     std::ofstream out(output_dir_ / "metrics.jsonl", std::ios::app);
-    out << nlohmann::json{{"step", global_step_}, {"epoch", source_->epoch()}, {"loss", loss},     {"lr", lr},
+    out << nlohmann::json{{"step", global_step_},   {"epoch", source_->epoch()}, {"loss", loss}, {"lr", lr},
                           {"grad_norm", grad_norm}, {"img_per_s", img_per_s}}
                .dump()
         << "\n";
@@ -295,7 +304,8 @@ TrainResult Trainer::run() {
     lr_options.power = config_.real("lr_power");
     const LRSchedule schedule(lr_options);
     const int64_t interval = config_.integer("checkpoint_step_interval");
-    const int64_t images_per_step = config_.integer("train_batch_size") * config_.integer("gradient_accumulation_steps");
+    const int64_t images_per_step =
+        config_.integer("train_batch_size") * config_.integer("gradient_accumulation_steps");
     Progress progress(total_steps_, ProgressOptions{"training", "step"});
     progress.update(global_step_);
     TrainResult result;

@@ -30,7 +30,8 @@ diffusion::NoiseSchedule tiny_schedule() {
     return diffusion::NoiseSchedule(diffusion::NoiseScheduleConfig::from_json(j, "tiny scheduler"));
 }
 
-TrainConfig tiny_config(const std::filesystem::path& out, int64_t steps, const std::string& extra_json = "{}") {
+TrainConfig tiny_config(const std::filesystem::path& out, int64_t steps,
+                        const std::string& extra_json = "{}") {
     TrainConfig c;
     c.merge_json(nlohmann::json{{"model_family", "sdxl"},
                                 {"output_dir", out.string()},
@@ -124,9 +125,9 @@ TEST(TrainCheckpoint, LayoutGuardAndRotation) {
     ASSERT_EQ(all.size(), 2u);  // steps 4 and 6; step 2 rotated away
     EXPECT_EQ(all[0].first, 4);
     EXPECT_EQ(all[1].first, 6);
-    for (const char* f : {".guard", "checkpoint_manifest.json", "training_state.json", "optimizer.safetensors",
-                          "random_states.safetensors", "config.resolved.json",
-                          "unet/diffusion_pytorch_model.safetensors"})
+    for (const char* f :
+         {".guard", "checkpoint_manifest.json", "training_state.json", "optimizer.safetensors",
+          "random_states.safetensors", "config.resolved.json", "unet/diffusion_pytorch_model.safetensors"})
         EXPECT_TRUE(std::filesystem::exists(all[1].second / f)) << f;
     EXPECT_TRUE(std::filesystem::exists(dir / "config.resolved.json"));
     EXPECT_TRUE(std::filesystem::exists(dir / "pipeline" / "unet" / "diffusion_pytorch_model.safetensors"));
@@ -154,7 +155,8 @@ TEST(TrainCheckpoint, LayoutGuardAndRotation) {
 
 TEST(TrainCheckpoint, ResumeIsBitExact) {
     test::TempDir straight, split;
-    const io::TensorList a = run_trainer(tiny_config(straight.path(), 4, R"({"resume_from_checkpoint": "none"})"));
+    const io::TensorList a =
+        run_trainer(tiny_config(straight.path(), 4, R"({"resume_from_checkpoint": "none"})"));
     TrainResult first, second;
     run_trainer(tiny_config(split.path(), 2), &first);
     EXPECT_FALSE(first.resumed_from.has_value());
