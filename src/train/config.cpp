@@ -14,7 +14,9 @@ namespace {
 using nlohmann::json;
 
 // clang-format off
-const std::vector<OptionSpec> kSpecs = {
+// Built on first use: the CLI's usage text reads it during static initialisation.
+const std::vector<OptionSpec>& specs() {
+    static const std::vector<OptionSpec> kSpecs = {
     {"model_family", OptionType::kString, "null", "model architecture (required)", "sdxl"},
     {"model_type", OptionType::kString, "\"full\"", "lora or full fine-tune", "full,lora"},
     {"model_flavour", OptionType::kString, "null", "SDXL flavour (default base-1.0)", "base-1.0,refiner-1.0,base-0.9,refiner-0.9"},
@@ -84,7 +86,9 @@ const std::vector<OptionSpec> kSpecs = {
     {"deterministic", OptionType::kBool, "false", "dtune: deterministic algorithms (CPU runs are bit-reproducible)", nullptr},
     {"device", OptionType::kString, "\"auto\"", "dtune: cpu, cuda, cuda:N or auto", nullptr},
     {"metrics_interval", OptionType::kInt, "1", "dtune: write metrics.jsonl every N steps", nullptr},
-};
+    };
+    return kSpecs;
+}
 
 // Known SimpleTuner options dtune does not implement, with SimpleTuner's default where known (a
 // config that leaves them at that default is accepted).
@@ -130,7 +134,7 @@ const std::map<std::string, std::string> kAliases = {
 };
 
 const OptionSpec* find_spec(const std::string& key) {
-    for (const auto& s : kSpecs)
+    for (const auto& s : specs())
         if (key == s.name) return &s;
     return nullptr;
 }
@@ -152,7 +156,7 @@ std::string canonical_key(std::string key) {
 std::string closest_key(const std::string& key) {
     std::string best;
     std::size_t best_d = std::string::npos;
-    for (const auto& s : kSpecs) {
+    for (const auto& s : specs()) {
         const std::size_t d = edit_distance(key, s.name);
         if (d < best_d) best_d = d, best = s.name;
     }
@@ -226,12 +230,12 @@ std::size_t edit_distance(const std::string& a, const std::string& b) {
 }
 
 const std::vector<OptionSpec>& option_specs() {
-    return kSpecs;
+    return specs();
 }
 
 std::string options_help() {
     std::string out;
-    for (const auto& s : kSpecs) {
+    for (const auto& s : specs()) {
         std::string line = str("  --", s.name, " (default ", s.default_json, ")");
         if (line.size() < 58) line.resize(58, ' ');
         out += line + " " + s.help + (s.choices ? str(" [", s.choices, "]") : "") + "\n";
@@ -240,7 +244,7 @@ std::string options_help() {
 }
 
 TrainConfig::TrainConfig() : values_(json::object()) {
-    for (const auto& s : kSpecs) values_[s.name] = json::parse(s.default_json);
+    for (const auto& s : specs()) values_[s.name] = json::parse(s.default_json);
 }
 
 void TrainConfig::set_value(const std::string& raw_key, json value, const std::string& source) {
@@ -307,7 +311,7 @@ void TrainConfig::apply_overrides(const std::vector<std::string>& words) {
 void TrainConfig::validate() const {
     if (values_.at("model_family").is_null())
         throw UsageError("model_family is required; set \"model_family\": \"sdxl\" in config.json");
-    for (const auto& s : kSpecs) {
+    for (const auto& s : specs()) {
         if (!s.choices || values_.at(s.name).is_null()) continue;
         const std::string v = values_.at(s.name).get<std::string>();
         const std::string choices = str(",", s.choices, ",");
