@@ -33,6 +33,11 @@ class SamplerReference : public ::testing::Test {
         delete file_;
         delete json_;
     }
+    // max |a - b| / max(1, |b|), elementwise.
+    static double max_rel_diff(const at::Tensor& a, const at::Tensor& b) {
+        const at::Tensor bd = b.to(at::kDouble);
+        return ((a.to(at::kDouble) - bd).abs() / bd.abs().clamp_min(1.0)).max().item<double>();
+    }
     static at::Tensor get(const std::string& key) { return file_->get(key).clone(); }
     static const nlohmann::json& config(const std::string& name) { return json_->at("cases").at(name); }
 
@@ -43,13 +48,22 @@ class SamplerReference : public ::testing::Test {
         s->set_timesteps(steps);
         const at::Tensor t = get(name + ".timesteps");
         EXPECT_EQ(s->timesteps().scalar_type(), t.scalar_type());
-        EXPECT_TRUE(at::equal(s->timesteps(), t)) << "dtune " << s->timesteps() << "\ndiffusers " << t;
+        // Integer timesteps must match exactly; interpolated (float) ones and sigmas to kTol relative
+        // to max(1, |value|): zero-terminal-SNR sigmas reach 4096, where float32 steps are 2.4e-4, and
+        // torch builds differ in the last bit there (seen between torch 2.11 CUDA and 2.13 CPU).
+        if (t.is_floating_point()) {
+            EXPECT_LE(max_rel_diff(s->timesteps(), t), kTol)
+                << "dtune " << s->timesteps() << "\ndiffusers " << t;
+        } else {
+            EXPECT_TRUE(at::equal(s->timesteps(), t)) << "dtune " << s->timesteps() << "\ndiffusers " << t;
+        }
         if (file_->contains(name + ".sigmas")) {
-            EXPECT_LE(max_abs_diff(s->sigmas(), get(name + ".sigmas")), kTol)
+            EXPECT_LE(max_rel_diff(s->sigmas(), get(name + ".sigmas")), kTol)
                 << "dtune " << s->sigmas() << "\ndiffusers " << get(name + ".sigmas");
         }
         if (file_->contains(name + ".init_noise_sigma")) {
-            EXPECT_NEAR(s->init_noise_sigma(), get(name + ".init_noise_sigma").item<double>(), kTol);
+            const double want = get(name + ".init_noise_sigma").item<double>();
+            EXPECT_NEAR(s->init_noise_sigma(), want, kTol * std::max(1.0, std::abs(want)));
         }
         return s;
     }

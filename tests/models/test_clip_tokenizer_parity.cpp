@@ -2,8 +2,11 @@
 // SDXL tokenizers, with and without special tokens, exact equality.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <nlohmann/json.hpp>
+#include <thread>
 
+#include "core/error.h"
 #include "core/fs.h"
 #include "models/clip/clip_tokenizer.h"
 #include "support/test_support.h"
@@ -69,6 +72,39 @@ TEST(CLIPTokenizerParity, ChunkedLongPromptCoversEveryToken) {
     EXPECT_EQ(chunks[0], cases[13]["ids_tokenizer"].get<std::vector<int64_t>>());
     EXPECT_EQ(tok.encode_chunked(text, 1).size(), 1u);
     EXPECT_EQ(tok.encode_chunked("").size(), 1u);
+}
+
+}  // namespace dtune::models
+
+namespace dtune::models {
+
+TEST(CLIPTokenizerParity, NormalisationEquivalencesOfTheReferencePipeline) {
+    // Consequences of the reference normaliser (NFC, \s+ -> " ", lower case) that need no
+    // reference run: decomposed accents compose, any Unicode white space separates, upper case folds.
+    const CLIPTokenizer tok = CLIPTokenizer::from_folder(test::fixtures_dir() / "tiny-sdxl" / "tokenizer");
+    EXPECT_EQ(tok.encode_raw("cafe\xCC\x81"), tok.encode_raw("caf\xC3\xA9"));    // e + U+0301 == é
+    EXPECT_EQ(tok.encode_raw("a\xC2\xA0photo"), tok.encode_raw("a photo"));      // U+00A0
+    EXPECT_EQ(tok.encode_raw("a\xE3\x80\x80photo"), tok.encode_raw("a photo"));  // U+3000
+    EXPECT_EQ(tok.encode_raw("CAF\xC3\x89 \xC3\x9C"), tok.encode_raw("caf\xC3\xA9 \xC3\xBC"));  // É Ü
+    EXPECT_EQ(tok.encode_raw("<|endoftext|>"), (CLIPTokenizer::Ids{49407}));  // special split
+    EXPECT_THROW(tok.encode_raw("bad \xFF utf8"), DataError);
+}
+
+TEST(CLIPTokenizerParity, ConcurrentEncodingAgreesWithSerial) {
+    const CLIPTokenizer tok = CLIPTokenizer::from_folder(test::fixtures_dir() / "tiny-sdxl" / "tokenizer_2");
+    const auto cases = load_cases()["cases"];
+    std::vector<std::thread> threads;
+    std::atomic<int> mismatches{0};
+    for (int t = 0; t < 4; ++t)
+        threads.emplace_back([&] {
+            for (int round = 0; round < 3; ++round)
+                for (const auto& c : cases)
+                    if (tok.encode(c["text"].get<std::string>()) !=
+                        c["ids_tokenizer_2"].get<std::vector<int64_t>>())
+                        ++mismatches;
+        });
+    for (auto& th : threads) th.join();
+    EXPECT_EQ(mismatches.load(), 0);
 }
 
 }  // namespace dtune::models

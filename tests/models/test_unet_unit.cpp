@@ -108,6 +108,38 @@ TEST(UNetUnit, SaveAndLoadRoundTripsAFolder) {
     EXPECT_LE(test::max_abs_diff(low, ref), 0.1 * ref.abs().max().item<double>());
 }
 
+TEST(UNetUnit, ShardedWeightsLoadAndMismatchesAreListed) {
+    test::TempDir dir;
+    const auto folder = dir.path() / "unet";
+    std::filesystem::create_directories(folder);
+    std::ofstream(folder / "config.json") << sd1_config().dump();
+    EXPECT_THROW(load_unet(folder), DataError);  // config but no weights
+
+    UNet2DConditionModel a = build(sd1_config());
+    const auto files =
+        io::save_sharded_safetensors(folder, "diffusion_pytorch_model", state_dict(*a), 1 << 20);
+    ASSERT_GT(files.size(), 2u);  // an index and several shards
+    UNet2DConditionModel b = load_unet(folder);
+    EXPECT_TRUE(at::equal(a->named_parameters()["up_blocks.2.resnets.1.conv2.weight"],
+                          b->named_parameters()["up_blocks.2.resnets.1.conv2.weight"]));
+
+    // A checkpoint from another config (no conv_shortcut in that ResNet) is reported by name.
+    std::filesystem::remove_all(folder);
+    std::filesystem::create_directories(folder);
+    std::ofstream(folder / "config.json") << sd1_config().dump();
+    io::TensorList partial = state_dict(*a);
+    std::erase_if(partial,
+                  [](const auto& kv) { return kv.first == "up_blocks.0.resnets.0.conv_shortcut.bias"; });
+    io::save_safetensors(folder / "diffusion_pytorch_model.safetensors", partial);
+    try {
+        load_unet(folder);
+        ADD_FAILURE() << "missing key not reported";
+    } catch (const DataError& e) {
+        EXPECT_NE(std::string(e.what()).find("up_blocks.0.resnets.0.conv_shortcut.bias"), std::string::npos)
+            << e.what();
+    }
+}
+
 TEST(UNetUnit, CheckpointingGivesTheSameGradients) {
     UNet2DConditionModel unet = build(sd1_config());
     const Inputs in = inputs();

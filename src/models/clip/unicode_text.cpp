@@ -1,43 +1,113 @@
-// ICU-backed implementation of unicode_text.h. ICU works in UTF-16, so text crosses that boundary
-// here and nowhere else.
+// Implementation of unicode_text.h: UTF-8 coding and White_Space are ours; NFC, lower-casing and
+// general categories come from ICU's C library, resolved at run time.
+//
+// Why dlopen instead of linking: ICU renames every exported symbol with its major version
+// (u_charType_72), so code must be compiled against headers of exactly the installed version, and
+// the GPU machines ship libicuuc.so.74 without headers (Debian dev boxes have 72). The C ABI of the
+// five functions below has been stable since ICU 4.4; resolving them by name + version suffix (as
+// .NET's System.Globalization.Native does) lets one build run against any installed ICU, with no
+// -dev package at build time.
 #include "models/clip/unicode_text.h"
 
-#include <unicode/uchar.h>
-#include <unicode/unorm2.h>
-#include <unicode/ustring.h>
-#include <unicode/utf8.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
 
 #include "core/error.h"
 
 namespace dtune::models::unicode {
 namespace {
 
-std::u16string to_utf16(std::string_view text) {
-    int32_t needed = 0;
-    UErrorCode status = U_ZERO_ERROR;
-    u_strFromUTF8(nullptr, 0, &needed, text.data(), static_cast<int32_t>(text.size()), &status);
-    if (status != U_BUFFER_OVERFLOW_ERROR && U_FAILURE(status))
-        throw DataError(
-            str("text is not valid UTF-8 (", u_errorName(status), "); re-save the prompt as UTF-8"));
-    std::u16string out(static_cast<std::size_t>(needed), u'\0');
-    status = U_ZERO_ERROR;
-    u_strFromUTF8(reinterpret_cast<UChar*>(out.data()), needed, nullptr, text.data(),
-                  static_cast<int32_t>(text.size()), &status);
-    DTUNE_CHECK_AS(DataError, U_SUCCESS(status), "text is not valid UTF-8 (", u_errorName(status),
-                   "); re-save the prompt as UTF-8");
+using UErrorCode = int;  // ICU's enum: 0 = success, > 0 = failure, < 0 = warning
+struct UNormalizer2;
+
+struct IcuApi {
+    int8_t (*char_type)(int32_t) = nullptr;  // u_charType -> UCharCategory
+    const UNormalizer2* (*nfc_instance)(UErrorCode*) = nullptr;
+    int32_t (*normalize)(const UNormalizer2*, const char16_t*, int32_t, char16_t*, int32_t,
+                         UErrorCode*) = nullptr;
+    int32_t (*to_lower)(char16_t*, int32_t, const char16_t*, int32_t, const char*, UErrorCode*) = nullptr;
+    const char* (*error_name)(UErrorCode) = nullptr;
+    const UNormalizer2* nfc = nullptr;
+};
+
+template <typename Fn>
+bool resolve(void* lib, const std::string& name, const std::string& suffix, Fn& into) {
+    into = reinterpret_cast<Fn>(dlsym(lib, (name + suffix).c_str()));
+    return into != nullptr;
+}
+
+IcuApi load_icu() {
+    // Newest first; an unversioned library (a custom build without renaming) is tried last.
+    for (int version = 90; version >= 50; --version) {
+        const std::string so = "libicuuc.so." + std::to_string(version);
+        void* lib = dlopen(so.c_str(), RTLD_NOW | RTLD_LOCAL);
+        if (lib == nullptr) continue;
+        for (const std::string suffix : {"_" + std::to_string(version), std::string()}) {
+            IcuApi api;
+            if (resolve(lib, "u_charType", suffix, api.char_type) &&
+                resolve(lib, "unorm2_getNFCInstance", suffix, api.nfc_instance) &&
+                resolve(lib, "unorm2_normalize", suffix, api.normalize) &&
+                resolve(lib, "u_strToLower", suffix, api.to_lower) &&
+                resolve(lib, "u_errorName", suffix, api.error_name)) {
+                UErrorCode status = 0;
+                api.nfc = api.nfc_instance(&status);
+                DTUNE_CHECK(status <= 0 && api.nfc != nullptr, so, " has no NFC data (",
+                            api.error_name(status), "); reinstall the ICU package");
+                return api;
+            }
+        }
+        dlclose(lib);
+    }
+    throw Error(
+        "the CLIP tokenizer needs ICU's libicuuc.so.<version> (Unicode normalisation and categories) and "
+        "none "
+        "was found; install the libicu package of your distribution (Debian 12: libicu72, Ubuntu 24.04: "
+        "libicu74)");
+}
+
+const IcuApi& icu() {
+    static const IcuApi api = load_icu();  // thread-safe one-time initialisation
+    return api;
+}
+
+std::u16string to_utf16(const std::vector<char32_t>& cps) {
+    std::u16string out;
+    out.reserve(cps.size());
+    for (char32_t c : cps) {
+        if (c < 0x10000) {
+            out += static_cast<char16_t>(c);
+        } else {
+            out += static_cast<char16_t>(0xD800 + ((c - 0x10000) >> 10));
+            out += static_cast<char16_t>(0xDC00 + ((c - 0x10000) & 0x3FF));
+        }
+    }
     return out;
 }
 
-std::string to_utf8(const std::u16string& text) {
-    int32_t needed = 0;
-    UErrorCode status = U_ZERO_ERROR;
-    const auto* src = reinterpret_cast<const UChar*>(text.data());
-    u_strToUTF8(nullptr, 0, &needed, src, static_cast<int32_t>(text.size()), &status);
-    std::string out(static_cast<std::size_t>(needed), '\0');
-    status = U_ZERO_ERROR;
-    u_strToUTF8(out.data(), needed, nullptr, src, static_cast<int32_t>(text.size()), &status);
-    DTUNE_CHECK(U_SUCCESS(status), "UTF-16 to UTF-8 conversion failed: ", u_errorName(status));
+std::vector<char32_t> from_utf16(const char16_t* s, int32_t n) {
+    std::vector<char32_t> out;
+    for (int32_t i = 0; i < n; ++i) {
+        const char32_t hi = s[i];
+        if (hi >= 0xD800 && hi < 0xDC00 && i + 1 < n && s[i + 1] >= 0xDC00 && s[i + 1] < 0xE000) {
+            out.push_back(0x10000 + ((hi - 0xD800) << 10) + (s[i + 1] - 0xDC00));
+            ++i;
+        } else {
+            out.push_back(hi);
+        }
+    }
     return out;
+}
+
+// Length of the UTF-8 sequence led by `b`, 0 for a byte that cannot lead one.
+int sequence_length(uint8_t b) {
+    if (b < 0x80) return 1;
+    if (b >= 0xC2 && b <= 0xDF) return 2;
+    if (b >= 0xE0 && b <= 0xEF) return 3;
+    if (b >= 0xF0 && b <= 0xF4) return 4;
+    return 0;
 }
 
 }  // namespace
@@ -46,15 +116,21 @@ std::vector<char32_t> decode_utf8(std::string_view text) {
     std::vector<char32_t> out;
     out.reserve(text.size());
     const auto* s = reinterpret_cast<const uint8_t*>(text.data());
-    const auto length = static_cast<int32_t>(text.size());
-    int32_t i = 0;
-    while (i < length) {
-        UChar32 c = 0;
-        const int32_t at = i;
-        U8_NEXT(s, i, length, c);
-        DTUNE_CHECK_AS(DataError, c >= 0, "text is not valid UTF-8 at byte ", at,
-                       "; re-save the prompt as UTF-8");
-        out.push_back(static_cast<char32_t>(c));
+    const std::size_t n = text.size();
+    for (std::size_t i = 0; i < n;) {
+        const int len = sequence_length(s[i]);
+        bool ok = len > 0 && i + static_cast<std::size_t>(len) <= n;
+        char32_t c = len == 1 ? s[i] : (s[i] & (0x7F >> len));
+        for (int k = 1; ok && k < len; ++k) {
+            ok = (s[i + k] & 0xC0) == 0x80;
+            c = (c << 6) | (s[i + k] & 0x3F);
+        }
+        // Reject overlong forms, surrogates and values above U+10FFFF, as strict decoders do.
+        ok = ok && !(len == 3 && c < 0x800) && !(len == 4 && (c < 0x10000 || c > 0x10FFFF)) &&
+             !(c >= 0xD800 && c < 0xE000);
+        DTUNE_CHECK_AS(DataError, ok, "text is not valid UTF-8 at byte ", i, "; re-save the prompt as UTF-8");
+        out.push_back(c);
+        i += static_cast<std::size_t>(len);
     }
     return out;
 }
@@ -86,21 +162,24 @@ std::string encode_utf8(const std::vector<char32_t>& code_points) {
 }
 
 std::string nfc(std::string_view text) {
-    UErrorCode status = U_ZERO_ERROR;
-    const UNormalizer2* normalizer = unorm2_getNFCInstance(&status);
-    DTUNE_CHECK(U_SUCCESS(status), "ICU has no NFC data (", u_errorName(status), "); reinstall libicu");
-    const std::u16string in = to_utf16(text);
-    const auto* src = reinterpret_cast<const UChar*>(in.data());
+    const bool ascii =
+        std::all_of(text.begin(), text.end(), [](char ch) { return static_cast<uint8_t>(ch) < 0x80; });
+    if (ascii) return std::string(text);  // ASCII is already NFC; skips ICU for most prompts
+    const std::u16string in = to_utf16(decode_utf8(text));
+    const IcuApi& api = icu();
     const auto length = static_cast<int32_t>(in.size());
-    // The common case (ASCII prompts) is already normalised; skip the copy.
-    if (unorm2_isNormalized(normalizer, src, length, &status) && U_SUCCESS(status)) return std::string(text);
-    status = U_ZERO_ERROR;
-    const int32_t needed = unorm2_normalize(normalizer, src, length, nullptr, 0, &status);
-    std::u16string out(static_cast<std::size_t>(needed), u'\0');
-    status = U_ZERO_ERROR;
-    unorm2_normalize(normalizer, src, length, reinterpret_cast<UChar*>(out.data()), needed, &status);
-    DTUNE_CHECK(U_SUCCESS(status), "NFC normalisation failed: ", u_errorName(status));
-    return to_utf8(out);
+    UErrorCode status = 0;
+    // Composition never lengthens beyond 3x in UTF-16 (Unicode's stated NFC bound); retry if ICU asks.
+    std::u16string out(static_cast<std::size_t>(length) * 3 + 8, u'\0');
+    int32_t n =
+        api.normalize(api.nfc, in.data(), length, out.data(), static_cast<int32_t>(out.size()), &status);
+    if (status > 0 && n > static_cast<int32_t>(out.size())) {
+        out.assign(static_cast<std::size_t>(n), u'\0');
+        status = 0;
+        n = api.normalize(api.nfc, in.data(), length, out.data(), n, &status);
+    }
+    DTUNE_CHECK(status <= 0, "NFC normalisation failed: ", api.error_name(status));
+    return encode_utf8(from_utf16(out.data(), n));
 }
 
 std::vector<char32_t> lowercase_each(const std::vector<char32_t>& code_points) {
@@ -113,33 +192,36 @@ std::vector<char32_t> lowercase_each(const std::vector<char32_t>& code_points) {
         }
         // One code point in isolation, root locale: the full (possibly expanding) mapping
         // without context, e.g. U+0130 -> "i" + U+0307, U+03A3 -> U+03C3 always.
-        UChar in[2];
-        int32_t in_len = 0;
-        U16_APPEND_UNSAFE(in, in_len, static_cast<UChar32>(c));
-        UChar lowered[8];
-        UErrorCode status = U_ZERO_ERROR;
-        const int32_t n = u_strToLower(lowered, 8, in, in_len, "", &status);
-        DTUNE_CHECK(U_SUCCESS(status), "lower-casing U+", std::hex, static_cast<uint32_t>(c),
-                    " failed: ", u_errorName(status));
-        for (int32_t i = 0; i < n;) {
-            UChar32 d = 0;
-            U16_NEXT(lowered, i, n, d);
-            out.push_back(static_cast<char32_t>(d));
-        }
+        const std::u16string in = to_utf16({c});
+        char16_t lowered[8];
+        UErrorCode status = 0;
+        const IcuApi& api = icu();
+        const int32_t n = api.to_lower(lowered, 8, in.data(), static_cast<int32_t>(in.size()), "", &status);
+        DTUNE_CHECK(status <= 0 && n <= 8, "lower-casing U+", std::hex, static_cast<uint32_t>(c),
+                    " failed: ", api.error_name(status));
+        for (char32_t d : from_utf16(lowered, n)) out.push_back(d);
     }
     return out;
 }
 
 bool is_space(char32_t c) {
-    return u_isUWhiteSpace(static_cast<UChar32>(c)) != 0;
+    // The Unicode White_Space property (PropList.txt; unchanged since Unicode 6.3).
+    return (c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85 || c == 0xA0 || c == 0x1680 ||
+           (c >= 0x2000 && c <= 0x200A) || c == 0x2028 || c == 0x2029 || c == 0x202F || c == 0x205F ||
+           c == 0x3000;
 }
 
+// UCharCategory values: 1-5 are Lu Ll Lt Lm Lo, 9-11 are Nd Nl No (stable ICU enum).
 bool is_letter(char32_t c) {
-    return (U_GET_GC_MASK(static_cast<UChar32>(c)) & U_GC_L_MASK) != 0;
+    if (c < 0x80) return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
+    const int8_t t = icu().char_type(static_cast<int32_t>(c));
+    return t >= 1 && t <= 5;
 }
 
 bool is_number(char32_t c) {
-    return (U_GET_GC_MASK(static_cast<UChar32>(c)) & U_GC_N_MASK) != 0;
+    if (c < 0x80) return c >= '0' && c <= '9';
+    const int8_t t = icu().char_type(static_cast<int32_t>(c));
+    return t >= 9 && t <= 11;
 }
 
 }  // namespace dtune::models::unicode

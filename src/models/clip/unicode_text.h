@@ -1,10 +1,11 @@
 // The Unicode operations CLIP's tokenizer needs: UTF-8 decoding, NFC, per-code-point lower-casing,
 // white-space collapsing and the letter/number general categories of the pre-tokenisation regex.
 //
-// Backed by ICU (Debian libicu-dev) rather than hand-written tables: NFC needs the full canonical
-// composition data and the regex needs every L*/N* category of current Unicode; ICU ships both,
-// is maintained with each Unicode release and is already a Debian package, so we keep none of
-// those tables ourselves. ICU stays an implementation detail: this header exposes only std types.
+// NFC, case mapping and categories come from ICU (the Unicode consortium's library, on every
+// Debian/Ubuntu system) rather than hand-written tables: NFC needs the full canonical composition
+// data and the regex every L*/N* category of current Unicode, which ICU keeps up to date. ICU is
+// loaded at run time (see unicode_text.cpp for why), so building needs no ICU package; running the
+// tokenizer on non-ASCII text needs libicuuc. This header exposes only std types.
 //
 // Invariant: every function takes and returns valid UTF-8; invalid input bytes throw DataError
 // (the caller names the prompt).

@@ -9,6 +9,17 @@
 
 namespace dtune::models {
 
+std::string sdpa_backend_name(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+    switch (at::_fused_sdp_choice(q, k, v)) {
+        case 0: return "math";
+        case 1: return "flash_attention";
+        case 2: return "efficient_attention";
+        case 3: return "cudnn_attention";
+        case 4: return "overrideable";
+        default: return "error";
+    }
+}
+
 AttentionImpl::AttentionImpl(const AttentionOptions& o) : options_(o) {
     const int64_t inner = o.heads * o.head_dim;
     const int64_t kv_dim = o.cross_attention_dim > 0 ? o.cross_attention_dim : o.query_dim;

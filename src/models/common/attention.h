@@ -13,7 +13,13 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include <string>
+
 namespace dtune::models {
+
+// Which kernel at::scaled_dot_product_attention picks for q/k/v of these shapes, dtypes and
+// device: "math", "flash_attention", "efficient_attention", "cudnn_attention", ... (diagnostics).
+std::string sdpa_backend_name(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
 struct AttentionOptions {
     int64_t query_dim = 0;

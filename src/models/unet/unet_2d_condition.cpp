@@ -32,8 +32,8 @@ void reject_unsupported(const ConfigReader& c) {
     c.expect_value("dropout", 0.0);
     if (c.has("mid_block_only_cross_attention")) c.expect_value("mid_block_only_cross_attention", false);
     if (c.has("_class_name")) c.expect_value("_class_name", "UNet2DConditionModel");
-    if (c.has("norm_num_groups") || !c.json().contains("norm_num_groups")) return;
-    c.unsupported("norm_num_groups", "null (no output GroupNorm) is not implemented");
+    const bool null_groups = c.json().contains("norm_num_groups") && c.json().at("norm_num_groups").is_null();
+    if (null_groups) c.unsupported("norm_num_groups", "null (no output GroupNorm) is not implemented");
 }
 
 void check_block_types(const ConfigReader& c, const std::string& key, const std::vector<std::string>& types,
@@ -103,70 +103,72 @@ int64_t UNet2DConditionConfig::downsampling_factor() const {
     return int64_t{1} << (block_out_channels.size() - 1);
 }
 
+namespace {
+
+// The options every block of level `level` (0 = highest resolution) shares.
+UNetBlockOptions level_options(const UNet2DConditionConfig& c, std::size_t level) {
+    UNetBlockOptions o;
+    o.temb_channels = c.time_embed_dim();
+    o.groups = c.norm_num_groups;
+    o.eps = c.norm_eps;
+    o.downsample_padding = c.downsample_padding;
+    o.use_linear_projection = c.use_linear_projection;
+    o.upcast_attention = c.upcast_attention;
+    o.transformer_layers = c.transformer_layers_per_block[level];
+    o.heads = c.heads[level];
+    o.cross_attention_dim = c.cross_attention_dim[level];
+    o.only_cross_attention = c.only_cross_attention[level];
+    return o;
+}
+
+torch::nn::Conv2d same_conv(int64_t in, int64_t out, int64_t k) {
+    return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, k).padding(k / 2));
+}
+
+}  // namespace
+
 UNet2DConditionModelImpl::UNet2DConditionModelImpl(UNet2DConditionConfig config)
     : config_(std::move(config)) {
     const auto& c = config_;
     const std::size_t n = c.block_out_channels.size();
     const int64_t ted = c.time_embed_dim();
-    auto conv = [](int64_t in, int64_t out, int64_t k) {
-        return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, k).padding(k / 2));
-    };
-    conv_in_ = register_module("conv_in", conv(c.in_channels, c.block_out_channels[0], c.conv_in_kernel));
+    conv_in_ =
+        register_module("conv_in", same_conv(c.in_channels, c.block_out_channels[0], c.conv_in_kernel));
     time_embedding_ = register_module("time_embedding", TimestepEmbedding(c.block_out_channels[0], ted));
     if (c.text_time_embedding)
         add_embedding_ =
             register_module("add_embedding", TimestepEmbedding(c.projection_class_embeddings_input_dim, ted));
 
-    UNetBlockOptions base;
-    base.temb_channels = ted;
-    base.groups = c.norm_num_groups;
-    base.eps = c.norm_eps;
-    base.downsample_padding = c.downsample_padding;
-    base.use_linear_projection = c.use_linear_projection;
-    base.upcast_attention = c.upcast_attention;
-
     auto down_list = register_module("down_blocks", torch::nn::ModuleList());
-    int64_t output = c.block_out_channels[0];
     for (std::size_t i = 0; i < n; ++i) {
-        UNetBlockOptions o = base;
-        o.in_channels = output;
-        o.out_channels = output = c.block_out_channels[i];
+        UNetBlockOptions o = level_options(c, i);
+        o.in_channels = c.block_out_channels[i == 0 ? 0 : i - 1];
+        o.out_channels = c.block_out_channels[i];
         o.num_layers = c.layers_per_block[i];
         o.cross_attention = c.down_block_types[i] == "CrossAttnDownBlock2D";
         o.add_sample = i + 1 < n;
-        o.transformer_layers = c.transformer_layers_per_block[i];
-        o.heads = c.heads[i];
-        o.cross_attention_dim = c.cross_attention_dim[i];
-        o.only_cross_attention = c.only_cross_attention[i];
         down_blocks_.push_back(DownBlock(o));
         down_list->push_back(down_blocks_.back());
     }
 
-    UNetBlockOptions mid = base;
+    UNetBlockOptions mid = level_options(c, n - 1);
     mid.in_channels = mid.out_channels = c.block_out_channels.back();
     mid.num_layers = 1;
     mid.cross_attention = true;
-    mid.transformer_layers = c.transformer_layers_per_block.back();
-    mid.heads = c.heads.back();
-    mid.cross_attention_dim = c.cross_attention_dim.back();
+    mid.only_cross_attention = false;  // diffusers' mid block never passes it on
     mid.output_scale_factor = c.mid_block_scale_factor;
     mid_block_ = register_module("mid_block", MidBlock(mid));
 
     auto up_list = register_module("up_blocks", torch::nn::ModuleList());
-    output = c.block_out_channels[n - 1];
     for (std::size_t i = 0; i < n; ++i) {
-        const std::size_t r = n - 1 - i;  // the down block this up block mirrors
-        UNetBlockOptions o = base;
-        o.prev_output_channels = output;
-        o.out_channels = output = c.block_out_channels[r];
+        const std::size_t r = n - 1 - i;  // the level (down block) this up block mirrors
+        UNetBlockOptions o = level_options(c, r);
+        o.prev_output_channels = c.block_out_channels[std::min(r + 1, n - 1)];
+        o.out_channels = c.block_out_channels[r];
         o.in_channels = c.block_out_channels[r == 0 ? 0 : r - 1];
         o.num_layers = c.layers_per_block[r] + 1;
         o.cross_attention = c.up_block_types[i] == "CrossAttnUpBlock2D";
         o.add_sample = i + 1 < n;
-        o.transformer_layers = c.transformer_layers_per_block[r];
-        o.heads = c.heads[r];
-        o.cross_attention_dim = c.cross_attention_dim[r];
-        o.only_cross_attention = c.only_cross_attention[r];
         up_blocks_.push_back(UpBlock(o));
         up_list->push_back(up_blocks_.back());
     }
@@ -175,7 +177,8 @@ UNet2DConditionModelImpl::UNet2DConditionModelImpl(UNet2DConditionConfig config)
         "conv_norm_out",
         torch::nn::GroupNorm(
             torch::nn::GroupNormOptions(c.norm_num_groups, c.block_out_channels[0]).eps(c.norm_eps)));
-    conv_out_ = register_module("conv_out", conv(c.block_out_channels[0], c.out_channels, c.conv_out_kernel));
+    conv_out_ =
+        register_module("conv_out", same_conv(c.block_out_channels[0], c.out_channels, c.conv_out_kernel));
 }
 
 at::Tensor UNet2DConditionModelImpl::embed_time(const at::Tensor& timestep, const UNetAddedCond& added,
@@ -252,7 +255,9 @@ UNet2DConditionModel load_unet(const std::filesystem::path& dir, const Component
     UNet2DConditionModel model(UNet2DConditionConfig::from_json(config));
     ComponentLoadOptions load = options;
     load.channels_last = false;
-    load_component_weights(*model, dir, load, "UNet");
+    io::LdmLayout layout;
+    layout.unet_layers_per_block = static_cast<int>(model->config().layers_per_block.at(0));
+    load_component_weights(*model, dir, load, "UNet", io::LdmComponent::kUNet, layout);
     if (options.channels_last) model->set_channels_last(true);
     return model;
 }

@@ -1,0 +1,134 @@
+// CLIP text encoders as transformers defines them: CLIPTextModel (SDXL's text_encoder) and
+// CLIPTextModelWithProjection (text_encoder_2), driven by a transformers `config.json`.
+//
+// Parameter names equal transformers' checkpoint keys with the "text_model." prefix
+// ("text_model.encoder.layers.0.self_attn.q_proj.weight", "text_projection.weight"), so both
+// classes load transformers' safetensors name for name. (transformers >= 5 saves CLIPTextModel
+// without the prefix; load_clip_text_encoder() adds it, see clip_loading.h.)
+//
+// Forward: token + position embeddings -> pre-LN transformer layers with a causal mask (attention
+// through at::scaled_dot_product_attention) -> final layer norm. Outputs every hidden state
+// (hidden_states[0] = embeddings, [i] = output of layer i; SDXL uses [-2], the penultimate, which
+// is NOT final-normed) and the pooled state at the EOS position:
+//   - config eos_token_id != 2: the first position whose id equals eos_token_id;
+//   - config eos_token_id == 2 (legacy configs, e.g. the real SDXL ones): argmax of the ids,
+//     which is where EOS (49407, the largest id) sits for CLIP tokenizers.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
+#include <torch/nn/pimpl.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace dtune::models {
+
+struct CLIPTextConfig {
+    int64_t vocab_size = 49408;
+    int64_t hidden_size = 768;
+    int64_t intermediate_size = 3072;
+    int64_t num_hidden_layers = 12;
+    int64_t num_attention_heads = 12;
+    int64_t max_position_embeddings = 77;
+    int64_t projection_dim = 768;
+    double layer_norm_eps = 1e-5;
+    std::string hidden_act = "quick_gelu";  // quick_gelu | gelu | gelu_new / gelu_pytorch_tanh
+    int64_t eos_token_id = 2;
+    int64_t bos_token_id = 0;
+    int64_t pad_token_id = 1;
+    bool with_projection = false;  // architectures[0] == "CLIPTextModelWithProjection"
+
+    // Parses a transformers config.json (also a CLIPConfig with a "text_config" block). Throws
+    // DataError naming the file and key on missing/invalid values.
+    static CLIPTextConfig from_json_file(const std::filesystem::path& path);
+    static CLIPTextConfig from_json_text(const std::string& text, const std::string& source);
+};
+
+struct CLIPTextOutput {
+    at::Tensor last_hidden_state;           // [B, T, D], final-normed
+    at::Tensor pooler_output;               // [B, D] at the EOS position
+    at::Tensor text_embeds;                 // [B, P] projected pooled state (WithProjection only)
+    std::vector<at::Tensor> hidden_states;  // num_hidden_layers + 1 tensors [B, T, D]
+};
+
+class CLIPAttentionImpl : public torch::nn::Module {
+  public:
+    CLIPAttentionImpl(int64_t dim, int64_t heads);
+    at::Tensor forward(const at::Tensor& x);  // causal self-attention, [B, T, D] -> [B, T, D]
+
+  private:
+    int64_t heads_;
+    torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, out_proj_{nullptr};
+};
+TORCH_MODULE(CLIPAttention);
+
+class CLIPMLPImpl : public torch::nn::Module {
+  public:
+    CLIPMLPImpl(int64_t dim, int64_t hidden, std::string act);
+    at::Tensor forward(const at::Tensor& x);
+
+  private:
+    std::string act_;
+    torch::nn::Linear fc1_{nullptr}, fc2_{nullptr};
+};
+TORCH_MODULE(CLIPMLP);
+
+class CLIPEncoderLayerImpl : public torch::nn::Module {
+  public:
+    explicit CLIPEncoderLayerImpl(const CLIPTextConfig& config);
+    at::Tensor forward(const at::Tensor& x);
+
+  private:
+    CLIPAttention self_attn_{nullptr};
+    torch::nn::LayerNorm layer_norm1_{nullptr}, layer_norm2_{nullptr};
+    CLIPMLP mlp_{nullptr};
+};
+TORCH_MODULE(CLIPEncoderLayer);
+
+// transformers' CLIPTextTransformer: registered as "text_model" by the two public classes.
+class CLIPTextTransformerImpl : public torch::nn::Module {
+  public:
+    explicit CLIPTextTransformerImpl(const CLIPTextConfig& config);
+    // input_ids [B, T] int64, T <= max_position_embeddings. `all_hidden_states` = false keeps
+    // only the last two layer outputs in hidden_states (enough for [-1]/[-2]) to save memory.
+    CLIPTextOutput forward(const at::Tensor& input_ids, bool all_hidden_states = true);
+    const CLIPTextConfig& config() const { return config_; }
+
+  private:
+    CLIPTextConfig config_;
+    std::shared_ptr<torch::nn::Module> embeddings_;  // holds token_/position_embedding
+    torch::nn::Embedding token_embedding_{nullptr}, position_embedding_{nullptr};
+    std::shared_ptr<torch::nn::Module> encoder_;  // holds the `layers` list
+    std::vector<CLIPEncoderLayer> layers_;
+    torch::nn::LayerNorm final_layer_norm_{nullptr};
+};
+TORCH_MODULE(CLIPTextTransformer);
+
+// Position of the pooled token per row of input_ids [B, T] under the config's rule (see above).
+at::Tensor clip_eos_positions(const at::Tensor& input_ids, int64_t eos_token_id);
+
+class CLIPTextModelImpl : public torch::nn::Module {
+  public:
+    explicit CLIPTextModelImpl(const CLIPTextConfig& config);
+    CLIPTextOutput forward(const at::Tensor& input_ids, bool all_hidden_states = true);
+    const CLIPTextConfig& config() const { return text_model->config(); }
+    CLIPTextTransformer text_model{nullptr};
+};
+TORCH_MODULE(CLIPTextModel);
+
+class CLIPTextModelWithProjectionImpl : public torch::nn::Module {
+  public:
+    explicit CLIPTextModelWithProjectionImpl(const CLIPTextConfig& config);
+    CLIPTextOutput forward(const at::Tensor& input_ids, bool all_hidden_states = true);
+    const CLIPTextConfig& config() const { return text_model->config(); }
+    CLIPTextTransformer text_model{nullptr};
+    torch::nn::Linear text_projection{nullptr};  // [P, D], no bias
+};
+TORCH_MODULE(CLIPTextModelWithProjection);
+
+}  // namespace dtune::models
