@@ -1,0 +1,188 @@
+// Checkpoint save / validate / resolve / load / rotate (see checkpoint.h).
+#include "train/checkpoint.h"
+
+#include <ATen/detail/CUDAHooksInterface.h>
+
+#include <algorithm>
+#include <regex>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+
+namespace dtune::train {
+namespace {
+
+constexpr const char* kGuard = ".guard";
+constexpr const char* kManifest = "checkpoint_manifest.json";
+constexpr const char* kRandomStates = "random_states.safetensors";
+
+std::optional<int64_t> checkpoint_step(const stdfs::path& dir) {
+    static const std::regex pattern("checkpoint-([0-9]+)");
+    std::smatch m;
+    const std::string name = dir.filename().string();
+    if (!std::regex_match(name, m, pattern)) return std::nullopt;
+    return std::stoll(m[1].str());
+}
+
+void write_json(const stdfs::path& path, const nlohmann::json& j) {
+    stdfs::create_directories(path.parent_path());
+    fs::write_file_atomic(path, j.dump(2) + "\n");
+}
+
+}  // namespace
+
+stdfs::path save_checkpoint(const stdfs::path& output_dir, const CheckpointContents& c) {
+    const stdfs::path final_dir = output_dir / ("checkpoint-" + std::to_string(c.global_step));
+    const stdfs::path tmp = output_dir / ("checkpoint-" + std::to_string(c.global_step) + "-tmp");
+    stdfs::remove_all(tmp);
+    stdfs::create_directories(tmp);
+    std::vector<std::string> files;
+    for (const auto& [rel, tensors] : c.tensor_files) {
+        stdfs::create_directories((tmp / rel).parent_path());
+        io::save_safetensors(tmp / rel, tensors);
+        files.push_back(rel);
+    }
+    for (const auto& [rel, j] : c.json_files) {
+        write_json(tmp / rel, j);
+        files.push_back(rel);
+    }
+    io::TensorList rng;
+    for (const auto& [name, t] : c.rng_states) rng.emplace_back(name, t);
+    io::save_safetensors(tmp / kRandomStates, rng);
+    files.push_back(kRandomStates);
+    write_json(tmp / kManifest, {{"version", 1},
+                                 {"checkpoint", final_dir.filename().string()},
+                                 {"global_step", c.global_step},
+                                 {"files", files},
+                                 {"metadata", c.metadata}});
+    fs::sync_directory(tmp);
+    // Replace an older copy of the same step (e.g. an interrupted save, or the final save).
+    stdfs::remove_all(final_dir);
+    stdfs::rename(tmp, final_dir);
+    fs::sync_directory(output_dir);
+    fs::write_file_atomic(final_dir / kGuard, "complete");
+    return final_dir;
+}
+
+std::string checkpoint_problem(const stdfs::path& dir) {
+    std::error_code ec;
+    if (!stdfs::is_directory(dir, ec)) return "it is not a directory";
+    if (!stdfs::exists(dir / kGuard)) return "it has no .guard file (the save was interrupted)";
+    if (fs::read_file(dir / kGuard) != "complete") return ".guard does not say complete";
+    if (!stdfs::exists(dir / kManifest)) return str("it has no ", kManifest);
+    const auto manifest = nlohmann::json::parse(fs::read_file(dir / kManifest), nullptr, false);
+    if (manifest.is_discarded() || !manifest.contains("files")) return str(kManifest, " is not valid");
+    for (const auto& f : manifest.at("files"))
+        if (!stdfs::exists(dir / f.get<std::string>()))
+            return str("the file ", f.get<std::string>(), " is missing");
+    return "";
+}
+
+std::vector<std::pair<int64_t, stdfs::path>> list_checkpoints(const stdfs::path& output_dir) {
+    std::vector<std::pair<int64_t, stdfs::path>> out;
+    std::error_code ec;
+    if (!stdfs::is_directory(output_dir, ec)) return out;
+    for (const auto& entry : stdfs::directory_iterator(output_dir))
+        if (entry.is_directory())
+            if (auto step = checkpoint_step(entry.path())) out.emplace_back(*step, entry.path());
+    std::sort(out.begin(), out.end());
+    return out;
+}
+
+std::optional<stdfs::path> resolve_resume_checkpoint(const stdfs::path& output_dir, const std::string& spec) {
+    if (spec.empty() || spec == "none" || spec == "None") return std::nullopt;
+    const auto all = list_checkpoints(output_dir);
+    std::optional<int64_t> below;  // search only checkpoints older than this step
+    if (spec != "latest") {
+        const stdfs::path dir =
+            stdfs::path(spec).is_absolute() || stdfs::exists(spec) ? stdfs::path(spec) : output_dir / spec;
+        const std::string problem = checkpoint_problem(dir);
+        if (problem.empty()) return dir;
+        const auto step = checkpoint_step(dir);
+        if (!step)
+            throw UsageError(str("resume_from_checkpoint ", spec, " cannot be used: ", problem,
+                                 "; pass a checkpoint-<step> directory or \"latest\""));
+        log::warn() << "resume_from_checkpoint " << dir.string() << " is incomplete (" << problem
+                    << "); falling back to the previous complete checkpoint";
+        below = *step;
+    }
+    for (auto it = all.rbegin(); it != all.rend(); ++it) {
+        if (below && it->first >= *below) continue;
+        const std::string problem = checkpoint_problem(it->second);
+        if (problem.empty()) return it->second;
+        log::warn() << "skipping " << it->second.string() << ": " << problem << "; delete it";
+    }
+    if (below)
+        throw UsageError(str("resume_from_checkpoint ", spec,
+                             " is incomplete and no complete checkpoint precedes it", " in ",
+                             output_dir.string(), "; set resume_from_checkpoint to none to start afresh"));
+    return std::nullopt;
+}
+
+LoadedCheckpoint load_checkpoint(const stdfs::path& dir) {
+    const std::string problem = checkpoint_problem(dir);
+    if (!problem.empty())
+        throw DataError(str("checkpoint ", dir.string(), " cannot be loaded: ", problem,
+                            "; resume from another checkpoint (resume_from_checkpoint)"));
+    LoadedCheckpoint out;
+    out.dir = dir;
+    const auto manifest = nlohmann::json::parse(fs::read_file(dir / kManifest));
+    out.global_step = manifest.at("global_step").get<int64_t>();
+    for (const auto& f : manifest.at("files")) {
+        const std::string rel = f.get<std::string>();
+        if (rel == kRandomStates) {
+            // Clone: the mapped views die with the file.
+            for (auto& [name, t] : io::load_safetensors(dir / rel)) out.rng_states[name] = t.clone();
+        } else if (stdfs::path(rel).extension() == ".safetensors") {
+            io::TensorList list;
+            for (auto& [name, t] : io::load_safetensors(dir / rel)) list.emplace_back(name, t.clone());
+            out.tensor_files[rel] = std::move(list);
+        } else if (stdfs::path(rel).extension() == ".json") {
+            out.json_files[rel] = nlohmann::json::parse(fs::read_file(dir / rel));
+        }
+    }
+    return out;
+}
+
+void rotate_checkpoints(const stdfs::path& output_dir, int64_t limit) {
+    if (limit <= 0) return;
+    const auto all = list_checkpoints(output_dir);
+    std::vector<stdfs::path> complete;
+    for (const auto& [step, dir] : all)
+        if (checkpoint_problem(dir).empty()) complete.push_back(dir);
+    const int64_t excess = static_cast<int64_t>(complete.size()) - limit;
+    for (int64_t i = 0; i < excess; ++i) {
+        log::info() << "removing old checkpoint " << complete[static_cast<size_t>(i)].string()
+                    << " (checkpoints_total_limit " << limit << ")";
+        stdfs::remove_all(complete[static_cast<size_t>(i)]);
+    }
+}
+
+std::map<std::string, at::Tensor> capture_rng_states(const at::Generator& cpu_generator) {
+    std::map<std::string, at::Tensor> out;
+    out["cpu"] = cpu_generator.get_state();
+    const auto& cuda = at::detail::getCUDAHooks();
+    if (cuda.hasCUDA())
+        for (int i = 0; i < cuda.getNumGPUs(); ++i) {
+            at::Generator g = cuda.getDefaultGenerator(static_cast<c10::DeviceIndex>(i));
+            out["cuda:" + std::to_string(i)] = g.get_state();
+        }
+    return out;
+}
+
+void restore_rng_states(const std::map<std::string, at::Tensor>& states, at::Generator& cpu_generator) {
+    auto it = states.find("cpu");
+    DTUNE_CHECK_AS(DataError, it != states.end(), "checkpoint random_states has no cpu generator state");
+    cpu_generator.set_state(it->second);
+    const auto& cuda = at::detail::getCUDAHooks();
+    if (!cuda.hasCUDA()) return;
+    for (int i = 0; i < cuda.getNumGPUs(); ++i) {
+        auto s = states.find("cuda:" + std::to_string(i));
+        if (s == states.end()) continue;
+        at::Generator g = cuda.getDefaultGenerator(static_cast<c10::DeviceIndex>(i));
+        g.set_state(s->second);
+    }
+}
+
+}  // namespace dtune::train

@@ -1,0 +1,70 @@
+// Training checkpoints: `<output_dir>/checkpoint-<step>/` with the trained weights, optimizer state,
+// RNG states, the batch source's state, the resolved config and a manifest (SIMPLETUNER.md §7.1).
+//
+// Invariants: a checkpoint is written into `checkpoint-<step>-tmp`, renamed into place, and only then
+// gets its `.guard` file (content "complete", written atomically): a directory without a guard, or
+// missing a file its manifest lists, is incomplete and never resumed from. Rotation deletes the
+// oldest complete checkpoints beyond the limit, and incomplete ones older than the newest complete.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "io/safetensors.h"
+
+namespace dtune::train {
+
+namespace stdfs = std::filesystem;
+
+struct CheckpointContents {
+    int64_t global_step = 0;
+    // Relative path (inside the checkpoint) -> tensors: the trained weights, e.g.
+    // "unet/diffusion_pytorch_model.safetensors", and "optimizer.safetensors".
+    std::map<std::string, io::TensorList> tensor_files;
+    // Relative path -> JSON: "training_state.json" (step, epoch, batch source), the resolved config.
+    std::map<std::string, nlohmann::json> json_files;
+    // RNG states as uint8 tensors ("cpu", "cuda:0", ...), saved as random_states.safetensors.
+    std::map<std::string, at::Tensor> rng_states;
+    nlohmann::json metadata;  // model_family, model_type, ... for the manifest
+};
+
+struct LoadedCheckpoint {
+    stdfs::path dir;
+    int64_t global_step = 0;
+    std::map<std::string, io::TensorList> tensor_files;  // every *.safetensors listed in the manifest
+    std::map<std::string, nlohmann::json> json_files;    // every *.json listed in the manifest
+    std::map<std::string, at::Tensor> rng_states;
+};
+
+// Writes the checkpoint (replacing an existing one of the same step) and returns its directory.
+stdfs::path save_checkpoint(const stdfs::path& output_dir, const CheckpointContents& contents);
+
+// "" when `dir` is a complete checkpoint, else why not (no guard, a listed file missing, ...).
+std::string checkpoint_problem(const stdfs::path& dir);
+
+// Checkpoint directories `checkpoint-<N>` of output_dir (no -tmp), by step ascending.
+std::vector<std::pair<int64_t, stdfs::path>> list_checkpoints(const stdfs::path& output_dir);
+
+// resume_from_checkpoint: "latest" -> the newest complete checkpoint (incomplete newer ones are
+// skipped with a warning saying why), nullopt if there is none; "" / "none" -> nullopt; a path -> it
+// if complete, else a warning and the newest complete checkpoint older than it, else UsageError.
+std::optional<stdfs::path> resolve_resume_checkpoint(const stdfs::path& output_dir, const std::string& spec);
+
+LoadedCheckpoint load_checkpoint(const stdfs::path& dir);
+
+// Keeps the newest `limit` complete checkpoints (limit <= 0: keep all).
+void rotate_checkpoints(const stdfs::path& output_dir, int64_t limit);
+
+// The CPU generator's state as a tensor and back (CUDA generators when present: "cuda:N").
+std::map<std::string, at::Tensor> capture_rng_states(const at::Generator& cpu_generator);
+void restore_rng_states(const std::map<std::string, at::Tensor>& states, at::Generator& cpu_generator);
+
+}  // namespace dtune::train

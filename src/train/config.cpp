@@ -1,0 +1,411 @@
+// TrainConfig: option table, JSON/CLI parsing, typed access, resolved output (see config.h).
+#include "train/config.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "core/error.h"
+#include "core/fs.h"
+
+namespace dtune::train {
+namespace {
+
+using nlohmann::json;
+
+// clang-format off
+// Built on first use: the CLI's usage text reads it during static initialisation.
+const std::vector<OptionSpec>& specs() {
+    static const std::vector<OptionSpec> kSpecs = {
+    {"model_family", OptionType::kString, "null", "model architecture (required)", "sdxl"},
+    {"model_type", OptionType::kString, "\"full\"", "lora or full fine-tune", "full,lora"},
+    {"model_flavour", OptionType::kString, "null", "SDXL flavour (default base-1.0)", "base-1.0,refiner-1.0,base-0.9,refiner-0.9"},
+    {"pretrained_model_name_or_path", OptionType::kString, "\"\"", "local diffusers model folder", nullptr},
+    {"pretrained_vae_model_name_or_path", OptionType::kString, "\"madebyollin/sdxl-vae-fp16-fix\"", "VAE folder (a local folder; a hub id falls back to <model>/vae)", nullptr},
+    {"output_dir", OptionType::kString, "\"simpletuner-results\"", "where checkpoints, metrics and outputs go", nullptr},
+    {"data_backend_config", OptionType::kString, "null", "path to multidatabackend.json", nullptr},
+    {"lora_type", OptionType::kString, "\"standard\"", "LoRA implementation", "standard"},
+    {"lora_rank", OptionType::kInt, "16", "LoRA rank", nullptr},
+    {"lora_alpha", OptionType::kFloat, "null", "LoRA alpha (default: the rank)", nullptr},
+    {"lora_dropout", OptionType::kFloat, "0.1", "LoRA dropout", nullptr},
+    {"lora_init_type", OptionType::kString, "\"default\"", "LoRA initialisation", "default,gaussian,loftq,olora,pissa"},
+    {"use_dora", OptionType::kBool, "false", "DoRA (weight-decomposed LoRA)", nullptr},
+    {"lora_format", OptionType::kString, "\"diffusers\"", "LoRA file key format", "diffusers,comfyui"},
+    {"init_lora", OptionType::kString, "\"\"", "start from an existing LoRA file", nullptr},
+    {"learning_rate", OptionType::kFloat, "4e-7", "base learning rate", nullptr},
+    {"lr_scheduler", OptionType::kString, "\"constant_with_warmup\"", "LR schedule", "constant,constant_with_warmup,linear,cosine,cosine_with_warmup,cosine_with_restarts,polynomial,sine"},
+    {"lr_warmup_steps", OptionType::kInt, "0", "LR warmup steps", nullptr},
+    {"lr_end", OptionType::kFloat, "4e-7", "final LR of polynomial / sine", nullptr},
+    {"lr_power", OptionType::kFloat, "0.8", "polynomial power", nullptr},
+    {"lr_num_cycles", OptionType::kFloat, "1", "cosine_with_restarts cycles", nullptr},
+    {"optimizer", OptionType::kString, "\"adamw_bf16\"", "optimizer", "adamw_bf16,torch-adamw,optimi-adamw,optimi-lion,torch-sgd,torch-adafactor"},
+    {"optimizer_config", OptionType::kString, "null", "extra optimizer kwargs \"key=value,...\" (not supported yet unless empty)", nullptr},
+    {"adam_beta1", OptionType::kFloat, "0.9", "Adam beta1", nullptr},
+    {"adam_beta2", OptionType::kFloat, "0.999", "Adam beta2", nullptr},
+    {"adam_weight_decay", OptionType::kFloat, "0.01", "decoupled weight decay", nullptr},
+    {"adam_epsilon", OptionType::kFloat, "1e-8", "Adam epsilon", nullptr},
+    {"max_grad_norm", OptionType::kFloat, "2.0", "gradient clip threshold (0: off)", nullptr},
+    {"grad_clip_method", OptionType::kString, "\"value\"", "clip by value or by global norm", "value,norm"},
+    {"train_batch_size", OptionType::kInt, "4", "images per step per GPU", nullptr},
+    {"gradient_accumulation_steps", OptionType::kInt, "1", "micro-batches per optimizer step", nullptr},
+    {"max_train_steps", OptionType::kInt, "null", "optimizer steps (overrides epochs; 0 = unset)", nullptr},
+    {"num_train_epochs", OptionType::kInt, "1", "epochs when max_train_steps is unset", nullptr},
+    {"checkpoint_step_interval", OptionType::kInt, "500", "save a checkpoint every N steps (alias checkpointing_steps)", nullptr},
+    {"checkpoints_total_limit", OptionType::kInt, "5", "checkpoints kept (older ones deleted)", nullptr},
+    {"resume_from_checkpoint", OptionType::kString, "\"latest\"", "latest, a checkpoint path, or none", nullptr},
+    {"mixed_precision", OptionType::kString, "\"bf16\"", "compute precision", "no,bf16,fp16"},
+    {"gradient_checkpointing", OptionType::kBool, "true", "recompute activations in backward", nullptr},
+    {"seed", OptionType::kInt, "null", "random seed (None/0: time-based, -1: random)", nullptr},
+    {"noise_offset", OptionType::kFloat, "0.1", "offset-noise strength (needs offset_noise)", nullptr},
+    {"noise_offset_probability", OptionType::kFloat, "0.25", "probability of offset noise per step", nullptr},
+    {"offset_noise", OptionType::kBool, "false", "enable offset noise", nullptr},
+    {"input_perturbation", OptionType::kFloat, "0.0", "input perturbation strength", nullptr},
+    {"snr_gamma", OptionType::kFloat, "null", "min-SNR gamma (5 is typical)", nullptr},
+    {"prediction_type", OptionType::kString, "null", "override the scheduler's prediction type", "epsilon,v_prediction,sample"},
+    {"caption_dropout_probability", OptionType::kFloat, "0.1", "probability of training on the empty caption", nullptr},
+    {"use_ema", OptionType::kBool, "false", "exponential moving average of weights (not implemented yet unless false)", nullptr},
+    {"ema_decay", OptionType::kFloat, "0.995", "EMA decay", nullptr},
+    {"allow_dataset_oversubscription", OptionType::kBool, "false", "repeat small buckets to fill a batch", nullptr},
+    {"resolution", OptionType::kFloat, "1024", "dataset fallback resolution", nullptr},
+    {"resolution_type", OptionType::kString, "\"pixel_area\"", "dataset fallback resolution type", "pixel,area,pixel_area"},
+    {"vae_cache_disable", OptionType::kBool, "false", "encode latents on the fly (dtune always does for now)", nullptr},
+    {"report_to", OptionType::kString, "\"none\"", "trackers (metrics.jsonl is always written)", "none"},
+    {"webhook_config", OptionType::kAny, "null", "webhook JSON path or inline object", nullptr},
+    {"validation_prompt", OptionType::kString, "\"\"", "validation prompt (validation is not run yet)", nullptr},
+    {"validation_step_interval", OptionType::kInt, "100", "validation every N steps (alias validation_steps)", nullptr},
+    {"validation_resolution", OptionType::kString, "\"256\"", "validation image size(s)", nullptr},
+    {"validation_guidance", OptionType::kFloat, "7.5", "validation CFG scale", nullptr},
+    {"validation_guidance_rescale", OptionType::kFloat, "0.0", "validation CFG rescale", nullptr},
+    {"validation_num_inference_steps", OptionType::kInt, "30", "validation sampler steps", nullptr},
+    {"validation_negative_prompt", OptionType::kString, "\"blurry, cropped, ugly\"", "validation negative prompt", nullptr},
+    {"validation_seed", OptionType::kInt, "null", "validation seed", nullptr},
+    {"validation_noise_scheduler", OptionType::kString, "null", "validation sampler", nullptr},
+    {"validation_disable", OptionType::kBool, "false", "disable validation", nullptr},
+    {"num_validation_images", OptionType::kInt, "1", "validation images per prompt", nullptr},
+    // dtune's own keys (not SimpleTuner's).
+    {"deterministic", OptionType::kBool, "false", "dtune: deterministic algorithms (CPU runs are bit-reproducible)", nullptr},
+    {"device", OptionType::kString, "\"auto\"", "dtune: cpu, cuda, cuda:N or auto", nullptr},
+    {"metrics_interval", OptionType::kInt, "1", "dtune: write metrics.jsonl every N steps", nullptr},
+    };
+    return kSpecs;
+}
+
+// Known SimpleTuner options dtune does not implement, with SimpleTuner's default where known (a
+// config that leaves them at that default is accepted).
+const std::vector<std::pair<const char*, const char*>> kNotImplemented = {
+    {"checkpoint_epoch_interval", "null"}, {"checkpointing_rolling_steps", "0"},
+    {"checkpoints_rolling_total_limit", "1"}, {"checkpointing_use_tempdir", "false"},
+    {"delete_invalid_checkpoints", "false"}, {"base_model_precision", "\"no_change\""},
+    {"text_encoder_1_precision", "\"no_change\""}, {"text_encoder_2_precision", "\"no_change\""},
+    {"gradient_checkpointing_interval", "null"}, {"use_soft_min_snr", "false"}, {"snr_weight", "1.0"},
+    {"loss_type", "\"l2\""}, {"huber_schedule", "\"snr\""}, {"huber_c", "0.1"},
+    {"rescale_betas_zero_snr", "false"}, {"training_scheduler_timestep_spacing", "\"trailing\""},
+    {"inference_scheduler_timestep_spacing", "\"trailing\""}, {"timestep_bias_strategy", "\"none\""},
+    {"timestep_bias_begin", "0"}, {"timestep_bias_end", "1000"}, {"timestep_bias_multiplier", "1.0"},
+    {"timestep_bias_portion", "0.25"}, {"aspect_bucket_alignment", "64"}, {"aspect_bucket_rounding", "2"},
+    {"vae_batch_size", "4"}, {"write_batch_size", "128"}, {"read_batch_size", "25"},
+    {"image_processing_batch_size", "32"}, {"compress_disk_cache", "true"}, {"vae_cache_ondemand", "false"},
+    {"data_backend_sampling", "\"auto-weighting\""}, {"seed_for_each_device", "true"}, {"ema_device", "\"cpu\""},
+    {"tracker_project_name", "\"simpletuner\""}, {"tracker_run_name", "\"simpletuner-testing\""},
+    {"validation_prompt_library", "false"}, {"user_prompt_library", "null"},
+    {"validation_epoch_interval", "null"}, {"validation_on_startup", "false"}, {"validation_randomize", "false"},
+    {"validation_seed_source", "\"cpu\""}, {"validation_image_format", "\"png\""}, {"evaluation_type", "\"none\""},
+    {"eval_steps_interval", "null"}, {"num_eval_images", "4"}, {"validation_preview", "false"},
+    {"sdxl_validation_pipeline_mode", "\"trained-stage\""}, {"scheduled_sampling_max_step_offset", "0"},
+    {"diff2flow_enabled", "false"}, {"diff2flow_loss", "false"}, {"dynamo_backend", "\"no\""},
+    {"attention_mechanism", "\"diffusers\""}, {"dataloader_prefetch", "false"}, {"dataloader_prefetch_qlen", "10"},
+    {"aspect_bucket_worker_count", "12"}, {"enable_multiprocessing", "false"}, {"max_workers", "32"},
+    {"aws_max_pool_connections", "128"}, {"torch_num_threads", "8"}, {"metadata_update_interval", "3600"},
+    {"disk_low_threshold", "null"}, {"disk_low_action", "\"stop\""}, {"lycoris_config", "null"},
+    {"lr_scale", "false"}, {"lr_scale_sqrt", "false"}, {"push_to_hub", "false"}, {"hub_model_id", "null"},
+    {"minimum_image_size", "null"}, {"maximum_image_size", "null"}, {"target_downsample_size", "null"},
+    {"instance_prompt", "null"}, {"ignore_final_epochs", "false"}, {"disable_benchmark", "false"},
+    {"validation_torch_compile", "false"}, {"pretrained_unet_model_name_or_path", "null"},
+    {"revision", "null"}, {"variant", "null"}, {"train_text_encoder", "false"}, {"lora_target_modules", "null"},
+    {"gradient_precision", "null"}, {"fused_qkv_projections", "false"}, {"max_grad_value", "null"},
+    {"i_know_what_i_am_doing", "false"}, {"override_dataset_config", "false"}, {"cache_dir_vae", "\"\""},
+    {"cache_dir_text", "\"\""}, {"cache_dir", "\"\""}, {"logging_dir", "\"logs\""}, {"quantize_via", "\"accelerator\""},
+};
+// clang-format on
+
+const std::map<std::string, std::string> kAliases = {
+    {"checkpointing_steps", "checkpoint_step_interval"},
+    {"validation_steps", "validation_step_interval"},
+};
+
+const OptionSpec* find_spec(const std::string& key) {
+    for (const auto& s : specs())
+        if (key == s.name) return &s;
+    return nullptr;
+}
+
+const char* not_implemented_default(const std::string& key) {
+    for (const auto& [name, def] : kNotImplemented)
+        if (key == name) return def;
+    return nullptr;
+}
+
+// "--learning_rate" -> "learning_rate"; aliases -> canonical names.
+std::string canonical_key(std::string key) {
+    while (!key.empty() && key.front() == '-') key.erase(key.begin());
+    std::replace(key.begin(), key.end(), '-', '_');
+    auto alias = kAliases.find(key);
+    return alias == kAliases.end() ? key : alias->second;
+}
+
+std::string closest_key(const std::string& key) {
+    std::string best;
+    std::size_t best_d = std::string::npos;
+    for (const auto& s : specs()) {
+        const std::size_t d = edit_distance(key, s.name);
+        if (d < best_d) best_d = d, best = s.name;
+    }
+    return best;
+}
+
+const char* type_name(OptionType t) {
+    switch (t) {
+        case OptionType::kString: return "a string";
+        case OptionType::kInt: return "an integer";
+        case OptionType::kFloat: return "a number";
+        case OptionType::kBool: return "true or false";
+        case OptionType::kAny: return "a value";
+    }
+    return "a value";
+}
+
+// Converts `value` to the option's type; strings are parsed (CLI and string-typed JSON values).
+json coerce(const OptionSpec& spec, const json& value, const std::string& source) {
+    const auto fail = [&]() -> json {
+        throw UsageError(str(source, ": option ", spec.name, " = ", value.dump(), " is not ",
+                             type_name(spec.type), "; write it as in the defaults (`dtune train --help`)"));
+    };
+    if (value.is_null() || spec.type == OptionType::kAny) return value;
+    if (value.is_string() && spec.type != OptionType::kString) {
+        const std::string text = value.get<std::string>();
+        if (text == "None" || text == "null" || text.empty()) return json(nullptr);
+        json parsed = json::parse(text, nullptr, false);
+        if (parsed.is_discarded() || parsed.is_string()) return fail();
+        return coerce(spec, parsed, source);
+    }
+    switch (spec.type) {
+        case OptionType::kString:
+            if (value.is_string()) return value;
+            if (value.is_number() || value.is_boolean()) return json(value.dump());
+            return fail();
+        case OptionType::kInt:
+            if (value.is_number_integer()) return value;
+            if (value.is_number_float()) {
+                const double d = value.get<double>();
+                if (std::floor(d) == d) return json(static_cast<int64_t>(d));
+            }
+            return fail();
+        case OptionType::kFloat:
+            if (value.is_number()) return json(value.get<double>());
+            return fail();
+        case OptionType::kBool:
+            if (value.is_boolean()) return value;
+            if (value.is_number_integer() && (value == 0 || value == 1)) return json(value == 1);
+            return fail();
+        case OptionType::kAny: return value;
+    }
+    return fail();
+}
+
+}  // namespace
+
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+    std::vector<std::size_t> row(b.size() + 1);
+    for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+    for (std::size_t i = 1; i <= a.size(); ++i) {
+        std::size_t diag = row[0];
+        row[0] = i;
+        for (std::size_t j = 1; j <= b.size(); ++j) {
+            const std::size_t up = row[j];
+            row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+            diag = up;
+        }
+    }
+    return row[b.size()];
+}
+
+const std::vector<OptionSpec>& option_specs() {
+    return specs();
+}
+
+std::string options_help() {
+    std::string out;
+    for (const auto& s : specs()) {
+        std::string line = str("  --", s.name, " (default ", s.default_json, ")");
+        if (line.size() < 58) line.resize(58, ' ');
+        out += line + " " + s.help + (s.choices ? str(" [", s.choices, "]") : "") + "\n";
+    }
+    return out;
+}
+
+TrainConfig::TrainConfig() : values_(json::object()) {
+    for (const auto& s : specs()) values_[s.name] = json::parse(s.default_json);
+}
+
+void TrainConfig::set_value(const std::string& raw_key, json value, const std::string& source) {
+    const std::string key = canonical_key(raw_key);
+    if (const OptionSpec* spec = find_spec(key)) {
+        values_[key] = coerce(*spec, value, source);
+        return;
+    }
+    if (const char* def = not_implemented_default(key)) {
+        const json d = json::parse(def);
+        // A value equal to SimpleTuner's default changes nothing, so it is accepted.
+        if (value == d || (value.is_string() &&
+                           value.get<std::string>() == (d.is_string() ? d.get<std::string>() : d.dump())))
+            return;
+        throw UsageError(str(source, ": option ", key, " is not implemented by dtune yet (value ",
+                             value.dump(), "); remove it from the config or set it to SimpleTuner's default ",
+                             def));
+    }
+    throw UsageError(str(source, ": unknown option \"", raw_key, "\"; did you mean \"", closest_key(key),
+                         "\"? (`dtune train --help` lists every option)"));
+}
+
+void TrainConfig::merge_json(const json& object, const std::string& source) {
+    if (!object.is_object())
+        throw UsageError(str(source, ": the configuration must be a JSON object of option: value pairs"));
+    for (const auto& [key, value] : object.items()) set_value(key, value, source);
+}
+
+void TrainConfig::set(const std::string& key, const std::string& value_text, const std::string& source) {
+    const OptionSpec* spec = find_spec(canonical_key(key));
+    if (spec && spec->type == OptionType::kString) return set_value(key, json(value_text), source);
+    json parsed = json::parse(value_text, nullptr, false);
+    set_value(key, parsed.is_discarded() ? json(value_text) : parsed, source);
+}
+
+void TrainConfig::apply_overrides(const std::vector<std::string>& words) {
+    const std::string source = "command line";
+    for (std::size_t i = 0; i < words.size(); ++i) {
+        std::string w = words[i];
+        if (w == "--set") {
+            if (i + 1 >= words.size())
+                throw UsageError("command line: --set needs key=value, e.g. --set seed=42");
+            w = words[++i];
+            const auto eq = w.find('=');
+            if (eq == std::string::npos)
+                throw UsageError(
+                    str("command line: --set ", w, " is not key=value; write e.g. --set seed=42"));
+            set(w.substr(0, eq), w.substr(eq + 1), source);
+            continue;
+        }
+        if (w.rfind("--", 0) != 0)
+            throw UsageError(str("command line: unexpected argument \"", w, "\"; options are --key value"));
+        const auto eq = w.find('=');
+        if (eq != std::string::npos) {
+            set(w.substr(0, eq), w.substr(eq + 1), source);
+        } else if (i + 1 < words.size() && words[i + 1].rfind("--", 0) != 0) {
+            set(w, words[++i], source);
+        } else {
+            set(w, "true", source);  // a bare flag: --use_dora
+        }
+    }
+}
+
+void TrainConfig::validate() const {
+    if (values_.at("model_family").is_null())
+        throw UsageError("model_family is required; set \"model_family\": \"sdxl\" in config.json");
+    for (const auto& s : specs()) {
+        if (!s.choices || values_.at(s.name).is_null()) continue;
+        const std::string v = values_.at(s.name).get<std::string>();
+        const std::string choices = str(",", s.choices, ",");
+        if (choices.find("," + v + ",") == std::string::npos)
+            throw UsageError(
+                str("option ", s.name, " = \"", v, "\" is not supported; choose one of: ", s.choices));
+    }
+    const auto positive = [&](const char* key) {
+        if (integer(key) < 1)
+            throw UsageError(str("option ", key, " = ", integer(key), " must be at least 1"));
+    };
+    positive("train_batch_size");
+    positive("gradient_accumulation_steps");
+    if (!is_null("optimizer_config") && !text("optimizer_config").empty())
+        throw UsageError(
+            "option optimizer_config is not implemented by dtune yet; remove it (use adam_* options)");
+    if (flag("use_ema")) throw UsageError("option use_ema is not implemented by dtune yet; set it to false");
+    const double p = real("caption_dropout_probability");
+    if (p < 0 || p > 1) throw UsageError(str("caption_dropout_probability = ", p, " must be in [0, 1]"));
+}
+
+TrainConfig TrainConfig::load(const std::filesystem::path& config_file,
+                              const std::vector<std::string>& overrides) {
+    TrainConfig config;
+    if (!config_file.empty()) {
+        const std::string ext = config_file.extension().string();
+        if (ext == ".toml")
+            throw UsageError(str(config_file.string(),
+                                 ": config.toml is not supported yet (no TOML library in "
+                                 "the build); convert it to config.json with the same keys"));
+        if (ext == ".env")
+            throw UsageError(str(config_file.string(), ": config.env is not supported; use config.json"));
+        const std::string text = fs::read_file(config_file);
+        json parsed = json::parse(text, nullptr, false);
+        if (parsed.is_discarded())
+            throw UsageError(
+                str(config_file.string(), ": not valid JSON; check for trailing commas or comments"));
+        config.merge_json(parsed, config_file.string());
+    }
+    config.apply_overrides(overrides);
+    if (config.is_null("model_flavour") && config.values_["model_family"] == "sdxl")
+        config.values_["model_flavour"] = "base-1.0";
+    config.validate();
+    return config;
+}
+
+bool TrainConfig::is_null(const std::string& key) const {
+    return raw(key).is_null();
+}
+
+const json& TrainConfig::raw(const std::string& key) const {
+    auto it = values_.find(key);
+    DTUNE_CHECK(it != values_.end(), "internal: TrainConfig has no option ", key);
+    return *it;
+}
+
+std::string TrainConfig::text(const std::string& key) const {
+    const json& v = raw(key);
+    return v.is_null() ? std::string() : v.get<std::string>();
+}
+
+int64_t TrainConfig::integer(const std::string& key) const {
+    const json& v = raw(key);
+    DTUNE_CHECK_AS(UsageError, !v.is_null(), "option ", key, " must be set");
+    return v.get<int64_t>();
+}
+
+double TrainConfig::real(const std::string& key) const {
+    const json& v = raw(key);
+    DTUNE_CHECK_AS(UsageError, !v.is_null(), "option ", key, " must be set");
+    return v.get<double>();
+}
+
+bool TrainConfig::flag(const std::string& key) const {
+    const json& v = raw(key);
+    return !v.is_null() && v.get<bool>();
+}
+
+std::optional<int64_t> TrainConfig::opt_integer(const std::string& key) const {
+    return is_null(key) ? std::nullopt : std::optional<int64_t>(integer(key));
+}
+
+std::optional<double> TrainConfig::opt_real(const std::string& key) const {
+    return is_null(key) ? std::nullopt : std::optional<double>(real(key));
+}
+
+void TrainConfig::write_resolved(const std::filesystem::path& path) const {
+    fs::write_file_atomic(path, values_.dump(2) + "\n");
+}
+
+TrainConfig TrainConfig::from_resolved(const json& resolved) {
+    TrainConfig config;
+    config.merge_json(resolved, "resolved configuration");
+    return config;
+}
+
+}  // namespace dtune::train

@@ -1,0 +1,54 @@
+// Stop-request flag set by SIGINT/SIGTERM (see signals.h).
+#include "train/signals.h"
+
+#include <atomic>
+#include <csignal>
+
+#include <unistd.h>
+
+namespace dtune::train {
+namespace {
+
+std::atomic<int> g_requests{0};
+std::atomic<int> g_signal{0};
+static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free atomic");
+
+extern "C" void on_stop_signal(int signo) {
+    if (g_requests.fetch_add(1) >= 1) _exit(128 + signo);  // second signal: leave now
+    g_signal.store(signo);
+    static const char kMessage[] =
+        "\ndtune: stop requested; saving a checkpoint at the end of this step (press again to exit at "
+        "once)\n";
+    const ssize_t ignored = write(STDERR_FILENO, kMessage, sizeof kMessage - 1);
+    (void)ignored;
+}
+
+}  // namespace
+
+void install_stop_signal_handlers() {
+    clear_stop_request();
+    struct sigaction action {};
+    action.sa_handler = on_stop_signal;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGINT, &action, nullptr);
+    sigaction(SIGTERM, &action, nullptr);
+}
+
+bool stop_requested() {
+    return g_requests.load() > 0;
+}
+
+int stop_signal() {
+    return g_signal.load();
+}
+
+void request_stop() {
+    g_requests.fetch_add(1);
+}
+
+void clear_stop_request() {
+    g_requests.store(0);
+    g_signal.store(0);
+}
+
+}  // namespace dtune::train

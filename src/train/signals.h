@@ -1,0 +1,18 @@
+// Ctrl-C / SIGTERM handling for training: the first signal asks the loop to save a checkpoint and
+// stop at the next step boundary; a second one exits the process at once (exit code 128 + signal).
+// Async-signal-safe: the handler only touches a lock-free atomic and calls _exit.
+#pragma once
+
+namespace dtune::train {
+
+// Installs the SIGINT/SIGTERM handlers (idempotent) and clears any earlier request.
+void install_stop_signal_handlers();
+// True once a stop was requested (by a signal or request_stop()).
+bool stop_requested();
+// The signal that asked to stop (0 when none or request_stop()).
+int stop_signal();
+// Asks the loop to stop as a first signal would (tests, the GPU circuit breaker).
+void request_stop();
+void clear_stop_request();
+
+}  // namespace dtune::train

@@ -1,0 +1,79 @@
+// The micro-step (see step.h).
+#include "train/step.h"
+
+#include <ATen/autocast_mode.h>
+
+#include "models/unet/unet_2d_condition.h"
+
+namespace dtune::train {
+namespace {
+
+// Enables autocast for one device type for the guard's lifetime (the UNet forward only; the loss
+// is computed in float32 by diffusion::per_sample_loss).
+class AutocastGuard {
+  public:
+    AutocastGuard(at::DeviceType device, c10::ScalarType dtype) : device_(device), on_(dtype != at::kFloat) {
+        if (!on_) return;
+        previous_dtype_ = at::autocast::get_autocast_dtype(device_);
+        at::autocast::set_autocast_dtype(device_, dtype);
+        at::autocast::set_autocast_enabled(device_, true);
+    }
+    ~AutocastGuard() {
+        if (!on_) return;
+        at::autocast::set_autocast_enabled(device_, false);
+        at::autocast::set_autocast_dtype(device_, previous_dtype_);
+        at::autocast::clear_cache();
+    }
+    AutocastGuard(const AutocastGuard&) = delete;
+    AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+  private:
+    at::DeviceType device_;
+    bool on_;
+    c10::ScalarType previous_dtype_ = at::kFloat;
+};
+
+}  // namespace
+
+int64_t apply_caption_dropout(TrainBatch& batch, const PromptEmbedding& empty, double probability,
+                              at::Generator& generator) {
+    const int64_t n = batch.latents.size(0);
+    const at::Tensor draws = at::rand({n}, generator, at::kFloat);  // [B] on the CPU
+    if (probability <= 0) return 0;
+    const auto a = draws.accessor<float, 1>();
+    int64_t dropped = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        if (a[i] >= probability) continue;
+        batch.prompt_embeds[i].copy_(empty.prompt);  // [77, D]
+        batch.pooled_embeds[i].zero_();              // [P]
+        batch.time_ids[i].zero_();                   // [6]
+        ++dropped;
+    }
+    return dropped;
+}
+
+MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
+                     const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+                     int64_t global_step, at::Generator& generator) {
+    const at::Tensor latents = batch.latents.to(at::kFloat);  // [B, C, h, w]
+    const int64_t b = latents.size(0);
+    const auto noise = diffusion::sample_training_noise(latents, options.noise, global_step, generator);
+    const at::Tensor t = diffusion::sample_timesteps(b, schedule.num_train_timesteps(), options.timesteps,
+                                                     generator);  // [B] int64, CPU
+    const at::Tensor t_dev = t.to(latents.device());
+    const at::Tensor noisy = schedule.add_noise(latents, noise.input_noise, t_dev);  // [B, C, h, w]
+    const at::Tensor target = schedule.target(options.prediction, latents, noise.noise, t_dev);
+    at::Tensor pred;
+    {
+        AutocastGuard autocast(latents.device().type(), options.compute_dtype);
+        models::UNetAddedCond added{batch.pooled_embeds, batch.time_ids};
+        pred = unet.forward(noisy, t_dev, batch.prompt_embeds, added);  // [B, C, h, w]
+    }
+    MicroStep out;
+    out.loss = diffusion::diffusion_loss(pred.to(at::kFloat), target, t_dev, options.prediction, &schedule,
+                                         options.loss);
+    out.timesteps = t;
+    return out;
+}
+
+}  // namespace dtune::train

@@ -1,0 +1,95 @@
+// The training loop: from a resolved TrainConfig to trained weights, with checkpoints, exact resume,
+// metrics and a clean stop on SIGINT/SIGTERM. Full fine-tune of the UNet for now; LoRA plugs in
+// through set_trainable_parameters() (the parameters the optimizer updates and checkpoints save).
+//
+// The loop reads like a table of contents:
+//   for each optimizer step: accumulate micro-batches (batch -> caption dropout -> micro_step ->
+//   backward), clip, set the LR, optimizer step, metrics, checkpoint; stop cleanly when asked.
+// Invariant: in deterministic mode on the CPU, N steps straight and N/2 + resume + N/2 give
+// bit-identical weights (all randomness from checkpointed generators; the batch source resumes
+// at the exact next batch).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "diffusion/noise_schedule.h"
+#include "models/unet/unet_2d_condition.h"
+#include "train/batch_source.h"
+#include "train/config.h"
+#include "train/optimizer.h"
+#include "train/step.h"
+
+namespace dtune::train {
+
+struct NamedTensor {
+    std::string name;
+    at::Tensor tensor;
+};
+
+enum class TrainOutcome { kCompleted, kInterrupted };
+
+struct TrainResult {
+    TrainOutcome outcome = TrainOutcome::kCompleted;
+    int64_t global_step = 0;
+    double last_loss = 0;
+    std::optional<std::filesystem::path> resumed_from;
+};
+
+class Trainer {
+  public:
+    // Loads the UNet (and, for the image source, the VAE) from pretrained_model_name_or_path and
+    // builds the batch source from data_backend_config.
+    explicit Trainer(TrainConfig config);
+    // With a model, noise schedule and batch source given (tests, benchmarks).
+    Trainer(TrainConfig config, models::UNet2DConditionModel unet, diffusion::NoiseSchedule schedule,
+            std::unique_ptr<BatchSource> source);
+    ~Trainer();
+
+    // The LoRA hook: these tensors (leaf, requires_grad) are optimized and checkpointed instead of
+    // every UNet parameter. Call before run().
+    void set_trainable_parameters(std::vector<NamedTensor> params);
+
+    // Trains until max_train_steps (or the epochs) are done or a stop is requested.
+    TrainResult run();
+
+    models::UNet2DConditionModel& unet() { return unet_; }
+    int64_t total_steps() const { return total_steps_; }
+
+  private:
+    void init_common();
+    void build_optimizer();
+    void resume();
+    double train_one_step(double& grad_norm);
+    void save(const std::string& why);
+    void append_metrics(double loss, double lr, double grad_norm, double img_per_s);
+    void write_final_outputs();
+
+    TrainConfig config_;
+    std::filesystem::path output_dir_;
+    std::filesystem::path model_dir_;
+    c10::Device device_ = c10::Device(c10::kCPU);
+    models::UNet2DConditionModel unet_{nullptr};
+    std::optional<diffusion::NoiseSchedule> schedule_;
+    std::unique_ptr<BatchSource> source_;
+    std::vector<NamedTensor> trainable_;
+    std::unique_ptr<Optimizer> optimizer_;
+    std::optional<at::Generator> generator_;            // every random draw of the step
+    std::optional<at::Generator> optimizer_generator_;  // adamw_bf16's stochastic rounding
+    StepOptions step_options_;
+    PromptEmbedding empty_prompt_;
+    int64_t global_step_ = 0;
+    int64_t total_steps_ = 0;
+    std::optional<std::filesystem::path> resumed_from_;
+};
+
+// Parses "cpu", "cuda", "cuda:N" or "auto" (CUDA when available).
+c10::Device parse_train_device(const std::string& name);
+
+}  // namespace dtune::train

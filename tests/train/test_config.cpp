@@ -1,0 +1,148 @@
+// TrainConfig: SimpleTuner defaults (SIMPLETUNER.md §6, typed by hand here), "--" keys, aliases,
+// command-line overrides, unknown / unimplemented keys, the resolved file.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "support/test_support.h"
+#include "train/config.h"
+
+namespace dtune::train {
+namespace {
+
+TrainConfig load_text(const test::TempDir& dir, const std::string& json_text,
+                      const std::vector<std::string>& overrides = {}) {
+    const auto path = dir / "config.json";
+    std::ofstream(path) << json_text;
+    return TrainConfig::load(path, overrides);
+}
+
+std::string usage_message(const std::function<void()>& fn) {
+    try {
+        fn();
+    } catch (const UsageError& e) {
+        return e.what();
+    }
+    return "<no UsageError>";
+}
+
+TEST(TrainConfig, DefaultsAreSimpleTunersTable) {
+    test::TempDir dir;
+    const TrainConfig c = load_text(dir, R"({"model_family": "sdxl"})");
+    EXPECT_EQ(c.text("model_type"), "full");
+    EXPECT_EQ(c.text("model_flavour"), "base-1.0");
+    EXPECT_EQ(c.text("output_dir"), "simpletuner-results");
+    EXPECT_EQ(c.integer("lora_rank"), 16);
+    EXPECT_TRUE(c.is_null("lora_alpha"));
+    EXPECT_DOUBLE_EQ(c.real("lora_dropout"), 0.1);
+    EXPECT_DOUBLE_EQ(c.real("learning_rate"), 4e-7);
+    EXPECT_EQ(c.text("lr_scheduler"), "constant_with_warmup");
+    EXPECT_DOUBLE_EQ(c.real("lr_power"), 0.8);
+    EXPECT_EQ(c.text("optimizer"), "adamw_bf16");
+    EXPECT_DOUBLE_EQ(c.real("adam_weight_decay"), 0.01);
+    EXPECT_DOUBLE_EQ(c.real("adam_epsilon"), 1e-8);
+    EXPECT_DOUBLE_EQ(c.real("max_grad_norm"), 2.0);
+    EXPECT_EQ(c.text("grad_clip_method"), "value");
+    EXPECT_EQ(c.integer("train_batch_size"), 4);
+    EXPECT_EQ(c.integer("gradient_accumulation_steps"), 1);
+    EXPECT_FALSE(c.opt_integer("max_train_steps").has_value());
+    EXPECT_EQ(c.integer("num_train_epochs"), 1);
+    EXPECT_EQ(c.integer("checkpoint_step_interval"), 500);
+    EXPECT_EQ(c.integer("checkpoints_total_limit"), 5);
+    EXPECT_EQ(c.text("resume_from_checkpoint"), "latest");
+    EXPECT_EQ(c.text("mixed_precision"), "bf16");
+    EXPECT_TRUE(c.flag("gradient_checkpointing"));
+    EXPECT_FALSE(c.flag("offset_noise"));
+    EXPECT_DOUBLE_EQ(c.real("noise_offset"), 0.1);
+    EXPECT_TRUE(c.is_null("snr_gamma"));
+    EXPECT_DOUBLE_EQ(c.real("caption_dropout_probability"), 0.1);
+    EXPECT_DOUBLE_EQ(c.real("ema_decay"), 0.995);
+    EXPECT_EQ(c.text("validation_negative_prompt"), "blurry, cropped, ugly");
+}
+
+TEST(TrainConfig, DashedKeysAliasesAndStringsAreTyped) {
+    test::TempDir dir;
+    const TrainConfig c = load_text(dir, R"({"--model_family": "sdxl", "--learning_rate": "1e-4",
+        "--checkpointing_steps": 20, "train_batch_size": "2", "--use_dora": "true", "seed": 42.0,
+        "--model_type": "lora"})");
+    EXPECT_DOUBLE_EQ(c.real("learning_rate"), 1e-4);
+    EXPECT_EQ(c.integer("checkpoint_step_interval"), 20);
+    EXPECT_EQ(c.integer("train_batch_size"), 2);
+    EXPECT_TRUE(c.flag("use_dora"));
+    EXPECT_EQ(c.integer("seed"), 42);
+    EXPECT_EQ(c.text("model_type"), "lora");
+}
+
+TEST(TrainConfig, CommandLineOverridesWinOverTheFile) {
+    test::TempDir dir;
+    const TrainConfig c = load_text(dir, R"({"model_family": "sdxl", "learning_rate": 1e-5, "seed": 1})",
+                                    {"--learning_rate", "1e-4", "--set", "seed=7", "--snr_gamma=5",
+                                     "--offset_noise", "--output_dir", "/tmp/x"});
+    EXPECT_DOUBLE_EQ(c.real("learning_rate"), 1e-4);
+    EXPECT_EQ(c.integer("seed"), 7);
+    EXPECT_DOUBLE_EQ(*c.opt_real("snr_gamma"), 5.0);
+    EXPECT_TRUE(c.flag("offset_noise"));
+    EXPECT_EQ(c.text("output_dir"), "/tmp/x");
+}
+
+TEST(TrainConfig, UnknownKeySuggestsTheClosest) {
+    test::TempDir dir;
+    const std::string m =
+        usage_message([&] { load_text(dir, R"({"model_family": "sdxl", "learning_rat": 1})"); });
+    EXPECT_NE(m.find("unknown option \"learning_rat\""), std::string::npos) << m;
+    EXPECT_NE(m.find("did you mean \"learning_rate\""), std::string::npos) << m;
+}
+
+TEST(TrainConfig, UnimplementedOptionIsAnErrorUnlessDefault) {
+    test::TempDir dir;
+    const std::string m = usage_message(
+        [&] { load_text(dir, R"({"model_family": "sdxl", "--base_model_precision": "int8-quanto"})"); });
+    EXPECT_NE(m.find("option base_model_precision is not implemented by dtune yet"), std::string::npos) << m;
+    // SimpleTuner's default value changes nothing and is accepted.
+    EXPECT_NO_THROW(load_text(dir, R"({"model_family": "sdxl", "base_model_precision": "no_change"})"));
+    EXPECT_NE(usage_message([&] {
+                  load_text(dir, R"({"model_family": "sdxl", "use_ema": true})");
+              }).find("use_ema is not implemented"),
+              std::string::npos);
+}
+
+TEST(TrainConfig, BadValuesNameTheKey) {
+    test::TempDir dir;
+    EXPECT_NE(usage_message([&] {
+                  load_text(dir, R"({"model_family": "sdxl", "lora_rank": "x"})");
+              }).find("lora_rank"),
+              std::string::npos);
+    EXPECT_NE(
+        usage_message([&] { load_text(dir, R"({"model_family": "flux"})"); }).find("choose one of: sdxl"),
+        std::string::npos);
+    EXPECT_NE(
+        usage_message([&] { load_text(dir, R"({"learning_rate": 1})"); }).find("model_family is required"),
+        std::string::npos);
+    EXPECT_NE(usage_message([&] {
+                  load_text(dir, R"({"model_family": "sdxl", "train_batch_size": 0})");
+              }).find("train_batch_size"),
+              std::string::npos);
+    EXPECT_NE(usage_message([&] { TrainConfig::load(dir / "config.toml", {}); }).find("TOML"),
+              std::string::npos);
+}
+
+TEST(TrainConfig, ResolvedFileRoundTrips) {
+    test::TempDir dir;
+    const TrainConfig c = load_text(dir, R"({"model_family": "sdxl", "lora_rank": 4})");
+    c.write_resolved(dir / "config.resolved.json");
+    const auto back = nlohmann::json::parse(fs::read_file(dir / "config.resolved.json"));
+    EXPECT_EQ(back.at("lora_rank"), 4);
+    EXPECT_EQ(back.at("train_batch_size"), 4);
+    EXPECT_EQ(TrainConfig::from_resolved(back).resolved(), c.resolved());
+}
+
+TEST(TrainConfig, EditDistance) {
+    EXPECT_EQ(edit_distance("kitten", "sitting"), 3u);
+    EXPECT_EQ(edit_distance("", "abc"), 3u);
+    EXPECT_EQ(edit_distance("seed", "seed"), 0u);
+}
+
+}  // namespace
+}  // namespace dtune::train
