@@ -53,6 +53,29 @@ void check_collectives(dist::Group& g, const at::TensorOptions& opts) {
     g.barrier();
 }
 
+// Bucketing and unused parameters: p has a grad on every rank but 0, q on none, w on all.
+void check_reducer(dist::Group& g, const at::TensorOptions& opts) {
+    const int n = g.world_size();
+    auto p = at::zeros({3}, opts).set_requires_grad(true);
+    auto q = at::zeros({3}, opts).set_requires_grad(true);
+    auto w = at::zeros({5}, opts).set_requires_grad(true);
+    if (g.rank() != 0) p.mutable_grad() = at::full({3}, g.rank() + 1.0, opts);
+    w.mutable_grad() = at::full({5}, static_cast<double>(g.rank()), opts);
+    // 48-byte buckets, reverse order: w (40 B) alone, then q and p (24 B each) together.
+    dist::GradReducer reducer(g, {p, q, w}, dist::ReducerOptions{48});
+    using Buckets = std::vector<std::vector<std::size_t>>;
+    DTUNE_CHECK(reducer.buckets() == (Buckets{{2}, {1, 0}}), "reducer buckets are not {{2}, {1, 0}}");
+    reducer.reduce();
+    double p_expected = (n * (n + 1) / 2.0 - 1.0) / n;  // (2 + ... + n) / n: rank 0 counts as zero
+    DTUNE_CHECK(p.grad().defined() && p.grad().cpu().allclose(at::full({3}, p_expected, at::kDouble)),
+                "partly unused parameter: grad ", p.grad().defined() ? p.grad().cpu() : at::Tensor(),
+                ", expected ", p_expected);
+    DTUNE_CHECK(!q.grad().defined(), "a parameter unused on every rank got a gradient");
+    double w_expected = (n - 1) / 2.0;  // mean of 0..n-1
+    DTUNE_CHECK(w.grad().cpu().allclose(at::full({5}, w_expected, at::kDouble)), "grad mean ", w.grad().cpu(),
+                ", expected ", w_expected);
+}
+
 // Three Linear layers, identical on every rank (fixed seed), as leaf tensors.
 std::vector<at::Tensor> make_model(const at::TensorOptions& opts) {
     auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
@@ -181,6 +204,7 @@ int run_selftest(const std::vector<std::string>& args) {
     auto opts = at::TensorOptions().dtype(at::kDouble).device(go.device);
     if (a.check == "fail") deliberate_failure(*group, a);
     if (a.check == "all" || a.check == "collectives") check_collectives(*group, opts);
+    if (a.check == "all" || a.check == "reducer") check_reducer(*group, opts);
     if (a.check == "all" || a.check == "dp") {
         for (const char* opt : {"sgd", "adamw"})
             for (bool zero1 : {false, true}) {
@@ -207,7 +231,7 @@ int run_selftest(const std::vector<std::string>& args) {
 
 DTUNE_REGISTER_COMMAND(
     dist_selftest, "dist-selftest", "(internal) multi-process checks; run under `dtune launch`",
-    "usage: dtune launch --nproc_per_node N -- dist-selftest [--check all|collectives|dp|fail]\n"
+    "usage: dtune launch --nproc_per_node N -- dist-selftest [--check all|collectives|reducer|dp|fail]\n"
     "           [--device cpu|cuda] [--steps K] [--batch B] [--accumulate A]\n"
     "           [--fail_rank R --fail_how exit|kill|hang] [--timeout_s S]\n\n"
     "Checks all-reduce/broadcast/all-gather against closed forms, and that N ranks x batch B\n"
