@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -30,9 +31,13 @@ namespace {
 constexpr std::size_t kTailLines = 20;
 int g_signal_pipe[2] = {-1, -1};
 
-void on_signal(int sig) {
-    unsigned char byte = static_cast<unsigned char>(sig);
-    [[maybe_unused]] auto n = ::write(g_signal_pipe[1], &byte, 1);
+// Writes {signal, pid} to the self-pipe. For SIGCHLD the pid is the child that died: SIGCHLDs that
+// arrive together coalesce into the first one's siginfo, so the first death is always known even
+// when the loop reaps several children at once (a failing rank takes its peers down milliseconds
+// later, and the message must name the one that failed first).
+void on_signal(int sig, siginfo_t* info, void*) {
+    std::int32_t record[2] = {sig, sig == SIGCHLD && info ? static_cast<std::int32_t>(info->si_pid) : 0};
+    [[maybe_unused]] auto n = ::write(g_signal_pipe[1], record, sizeof record);
 }
 
 struct Child {
@@ -44,9 +49,17 @@ struct Child {
     std::deque<std::string> tail;
     bool exited = false;
     int status = 0;
-    int reap_order = 0;  // 1 for the first child reaped, 2 for the next...
+    int death_order = 0;  // from SIGCHLD: 1 for the first child seen dying; 0 unknown
+    int reap_order = 0;   // 1 for the first child reaped, 2 for the next...
 };
+int g_deaths = 0;
 int g_reaped = 0;
+
+// Whether `a` failed before `b`, by SIGCHLD order where known, else by reap order.
+bool died_before(const Child& a, const Child& b) {
+    int ka = a.death_order ? a.death_order : 1 << 30, kb = b.death_order ? b.death_order : 1 << 30;
+    return ka != kb ? ka < kb : a.reap_order < b.reap_order;
+}
 
 std::string describe_status(int status) {
     if (WIFEXITED(status)) return str("exited with code ", WEXITSTATUS(status));
@@ -131,10 +144,17 @@ int pump(std::vector<Child>& children, int ms) {
         if (c.err_fd >= 0) fds.push_back({c.err_fd, POLLIN, 0});
     int got_signal = 0;
     if (::poll(fds.data(), fds.size(), ms) > 0) {
-        unsigned char byte = 0;
-        // SIGCHLD only wakes the loop (so the first death is seen first); others are forwarded.
-        while ((fds[0].revents & POLLIN) && ::read(g_signal_pipe[0], &byte, 1) == 1)
-            if (byte != SIGCHLD) got_signal = byte;
+        std::int32_t record[2];
+        // SIGCHLD records the order of deaths; other signals are forwarded by the caller.
+        while ((fds[0].revents & POLLIN) &&
+               ::read(g_signal_pipe[0], record, sizeof record) == sizeof record) {
+            if (record[0] != SIGCHLD) {
+                got_signal = record[0];
+                continue;
+            }
+            for (auto& c : children)
+                if (c.pid == record[1] && c.death_order == 0) c.death_order = ++g_deaths;
+        }
         for (auto& c : children)
             for (std::size_t i = 1; i < fds.size(); ++i)
                 if (c.err_fd >= 0 && fds[i].fd == c.err_fd && fds[i].revents) drain(c);
@@ -191,10 +211,11 @@ std::vector<std::string> child_argv(const std::vector<std::string>& command, con
 LaunchResult run_local_ranks(const LaunchConfig& config, const std::string& self_exe) {
     if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) throw Error("pipe failed");
     struct sigaction sa {};
-    sa.sa_handler = on_signal;
+    sa.sa_sigaction = on_signal;
+    sa.sa_flags = SA_SIGINFO;
     ::sigaction(SIGINT, &sa, nullptr);
     ::sigaction(SIGTERM, &sa, nullptr);
-    sa.sa_flags = SA_NOCLDSTOP;
+    sa.sa_flags = SA_SIGINFO | SA_NOCLDSTOP;
     ::sigaction(SIGCHLD, &sa, nullptr);
 
     std::string nvls = ensure_nvls_disabled();
@@ -239,7 +260,7 @@ LaunchResult run_local_ranks(const LaunchConfig& config, const std::string& self
         }
         Child* first = nullptr;
         for (auto& c : children)
-            if (c.exited && failed(c.status) && (!first || c.reap_order < first->reap_order)) first = &c;
+            if (c.exited && failed(c.status) && (!first || died_before(c, *first))) first = &c;
         if (first) {
             Child& c = *first;
             // The child is gone: read its stderr to the end (bounded: a grandchild may hold it open).

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -119,6 +120,25 @@ TEST(DistLaunch, HungRankTimesOutInsteadOfHanging) {
     EXPECT_NE(r.exit_code, 0) << r.output;
     EXPECT_LT(r.seconds, 40.0) << r.output;
     EXPECT_TRUE(contains(r.output, "error: dtune launch: rank 0")) << r.output;
+}
+
+TEST(DistLaunch, SigtermIsForwardedToTheRanks) {
+    // Both ranks block (rank 1 sleeps, rank 0 waits for it); SIGTERM to the launcher stops them.
+    std::string cmd = std::string(DTUNE_BIN) + " launch --nproc_per_node 2 --grace_period 3 --master_port " +
+                      std::to_string(free_port()) +
+                      " -- dist-selftest --check fail --fail_rank 1 --fail_how hang --timeout_s 120 2>&1 & "
+                      "pid=$!; sleep 4; kill -TERM $pid; wait $pid";
+    auto start = std::chrono::steady_clock::now();
+    LaunchRun r;
+    FILE* pipe = ::popen(cmd.c_str(), "r");
+    char buf[4096];
+    std::size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) r.output.append(buf, n);
+    int status = ::pclose(pipe);
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << r.output;
+    EXPECT_LT(seconds, 30.0) << r.output;
+    EXPECT_TRUE(contains(r.output, "interrupted by signal 15")) << r.output;
 }
 
 TEST(DistLaunch, ArgumentErrorsAreExplained) {
