@@ -18,6 +18,7 @@ debian_packages=(
     zlib1g-dev libzstd-dev libsnappy-dev          # cache compression, parquet codecs
     libpng-dev libjpeg62-turbo-dev libwebp-dev    # image codecs
     libcurl4-openssl-dev libssl-dev               # S3 and webhooks (HTTPS, SigV4)
+    libgloo-dev                                   # gloo headers for c10d ProcessGroupGloo (multi-process)
     python3 python3-pip
 )
 

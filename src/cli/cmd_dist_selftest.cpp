@@ -1,0 +1,242 @@
+// `dtune dist-selftest` (internal; run under `dtune launch`): checks the communication group and
+// the data-parallel path end to end. Collectives are compared with closed forms (sum of ranks,
+// root's values); data parallelism with a local single-process reference trained on the whole
+// global batch, which every rank recomputes on its own without any communication.
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "dist/env.h"
+#include "dist/group.h"
+#include "dist/reducer.h"
+#include "train/optimizer.h"
+
+namespace dtune::cli {
+namespace {
+
+struct SelftestArgs {
+    std::string check = "all";  // all | collectives | dp | fail
+    std::string device = "cpu";
+    int steps = 5;
+    int batch = 3;       // per rank and micro-step
+    int accumulate = 1;  // micro-steps per optimizer step
+    int fail_rank = -1;
+    std::string fail_how = "exit";  // exit | kill | hang
+    int timeout_s = 60;
+};
+
+void check_collectives(dist::Group& g, const at::TensorOptions& opts) {
+    const int n = g.world_size();
+    auto t = at::full({5}, g.rank() + 1.0, opts);
+    g.all_reduce_sum_(t);
+    double expected = n * (n + 1) / 2.0;  // 1 + 2 + ... + n
+    DTUNE_CHECK(t.cpu().eq(expected).all().item<bool>(), "all_reduce sum gave ", t.cpu(), ", expected ",
+                expected);
+    auto m = at::full({3}, static_cast<double>(g.rank()), opts);
+    g.all_reduce_max_(m);
+    DTUNE_CHECK(m.cpu().eq(n - 1).all().item<bool>(), "all_reduce max gave ", m.cpu(), ", expected ", n - 1);
+    auto b = at::arange(4, opts) + 10.0 * g.rank();
+    g.broadcast_(b, n - 1);
+    auto b_expected = at::arange(4, opts.device(at::kCPU)) + 10.0 * (n - 1);
+    DTUNE_CHECK(b.cpu().equal(b_expected), "broadcast from rank ", n - 1, " gave ", b.cpu());
+    auto parts = g.all_gather(at::full({2}, static_cast<double>(g.rank()), opts));
+    DTUNE_CHECK(static_cast<int>(parts.size()) == n, "all_gather returned ", parts.size(), " tensors for ", n,
+                " ranks");
+    for (int r = 0; r < n; ++r)
+        DTUNE_CHECK(parts[static_cast<std::size_t>(r)].cpu().eq(r).all().item<bool>(), "all_gather slot ", r,
+                    " holds ", parts[static_cast<std::size_t>(r)].cpu());
+    g.barrier();
+}
+
+// Bucketing and unused parameters: p has a grad on every rank but 0, q on none, w on all.
+void check_reducer(dist::Group& g, const at::TensorOptions& opts) {
+    const int n = g.world_size();
+    auto p = at::zeros({3}, opts).set_requires_grad(true);
+    auto q = at::zeros({3}, opts).set_requires_grad(true);
+    auto w = at::zeros({5}, opts).set_requires_grad(true);
+    if (g.rank() != 0) p.mutable_grad() = at::full({3}, g.rank() + 1.0, opts);
+    w.mutable_grad() = at::full({5}, static_cast<double>(g.rank()), opts);
+    // 48-byte buckets, reverse order: w (40 B) alone, then q and p (24 B each) together.
+    dist::GradReducer reducer(g, {p, q, w}, dist::ReducerOptions{48});
+    using Buckets = std::vector<std::vector<std::size_t>>;
+    DTUNE_CHECK(reducer.buckets() == (Buckets{{2}, {1, 0}}), "reducer buckets are not {{2}, {1, 0}}");
+    reducer.reduce();
+    double p_expected = (n * (n + 1) / 2.0 - 1.0) / n;  // (2 + ... + n) / n: rank 0 counts as zero
+    DTUNE_CHECK(p.grad().defined() && p.grad().cpu().allclose(at::full({3}, p_expected, at::kDouble)),
+                "partly unused parameter: grad ", p.grad().defined() ? p.grad().cpu() : at::Tensor(),
+                ", expected ", p_expected);
+    DTUNE_CHECK(!q.grad().defined(), "a parameter unused on every rank got a gradient");
+    double w_expected = (n - 1) / 2.0;  // mean of 0..n-1
+    DTUNE_CHECK(w.grad().cpu().allclose(at::full({5}, w_expected, at::kDouble)), "grad mean ", w.grad().cpu(),
+                ", expected ", w_expected);
+}
+
+// Three Linear layers, identical on every rank (fixed seed), as leaf tensors.
+std::vector<at::Tensor> make_model(const at::TensorOptions& opts) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+    std::vector<std::vector<long>> shapes{{16, 8}, {16}, {16, 16}, {16}, {4, 16}, {4}};
+    std::vector<at::Tensor> params;
+    for (const auto& s : shapes)
+        params.push_back((at::randn(s, gen, at::TensorOptions().dtype(at::kDouble)) * 0.3)
+                             .to(opts)
+                             .set_requires_grad(true));
+    return params;
+}
+
+at::Tensor forward(const std::vector<at::Tensor>& p, const at::Tensor& x) {
+    auto h = at::tanh(at::linear(x, p[0], p[1]));  // [B, 16]
+    h = at::tanh(at::linear(h, p[2], p[3]));       // [B, 16]
+    return at::linear(h, p[4], p[5]);              // [B, 4]
+}
+
+// The global batch of one optimizer step: rows [micro * world + rank) * batch ...] belong to a rank.
+std::pair<at::Tensor, at::Tensor> global_batch(int step, long rows, const at::TensorOptions& opts) {
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(100 + step);
+    auto dbl = at::TensorOptions().dtype(at::kDouble);
+    auto x = at::randn({rows, 8}, gen, dbl);
+    auto y = at::randn({rows, 4}, gen, dbl);
+    return {x.to(opts), y.to(opts)};
+}
+
+std::unique_ptr<train::Optimizer> make_optimizer(const std::string& kind, std::vector<at::Tensor> params) {
+    train::ParamGroup group;
+    for (std::size_t i = 0; i < params.size(); ++i) group.names.push_back("p" + std::to_string(i));
+    group.params = std::move(params);
+    group.lr = 0.05;
+    group.weight_decay = 0.01;
+    if (kind == "sgd")
+        return std::make_unique<train::SGD>(std::vector{group}, train::SGDOptions{0.9, 0.0, false});
+    return std::make_unique<train::AdamW>(std::vector{group});
+}
+
+// Trains `steps` steps data-parallel (reducer; ZeRO-1 when `zero1`) and as one process on the
+// global batch; returns the largest weight difference.
+double dp_equivalence(dist::Group& g, const SelftestArgs& a, const std::string& opt_kind, bool zero1,
+                      const at::TensorOptions& opts) {
+    const int n = g.world_size();
+    auto mine = make_model(opts);
+    auto reference = make_model(opts);
+    dist::ZeroPartition partition(mine, n);
+    std::vector<at::Tensor> stepped = mine;
+    if (zero1) {
+        stepped.clear();
+        for (auto i : partition.owned_by(g.rank())) stepped.push_back(mine[i]);
+    }
+    auto opt = make_optimizer(opt_kind, stepped);
+    auto ref_opt = make_optimizer(opt_kind, reference);
+    dist::GradReducer reducer(g, mine, dist::ReducerOptions{512});  // small buckets: several per step
+    for (int step = 0; step < a.steps; ++step) {
+        long rows = static_cast<long>(a.batch) * n * a.accumulate;
+        auto [x, y] = global_batch(step, rows, opts);
+        // Every parameter's grad, not only the ones this rank's (ZeRO-1) optimizer steps.
+        for (auto& p : mine) p.mutable_grad() = at::Tensor();
+        for (int micro = 0; micro < a.accumulate; ++micro) {
+            long start = (static_cast<long>(micro) * n + g.rank()) * a.batch;
+            auto loss = at::mse_loss(forward(mine, x.slice(0, start, start + a.batch)),
+                                     y.slice(0, start, start + a.batch));
+            (loss / a.accumulate).backward();  // no communication on micro-steps: grads accumulate
+        }
+        reducer.reduce();
+        opt->step();
+        if (zero1) partition.sync_parameters(g, mine);
+        ref_opt->zero_grad();
+        at::mse_loss(forward(reference, x), y).backward();
+        ref_opt->step();
+    }
+    dist::check_parameters_identical(g, mine, {}, 0.0);
+    double worst = 0;
+    for (std::size_t i = 0; i < mine.size(); ++i)
+        worst = std::max(worst, (mine[i] - reference[i]).abs().max().item<double>());
+    return worst;
+}
+
+void deliberate_failure(dist::Group& g, const SelftestArgs& a) {
+    g.barrier();
+    if (g.rank() == a.fail_rank) {
+        std::fprintf(stderr, "dist-selftest: rank %d failing on purpose (%s)\n", g.rank(),
+                     a.fail_how.c_str());
+        std::fflush(stderr);
+        if (a.fail_how == "kill") ::raise(SIGKILL);
+        if (a.fail_how == "hang") std::this_thread::sleep_for(std::chrono::hours(1));
+        std::_Exit(3);
+    }
+    auto t = at::ones({4});
+    g.all_reduce_sum_(t);  // never completes: the failing rank does not join
+    throw Error("dist-selftest: the all-reduce completed although a rank failed");
+}
+
+int run_selftest(const std::vector<std::string>& args) {
+    SelftestArgs a;
+    for (std::size_t i = 0; i + 1 < args.size(); i += 2) {
+        const auto& k = args[i];
+        const auto& v = args[i + 1];
+        if (k == "--check")
+            a.check = v;
+        else if (k == "--device")
+            a.device = v;
+        else if (k == "--steps")
+            a.steps = std::stoi(v);
+        else if (k == "--batch")
+            a.batch = std::stoi(v);
+        else if (k == "--accumulate")
+            a.accumulate = std::stoi(v);
+        else if (k == "--fail_rank")
+            a.fail_rank = std::stoi(v);
+        else if (k == "--fail_how")
+            a.fail_how = v;
+        else if (k == "--timeout_s")
+            a.timeout_s = std::stoi(v);
+        else
+            throw UsageError(str("dist-selftest: unknown option '", k, "'"));
+    }
+    auto env = dist::read_dist_env();
+    dist::GroupOptions go;
+    go.device = a.device == "cuda" ? at::Device(at::kCUDA, static_cast<signed char>(env.local_rank))
+                                   : at::Device(at::kCPU);
+    go.collective_timeout = std::chrono::seconds(a.timeout_s);
+    go.store_timeout = std::chrono::seconds(a.timeout_s);
+    auto group = dist::init_group(env, go);
+    auto opts = at::TensorOptions().dtype(at::kDouble).device(go.device);
+    if (a.check == "fail") deliberate_failure(*group, a);
+    if (a.check == "all" || a.check == "collectives") check_collectives(*group, opts);
+    if (a.check == "all" || a.check == "reducer") check_reducer(*group, opts);
+    if (a.check == "all" || a.check == "dp") {
+        for (const char* opt : {"sgd", "adamw"})
+            for (bool zero1 : {false, true}) {
+                double diff = dp_equivalence(*group, a, opt, zero1, opts);
+                if (group->is_main())
+                    std::printf(
+                        "dist-selftest: %s%s, %d ranks x batch %d x accumulate %d: max |w - w_ref| = %.3g\n",
+                        opt, zero1 ? " zero1" : "", group->world_size(), a.batch, a.accumulate, diff);
+                std::fflush(stdout);
+                DTUNE_CHECK(diff <= 1e-6, "data-parallel ", opt, zero1 ? " (ZeRO-1)" : "",
+                            " weights differ from the ", "single-process reference by ", diff,
+                            " (> 1e-6) on rank ", group->rank());
+            }
+    }
+    group->barrier();
+    if (group->is_main())
+        std::printf("dist-selftest: OK (%d ranks, %s)\n", group->world_size(), group->backend());
+    std::fflush(stdout);
+    group->shutdown();
+    return 0;
+}
+
+}  // namespace
+
+DTUNE_REGISTER_COMMAND(
+    dist_selftest, "dist-selftest", "(internal) multi-process checks; run under `dtune launch`",
+    "usage: dtune launch --nproc_per_node N -- dist-selftest [--check all|collectives|reducer|dp|fail]\n"
+    "           [--device cpu|cuda] [--steps K] [--batch B] [--accumulate A]\n"
+    "           [--fail_rank R --fail_how exit|kill|hang] [--timeout_s S]\n\n"
+    "Checks all-reduce/broadcast/all-gather against closed forms, and that N ranks x batch B\n"
+    "train the same weights (within 1e-6, float64) as one process on batch N*B (SGD, AdamW,\n"
+    "with and without ZeRO-1). --check fail makes one rank fail, to test the launcher.\n",
+    run_selftest);
+
+}  // namespace dtune::cli

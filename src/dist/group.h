@@ -1,0 +1,70 @@
+// The job's communication group on c10d: rendezvous through a TCPStore (rank 0 hosts it), then a
+// ProcessGroupNCCL (CUDA device, when built with NCCL) or ProcessGroupGloo (CPU) backend, both with
+// a timeout so a dead peer ends a collective with an error instead of a hang.
+//
+// Invariants: a single-process Group (world size 1) never opens a socket, and every collective is
+// the identity on it; collectives must be called by every rank in the same order; after
+// shutdown() no collective may be called.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "dist/env.h"
+
+namespace dtune::dist {
+
+struct GroupOptions {
+    // Rendezvous (TCPStore connect and wait for all ranks) and per-collective timeouts.
+    std::chrono::milliseconds store_timeout{std::chrono::minutes(5)};
+    std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};
+    // The device the tensors live on: cuda -> NCCL, cpu -> Gloo.
+    at::Device device{at::kCPU};
+};
+
+// A collective in flight. wait() rethrows the backend's error (peer gone, timeout).
+class Pending {
+  public:
+    virtual ~Pending() = default;
+    virtual void wait() = 0;
+};
+
+class Group {
+  public:
+    virtual ~Group() = default;
+    int rank() const { return env_.rank; }
+    int world_size() const { return env_.world_size; }
+    int local_rank() const { return env_.local_rank; }
+    bool is_main() const { return env_.rank == 0; }
+    const DistEnv& env() const { return env_; }
+    // The backend's name: "gloo", "nccl", or "single" for one process.
+    virtual const char* backend() const = 0;
+
+    virtual void barrier() = 0;
+    // In place: sum over ranks (mean divides by the world size afterwards).
+    virtual std::unique_ptr<Pending> all_reduce_sum_async(at::Tensor& tensor) = 0;
+    void all_reduce_sum_(at::Tensor& tensor) { all_reduce_sum_async(tensor)->wait(); }
+    void all_reduce_mean_(at::Tensor& tensor);
+    virtual void all_reduce_max_(at::Tensor& tensor) = 0;
+    // In place: `tensor` takes root's values on every rank.
+    virtual void broadcast_(at::Tensor& tensor, int root) = 0;
+    // Every rank's `tensor` (same shape everywhere), in rank order.
+    virtual std::vector<at::Tensor> all_gather(const at::Tensor& tensor) = 0;
+    // Ends the backend and the store (idempotent; also run by the destructor).
+    virtual void shutdown() = 0;
+
+  protected:
+    explicit Group(DistEnv env) : env_(std::move(env)) {}
+    DistEnv env_;
+};
+
+// Creates the group for `env`: single-process when env.world_size == 1, else TCPStore + backend.
+// Logs the backend and NCCL_NVLS_ENABLE (set to 0 when unset). Throws Error naming the address and
+// the timeout when the rendezvous fails, with what to check.
+std::unique_ptr<Group> init_group(const DistEnv& env, const GroupOptions& options = {});
+
+}  // namespace dtune::dist

@@ -1,0 +1,282 @@
+// Local-rank supervisor (see launcher.h). One poll() loop watches every child's stderr pipe and a
+// self-pipe written by the signal handler; waitpid(WNOHANG) reaps children between polls. Children
+// get PR_SET_PDEATHSIG so a launcher killed with SIGKILL does not leave orphans holding GPUs.
+#include "dist/launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <csignal>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "dist/env.h"
+
+extern char** environ;
+
+namespace dtune::dist {
+namespace {
+
+constexpr std::size_t kTailLines = 20;
+int g_signal_pipe[2] = {-1, -1};
+
+// Writes {signal, pid} to the self-pipe. For SIGCHLD the pid is the child that died: SIGCHLDs that
+// arrive together coalesce into the first one's siginfo, so the first death is always known even
+// when the loop reaps several children at once (a failing rank takes its peers down milliseconds
+// later, and the message must name the one that failed first).
+void on_signal(int sig, siginfo_t* info, void*) {
+    std::int32_t record[2] = {sig, sig == SIGCHLD && info ? static_cast<std::int32_t>(info->si_pid) : 0};
+    [[maybe_unused]] auto n = ::write(g_signal_pipe[1], record, sizeof record);
+}
+
+struct Child {
+    int rank = 0;
+    int local_rank = 0;
+    pid_t pid = -1;
+    int err_fd = -1;  // read end of the child's stderr; -1 once closed
+    std::string partial;
+    std::deque<std::string> tail;
+    bool exited = false;
+    int status = 0;
+    int death_order = 0;  // from SIGCHLD: 1 for the first child seen dying; 0 unknown
+    int reap_order = 0;   // 1 for the first child reaped, 2 for the next...
+};
+int g_deaths = 0;
+int g_reaped = 0;
+
+// Whether `a` failed before `b`, by SIGCHLD order where known, else by reap order.
+bool died_before(const Child& a, const Child& b) {
+    int ka = a.death_order ? a.death_order : 1 << 30, kb = b.death_order ? b.death_order : 1 << 30;
+    return ka != kb ? ka < kb : a.reap_order < b.reap_order;
+}
+
+std::string describe_status(int status) {
+    if (WIFEXITED(status)) return str("exited with code ", WEXITSTATUS(status));
+    if (WIFSIGNALED(status)) {
+        int sig = WTERMSIG(status);
+        const char* name = sigabbrev_np(sig);
+        return str("was killed by signal ", sig, name ? str(" (SIG", name, ")") : std::string());
+    }
+    return "ended abnormally";
+}
+
+bool failed(int status) {
+    return !(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+// The current environment with `overrides` applied, as KEY=VALUE strings.
+std::vector<std::string> child_environment(const std::map<std::string, std::string>& overrides) {
+    std::vector<std::string> out;
+    for (char** e = environ; *e; ++e) {
+        std::string entry = *e;
+        if (!overrides.count(entry.substr(0, entry.find('=')))) out.push_back(entry);
+    }
+    for (const auto& [k, v] : overrides) out.push_back(k + "=" + v);
+    return out;
+}
+
+pid_t spawn(const std::vector<std::string>& argv, const std::vector<std::string>& envp, int err_write) {
+    // Everything the child needs is built before fork: after it, only async-signal-safe calls.
+    std::vector<char*> args, envs;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    for (const auto& e : envp) envs.push_back(const_cast<char*>(e.c_str()));
+    envs.push_back(nullptr);
+    pid_t parent = ::getpid();
+    pid_t pid = ::fork();
+    if (pid < 0) throw Error(str("fork failed: ", std::strerror(errno)));
+    if (pid > 0) return pid;
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (::getppid() != parent) ::_exit(127);
+    ::dup2(err_write, STDERR_FILENO);
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    ::signal(SIGCHLD, SIG_DFL);
+    ::execvpe(args[0], args.data(), envs.data());
+    const char* msg = "dtune launch: cannot execute the command (not found or not executable)\n";
+    [[maybe_unused]] auto n = ::write(STDERR_FILENO, msg, std::strlen(msg));
+    ::_exit(127);
+}
+
+// Reads what is available on a child's stderr: relays it to ours with a rank prefix, keeps a tail.
+void drain(Child& c) {
+    char buf[4096];
+    ssize_t n = ::read(c.err_fd, buf, sizeof buf);
+    if (n <= 0) {
+        if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+        if (!c.partial.empty()) c.tail.push_back(c.partial), c.partial.clear();
+        ::close(c.err_fd);
+        c.err_fd = -1;
+        return;
+    }
+    c.partial.append(buf, static_cast<std::size_t>(n));
+    std::size_t nl;
+    while ((nl = c.partial.find('\n')) != std::string::npos) {
+        std::string line = c.partial.substr(0, nl);
+        c.partial.erase(0, nl + 1);
+        std::fprintf(stderr, "[rank %d] %s\n", c.rank, line.c_str());
+        c.tail.push_back(line);
+        if (c.tail.size() > kTailLines) c.tail.pop_front();
+    }
+}
+
+void signal_all(std::vector<Child>& children, int sig) {
+    for (auto& c : children)
+        if (!c.exited) ::kill(c.pid, sig);
+}
+
+// Polls stderr pipes and the signal pipe for up to `ms`, reaps exited children.
+// Returns a forwarded signal number, or 0.
+int pump(std::vector<Child>& children, int ms) {
+    std::vector<pollfd> fds{{g_signal_pipe[0], POLLIN, 0}};
+    for (auto& c : children)
+        if (c.err_fd >= 0) fds.push_back({c.err_fd, POLLIN, 0});
+    int got_signal = 0;
+    if (::poll(fds.data(), fds.size(), ms) > 0) {
+        std::int32_t record[2];
+        // SIGCHLD records the order of deaths; other signals are forwarded by the caller.
+        while ((fds[0].revents & POLLIN) &&
+               ::read(g_signal_pipe[0], record, sizeof record) == sizeof record) {
+            if (record[0] != SIGCHLD) {
+                got_signal = record[0];
+                continue;
+            }
+            for (auto& c : children)
+                if (c.pid == record[1] && c.death_order == 0) c.death_order = ++g_deaths;
+        }
+        for (auto& c : children)
+            for (std::size_t i = 1; i < fds.size(); ++i)
+                if (c.err_fd >= 0 && fds[i].fd == c.err_fd && fds[i].revents) drain(c);
+    }
+    for (auto& c : children) {
+        if (c.exited) continue;
+        int status = 0;
+        if (::waitpid(c.pid, &status, WNOHANG) == c.pid) {
+            c.exited = true;
+            c.status = status;
+            c.reap_order = ++g_reaped;
+        }
+    }
+    return got_signal;
+}
+
+bool all_exited(const std::vector<Child>& children) {
+    for (const auto& c : children)
+        if (!c.exited) return false;
+    return true;
+}
+
+// SIGTERM (or `first_signal`) to the survivors, SIGKILL after the grace period; drains stderr.
+void stop_all(std::vector<Child>& children, int first_signal, double grace_s) {
+    signal_all(children, first_signal);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(grace_s);
+    while (!all_exited(children) && std::chrono::steady_clock::now() < deadline) pump(children, 50);
+    if (!all_exited(children)) {
+        log::warn() << "dtune launch: ranks still running " << grace_s << " s after SIGTERM; sending SIGKILL";
+        signal_all(children, SIGKILL);
+        while (!all_exited(children)) pump(children, 50);
+    }
+    for (int i = 0; i < 20; ++i) pump(children, 0);  // flush what is left in the pipes
+}
+
+std::string failure_message(const Child& c) {
+    std::string msg = str("rank ", c.rank, " (local rank ", c.local_rank, ", pid ", c.pid, ") ",
+                          describe_status(c.status), "; the other ranks were stopped.");
+    if (c.tail.empty()) return msg + " It wrote nothing to stderr.";
+    msg += " Its last stderr lines:";
+    for (const auto& line : c.tail) msg += "\n  | " + line;
+    return msg;
+}
+
+}  // namespace
+
+std::vector<std::string> child_argv(const std::vector<std::string>& command, const std::string& self_exe) {
+    if (!command.empty() && command[0].find('/') != std::string::npos) return command;
+    std::vector<std::string> argv{self_exe};
+    argv.insert(argv.end(), command.begin(), command.end());
+    return argv;
+}
+
+LaunchResult run_local_ranks(const LaunchConfig& config, const std::string& self_exe) {
+    if (::pipe2(g_signal_pipe, O_CLOEXEC | O_NONBLOCK) != 0) throw Error("pipe failed");
+    struct sigaction sa {};
+    sa.sa_sigaction = on_signal;
+    sa.sa_flags = SA_SIGINFO;
+    ::sigaction(SIGINT, &sa, nullptr);
+    ::sigaction(SIGTERM, &sa, nullptr);
+    sa.sa_flags = SA_SIGINFO | SA_NOCLDSTOP;
+    ::sigaction(SIGCHLD, &sa, nullptr);
+
+    std::string nvls = ensure_nvls_disabled();
+    log::info() << "dtune launch: node " << config.node_rank << "/" << config.nnodes << ", "
+                << config.nproc_per_node << " process(es) here, world size " << config.world_size()
+                << ", rendezvous " << config.master_addr << ":" << config.master_port
+                << ", NCCL_NVLS_ENABLE=" << nvls;
+    auto argv = child_argv(config.command, self_exe);
+    std::vector<Child> children(static_cast<std::size_t>(config.nproc_per_node));
+    for (int local = 0; local < config.nproc_per_node; ++local) {
+        DistEnv env;
+        env.local_rank = local;
+        env.rank = config.node_rank * config.nproc_per_node + local;
+        env.world_size = config.world_size();
+        env.local_world_size = config.nproc_per_node;
+        env.master_addr = config.master_addr;
+        env.master_port = config.master_port;
+        auto vars = dist_env_vars(env);
+        vars["GROUP_RANK"] = vars["NODE_RANK"] = std::to_string(config.node_rank);
+        vars.insert(config.extra_env.begin(), config.extra_env.end());
+        // Several ranks on one node would oversubscribe the cores with one OpenMP pool each.
+        if (!std::getenv("OMP_NUM_THREADS") && config.nproc_per_node > 1) vars["OMP_NUM_THREADS"] = "1";
+        int fds[2];
+        if (::pipe2(fds, O_CLOEXEC) != 0) throw Error("pipe failed");
+        Child& c = children[static_cast<std::size_t>(local)];
+        c.rank = env.rank;
+        c.local_rank = local;
+        c.pid = spawn(argv, child_environment(vars), fds[1]);
+        ::close(fds[1]);
+        ::fcntl(fds[0], F_SETFL, O_NONBLOCK);
+        c.err_fd = fds[0];
+    }
+
+    LaunchResult result;
+    while (!all_exited(children)) {
+        if (int sig = pump(children, 200)) {
+            log::warn() << "dtune launch: got signal " << sig << "; forwarding it to the ranks";
+            stop_all(children, sig, config.grace_period_s);
+            result.exit_code = 128 + sig;
+            result.message = str("interrupted by signal ", sig, "; all ranks stopped");
+            return result;
+        }
+        Child* first = nullptr;
+        for (auto& c : children)
+            if (c.exited && failed(c.status) && (!first || died_before(c, *first))) first = &c;
+        if (first) {
+            Child& c = *first;
+            // The child is gone: read its stderr to the end (bounded: a grandchild may hold it open).
+            for (int i = 0; i < 200 && c.err_fd >= 0; ++i) {
+                pollfd p{c.err_fd, POLLIN, 0};
+                if (::poll(&p, 1, 10) <= 0) break;
+                drain(c);
+            }
+            stop_all(children, SIGTERM, config.grace_period_s);
+            result.exit_code = 1;
+            result.message = failure_message(c);
+            return result;
+        }
+    }
+    for (int i = 0; i < 20; ++i) pump(children, 0);
+    return result;
+}
+
+}  // namespace dtune::dist

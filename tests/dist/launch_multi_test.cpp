@@ -1,0 +1,159 @@
+// Multi-process tests (label dist): run the real `dtune launch` with 2 to 4 CPU ranks over Gloo on
+// this machine. Correctness is judged inside `dist-selftest` against closed forms and a local
+// single-process reference; here we check exit codes, messages and that failures end in bounded time.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
+#include "support/test_support.h"
+
+namespace {
+
+struct LaunchRun {
+    int exit_code = -1;
+    std::string output;  // stdout and stderr
+    double seconds = 0;
+};
+
+// A TCP port that was free a moment ago (the kernel's pick), so parallel tests do not collide.
+int free_port() {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    socklen_t len = sizeof addr;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    ::close(fd);
+    return ntohs(addr.sin_port);
+}
+
+LaunchRun launch(const std::string& args) {
+    std::string cmd = std::string(DTUNE_BIN) + " launch --master_port " + std::to_string(free_port()) + " " +
+                      args + " 2>&1";
+    auto start = std::chrono::steady_clock::now();
+    LaunchRun r;
+    FILE* pipe = ::popen(cmd.c_str(), "r");
+    char buf[4096];
+    std::size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) r.output.append(buf, n);
+    int status = ::pclose(pipe);
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return r;
+}
+
+bool contains(const std::string& haystack, const std::string& needle) {
+    return haystack.find(needle) != std::string::npos;
+}
+
+TEST(DistLaunch, TwoRanksCollectivesAndDataParallel) {
+    auto r = launch("--nproc_per_node 2 -- dist-selftest --check all --steps 4");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_TRUE(contains(r.output, "dist-selftest: OK (2 ranks, gloo)")) << r.output;
+    EXPECT_TRUE(contains(r.output, "adamw zero1, 2 ranks")) << r.output;
+}
+
+TEST(DistLaunch, FourRanksWithGradientAccumulation) {
+    auto r = launch("--nproc_per_node 4 -- dist-selftest --check all --steps 3 --batch 2 --accumulate 2");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_TRUE(contains(r.output, "dist-selftest: OK (4 ranks, gloo)")) << r.output;
+    EXPECT_TRUE(contains(r.output, "4 ranks x batch 2 x accumulate 2")) << r.output;
+}
+
+TEST(DistLaunch, TwoNodesOnOneHost) {
+    // Two launchers, one per node rank, meeting at the same rendezvous port.
+    int port = free_port();
+    std::string base = std::string(DTUNE_BIN) +
+                       " launch --nnodes 2 --nproc_per_node 1 --master_addr 127.0.0.1 " + "--master_port " +
+                       std::to_string(port) + " --node_rank ";
+    dtune::test::TempDir dir;
+    std::string log1 = (dir.path() / "node1.log").string();
+    std::string cmd = base + "1 -- dist-selftest --check collectives > " + log1 + " 2>&1 & " + base +
+                      "0 -- dist-selftest --check collectives 2>&1; rc=$?; wait $! || rc=1; exit $rc";
+    LaunchRun r;
+    FILE* pipe = ::popen(cmd.c_str(), "r");
+    char buf[4096];
+    std::size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) r.output.append(buf, n);
+    int status = ::pclose(pipe);
+    std::ifstream node1(log1);
+    std::string other((std::istreambuf_iterator<char>(node1)), std::istreambuf_iterator<char>());
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << r.output << "\nnode 1:\n" << other;
+    EXPECT_TRUE(contains(r.output, "dist-selftest: OK (2 ranks, gloo)")) << r.output;
+}
+
+TEST(DistLaunch, KilledRankEndsTheJobNamingIt) {
+    auto r = launch(
+        "--nproc_per_node 2 --grace_period 3 -- dist-selftest --check fail --fail_rank 1 --fail_how kill");
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_LT(r.seconds, 30.0) << r.output;
+    EXPECT_TRUE(contains(r.output, "rank 1 (local rank 1")) << r.output;
+    EXPECT_TRUE(contains(r.output, "killed by signal 9")) << r.output;
+    EXPECT_TRUE(contains(r.output, "rank 1 failing on purpose")) << r.output;
+}
+
+TEST(DistLaunch, FailingRankExitCodeAndStderrAreReported) {
+    auto r = launch(
+        "--nproc_per_node 3 --grace_period 3 -- dist-selftest --check fail --fail_rank 2 --fail_how exit");
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_LT(r.seconds, 30.0) << r.output;
+    EXPECT_TRUE(contains(r.output, "error: dtune launch: rank 2 (local rank 2")) << r.output;
+    EXPECT_TRUE(contains(r.output, "exited with code 3")) << r.output;
+    EXPECT_TRUE(contains(r.output, "| dist-selftest: rank 2 failing on purpose (exit)")) << r.output;
+}
+
+TEST(DistLaunch, HungRankTimesOutInsteadOfHanging) {
+    // Rank 1 never joins; rank 0's all-reduce times out after 3 s, then the launcher stops rank 1.
+    auto r = launch(
+        "--nproc_per_node 2 --grace_period 2 -- dist-selftest --check fail --fail_rank 1 "
+        "--fail_how hang --timeout_s 3");
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_LT(r.seconds, 40.0) << r.output;
+    EXPECT_TRUE(contains(r.output, "error: dtune launch: rank 0")) << r.output;
+}
+
+TEST(DistLaunch, SigtermIsForwardedToTheRanks) {
+    // Both ranks block (rank 1 sleeps, rank 0 waits for it); SIGTERM to the launcher stops them.
+    std::string cmd = std::string(DTUNE_BIN) + " launch --nproc_per_node 2 --grace_period 3 --master_port " +
+                      std::to_string(free_port()) +
+                      " -- dist-selftest --check fail --fail_rank 1 --fail_how hang --timeout_s 120 2>&1 & "
+                      "pid=$!; sleep 4; kill -TERM $pid; wait $pid";
+    auto start = std::chrono::steady_clock::now();
+    LaunchRun r;
+    FILE* pipe = ::popen(cmd.c_str(), "r");
+    char buf[4096];
+    std::size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) r.output.append(buf, n);
+    int status = ::pclose(pipe);
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << r.output;
+    EXPECT_LT(seconds, 30.0) << r.output;
+    EXPECT_TRUE(contains(r.output, "interrupted by signal 15")) << r.output;
+}
+
+TEST(DistLaunch, ArgumentErrorsAreExplained) {
+    auto r = launch("--nnodes 2 -- version");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_TRUE(contains(r.output, "--master_addr")) << r.output;
+    dtune::test::TempDir dir;
+    auto yaml = dir.path() / "default_config.yaml";
+    std::ofstream(yaml) << "num_machines: 2\nnum_processes: 5\nmain_process_ip: 10.0.0.1\n";
+    r = launch("--accelerate_config " + yaml.string() + " -- version");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_TRUE(contains(r.output, "not a multiple of num_machines=2")) << r.output;
+    r = launch("--nproc_per_node 2 -- /nonexistent/program");
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_TRUE(contains(r.output, "exited with code 127")) << r.output;
+}
+
+}  // namespace
