@@ -109,7 +109,7 @@ UNet2DConditionModelImpl::UNet2DConditionModelImpl(UNet2DConditionConfig config)
     const std::size_t n = c.block_out_channels.size();
     const int64_t ted = c.time_embed_dim();
     auto conv = [](int64_t in, int64_t out, int64_t k) {
-        return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, k).padding(k / 2));
+        return AdaptableConv2d(torch::nn::Conv2dOptions(in, out, k).padding(k / 2));
     };
     conv_in_ = register_module("conv_in", conv(c.in_channels, c.block_out_channels[0], c.conv_in_kernel));
     time_embedding_ = register_module("time_embedding", TimestepEmbedding(c.block_out_channels[0], ted));
