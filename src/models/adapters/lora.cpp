@@ -40,6 +40,13 @@ void check_config(const LoRAConfig& c) {
                    "no LoRA target modules given; use e.g. to_k,to_q,to_v,to_out.0");
 }
 
+// PEFT's conv LoRA reuses the base conv's geometry; we support the plain case the UNet uses.
+bool conv_supported(const AdaptableConv2dImpl& conv) {
+    const auto& o = conv.options;
+    return std::holds_alternative<torch::ExpandingArray<2>>(o.padding()) && o.groups() == 1 &&
+           std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode());
+}
+
 }  // namespace
 
 LoRAInit parse_lora_init(const std::string& value) {
@@ -73,11 +80,9 @@ LoRALayer::LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, cons
       rslora_(config.use_rslora) {
     const auto& o = host.options;
     const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
-    DTUNE_CHECK_AS(
-        UsageError,
-        padding && o.groups() == 1 && std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode()),
-        "LoRA on a Conv2d needs groups=1 and explicit zero padding; exclude this layer from the "
-        "LoRA targets");
+    DTUNE_CHECK_AS(UsageError, conv_supported(host),
+                   "LoRA on a Conv2d needs groups=1 and explicit zero padding; exclude this layer from the "
+                   "LoRA targets");
     stride_ = std::vector<int64_t>(o.stride()->begin(), o.stride()->end());
     padding_ = std::vector<int64_t>((*padding)->begin(), (*padding)->end());
     dilation_ = std::vector<int64_t>(o.dilation()->begin(), o.dilation()->end());
@@ -240,39 +245,53 @@ LoRAAdapters inject_lora(torch::nn::Module& root, const LoRAConfig& config) {
         return false;
     };
 
-    if (config.freeze_base)
-        for (auto& p : root.parameters()) p.set_requires_grad(false);
-
-    std::vector<LoRAAdapters::Entry> entries;
-    std::vector<std::string> unsupported;
-    const double alpha = config.effective_alpha();
+    // First pass: find and check every target, so a bad config leaves the model untouched.
+    std::vector<std::pair<std::string, torch::nn::Module*>> found;
+    std::vector<std::string> unsupported, adapted;
     for (const auto& item : root.named_modules("", /*include_self=*/false)) {
-        const std::string& name = item.key();
-        if (!targeted(name)) continue;
+        if (!targeted(item.key())) continue;
         torch::nn::Module* m = item.value().get();
-        std::shared_ptr<LoRALayer> layer;
-        if (auto* linear = dynamic_cast<AdaptableLinearImpl*>(m)) {
-            layer = std::make_shared<LoRALayer>(*linear, config.rank, alpha, config);
-            linear->set_adapter(layer);
-        } else if (auto* conv = dynamic_cast<AdaptableConv2dImpl*>(m)) {
-            layer = std::make_shared<LoRALayer>(*conv, config.rank, alpha, config);
-            conv->set_adapter(layer);
-        } else {
-            unsupported.push_back(str(name, " (", m->name(), ")"));
-            continue;
-        }
-        entries.push_back({name, std::move(layer)});
+        auto* linear = dynamic_cast<AdaptableLinearImpl*>(m);
+        auto* conv = dynamic_cast<AdaptableConv2dImpl*>(m);
+        if (!linear && !conv)
+            unsupported.push_back(str(item.key(), " (", m->name(), ")"));
+        else if (conv && !conv_supported(*conv))
+            unsupported.push_back(str(item.key(), " (Conv2d with groups > 1 or non-zero/implicit padding)"));
+        else if ((linear && linear->adapter()) || (conv && conv->adapter()))
+            adapted.push_back(item.key());
+        else
+            found.emplace_back(item.key(), m);
     }
     std::string targets = config.target_regex;
     for (const auto& t : config.target_modules) targets += (targets.empty() ? "" : ",") + t;
     if (!unsupported.empty())
         throw UsageError(str("LoRA targets '", targets, "' match ", unsupported.size(),
                              " module(s) that are not Linear/Conv2d layers:", joined(unsupported),
-                             "\n  name the layers themselves (e.g. to_out.0, not to_out)"));
-    if (entries.empty())
+                             "\n  name Linear/Conv2d layers themselves (e.g. to_out.0, not to_out)"));
+    if (found.empty() && adapted.empty())
         throw UsageError(str("LoRA targets '", targets,
                              "' match no module of the model; targets are module-name suffixes such as "
                              "to_q, to_out.0, ff.net.2 or conv1"));
+    if (!adapted.empty())
+        throw UsageError(str(adapted.size(), " LoRA target layer(s) already carry an adapter:",
+                             joined(adapted), "\n  inject LoRA once per model"));
+
+    if (config.freeze_base)
+        for (auto& p : root.parameters()) p.set_requires_grad(false);
+    std::vector<LoRAAdapters::Entry> entries;
+    const double alpha = config.effective_alpha();
+    for (auto& [name, m] : found) {
+        std::shared_ptr<LoRALayer> layer;
+        if (auto* linear = dynamic_cast<AdaptableLinearImpl*>(m)) {
+            layer = std::make_shared<LoRALayer>(*linear, config.rank, alpha, config);
+            linear->set_adapter(layer);
+        } else {
+            auto* conv = dynamic_cast<AdaptableConv2dImpl*>(m);
+            layer = std::make_shared<LoRALayer>(*conv, config.rank, alpha, config);
+            conv->set_adapter(layer);
+        }
+        entries.push_back({name, std::move(layer)});
+    }
     log::info() << "LoRA: " << entries.size() << " layers adapted (rank " << config.rank << ", alpha "
                 << alpha << (config.use_dora ? ", DoRA" : "") << ")";
     return LoRAAdapters(config, std::move(entries));

@@ -118,7 +118,8 @@ class LoRALayer : public LayerAdapter {
     bool merged_ = false;
 };
 
-// The adapters injected into one model, in module-tree order.
+// The adapters injected into one model, in module-tree order. It refers to the model's layers, so
+// it must not outlive the model.
 class LoRAAdapters {
   public:
     struct Entry {
