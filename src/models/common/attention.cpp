@@ -28,12 +28,12 @@ AttentionImpl::AttentionImpl(const AttentionOptions& o) : options_(o) {
             "group_norm",
             torch::nn::GroupNorm(torch::nn::GroupNormOptions(o.norm_groups, o.query_dim).eps(o.norm_eps)));
     to_q_ = register_module("to_q",
-                            torch::nn::Linear(torch::nn::LinearOptions(o.query_dim, inner).bias(o.qkv_bias)));
+                            AdaptableLinear(torch::nn::LinearOptions(o.query_dim, inner).bias(o.qkv_bias)));
     to_k_ =
-        register_module("to_k", torch::nn::Linear(torch::nn::LinearOptions(kv_dim, inner).bias(o.qkv_bias)));
+        register_module("to_k", AdaptableLinear(torch::nn::LinearOptions(kv_dim, inner).bias(o.qkv_bias)));
     to_v_ =
-        register_module("to_v", torch::nn::Linear(torch::nn::LinearOptions(kv_dim, inner).bias(o.qkv_bias)));
-    out_proj_ = torch::nn::Linear(inner, o.query_dim);
+        register_module("to_v", AdaptableLinear(torch::nn::LinearOptions(kv_dim, inner).bias(o.qkv_bias)));
+    out_proj_ = AdaptableLinear(inner, o.query_dim);
     to_out_ = register_module("to_out", torch::nn::ModuleList(out_proj_, torch::nn::Dropout(0.0)));
 }
 
@@ -66,7 +66,7 @@ at::Tensor AttentionImpl::forward_spatial(const at::Tensor& x) {
 }
 
 GEGLUImpl::GEGLUImpl(int64_t dim_in, int64_t dim_out) {
-    proj_ = register_module("proj", torch::nn::Linear(dim_in, dim_out * 2));
+    proj_ = register_module("proj", AdaptableLinear(dim_in, dim_out * 2));
 }
 
 at::Tensor GEGLUImpl::forward(const at::Tensor& x) {
@@ -76,7 +76,7 @@ at::Tensor GEGLUImpl::forward(const at::Tensor& x) {
 
 FeedForwardImpl::FeedForwardImpl(int64_t dim) {
     geglu_ = GEGLU(dim, dim * 4);
-    out_ = torch::nn::Linear(dim * 4, dim);
+    out_ = AdaptableLinear(dim * 4, dim);
     register_module("net", torch::nn::ModuleList(geglu_, torch::nn::Dropout(0.0), out_));
 }
 
@@ -113,10 +113,10 @@ Transformer2DModelImpl::Transformer2DModelImpl(const Transformer2DOptions& o) : 
     norm_ = register_module(
         "norm", torch::nn::GroupNorm(torch::nn::GroupNormOptions(o.norm_groups, o.in_channels).eps(1e-6)));
     if (o.use_linear_projection)
-        proj_in_linear_ = register_module("proj_in", torch::nn::Linear(o.in_channels, inner));
+        proj_in_linear_ = register_module("proj_in", AdaptableLinear(o.in_channels, inner));
     else
         proj_in_conv_ =
-            register_module("proj_in", torch::nn::Conv2d(torch::nn::Conv2dOptions(o.in_channels, inner, 1)));
+            register_module("proj_in", AdaptableConv2d(torch::nn::Conv2dOptions(o.in_channels, inner, 1)));
     auto list = register_module("transformer_blocks", torch::nn::ModuleList());
     for (int64_t i = 0; i < o.num_layers; ++i) {
         blocks_.push_back(BasicTransformerBlock(TransformerBlockOptions{
@@ -124,10 +124,10 @@ Transformer2DModelImpl::Transformer2DModelImpl(const Transformer2DOptions& o) : 
         list->push_back(blocks_.back());
     }
     if (o.use_linear_projection)
-        proj_out_linear_ = register_module("proj_out", torch::nn::Linear(inner, o.in_channels));
+        proj_out_linear_ = register_module("proj_out", AdaptableLinear(inner, o.in_channels));
     else
         proj_out_conv_ =
-            register_module("proj_out", torch::nn::Conv2d(torch::nn::Conv2dOptions(inner, o.in_channels, 1)));
+            register_module("proj_out", AdaptableConv2d(torch::nn::Conv2dOptions(inner, o.in_channels, 1)));
 }
 
 at::Tensor Transformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor& context) {

@@ -15,6 +15,8 @@
 
 #include <string>
 
+#include "models/common/adaptable.h"
+
 namespace dtune::models {
 
 // Which kernel at::scaled_dot_product_attention picks for q/k/v of these shapes, dtypes and
@@ -42,9 +44,9 @@ class AttentionImpl : public torch::nn::Module {
 
   private:
     AttentionOptions options_;
-    torch::nn::Linear to_q_{nullptr}, to_k_{nullptr}, to_v_{nullptr};
+    AdaptableLinear to_q_{nullptr}, to_k_{nullptr}, to_v_{nullptr};
     torch::nn::ModuleList to_out_{nullptr};  // [Linear, Dropout] as in diffusers
-    torch::nn::Linear out_proj_{nullptr};
+    AdaptableLinear out_proj_{nullptr};
     torch::nn::GroupNorm group_norm_{nullptr};
 };
 TORCH_MODULE(Attention);
@@ -56,7 +58,7 @@ class GEGLUImpl : public torch::nn::Module {
     at::Tensor forward(const at::Tensor& x);
 
   private:
-    torch::nn::Linear proj_{nullptr};
+    AdaptableLinear proj_{nullptr};
 };
 TORCH_MODULE(GEGLU);
 
@@ -68,7 +70,7 @@ class FeedForwardImpl : public torch::nn::Module {
 
   private:
     GEGLU geglu_{nullptr};
-    torch::nn::Linear out_{nullptr};
+    AdaptableLinear out_{nullptr};
 };
 TORCH_MODULE(FeedForward);
 
@@ -118,8 +120,8 @@ class Transformer2DModelImpl : public torch::nn::Module {
   private:
     Transformer2DOptions options_;
     torch::nn::GroupNorm norm_{nullptr};
-    torch::nn::Linear proj_in_linear_{nullptr}, proj_out_linear_{nullptr};
-    torch::nn::Conv2d proj_in_conv_{nullptr}, proj_out_conv_{nullptr};
+    AdaptableLinear proj_in_linear_{nullptr}, proj_out_linear_{nullptr};
+    AdaptableConv2d proj_in_conv_{nullptr}, proj_out_conv_{nullptr};
     std::vector<BasicTransformerBlock> blocks_;
 };
 TORCH_MODULE(Transformer2DModel);

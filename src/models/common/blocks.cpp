@@ -23,8 +23,8 @@ at::Tensor timestep_embedding(const at::Tensor& timesteps, int64_t dim, bool fli
 }
 
 TimestepEmbeddingImpl::TimestepEmbeddingImpl(int64_t in_channels, int64_t time_embed_dim) {
-    linear_1_ = register_module("linear_1", torch::nn::Linear(in_channels, time_embed_dim));
-    linear_2_ = register_module("linear_2", torch::nn::Linear(time_embed_dim, time_embed_dim));
+    linear_1_ = register_module("linear_1", AdaptableLinear(in_channels, time_embed_dim));
+    linear_2_ = register_module("linear_2", AdaptableLinear(time_embed_dim, time_embed_dim));
 }
 
 at::Tensor TimestepEmbeddingImpl::forward(const at::Tensor& x) {
@@ -37,9 +37,9 @@ torch::nn::GroupNorm group_norm(int64_t groups, int64_t channels, double eps) {
     return torch::nn::GroupNorm(torch::nn::GroupNormOptions(groups, channels).eps(eps));
 }
 
-torch::nn::Conv2d conv(int64_t in, int64_t out, int64_t kernel, int64_t stride = 1, int64_t padding = -1) {
+AdaptableConv2d conv(int64_t in, int64_t out, int64_t kernel, int64_t stride = 1, int64_t padding = -1) {
     if (padding < 0) padding = kernel / 2;
-    return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, kernel).stride(stride).padding(padding));
+    return AdaptableConv2d(torch::nn::Conv2dOptions(in, out, kernel).stride(stride).padding(padding));
 }
 
 }  // namespace
@@ -48,7 +48,7 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options_(o
     norm1_ = register_module("norm1", group_norm(o.groups, o.in_channels, o.eps));
     conv1_ = register_module("conv1", conv(o.in_channels, o.out_channels, 3));
     if (o.temb_channels > 0)
-        time_emb_proj_ = register_module("time_emb_proj", torch::nn::Linear(o.temb_channels, o.out_channels));
+        time_emb_proj_ = register_module("time_emb_proj", AdaptableLinear(o.temb_channels, o.out_channels));
     norm2_ = register_module("norm2", group_norm(o.groups, o.out_channels, o.eps));
     conv2_ = register_module("conv2", conv(o.out_channels, o.out_channels, 3));
     if (o.in_channels != o.out_channels)

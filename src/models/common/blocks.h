@@ -13,6 +13,8 @@
 #include <optional>
 #include <vector>
 
+#include "models/common/adaptable.h"
+
 namespace dtune::models {
 
 // diffusers' get_timestep_embedding: [N] timesteps -> [N, dim] float32 sinusoids, frequencies
@@ -27,7 +29,7 @@ class TimestepEmbeddingImpl : public torch::nn::Module {
     at::Tensor forward(const at::Tensor& x);
 
   private:
-    torch::nn::Linear linear_1_{nullptr}, linear_2_{nullptr};
+    AdaptableLinear linear_1_{nullptr}, linear_2_{nullptr};
 };
 TORCH_MODULE(TimestepEmbedding);
 
@@ -51,8 +53,8 @@ class ResnetBlock2DImpl : public torch::nn::Module {
   private:
     ResnetBlock2DOptions options_;
     torch::nn::GroupNorm norm1_{nullptr}, norm2_{nullptr};
-    torch::nn::Conv2d conv1_{nullptr}, conv2_{nullptr}, conv_shortcut_{nullptr};
-    torch::nn::Linear time_emb_proj_{nullptr};
+    AdaptableConv2d conv1_{nullptr}, conv2_{nullptr}, conv_shortcut_{nullptr};
+    AdaptableLinear time_emb_proj_{nullptr};
 };
 TORCH_MODULE(ResnetBlock2D);
 
@@ -64,7 +66,7 @@ class Downsample2DImpl : public torch::nn::Module {
 
   private:
     int64_t padding_;
-    torch::nn::Conv2d conv_{nullptr};
+    AdaptableConv2d conv_{nullptr};
 };
 TORCH_MODULE(Downsample2D);
 
@@ -75,7 +77,7 @@ class Upsample2DImpl : public torch::nn::Module {
     at::Tensor forward(const at::Tensor& x, std::optional<std::vector<int64_t>> size = std::nullopt);
 
   private:
-    torch::nn::Conv2d conv_{nullptr};
+    AdaptableConv2d conv_{nullptr};
 };
 TORCH_MODULE(Upsample2D);
 

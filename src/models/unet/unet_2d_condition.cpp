@@ -121,8 +121,8 @@ UNetBlockOptions level_options(const UNet2DConditionConfig& c, std::size_t level
     return o;
 }
 
-torch::nn::Conv2d same_conv(int64_t in, int64_t out, int64_t k) {
-    return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, k).padding(k / 2));
+AdaptableConv2d same_conv(int64_t in, int64_t out, int64_t k) {
+    return AdaptableConv2d(torch::nn::Conv2dOptions(in, out, k).padding(k / 2));
 }
 
 }  // namespace

@@ -86,7 +86,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
 
     UNet2DConditionConfig config_;
     bool channels_last_ = false;
-    torch::nn::Conv2d conv_in_{nullptr}, conv_out_{nullptr};
+    AdaptableConv2d conv_in_{nullptr}, conv_out_{nullptr};
     TimestepEmbedding time_embedding_{nullptr}, add_embedding_{nullptr};
     std::vector<DownBlock> down_blocks_;
     MidBlock mid_block_{nullptr};

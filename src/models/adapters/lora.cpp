@@ -1,0 +1,300 @@
+// LoRA / DoRA layers: forward, merge/unmerge and injection by module-name patterns (PEFT's rules).
+#include "models/adapters/lora.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <optional>
+#include <regex>
+#include <variant>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace dtune::models {
+namespace {
+
+// Holds one factor under the name "weight", so the tree names read "<layer>.lora_A.weight".
+class LoRAFactorImpl : public torch::nn::Module {
+  public:
+    explicit LoRAFactorImpl(at::Tensor w) { weight = register_parameter("weight", std::move(w)); }
+    at::Tensor weight;
+};
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+    return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string joined(const std::vector<std::string>& items, std::size_t limit = 20) {
+    std::string out;
+    for (std::size_t i = 0; i < items.size() && i < limit; ++i) out += "\n    " + items[i];
+    if (items.size() > limit) out += str("\n    ... and ", items.size() - limit, " more");
+    return out;
+}
+
+void check_config(const LoRAConfig& c) {
+    DTUNE_CHECK_AS(UsageError, c.rank >= 1, "lora_rank must be >= 1 (got ", c.rank, ")");
+    DTUNE_CHECK_AS(UsageError, c.dropout >= 0.0 && c.dropout < 1.0, "lora_dropout must be in [0, 1) (got ",
+                   c.dropout, ")");
+    DTUNE_CHECK_AS(UsageError, !c.target_modules.empty() || !c.target_regex.empty(),
+                   "no LoRA target modules given; use e.g. to_k,to_q,to_v,to_out.0");
+}
+
+// PEFT's conv LoRA reuses the base conv's geometry; we support the plain case the UNet uses.
+bool conv_supported(const AdaptableConv2dImpl& conv) {
+    const auto& o = conv.options;
+    return std::holds_alternative<torch::ExpandingArray<2>>(o.padding()) && o.groups() == 1 &&
+           std::holds_alternative<torch::enumtype::kZeros>(o.padding_mode());
+}
+
+}  // namespace
+
+LoRAInit parse_lora_init(const std::string& value) {
+    if (value == "default" || value == "true" || value.empty()) return LoRAInit::kDefault;
+    if (value == "gaussian") return LoRAInit::kGaussian;
+    throw UsageError(str("lora_init_type '", value,
+                         "' is not implemented; use 'default' (kaiming-uniform A, zero B) or 'gaussian'"));
+}
+
+LoRALayer::LoRALayer(AdaptableLinearImpl& host, int64_t rank, double alpha, const LoRAConfig& config)
+    : kind_(Kind::kLinear),
+      host_(&host),
+      base_weight_(&host.weight),
+      base_bias_(&host.bias),
+      rank_(rank),
+      alpha_(alpha),
+      dropout_(config.dropout),
+      rslora_(config.use_rslora) {
+    const int64_t out = host.weight.size(0), in = host.weight.size(1);
+    create(host, {rank, in}, {out, rank}, config);
+}
+
+LoRALayer::LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, const LoRAConfig& config)
+    : kind_(Kind::kConv2d),
+      host_(&host),
+      base_weight_(&host.weight),
+      base_bias_(&host.bias),
+      rank_(rank),
+      alpha_(alpha),
+      dropout_(config.dropout),
+      rslora_(config.use_rslora) {
+    const auto& o = host.options;
+    const auto* padding = std::get_if<torch::ExpandingArray<2>>(&o.padding());
+    DTUNE_CHECK_AS(UsageError, conv_supported(host),
+                   "LoRA on a Conv2d needs groups=1 and explicit zero padding; exclude this layer from the "
+                   "LoRA targets");
+    stride_ = std::vector<int64_t>(o.stride()->begin(), o.stride()->end());
+    padding_ = std::vector<int64_t>((*padding)->begin(), (*padding)->end());
+    dilation_ = std::vector<int64_t>(o.dilation()->begin(), o.dilation()->end());
+    const auto w = host.weight.sizes();  // [out, in, kh, kw]
+    create(host, {rank, w[1], w[2], w[3]}, {w[0], rank, 1, 1}, config);
+}
+
+void LoRALayer::create(torch::nn::Module& host, at::IntArrayRef down_shape, at::IntArrayRef up_shape,
+                       const LoRAConfig& config) {
+    torch::NoGradGuard no_grad;
+    const auto options = base_weight_->options().requires_grad(false);
+    at::Tensor a = at::empty(down_shape, options);
+    if (config.init == LoRAInit::kGaussian)
+        a.normal_(0.0, 1.0 / static_cast<double>(rank_));
+    else
+        torch::nn::init::kaiming_uniform_(a, std::sqrt(5.0));  // uniform on ±1/√fan_in
+    down_ = host.register_module("lora_A", std::make_shared<LoRAFactorImpl>(a))->weight;
+    up_ = host.register_module("lora_B", std::make_shared<LoRAFactorImpl>(at::zeros(up_shape, options)))
+              ->weight;
+    if (config.use_dora) {
+        at::Tensor norm = weight_norm(at::zeros_like(*base_weight_));  // B = 0: ‖W‖ per output channel
+        at::Tensor m = kind_ == Kind::kLinear ? norm.reshape({-1}) : norm.reshape({1, -1, 1, 1});
+        magnitude_ = host.register_parameter("lora_magnitude_vector", m.clone());
+    }
+}
+
+double LoRALayer::scale() const {
+    const double r = static_cast<double>(rank_);
+    return rslora_ ? alpha_ / std::sqrt(r) : alpha_ / r;
+}
+
+void LoRALayer::set_scale(double s) {
+    const double r = static_cast<double>(rank_);
+    alpha_ = rslora_ ? s * std::sqrt(r) : s * r;
+}
+
+at::Tensor LoRALayer::apply_factor(const at::Tensor& x, const at::Tensor& w, bool first) const {
+    if (kind_ == Kind::kLinear) return at::linear(x, w);
+    if (first) return at::conv2d(x, w, {}, stride_, padding_, dilation_);
+    return at::conv2d(x, w);  // 1×1
+}
+
+at::Tensor LoRALayer::base_no_bias(const at::Tensor& x) const {
+    if (kind_ == Kind::kLinear) return at::linear(x, *base_weight_);
+    return at::conv2d(x, *base_weight_, {}, stride_, padding_, dilation_);
+}
+
+at::Tensor LoRALayer::delta_weight() const {
+    // Conv: B is 1×1, so B∘A is the matrix product of the flattened factors.
+    at::Tensor d = at::matmul(up_.flatten(1), down_.flatten(1));  // [out, in·kh·kw]
+    return d.view(base_weight_->sizes()) * scale();
+}
+
+at::Tensor LoRALayer::weight_norm(const at::Tensor& delta) const {
+    at::Tensor w = *base_weight_ + delta;
+    at::Tensor n = w.flatten(1).norm(2, {1}, /*keepdim=*/true);  // [out, 1]
+    return kind_ == Kind::kLinear ? n : n.view({-1, 1, 1, 1});
+}
+
+at::Tensor LoRALayer::forward(const at::Tensor& x, const at::Tensor& base_out) {
+    if (merged_) return base_out;
+    const bool drop = dropout_ > 0.0 && host_->is_training();
+    const at::Tensor xd = drop ? at::dropout(x, dropout_, /*train=*/true) : x;
+    const double s = scale();
+    const at::Tensor lora = apply_factor(apply_factor(xd, down_, true), up_, false);  // like base_out
+    if (!magnitude_.defined()) return base_out + lora * s;
+
+    // DoRA: the norm is a constant of the step (computed without a graph), as PEFT does.
+    at::Tensor norm;
+    {
+        torch::NoGradGuard no_grad;
+        norm = weight_norm(delta_weight()).reshape({-1});  // [out]
+    }
+    at::Tensor mag = magnitude_.reshape({-1}) / norm;  // [out]
+    if (kind_ == Kind::kConv2d) mag = mag.view({1, -1, 1, 1});
+    at::Tensor base;
+    if (drop) {
+        base = base_no_bias(xd);  // the base term sees the same dropped-out input as the adapter
+    } else if (base_bias_->defined()) {
+        base = base_out - (kind_ == Kind::kLinear ? *base_bias_ : base_bias_->view({1, -1, 1, 1}));
+    } else {
+        base = base_out;
+    }
+    return base_out + (mag - 1) * base + mag * lora * s;
+}
+
+void LoRALayer::merge() {
+    if (merged_) return;
+    torch::NoGradGuard no_grad;
+    const at::Tensor delta = delta_weight().to(base_weight_->scalar_type());
+    if (magnitude_.defined()) {
+        const at::Tensor norm = weight_norm(delta);
+        merged_factor_ = magnitude_.reshape(norm.sizes()).to(norm.scalar_type()) / norm;  // [out, 1(,1,1)]
+        base_weight_->copy_((*base_weight_ + delta) * merged_factor_);
+    } else {
+        base_weight_->add_(delta);
+    }
+    merged_ = true;
+}
+
+void LoRALayer::unmerge() {
+    if (!merged_) return;
+    torch::NoGradGuard no_grad;
+    const at::Tensor delta = delta_weight().to(base_weight_->scalar_type());
+    if (magnitude_.defined())
+        base_weight_->copy_(*base_weight_ / merged_factor_ - delta);
+    else
+        base_weight_->sub_(delta);
+    merged_factor_ = at::Tensor();
+    merged_ = false;
+}
+
+LoRAAdapters::LoRAAdapters(LoRAConfig config, std::vector<Entry> entries)
+    : config_(std::move(config)), entries_(std::move(entries)) {}
+
+LoRALayer* LoRAAdapters::find(const std::string& module) const {
+    for (const auto& e : entries_)
+        if (e.module == module) return e.layer.get();
+    return nullptr;
+}
+
+io::TensorList LoRAAdapters::named_parameters() const {
+    io::TensorList out;
+    for (const auto& e : entries_) {
+        out.emplace_back(e.module + ".lora_A.weight", e.layer->down());
+        out.emplace_back(e.module + ".lora_B.weight", e.layer->up());
+        if (e.layer->use_dora()) out.emplace_back(e.module + ".lora_magnitude_vector", e.layer->magnitude());
+    }
+    return out;
+}
+
+std::vector<at::Tensor> LoRAAdapters::parameters() const {
+    std::vector<at::Tensor> out;
+    for (auto& [_, t] : named_parameters()) out.push_back(t);
+    return out;
+}
+
+void LoRAAdapters::merge() {
+    for (auto& e : entries_) e.layer->merge();
+}
+
+void LoRAAdapters::unmerge() {
+    for (auto& e : entries_) e.layer->unmerge();
+}
+
+LoRAAdapters inject_lora(torch::nn::Module& root, const LoRAConfig& config) {
+    check_config(config);
+    std::optional<std::regex> pattern;
+    if (!config.target_regex.empty()) {
+        try {
+            pattern.emplace(config.target_regex);
+        } catch (const std::regex_error& e) {
+            throw UsageError(str("LoRA target regex '", config.target_regex, "' is invalid: ", e.what()));
+        }
+    }
+    auto targeted = [&](const std::string& name) {
+        if (pattern) return std::regex_match(name, *pattern);
+        for (const auto& t : config.target_modules)
+            if (name == t || ends_with(name, "." + t)) return true;
+        return false;
+    };
+
+    // First pass: find and check every target, so a bad config leaves the model untouched.
+    std::vector<std::pair<std::string, torch::nn::Module*>> found;
+    std::vector<std::string> unsupported, adapted;
+    for (const auto& item : root.named_modules("", /*include_self=*/false)) {
+        if (!targeted(item.key())) continue;
+        torch::nn::Module* m = item.value().get();
+        auto* linear = dynamic_cast<AdaptableLinearImpl*>(m);
+        auto* conv = dynamic_cast<AdaptableConv2dImpl*>(m);
+        if (!linear && !conv)
+            unsupported.push_back(str(item.key(), " (", m->name(), ")"));
+        else if (conv && !conv_supported(*conv))
+            unsupported.push_back(str(item.key(), " (Conv2d with groups > 1 or non-zero/implicit padding)"));
+        else if ((linear && linear->adapter()) || (conv && conv->adapter()))
+            adapted.push_back(item.key());
+        else
+            found.emplace_back(item.key(), m);
+    }
+    std::string targets = config.target_regex;
+    for (const auto& t : config.target_modules) targets += (targets.empty() ? "" : ",") + t;
+    if (!unsupported.empty())
+        throw UsageError(str("LoRA targets '", targets, "' match ", unsupported.size(),
+                             " module(s) that are not Linear/Conv2d layers:", joined(unsupported),
+                             "\n  name Linear/Conv2d layers themselves (e.g. to_out.0, not to_out)"));
+    if (found.empty() && adapted.empty())
+        throw UsageError(str("LoRA targets '", targets,
+                             "' match no module of the model; targets are module-name suffixes such as "
+                             "to_q, to_out.0, ff.net.2 or conv1"));
+    if (!adapted.empty())
+        throw UsageError(str(adapted.size(), " LoRA target layer(s) already carry an adapter:",
+                             joined(adapted), "\n  inject LoRA once per model"));
+
+    if (config.freeze_base)
+        for (auto& p : root.parameters()) p.set_requires_grad(false);
+    std::vector<LoRAAdapters::Entry> entries;
+    const double alpha = config.effective_alpha();
+    for (auto& [name, m] : found) {
+        std::shared_ptr<LoRALayer> layer;
+        if (auto* linear = dynamic_cast<AdaptableLinearImpl*>(m)) {
+            layer = std::make_shared<LoRALayer>(*linear, config.rank, alpha, config);
+            linear->set_adapter(layer);
+        } else {
+            auto* conv = dynamic_cast<AdaptableConv2dImpl*>(m);
+            layer = std::make_shared<LoRALayer>(*conv, config.rank, alpha, config);
+            conv->set_adapter(layer);
+        }
+        entries.push_back({name, std::move(layer)});
+    }
+    log::info() << "LoRA: " << entries.size() << " layers adapted (rank " << config.rank << ", alpha "
+                << alpha << (config.use_dora ? ", DoRA" : "") << ")";
+    return LoRAAdapters(config, std::move(entries));
+}
+
+}  // namespace dtune::models

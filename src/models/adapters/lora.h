@@ -1,0 +1,156 @@
+// LoRA and DoRA adapters injected into a torch::nn module tree, as PEFT does it.
+//
+// inject_lora() walks the tree, picks every layer whose dotted name equals a target or ends with
+// "." + target (PEFT's target_modules rule; e.g. "to_out.0" matches
+// "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_out.0"), and attaches a LoRALayer to
+// it. Targets must be AdaptableLinear / AdaptableConv2d layers (the UNet builds every Linear and
+// Conv2d that way).
+//
+// For a Linear W [out, in]: lora_A [r, in], lora_B [out, r], and
+//     y = base(x) + s · B·A·dropout(x),   s = alpha / r   (alpha / sqrt(r) with rslora).
+// For a Conv2d W [out, in, kh, kw]: lora_A is a kh×kw conv [r, in, kh, kw] with the base layer's
+// stride/padding/dilation and lora_B a 1×1 conv [out, r, 1, 1] (PEFT's LoCon layout).
+// With DoRA a magnitude m (initialised to the per-output-channel norm of W, PEFT's
+// "lora_magnitude_vector": [out] for Linear, [1, out, 1, 1] for Conv2d) rescales the adapted
+// weight: y = m / ‖W + s·BA‖ · (W + s·BA)·x + bias, where the norm is taken over every axis but the
+// output one and is detached from the graph (PEFT's forward, following the DoRA paper §4.3).
+//
+// Parameters are registered on the adapted layer itself under PEFT's exported names, so the
+// model's named_parameters() hold e.g.
+// "mid_block.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight"; they move with module.to() and the
+// dropout follows module.train()/eval(). Inject after loading the base weights (a strict base load would list
+// the adapter tensors as missing).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "io/safetensors.h"
+#include "models/common/adaptable.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace dtune::models {
+
+enum class LoRAInit {
+    kDefault,   // PEFT init_lora_weights=True: A kaiming-uniform (a = √5), B zero
+    kGaussian,  // PEFT "gaussian": A ~ N(0, 1/r), B zero
+};
+
+// "default" / "gaussian" (SimpleTuner's lora_init_type); anything else is a UsageError naming the
+// value and the accepted ones.
+LoRAInit parse_lora_init(const std::string& value);
+
+struct LoRAConfig {
+    int64_t rank = 16;
+    double alpha = 0.0;  // <= 0: alpha = rank (SimpleTuner's lora_alpha default None)
+    double dropout = 0.0;
+    LoRAInit init = LoRAInit::kDefault;
+    bool use_dora = false;
+    bool use_rslora = false;
+    // Module-name suffixes (PEFT's list form). SDXL's default attention targets.
+    std::vector<std::string> target_modules = {"to_k", "to_q", "to_v", "to_out.0"};
+    // When set, a module is targeted iff its full name matches this ECMAScript regex (PEFT's
+    // string form of target_modules); target_modules is then ignored.
+    std::string target_regex;
+    bool freeze_base = true;  // requires_grad(false) on every parameter the tree had before
+
+    double effective_alpha() const { return alpha > 0 ? alpha : static_cast<double>(rank); }
+};
+
+// One adapted layer. Owned by its host layer (through LayerAdapter) and by LoRAAdapters.
+class LoRALayer : public LayerAdapter {
+  public:
+    enum class Kind { kLinear, kConv2d };
+
+    LoRALayer(AdaptableLinearImpl& host, int64_t rank, double alpha, const LoRAConfig& config);
+    LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, const LoRAConfig& config);
+
+    at::Tensor forward(const at::Tensor& x, const at::Tensor& base_out) override;
+
+    Kind kind() const { return kind_; }
+    int64_t rank() const { return rank_; }
+    double alpha() const { return alpha_; }
+    void set_alpha(double alpha) { alpha_ = alpha; }
+    double scale() const;
+    // Sets alpha so that scale() == s (kohya files store alpha with scale alpha / r).
+    void set_scale(double s);
+    bool use_dora() const { return magnitude_.defined(); }
+    bool merged() const { return merged_; }
+
+    at::Tensor& down() { return down_; }            // lora_A.weight
+    at::Tensor& up() { return up_; }                // lora_B.weight
+    at::Tensor& magnitude() { return magnitude_; }  // undefined without DoRA
+    const at::Tensor& base_weight() const { return *base_weight_; }
+
+    // s·B·A shaped like the base weight ([out, in] or [out, in, kh, kw]).
+    at::Tensor delta_weight() const;
+    // ‖W + s·BA‖ per output channel, shaped to broadcast against W ([out, 1] / [out, 1, 1, 1]).
+    at::Tensor weight_norm(const at::Tensor& delta) const;
+
+    // Folds the adapter into the base weight (forward then skips it) and back. Idempotent.
+    void merge();
+    void unmerge();
+
+  private:
+    void create(torch::nn::Module& host, at::IntArrayRef down_shape, at::IntArrayRef up_shape,
+                const LoRAConfig& config);
+    at::Tensor apply_factor(const at::Tensor& x, const at::Tensor& w, bool first) const;  // A or B
+    at::Tensor base_no_bias(const at::Tensor& x) const;
+
+    Kind kind_;
+    torch::nn::Module* host_;                           // outlives this object (the host owns it)
+    at::Tensor* base_weight_;                           // the host's `weight`
+    at::Tensor* base_bias_;                             // the host's `bias` (may be undefined)
+    std::vector<int64_t> stride_, padding_, dilation_;  // Conv2d only
+    int64_t rank_;
+    double alpha_;
+    double dropout_;
+    bool rslora_;
+    at::Tensor down_, up_, magnitude_;
+    at::Tensor merged_factor_;  // DoRA: m/‖W'‖ used by merge(), needed by unmerge()
+    bool merged_ = false;
+};
+
+// The adapters injected into one model, in module-tree order. It refers to the model's layers, so
+// it must not outlive the model.
+class LoRAAdapters {
+  public:
+    struct Entry {
+        std::string module;  // dotted module name, e.g. "down_blocks.1.attentions.0....attn1.to_q"
+        std::shared_ptr<LoRALayer> layer;
+    };
+
+    LoRAAdapters(LoRAConfig config, std::vector<Entry> entries);
+
+    const LoRAConfig& config() const { return config_; }
+    const std::vector<Entry>& entries() const { return entries_; }
+    std::size_t size() const { return entries_.size(); }
+    LoRALayer* find(const std::string& module) const;  // nullptr when not adapted
+
+    // Trainable tensors for the optimizer, named as diffusers/PEFT export them (without the
+    // "unet." prefix): "<module>.lora_A.weight", "<module>.lora_B.weight",
+    // "<module>.lora_magnitude_vector".
+    io::TensorList named_parameters() const;
+    std::vector<at::Tensor> parameters() const;
+
+    void merge();
+    void unmerge();
+
+  private:
+    LoRAConfig config_;
+    std::vector<Entry> entries_;
+};
+
+// Attaches a LoRA (or DoRA) layer to every targeted layer of `root`. Throws UsageError when no
+// module matches, when a match is not an adaptable Linear/Conv2d (listing them), or for a bad
+// config (rank < 1, dropout outside [0, 1), grouped or non-zero-padded convs).
+LoRAAdapters inject_lora(torch::nn::Module& root, const LoRAConfig& config);
+
+}  // namespace dtune::models

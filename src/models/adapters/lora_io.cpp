@@ -1,0 +1,337 @@
+// LoRA files: key-dialect parsing (diffusers / PEFT / kohya), loading into adapters, saving.
+#include "models/adapters/lora_io.h"
+
+#include <torch/torch.h>
+
+#include <cstring>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <regex>
+
+#include "core/error.h"
+#include "core/log.h"
+
+namespace dtune::models {
+namespace {
+
+enum class Part { kDown, kUp, kAlpha, kMagnitude, kDoraScale };
+
+struct ParsedKey {
+    std::string module;  // dotted (diffusers/PEFT) or underscored (kohya, without "lora_unet_")
+    Part part;
+    bool kohya = false;
+};
+
+struct ModuleTensors {
+    at::Tensor down, up, alpha, magnitude;
+    std::vector<std::string> keys;
+};
+
+bool starts_with(const std::string& s, const std::string& p) {
+    return s.rfind(p, 0) == 0;
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+    return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string joined(const std::vector<std::string>& items, std::size_t limit = 20) {
+    std::string out;
+    for (std::size_t i = 0; i < items.size() && i < limit; ++i) out += "\n    " + items[i];
+    if (items.size() > limit) out += str("\n    ... and ", items.size() - limit, " more");
+    return out;
+}
+
+bool is_text_encoder_key(const std::string& key) {
+    return starts_with(key, "text_encoder.") || starts_with(key, "text_encoder_2.") ||
+           starts_with(key, "lora_te");
+}
+
+// Diffusers' attention-processor era: "attn1.processor.to_q_lora" -> "attn1.to_q",
+// "to_out_lora" -> "to_out.0"; also drops a plain ".processor" segment.
+std::string normalise_module(std::string m) {
+    for (std::size_t at; (at = m.find(".processor.")) != std::string::npos;) m.erase(at, 10);
+    if (ends_with(m, "_lora")) {
+        m.resize(m.size() - 5);
+        if (ends_with(m, ".to_out")) m += ".0";
+    }
+    return m;
+}
+
+std::optional<ParsedKey> parse_key(const std::string& key) {
+    static const std::pair<const char*, Part> kKohya[] = {{".lora_down.weight", Part::kDown},
+                                                          {".lora_up.weight", Part::kUp},
+                                                          {".alpha", Part::kAlpha},
+                                                          {".dora_scale", Part::kDoraScale}};
+    static const std::pair<const char*, Part> kDotted[] = {
+        {".lora.down.weight", Part::kDown},
+        {".lora.up.weight", Part::kUp},
+        {".lora_A.weight", Part::kDown},
+        {".lora_B.weight", Part::kUp},
+        {".lora_A.default.weight", Part::kDown},
+        {".lora_B.default.weight", Part::kUp},
+        {".lora_down.weight", Part::kDown},
+        {".lora_up.weight", Part::kUp},
+        {".lora_magnitude_vector", Part::kMagnitude},
+        {".lora_magnitude_vector.weight", Part::kMagnitude},
+        {".lora_magnitude_vector.default.weight", Part::kMagnitude},
+        {".alpha", Part::kAlpha},
+        {".dora_scale", Part::kDoraScale}};
+    if (starts_with(key, "lora_unet_")) {
+        const std::string rest = key.substr(10);
+        for (const auto& [suffix, part] : kKohya)
+            if (ends_with(rest, suffix))
+                return ParsedKey{rest.substr(0, rest.size() - std::strlen(suffix)), part, true};
+        return std::nullopt;
+    }
+    std::string rest = key;
+    for (const char* prefix : {"unet.", "base_model.model."})
+        if (starts_with(rest, prefix)) rest = rest.substr(std::strlen(prefix));
+    for (const auto& [suffix, part] : kDotted)
+        if (ends_with(rest, suffix))
+            return ParsedKey{normalise_module(rest.substr(0, rest.size() - std::strlen(suffix))), part,
+                             false};
+    return std::nullopt;
+}
+
+// diffusers' lora_adapter_metadata: {"unet.r": 4, "unet.lora_alpha": 8, ...} (prefix optional).
+nlohmann::json adapter_metadata(const io::Metadata& metadata, const std::filesystem::path& file) {
+    auto it = metadata.find("lora_adapter_metadata");
+    if (it == metadata.end()) return nlohmann::json::object();
+    nlohmann::json raw;
+    try {
+        raw = nlohmann::json::parse(it->second);
+    } catch (const nlohmann::json::exception& e) {
+        throw DataError(str(file.string(), ": metadata 'lora_adapter_metadata' is not JSON (", e.what(),
+                            "); rewrite the file or remove that metadata entry"));
+    }
+    nlohmann::json out = nlohmann::json::object();
+    if (!raw.is_object()) return out;
+    for (auto& [k, v] : raw.items()) out[starts_with(k, "unet.") ? k.substr(5) : k] = v;
+    return out;
+}
+
+// PEFT's alpha_pattern rule: a key applies to modules whose name ends with it at a '.' boundary.
+std::optional<double> pattern_alpha(const nlohmann::json& meta, const std::string& module) {
+    if (!meta.contains("alpha_pattern") || !meta["alpha_pattern"].is_object()) return std::nullopt;
+    for (auto& [k, v] : meta["alpha_pattern"].items())
+        if (v.is_number() && std::regex_match(module, std::regex("(.*\\.)?(" + k + ")")))
+            return v.get<double>();
+    return std::nullopt;
+}
+
+std::string shape_str(const at::Tensor& t) {
+    return str(t.sizes());
+}
+
+}  // namespace
+
+LoRAFormat parse_lora_format(const std::string& value) {
+    if (value == "diffusers" || value.empty()) return LoRAFormat::kDiffusers;
+    if (value == "comfyui") return LoRAFormat::kComfyUI;
+    throw UsageError(str("lora_format '", value, "' is not supported; use 'diffusers' or 'comfyui'"));
+}
+
+std::string kohya_lora_name(const std::string& module) {
+    std::string out = "lora_unet_" + module;
+    for (char& c : out)
+        if (c == '.') c = '_';
+    return out;
+}
+
+namespace {
+
+// Groups the file's UNet tensors by adapted module; unknown keys go to `unmatched`.
+std::map<std::string, ModuleTensors> group_keys(const LoRAAdapters& adapters, const io::SafetensorsFile& f,
+                                                std::vector<std::string>& unmatched, LoRALoadReport& report) {
+    std::map<std::string, std::string> by_kohya;  // "down_blocks_1_..._to_k" -> dotted module
+    for (const auto& e : adapters.entries()) by_kohya[kohya_lora_name(e.module).substr(10)] = e.module;
+    std::map<std::string, ModuleTensors> grouped;
+    for (const std::string& key : f.keys()) {
+        if (is_text_encoder_key(key)) {
+            ++report.text_encoder_keys_skipped;
+            continue;
+        }
+        const auto parsed = parse_key(key);
+        std::string module;
+        if (parsed && parsed->kohya) {
+            auto it = by_kohya.find(parsed->module);
+            if (it != by_kohya.end()) module = it->second;
+            report.format = "kohya";
+        } else if (parsed && adapters.find(parsed->module)) {
+            module = parsed->module;
+            if (report.format.empty())
+                report.format = ends_with(key, ".lora.down.weight") ? "diffusers" : "peft";
+        }
+        if (module.empty()) {
+            unmatched.push_back(key);
+            continue;
+        }
+        ModuleTensors& m = grouped[module];
+        m.keys.push_back(key);
+        at::Tensor t = f.get(key);
+        switch (parsed->part) {
+            case Part::kDown: m.down = t; break;
+            case Part::kUp: m.up = t; break;
+            case Part::kAlpha: m.alpha = t; break;
+            case Part::kMagnitude:
+            case Part::kDoraScale: m.magnitude = t; break;
+        }
+    }
+    return grouped;
+}
+
+// Shape checks for one module; problems are appended to `errors`.
+void check_module(const std::string& module, LoRALayer& layer, const ModuleTensors& m,
+                  std::vector<std::string>& errors) {
+    if (!m.down.defined() || !m.up.defined()) {
+        errors.push_back(str(module, ": the file has ",
+                             m.down.defined() ? "no up (lora_B)" : "no down (lora_A)",
+                             " weight (keys: ", m.keys.front(), " ...)"));
+        return;
+    }
+    if (m.down.sizes() != layer.down().sizes() || m.up.sizes() != layer.up().sizes())
+        errors.push_back(str(module, ": down ", shape_str(m.down), " / up ", shape_str(m.up),
+                             " in the file vs ", shape_str(layer.down()), " / ", shape_str(layer.up()),
+                             " in the model (file rank ", m.down.size(0), ", model rank ", layer.rank(),
+                             ")"));
+    if (m.magnitude.defined() && !layer.use_dora())
+        errors.push_back(str(module, ": the file holds a DoRA magnitude but the adapter is plain LoRA"));
+    else if (m.magnitude.defined() && m.magnitude.numel() != layer.magnitude().numel())
+        errors.push_back(str(module, ": DoRA magnitude ", shape_str(m.magnitude), " vs ",
+                             shape_str(layer.magnitude()), " in the model"));
+    else if (!m.magnitude.defined() && layer.use_dora())
+        errors.push_back(str(module, ": the adapter is DoRA but the file has no lora_magnitude_vector"));
+}
+
+}  // namespace
+
+LoRALoadReport load_lora(LoRAAdapters& adapters, const std::filesystem::path& file,
+                         const LoRALoadOptions& options) {
+    const io::SafetensorsFile f(file);
+    LoRALoadReport report;
+    std::vector<std::string> unmatched, errors, missing;
+    auto grouped = group_keys(adapters, f, unmatched, report);
+    const std::string where = file.string();
+    if (!unmatched.empty())
+        throw DataError(
+            str(where, ": ", unmatched.size(), " key(s) match no LoRA-adapted module of the UNet:",
+                joined(unmatched), "\n  adapted modules are named like '", adapters.entries().front().module,
+                "'; check the LoRA target modules and that the file is an SDXL UNet LoRA in diffusers, "
+                "PEFT or kohya (lora_unet_<diffusers path>) layout"));
+    for (const auto& e : adapters.entries()) {
+        auto it = grouped.find(e.module);
+        if (it == grouped.end())
+            missing.push_back(e.module);
+        else
+            check_module(e.module, *e.layer, it->second, errors);
+    }
+    if (!errors.empty())
+        throw DataError(str(where, ": the LoRA does not fit the injected adapters:", joined(errors),
+                            "\n  set lora_rank / use_dora to the file's values (or drop init_lora)"));
+    if (options.strict && !missing.empty())
+        throw DataError(str(where, ": ", missing.size(), " adapted module(s) have no weights in the file:",
+                            joined(missing), "\n  restrict the LoRA target modules to the file's modules"));
+
+    const nlohmann::json meta = adapter_metadata(f.metadata(), file);
+    torch::NoGradGuard no_grad;
+    for (auto& [module, m] : grouped) {
+        LoRALayer& layer = *adapters.find(module);
+        DTUNE_CHECK_AS(UsageError, !layer.merged(), "load_lora: unmerge the adapters before loading ", where);
+        layer.down().copy_(m.down);
+        layer.up().copy_(m.up);
+        if (m.magnitude.defined()) layer.magnitude().copy_(m.magnitude.reshape(layer.magnitude().sizes()));
+        if (m.alpha.defined()) {
+            layer.set_scale(m.alpha.item<double>() / static_cast<double>(layer.rank()));  // kohya: alpha / r
+        } else if (auto a = pattern_alpha(meta, module)) {
+            layer.set_alpha(*a);
+        } else if (meta.contains("lora_alpha") && meta["lora_alpha"].is_number()) {
+            layer.set_alpha(meta["lora_alpha"].get<double>());
+        }
+        ++report.modules_loaded;
+    }
+    if (report.text_encoder_keys_skipped > 0)
+        log::warn() << where << ": skipped " << report.text_encoder_keys_skipped
+                    << " text-encoder LoRA tensors (only the UNet is adapted)";
+    log::info() << "LoRA: loaded " << report.modules_loaded << " modules from " << where << " ("
+                << report.format << " layout)";
+    return report;
+}
+
+namespace {
+
+at::Tensor for_file(const at::Tensor& t, std::optional<c10::ScalarType> dtype) {
+    at::Tensor out = t.detach().to(at::kCPU);
+    return (dtype ? out.to(*dtype) : out).contiguous();
+}
+
+// r / lora_alpha for the whole file plus per-module patterns where a layer differs (PEFT's form).
+nlohmann::json diffusers_metadata(const LoRAAdapters& adapters) {
+    const auto& first = *adapters.entries().front().layer;
+    nlohmann::json rank_pattern = nlohmann::json::object(), alpha_pattern = nlohmann::json::object();
+    for (const auto& e : adapters.entries()) {
+        if (e.layer->rank() != first.rank()) rank_pattern[e.module] = e.layer->rank();
+        if (e.layer->alpha() != first.alpha()) alpha_pattern[e.module] = e.layer->alpha();
+    }
+    const auto& c = adapters.config();
+    nlohmann::json meta = {{"unet.r", first.rank()},
+                           {"unet.lora_alpha", first.alpha()},
+                           {"unet.use_dora", first.use_dora()},
+                           {"unet.use_rslora", c.use_rslora},
+                           {"unet.lora_dropout", c.dropout}};
+    if (!c.target_regex.empty())
+        meta["unet.target_modules"] = c.target_regex;
+    else
+        meta["unet.target_modules"] = c.target_modules;
+    if (!rank_pattern.empty()) meta["unet.rank_pattern"] = rank_pattern;
+    if (!alpha_pattern.empty()) meta["unet.alpha_pattern"] = alpha_pattern;
+    return meta;
+}
+
+}  // namespace
+
+void save_lora(const LoRAAdapters& adapters, const std::filesystem::path& file, LoRAFormat format,
+               std::optional<c10::ScalarType> dtype) {
+    DTUNE_CHECK_AS(UsageError, adapters.size() > 0, "save_lora: no adapters to save to ", file.string());
+    io::TensorList tensors;
+    io::Metadata metadata{{"format", "pt"}};
+    for (const auto& e : adapters.entries()) {
+        LoRALayer& layer = *e.layer;
+        if (format == LoRAFormat::kDiffusers) {
+            const std::string base = "unet." + e.module;
+            tensors.emplace_back(base + ".lora.down.weight", for_file(layer.down(), dtype));
+            tensors.emplace_back(base + ".lora.up.weight", for_file(layer.up(), dtype));
+            if (layer.use_dora())
+                tensors.emplace_back(base + ".lora_magnitude_vector", for_file(layer.magnitude(), dtype));
+        } else {
+            const std::string base = kohya_lora_name(e.module);
+            tensors.emplace_back(base + ".lora_down.weight", for_file(layer.down(), dtype));
+            tensors.emplace_back(base + ".lora_up.weight", for_file(layer.up(), dtype));
+            // kohya's scale is alpha / r, so write the alpha that gives this layer's scale.
+            tensors.emplace_back(
+                base + ".alpha",
+                at::scalar_tensor(layer.scale() * static_cast<double>(layer.rank()), at::kFloat));
+            if (layer.use_dora()) {
+                // ComfyUI reads dora_scale as one magnitude per output channel: [out, 1(, 1, 1)].
+                std::vector<int64_t> shape(layer.base_weight().dim(), 1);
+                shape[0] = -1;
+                tensors.emplace_back(base + ".dora_scale", for_file(layer.magnitude().reshape(shape), dtype));
+            }
+        }
+    }
+    if (format == LoRAFormat::kDiffusers) {
+        metadata["lora_adapter_metadata"] = diffusers_metadata(adapters).dump();
+    } else {
+        const auto& first = *adapters.entries().front().layer;
+        metadata["ss_network_module"] = "networks.lora";
+        metadata["ss_network_dim"] = std::to_string(first.rank());
+        metadata["ss_network_alpha"] = str(first.scale() * static_cast<double>(first.rank()));
+    }
+    std::filesystem::create_directories(file.parent_path().empty() ? "." : file.parent_path());
+    io::save_safetensors(file, tensors, metadata);
+    log::info() << "LoRA: wrote " << adapters.size() << " modules to " << file.string() << " ("
+                << (format == LoRAFormat::kDiffusers ? "diffusers" : "comfyui") << " layout)";
+}
+
+}  // namespace dtune::models

@@ -1,0 +1,56 @@
+// Reading and writing LoRA safetensors files for the UNet (SDXL).
+//
+// Read (load_lora, i.e. SimpleTuner's init_lora), keys per module <m> (dotted diffusers path):
+//   diffusers:  unet.<m>.lora.down.weight / unet.<m>.lora.up.weight
+//   PEFT:       unet.<m>.lora_A.weight / .lora_B.weight (also bare <m>..., base_model.model.<m>...,
+//               and ".lora_A.default.weight"), DoRA: <m>.lora_magnitude_vector
+//   old attention processors: unet.<...>.processor.to_q_lora.down.weight (to_out_lora -> to_out.0)
+//   kohya/ComfyUI: lora_unet_<m with . -> _>.lora_down.weight / .lora_up.weight / .alpha
+//               (/ .dora_scale); the underscored name is resolved against the adapted modules.
+// alpha comes from a per-module `.alpha` tensor, else diffusers' `lora_adapter_metadata` JSON
+// (r / lora_alpha / alpha_pattern, with or without the "unet." prefix), else stays as injected.
+// Text-encoder keys (text_encoder*., lora_te*_) are skipped with a warning: only the UNet is
+// adapted. Keys that match no adapted module, shape (rank) mismatches and adapted modules the
+// file does not cover are DataErrors listing the keys.
+//
+// Write (save_lora): pytorch_lora_weights.safetensors in diffusers' layout (the first form above,
+// plus `format: pt` and `lora_adapter_metadata` so diffusers' load_lora_weights gets alpha), or
+// kohya/ComfyUI keys with a float32 `.alpha` per module (DoRA magnitudes as `.dora_scale`).
+#pragma once
+
+#include <filesystem>
+#include <string>
+
+#include "models/adapters/lora.h"
+
+namespace dtune::models {
+
+enum class LoRAFormat { kDiffusers, kComfyUI };
+
+// "diffusers" / "comfyui" (SimpleTuner's lora_format); anything else is a UsageError.
+LoRAFormat parse_lora_format(const std::string& value);
+
+struct LoRALoadOptions {
+    bool strict = true;  // every adapted module must be covered by the file
+};
+
+struct LoRALoadReport {
+    std::size_t modules_loaded = 0;
+    std::size_t text_encoder_keys_skipped = 0;
+    std::string format;  // "diffusers", "peft", "kohya"
+};
+
+// Copies the file's factors (and alphas, magnitudes) into already-injected adapters. The
+// adapters must not be merged.
+LoRALoadReport load_lora(LoRAAdapters& adapters, const std::filesystem::path& file,
+                         const LoRALoadOptions& options = {});
+
+// Writes the adapters to `file` (normally <dir>/pytorch_lora_weights.safetensors). `dtype`
+// converts the tensors (kFloat keeps float32; the adapters' own dtype when nullopt).
+void save_lora(const LoRAAdapters& adapters, const std::filesystem::path& file, LoRAFormat format,
+               std::optional<c10::ScalarType> dtype = std::nullopt);
+
+// The kohya name of a module: "lora_unet_" + dotted name with '.' -> '_'.
+std::string kohya_lora_name(const std::string& module);
+
+}  // namespace dtune::models
