@@ -104,6 +104,16 @@ std::string dataset_settings_text(const DatasetConfig& c) {
     return o.str();
 }
 
+LatentCacheSettings latent_cache_settings(const DatasetConfig& config, const std::string& encoder_identity) {
+    LatentCacheSettings s;
+    s.cache_dir = config.cache_dir_vae;
+    s.data_root = config.instance_data_dir;
+    s.encoder_identity = encoder_identity;
+    s.dataset_settings = dataset_settings_text(config);
+    s.compression = config.compress_cache ? CacheCompression::kZstd : CacheCompression::kNone;
+    return s;
+}
+
 std::string serialize_entry(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                             std::map<std::string, std::string> metadata) {
     std::vector<io::TensorInfo> infos;

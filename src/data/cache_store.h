@@ -55,6 +55,10 @@ struct LatentCacheSettings {
 // crop, crop_style, crop_aspect (+ buckets), size limits. Canonical, one "key=value" per line.
 std::string dataset_settings_text(const DatasetConfig& config);
 
+// The latent cache of one image dataset: cache_dir_vae, instance_data_dir, its preparation
+// settings and compress_cache (zstd when on).
+LatentCacheSettings latent_cache_settings(const DatasetConfig& config, const std::string& encoder_identity);
+
 struct EntryLookup {
     EntryStatus status = EntryStatus::kMissing;
     std::string reason;  // why an entry is stale or corrupt

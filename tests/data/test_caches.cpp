@@ -141,8 +141,9 @@ TEST(CacheCodec, RoundTripsAndDetectsDamage) {
         const std::string packed = compress_cache_bytes(raw, c);
         EXPECT_EQ(detect_compression(packed), c);
         EXPECT_EQ(decompress_cache_bytes(packed, "x"), raw);
-        if (c != CacheCompression::kNone)
+        if (c != CacheCompression::kNone) {
             EXPECT_THROW(decompress_cache_bytes(packed.substr(0, packed.size() / 2), "x"), DataError);
+        }
     }
     EXPECT_EQ(crc32_of("123456789"), 0xCBF43926u);  // the CRC-32 check value
 }
