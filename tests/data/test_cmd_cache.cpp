@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 
@@ -75,6 +76,7 @@ class CmdCache : public ::testing::Test {
         const int rc = std::system(cmd.c_str());
         EXPECT_EQ(rc, 0) << fs::read_file(dir_ / "log.txt");
         const auto report = nlohmann::json::parse(fs::read_file(dir_ / "out" / "cache_report_rank0.json"));
+        std::printf("dtune cache report: %s\n", report.dump().c_str());  // timings, for the record
         return {report.at("imgs").at("latents"), report.at("imgs").at("text")};
     }
 
