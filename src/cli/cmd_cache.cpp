@@ -166,6 +166,73 @@ nlohmann::json report_json(const data::CacheBuildReport& r) {
             {"seconds", r.seconds}};
 }
 
+struct Requests {
+    std::map<std::string, std::vector<data::LatentRequest>> latents;  // bucket -> samples
+    std::vector<std::string> captions;                                // every candidate caption
+};
+
+// Buckets one dataset (rank 0 writes the index) and lists its samples and captions.
+Requests collect_requests(const data::DatasetConfig& d, const data::GlobalDataArgs& gargs, uint64_t seed,
+                          int rank, ThreadPool& pool) {
+    data::BucketBuildOptions bo;
+    bo.output_dir = gargs.output_dir;
+    bo.seed = seed;
+    bo.allow_dataset_oversubscription = true;  // caching needs no batch-size check
+    bo.write_index = rank == 0;
+    bo.show_progress = rank == 0;
+    const auto buckets = data::build_dataset_buckets(d, bo, pool);
+    auto storage = data::make_storage(d);
+    std::optional<data::MetadataTable> table;
+    if (d.caption_strategy == data::CaptionStrategy::kParquet && d.parquet)
+        table = data::MetadataTable::load(*storage, *d.parquet, true);
+    Requests out;
+    for (const auto& [key, paths] : buckets.index.buckets)
+        for (const auto& p : paths) {
+            out.latents[key].push_back({p, buckets.index.metadata.at(p), false});
+            try {
+                for (auto& c : data::resolve_captions(d, *storage, p, table ? &*table : nullptr))
+                    out.captions.push_back(std::move(c));
+            } catch (const DataError& e) {
+                log::warn() << e.what();
+            }
+        }
+    if (d.caption_dropout_probability > 0) out.captions.emplace_back("");
+    return out;
+}
+
+// Builds the text and latent caches of one image dataset; returns its report.
+nlohmann::json cache_dataset(const data::DatasetConfig& d, const data::DataBackendConfig& datasets,
+                             const data::GlobalDataArgs& gargs, const Encoders& enc, uint64_t seed, int world,
+                             int rank, ThreadPool& pool) {
+    const Requests requests = collect_requests(d, gargs, seed, rank, pool);
+    data::CacheBuildOptions opt;
+    opt.world_size = world;
+    opt.rank = rank;
+    opt.show_progress = true;
+
+    data::TextCacheSettings ts;
+    const auto* text_entry = datasets.find(d.text_embeds);
+    ts.cache_dir = text_entry ? text_entry->cache_dir : gargs.cache_dir_text;
+    ts.model_family = gargs.model_family;
+    ts.encoder_identity = enc.text_identity;
+    ts.compression = (text_entry ? text_entry->compress_cache : d.compress_cache)
+                         ? data::CacheCompression::kZstd
+                         : data::CacheCompression::kNone;
+    opt.batch_size = text_entry ? std::max(1, text_entry->text_encoder_batch_size) : 1;
+    opt.label = "text " + d.id;
+    const auto text =
+        data::build_text_cache(data::TextEmbedCache(ts), requests.captions, enc.text, opt, pool);
+    log::info() << "text embeddings of '" << d.id << "': " << text.summary();
+
+    opt.batch_size = d.vae_batch_size;
+    opt.label = "latents " + d.id;
+    opt.report_path = (stdfs::path(d.cache_dir_vae) / str("skipped_images_rank", rank, ".json")).string();
+    const data::LatentCache cache(data::latent_cache_settings(d, enc.vae_identity));
+    const auto latents = data::build_latent_cache(cache, requests.latents, enc.vae, opt, pool);
+    log::info() << "latents of '" << d.id << "': " << latents.summary();
+    return {{"latents", report_json(latents)}, {"text", report_json(text)}};
+}
+
 int run_cache(const std::vector<std::string>& args) {
     stdfs::path config_path;
     for (size_t i = 0; i + 1 < args.size(); ++i)
@@ -181,69 +248,17 @@ int run_cache(const std::vector<std::string>& args) {
         backend = config_path.parent_path() / backend;
     const auto datasets = data::load_data_backend_config(backend, gargs);
     const Encoders enc = load_encoders(config, config.required("pretrained_model_name_or_path"));
-    at::manual_seed(static_cast<uint64_t>(config.number("seed", 0)));
+    const auto seed = static_cast<uint64_t>(config.number("seed", 0));
+    at::manual_seed(seed);
 
     ThreadPool pool(0);
     nlohmann::json summary = nlohmann::json::object();
-    for (const auto& d : datasets.datasets) {
-        if (!d.is_image_like()) continue;
-        data::BucketBuildOptions bo;
-        bo.output_dir = gargs.output_dir;
-        bo.seed = static_cast<uint64_t>(config.number("seed", 0));
-        bo.allow_dataset_oversubscription = true;  // caching needs no batch-size check
-        bo.write_index = rank == 0;
-        bo.show_progress = rank == 0;
-        const auto buckets = data::build_dataset_buckets(d, bo, pool);
-        auto storage = data::make_storage(d);
-        std::map<std::string, std::vector<data::LatentRequest>> requests;
-        std::vector<std::string> captions;
-        std::optional<data::MetadataTable> table;
-        if (d.caption_strategy == data::CaptionStrategy::kParquet && d.parquet)
-            table = data::MetadataTable::load(*storage, *d.parquet, true);
-        for (const auto& [key, paths] : buckets.index.buckets)
-            for (const auto& p : paths) {
-                requests[key].push_back({p, buckets.index.metadata.at(p), false});
-                try {
-                    for (auto& c : data::resolve_captions(d, *storage, p, table ? &*table : nullptr))
-                        captions.push_back(std::move(c));
-                } catch (const DataError& e) {
-                    log::warn() << e.what();
-                }
-            }
-        if (d.caption_dropout_probability > 0) captions.emplace_back("");
-        data::CacheBuildOptions opt;
-        opt.world_size = world;
-        opt.rank = rank;
-        opt.show_progress = true;
-
-        data::TextCacheSettings ts;
-        const auto* text_entry = datasets.find(d.text_embeds);
-        ts.cache_dir = text_entry ? text_entry->cache_dir : gargs.cache_dir_text;
-        ts.model_family = gargs.model_family;
-        ts.encoder_identity = enc.text_identity;
-        ts.compression = (text_entry ? text_entry->compress_cache : d.compress_cache)
-                             ? data::CacheCompression::kZstd
-                             : data::CacheCompression::kNone;
-        opt.batch_size = text_entry ? std::max(1, text_entry->text_encoder_batch_size) : 1;
-        opt.label = "text " + d.id;
-        const auto text = data::build_text_cache(data::TextEmbedCache(ts), captions, enc.text, opt, pool);
-        log::info() << "text embeddings of '" << d.id << "': " << text.summary();
-
-        const data::LatentCacheSettings ls = data::latent_cache_settings(d, enc.vae_identity);
-        opt.batch_size = d.vae_batch_size;
-        opt.label = "latents " + d.id;
-        opt.report_path =
-            (stdfs::path(d.cache_dir_vae) / ("skipped_images_rank" + std::to_string(rank) + ".json"))
-                .string();
-        const auto latents = data::build_latent_cache(data::LatentCache(ls), requests, enc.vae, opt, pool);
-        log::info() << "latents of '" << d.id << "': " << latents.summary();
-        summary[d.id] = {{"latents", report_json(latents)}, {"text", report_json(text)}};
-    }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    summary["seconds"] = seconds;
-    fs::write_file_atomic(
-        stdfs::path(gargs.output_dir) / ("cache_report_rank" + std::to_string(rank) + ".json"),
-        summary.dump(2) + "\n");
+    for (const auto& d : datasets.datasets)
+        if (d.is_image_like())
+            summary[d.id] = cache_dataset(d, datasets, gargs, enc, seed, world, rank, pool);
+    summary["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    fs::write_file_atomic(stdfs::path(gargs.output_dir) / str("cache_report_rank", rank, ".json"),
+                          summary.dump(2) + "\n");
     std::printf("%s\n", summary.dump(2).c_str());
     return 0;
 }
