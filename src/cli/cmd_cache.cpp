@@ -1,0 +1,280 @@
+// `dtune cache --config <config.json>`: builds the VAE latent and text-embedding caches of every
+// image dataset without training, with a progress bar and a final report.
+//
+// Reads the few config.json keys it needs (keys may carry SimpleTuner's leading "--"; numbers may
+// be written as strings): pretrained_model_name_or_path and data_backend_config (required),
+// output_dir, pretrained_vae_model_name_or_path, resolution, resolution_type, model_family, seed,
+// vae_batch_size, text_encoder_batch_size (via the text_embeds entry), compress_disk_cache,
+// caption_strategy/instance_prompt fallbacks, vae_dtype. Rank sharding: --world-size/--rank (or
+// WORLD_SIZE/RANK); rank 0 writes the bucket index, run it first.
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "cli/command.h"
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "core/thread_pool.h"
+#include "data/cache_builder.h"
+#include "data/captions.h"
+#include "data/dataset_buckets.h"
+#include "data/storage.h"
+#include "models/clip/sdxl_text_encoders.h"
+#include "models/common/pipeline_folder.h"
+#include "models/vae/autoencoder_kl.h"
+
+namespace dtune::cli {
+namespace {
+
+namespace stdfs = std::filesystem;
+
+// config.json with SimpleTuner's spellings: "--key" or "key", numbers possibly as strings.
+class TrainConfig {
+  public:
+    explicit TrainConfig(const stdfs::path& path) : path_(path) {
+        try {
+            json_ = nlohmann::json::parse(fs::read_file(path));
+        } catch (const nlohmann::json::exception& e) {
+            throw DataError(str(path.string(), ": not valid JSON (", e.what(), "); fix the file"));
+        }
+        DTUNE_CHECK_AS(UsageError, json_.is_object(), path.string(), ": expected a JSON object of settings");
+    }
+    const nlohmann::json* find(const std::string& key) const {
+        for (const auto& k : {key, "--" + key})
+            if (json_.contains(k) && !json_[k].is_null()) return &json_[k];
+        return nullptr;
+    }
+    std::string string(const std::string& key, const std::string& fallback) const {
+        const auto* v = find(key);
+        if (!v) return fallback;
+        return v->is_string() ? v->get<std::string>() : v->dump();
+    }
+    std::string required(const std::string& key) const {
+        DTUNE_CHECK_AS(UsageError, find(key), path_.string(), ": missing key '", key, "'; add it (see ",
+                       "SimpleTuner's config.json)");
+        return string(key, "");
+    }
+    double number(const std::string& key, double fallback) const {
+        const auto* v = find(key);
+        if (!v) return fallback;
+        if (v->is_number()) return v->get<double>();
+        try {
+            return std::stod(v->get<std::string>());
+        } catch (const std::exception&) {
+            throw UsageError(str(path_.string(), ": key '", key, "' must be a number, got ", v->dump()));
+        }
+    }
+    bool boolean(const std::string& key, bool fallback) const {
+        const auto* v = find(key);
+        if (!v) return fallback;
+        if (v->is_boolean()) return v->get<bool>();
+        const std::string s = string(key, "");
+        DTUNE_CHECK_AS(UsageError, s == "true" || s == "false", path_.string(), ": key '", key,
+                       "' must be true or false, got ", v->dump());
+        return s == "true";
+    }
+
+  private:
+    stdfs::path path_;
+    nlohmann::json json_;
+};
+
+data::GlobalDataArgs global_args(const TrainConfig& c) {
+    data::GlobalDataArgs a;
+    a.output_dir = c.string("output_dir", a.output_dir);
+    a.model_family = c.string("model_family", a.model_family);
+    a.resolution = c.number("resolution", a.resolution);
+    const std::string rt = c.string("resolution_type", "pixel_area");
+    a.resolution_type = rt == "pixel"  ? data::ResolutionType::kPixel
+                        : rt == "area" ? data::ResolutionType::kArea
+                                       : data::ResolutionType::kPixelArea;
+    a.instance_prompt = c.string("instance_prompt", "");
+    const std::string cs = c.string("caption_strategy", "filename");
+    a.caption_strategy = cs == "textfile"         ? data::CaptionStrategy::kTextfile
+                         : cs == "instanceprompt" ? data::CaptionStrategy::kInstancePrompt
+                         : cs == "parquet"        ? data::CaptionStrategy::kParquet
+                                                  : data::CaptionStrategy::kFilename;
+    a.cache_dir_text = c.string("cache_dir_text", a.cache_dir_text);
+    a.cache_dir_vae = c.string("cache_dir_vae", a.cache_dir_vae);
+    a.compress_disk_cache = c.boolean("compress_disk_cache", a.compress_disk_cache);
+    a.vae_batch_size = static_cast<int>(c.number("vae_batch_size", a.vae_batch_size));
+    a.caption_dropout_probability = c.number("caption_dropout_probability", a.caption_dropout_probability);
+    return a;
+}
+
+struct Encoders {
+    data::LatentEncodeFn vae;
+    data::TextEncodeFn text;
+    std::string vae_identity, text_identity;
+};
+
+Encoders load_encoders(const TrainConfig& c, const stdfs::path& model_root) {
+    auto folder = models::PipelineFolder::open(model_root);
+    if (auto vae = c.string("pretrained_vae_model_name_or_path", ""); !vae.empty())
+        folder.set_vae_override(vae);
+    const bool cuda = at::hasCUDA();
+    models::ComponentLoadOptions vo;
+    vo.device = cuda ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
+    const std::string vae_dtype = c.string("vae_dtype", cuda ? "bf16" : "fp32");
+    vo.dtype = vae_dtype == "bf16" ? c10::kBFloat16 : vae_dtype == "fp16" ? c10::kHalf : c10::kFloat;
+    auto vae = std::make_shared<models::AutoencoderKL>(models::load_autoencoder_kl(folder.vae_path(), vo));
+    (*vae)->eval();
+    Encoders e;
+    e.vae_identity = str("AutoencoderKL ", stdfs::weakly_canonical(folder.vae_path()).string(),
+                         " scaling=", (*vae)->config().scaling_factor, " dtype=", vae_dtype, " sample");
+    e.vae = [vae, vo](const at::Tensor& images) {
+        at::NoGradGuard no_grad;
+        const at::Tensor x = images.to(vo.device, vo.dtype);                                // [B, 3, H, W]
+        return (*vae)->scale_latents((*vae)->encode(x).sample()).to(at::kCPU, at::kFloat);  // [B, 4, h, w]
+    };
+    models::TextEncoderLoadOptions to;
+    to.device = vo.device;
+    auto text = std::make_shared<models::SDXLTextEncoders>(models::SDXLTextEncoders::load(folder, to));
+    e.text_identity = str("SDXLTextEncoders ", stdfs::weakly_canonical(model_root).string());
+    e.text = [text](const std::vector<std::string>& captions) {
+        models::SDXLEncodeOptions o;
+        o.do_classifier_free_guidance = false;
+        const auto out = text->encode_prompt(captions, o);
+        return data::TextEmbeds{out.prompt_embeds.to(at::kCPU, at::kFloat),
+                                out.pooled_prompt_embeds.to(at::kCPU, at::kFloat)};
+    };
+    return e;
+}
+
+int arg_int(const std::vector<std::string>& args, const std::string& name, const char* env, int fallback) {
+    for (size_t i = 0; i + 1 < args.size(); ++i)
+        if (args[i] == name) return std::stoi(args[i + 1]);
+    if (const char* v = std::getenv(env)) return std::atoi(v);
+    return fallback;
+}
+
+nlohmann::json report_json(const data::CacheBuildReport& r) {
+    return {{"total", r.total},
+            {"built", r.built},
+            {"reused", r.reused},
+            {"rebuilt_stale", r.rebuilt_stale},
+            {"rebuilt_corrupt", r.rebuilt_corrupt},
+            {"skipped", r.skipped},
+            {"encoder_calls", r.encoder_calls},
+            {"seconds", r.seconds}};
+}
+
+struct Requests {
+    std::map<std::string, std::vector<data::LatentRequest>> latents;  // bucket -> samples
+    std::vector<std::string> captions;                                // every candidate caption
+};
+
+// Buckets one dataset (rank 0 writes the index) and lists its samples and captions.
+Requests collect_requests(const data::DatasetConfig& d, const data::GlobalDataArgs& gargs, uint64_t seed,
+                          int rank, ThreadPool& pool) {
+    data::BucketBuildOptions bo;
+    bo.output_dir = gargs.output_dir;
+    bo.seed = seed;
+    bo.allow_dataset_oversubscription = true;  // caching needs no batch-size check
+    bo.write_index = rank == 0;
+    bo.show_progress = rank == 0;
+    const auto buckets = data::build_dataset_buckets(d, bo, pool);
+    auto storage = data::make_storage(d);
+    std::optional<data::MetadataTable> table;
+    if (d.caption_strategy == data::CaptionStrategy::kParquet && d.parquet)
+        table = data::MetadataTable::load(*storage, *d.parquet, true);
+    Requests out;
+    for (const auto& [key, paths] : buckets.index.buckets)
+        for (const auto& p : paths) {
+            out.latents[key].push_back({p, buckets.index.metadata.at(p), false});
+            try {
+                for (auto& c : data::resolve_captions(d, *storage, p, table ? &*table : nullptr))
+                    out.captions.push_back(std::move(c));
+            } catch (const DataError& e) {
+                log::warn() << e.what();
+            }
+        }
+    if (d.caption_dropout_probability > 0) out.captions.emplace_back("");
+    return out;
+}
+
+// Builds the text and latent caches of one image dataset; returns its report.
+nlohmann::json cache_dataset(const data::DatasetConfig& d, const data::DataBackendConfig& datasets,
+                             const data::GlobalDataArgs& gargs, const Encoders& enc, uint64_t seed, int world,
+                             int rank, ThreadPool& pool) {
+    const Requests requests = collect_requests(d, gargs, seed, rank, pool);
+    data::CacheBuildOptions opt;
+    opt.world_size = world;
+    opt.rank = rank;
+    opt.show_progress = true;
+
+    data::TextCacheSettings ts;
+    const auto* text_entry = datasets.find(d.text_embeds);
+    ts.cache_dir = text_entry ? text_entry->cache_dir : gargs.cache_dir_text;
+    ts.model_family = gargs.model_family;
+    ts.encoder_identity = enc.text_identity;
+    ts.compression = (text_entry ? text_entry->compress_cache : d.compress_cache)
+                         ? data::CacheCompression::kZstd
+                         : data::CacheCompression::kNone;
+    opt.batch_size = text_entry ? std::max(1, text_entry->text_encoder_batch_size) : 1;
+    opt.label = "text " + d.id;
+    const auto text =
+        data::build_text_cache(data::TextEmbedCache(ts), requests.captions, enc.text, opt, pool);
+    log::info() << "text embeddings of '" << d.id << "': " << text.summary();
+
+    opt.batch_size = d.vae_batch_size;
+    opt.label = "latents " + d.id;
+    opt.report_path = (stdfs::path(d.cache_dir_vae) / str("skipped_images_rank", rank, ".json")).string();
+    const data::LatentCache cache(data::latent_cache_settings(d, enc.vae_identity));
+    const auto latents = data::build_latent_cache(cache, requests.latents, enc.vae, opt, pool);
+    log::info() << "latents of '" << d.id << "': " << latents.summary();
+    return {{"latents", report_json(latents)}, {"text", report_json(text)}};
+}
+
+int run_cache(const std::vector<std::string>& args) {
+    stdfs::path config_path;
+    for (size_t i = 0; i + 1 < args.size(); ++i)
+        if (args[i] == "--config") config_path = args[i + 1];
+    DTUNE_CHECK_AS(UsageError, !config_path.empty(), "dtune cache needs --config <config.json>");
+    const TrainConfig config(config_path);
+    const int world = arg_int(args, "--world-size", "WORLD_SIZE", 1),
+              rank = arg_int(args, "--rank", "RANK", 0);
+    const auto start = std::chrono::steady_clock::now();
+    const data::GlobalDataArgs gargs = global_args(config);
+    stdfs::path backend = config.required("data_backend_config");
+    if (!stdfs::exists(backend) && stdfs::exists(config_path.parent_path() / backend))
+        backend = config_path.parent_path() / backend;
+    const auto datasets = data::load_data_backend_config(backend, gargs);
+    const Encoders enc = load_encoders(config, config.required("pretrained_model_name_or_path"));
+    const auto seed = static_cast<uint64_t>(config.number("seed", 0));
+    at::manual_seed(seed);
+
+    ThreadPool pool(0);
+    nlohmann::json summary = nlohmann::json::object();
+    for (const auto& d : datasets.datasets)
+        if (d.is_image_like())
+            summary[d.id] = cache_dataset(d, datasets, gargs, enc, seed, world, rank, pool);
+    summary["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    fs::write_file_atomic(stdfs::path(gargs.output_dir) / str("cache_report_rank", rank, ".json"),
+                          summary.dump(2) + "\n");
+    std::printf("%s\n", summary.dump(2).c_str());
+    return 0;
+}
+
+}  // namespace
+
+DTUNE_REGISTER_COMMAND(cache, "cache", "build the VAE latent and text-embedding caches without training",
+                       "usage: dtune cache --config <config.json> [--world-size N --rank R]\n\n"
+                       "Reads pretrained_model_name_or_path and data_backend_config from config.json,\n"
+                       "buckets every image dataset, then encodes what is missing or invalid: text\n"
+                       "embeddings into the text_embeds entry's cache_dir, latents into cache_dir_vae.\n"
+                       "Valid entries are reused; changed or damaged ones are rebuilt; unreadable\n"
+                       "images are skipped and listed in <cache_dir_vae>/skipped_images_rank<R>.json.\n"
+                       "The report is printed and written to <output_dir>/cache_report_rank<R>.json.\n"
+                       "With --world-size/--rank (or WORLD_SIZE/RANK) each rank builds its share;\n"
+                       "rank 0 writes the bucket index, so start it first.\n",
+                       run_cache);
+
+}  // namespace dtune::cli

@@ -1,0 +1,107 @@
+// Building the latent and text-embedding caches, and the LatentSource the trainer reads from.
+//
+// build_latent_cache(): this rank's share of every bucket (contiguous slices as rank_indices()
+// cuts them, so ranks build disjoint shares whose union is the whole dataset) is checked against
+// the cache on the thread pool; valid entries are reused, the rest are grouped by target shape
+// into full encoder batches and run through a bounded pipeline: decode/resize/crop on the pool
+// (`prefetch_batches` batches ahead) → encode on the calling thread (the GPU thread in real
+// runs) → atomic writes on the pool. Unreadable images are skipped, counted and listed in the
+// report file; the build continues.
+//
+// Encoders come in as callables; this layer never links the models:
+//   LatentEncodeFn: images [B, 3, H, W] in [-1, 1] (CPU float32) → latents [B, C, H/8, W/8]
+//   TextEncodeFn:   captions (B) → prompt_embeds [B, T, D], pooled_prompt_embeds [B, P]
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "data/cache_store.h"
+
+namespace dtune {
+class ThreadPool;
+}
+
+namespace dtune::data {
+
+using LatentEncodeFn = std::function<at::Tensor(const at::Tensor& images)>;
+
+struct TextEmbeds {
+    at::Tensor prompt_embeds;         // [B, T, D]
+    at::Tensor pooled_prompt_embeds;  // [B, P]
+};
+using TextEncodeFn = std::function<TextEmbeds(const std::vector<std::string>& captions)>;
+
+struct CacheBuildOptions {
+    int batch_size = 4;  // vae_batch_size / text_encoder_batch_size
+    int world_size = 1;
+    int rank = 0;
+    int prefetch_batches = 2;  // decoded batches waiting for the encoder (bounded queue)
+    bool show_progress = false;
+    std::string label = "caching";
+    // Where unreadable images are listed ({path: reason} JSON); empty: no file.
+    std::string report_path;
+};
+
+struct CacheBuildReport {
+    int64_t total = 0;            // entries this rank is responsible for
+    int64_t built = 0;            // missing, encoded now
+    int64_t reused = 0;           // valid, untouched
+    int64_t rebuilt_stale = 0;    // inputs changed (key differs)
+    int64_t rebuilt_corrupt = 0;  // damaged entries
+    int64_t skipped = 0;          // unreadable images
+    int64_t encoder_calls = 0;
+    double seconds = 0;
+    std::vector<std::pair<std::string, std::string>> skipped_files;  // path → reason
+    std::string summary() const;                                     // one line for logs and `dtune cache`
+};
+
+// This rank's share of `buckets` (key → requests): per bucket, the requests sorted by path and
+// sliced as rank_indices() (no padding, no duplicates).
+std::map<std::string, std::vector<LatentRequest>> shard_requests(
+    const std::map<std::string, std::vector<LatentRequest>>& buckets, int world_size, int rank);
+
+CacheBuildReport build_latent_cache(const LatentCache& cache,
+                                    const std::map<std::string, std::vector<LatentRequest>>& buckets,
+                                    const LatentEncodeFn& encode, const CacheBuildOptions& options,
+                                    ThreadPool& pool);
+
+// Encodes every distinct caption of this rank's share (sorted distinct captions, contiguous slice)
+// that has no valid entry, in batches of options.batch_size; writes on the pool.
+CacheBuildReport build_text_cache(const TextEmbedCache& cache, const std::vector<std::string>& captions,
+                                  const TextEncodeFn& encode, const CacheBuildOptions& options,
+                                  ThreadPool& pool);
+
+// Batched embeddings of `captions` from the cache; missing or invalid entries are encoded (and
+// stored unless `store` is false).
+TextEmbeds text_embeds_for(const TextEmbedCache& cache, const std::vector<std::string>& captions,
+                           const TextEncodeFn& encode, bool store = true);
+
+// Where a training batch's latents come from.
+class LatentSource {
+  public:
+    virtual ~LatentSource() = default;
+    // Latents [B, C, h, w] for one batch of one bucket (all requests share the target size).
+    virtual at::Tensor get(const std::vector<LatentRequest>& batch) = 0;
+    virtual int64_t encoded() const = 0;  // samples encoded so far (not read from the cache)
+};
+
+enum class LatentMode {
+    kCache,       // read the cache; missing/stale/corrupt entries are encoded and stored
+                  // (vae_cache_ondemand, and the fallback of a prebuilt cache)
+    kEncodeOnly,  // vae_cache_disable: encode every time, never store
+};
+LatentMode latent_mode_for(const DatasetConfig& config);
+
+// `cache` must outlive the source (ignored, may be null, for kEncodeOnly).
+std::unique_ptr<LatentSource> make_latent_source(LatentMode mode, const LatentCache* cache,
+                                                 LatentEncodeFn encode, ThreadPool& pool);
+
+}  // namespace dtune::data

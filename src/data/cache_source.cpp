@@ -1,0 +1,175 @@
+// Text-embedding cache build and lookup, and the LatentSource implementations.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <future>
+#include <set>
+
+#include "core/error.h"
+#include "core/progress.h"
+#include "core/thread_pool.h"
+#include "data/batch_plan.h"
+#include "data/cache_builder.h"
+#include "io/image_tensor.h"
+
+namespace dtune::data {
+namespace {
+
+// Runs the text encoder and checks the batch shapes.
+TextEmbeds run_text_encoder(const TextEncodeFn& encode, const std::vector<std::string>& captions) {
+    TextEmbeds out = encode(captions);
+    const auto n = static_cast<int64_t>(captions.size());
+    DTUNE_CHECK(out.prompt_embeds.defined() && out.prompt_embeds.dim() == 3 &&
+                    out.prompt_embeds.size(0) == n && out.pooled_prompt_embeds.defined() &&
+                    out.pooled_prompt_embeds.dim() == 2 && out.pooled_prompt_embeds.size(0) == n,
+                "the text encoder must return prompt_embeds [B, T, D] and pooled_prompt_embeds [B, P] for ",
+                n, " captions");
+    out.prompt_embeds = out.prompt_embeds.detach().to(at::kCPU);
+    out.pooled_prompt_embeds = out.pooled_prompt_embeds.detach().to(at::kCPU);
+    return out;
+}
+
+io::PrepareSpec spec_of(const LatentRequest& r) {
+    return {r.plan.resize_size.width, r.plan.resize_size.height, r.plan.crop_top, r.plan.crop_left,
+            r.plan.target.width,      r.plan.target.height,      r.flip};
+}
+
+class CachedLatentSource final : public LatentSource {
+  public:
+    CachedLatentSource(LatentMode mode, const LatentCache* cache, LatentEncodeFn encode, ThreadPool& pool)
+        : mode_(mode), cache_(cache), encode_(std::move(encode)), pool_(pool) {
+        DTUNE_CHECK(mode_ == LatentMode::kEncodeOnly || cache_ != nullptr,
+                    "a cached latent source needs a cache");
+    }
+
+    at::Tensor get(const std::vector<LatentRequest>& batch) override {
+        DTUNE_CHECK(!batch.empty(), "latents asked for an empty batch");
+        std::vector<at::Tensor> out(batch.size());  // each [C, h, w]
+        if (mode_ == LatentMode::kCache)
+            pool_.parallel_for(batch.size(), [&](size_t i) {
+                EntryLookup found = cache_->load(batch[i]);
+                if (found.status == EntryStatus::kValid) out[i] = found.value;
+            });
+        std::vector<size_t> missing;
+        for (size_t i = 0; i < batch.size(); ++i)
+            if (!out[i].defined()) missing.push_back(i);
+        if (!missing.empty()) encode_missing(batch, missing, out);
+        return at::stack(out);  // [B, C, h, w]
+    }
+
+    int64_t encoded() const override { return encoded_; }
+
+  private:
+    // Decodes on the pool, encodes as one batch, stores on the pool (kCache only).
+    void encode_missing(const std::vector<LatentRequest>& batch, const std::vector<size_t>& missing,
+                        std::vector<at::Tensor>& out) {
+        std::vector<at::Tensor> images(missing.size());  // each [3, H, W]
+        pool_.parallel_for(missing.size(), [&](size_t k) {
+            images[k] = io::prepare_image_tensor(batch[missing[k]].path, spec_of(batch[missing[k]]));
+        });
+        const at::Tensor latents = encode_(at::stack(images)).detach().to(at::kCPU);  // [M, C, h, w]
+        DTUNE_CHECK(latents.dim() == 4 && latents.size(0) == static_cast<int64_t>(missing.size()),
+                    "the VAE encoder returned ", latents.sizes(), " for ", missing.size(), " images");
+        for (size_t k = 0; k < missing.size(); ++k) out[missing[k]] = latents[static_cast<int64_t>(k)];
+        encoded_ += static_cast<int64_t>(missing.size());
+        if (mode_ == LatentMode::kCache)
+            pool_.parallel_for(missing.size(),
+                               [&](size_t k) { cache_->store(batch[missing[k]], out[missing[k]]); });
+    }
+
+    LatentMode mode_;
+    const LatentCache* cache_;
+    LatentEncodeFn encode_;
+    ThreadPool& pool_;
+    int64_t encoded_ = 0;
+};
+
+}  // namespace
+
+LatentMode latent_mode_for(const DatasetConfig& config) {
+    return config.vae_cache_disable ? LatentMode::kEncodeOnly : LatentMode::kCache;
+}
+
+std::unique_ptr<LatentSource> make_latent_source(LatentMode mode, const LatentCache* cache,
+                                                 LatentEncodeFn encode, ThreadPool& pool) {
+    return std::make_unique<CachedLatentSource>(mode, cache, std::move(encode), pool);
+}
+
+CacheBuildReport build_text_cache(const TextEmbedCache& cache, const std::vector<std::string>& captions,
+                                  const TextEncodeFn& encode, const CacheBuildOptions& options,
+                                  ThreadPool& pool) {
+    DTUNE_CHECK_AS(UsageError, options.batch_size >= 1, "text_encoder_batch_size must be >= 1, got ",
+                   options.batch_size);
+    const auto start = std::chrono::steady_clock::now();
+    const std::set<std::string> distinct(captions.begin(), captions.end());
+    const std::vector<std::string> sorted(distinct.begin(), distinct.end());
+    BucketEpochPlan plan;
+    plan.samples = static_cast<int64_t>(sorted.size());
+    std::vector<std::string> mine;
+    for (int64_t i : rank_indices(plan, options.world_size, options.rank, false))
+        mine.push_back(sorted[static_cast<size_t>(i)]);
+
+    CacheBuildReport report;
+    report.total = static_cast<int64_t>(mine.size());
+    std::vector<EntryStatus> status(mine.size());
+    pool.parallel_for(mine.size(), [&](size_t i) { status[i] = cache.load(mine[i], nullptr).status; });
+    std::vector<std::string> todo;
+    for (size_t i = 0; i < mine.size(); ++i) {
+        switch (status[i]) {
+            case EntryStatus::kValid: ++report.reused; continue;
+            case EntryStatus::kStale: ++report.rebuilt_stale; break;
+            case EntryStatus::kCorrupt: ++report.rebuilt_corrupt; break;
+            case EntryStatus::kMissing: ++report.built; break;
+        }
+        todo.push_back(mine[i]);
+    }
+    Progress progress(static_cast<int64_t>(todo.size()),
+                      {.label = options.label, .unit = "caption", .quiet = !options.show_progress});
+    std::vector<std::future<void>> writes;
+    for (size_t i = 0; i < todo.size(); i += size_t(options.batch_size)) {
+        const std::vector<std::string> chunk(
+            todo.begin() + long(i),
+            todo.begin() + long(std::min(todo.size(), i + size_t(options.batch_size))));
+        const TextEmbeds embeds = run_text_encoder(encode, chunk);
+        ++report.encoder_calls;
+        for (size_t k = 0; k < chunk.size(); ++k) {
+            TextEmbedEntry entry{embeds.prompt_embeds[long(k)].clone(),
+                                 embeds.pooled_prompt_embeds[long(k)].clone()};
+            writes.push_back(
+                pool.submit([&cache, caption = chunk[k], entry] { cache.store(caption, entry); }));
+        }
+        progress.update(static_cast<int64_t>(chunk.size()));
+    }
+    for (auto& w : writes) w.get();
+    progress.finish();
+    report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return report;
+}
+
+TextEmbeds text_embeds_for(const TextEmbedCache& cache, const std::vector<std::string>& captions,
+                           const TextEncodeFn& encode, bool store) {
+    std::vector<TextEmbedEntry> entries(captions.size());
+    std::vector<std::string> missing;
+    std::vector<size_t> where;
+    for (size_t i = 0; i < captions.size(); ++i)
+        if (cache.load(captions[i], &entries[i]).status != EntryStatus::kValid) {
+            missing.push_back(captions[i]);
+            where.push_back(i);
+        }
+    if (!missing.empty()) {
+        const TextEmbeds fresh = run_text_encoder(encode, missing);
+        for (size_t k = 0; k < missing.size(); ++k) {
+            entries[where[k]] = {fresh.prompt_embeds[long(k)], fresh.pooled_prompt_embeds[long(k)]};
+            if (store) cache.store(missing[k], entries[where[k]]);
+        }
+    }
+    std::vector<at::Tensor> prompts, pooled;
+    for (const auto& e : entries) {
+        prompts.push_back(e.prompt_embeds);
+        pooled.push_back(e.pooled_prompt_embeds);
+    }
+    return {at::stack(prompts), at::stack(pooled)};  // [B, T, D], [B, P]
+}
+
+}  // namespace dtune::data

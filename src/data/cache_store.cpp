@@ -1,0 +1,287 @@
+// Latent and text-embedding cache entries: in-memory safetensors (de)serialisation with a data
+// CRC, the content keys, and verification against the live inputs.
+#include "data/cache_store.h"
+
+#include <ATen/ATen.h>
+#include <sys/stat.h>
+
+#include <cstring>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "io/safetensors.h"
+
+namespace dtune::data {
+namespace {
+
+std::string size_text(Size s) {
+    return str(s.width, "x", s.height);
+}
+
+std::string opt_text(const std::optional<double>& v) {
+    return v ? python_float_str(*v) : "none";
+}
+
+struct SourceStamp {
+    uint64_t size = 0;
+    int64_t mtime_ns = 0;
+};
+
+SourceStamp stat_source(const std::string& path) {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0)
+        throw DataError(str(path, ": cannot stat the image (", std::strerror(errno),
+                            "); restore the file or refresh the bucket index"));
+    return {static_cast<uint64_t>(st.st_size), int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
+}
+
+// Compares an entry's metadata with the expected values: a different key means the inputs
+// changed (stale); a matching key with any other mismatch means damage (corrupt).
+EntryLookup verify_metadata(const std::map<std::string, std::string>& got,
+                            const std::map<std::string, std::string>& want) {
+    auto value = [&](const std::string& k) {
+        auto it = got.find(k);
+        return it == got.end() ? std::string("<absent>") : it->second;
+    };
+    if (value("format") != want.at("format") || value("format_version") != want.at("format_version"))
+        return {EntryStatus::kStale,
+                str("format ", value("format"), " v", value("format_version"), " is not ", want.at("format"),
+                    " v", want.at("format_version")),
+                {}};
+    if (value("key") != want.at("key"))
+        return {EntryStatus::kStale, "built from other inputs (key differs)", {}};
+    for (const auto& [k, v] : want)
+        if (value(k) != v)
+            return {
+                EntryStatus::kCorrupt, str("metadata ", k, " is '", value(k), "', expected '", v, "'"), {}};
+    return {EntryStatus::kValid, "", {}};
+}
+
+// Reads an entry file; kMissing when absent, kCorrupt when it does not parse.
+EntryLookup read_entry(const std::filesystem::path& path,
+                       std::vector<std::pair<std::string, at::Tensor>>* tensors,
+                       std::map<std::string, std::string>* metadata) {
+    std::error_code ec;
+    if (!std::filesystem::exists(path, ec)) return {EntryStatus::kMissing, "", {}};
+    try {
+        const std::string bytes = decompress_cache_bytes(fs::read_file(path), path.string());
+        *tensors = parse_entry(bytes, path.string(), metadata);
+    } catch (const DataError& e) {
+        return {EntryStatus::kCorrupt, e.what(), {}};
+    }
+    return {EntryStatus::kValid, "", {}};
+}
+
+void write_entry(const std::filesystem::path& path, const std::string& raw, CacheCompression compression) {
+    std::filesystem::create_directories(path.parent_path());
+    fs::write_file_atomic(path, compress_cache_bytes(raw, compression));
+}
+
+}  // namespace
+
+const char* to_string(EntryStatus status) {
+    switch (status) {
+        case EntryStatus::kValid: return "valid";
+        case EntryStatus::kMissing: return "missing";
+        case EntryStatus::kStale: return "stale";
+        case EntryStatus::kCorrupt: return "corrupt";
+    }
+    return "?";
+}
+
+std::string dataset_settings_text(const DatasetConfig& c) {
+    std::ostringstream o;
+    o << "resolution=" << python_float_str(c.resolution)
+      << "\nresolution_type=" << to_string(c.resolution_type) << "\ncrop=" << (c.crop ? "true" : "false")
+      << "\ncrop_style=" << to_string(c.crop_style) << "\ncrop_aspect=" << to_string(c.crop_aspect)
+      << "\ncrop_aspect_buckets=";
+    for (const auto& b : c.crop_aspect_buckets)
+        o << python_float_str(b.aspect) << (b.weight ? ":" + python_float_str(*b.weight) : "") << ",";
+    o << "\nmaximum_image_size=" << opt_text(c.maximum_image_size)
+      << "\ntarget_downsample_size=" << opt_text(c.target_downsample_size)
+      << "\nmax_upscale_threshold=" << opt_text(c.max_upscale_threshold) << "\n";
+    return o.str();
+}
+
+LatentCacheSettings latent_cache_settings(const DatasetConfig& config, const std::string& encoder_identity) {
+    LatentCacheSettings s;
+    s.cache_dir = config.cache_dir_vae;
+    s.data_root = config.instance_data_dir;
+    s.encoder_identity = encoder_identity;
+    s.dataset_settings = dataset_settings_text(config);
+    s.compression = config.compress_cache ? CacheCompression::kZstd : CacheCompression::kNone;
+    return s;
+}
+
+std::string serialize_entry(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                            std::map<std::string, std::string> metadata) {
+    std::vector<io::TensorInfo> infos;
+    std::string data;
+    for (const auto& [name, t] : tensors) {
+        const at::Tensor c = t.detach().to(at::kCPU).contiguous();
+        io::TensorInfo info;
+        info.name = name;
+        info.dtype = io::from_torch_dtype(c.scalar_type(), name);
+        info.shape = c.sizes().vec();
+        info.begin = data.size();
+        data.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
+        info.end = data.size();
+        infos.push_back(std::move(info));
+    }
+    metadata["data_crc32"] = std::to_string(crc32_of(data));
+    return io::build_safetensors_header(infos, metadata) + data;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> parse_entry(const std::string& bytes, const std::string& file,
+                                                            std::map<std::string, std::string>* metadata) {
+    const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
+    const io::SafetensorsHeader header = io::parse_safetensors_header(p, bytes.size(), bytes.size(), file);
+    uint64_t used = 0;
+    for (const auto& t : header.tensors) used = std::max(used, t.end);
+    const std::string_view data(bytes.data() + header.data_offset, header.data_size);
+    auto crc = header.metadata.find("data_crc32");
+    if (used != header.data_size || crc == header.metadata.end() ||
+        crc->second != std::to_string(crc32_of(data)))
+        throw DataError(
+            str(file, ": data checksum mismatch (damaged or truncated entry); it will be rebuilt"));
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (const auto& t : header.tensors) {
+        at::Tensor v = at::empty(t.shape, at::TensorOptions().dtype(io::to_torch_dtype(t.dtype)));
+        std::memcpy(v.data_ptr(), data.data() + t.begin, t.nbytes());
+        out.emplace_back(t.name, std::move(v));
+    }
+    if (metadata) *metadata = header.metadata;
+    return out;
+}
+
+LatentCache::LatentCache(LatentCacheSettings settings) : settings_(std::move(settings)) {
+    DTUNE_CHECK_AS(UsageError, !settings_.cache_dir.empty(),
+                   "the latent cache needs a directory; set cache_dir_vae in the dataset entry");
+}
+
+std::filesystem::path LatentCache::entry_path(const std::string& image_path) const {
+    const std::filesystem::path image(image_path);
+    std::filesystem::path sub;
+    if (!settings_.data_root.empty()) {
+        const auto rel = image.lexically_relative(settings_.data_root);
+        if (!rel.empty() && *rel.begin() != "..") sub = rel.parent_path();
+    }
+    return std::filesystem::path(settings_.cache_dir) / sub /
+           (sha256_hex(image.stem().string()) + ".safetensors");
+}
+
+std::string LatentCache::key_text(const LatentRequest& r) const {
+    const SourceStamp stamp = stat_source(r.path);
+    const SamplePlan& p = r.plan;
+    std::ostringstream o;
+    o << kLatentFormat << " v" << kCacheFormatVersion << "\nsource=" << r.path
+      << "\nsource_size=" << stamp.size << "\nsource_mtime_ns=" << stamp.mtime_ns
+      << "\nencoder=" << settings_.encoder_identity << "\n"
+      << settings_.dataset_settings << "original=" << size_text(p.original)
+      << "\nintermediary=" << size_text(p.intermediary) << "\nresize=" << size_text(p.resize_size)
+      << "\ntarget=" << size_text(p.target) << "\ncrop=" << p.crop_top << "," << p.crop_left
+      << "\nflip=" << (r.flip ? 1 : 0) << "\n";
+    return o.str();
+}
+
+std::map<std::string, std::string> LatentCache::expected_metadata(const LatentRequest& r) const {
+    const SourceStamp stamp = stat_source(r.path);
+    return {{"format", kLatentFormat},
+            {"format_version", std::to_string(kCacheFormatVersion)},
+            {"key", sha256_hex(key_text(r))},
+            {"source", r.path},
+            {"source_size", std::to_string(stamp.size)},
+            {"source_mtime_ns", std::to_string(stamp.mtime_ns)},
+            {"settings_sha256", sha256_hex(settings_.dataset_settings)},
+            {"encoder", settings_.encoder_identity},
+            {"original_size", size_text(r.plan.original)},
+            {"intermediary_size", size_text(r.plan.intermediary)},
+            {"resize_size", size_text(r.plan.resize_size)},
+            {"target_size", size_text(r.plan.target)},
+            {"crop_coords", str(r.plan.crop_top, ",", r.plan.crop_left)},
+            {"flip", r.flip ? "true" : "false"}};
+}
+
+EntryLookup LatentCache::load(const LatentRequest& r) const {
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    std::map<std::string, std::string> metadata;
+    const auto path = entry_path(r.path);
+    EntryLookup result = read_entry(path, &tensors, &metadata);
+    if (result.status != EntryStatus::kValid) return result;
+    result = verify_metadata(metadata, expected_metadata(r));
+    if (result.status != EntryStatus::kValid) return result;
+    const std::vector<int64_t> want = {settings_.latent_channels, r.plan.target.height / settings_.downsample,
+                                       r.plan.target.width / settings_.downsample};
+    if (tensors.size() != 1 || tensors[0].first != "latents" || tensors[0].second.sizes().vec() != want)
+        return {EntryStatus::kCorrupt,
+                str(path.string(), ": expected one tensor 'latents' of shape [", want[0], ", ", want[1], ", ",
+                    want[2], "]"),
+                {}};
+    result.value = tensors[0].second;
+    return result;
+}
+
+void LatentCache::store(const LatentRequest& r, const at::Tensor& latents) const {
+    const std::vector<int64_t> want = {settings_.latent_channels, r.plan.target.height / settings_.downsample,
+                                       r.plan.target.width / settings_.downsample};
+    DTUNE_CHECK(latents.sizes().vec() == want, r.path, ": the encoder returned latents of shape ",
+                latents.sizes(), ", expected [", want[0], ", ", want[1], ", ", want[2],
+                "]; check the VAE's latent_channels");
+    auto metadata = expected_metadata(r);
+    metadata["dtype"] = c10::toString(latents.scalar_type());
+    write_entry(entry_path(r.path), serialize_entry({{"latents", latents}}, std::move(metadata)),
+                settings_.compression);
+}
+
+TextEmbedCache::TextEmbedCache(TextCacheSettings settings) : settings_(std::move(settings)) {
+    DTUNE_CHECK_AS(UsageError, !settings_.cache_dir.empty(),
+                   "the text embedding cache needs a directory; set cache_dir in the text_embeds entry");
+}
+
+std::filesystem::path TextEmbedCache::entry_path(const std::string& caption) const {
+    return std::filesystem::path(settings_.cache_dir) /
+           (sha256_hex(caption).substr(0, 32) + "-" + settings_.model_family + ".safetensors");
+}
+
+std::map<std::string, std::string> TextEmbedCache::expected_metadata(const std::string& caption) const {
+    return {{"format", kTextEmbedFormat},
+            {"format_version", std::to_string(kCacheFormatVersion)},
+            {"key", sha256_hex(settings_.encoder_identity + '\0' + caption)},
+            {"encoder", settings_.encoder_identity},
+            {"caption", caption}};
+}
+
+EntryLookup TextEmbedCache::load(const std::string& caption, TextEmbedEntry* entry) const {
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    std::map<std::string, std::string> metadata;
+    const auto path = entry_path(caption);
+    EntryLookup result = read_entry(path, &tensors, &metadata);
+    if (result.status != EntryStatus::kValid) return result;
+    result = verify_metadata(metadata, expected_metadata(caption));
+    if (result.status != EntryStatus::kValid) return result;
+    TextEmbedEntry got;
+    for (auto& [name, t] : tensors) {
+        if (name == "prompt_embeds" && t.dim() == 2) got.prompt_embeds = t;
+        if (name == "pooled_prompt_embeds" && t.dim() == 1) got.pooled_prompt_embeds = t;
+    }
+    if (tensors.size() != 2 || !got.prompt_embeds.defined() || !got.pooled_prompt_embeds.defined())
+        return {EntryStatus::kCorrupt,
+                str(path.string(), ": expected tensors prompt_embeds [T, D] and pooled_prompt_embeds [P]"),
+                {}};
+    if (entry) *entry = got;
+    return result;
+}
+
+void TextEmbedCache::store(const std::string& caption, const TextEmbedEntry& entry) const {
+    DTUNE_CHECK(entry.prompt_embeds.dim() == 2 && entry.pooled_prompt_embeds.dim() == 1,
+                "text embeddings of one caption must be prompt_embeds [T, D] and pooled [P], got ",
+                entry.prompt_embeds.sizes(), " and ", entry.pooled_prompt_embeds.sizes());
+    write_entry(entry_path(caption),
+                serialize_entry({{"prompt_embeds", entry.prompt_embeds},
+                                 {"pooled_prompt_embeds", entry.pooled_prompt_embeds}},
+                                expected_metadata(caption)),
+                settings_.compression);
+}
+
+}  // namespace dtune::data

@@ -1,0 +1,122 @@
+// The on-disk latent and text-embedding caches: one file per entry, each a safetensors buffer
+// (optionally wrapped in zstd or gzip, see cache_codec.h) whose `__metadata__` records what the
+// entry was built from. Layout (README "Caches"):
+//   <cache_dir_vae>/<image subdirs below instance_data_dir>/<sha256(image stem)>.safetensors
+//     tensor "latents" [C, H/8, W/8]
+//   <text cache_dir>/<sha256(caption)[:32]>-<model_family>.safetensors
+//     tensors "prompt_embeds" [T, D], "pooled_prompt_embeds" [P]
+//
+// Invariants: an entry is trusted only when it parses, its format/version match, its recorded
+// `key` equals the key recomputed from the live inputs (image path, size, mtime, every preparation
+// setting and the encoder identity; or caption and encoder identity), every recorded metadata
+// value equals the expected one, the data CRC-32 matches and the shapes are the expected ones.
+// Anything else is reported as stale (inputs changed) or corrupt (damaged) and the entry is
+// rebuilt; writes go through AtomicFile, so a crash never leaves a half-written entry in place.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "data/buckets.h"
+#include "data/cache_codec.h"
+
+namespace dtune::data {
+
+inline constexpr const char* kLatentFormat = "dtune.latent";
+inline constexpr const char* kTextEmbedFormat = "dtune.text_embed";
+inline constexpr int kCacheFormatVersion = 1;
+
+enum class EntryStatus { kValid, kMissing, kStale, kCorrupt };
+const char* to_string(EntryStatus status);
+
+// One image to encode: its path and the plan the bucket index computed for it.
+struct LatentRequest {
+    std::string path;
+    SamplePlan plan;
+    bool flip = false;
+};
+
+struct LatentCacheSettings {
+    std::string cache_dir;         // cache_dir_vae
+    std::string data_root;         // instance_data_dir: image subfolders are mirrored below cache_dir
+    std::string encoder_identity;  // which encoder (and scaling) made the latents; part of the key
+    std::string dataset_settings;  // canonical text of the dataset's preparation settings
+    CacheCompression compression = CacheCompression::kZstd;
+    int64_t latent_channels = 4;
+    int downsample = 8;  // pixels per latent cell
+};
+
+// The preparation settings of a dataset that decide its pixels: resolution, resolution_type,
+// crop, crop_style, crop_aspect (+ buckets), size limits. Canonical, one "key=value" per line.
+std::string dataset_settings_text(const DatasetConfig& config);
+
+// The latent cache of one image dataset: cache_dir_vae, instance_data_dir, its preparation
+// settings and compress_cache (zstd when on).
+LatentCacheSettings latent_cache_settings(const DatasetConfig& config, const std::string& encoder_identity);
+
+struct EntryLookup {
+    EntryStatus status = EntryStatus::kMissing;
+    std::string reason;  // why an entry is stale or corrupt
+    at::Tensor value;    // kValid only
+};
+
+class LatentCache {
+  public:
+    explicit LatentCache(LatentCacheSettings settings);
+    const LatentCacheSettings& settings() const { return settings_; }
+
+    std::filesystem::path entry_path(const std::string& image_path) const;
+    // Canonical text of everything an entry depends on (the key is its SHA-256). Stats the image;
+    // DataError when it is gone.
+    std::string key_text(const LatentRequest& request) const;
+    // Reads and verifies the entry of `request`; `value` is [C, h, w].
+    EntryLookup load(const LatentRequest& request) const;
+    // Writes latents [C, h, w] atomically (any device/dtype; stored in its dtype).
+    void store(const LatentRequest& request, const at::Tensor& latents) const;
+
+  private:
+    std::map<std::string, std::string> expected_metadata(const LatentRequest& request) const;
+    LatentCacheSettings settings_;
+};
+
+struct TextCacheSettings {
+    std::string cache_dir;
+    std::string model_family = "sdxl";
+    std::string encoder_identity;  // part of the key: another text encoder invalidates every entry
+    CacheCompression compression = CacheCompression::kZstd;
+};
+
+// One caption's embeddings (no batch dimension).
+struct TextEmbedEntry {
+    at::Tensor prompt_embeds;         // [T, D]
+    at::Tensor pooled_prompt_embeds;  // [P]
+};
+
+class TextEmbedCache {
+  public:
+    explicit TextEmbedCache(TextCacheSettings settings);
+    const TextCacheSettings& settings() const { return settings_; }
+
+    std::filesystem::path entry_path(const std::string& caption) const;
+    // `value` of the lookup is unused; `entry` receives the tensors when valid.
+    EntryLookup load(const std::string& caption, TextEmbedEntry* entry) const;
+    void store(const std::string& caption, const TextEmbedEntry& entry) const;
+
+  private:
+    std::map<std::string, std::string> expected_metadata(const std::string& caption) const;
+    TextCacheSettings settings_;
+};
+
+// Lower level, exposed for tests and tools: a safetensors buffer in memory and back.
+std::string serialize_entry(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                            std::map<std::string, std::string> metadata);
+// Parses and checks the data CRC; DataError naming `file` on any fault.
+std::vector<std::pair<std::string, at::Tensor>> parse_entry(const std::string& bytes, const std::string& file,
+                                                            std::map<std::string, std::string>* metadata);
+
+}  // namespace dtune::data
