@@ -3,8 +3,9 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
-#include <map>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -116,6 +117,11 @@ SampleArgs parse_args(const std::vector<std::string>& args) {
             str(a.model, " is a single-file checkpoint: also pass --config_folder <diffusers SDXL folder> ",
                 "for its configs, tokenizers and scheduler"));
     if (a.prompt.empty()) throw UsageError("sample needs --prompt \"...\"");
+    // Checked again by the pipeline; here so that a typo fails before the model loads.
+    if (a.width <= 0 || a.height <= 0 || a.width % 8 || a.height % 8)
+        throw UsageError(
+            str("--width/--height ", a.width, "x", a.height, " is invalid: use positive multiples of 8"));
+    if (a.steps < 1) throw UsageError(str("--steps ", a.steps, " is invalid: use 1 or more"));
     if (a.batch < 1) throw UsageError(str("--batch ", a.batch, " is invalid: use 1 or more"));
     return a;
 }
