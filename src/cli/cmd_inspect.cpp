@@ -1,10 +1,13 @@
 // `dtune inspect <path>`: what a weights file (or sharded set, or folder) holds.
 #include <cstdio>
+#include <filesystem>
 #include <map>
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "io/ldm_keys.h"
 #include "io/safetensors.h"
+#include "models/common/pipeline_folder.h"
 
 namespace dtune::cli {
 namespace {
@@ -21,6 +24,105 @@ std::string human_bytes(double bytes) {
     return buf;
 }
 
+struct WeightsSummary {
+    uint64_t tensors = 0, params = 0, bytes = 0;
+    std::map<std::string, std::pair<uint64_t, uint64_t>> by_dtype;  // dtype -> (tensors, elements)
+};
+
+// Counts over the keys that start with `prefix` (all keys for "").
+WeightsSummary summarize(const io::WeightSource& src, const std::string& prefix = "") {
+    WeightsSummary s;
+    for (const auto& key : src.keys()) {
+        if (key.rfind(prefix, 0) != 0) continue;
+        const auto& info = src.info(key);
+        auto& row = s.by_dtype[io::st_dtype_name(info.dtype)];
+        row.first++;
+        row.second += info.numel();
+        s.tensors++;
+        s.params += info.numel();
+        s.bytes += info.nbytes();
+    }
+    return s;
+}
+
+std::string dtypes_of(const WeightsSummary& s) {
+    std::string out;
+    for (const auto& [dtype, row] : s.by_dtype) out += (out.empty() ? "" : ",") + dtype;
+    return out;
+}
+
+void print_row(const std::string& name, const WeightsSummary& s) {
+    std::printf("  %-16s %6llu tensors %15llu params  %10s  %s\n", name.c_str(),
+                static_cast<unsigned long long>(s.tensors), static_cast<unsigned long long>(s.params),
+                human_bytes(static_cast<double>(s.bytes)).c_str(), dtypes_of(s).c_str());
+}
+
+// The LoRA rank of a file whose keys carry lora down/A matrices (0 when it is no LoRA file).
+int64_t lora_rank(const io::WeightSource& src) {
+    for (const auto& key : src.keys()) {
+        if (key.find("lora_down.weight") != std::string::npos ||
+            key.find("lora.down.weight") != std::string::npos ||
+            key.find("lora_A.weight") != std::string::npos)
+            return src.info(key).shape.empty() ? 0 : src.info(key).shape[0];
+    }
+    return 0;
+}
+
+int inspect_pipeline(const std::filesystem::path& root) {
+    const auto pipeline = models::PipelineFolder::open(root);
+    std::printf("%s\n  diffusers pipeline: %s\n", root.string().c_str(), pipeline.class_name().c_str());
+    uint64_t total = 0;
+    for (const auto& name : pipeline.component_names()) {
+        const auto& c = pipeline.component(name);
+        bool has_weights = false;
+        for (const auto& e : std::filesystem::directory_iterator(c.path))
+            has_weights |=
+                e.path().string().ends_with(".safetensors") || e.path().string().ends_with(".index.json");
+        if (!has_weights) {
+            std::printf("  %-16s %s (no weights)\n", name.c_str(), c.class_name.c_str());
+            continue;
+        }
+        const auto s = summarize(io::WeightSource::open(c.path));
+        total += s.params;
+        print_row(name + " ", s);
+        std::printf("  %-16s   %s\n", "", c.class_name.c_str());
+    }
+    std::printf("  total parameters: %llu\n", static_cast<unsigned long long>(total));
+    return 0;
+}
+
+void inspect_file(const std::string& path, bool list) {
+    io::WeightSource src = io::WeightSource::open(path);
+    const WeightsSummary all = summarize(src);
+    std::printf("%s\n", path.c_str());
+    if (io::is_ldm_sdxl_checkpoint(src.keys())) {
+        std::printf("  SDXL single-file checkpoint (ldm/sgm key layout)\n");
+        for (auto c : {io::LdmComponent::kUNet, io::LdmComponent::kVAE, io::LdmComponent::kTextEncoder,
+                       io::LdmComponent::kTextEncoder2})
+            print_row(io::ldm_component_name(c), summarize(src, io::ldm_prefix(c)));
+    } else if (const int64_t rank = lora_rank(src); rank > 0) {
+        std::printf("  LoRA adapter, rank %lld\n", static_cast<long long>(rank));
+    }
+    std::printf("  files:      %zu\n", src.files().size());
+    std::printf("  tensors:    %llu\n", static_cast<unsigned long long>(all.tensors));
+    std::printf("  parameters: %llu (%s)\n", static_cast<unsigned long long>(all.params),
+                human_bytes(static_cast<double>(src.total_bytes())).c_str());
+    for (const auto& [dtype, row] : all.by_dtype)
+        std::printf("  dtype %-8s %llu tensors, %llu elements\n", dtype.c_str(),
+                    static_cast<unsigned long long>(row.first), static_cast<unsigned long long>(row.second));
+    for (const auto& [k, v] : src.metadata())
+        std::printf("  metadata %s = %s\n", k.c_str(), v.substr(0, 120).c_str());
+    if (!list) return;
+    for (const auto& key : src.keys()) {
+        const auto& info = src.info(key);
+        std::string shape = "[";
+        for (std::size_t i = 0; i < info.shape.size(); ++i)
+            shape += (i ? ", " : "") + std::to_string(info.shape[i]);
+        shape += "]";
+        std::printf("  %-8s %-20s %s\n", io::st_dtype_name(info.dtype), shape.c_str(), key.c_str());
+    }
+}
+
 int run_inspect(const std::vector<std::string>& args) {
     std::string path;
     bool list = false;
@@ -33,47 +135,23 @@ int run_inspect(const std::vector<std::string>& args) {
             path = a;
     }
     if (path.empty())
-        throw UsageError("inspect needs a path: dtune inspect <file.safetensors | index.json | folder>");
-    io::WeightSource src = io::WeightSource::open(path);
-    std::map<std::string, std::pair<uint64_t, uint64_t>> by_dtype;  // dtype -> (tensors, elements)
-    uint64_t params = 0;
-    for (const auto& key : src.keys()) {
-        const auto& info = src.info(key);
-        auto& row = by_dtype[io::st_dtype_name(info.dtype)];
-        row.first++;
-        row.second += info.numel();
-        params += info.numel();
-    }
-    std::printf("%s\n", path.c_str());
-    std::printf("  files:      %zu\n", src.files().size());
-    std::printf("  tensors:    %zu\n", src.keys().size());
-    std::printf("  parameters: %llu (%s)\n", static_cast<unsigned long long>(params),
-                human_bytes(src.total_bytes()).c_str());
-    for (const auto& [dtype, row] : by_dtype)
-        std::printf("  dtype %-8s %llu tensors, %llu elements\n", dtype.c_str(),
-                    static_cast<unsigned long long>(row.first), static_cast<unsigned long long>(row.second));
-    for (const auto& [k, v] : src.metadata())
-        std::printf("  metadata %s = %s\n", k.c_str(), v.substr(0, 120).c_str());
-    if (list) {
-        for (const auto& key : src.keys()) {
-            const auto& info = src.info(key);
-            std::string shape = "[";
-            for (std::size_t i = 0; i < info.shape.size(); ++i)
-                shape += (i ? ", " : "") + std::to_string(info.shape[i]);
-            shape += "]";
-            std::printf("  %-8s %-20s %s\n", io::st_dtype_name(info.dtype), shape.c_str(), key.c_str());
-        }
-    }
+        throw UsageError(
+            "inspect needs a path: dtune inspect <model folder | file.safetensors | index.json>");
+    if (std::filesystem::is_regular_file(std::filesystem::path(path) / "model_index.json"))
+        return inspect_pipeline(path);
+    inspect_file(path, list);
     return 0;
 }
 
 }  // namespace
 
-DTUNE_REGISTER_COMMAND(inspect, "inspect", "describe a weights file, sharded set or folder",
+DTUNE_REGISTER_COMMAND(inspect, "inspect", "describe a model folder, checkpoint, LoRA or weights file",
                        "usage: dtune inspect <path> [--tensors]\n\n"
-                       "<path> is a .safetensors file, a .safetensors.index.json of a sharded set, or a\n"
-                       "folder holding one of them. Prints the number of tensors and parameters, the\n"
-                       "dtypes and the file metadata; --tensors lists every tensor with dtype and shape.\n",
+                       "<path> is a diffusers pipeline folder (model_index.json), a component folder,\n"
+                       "a .safetensors file (an SDXL single-file checkpoint and LoRA files are\n"
+                       "recognised) or a .safetensors.index.json of a sharded set. Prints what it is,\n"
+                       "its components with tensor and parameter counts and dtypes, and the file\n"
+                       "metadata; --tensors lists every tensor of a file with dtype and shape.\n",
                        run_inspect);
 
 }  // namespace dtune::cli

@@ -91,6 +91,7 @@ int64_t EpochPlan::samples_per_epoch() const {
 int64_t EpochPlan::excluded() const {
     int64_t n = 0;
     for (const auto& b : buckets) n += b.excluded;
+    for (const auto& [reason, count] : excluded_before_bucketing) n += count;
     return n;
 }
 
@@ -183,6 +184,8 @@ std::string EpochPlan::report() const {
         if (!b.excluded_reason.empty()) m << "; excluded " << b.excluded << ": " << b.excluded_reason;
         m << "\n";
     }
+    for (const auto& [reason, count] : excluded_before_bucketing)
+        m << "  not bucketed: " << count << " file(s) " << reason << "\n";
     return m.str();
 }
 

@@ -55,6 +55,9 @@ struct EpochPlan {
     int max_auto_repeat = 0;  // > 0 when oversubscription changed anything
     std::vector<BucketEpochPlan> buckets;
     std::vector<std::string> warnings;
+    // Files left out before bucketing (unreadable, too small, aspect filter, max_num_samples):
+    // reason → count, filled by the caller that knows them.
+    std::map<std::string, int64_t> excluded_before_bucketing;
 
     int64_t samples_per_epoch() const;
     int64_t excluded() const;

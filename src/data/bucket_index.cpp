@@ -171,8 +171,8 @@ int64_t BucketIndex::refresh(StorageBackend& storage, const DatasetConfig& confi
     }
     if (!skipped.empty())
         log::warn() << "dataset '" << config.id << "': " << skipped.size()
-                    << " file(s) not bucketed (first: " << skipped.front().first << ": "
-                    << skipped.front().second << ")";
+                    << " file(s) not bucketed (first: " << skipped.front().second << "); all listed in "
+                    << skipped_path(config);
     return static_cast<int64_t>(fresh.size());
 }
 
@@ -202,6 +202,15 @@ void BucketIndex::save(StorageBackend& storage, const DatasetConfig& config) con
     // Metadata first: an index is never on disk without the metadata it refers to.
     storage.write(metadata_path(config), meta.dump());
     storage.write(indices_path(config), doc.dump());
+    // Every file left out, with the reason, so nothing disappears silently.
+    json report = json::object();
+    for (const auto& [path, reason] : skipped) report[path] = reason;
+    storage.write(skipped_path(config), report.dump(2));
+}
+
+std::string BucketIndex::skipped_path(const DatasetConfig& c) {
+    return (std::filesystem::path(c.instance_data_dir) / ("skipped_files_" + c.cache_file_suffix + ".json"))
+        .string();
 }
 
 bool BucketIndex::load(const StorageBackend& storage, const DatasetConfig& config) {

@@ -5,6 +5,7 @@
 // both next to the data through the storage backend, in SimpleTuner's file names and layout:
 //   <instance_data_dir>/aspect_ratio_bucket_indices_<suffix>.json
 //   <instance_data_dir>/aspect_ratio_bucket_metadata_<suffix>.json
+// plus dtune's <instance_data_dir>/skipped_files_<suffix>.json listing every file left out and why.
 // refresh() lists the folder, drops samples whose file is gone, scans only new files, and rebuilds
 // everything when the bucketing settings changed since the files were written.
 //
@@ -67,6 +68,8 @@ class BucketIndex {
 
     static std::string indices_path(const DatasetConfig& config);
     static std::string metadata_path(const DatasetConfig& config);
+    // dtune's report of files not bucketed: {path: reason} (unreadable, too small, aspect filter).
+    static std::string skipped_path(const DatasetConfig& config);
 
   private:
     void add(const std::string& path, const SamplePlan& plan);

@@ -252,8 +252,8 @@ std::optional<double> convert_limit(std::optional<double> v, bool is_minimum) {
     return pixel_edge_to_megapixels(*v);
 }
 
-void parse_image_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArgs& args) {
-    c.instance_data_dir = r.get_string("instance_data_dir", "");
+// resolution, resolution_type and the size limits, with the pixel_area conversion.
+void parse_resolution_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArgs& args) {
     c.resolution_as_written = r.get_number("resolution", args.resolution);
     c.resolution_type_as_written = r.get_enum("resolution_type", args.resolution_type, kResolutionTypes);
     if (!(c.resolution_as_written > 0)) r.fail("resolution", "must be > 0");
@@ -272,6 +272,11 @@ void parse_image_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArgs& ar
         c.maximum_image_size = convert_limit(c.maximum_image_size, false);
         c.target_downsample_size = convert_limit(c.target_downsample_size, false);
     }
+}
+
+void parse_image_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArgs& args) {
+    c.instance_data_dir = r.get_string("instance_data_dir", "");
+    parse_resolution_keys(r, c, args);
     c.minimum_aspect_ratio = r.get_number("minimum_aspect_ratio");
     c.maximum_aspect_ratio = r.get_number("maximum_aspect_ratio");
     c.max_upscale_threshold = r.get_number("max_upscale_threshold");
@@ -309,6 +314,7 @@ void parse_image_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArgs& ar
             (std::filesystem::path(args.output_dir) / "cache" / "vae" / args.model_family / c.id).string();
     c.image_embeds = r.get_string("image_embeds", "");
     c.text_embeds = r.get_string("text_embeds", "");
+    c.repeats_set = r.has("repeats");
     c.repeats = r.get_int("repeats", 0);
     c.probability = r.get_number("probability", 1.0);
     c.train_batch_size = r.get_positive_int("train_batch_size", args.train_batch_size);

@@ -126,6 +126,7 @@ struct DatasetConfig {
     std::string image_embeds;  // id of an image_embeds entry; empty: this dataset's storage
     std::string text_embeds;   // id of a text_embeds entry; filled with the default one
     int repeats = 0;
+    bool repeats_set = false;  // written in the entry: oversubscription then leaves repeats alone
     double probability = 1.0;
     int train_batch_size = 4;
     int start_epoch = 1;

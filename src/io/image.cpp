@@ -5,6 +5,10 @@
 // and is reached through a reference, so a longjmp skips no destructor.
 #include "io/image.h"
 
+// jpeglib.h uses size_t and FILE without including their headers.
+#include <cstddef>
+#include <cstdio>
+
 #include <jpeglib.h>
 #include <png.h>
 #include <webp/decode.h>

@@ -4,6 +4,10 @@
 // (it pulls GLib and a large dependency tree into a static tool), while a separable Lanczos3 is
 // ~80 lines, matches Pillow's LANCZOS (what SimpleTuner resizes with) in kernel and support, and
 // runs per image on our own thread pool, so there is no second threading runtime to tune.
+// jpeglib.h uses size_t and FILE without including their headers.
+#include <cstddef>
+#include <cstdio>
+
 #include <jpeglib.h>
 #include <png.h>
 
@@ -193,9 +197,13 @@ RgbImage resize_lanczos(const RgbImage& image, int width, int height) {
     DTUNE_CHECK(width > 0 && height > 0 && image.width > 0 && image.height > 0, "resize to ", width, "x",
                 height, " from ", image.width, "x", image.height, ": sizes must be positive");
     RgbImage cur = image;
-    // Shrink the dimension that shrinks most first, so the second pass touches fewer pixels.
-    const bool horizontal_first =
-        static_cast<double>(width) / image.width <= static_cast<double>(height) / image.height;
+    // Pass order by estimated cost: the vertical pass accumulates whole rows (contiguous, so the
+    // compiler vectorises it, counted ~8x cheaper per tap); the horizontal pass is per pixel.
+    auto taps = [](int in, int out) { return 6.0 * std::max(1.0, static_cast<double>(in) / out) + 1; };
+    const double th = taps(image.width, width), tv = taps(image.height, height);
+    const double h_first = double(image.height) * width * th + double(height) * width * tv / 8;
+    const double v_first = double(height) * image.width * tv / 8 + double(height) * width * th;
+    const bool horizontal_first = h_first < v_first;
     for (int pass = 0; pass < 2; ++pass) {
         const bool horizontal = (pass == 0) == horizontal_first;
         if (horizontal && cur.width != width) cur = resize_horizontal(cur, width);

@@ -6,6 +6,9 @@
 #include "core/fs.h"
 #include "core/thread_pool.h"
 #include "data/bucket_index.h"
+#include "data/dataset_buckets.h"
+
+#include <set>
 #include "data/storage.h"
 #include "io/image.h"
 #include "support/test_support.h"
@@ -64,6 +67,11 @@ TEST(BucketIndex, DiscoverPersistRefresh) {
     EXPECT_EQ(meta[wide]["intermediary_size"], nlohmann::json({1367, 768}));
     EXPECT_EQ(meta[wide]["crop_coordinates"], nlohmann::json({0, 11}));  // centre: (1367-1344)/2
     EXPECT_DOUBLE_EQ(meta[wide]["aspect_ratio"].get<double>(), 1.75);
+    const auto skipped = nlohmann::json::parse(fs::read_file(dir / "skipped_files_pics.json"));
+    ASSERT_EQ(skipped.size(), 2u);
+    EXPECT_NE(skipped[(dir / "broken.jpg").string()].get<std::string>().find("broken.jpg"),
+              std::string::npos);
+    EXPECT_NE(skipped[(dir / "tiny.png").string()].get<std::string>().find("too small"), std::string::npos);
 
     // Restart: load, then one file removed and one added → only the new one is scanned.
     BucketIndex again;
@@ -94,6 +102,52 @@ TEST(BucketIndex, HeaderScanListsFailures) {
     EXPECT_EQ(scan.images[0].second, (Size{10, 20}));
     ASSERT_EQ(scan.failed.size(), 1u);
     EXPECT_NE(scan.failed[0].second.find("b.png"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace dtune::data
+
+namespace dtune::data {
+namespace {
+
+TEST(DatasetBuckets, ConfigToRankShards) {
+    test::TempDir data, out;
+    for (int i = 0; i < 9; ++i) write_png(data / ("w" + std::to_string(i) + ".png"), 1920, 1080);
+    for (int i = 0; i < 4; ++i) write_png(data / ("s" + std::to_string(i) + ".png"), 800, 800);
+    DatasetConfig c = config_for(data.path());
+    c.train_batch_size = 2;
+    BucketBuildOptions o;
+    o.output_dir = out.path().string();
+    o.seed = 7;
+    o.world_size = 2;
+    ThreadPool pool(2);
+    std::set<std::string> seen;
+    int64_t held = 0;
+    for (int rank = 0; rank < 2; ++rank) {
+        o.rank = rank;
+        o.write_index = rank == 0;  // rank 1 reads what rank 0 wrote
+        const DatasetBuckets b = build_dataset_buckets(c, o, pool);
+        EXPECT_EQ(b.newly_scanned, rank == 0 ? 13 : 0);
+        EXPECT_EQ(b.plan.effective_batch_size, 4);
+        for (const auto& [key, list] : b.local) {
+            held += static_cast<int64_t>(list.size());
+            seen.insert(list.begin(), list.end());
+        }
+    }
+    EXPECT_EQ(seen.size(), 13u);  // every sample reaches some rank
+    EXPECT_EQ(held, 14);          // 9 → 5 + 5 with one padded duplicate; 4 → 2 + 2
+    EXPECT_TRUE(std::filesystem::exists(out / "aspect_resolution_map-1.048576.json"));
+    // max_num_samples keeps a deterministic subset and reports the rest.
+    c.max_num_samples = 10;
+    o.allow_dataset_oversubscription = true;  // the subset may leave a bucket under the EBS of 4
+    o.rank = 0;
+    o.write_index = true;
+    const DatasetBuckets limited = build_dataset_buckets(c, o, pool);
+    EXPECT_EQ(limited.index.sample_count(), 10);
+    EXPECT_EQ(limited.plan.total_samples, 10);
+    EXPECT_EQ(limited.plan.excluded_before_bucketing.at("beyond max_num_samples"), 3);
+    EXPECT_NE(limited.plan.report().find("not bucketed: 3 file(s) beyond max_num_samples"),
+              std::string::npos);
 }
 
 }  // namespace

@@ -47,6 +47,7 @@ TEST(DatasetConfig, DefaultsFollowSimpleTuner) {
     EXPECT_EQ(d.caption_strategy, CaptionStrategy::kFilename);
     EXPECT_EQ(d.metadata_backend, MetadataBackendKind::kDiscovery);
     EXPECT_EQ(d.repeats, 0);
+    EXPECT_FALSE(d.repeats_set);
     EXPECT_DOUBLE_EQ(d.probability, 1.0);
     EXPECT_EQ(d.train_batch_size, 4);
     EXPECT_EQ(d.start_epoch, 1);
@@ -95,6 +96,7 @@ TEST(DatasetConfig, WrongTypesNameIdAndKey) {
     std::string e = usage_error(minimal({{"repeats", "two"}}));
     EXPECT_NE(e.find("'pics'"), std::string::npos) << e;
     EXPECT_NE(e.find("'repeats'"), std::string::npos) << e;
+    EXPECT_TRUE(parse_data_backend_config(minimal({{"repeats", 0}}), {}).datasets[0].repeats_set);
     e = usage_error(minimal({{"repeats", 1.5}}));
     EXPECT_NE(e.find("integer"), std::string::npos) << e;
     e = usage_error(minimal({{"crop", 3}}));

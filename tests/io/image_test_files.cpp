@@ -1,6 +1,10 @@
 // Test-file writers over libpng, libjpeg and libwebp (see image_test_files.h).
 #include "image_test_files.h"
 
+// jpeglib.h uses size_t and FILE without including their headers.
+#include <cstddef>
+#include <cstdio>
+
 #include <jpeglib.h>
 #include <png.h>
 #include <webp/encode.h>

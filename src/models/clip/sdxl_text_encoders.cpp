@@ -96,39 +96,15 @@ Encoded run_encoder(Model& model, const at::Tensor& ids, int64_t batch, const SD
     return e;
 }
 
-// Copies named tensors into a module's parameters, strictly (the in-memory counterpart of
-// load_weights, for tensors that needed value changes such as OpenCLIP's fused q/k/v).
+// Loads tensors already in memory (a single file's component after its key dialect was mapped)
+// with the same renaming and strictness as a folder.
 void copy_named_tensors(torch::nn::Module& module, const io::TensorList& tensors,
                         const TextEncoderLoadOptions& o, const std::string& what) {
-    std::map<std::string, at::Tensor> targets;
-    for (auto& item : module.named_parameters(true)) targets[item.key()] = item.value();
-    std::vector<std::string> problems;
-    at::NoGradGuard no_grad;
-    for (const auto& [key, value] : tensors) {
-        const std::string name = clip_text_key_to_module(key);
-        if (name.empty()) continue;
-        const auto it = targets.find(name);
-        if (it == targets.end()) {
-            problems.push_back("unexpected " + key);
-            continue;
-        }
-        if (it->second.sizes() != value.sizes()) {
-            problems.push_back(
-                str("shape of ", key, ": checkpoint ", value.sizes(), " vs model ", it->second.sizes()));
-        } else {
-            it->second.copy_(value);
-        }
-        targets.erase(it);
-    }
-    for (const auto& [name, _] : targets) problems.push_back("missing " + name);
-    if (!problems.empty()) {
-        std::string list;
-        for (std::size_t i = 0; i < problems.size() && i < 20; ++i) list += "\n    " + problems[i];
-        throw DataError(str(what, ": ", problems.size(),
-                            " tensor(s) do not match the model built from config.json:", list,
-                            "\n  check that the checkpoint is an SDXL base single file for this config"));
-    }
-    module.to(o.device.value_or(c10::Device(c10::kCPU)), o.dtype.value_or(at::kFloat));
+    LoadOptions load;
+    load.rename = clip_text_key_to_module;
+    load.dtype = o.dtype.value_or(at::kFloat);
+    load.device = o.device.value_or(c10::Device(c10::kCPU));
+    load_weights(module, tensors, load, what, what);
     module.eval();
 }
 

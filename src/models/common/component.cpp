@@ -18,13 +18,20 @@ ConfigReader read_component_config(const std::filesystem::path& dir, const std::
 }
 
 void load_component_weights(torch::nn::Module& module, const std::filesystem::path& dir,
-                            const ComponentLoadOptions& options, const std::string& what) {
+                            const ComponentLoadOptions& options, const std::string& what,
+                            io::LdmComponent component, const io::LdmLayout& layout) {
     module.to(options.device, options.dtype);
-    const io::WeightSource source = io::WeightSource::open(dir, "diffusion_pytorch_model");
     LoadOptions load;
     load.dtype = options.dtype;
     load.device = options.device;
-    load_weights(module, source, load, str(what, " from ", dir.string()));
+    if (options.single_file) {
+        const io::WeightSource file = io::WeightSource::open(*options.single_file);
+        load_weights(module, io::ldm_to_diffusers(file, component, layout), load,
+                     str(what, " from ", options.single_file->string()), options.single_file->string());
+    } else {
+        const io::WeightSource source = io::WeightSource::open(dir, "diffusion_pytorch_model");
+        load_weights(module, source, load, str(what, " from ", dir.string()));
+    }
     if (options.channels_last) convert_to_channels_last(module);
 }
 

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "io/ldm_keys.h"
 #include "models/common/config_json.h"
 
 namespace dtune::models {
@@ -16,15 +17,19 @@ struct ComponentLoadOptions {
     c10::ScalarType dtype = c10::kFloat;
     c10::Device device = c10::Device(c10::kCPU);
     bool channels_last = false;  // convolution weights (and inputs) in NHWC memory order
+    // Weights from a single-file SDXL checkpoint (ldm/sgm key layout) instead of the folder's own
+    // safetensors; the folder still provides config.json.
+    std::optional<std::filesystem::path> single_file;
 };
 
 // Reads `<dir>/config.json`; DataError naming the path when the folder or file is missing.
 ConfigReader read_component_config(const std::filesystem::path& dir, const std::string& what);
 
-// Moves `module` to dtype/device, then loads the folder's weights strictly (missing/unexpected keys
-// are listed in a DataError).
+// Moves `module` to dtype/device, then loads the folder's weights (or options.single_file's, mapped
+// from the ldm key layout as `component`) strictly: missing/unexpected keys are listed in a DataError.
 void load_component_weights(torch::nn::Module& module, const std::filesystem::path& dir,
-                            const ComponentLoadOptions& options, const std::string& what);
+                            const ComponentLoadOptions& options, const std::string& what,
+                            io::LdmComponent component, const io::LdmLayout& layout = {});
 
 // Restrides every 4-D parameter to channels-last (NHWC) memory order, in place.
 void convert_to_channels_last(torch::nn::Module& module);

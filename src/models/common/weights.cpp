@@ -19,10 +19,10 @@ std::string listing(const std::vector<std::string>& names) {
     return out;
 }
 
-}  // namespace
-
-LoadReport load_weights(torch::nn::Module& module, const io::WeightSource& source, const LoadOptions& options,
-                        const std::string& what) {
+// The shared body: `keys` are the checkpoint's names, `get` reads one, `from` names the origin.
+LoadReport load_named(torch::nn::Module& module, const std::vector<std::string>& keys,
+                      const std::function<at::Tensor(const std::string&)>& get, const LoadOptions& options,
+                      const std::string& what, const std::string& from) {
     std::map<std::string, at::Tensor> targets;
     for (auto& item : module.named_parameters(/*recurse=*/true)) targets[item.key()] = item.value();
     for (auto& item : module.named_buffers(/*recurse=*/true)) targets[item.key()] = item.value();
@@ -31,7 +31,7 @@ LoadReport load_weights(torch::nn::Module& module, const io::WeightSource& sourc
     std::set<std::string> seen;
     std::vector<std::string> shape_errors;
     torch::NoGradGuard no_grad;
-    for (const std::string& key : source.keys()) {
+    for (const std::string& key : keys) {
         if (key.rfind(options.prefix, 0) != 0) continue;
         std::string name = key.substr(options.prefix.size());
         if (options.rename) name = options.rename(name);
@@ -41,7 +41,7 @@ LoadReport load_weights(torch::nn::Module& module, const io::WeightSource& sourc
             report.unexpected.push_back(key);
             continue;
         }
-        at::Tensor src = source.get(key);
+        at::Tensor src = get(key);
         at::Tensor& dst = it->second;
         if (src.sizes() != dst.sizes()) {
             shape_errors.push_back(str(key, ": checkpoint ", src.sizes(), " vs model ", dst.sizes()));
@@ -54,7 +54,6 @@ LoadReport load_weights(torch::nn::Module& module, const io::WeightSource& sourc
     for (const auto& [name, _] : targets)
         if (!seen.count(name)) report.missing.push_back(name);
 
-    const std::string from = source.files().empty() ? "" : source.files()[0].string();
     if (!shape_errors.empty())
         throw DataError(str(what, ": ", shape_errors.size(), " tensor(s) in '", from,
                             "' have the wrong shape for this model config:", listing(shape_errors),
@@ -73,6 +72,24 @@ LoadReport load_weights(torch::nn::Module& module, const io::WeightSource& sourc
                                                                      : module.parameters()[0].scalar_type()));
     }
     return report;
+}
+
+}  // namespace
+
+LoadReport load_weights(torch::nn::Module& module, const io::WeightSource& source, const LoadOptions& options,
+                        const std::string& what) {
+    return load_named(
+        module, source.keys(), [&](const std::string& key) { return source.get(key); }, options, what,
+        source.files().empty() ? "" : source.files()[0].string());
+}
+
+LoadReport load_weights(torch::nn::Module& module, const io::TensorList& tensors, const LoadOptions& options,
+                        const std::string& what, const std::string& from) {
+    std::map<std::string, at::Tensor> by_name(tensors.begin(), tensors.end());
+    std::vector<std::string> keys;
+    for (const auto& [k, _] : by_name) keys.push_back(k);
+    return load_named(
+        module, keys, [&](const std::string& key) { return by_name.at(key); }, options, what, from);
 }
 
 io::TensorList state_dict(const torch::nn::Module& module) {

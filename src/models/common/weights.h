@@ -41,6 +41,11 @@ struct LoadReport {
 LoadReport load_weights(torch::nn::Module& module, const io::WeightSource& source, const LoadOptions& options,
                         const std::string& what);
 
+// The same from tensors already in memory (e.g. a single-file checkpoint's component after its key
+// dialect was mapped, see io/ldm_keys.h). `from` names their origin in errors.
+LoadReport load_weights(torch::nn::Module& module, const io::TensorList& tensors, const LoadOptions& options,
+                        const std::string& what, const std::string& from);
+
 // All parameters and buffers by their full names, for saving.
 io::TensorList state_dict(const torch::nn::Module& module);
 

@@ -255,7 +255,9 @@ UNet2DConditionModel load_unet(const std::filesystem::path& dir, const Component
     UNet2DConditionModel model(UNet2DConditionConfig::from_json(config));
     ComponentLoadOptions load = options;
     load.channels_last = false;
-    load_component_weights(*model, dir, load, "UNet");
+    io::LdmLayout layout;
+    layout.unet_layers_per_block = static_cast<int>(model->config().layers_per_block.at(0));
+    load_component_weights(*model, dir, load, "UNet", io::LdmComponent::kUNet, layout);
     if (options.channels_last) model->set_channels_last(true);
     return model;
 }

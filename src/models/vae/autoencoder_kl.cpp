@@ -202,7 +202,9 @@ AutoencoderKL load_autoencoder_kl(const std::filesystem::path& dir, const Compon
                     << ": force_upcast is set, keeping fp32 weights instead of fp16";
         load.dtype = at::kFloat;
     }
-    load_component_weights(*model, dir, load, "VAE");
+    io::LdmLayout layout;
+    layout.vae_num_blocks = static_cast<int>(model->config().block_out_channels.size());
+    load_component_weights(*model, dir, load, "VAE", io::LdmComponent::kVAE, layout);
     return model;
 }
 

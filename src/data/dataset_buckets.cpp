@@ -1,0 +1,81 @@
+// Glue from a dataset entry to this rank's bucket lists.
+#include "data/dataset_buckets.h"
+
+#include <algorithm>
+#include <random>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "data/sampler.h"
+#include "data/storage.h"
+
+namespace dtune::data {
+
+void limit_samples(BucketIndex& index, const DatasetConfig& config) {
+    if (!config.max_num_samples || index.sample_count() <= *config.max_num_samples) return;
+    std::vector<std::string> all;
+    for (const auto& [path, plan] : index.metadata) all.push_back(path);  // std::map: sorted
+    std::mt19937_64 rng(mix64(hash64(config.id)));
+    for (size_t i = all.size(); i > 1; --i) std::swap(all[i - 1], all[rng() % i]);
+    for (size_t i = static_cast<size_t>(*config.max_num_samples); i < all.size(); ++i) {
+        const std::string& path = all[i];
+        auto& list = index.buckets[bucket_key(index.metadata.at(path).aspect)];
+        list.erase(std::remove(list.begin(), list.end(), path), list.end());
+        index.metadata.erase(path);
+        index.skipped.emplace_back(path, "beyond max_num_samples " + std::to_string(*config.max_num_samples));
+    }
+    for (auto it = index.buckets.begin(); it != index.buckets.end();)
+        it = it->second.empty() ? index.buckets.erase(it) : std::next(it);
+}
+
+DatasetBuckets build_dataset_buckets(const DatasetConfig& config, const BucketBuildOptions& options,
+                                     ThreadPool& pool) {
+    DTUNE_CHECK_AS(UsageError, config.is_image_like(), "dataset '", config.id, "' is a ",
+                   to_string(config.dataset_type), " entry; only image datasets have buckets");
+    auto storage = make_storage(config);
+    const BucketSettings settings = BucketSettings::from(config, options.math);
+    DatasetBuckets out;
+    // Bucket shapes are pinned per resolution in area mode only (the pixel calculator has no map).
+    const bool pin = config.resolution_type == ResolutionType::kArea && !options.output_dir.empty();
+    AspectResolutionMap map(config.resolution);
+    if (pin) map.load(options.output_dir);
+    const bool loaded = out.index.load(*storage, config);
+    if (options.write_index && (!loaded || !config.skip_aspect_discovery)) {
+        out.newly_scanned = out.index.refresh(*storage, config, settings, pool, pin ? &map : nullptr,
+                                              options.seed, options.show_progress);
+        out.index.save(*storage, config);
+        if (pin) map.save(options.output_dir);
+    } else if (!loaded) {
+        throw DataError(
+            str("dataset '", config.id, "': ", BucketIndex::indices_path(config),
+                " is missing or stale and this rank does not write it; run discovery on the node's "
+                "first rank before the others read it"));
+    }
+    limit_samples(out.index, config);
+    BatchCheckInput in;
+    in.dataset_id = config.id;
+    in.train_batch_size = config.train_batch_size;
+    in.world_size = options.world_size;
+    in.gradient_accumulation_steps = options.gradient_accumulation_steps;
+    in.repeats = config.repeats;
+    in.repeats_set_by_user = config.repeats_set;
+    in.allow_oversubscription = options.allow_dataset_oversubscription;
+    in.apply_padding = options.apply_padding;
+    in.is_eval = config.dataset_type == DatasetType::kEval;
+    out.plan = plan_epoch(in, out.index.sizes());
+    for (const auto& [path, reason] : out.index.skipped) {
+        const char* kind = reason.rfind("too small", 0) == 0                ? "too small"
+                           : reason.rfind("beyond max_num_samples", 0) == 0 ? "beyond max_num_samples"
+                           : reason.find("aspect_ratio") != std::string::npos
+                               ? "outside the aspect range"
+                               : "unreadable (see skipped_files)";
+        ++out.plan.excluded_before_bucketing[kind];
+    }
+    out.local = rank_bucket_lists(out.index.buckets, out.plan, config.id, options.seed,
+                                  in.is_eval ? 1 : options.world_size, in.is_eval ? 0 : options.rank,
+                                  in.apply_padding);
+    log::info() << out.plan.report();
+    return out;
+}
+
+}  // namespace dtune::data
