@@ -3,16 +3,12 @@
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/InferenceMode.h>
-#include <torch/nn/module.h>
-
-#include <map>
 
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
 #include "diffusion/sampler.h"
 #include "io/image_tensor.h"
-#include "io/ldm_keys.h"
 
 namespace dtune::validate {
 
@@ -35,37 +31,6 @@ SDXLPipeline::SDXLPipeline(models::SDXLTextEncoders text_encoders, models::UNet2
 }
 
 namespace {
-
-// Copies diffusers-named tensors into `module` strictly (every parameter and buffer exactly once,
-// same shapes); DataError listing up to 20 problems otherwise.
-void copy_strict(torch::nn::Module& module, const io::TensorList& tensors, const std::string& what) {
-    std::map<std::string, at::Tensor> targets;
-    for (auto& item : module.named_parameters(true)) targets[item.key()] = item.value();
-    for (auto& item : module.named_buffers(true)) targets[item.key()] = item.value();
-    std::vector<std::string> problems;
-    at::NoGradGuard no_grad;
-    for (const auto& [key, value] : tensors) {
-        const auto it = targets.find(key);
-        if (it == targets.end()) {
-            problems.push_back("unexpected " + key);
-            continue;
-        }
-        if (it->second.sizes() != value.sizes())
-            problems.push_back(
-                str("shape of ", key, ": checkpoint ", value.sizes(), " vs model ", it->second.sizes()));
-        else
-            it->second.copy_(value);
-        targets.erase(it);
-    }
-    for (const auto& [name, _] : targets) problems.push_back("missing " + name);
-    if (problems.empty()) return;
-    std::string list;
-    for (std::size_t i = 0; i < problems.size() && i < 20; ++i) list += "\n    " + problems[i];
-    throw DataError(
-        str(what, ": ", problems.size(), " tensor problem(s):", list,
-            "\n  the checkpoint does not match the configs; pass the diffusers folder of the same "
-            "architecture as --config_folder"));
-}
 
 nlohmann::json read_scheduler_config(const models::PipelineFolder& pf) {
     const auto path = pf.component("scheduler").path / "scheduler_config.json";
@@ -97,24 +62,10 @@ SDXLPipeline SDXLPipeline::load_single_file(const std::filesystem::path& checkpo
     const auto pf = models::PipelineFolder::open(config_folder);
     auto text_encoders =
         models::SDXLTextEncoders::load_single_file(checkpoint, pf, {options.dtype, options.device});
-    const io::WeightSource file = io::WeightSource::open(checkpoint);
-    const std::string from = " from " + checkpoint.string();
-
-    auto unet_cfg = models::UNet2DConditionConfig::from_json(
-        models::read_component_config(pf.component("unet").path, "UNet"));
-    auto vae_cfg =
-        models::AutoencoderKLConfig::from_json(models::read_component_config(pf.vae_path(), "VAE"));
-    io::LdmLayout layout;
-    layout.unet_layers_per_block = static_cast<int>(unet_cfg.layers_per_block.at(0));
-    layout.vae_num_blocks = static_cast<int>(vae_cfg.block_out_channels.size());
-    models::UNet2DConditionModel unet(unet_cfg);
-    copy_strict(*unet, io::ldm_to_diffusers(file, io::LdmComponent::kUNet, layout), "UNet" + from);
-    unet->to(options.device, options.dtype);
-    models::AutoencoderKL vae(vae_cfg);
-    copy_strict(*vae, io::ldm_to_diffusers(file, io::LdmComponent::kVAE, layout), "VAE" + from);
-    // As load_autoencoder_kl: an fp16 request keeps an upcast-flagged VAE in fp32.
-    vae->to(options.device,
-            options.dtype == c10::kHalf && vae_cfg.force_upcast ? c10::kFloat : options.dtype);
+    models::ComponentLoadOptions comp{options.dtype, options.device};
+    comp.single_file = checkpoint;
+    auto unet = models::load_unet(pf.component("unet").path, comp);  // configs from the folder
+    auto vae = models::load_autoencoder_kl(pf.vae_path(), comp);
     return SDXLPipeline(std::move(text_encoders), std::move(unet), std::move(vae), read_scheduler_config(pf),
                         options.device);
 }
