@@ -80,7 +80,7 @@ dtune::validate::SDXLPipeline build(const Args& a, c10::ScalarType dtype, c10::D
     unet->to(dev, dtype);
     AutoencoderKL vae(AutoencoderKLConfig::from_json(ConfigReader::from_file(c / "vae" / "config.json")));
     vae->to(dev, dtype == c10::kHalf && vae->config().force_upcast ? c10::kFloat : dtype);
-    auto sched = nlohmann::json::parse(dtune::read_file(c / "scheduler" / "scheduler_config.json"));
+    auto sched = nlohmann::json::parse(dtune::fs::read_file(c / "scheduler" / "scheduler_config.json"));
     return dtune::validate::SDXLPipeline(std::move(te), std::move(unet), std::move(vae), std::move(sched),
                                          dev);
 }

@@ -196,8 +196,8 @@ int run_sample(const std::vector<std::string>& args) {
         const std::string stem = str("sample_", a.seed, "_", i);
         const auto png = std::filesystem::path(a.output_dir) / (stem + ".png");
         io::write_image(png, images[i]);
-        write_file_atomic(std::filesystem::path(a.output_dir) / (stem + ".json"),
-                          sidecar(a, device, dtype, static_cast<int>(i), seconds).dump(1) + "\n");
+        fs::write_file_atomic(std::filesystem::path(a.output_dir) / (stem + ".json"),
+                              sidecar(a, device, dtype, static_cast<int>(i), seconds).dump(1) + "\n");
         std::printf("%s\n", png.string().c_str());
     }
     if (a.grid && images.size() > 1) {

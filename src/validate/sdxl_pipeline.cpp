@@ -38,7 +38,7 @@ nlohmann::json read_scheduler_config(const models::PipelineFolder& pf) {
         DataError, std::filesystem::exists(path), "missing ", path.string(),
         ": the pipeline folder needs scheduler/scheduler_config.json (copy it from the base model)");
     try {
-        return nlohmann::json::parse(read_file(path));
+        return nlohmann::json::parse(fs::read_file(path));
     } catch (const nlohmann::json::exception& e) {
         throw DataError(str(path.string(), ": not valid JSON (", e.what(), "); fix or replace the file"));
     }
