@@ -86,6 +86,17 @@ void check_request(const GenerationRequest& r, int64_t factor) {
                              " prompts: give one negative prompt or one per prompt"));
 }
 
+// The sampler for a request: dtune sample's names (dpmpp_2m, dpmpp_2m_karras) map onto the
+// diffusion layer's DPM++ with use_karras_sigmas forced either way; other names pass through.
+std::unique_ptr<diffusion::Sampler> sampler_for(nlohmann::json config, const std::string& name) {
+    std::string kind = name;
+    if (name == "dpmpp_2m" || name == "dpmpp_2m_karras") {
+        config["use_karras_sigmas"] = name == "dpmpp_2m_karras";
+        kind = "dpm++";
+    }
+    return diffusion::make_sampler(config, kind);
+}
+
 }  // namespace
 
 SDXLPipeline::Conditioning SDXLPipeline::condition(const GenerationRequest& r, bool cfg) {
@@ -126,7 +137,7 @@ SDXLPipeline::Conditioning SDXLPipeline::condition(const GenerationRequest& r, b
 
 at::Tensor SDXLPipeline::denoise(const GenerationRequest& r, const Conditioning& c, at::Tensor latents,
                                  at::Generator& gen, const StepCallback& on_step) {
-    auto sampler = diffusion::make_sampler(scheduler_config_, r.sampler);
+    auto sampler = sampler_for(scheduler_config_, r.sampler);
     sampler->set_timesteps(r.steps);
     latents = (latents * sampler->init_noise_sigma()).to(device_);  // [B*N, 4, h, w] float32
     const models::UNetAddedCond added{c.text_embeds, c.time_ids};

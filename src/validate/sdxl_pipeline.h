@@ -43,7 +43,9 @@ struct GenerationRequest {
     int64_t steps = 30;
     double guidance_scale = 5.0;
     double guidance_rescale = 0.0;
-    std::string sampler;  // "euler", "dpmpp_2m", ... ("" = the scheduler config's class)
+    // euler | euler_a | ddim | dpmpp_2m | dpmpp_2m_karras | unipc (or the diffusion layer's names);
+    // "" = the scheduler config's class.
+    std::string sampler;
     uint64_t seed = 0;
     int num_images_per_prompt = 1;
     std::optional<int> clip_skip;

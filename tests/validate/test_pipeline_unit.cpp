@@ -115,6 +115,21 @@ TEST(SDXLPipeline, BatchRowsArePromptMajor) {
     EXPECT_LE(max_abs_diff(pipe.generate(single).latents, batch.latents.slice(0, 2, 3)), 1e-4);
 }
 
+TEST(SDXLPipeline, KarrasNameSwitchesTheSigmaSchedule) {
+    // dpmpp_2m and dpmpp_2m_karras share the solver and differ only in their sigmas, so their
+    // results must differ; both must run from the tiny model's Euler scheduler config.
+    auto& pipe = tiny_pipeline();
+    auto r = small_request();
+    r.decode = false;
+    r.sampler = "dpmpp_2m";
+    const auto plain = pipe.generate(r);
+    r.sampler = "dpmpp_2m_karras";
+    const auto karras = pipe.generate(r);
+    EXPECT_GT(max_abs_diff(plain.latents, karras.latents), 1e-3);
+    r.sampler = "dpm++";  // the diffusion layer's own name is the non-Karras variant here too
+    EXPECT_TRUE(at::equal(pipe.generate(r).latents, plain.latents));
+}
+
 TEST(SDXLPipeline, RejectsBadRequests) {
     auto& pipe = tiny_pipeline();
     auto r = small_request();
@@ -129,6 +144,9 @@ TEST(SDXLPipeline, RejectsBadRequests) {
     EXPECT_THROW(pipe.generate(r), UsageError);
     r = small_request();
     r.latents = at::zeros({1, 4, 4, 4});
+    EXPECT_THROW(pipe.generate(r), UsageError);
+    r = small_request();
+    r.sampler = "heun";
     EXPECT_THROW(pipe.generate(r), UsageError);
 }
 
