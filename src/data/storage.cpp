@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "data/dataset_config.h"
+#include "data/s3_storage.h"
 
 namespace dtune::data {
 
@@ -62,11 +63,8 @@ std::string LocalStorage::join(const std::string& root, const std::string& path)
 }
 
 std::unique_ptr<StorageBackend> make_storage(const DatasetConfig& config) {
-    if (config.type == StorageType::kLocal) return std::make_unique<LocalStorage>();
-    throw UsageError(
-        str("dataset '", config.id,
-            "', key 'type': \"aws\" storage is not built into dtune yet; copy the data to a local "
-            "folder and use \"type\": \"local\""));
+    if (config.type == StorageType::kAws) return make_s3_storage(config);
+    return std::make_unique<LocalStorage>();
 }
 
 }  // namespace dtune::data

@@ -1,5 +1,5 @@
-// Storage backends: where a dataset's files (and its bucket/metadata JSON) live. Local folders
-// now; S3 implements the same interface later, so nothing above this layer touches paths directly.
+// Storage backends: where a dataset's files (and its bucket/metadata JSON) live: local folders or
+// an S3 bucket (data/s3_storage.h), so nothing above this layer touches paths directly.
 //
 // Invariants: paths handed out by list_files() are absolute in the backend's namespace and sorted;
 // write() is atomic (a reader sees the old or the new content, never a mix).
@@ -42,7 +42,7 @@ class LocalStorage final : public StorageBackend {
     std::string join(const std::string& root, const std::string& path) const override;
 };
 
-// The backend a dataset entry asks for; UsageError for types not built yet (aws).
+// The backend a dataset entry asks for: LocalStorage, or S3Storage (data/s3_storage.h) for "aws".
 std::unique_ptr<StorageBackend> make_storage(const DatasetConfig& config);
 
 }  // namespace dtune::data

@@ -1,0 +1,132 @@
+// The `type: aws` backend end to end against SeaweedFS on loopback: a dataset entry with
+// SimpleTuner's aws_* keys, parsed by the dataset config, gives a backend that lists only under
+// its prefix, reads images that decode to the pixels that were uploaded, reads just the header
+// bytes for bucketing, and writes/removes metadata files.
+#include "core/error.h"
+#include "data/dataset_config.h"
+#include "data/s3_storage.h"
+#include "io/image.h"
+#include "io/image_info.h"
+#include "s3_test_server.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+namespace dtune::data {
+namespace {
+
+using test::S3TestServer;
+
+io::RgbImage gradient(int w, int h, int seed) {
+    io::RgbImage img(w, h);
+    for (int y = 0; y < h; ++y)
+        for (int x = 0; x < w; ++x) {
+            uint8_t* p = img.at(x, y);
+            p[0] = static_cast<uint8_t>(x * 7 + seed);
+            p[1] = static_cast<uint8_t>(y * 5 + seed);
+            p[2] = static_cast<uint8_t>((x + y) * 3);
+        }
+    return img;
+}
+
+// A config with the entry plus the text_embeds entry every config needs; returns the entry.
+DatasetConfig parse_entry(const nlohmann::json& entry) {
+    const nlohmann::json text = {
+        {"id", "text"}, {"dataset_type", "text_embeds"}, {"default", true}, {"cache_dir", "cache/text"}};
+    return parse_data_backend_config(nlohmann::json::array({entry, text}), GlobalDataArgs{}).datasets.at(0);
+}
+
+DatasetConfig aws_entry(const S3TestServer& server, const std::string& prefix) {
+    const nlohmann::json entry = {{"id", "s3-images"},
+                                  {"type", "aws"},
+                                  {"aws_bucket_name", "dtune-dataset"},
+                                  {"aws_region_name", "us-east-1"},
+                                  {"aws_endpoint_url", server.endpoint()},
+                                  {"aws_access_key_id", S3TestServer::kAccessKey},
+                                  {"aws_secret_access_key", S3TestServer::kSecretKey},
+                                  {"aws_data_prefix", prefix},
+                                  {"aws_max_pool_connections", 4},
+                                  {"caption_strategy", "filename"}};
+    return parse_entry(entry);
+}
+
+TEST(S3Storage, ListsUnderThePrefixAndReadsImages) {
+    auto server = S3TestServer::start(test::S3ServerKind::kSeaweed);
+    ASSERT_TRUE(server);
+    const DatasetConfig entry = aws_entry(*server, "train/images");
+    EXPECT_EQ(s3_data_prefix_for(entry), "train/images/");
+    const io::S3Config s3 = s3_config_for(entry);
+    EXPECT_EQ(s3.max_connections, 4);
+    io::S3Client(s3).create_bucket();
+
+    auto storage = make_storage(entry);
+    ASSERT_EQ(storage->kind(), "aws");
+    const io::RgbImage a = gradient(64, 48, 1), b = gradient(40, 80, 2);
+    storage->write("train/images/a cat.png", io::encode_png(a));
+    storage->write("train/images/sub/b.PNG", io::encode_png(b));
+    storage->write("train/images/a cat.txt", "a cat");
+    storage->write("train/images-other/c.png", io::encode_png(a));  // shares the text prefix only
+    storage->write("val/d.png", io::encode_png(b));
+
+    const std::vector<std::string> ext = {".png", ".jpg"};
+    EXPECT_EQ(storage->list_files("", ext),
+              (std::vector<std::string>{"train/images/a cat.png", "train/images/sub/b.PNG"}));
+    EXPECT_EQ(storage->list_files("train/images/sub", ext),
+              (std::vector<std::string>{"train/images/sub/b.PNG"}));
+    EXPECT_EQ(storage->list_files("train/images", {}).size(), 3u);  // the caption file too
+
+    const io::RgbImage got = io::decode_image(storage->read("train/images/sub/b.PNG"), "b.PNG");
+    EXPECT_EQ(got.width, 40);
+    EXPECT_EQ(got.height, 80);
+    EXPECT_TRUE(got.pixels == b.pixels);
+
+    auto* s3_storage = dynamic_cast<S3Storage*>(storage.get());
+    ASSERT_NE(s3_storage, nullptr);
+    const std::string header = s3_storage->read_prefix("train/images/a cat.png", 64);
+    ASSERT_EQ(header.size(), 64u);
+    io::ImageInfo info;
+    std::string error;
+    ASSERT_EQ(io::parse_image_info(reinterpret_cast<const uint8_t*>(header.data()), header.size(), false,
+                                   info, error),
+              io::ParseStatus::kOk)
+        << error;
+    EXPECT_EQ(info.width, 64);
+    EXPECT_EQ(info.height, 48);
+    const auto many = s3_storage->read_many({"train/images/a cat.txt", "/val/d.png"});
+    EXPECT_EQ(many[0], "a cat");
+    EXPECT_EQ(io::decode_image(many[1], "d.png").pixels, b.pixels);
+
+    EXPECT_EQ(storage->join("train/images", "sub/./b.PNG"), "train/images/sub/b.PNG");
+    EXPECT_EQ(storage->join("train/images", "/val/d.png"), "val/d.png");
+    EXPECT_TRUE(storage->exists("val/d.png"));
+    storage->remove("val/d.png");
+    EXPECT_FALSE(storage->exists("val/d.png"));
+    try {
+        storage->read("train/images/missing.png");
+        FAIL() << "expected DataError";
+    } catch (const DataError& e) {
+        EXPECT_NE(std::string(e.what()).find("s3://dtune-dataset/train/images/missing.png"),
+                  std::string::npos)
+            << e.what();
+    }
+}
+
+TEST(S3Storage, ConfigKeysAreTypeCheckedWithoutShowingSecrets) {
+    const nlohmann::json bad = {{"id", "s3"},
+                                {"type", "aws"},
+                                {"aws_bucket_name", "b-b-b"},
+                                {"aws_secret_access_key", 12345987},
+                                {"aws_access_key_id", "AK"}};
+    const DatasetConfig entry = parse_entry(bad);
+    try {
+        s3_config_for(entry);
+        FAIL() << "expected UsageError";
+    } catch (const UsageError& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find("aws_secret_access_key"), std::string::npos) << m;
+        EXPECT_EQ(m.find("12345987"), std::string::npos) << m;
+    }
+}
+
+}  // namespace
+}  // namespace dtune::data
