@@ -155,6 +155,10 @@ void Trainer::set_trainable_parameters(std::vector<NamedTensor> params) {
     trainable_ = std::move(params);
 }
 
+void Trainer::add_callback(std::shared_ptr<TrainCallback> callback) {
+    callbacks_.push_back(std::move(callback));
+}
+
 void Trainer::build_optimizer() {
     ParamGroup group;
     for (const auto& p : trainable_) {
@@ -272,6 +276,7 @@ void Trainer::save(const std::string& why) {
     const auto dir = save_checkpoint(output_dir_, c);
     log::info() << "saved " << dir.string() << " (" << why << ")";
     rotate_checkpoints(output_dir_, config_.integer("checkpoints_total_limit"));
+    for (auto& cb : callbacks_) cb->on_checkpoint(*this, dir);
 }
 
 void Trainer::append_metrics(double loss, double lr, double grad_norm, double img_per_s) {
@@ -292,6 +297,15 @@ void Trainer::write_final_outputs() {
 }
 
 TrainResult Trainer::run() {
+    try {
+        return run_loop();
+    } catch (const std::exception& e) {
+        for (auto& cb : callbacks_) cb->on_error(*this, e);
+        throw;
+    }
+}
+
+TrainResult Trainer::run_loop() {
     build_optimizer();
     resume();
     LRScheduleOptions lr_options;
@@ -306,6 +320,7 @@ TrainResult Trainer::run() {
     const int64_t interval = config_.integer("checkpoint_step_interval");
     const int64_t images_per_step =
         config_.integer("train_batch_size") * config_.integer("gradient_accumulation_steps");
+    for (auto& cb : callbacks_) cb->on_train_start(*this);
     Progress progress(total_steps_, ProgressOptions{"training", "step"});
     progress.update(global_step_);
     TrainResult result;
@@ -328,6 +343,16 @@ TrainResult Trainer::run() {
         result.last_loss = loss;
         if (global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0)
             append_metrics(loss, lr, grad_norm, static_cast<double>(images_per_step) / dt);
+        StepReport report;
+        report.step = global_step_;
+        report.epoch = source_->epoch();
+        report.loss = loss;
+        report.lr = lr;
+        report.grad_norm = grad_norm;
+        report.img_per_s = static_cast<double>(images_per_step) / dt;
+        report.samples_seen = global_step_ * images_per_step;
+        report.step_seconds = dt;
+        for (auto& cb : callbacks_) cb->on_step_end(*this, report);
         progress.set_postfix(str("loss ", loss, " lr ", lr));
         progress.update();
         if (interval > 0 && global_step_ % interval == 0 && global_step_ < total_steps_) save("interval");
@@ -338,6 +363,7 @@ TrainResult Trainer::run() {
         write_final_outputs();
     }
     result.global_step = global_step_;
+    for (auto& cb : callbacks_) cb->on_train_end(*this, result);
     return result;
 }
 

@@ -22,6 +22,7 @@
 #include "diffusion/noise_schedule.h"
 #include "models/unet/unet_2d_condition.h"
 #include "train/batch_source.h"
+#include "train/callbacks.h"
 #include "train/config.h"
 #include "train/optimizer.h"
 #include "train/step.h"
@@ -59,10 +60,21 @@ class Trainer {
     // Trains until max_train_steps (or the epochs) are done or a stop is requested.
     TrainResult run();
 
+    // Observers (metrics, report, validation, webhooks, health); called in the order added.
+    void add_callback(std::shared_ptr<TrainCallback> callback);
+
     models::UNet2DConditionModel& unet() { return unet_; }
     int64_t total_steps() const { return total_steps_; }
+    int64_t global_step() const { return global_step_; }
+    const TrainConfig& config() const { return config_; }
+    const std::filesystem::path& output_dir() const { return output_dir_; }
+    c10::Device device() const { return device_; }
+    const std::vector<NamedTensor>& trainable_parameters() const { return trainable_; }
+    // Rank 0 writes shared files (checkpoints, outputs, reports); 0 when not distributed.
+    bool is_main_process() const { return rank_ == 0; }
 
   private:
+    TrainResult run_loop();
     void init_common();
     void build_optimizer();
     void resume();
@@ -87,6 +99,8 @@ class Trainer {
     int64_t global_step_ = 0;
     int64_t total_steps_ = 0;
     std::optional<std::filesystem::path> resumed_from_;
+    std::vector<std::shared_ptr<TrainCallback>> callbacks_;
+    int rank_ = 0;
 };
 
 // Parses "cpu", "cuda", "cuda:N" or "auto" (CUDA when available).
