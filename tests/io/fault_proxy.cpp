@@ -1,6 +1,8 @@
 // Fault-injecting TCP proxy for tests. See fault_proxy.h.
 #include "fault_proxy.h"
 
+#include "support/loopback.h"
+
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -16,32 +18,11 @@ namespace {
 
 enum Mode { kForward = 0, kCloseAtOnce = 1, kAnswer503 = 2, kCutResponse = 3 };
 
-bool send_all(int fd, const char* data, std::size_t n) {
-    while (n > 0) {
-        const ssize_t w = ::send(fd, data, n, MSG_NOSIGNAL);
-        if (w <= 0) return false;
-        data += w;
-        n -= static_cast<std::size_t>(w);
-    }
-    return true;
-}
-
 }  // namespace
 
 FaultProxy::FaultProxy(int upstream_port, double fault_rate, std::uint32_t seed)
     : upstream_port_(upstream_port), fault_rate_(fault_rate), seed_(seed) {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    int one = 1;
-    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-        ::listen(listen_fd_, 128) != 0)
-        throw std::runtime_error("FaultProxy: cannot listen on 127.0.0.1");
-    socklen_t len = sizeof addr;
-    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-    port_ = ntohs(addr.sin_port);
+    listen_fd_ = listen_on_loopback(128, port_, "FaultProxy");
     thread_ = std::thread([this] { serve(); });
 }
 

@@ -1,5 +1,6 @@
 // Loopback HTTP server for tests.
 #include "support/http_listener.h"
+#include "support/loopback.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -15,19 +16,7 @@
 namespace dtune::test {
 
 HttpListener::HttpListener() {
-    listen_fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    int one = 1;
-    ::setsockopt(listen_fd_, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = 0;
-    if (::bind(listen_fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-        ::listen(listen_fd_, 64) != 0)
-        throw std::runtime_error("HttpListener: cannot listen on 127.0.0.1");
-    socklen_t len = sizeof addr;
-    ::getsockname(listen_fd_, reinterpret_cast<sockaddr*>(&addr), &len);
-    port_ = ntohs(addr.sin_port);
+    listen_fd_ = listen_on_loopback(64, port_, "HttpListener");
     thread_ = std::thread([this] { serve(); });
 }
 
@@ -103,7 +92,7 @@ void HttpListener::handle(int fd) {
             std::this_thread::sleep_for(std::chrono::milliseconds(10));
         std::string reply = "HTTP/1.1 " + std::to_string(status_.load()) +
                             " X\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}";
-        ::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+        send_all(fd, reply.data(), reply.size());
     }
     ::close(fd);
 }
