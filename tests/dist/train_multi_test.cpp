@@ -13,6 +13,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <fstream>
 #include <sstream>
@@ -210,18 +211,45 @@ TEST(DistTrain, ZeroOneEqualsPlainDataParallelAndResumesOnOneRank) {
     std::printf("ZeRO-1 vs plain data parallel: max |dw| = %.3g\n", diff);
     EXPECT_LE(diff, 1e-6);
 
-    // The ZeRO-1 checkpoint of step 2 (two optimizer shards), resumed by one process with the same
-    // global batch, must finish where the 2-rank run finished.
-    std::filesystem::create_directories(w.out("resumed"));
-    std::filesystem::copy(w.out("zero") / "checkpoint-2", w.out("resumed") / "checkpoint-2",
+    // Resume from the step-2 checkpoints. On 2 ranks without ZeRO, the ZeRO-1 shards (merged by
+    // parameter name) must give exactly the run that never stopped.
+    auto resume_from = [&](const std::string& from, const std::string& to, int ranks,
+                           const std::string& extra) {
+        std::filesystem::create_directories(w.out(to));
+        std::filesystem::copy(w.out(from) / "checkpoint-2", w.out(to) / "checkpoint-2",
+                              std::filesystem::copy_options::recursive);
+        const auto r = run_shell(w.train(ranks, to, adam + extra + " --max_train_steps 4"));
+        EXPECT_EQ(r.exit_code, 0) << r.output;
+        EXPECT_TRUE(contains(r.output, "resumed from")) << r.output;
+    };
+    resume_from("zero", "zero_then_plain", 2, "--train_batch_size 1");
+    const double same_world =
+        max_difference(final_weights(w.out("plain")), final_weights(w.out("zero_then_plain")));
+    std::printf("ZeRO-1 checkpoint resumed by 2 plain ranks vs straight: max |dw| = %.3g\n", same_world);
+    EXPECT_EQ(same_world, 0.0);
+    // On one process (another world size): the shards must restore exactly the state the plain
+    // run's whole optimizer.safetensors restores (AdamW would amplify float-order differences
+    // between 1 and 2 ranks, so the two resumed runs are compared with each other).
+    resume_from("zero", "zero_then_one", 0, "--train_batch_size 2");
+    resume_from("plain", "plain_then_one", 0, "--train_batch_size 2");
+    const double other_world =
+        max_difference(final_weights(w.out("zero_then_one")), final_weights(w.out("plain_then_one")));
+    std::printf("1 process resumed from ZeRO-1 shards vs from the whole state: max |dw| = %.3g\n",
+                other_world);
+    EXPECT_EQ(other_world, 0.0);
+    // A checkpoint without optimizer state is refused rather than resumed with a fresh optimizer.
+    std::filesystem::create_directories(w.out("no_state"));
+    std::filesystem::copy(w.out("plain") / "checkpoint-2", w.out("no_state") / "checkpoint-2",
                           std::filesystem::copy_options::recursive);
-    const auto resumed = run_shell(w.train(0, "resumed", adam + "--train_batch_size 2 --max_train_steps 4"));
-    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-    EXPECT_TRUE(contains(resumed.output, "resumed from")) << resumed.output;
-    const double resume_diff = max_difference(final_weights(w.out("zero")), final_weights(w.out("resumed")));
-    std::printf("2 ranks ZeRO-1 to step 2, 1 rank to step 4 vs 2 ranks to step 4: max |dw| = %.3g\n",
-                resume_diff);
-    EXPECT_LE(resume_diff, 1e-5);
+    std::filesystem::remove(w.out("no_state") / "checkpoint-2/optimizer.safetensors");
+    const auto manifest_path = w.out("no_state") / "checkpoint-2/checkpoint_manifest.json";
+    auto manifest = nlohmann::json::parse(fs::read_file(manifest_path));
+    auto& files = manifest["files"];
+    files.erase(std::remove(files.begin(), files.end(), "optimizer.safetensors"), files.end());
+    fs::write_file_atomic(manifest_path, manifest.dump());
+    const auto fresh = run_shell(w.train(0, "no_state", adam + "--train_batch_size 2 --max_train_steps 4"));
+    EXPECT_NE(fresh.exit_code, 0) << fresh.output;  // refused: the checkpoint has no optimizer state
+    EXPECT_TRUE(contains(fresh.output, "has no optimizer state")) << fresh.output;
 }
 
 TEST(DistTrain, ResumeNeedsTheSameGlobalBatch) {
