@@ -151,6 +151,10 @@ double dp_equivalence(dist::Group& g, const SelftestArgs& a, const std::string& 
             (loss / a.accumulate).backward();  // no communication on micro-steps: grads accumulate
         }
         reducer.reduce();
+        // With overlap, the last layers' buckets must have started while backward still ran.
+        DTUNE_CHECK(!overlap || g.world_size() == 1 || reducer.overlapped_buckets() > 0,
+                    "overlap is on but no bucket was launched during backward (", reducer.buckets().size(),
+                    " buckets)");
         opt->step();
         if (zero1) partition.sync_parameters(g, mine);
         ref_opt->zero_grad();

@@ -93,6 +93,7 @@ void GradReducer::reset_round() {
     works_.clear();
     works_.resize(buckets_.size());
     twice_.clear();
+    hook_launches_ = 0;
 }
 
 namespace {
@@ -134,7 +135,10 @@ void GradReducer::on_grad_ready(std::size_t k) {
     }
     --remaining_[bucket_of_[k]];
     // Launch in bucket order only, so that every rank issues the same collectives in the same order.
-    while (next_launch_ < buckets_.size() && remaining_[next_launch_] == 0) launch(next_launch_++);
+    while (next_launch_ < buckets_.size() && remaining_[next_launch_] == 0) {
+        launch(next_launch_++);
+        ++hook_launches_;
+    }
 }
 
 void GradReducer::reduce() {
@@ -151,6 +155,7 @@ void GradReducer::reduce() {
         armed_ = false;  // a late hook must not launch anything now
         while (next_launch_ < buckets_.size()) launch(next_launch_++);
         twice = twice_;
+        last_overlapped_ = hook_launches_;
     }
     at::NoGradGuard no_grad;
     const long n_ranks = group_.world_size();

@@ -47,6 +47,8 @@ class GradReducer {
     void enable_overlap();
     // The next backward is the last before reduce(): its hooks launch buckets.
     void arm();
+    // Buckets the hooks launched while backward ran, in the last reduce() (tests, logs).
+    std::size_t overlapped_buckets() const { return last_overlapped_; }
     // Parameter indices per bucket, in launch order (for tests and logs).
     const std::vector<std::vector<std::size_t>>& buckets() const { return buckets_; }
 
@@ -72,6 +74,7 @@ class GradReducer {
     std::vector<at::Tensor> flats_;
     std::vector<std::unique_ptr<Pending>> works_;
     std::string twice_;  // a parameter whose hook fired twice this round
+    std::size_t hook_launches_ = 0, last_overlapped_ = 0;
 };
 
 // Copies rank `root`'s values into every rank's parameters (start of training: identical weights).
