@@ -46,6 +46,18 @@ std::filesystem::path vae_dir(const TrainConfig& config, const std::filesystem::
     return model_dir / "vae";
 }
 
+std::vector<at::Tensor> tensors_of(const std::vector<NamedTensor>& named) {
+    std::vector<at::Tensor> out;
+    for (const auto& p : named) out.push_back(p.tensor);
+    return out;
+}
+
+void log_fault_stop(const StepAgreement& agreed, int64_t step) {
+    log::error() << "GPU fault reported by rank " << agreed.fault_rank << " (GPU " << agreed.fault_gpu
+                 << " of its node): stopping at step " << step << " without a checkpoint; the last "
+                 << "checkpoint is intact";
+}
+
 }  // namespace
 
 c10::Device parse_train_device(const std::string& name) {
@@ -404,11 +416,7 @@ TrainResult Trainer::run() {
 }
 
 TrainResult Trainer::run_loop() {
-    {
-        std::vector<at::Tensor> params;
-        for (const auto& p : trainable_) params.push_back(p.tensor);
-        dp_->attach(std::move(params));  // rank 0's weights everywhere; reducer; ZeRO partition
-    }
+    dp_->attach(tensors_of(trainable_));  // rank 0's weights everywhere; reducer; ZeRO partition
     build_optimizer();
     resume();
     LRScheduleOptions lr_options;
@@ -435,9 +443,7 @@ TrainResult Trainer::run_loop() {
         if (dp_->world_size() == 1)
             agreed = dp_->agree(agreed.mean_loss, stop_requested(), gpu_fault_request());
         if (agreed.fault()) {
-            log::error() << "GPU fault reported by rank " << agreed.fault_rank << " (GPU " << agreed.fault_gpu
-                         << " of its node): stopping at step " << global_step_
-                         << " without a checkpoint; the last checkpoint is intact";
+            log_fault_stop(agreed, global_step_);
             result.outcome = TrainOutcome::kGpuFault;
             result.fault_rank = agreed.fault_rank;
             result.fault_gpu = agreed.fault_gpu;
