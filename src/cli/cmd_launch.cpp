@@ -45,6 +45,7 @@ DTUNE_REGISTER_COMMAND(
     "MASTER_ADDR and MASTER_PORT set (the variables torchrun sets), relays their stderr prefixed\n"
     "with the rank, forwards SIGINT/SIGTERM, and when one process fails stops the others (SIGTERM,\n"
     "then SIGKILL after the grace period) and exits 1 naming the rank and its last stderr lines.\n"
+    "When a rank exits with 75 (GPU fault), the launcher exits 75 too, naming the node, rank and GPU.\n"
     "Run it once per node, with the same options except --node_rank.\n\n"
     "options:\n"
     "  --nproc_per_node N     processes on this node (default: visible CUDA devices, at least 1)\n"

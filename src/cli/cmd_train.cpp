@@ -1,11 +1,14 @@
 // `dtune train --config config.json [--key value ...]`: SimpleTuner-compatible training.
-// Exit codes: 0 done, 2 bad config, 3 bad data/model files, 4 stopped by a signal after saving.
+// Exit codes: 0 done, 2 bad config, 3 bad data/model files, 4 stopped by a signal after saving,
+// 75 a GPU fault (circuit breaker, or a CUDA error in a step) stopped every rank.
 #include <cstdio>
 
 #include "cli/command.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "health/breaker.h"
 #include "train/config.h"
+#include "train/run_observers.h"
 #include "train/signals.h"
 #include "train/trainer.h"
 
@@ -30,7 +33,25 @@ int run_train(const std::vector<std::string>& args) {
     train::TrainConfig config = train::TrainConfig::load(config_file, overrides);
     train::install_stop_signal_handlers();
     train::Trainer trainer(std::move(config));
-    const train::TrainResult result = trainer.run();
+    train::add_run_observers(trainer, trainer.config());
+    train::TrainResult result;
+    try {
+        result = trainer.run();
+    } catch (const Error&) {
+        throw;
+    } catch (const std::exception& e) {
+        // A CUDA failure in a step means the GPU (or its memory) is not trustworthy: same exit as
+        // the circuit breaker, so an orchestrator replaces the instance.
+        if (health::is_cuda_error(e.what()))
+            throw Error(str("CUDA error in training: ", e.what()), ExitCode::kGpuFault);
+        throw;
+    }
+    if (result.outcome == train::TrainOutcome::kGpuFault) {
+        log::error() << "GPU fault (rank " << result.fault_rank << ", GPU " << result.fault_gpu
+                     << " of its node) stopped training at step " << result.global_step
+                     << "; replace the machine and resume from the last checkpoint";
+        return static_cast<int>(ExitCode::kGpuFault);
+    }
     if (result.outcome == train::TrainOutcome::kInterrupted) {
         log::info() << "stopped at step " << result.global_step << " after saving a checkpoint; run the same "
                     << "command again to resume";

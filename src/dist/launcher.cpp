@@ -190,6 +190,19 @@ void stop_all(std::vector<Child>& children, int first_signal, double grace_s) {
     for (int i = 0; i < 20; ++i) pump(children, 0);  // flush what is left in the pipes
 }
 
+// A rank's exit code for a GPU fault: the launcher exits with it too.
+constexpr int kGpuFaultExit = static_cast<int>(ExitCode::kGpuFault);
+
+// The "GPU fault on node ..." line a rank printed (the one whose monitor or step saw the fault),
+// else the line saying which rank reported it.
+std::string fault_line(const std::vector<Child>& children) {
+    for (const char* needle : {"GPU fault on node ", "GPU fault reported by rank "})
+        for (const auto& c : children)
+            for (const auto& line : c.tail)
+                if (auto at = line.find(needle); at != std::string::npos) return line.substr(at);
+    return "a rank exited with code 75 (GPU fault) without saying which GPU";
+}
+
 std::string failure_message(const Child& c) {
     std::string msg = str("rank ", c.rank, " (local rank ", c.local_rank, ", pid ", c.pid, ") ",
                           describe_status(c.status), "; the other ranks were stopped.");
@@ -272,6 +285,12 @@ LaunchResult run_local_ranks(const LaunchConfig& config, const std::string& self
             stop_all(children, SIGTERM, config.grace_period_s);
             result.exit_code = 1;
             result.message = failure_message(c);
+            if (WIFEXITED(c.status) && WEXITSTATUS(c.status) == kGpuFaultExit) {
+                // Keep the orchestrator's signal (75: replace this machine) and say which GPU.
+                result.exit_code = kGpuFaultExit;
+                result.message = str("GPU fault on node ", config.node_rank, ": ", fault_line(children), "\n",
+                                     result.message);
+            }
             return result;
         }
     }

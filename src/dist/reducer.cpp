@@ -2,8 +2,11 @@
 #include "dist/reducer.h"
 
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <functional>
 #include <memory>
 #include <numeric>
 
@@ -30,6 +33,11 @@ GradReducer::GradReducer(Group& group, std::vector<at::Tensor> params, ReducerOp
         bytes += size;
     }
     if (!current.empty()) buckets_.push_back(std::move(current));
+}
+
+GradReducer::~GradReducer() {
+    if (!overlap_) return;
+    for (auto& p : params_) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
 }
 
 // [sum numel + n]: the gradients (zeros where undefined) then one "used" flag per parameter.
@@ -71,23 +79,96 @@ void GradReducer::unpack(const std::vector<std::size_t>& bucket, const at::Tenso
     }
 }
 
+void GradReducer::launch(std::size_t b) {
+    flats_[b] = pack(buckets_[b]);
+    works_[b] = group_.all_reduce_sum_async(flats_[b]);
+}
+
+void GradReducer::reset_round() {
+    armed_ = false;
+    next_launch_ = 0;
+    std::fill(fired_.begin(), fired_.end(), 0);
+    for (std::size_t b = 0; b < remaining_.size(); ++b) remaining_[b] = buckets_[b].size();
+    flats_.assign(buckets_.size(), at::Tensor());
+    works_.clear();
+    works_.resize(buckets_.size());
+    twice_.clear();
+    hook_launches_ = 0;
+}
+
+namespace {
+
+struct ReadyHook final : torch::autograd::PostAccumulateGradHook {
+    explicit ReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+    void operator()(const torch::autograd::Variable&) override { fn_(); }
+    std::function<void()> fn_;
+};
+
+}  // namespace
+
+void GradReducer::enable_overlap() {
+    if (group_.world_size() <= 1 || overlap_) return;
+    overlap_ = true;
+    bucket_of_.assign(params_.size(), 0);
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+        for (std::size_t k : buckets_[b]) bucket_of_[k] = b;
+    fired_.assign(params_.size(), 0);
+    remaining_.assign(buckets_.size(), 0);
+    reset_round();
+    for (std::size_t k = 0; k < params_.size(); ++k)
+        torch::autograd::impl::set_post_acc_grad_hooks(
+            params_[k], std::make_unique<ReadyHook>([this, k] { on_grad_ready(k); }));
+}
+
+void GradReducer::arm() {
+    if (!overlap_) return;
+    std::lock_guard lock(mutex_);
+    armed_ = true;
+}
+
+void GradReducer::on_grad_ready(std::size_t k) {
+    std::lock_guard lock(mutex_);
+    if (!armed_) return;  // a micro-step before the last: gradients only accumulate
+    if (fired_[k]++ > 0) {
+        if (twice_.empty()) twice_ = std::to_string(k);
+        return;
+    }
+    --remaining_[bucket_of_[k]];
+    // Launch in bucket order only, so that every rank issues the same collectives in the same order.
+    while (next_launch_ < buckets_.size() && remaining_[next_launch_] == 0) {
+        launch(next_launch_++);
+        ++hook_launches_;
+    }
+}
+
 void GradReducer::reduce() {
     if (group_.world_size() <= 1) return;
-    std::vector<at::Tensor> flats;
-    std::vector<std::unique_ptr<Pending>> pending;
-    flats.reserve(buckets_.size());
-    for (const auto& bucket : buckets_) {
-        flats.push_back(pack(bucket));
-        pending.push_back(group_.all_reduce_sum_async(flats.back()));
+    std::string twice;
+    {
+        std::lock_guard lock(mutex_);
+        if (!armed_) {  // no overlap this round: everything is launched now
+            next_launch_ = 0;
+            flats_.assign(buckets_.size(), at::Tensor());
+            works_.clear();
+            works_.resize(buckets_.size());
+        }
+        armed_ = false;  // a late hook must not launch anything now
+        while (next_launch_ < buckets_.size()) launch(next_launch_++);
+        twice = twice_;
+        last_overlapped_ = hook_launches_;
     }
     at::NoGradGuard no_grad;
     const long n_ranks = group_.world_size();
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
-        pending[b]->wait();
-        long grads = flats[b].numel() - static_cast<long>(buckets_[b].size());
-        flats[b].slice(0, 0, grads).div_(n_ranks);
-        unpack(buckets_[b], flats[b]);
+        works_[b]->wait();
+        long grads = flats_[b].numel() - static_cast<long>(buckets_[b].size());
+        flats_[b].slice(0, 0, grads).div_(n_ranks);
+        unpack(buckets_[b], flats_[b]);
     }
+    if (overlap_) reset_round();
+    DTUNE_CHECK(twice.empty(), "dist: the gradient of parameter #", twice,
+                " was accumulated twice in one backward, after its bucket's all-reduce had started; ",
+                "set DTUNE_DDP_OVERLAP=0 to reduce after backward instead");
 }
 
 void broadcast_parameters(Group& group, const std::vector<at::Tensor>& params, int root) {

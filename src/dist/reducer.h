@@ -6,6 +6,11 @@
 // undefined on a rank contributes zeros there; after the reduction its grad is defined on every
 // rank iff it was defined on at least one (a per-parameter "used" count rides in the bucket), so
 // all ranks stay identical. For gradient accumulation call reduce() only on the final micro-step.
+// With enable_overlap(), a post-accumulate-grad hook on every parameter launches a bucket's
+// all-reduce during the armed backward as soon as all of its gradients are final, buckets
+// strictly in order (so every rank issues the same sequence even when a parameter is unused on
+// one of them); reduce() launches the rest and waits. A parameter whose gradient is accumulated
+// twice in one backward (shared weights across recomputed segments) makes reduce() throw.
 //
 // ZeroPartition (ZeRO-1): each parameter belongs to one rank, which alone keeps its optimizer state
 // and updates it; sync_parameters() broadcasts every parameter from its owner after the step. The
@@ -16,6 +21,8 @@
 #include <ATen/ATen.h>
 
 #include <cstddef>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -30,9 +37,18 @@ struct ReducerOptions {
 class GradReducer {
   public:
     GradReducer(Group& group, std::vector<at::Tensor> params, ReducerOptions options = {});
+    ~GradReducer();  // removes the hooks
+    GradReducer(const GradReducer&) = delete;
+    GradReducer& operator=(const GradReducer&) = delete;
 
     // Averages every parameter's gradient over the ranks (no-op for one process).
     void reduce();
+    // Installs the post-accumulate-grad hooks (once; no-op for one process).
+    void enable_overlap();
+    // The next backward is the last before reduce(): its hooks launch buckets.
+    void arm();
+    // Buckets the hooks launched while backward ran, in the last reduce() (tests, logs).
+    std::size_t overlapped_buckets() const { return last_overlapped_; }
     // Parameter indices per bucket, in launch order (for tests and logs).
     const std::vector<std::vector<std::size_t>>& buckets() const { return buckets_; }
 
@@ -40,9 +56,25 @@ class GradReducer {
     at::Tensor pack(const std::vector<std::size_t>& bucket) const;
     void unpack(const std::vector<std::size_t>& bucket, const at::Tensor& flat);
 
+    void on_grad_ready(std::size_t param);
+    void launch(std::size_t bucket);
+    void reset_round();
+
     Group& group_;
     std::vector<at::Tensor> params_;
     std::vector<std::vector<std::size_t>> buckets_;
+    // Overlap state of the current round (guarded by mutex_: hooks run on autograd threads).
+    bool overlap_ = false;
+    bool armed_ = false;
+    std::mutex mutex_;
+    std::vector<std::size_t> bucket_of_;
+    std::vector<int> fired_;              // per parameter: hook calls this round
+    std::vector<std::size_t> remaining_;  // per bucket: parameters not ready yet
+    std::size_t next_launch_ = 0;
+    std::vector<at::Tensor> flats_;
+    std::vector<std::unique_ptr<Pending>> works_;
+    std::string twice_;  // a parameter whose hook fired twice this round
+    std::size_t hook_launches_ = 0, last_overlapped_ = 0;
 };
 
 // Copies rank `root`'s values into every rank's parameters (start of training: identical weights).

@@ -79,4 +79,39 @@ std::unique_ptr<GpuSource> maybe_inject_faults(std::unique_ptr<GpuSource> inner)
     return std::make_unique<InjectingSource>(std::move(inner), fault);
 }
 
+namespace {
+
+class SimulatedSource final : public GpuSource {
+  public:
+    int device_count() override { return 1; }
+    GpuReading read(int index) override {
+        GpuReading r;
+        r.index = index;
+        r.name = "simulated";
+        r.uuid = "GPU-00000000-0000-0000-0000-000000000000";
+        r.temperature_c = 40;
+        r.slowdown_c = 90;
+        r.shutdown_c = 95;
+        r.ecc_supported = true;
+        r.power_w = 100;
+        r.power_limit_w = 700;
+        r.memory_total = 80ull << 30;
+        r.utilization_percent = 0;
+        return r;
+    }
+};
+
+}  // namespace
+
+std::unique_ptr<GpuSource> simulated_gpu_source() {
+    return std::make_unique<SimulatedSource>();
+}
+
+std::unique_ptr<GpuSource> open_monitor_source(std::string* why_not) {
+    auto source = open_nvml(why_not);
+    const char* inject = std::getenv("DTUNE_INJECT_GPU_FAULT");
+    if (!source && inject && *inject) source = simulated_gpu_source();
+    return maybe_inject_faults(std::move(source));
+}
+
 }  // namespace dtune::health

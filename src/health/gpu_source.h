@@ -60,4 +60,13 @@ std::unique_ptr<GpuSource> open_nvml(std::string* why_not);
 // Returns `inner` unchanged when the variable is unset. Throws UsageError for an unknown value.
 std::unique_ptr<GpuSource> maybe_inject_faults(std::unique_ptr<GpuSource> inner);
 
+// One healthy simulated GPU ("simulated", 40 C of 90/95 C, ECC on, no throttling): what the
+// training monitor reads when DTUNE_INJECT_GPU_FAULT is set on a machine without NVML, so the
+// whole fault path (breaker, gpu.fault webhook, stop of every rank, exit 75) runs on CPU in tests.
+std::unique_ptr<GpuSource> simulated_gpu_source();
+
+// The monitor's source: NVML; else, when DTUNE_INJECT_GPU_FAULT is set, the simulated GPU; then
+// wrapped by maybe_inject_faults. nullptr (with `why_not`) when there is nothing to monitor.
+std::unique_ptr<GpuSource> open_monitor_source(std::string* why_not);
+
 }  // namespace dtune::health

@@ -34,15 +34,19 @@ SyntheticBatchSource::SyntheticBatchSource(SyntheticBatchOptions options) : opti
 TrainBatch SyntheticBatchSource::next(at::Generator& generator) {
     const auto& o = options_;
     const auto cpu = at::TensorOptions().dtype(at::kFloat);
+    // Drawn for the global batch of world_size * B rows; this rank keeps rows [rank*B, (rank+1)*B).
+    const int64_t rows = o.batch_size * o.world_size, lo = o.batch_size * o.rank, hi = lo + o.batch_size;
+    auto draw = [&](std::vector<int64_t> shape) {
+        shape.insert(shape.begin(), rows);
+        return at::randn(shape, generator, at::kFloat).slice(0, lo, hi).to(o.device);
+    };
     TrainBatch b;
-    b.latents =
-        at::randn({o.batch_size, o.latent_channels, o.latent_size, o.latent_size}, generator, at::kFloat)
-            .to(o.device);
-    b.prompt_embeds = at::randn({o.batch_size, o.tokens, o.dim}, generator, at::kFloat).to(o.device);
-    b.pooled_embeds = at::randn({o.batch_size, o.pooled_dim}, generator, at::kFloat).to(o.device);
+    b.latents = draw({o.latent_channels, o.latent_size, o.latent_size});  // [B, C, h, w]
+    b.prompt_embeds = draw({o.tokens, o.dim});                            // [B, 77, D]
+    b.pooled_embeds = draw({o.pooled_dim});                               // [B, P]
     const double s = static_cast<double>(o.pixel_size);
     b.time_ids = at::tensor({s, s, 0.0, 0.0, s, s}, cpu).repeat({o.batch_size, 1}).to(o.device);  // [B, 6]
-    for (int64_t i = 0; i < o.batch_size; ++i) {
+    for (int64_t i = lo; i < hi; ++i) {
         b.paths.push_back(str("synthetic:", served_, ":", i));
         b.captions.push_back(str("synthetic caption ", served_, ":", i));
     }
@@ -111,13 +115,14 @@ class ImageFolderSource final : public BatchSource {
                        " is not local; only local image folders are trained on for now");
         storage_ = data::make_storage(*dataset_);
         files_ = storage_->list_files(dataset_->instance_data_dir, {".png", ".jpg", ".jpeg", ".webp"});
-        DTUNE_CHECK_AS(DataError, static_cast<int>(files_.size()) >= o.batch_size, "dataset ", dataset_->id,
+        const int global_batch = o.batch_size * o.world_size;
+        DTUNE_CHECK_AS(DataError, static_cast<int>(files_.size()) >= global_batch, "dataset ", dataset_->id,
                        " (", dataset_->instance_data_dir, ") has ", files_.size(),
-                       " images, fewer than train_batch_size ", o.batch_size,
-                       "; add images or lower train_batch_size");
+                       " images, fewer than train_batch_size ", o.batch_size, " x ", o.world_size,
+                       " rank(s); add images or lower train_batch_size");
         edge_ = square_edge(*dataset_);
         sampler_ = std::make_unique<data::BucketSampler>(
-            std::map<std::string, std::vector<std::string>>{{"1.0", files_}}, o.batch_size, dataset_->repeats,
+            std::map<std::string, std::vector<std::string>>{{"1.0", files_}}, global_batch, dataset_->repeats,
             o.seed, dataset_->id);
         log::info() << "dataset " << dataset_->id << ": " << files_.size() << " images at " << edge_ << "x"
                     << edge_ << ", latents encoded on the fly (vae_cache_disable)";
@@ -131,14 +136,20 @@ class ImageFolderSource final : public BatchSource {
         }
         TrainBatch b;
         std::vector<at::Tensor> images, prompts, pooled, time_ids;
-        for (const auto& path : batch->samples) {
-            auto [image, ids] = load(path);
-            images.push_back(image);
-            time_ids.push_back(ids);
+        // The sampler serves the global batch; this rank loads rows [lo, hi) but draws the caption
+        // choice of every row, so the generator advances as in one process.
+        const size_t lo = static_cast<size_t>(options_.rank * options_.batch_size);
+        const size_t hi = lo + static_cast<size_t>(options_.batch_size);
+        for (size_t row = 0; row < batch->samples.size(); ++row) {
+            const std::string& path = batch->samples[row];
             const auto captions = data::resolve_captions(*dataset_, *storage_, path);
             // Several captions: one chosen with the step's generator (deterministic on resume).
             const auto pick =
                 at::randint(static_cast<int64_t>(captions.size()), {1}, generator).item<int64_t>();
+            if (row < lo || row >= hi) continue;
+            auto [image, ids] = load(path);
+            images.push_back(image);
+            time_ids.push_back(ids);
             const std::string& caption = captions[static_cast<size_t>(pick)];
             const PromptEmbedding e = embedder_->encode(caption);
             prompts.push_back(e.prompt);
@@ -162,7 +173,8 @@ class ImageFolderSource final : public BatchSource {
         return {{"kind", "image_folder"},
                 {"dataset", dataset_->id},
                 {"images", files_.size()},
-                {"batch_size", options_.batch_size},
+                {"batch_size", options_.batch_size * options_.world_size},  // global micro-batch
+                {"world_size", options_.world_size},
                 {"sampler", sampler_->state().to_json()}};
     }
 
@@ -171,9 +183,13 @@ class ImageFolderSource final : public BatchSource {
                        s.value("kind", "") == "image_folder" && s.value("dataset", "") == dataset_->id,
                        "checkpoint batch state is for dataset ", s.value("dataset", "?"), ", not ",
                        dataset_->id, "; resume with the same multidatabackend.json");
-        DTUNE_CHECK_AS(UsageError, s.at("batch_size").get<int>() == options_.batch_size,
-                       "the checkpoint was written with train_batch_size ", s.at("batch_size").dump(),
-                       ", now ", options_.batch_size, "; resume with the same batch size");
+        // The sampler's position is in global batches: any world size with the same global batch
+        // (train_batch_size x ranks) resumes at the exact next samples.
+        DTUNE_CHECK_AS(UsageError, s.at("batch_size").get<int>() == options_.batch_size * options_.world_size,
+                       "the checkpoint was written with a global batch of ", s.at("batch_size").dump(),
+                       " (train_batch_size x ranks), now ", options_.batch_size, " x ", options_.world_size,
+                       "; resume with train_batch_size x number of processes equal to ",
+                       s.at("batch_size").dump());
         sampler_->restore(data::SamplerState::from_json(s.at("sampler")));
     }
 

@@ -68,6 +68,13 @@ class BatchSource {
     virtual void load_state(const nlohmann::json& state) = 0;
 };
 
+// Data parallelism: every source's options carry `rank`, `world_size` and `barrier`. Rank r of
+// world_size serves rows [r*B, (r+1)*B) of the global micro-batch of world_size*B samples that one
+// process with batch world_size*B would serve, and draws its random numbers for that global batch
+// (keeping its rows), so the union over ranks is exactly the single-process batch. `barrier` waits
+// for every rank (a no-op in one process); a source calls it where ranks must not run ahead (after
+// rank 0 builds a shared list or cache).
+
 // Random latents and embeddings of fixed shapes, drawn from the step's generator: for unit tests
 // and benchmarks with no dataset.
 struct SyntheticBatchOptions {
@@ -80,6 +87,9 @@ struct SyntheticBatchOptions {
     int64_t pooled_dim = 32;
     int64_t batches_per_epoch = 4;
     c10::Device device = c10::Device(c10::kCPU);
+    int rank = 0;
+    int world_size = 1;
+    std::function<void()> barrier = [] {};
 };
 
 class SyntheticBatchSource final : public BatchSource {
@@ -98,7 +108,8 @@ class SyntheticBatchSource final : public BatchSource {
 };
 
 // Encodes images with the VAE: x -> (z - shift) * scaling, z sampled from the posterior with the
-// step's generator. [B, 3, H, W] in [-1, 1] -> [B, C, H/f, W/f].
+// step's generator. [B, 3, H, W] in [-1, 1] -> [B, C, H/f, W/f]. With data parallelism the
+// encoder draws the posterior noise for the global batch and keeps this rank's rows.
 using LatentEncoder = std::function<at::Tensor(const at::Tensor& images, at::Generator& generator)>;
 
 // SimpleTuner's vae_cache_disable path for the first image dataset of multidatabackend.json: images
@@ -113,6 +124,9 @@ struct ImageFolderOptions {
     int batch_size = 1;
     uint64_t seed = 0;
     c10::Device device = c10::Device(c10::kCPU);
+    int rank = 0;  // data parallelism (see above)
+    int world_size = 1;
+    std::function<void()> barrier = [] {};
 };
 
 std::unique_ptr<BatchSource> make_image_folder_source(const ImageFolderOptions& options,

@@ -32,9 +32,13 @@ void write_json(const stdfs::path& path, const nlohmann::json& j) {
 
 }  // namespace
 
+stdfs::path checkpoint_tmp_dir(const stdfs::path& output_dir, int64_t global_step) {
+    return output_dir / ("checkpoint-" + std::to_string(global_step) + "-tmp");
+}
+
 stdfs::path save_checkpoint(const stdfs::path& output_dir, const CheckpointContents& c) {
     const stdfs::path final_dir = output_dir / ("checkpoint-" + std::to_string(c.global_step));
-    const stdfs::path tmp = output_dir / ("checkpoint-" + std::to_string(c.global_step) + "-tmp");
+    const stdfs::path tmp = checkpoint_tmp_dir(output_dir, c.global_step);
     stdfs::remove_all(tmp);
     stdfs::create_directories(tmp);
     std::vector<std::string> files;
@@ -51,6 +55,12 @@ stdfs::path save_checkpoint(const stdfs::path& output_dir, const CheckpointConte
     for (const auto& [name, t] : c.rng_states) rng.emplace_back(name, t);
     io::save_safetensors(tmp / kRandomStates, rng);
     files.push_back(kRandomStates);
+    if (c.write_shards) c.write_shards(tmp);
+    for (const auto& rel : c.shard_files) {
+        DTUNE_CHECK(stdfs::exists(tmp / rel), "checkpoint shard ", rel, " was not written into ",
+                    tmp.string(), "; another rank failed while saving (see its log)");
+        files.push_back(rel);
+    }
     write_json(tmp / kManifest, {{"version", 1},
                                  {"checkpoint", final_dir.filename().string()},
                                  {"global_step", c.global_step},

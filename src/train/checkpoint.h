@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -34,6 +35,11 @@ struct CheckpointContents {
     // RNG states as uint8 tensors ("cpu", "cuda:0", ...), saved as random_states.safetensors.
     std::map<std::string, at::Tensor> rng_states;
     nlohmann::json metadata;  // model_family, model_type, ... for the manifest
+    // Data parallelism: called with the temporary directory once this process's files are in it
+    // and before the manifest is written; it returns when the other ranks have written their own
+    // files (`shard_files`, relative paths), which the manifest then lists.
+    std::function<void(const stdfs::path& tmp_dir)> write_shards;
+    std::vector<std::string> shard_files;
 };
 
 struct LoadedCheckpoint {
@@ -43,6 +49,9 @@ struct LoadedCheckpoint {
     std::map<std::string, nlohmann::json> json_files;    // every *.json listed in the manifest
     std::map<std::string, at::Tensor> rng_states;
 };
+
+// `<output_dir>/checkpoint-<step>-tmp`: where a checkpoint is assembled before it is renamed.
+stdfs::path checkpoint_tmp_dir(const stdfs::path& output_dir, int64_t global_step);
 
 // Writes the checkpoint (replacing an existing one of the same step) and returns its directory.
 stdfs::path save_checkpoint(const stdfs::path& output_dir, const CheckpointContents& contents);

@@ -86,6 +86,7 @@ const std::vector<OptionSpec>& specs() {
     {"deterministic", OptionType::kBool, "false", "dtune: deterministic algorithms (CPU runs are bit-reproducible)", nullptr},
     {"device", OptionType::kString, "\"auto\"", "dtune: cpu, cuda, cuda:N or auto", nullptr},
     {"metrics_interval", OptionType::kInt, "1", "dtune: write metrics.jsonl every N steps", nullptr},
+    {"zero_stage", OptionType::kInt, "null", "dtune: ZeRO stage for multi-GPU runs, 0 or 1 (default: accelerate's deepspeed_config.zero_stage via dtune launch, else 0)", nullptr},
     };
     return kSpecs;
 }

@@ -1,6 +1,7 @@
 // Stop-request flag set by SIGINT/SIGTERM (see signals.h).
 #include "train/signals.h"
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 
@@ -11,6 +12,7 @@ namespace {
 
 std::atomic<int> g_requests{0};
 std::atomic<int> g_signal{0};
+std::atomic<int> g_gpu_fault{0};  // faulty GPU index + 1 (unknown: 1), 0 when none
 static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free atomic");
 
 extern "C" void on_stop_signal(int signo) {
@@ -49,6 +51,17 @@ void request_stop() {
 void clear_stop_request() {
     g_requests.store(0);
     g_signal.store(0);
+    g_gpu_fault.store(0);
+}
+
+void request_gpu_fault_stop(int gpu_index) {
+    // The first request wins (it names the GPU that tripped the breaker first).
+    int expected = 0;
+    g_gpu_fault.compare_exchange_strong(expected, 1 + std::max(0, gpu_index));
+}
+
+int gpu_fault_request() {
+    return g_gpu_fault.load();
 }
 
 }  // namespace dtune::train

@@ -15,4 +15,11 @@ int stop_signal();
 void request_stop();
 void clear_stop_request();
 
+// The GPU circuit breaker's stop: training ends on every rank at the next step boundary without a
+// checkpoint, and the process exits with ExitCode::kGpuFault. `gpu_index` is the faulty GPU on
+// this node (-1 when unknown). Thread-safe (called from the health monitor thread).
+void request_gpu_fault_stop(int gpu_index);
+// The GPU index + 1 of a requested fault stop, 0 when none.
+int gpu_fault_request();
+
 }  // namespace dtune::train

@@ -36,9 +36,11 @@ class AutocastGuard {
 }  // namespace
 
 int64_t apply_caption_dropout(TrainBatch& batch, const PromptEmbedding& empty, double probability,
-                              at::Generator& generator) {
+                              at::Generator& generator, int64_t rank, int64_t world_size) {
     const int64_t n = batch.latents.size(0);
-    const at::Tensor draws = at::rand({n}, generator, at::kFloat);  // [B] on the CPU
+    // [world_size * B] on the CPU; this rank's rows [rank * B, (rank + 1) * B).
+    const at::Tensor draws =
+        at::rand({n * world_size}, generator, at::kFloat).slice(0, rank * n, (rank + 1) * n);
     if (probability <= 0) return 0;
     const auto a = draws.accessor<float, 1>();
     int64_t dropped = 0;
@@ -57,9 +59,24 @@ MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& b
                      int64_t global_step, at::Generator& generator) {
     const at::Tensor latents = batch.latents.to(at::kFloat);  // [B, C, h, w]
     const int64_t b = latents.size(0);
-    const auto noise = diffusion::sample_training_noise(latents, options.noise, global_step, generator);
-    const at::Tensor t = diffusion::sample_timesteps(b, schedule.num_train_timesteps(), options.timesteps,
-                                                     generator);  // [B] int64, CPU
+    diffusion::TrainingNoise noise;
+    at::Tensor t;  // [B] int64, CPU
+    if (options.world_size <= 1) {
+        noise = diffusion::sample_training_noise(latents, options.noise, global_step, generator);
+        t = diffusion::sample_timesteps(b, schedule.num_train_timesteps(), options.timesteps, generator);
+    } else {
+        // Draw for the global batch on the CPU (only the shape is read), keep this rank's rows.
+        auto global_shape = latents.sizes().vec();
+        global_shape[0] = b * options.world_size;
+        const at::Tensor like = at::empty(global_shape, at::kFloat);  // [N*B, C, h, w], never read
+        noise = diffusion::sample_training_noise(like, options.noise, global_step, generator);
+        const int64_t lo = options.rank * b, hi = lo + b;
+        noise.noise = noise.noise.slice(0, lo, hi).to(latents.device());              // [B, C, h, w]
+        noise.input_noise = noise.input_noise.slice(0, lo, hi).to(latents.device());  // [B, C, h, w]
+        t = diffusion::sample_timesteps(b * options.world_size, schedule.num_train_timesteps(),
+                                        options.timesteps, generator)
+                .slice(0, lo, hi);
+    }
     const at::Tensor t_dev = t.to(latents.device());
     const at::Tensor noisy = schedule.add_noise(latents, noise.input_noise, t_dev);  // [B, C, h, w]
     const at::Tensor target = schedule.target(options.prediction, latents, noise.noise, t_dev);

@@ -29,13 +29,19 @@ struct StepOptions {
     double caption_dropout_probability = 0.0;
     // Autocast dtype for the UNet's forward (kFloat: none).
     c10::ScalarType compute_dtype = at::kFloat;
+    // Data parallelism: this rank holds rows [rank*B, (rank+1)*B) of a global micro-batch of
+    // world_size*B rows. Every draw is made for the global batch (same generator state on every
+    // rank) and this rank's rows are kept, so N ranks x B equal 1 rank x N*B draw for draw.
+    int64_t rank = 0;
+    int64_t world_size = 1;
 };
 
 // SimpleTuner's caption dropout for SDXL: each sample with probability p trains on the empty
 // caption's embedding with a zeroed pooled embedding and zeroed time ids. Returns how many were
 // dropped. One uniform draw per sample from `generator`, always (so the stream does not depend on p).
+// With world_size > 1 the draws are made for the global batch and rows of `rank` are used.
 int64_t apply_caption_dropout(TrainBatch& batch, const PromptEmbedding& empty, double probability,
-                              at::Generator& generator);
+                              at::Generator& generator, int64_t rank = 0, int64_t world_size = 1);
 
 struct MicroStep {
     at::Tensor loss;       // scalar float32 with the graph attached

@@ -5,8 +5,10 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <fstream>
 #include <random>
+#include <set>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -16,6 +18,7 @@
 #include "models/common/weights.h"
 #include "models/vae/autoencoder_kl.h"
 #include "train/checkpoint.h"
+#include "train/data_parallel.h"
 #include "train/lr_schedule.h"
 #include "train/signals.h"
 
@@ -43,6 +46,18 @@ std::filesystem::path vae_dir(const TrainConfig& config, const std::filesystem::
     return model_dir / "vae";
 }
 
+std::vector<at::Tensor> tensors_of(const std::vector<NamedTensor>& named) {
+    std::vector<at::Tensor> out;
+    for (const auto& p : named) out.push_back(p.tensor);
+    return out;
+}
+
+void log_fault_stop(const StepAgreement& agreed, int64_t step) {
+    log::error() << "GPU fault reported by rank " << agreed.fault_rank << " (GPU " << agreed.fault_gpu
+                 << " of its node): stopping at step " << step << " without a checkpoint; the last "
+                 << "checkpoint is intact";
+}
+
 }  // namespace
 
 c10::Device parse_train_device(const std::string& name) {
@@ -60,6 +75,9 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     DTUNE_CHECK_AS(UsageError, !config_.is_null("data_backend_config"),
                    "data_backend_config is required; point it at your multidatabackend.json");
     device_ = parse_train_device(config_.text("device"));
+    const dist::DistEnv env = dist::read_dist_env();
+    device_ = DataParallel::pick_device(device_, env);
+    init_data_parallel(env);
     models::ComponentLoadOptions load;
     load.device = device_;
     load.dtype = config_.text("optimizer") == "adamw_bf16" ? at::kBFloat16 : at::kFloat;
@@ -73,10 +91,17 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     vae_load.device = device_;  // fp32: SDXL's VAE overflows in fp16 and encode cost is small
     auto vae = models::load_autoencoder_kl(vae_dir(config_, model_dir_), vae_load);
     vae->eval();
-    LatentEncoder encode = [vae](const at::Tensor& images, at::Generator& gen) mutable {
+    const int64_t dp_rank = dp_->rank(), dp_world = dp_->world_size();
+    LatentEncoder encode = [vae, dp_rank, dp_world](const at::Tensor& images, at::Generator& gen) mutable {
         at::NoGradGuard no_grad;
         const auto posterior = vae->encode(images.to(at::kFloat));  // [B, C, h, w] each
-        const at::Tensor eps = at::randn(posterior.mean.sizes(), gen, at::kFloat).to(posterior.mean.device());
+        // Drawn for the global batch, this rank's rows kept (see batch_source.h).
+        auto shape = posterior.mean.sizes().vec();
+        const int64_t b = shape[0];
+        shape[0] = b * dp_world;
+        const at::Tensor eps = at::randn(shape, gen, at::kFloat)
+                                   .slice(0, dp_rank * b, (dp_rank + 1) * b)
+                                   .to(posterior.mean.device());  // [B, C, h, w]
         return vae->scale_latents(posterior.mean + posterior.std * eps);
     };
     const auto& uc = unet_->config();
@@ -93,6 +118,9 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     io.batch_size = static_cast<int>(config_.integer("train_batch_size"));
     io.seed = resolve_seed(config_);
     io.device = device_;
+    io.rank = dp_->rank();
+    io.world_size = dp_->world_size();
+    io.barrier = dp_->barrier_function();
     source_ = make_image_folder_source(io, encode, embedder);
     config_.set("seed", std::to_string(io.seed), "resolved seed");
     init_common();
@@ -111,9 +139,28 @@ Trainer::Trainer(TrainConfig config, models::UNet2DConditionModel unet, diffusio
 
 Trainer::~Trainer() = default;
 
+void Trainer::init_data_parallel(const dist::DistEnv& env) {
+    const char* timeout = std::getenv("DTUNE_COLLECTIVE_TIMEOUT_S");
+    const auto seconds = std::chrono::seconds(timeout && *timeout ? std::atoi(timeout) : 600);
+    dp_ = std::make_unique<DataParallel>(env, device_, resolve_zero_stage(config_), seconds);
+    rank_ = dp_->rank();
+}
+
+int Trainer::local_rank() const {
+    return dp_->local_rank();
+}
+
+int Trainer::world_size() const {
+    return dp_->world_size();
+}
+
 void Trainer::init_common() {
+    if (!dp_) init_data_parallel(dist::read_dist_env());
     output_dir_ = config_.text("output_dir");
     std::filesystem::create_directories(output_dir_);
+    dp_->check_shared_output_dir(output_dir_);
+    step_options_.rank = dp_->rank();
+    step_options_.world_size = dp_->world_size();
     if (config_.flag("deterministic")) at::globalContext().setDeterministicAlgorithms(true, false);
     const uint64_t seed = static_cast<uint64_t>(config_.integer("seed"));
     generator_ = at::detail::createCPUGenerator(seed);
@@ -146,7 +193,7 @@ void Trainer::init_common() {
                                                : config_.integer("num_train_epochs") *
                                                      ((source_->batches_per_epoch() + accum - 1) / accum);
     for (const auto& item : unet_->named_parameters()) trainable_.push_back({item.key(), item.value()});
-    config_.write_resolved(output_dir_ / kResolvedConfig);
+    if (is_main_process()) config_.write_resolved(output_dir_ / kResolvedConfig);
 }
 
 void Trainer::set_trainable_parameters(std::vector<NamedTensor> params) {
@@ -161,7 +208,9 @@ void Trainer::add_callback(std::shared_ptr<TrainCallback> callback) {
 
 void Trainer::build_optimizer() {
     ParamGroup group;
-    for (const auto& p : trainable_) {
+    for (std::size_t i = 0; i < trainable_.size(); ++i) {
+        const auto& p = trainable_[i];
+        if (!dp_->updates(i)) continue;  // ZeRO-1: another rank keeps this one's state
         group.names.push_back(p.name);
         group.params.push_back(p.tensor);
     }
@@ -206,15 +255,18 @@ void Trainer::resume() {
                        p.name, "; it was written by a different model or model_type");
         p.tensor.copy_(it->second);
     }
-    TensorMap opt;
-    for (const auto& [k, v] : ckpt.tensor_files.at(kOptimizerState)) opt[k] = v.to(device_);
-    optimizer_->load_state_dict(opt);
+    load_optimizer_state(ckpt);
     const auto& state = ckpt.json_files.at(kTrainingState);
     source_->load_state(state.at("batch_source"));
     global_step_ = state.at("global_step").get<int64_t>();
-    restore_rng_states(ckpt.rng_states, *generator_);
-    if (auto it = ckpt.rng_states.find("optimizer"); it != ckpt.rng_states.end())
-        optimizer_generator_->set_state(it->second);
+    // Each rank's own RNG states when the checkpoint has them (same world size), else rank 0's:
+    // the step's generator is the same on every rank by design, so only the optimizer's
+    // stochastic-rounding stream under ZeRO differs (see README, multi-GPU).
+    std::map<std::string, at::Tensor> rng = ckpt.rng_states;
+    if (auto it = ckpt.tensor_files.find(rank_rng_file(rank_)); rank_ > 0 && it != ckpt.tensor_files.end())
+        rng = std::map<std::string, at::Tensor>(it->second.begin(), it->second.end());
+    restore_rng_states(rng, *generator_);
+    if (auto it = rng.find("optimizer"); it != rng.end()) optimizer_generator_->set_state(it->second);
     resumed_from_ = *dir;
     log::info() << "resumed from " << dir->string() << " at step " << global_step_;
 }
@@ -224,7 +276,8 @@ double Trainer::train_one_step(double& grad_norm) {
     double loss_sum = 0;
     for (int64_t micro = 0; micro < accum; ++micro) {
         TrainBatch batch = source_->next(*generator_);
-        apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_);
+        apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_,
+                              dp_->rank(), dp_->world_size());
         MicroStep m = micro_step(*unet_, batch, *schedule_, step_options_, global_step_, *generator_);
         const double value = m.loss.item<double>();
         if (!std::isfinite(value)) {
@@ -234,9 +287,11 @@ double Trainer::train_one_step(double& grad_norm) {
                             "); lower learning_rate, set max_grad_norm, use mixed_precision bf16 or no, ",
                             "or check those images; resume from the last checkpoint"));
         }
+        if (micro == accum - 1) dp_->arm_reduction();  // reduce during the last backward
         (m.loss / static_cast<double>(accum)).backward();
         loss_sum += value;
     }
+    dp_->reduce_gradients();  // average over the ranks once, after the last micro-step
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
     double sq = 0;
@@ -254,21 +309,51 @@ double Trainer::train_one_step(double& grad_norm) {
 }
 
 void Trainer::save(const std::string& why) {
+    const bool zero = dp_->zero_stage() >= 1;
+    const int world = dp_->world_size();
+    // This rank's own files: its RNG states (ranks >= 1; rank 0's are random_states.safetensors)
+    // and, with ZeRO-1, its optimizer shard.
+    auto rng_states = [&] {
+        auto states = capture_rng_states(*generator_);
+        states["optimizer"] = optimizer_generator_->get_state();
+        return states;
+    };
+    auto write_own = [&](const std::filesystem::path& tmp) {
+        if (rank_ > 0) {
+            io::TensorList rng;
+            for (const auto& [k, v] : rng_states()) rng.emplace_back(k, v);
+            io::save_safetensors(tmp / rank_rng_file(rank_), rng);
+        }
+        if (zero) {
+            io::TensorList opt;
+            for (const auto& [k, v] : optimizer_->state_dict()) opt.emplace_back(k, v);
+            io::save_safetensors(tmp / optimizer_shard_file(rank_, world), opt);
+        }
+    };
+    if (!is_main_process()) {  // rank 0 writes the checkpoint; this rank adds its shard files
+        dp_->write_shards(checkpoint_tmp_dir(output_dir_, global_step_), write_own);
+        for (auto& cb : callbacks_)
+            cb->on_checkpoint(*this, output_dir_ / ("checkpoint-" + std::to_string(global_step_)));
+        return;
+    }
     CheckpointContents c;
     c.global_step = global_step_;
     io::TensorList weights;
     for (const auto& p : trainable_) weights.emplace_back(p.name, p.tensor.detach());
     c.tensor_files[kUNetWeights] = std::move(weights);
-    io::TensorList opt;
-    for (const auto& [k, v] : optimizer_->state_dict()) opt.emplace_back(k, v);
-    c.tensor_files[kOptimizerState] = std::move(opt);
-    c.json_files[kTrainingState] = {{"global_step", global_step_},
-                                    {"epoch", source_->epoch()},
-                                    {"lr_schedule_step", global_step_},
-                                    {"batch_source", source_->state()}};
+    if (!zero) {
+        io::TensorList opt;
+        for (const auto& [k, v] : optimizer_->state_dict()) opt.emplace_back(k, v);
+        c.tensor_files[kOptimizerState] = std::move(opt);
+    }
+    c.json_files[kTrainingState] = {{"global_step", global_step_},      {"epoch", source_->epoch()},
+                                    {"lr_schedule_step", global_step_}, {"world_size", world},
+                                    {"zero_stage", dp_->zero_stage()},  {"batch_source", source_->state()}};
     c.json_files[kResolvedConfig] = config_.resolved();
-    c.rng_states = capture_rng_states(*generator_);
-    c.rng_states["optimizer"] = optimizer_generator_->get_state();
+    c.rng_states = rng_states();
+    c.write_shards = [&](const std::filesystem::path& tmp) { dp_->write_shards(tmp, write_own); };
+    for (int r = 1; r < world; ++r) c.shard_files.push_back(rank_rng_file(r));
+    for (int r = 0; zero && r < world; ++r) c.shard_files.push_back(optimizer_shard_file(r, world));
     c.metadata = {{"model_family", config_.text("model_family")},
                   {"model_type", config_.text("model_type")},
                   {"model_flavour", config_.text("model_flavour")},
@@ -277,6 +362,30 @@ void Trainer::save(const std::string& why) {
     log::info() << "saved " << dir.string() << " (" << why << ")";
     rotate_checkpoints(output_dir_, config_.integer("checkpoints_total_limit"));
     for (auto& cb : callbacks_) cb->on_checkpoint(*this, dir);
+}
+
+void Trainer::load_optimizer_state(const LoadedCheckpoint& ckpt) {
+    // The whole state (optimizer.safetensors) or ZeRO-1 shards written by any number of ranks:
+    // entries are keyed by parameter name, so this rank keeps those of the parameters it updates.
+    std::set<std::string> all, mine;
+    for (const auto& p : trainable_) all.insert(p.name);
+    for (const auto& g : optimizer_->param_groups()) mine.insert(g.names.begin(), g.names.end());
+    TensorMap opt;
+    bool found = false;
+    for (const auto& [rel, tensors] : ckpt.tensor_files) {
+        if (rel != kOptimizerState && !is_optimizer_shard_file(rel)) continue;
+        found = true;
+        for (const auto& [k, v] : tensors) {
+            const auto dot = k.rfind('.');
+            const std::string name = dot == std::string::npos ? k : k.substr(0, dot);
+            // Unknown names go through, so that load_state_dict reports them.
+            if (mine.count(name) || !all.count(name)) opt[k] = v.to(device_);
+        }
+    }
+    DTUNE_CHECK_AS(DataError, found, "checkpoint ", ckpt.dir.string(),
+                   " has no optimizer state (optimizer.safetensors or optimizer-shard-*); resume from ",
+                   "another checkpoint");
+    optimizer_->load_state_dict(opt);
 }
 
 void Trainer::append_metrics(double loss, double lr, double grad_norm, double img_per_s) {
@@ -288,6 +397,7 @@ void Trainer::append_metrics(double loss, double lr, double grad_norm, double im
 }
 
 void Trainer::write_final_outputs() {
+    if (!is_main_process()) return;
     // The trained UNet as a diffusers component folder (the full pipeline export comes later).
     const auto unet_dir = output_dir_ / "pipeline" / "unet";
     std::filesystem::create_directories(unet_dir);
@@ -306,6 +416,7 @@ TrainResult Trainer::run() {
 }
 
 TrainResult Trainer::run_loop() {
+    dp_->attach(tensors_of(trainable_));  // rank 0's weights everywhere; reducer; ZeRO partition
     build_optimizer();
     resume();
     LRScheduleOptions lr_options;
@@ -318,15 +429,27 @@ TrainResult Trainer::run_loop() {
     lr_options.power = config_.real("lr_power");
     const LRSchedule schedule(lr_options);
     const int64_t interval = config_.integer("checkpoint_step_interval");
-    const int64_t images_per_step =
-        config_.integer("train_batch_size") * config_.integer("gradient_accumulation_steps");
+    const int64_t images_per_step = config_.integer("train_batch_size") *
+                                    config_.integer("gradient_accumulation_steps") * dp_->world_size();
     for (auto& cb : callbacks_) cb->on_train_start(*this);
     Progress progress(total_steps_, ProgressOptions{"training", "step"});
     progress.update(global_step_);
     TrainResult result;
     result.resumed_from = resumed_from_;
+    // Every rank leaves the loop at the same step: decisions come from the ranks' agreement.
+    StepAgreement agreed = dp_->agree(0.0, stop_requested(), gpu_fault_request());
     while (global_step_ < total_steps_) {
-        if (stop_requested()) {
+        // One process: a request made since the last step counts now (no peers to agree with).
+        if (dp_->world_size() == 1)
+            agreed = dp_->agree(agreed.mean_loss, stop_requested(), gpu_fault_request());
+        if (agreed.fault()) {
+            log_fault_stop(agreed, global_step_);
+            result.outcome = TrainOutcome::kGpuFault;
+            result.fault_rank = agreed.fault_rank;
+            result.fault_gpu = agreed.fault_gpu;
+            break;
+        }
+        if (agreed.stop) {
             save("stop requested");
             result.outcome = TrainOutcome::kInterrupted;
             break;
@@ -334,14 +457,18 @@ TrainResult Trainer::run_loop() {
         const auto t0 = std::chrono::steady_clock::now();
         double grad_norm = 0;
         const double lr = schedule.lr(global_step_);
-        const double loss = train_one_step(grad_norm);
+        double loss = train_one_step(grad_norm);
         optimizer_->set_lr(lr);
         optimizer_->step();
         optimizer_->zero_grad();
+        dp_->after_step();  // ZeRO-1: weights from their owners; every gradient dropped
+        agreed = dp_->agree(loss, stop_requested(), gpu_fault_request());
+        loss = agreed.mean_loss;
         ++global_step_;
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         result.last_loss = loss;
-        if (global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0)
+        if (is_main_process() &&
+            global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0)
             append_metrics(loss, lr, grad_norm, static_cast<double>(images_per_step) / dt);
         StepReport report;
         report.step = global_step_;
@@ -359,6 +486,8 @@ TrainResult Trainer::run_loop() {
     }
     progress.finish();
     if (result.outcome == TrainOutcome::kCompleted) {
+        // Optional (tests, debugging): every rank must hold exactly rank 0's weights.
+        if (std::getenv("DTUNE_CHECK_RANK_WEIGHTS")) dp_->check_identical({}, 0.0);
         save("end of training");
         write_final_outputs();
     }

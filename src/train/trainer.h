@@ -27,20 +27,30 @@
 #include "train/optimizer.h"
 #include "train/step.h"
 
+namespace dtune::dist {
+struct DistEnv;
+}
+
 namespace dtune::train {
+
+class DataParallel;
+struct LoadedCheckpoint;
 
 struct NamedTensor {
     std::string name;
     at::Tensor tensor;
 };
 
-enum class TrainOutcome { kCompleted, kInterrupted };
+// kGpuFault: the GPU circuit breaker stopped every rank (no checkpoint saved at the stop).
+enum class TrainOutcome { kCompleted, kInterrupted, kGpuFault };
 
 struct TrainResult {
     TrainOutcome outcome = TrainOutcome::kCompleted;
     int64_t global_step = 0;
     double last_loss = 0;
     std::optional<std::filesystem::path> resumed_from;
+    int fault_rank = -1;  // kGpuFault: the rank whose node reported the fault, and its GPU index
+    int fault_gpu = -1;
 };
 
 class Trainer {
@@ -72,6 +82,9 @@ class Trainer {
     const std::vector<NamedTensor>& trainable_parameters() const { return trainable_; }
     // Rank 0 writes shared files (checkpoints, outputs, reports); 0 when not distributed.
     bool is_main_process() const { return rank_ == 0; }
+    int rank() const { return rank_; }
+    int local_rank() const;
+    int world_size() const;
 
   private:
     TrainResult run_loop();
@@ -82,6 +95,8 @@ class Trainer {
     void save(const std::string& why);
     void append_metrics(double loss, double lr, double grad_norm, double img_per_s);
     void write_final_outputs();
+    void init_data_parallel(const dist::DistEnv& env);
+    void load_optimizer_state(const LoadedCheckpoint& ckpt);
 
     TrainConfig config_;
     std::filesystem::path output_dir_;
@@ -101,6 +116,7 @@ class Trainer {
     std::optional<std::filesystem::path> resumed_from_;
     std::vector<std::shared_ptr<TrainCallback>> callbacks_;
     int rank_ = 0;
+    std::unique_ptr<DataParallel> dp_;  // data parallelism (a no-op for one process)
 };
 
 // Parses "cpu", "cuda", "cuda:N" or "auto" (CUDA when available).

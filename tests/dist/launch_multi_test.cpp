@@ -61,6 +61,15 @@ TEST(DistLaunch, TwoRanksCollectivesAndDataParallel) {
     EXPECT_EQ(r.exit_code, 0) << r.output;
     EXPECT_TRUE(contains(r.output, "dist-selftest: OK (2 ranks, gloo)")) << r.output;
     EXPECT_TRUE(contains(r.output, "adamw zero1, 2 ranks")) << r.output;
+    EXPECT_TRUE(contains(r.output, "adamw overlap, 2 ranks")) << r.output;
+}
+
+TEST(DistLaunch, OneRankRunsEveryCheck) {
+    // `--nproc_per_node 1` is what a single-GPU `dist-selftest --device cuda` runs: the reducer check
+    // must hold for one rank too (a parameter without a gradient on every rank stays without one).
+    auto r = launch("--nproc_per_node 1 -- dist-selftest --check all --steps 2");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_TRUE(contains(r.output, "dist-selftest: OK (1 ranks, single)")) << r.output;
 }
 
 TEST(DistLaunch, FourRanksWithGradientAccumulation) {

@@ -184,4 +184,22 @@ TEST(Nvml, AbsentDriverIsReportedNotFatal) {
     EXPECT_NE(why.find("libnvidia-ml.so.1"), std::string::npos) << why;
 }
 
+TEST(Nvml, InjectionWithoutDriverSimulatesOneGpuThatTrips) {
+    std::string why;
+    if (open_nvml(&why)) GTEST_SKIP() << "an NVIDIA driver is present: the monitor reads the real GPUs";
+    EXPECT_EQ(open_monitor_source(&why), nullptr);  // nothing to monitor, nothing injected
+    ::setenv("DTUNE_INJECT_GPU_FAULT", "ecc", 1);
+    auto src = open_monitor_source(&why);
+    ::unsetenv("DTUNE_INJECT_GPU_FAULT");
+    ASSERT_NE(src, nullptr);
+    ASSERT_EQ(src->device_count(), 1);
+    CircuitBreaker breaker;
+    breaker.set_baseline(src->read_all());  // the simulated GPU's first reading is healthy
+    EXPECT_FALSE(breaker.is_open());
+    breaker.evaluate(src->read_all());
+    ASSERT_TRUE(breaker.is_open());
+    EXPECT_EQ(breaker.trip_reason()->type, FaultType::kEcc);
+    EXPECT_EQ(breaker.trip_reason()->reading->name, "simulated");
+}
+
 }  // namespace dtune::health

@@ -1,0 +1,189 @@
+// Data-parallel training glue between the trainer and src/dist (see data_parallel.h).
+#include "train/data_parallel.h"
+
+#include <cstdlib>
+#include <random>
+#include <thread>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "dist/group.h"
+#include "dist/reducer.h"
+#include "train/config.h"
+
+namespace dtune::train {
+
+int resolve_zero_stage(const TrainConfig& config) {
+    std::string origin = "zero_stage in the config";
+    std::optional<int64_t> stage = config.opt_integer("zero_stage");
+    if (!stage) {
+        const char* env = std::getenv("DTUNE_ZERO_STAGE");
+        if (!env || !*env) return 0;
+        origin = str("DTUNE_ZERO_STAGE='", env, "' (from deepspeed_config.zero_stage)");
+        char* end = nullptr;
+        stage = std::strtol(env, &end, 10);
+        DTUNE_CHECK_AS(UsageError, end && *end == '\0', origin, " is not a number; use 0 or 1");
+    }
+    DTUNE_CHECK_AS(UsageError, *stage >= 0 && *stage <= 2, origin, " is ", *stage,
+                   "; dtune implements ZeRO stage 0 (plain data parallel) and 1 (sharded optimizer ",
+                   "state); use 1, the lowest stage that shards, or 0");
+    if (*stage == 2) {
+        log::warn() << origin << " is 2: ZeRO-2 (sharded gradients) is not in dtune yet; running "
+                    << "stage 1 (optimizer state sharded, gradients averaged whole on every rank)";
+        return 1;
+    }
+    return static_cast<int>(*stage);
+}
+
+c10::Device DataParallel::pick_device(c10::Device requested, const dist::DistEnv& env) {
+    if (!env.launched || !requested.is_cuda() || requested.has_index()) return requested;
+    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+}
+
+DataParallel::DataParallel(const dist::DistEnv& env, c10::Device device, int zero_stage,
+                           std::chrono::seconds collective_timeout)
+    : env_(env), device_(device), zero_stage_(env.world_size > 1 ? zero_stage : 0) {
+    dist::GroupOptions options;
+    options.device = device;
+    options.collective_timeout = collective_timeout;
+    group_ = dist::init_group(env_, options);
+    if (env_.world_size > 1 && env_.rank == 0)
+        log::info() << "data parallel: " << env_.world_size << " ranks, ZeRO stage " << zero_stage_;
+}
+
+DataParallel::~DataParallel() {
+    reducer_.reset();
+    if (group_) group_->shutdown();
+}
+
+void DataParallel::barrier() {
+    group_->barrier();
+}
+
+std::function<void()> DataParallel::barrier_function() {
+    return [this] { group_->barrier(); };
+}
+
+void DataParallel::attach(std::vector<at::Tensor> params) {
+    params_ = std::move(params);
+    dist::broadcast_parameters(*group_, params_, 0);
+    reducer_ = std::make_unique<dist::GradReducer>(*group_, params_);
+    const char* overlap = std::getenv("DTUNE_DDP_OVERLAP");
+    if (!(overlap && std::string(overlap) == "0")) reducer_->enable_overlap();
+    if (zero_stage_ >= 1) partition_ = std::make_unique<dist::ZeroPartition>(params_, env_.world_size);
+}
+
+bool DataParallel::updates(std::size_t index) const {
+    return !partition_ || partition_->owner(index) == env_.rank;
+}
+
+void DataParallel::arm_reduction() {
+    if (reducer_) reducer_->arm();
+}
+
+void DataParallel::reduce_gradients() {
+    if (reducer_) reducer_->reduce();
+}
+
+void DataParallel::after_step() {
+    if (partition_) partition_->sync_parameters(*group_, params_);
+    for (auto& p : params_) p.mutable_grad() = at::Tensor();
+}
+
+StepAgreement DataParallel::agree(double loss, bool stop, int fault_gpu) {
+    StepAgreement out;
+    out.mean_loss = loss;
+    out.stop = stop;
+    if (env_.world_size <= 1) {
+        if (fault_gpu > 0) out.fault_rank = 0, out.fault_gpu = fault_gpu - 1;
+        return out;
+    }
+    // [2 + W] float64: stop count, loss sum, then each rank's faulty GPU index + 1 (0: none).
+    auto flags = at::zeros({2 + env_.world_size}, at::TensorOptions().dtype(at::kDouble));
+    auto a = flags.accessor<double, 1>();
+    a[0] = stop ? 1 : 0;
+    a[1] = loss;
+    a[2 + env_.rank] = fault_gpu;
+    at::Tensor on_device = flags.to(device_);
+    group_->all_reduce_sum_(on_device);
+    flags = on_device.cpu();
+    a = flags.accessor<double, 1>();
+    out.stop = a[0] > 0;
+    out.mean_loss = a[1] / env_.world_size;
+    for (int r = 0; r < env_.world_size; ++r)
+        if (a[2 + r] > 0) {
+            out.fault_rank = r;
+            out.fault_gpu = static_cast<int>(a[2 + r]) - 1;
+            break;
+        }
+    return out;
+}
+
+void DataParallel::check_identical(const std::vector<std::string>& names, double tolerance) {
+    dist::check_parameters_identical(*group_, params_, names, tolerance);
+}
+
+void DataParallel::check_shared_output_dir(const std::filesystem::path& dir) {
+    if (env_.world_size <= 1) return;
+    const char* wait_env = std::getenv("DTUNE_SHARED_DIR_WAIT_S");
+    const auto wait = std::chrono::duration<double>(wait_env && *wait_env ? std::atof(wait_env) : 60.0);
+    auto token = at::zeros({1}, at::TensorOptions().dtype(at::kLong));
+    if (env_.rank == 0)
+        token.fill_(static_cast<int64_t>(std::random_device{}() >> 1) << 20 | env_.world_size);
+    at::Tensor on_device = token.to(device_);
+    group_->broadcast_(on_device, 0);
+    const std::string expected = std::to_string(on_device.cpu().item<int64_t>());
+    const auto file = dir / ".dtune-shared-output-check";
+    if (env_.rank == 0) fs::write_file_atomic(file, expected);
+    group_->barrier();
+    // NFS clients may cache a directory listing for a few seconds: poll until `wait` passes.
+    bool seen = false;
+    const auto deadline =
+        std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::milliseconds>(wait);
+    for (;;) {
+        std::error_code ec;
+        if (std::filesystem::exists(file, ec) && fs::read_file(file) == expected) {
+            seen = true;
+            break;
+        }
+        if (std::chrono::steady_clock::now() >= deadline) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    auto missing = at::full({1}, seen ? 0.0 : 1.0, at::TensorOptions().dtype(at::kDouble)).to(device_);
+    group_->all_reduce_sum_(missing);
+    const int n_missing = static_cast<int>(missing.cpu().item<double>());
+    group_->barrier();
+    if (env_.rank == 0) std::filesystem::remove(file);
+    if (n_missing > 0)
+        throw UsageError(str(
+            "output_dir ", dir.string(), " is not shared by every rank: ", n_missing, " of ", env_.world_size,
+            " ranks", seen ? "" : str(" (this one, rank ", env_.rank, ", among them)"),
+            " could not read the check file rank 0 wrote there. Put output_dir on storage ",
+            "every node mounts at the same path (NFS or similar, same UID/GID), see ", "docs/multi-node.md"));
+}
+
+void DataParallel::write_shards(const std::filesystem::path& tmp_dir,
+                                const std::function<void(const std::filesystem::path&)>& write) {
+    if (env_.world_size <= 1) {
+        write(tmp_dir);
+        return;
+    }
+    group_->barrier();  // rank 0 has created tmp_dir
+    write(tmp_dir);
+    group_->barrier();  // every rank's files are in place
+}
+
+std::string rank_rng_file(int rank) {
+    return str("random_states_rank", rank, ".safetensors");
+}
+
+std::string optimizer_shard_file(int rank, int world) {
+    return str("optimizer-shard-", rank, "-of-", world, ".safetensors");
+}
+
+bool is_optimizer_shard_file(const std::string& relative_path) {
+    return relative_path.rfind("optimizer-shard-", 0) == 0;
+}
+
+}  // namespace dtune::train

@@ -1,0 +1,367 @@
+// `dtune train` as a data-parallel job (label dist): the real `dtune launch` with 2 CPU ranks over
+// Gloo, the tiny SDXL fixture and a generated image folder. Judged against runs of the same binary
+// in one process: N ranks x batch b must train the weights one process trains with batch N*b on the
+// same samples (the tolerance covers only float summation order), ZeRO-1 must equal plain data
+// parallelism, a checkpoint written by 2 ranks must resume in 1; and the failure paths: a killed
+// rank, an injected GPU fault (gpu.fault posted to a real HTTP listener, exit 75), an output_dir
+// that is not shared.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "core/fs.h"
+#include "io/image.h"
+#include "io/safetensors.h"
+#include "support/http_listener.h"
+#include "support/test_support.h"
+
+namespace dtune {
+namespace {
+
+struct ShellRun {
+    int exit_code = -1;
+    std::string output;  // stdout and stderr
+};
+
+ShellRun run_shell(const std::string& command) {
+    ShellRun r;
+    FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
+    char buf[4096];
+    std::size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) r.output.append(buf, n);
+    const int status = ::pclose(pipe);
+    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    return r;
+}
+
+bool contains(const std::string& haystack, const std::string& needle) {
+    return haystack.find(needle) != std::string::npos;
+}
+
+// Whether one line of `text` contains both `a` and then `b`.
+bool line_with(const std::string& text, const std::string& a, const std::string& b) {
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);) {
+        const auto at = line.find(a);
+        if (at != std::string::npos && line.find(b, at) != std::string::npos) return true;
+    }
+    return false;
+}
+
+// A TCP port that was free a moment ago (the kernel's pick), so parallel tests do not collide.
+int free_port() {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    socklen_t len = sizeof addr;
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    ::close(fd);
+    return ntohs(addr.sin_port);
+}
+
+struct Workspace {
+    test::TempDir dir;
+    std::filesystem::path config;
+
+    Workspace() {
+        const auto images = dir / "images";
+        std::filesystem::create_directories(images);
+        for (int i = 0; i < 8; ++i) {
+            io::RgbImage img(72, 64);
+            for (size_t p = 0; p < img.pixels.size(); ++p)
+                img.pixels[p] = static_cast<uint8_t>((p * 5 + i * 37) % 256);
+            io::write_image(images / ("sample " + std::to_string(i) + ".png"), img);
+        }
+        const nlohmann::json backends = nlohmann::json::array({{{"id", "tiny"},
+                                                                {"type", "local"},
+                                                                {"instance_data_dir", images.string()},
+                                                                {"resolution", 64},
+                                                                {"resolution_type", "pixel"},
+                                                                {"caption_strategy", "filename"}},
+                                                               {{"id", "text"},
+                                                                {"type", "local"},
+                                                                {"dataset_type", "text_embeds"},
+                                                                {"default", true},
+                                                                {"cache_dir", (dir / "text").string()}}});
+        fs::write_file_atomic(dir / "multidatabackend.json", backends.dump(2));
+        // SGD: its update is linear in the gradient, so float summation order changes the weights
+        // by ~1e-9 while a wrong gradient (one rank's only, or not averaged) changes them by ~1e-3.
+        const nlohmann::json cfg = {
+            {"model_family", "sdxl"},
+            {"pretrained_model_name_or_path", (test::fixtures_dir() / "tiny-sdxl").string()},
+            {"data_backend_config", (dir / "multidatabackend.json").string()},
+            {"checkpointing_steps", 2},
+            {"learning_rate", 0.05},
+            {"lr_scheduler", "constant"},
+            {"optimizer", "torch-sgd"},
+            {"mixed_precision", "no"},
+            {"gradient_checkpointing", false},
+            {"caption_dropout_probability", 0.3},
+            {"seed", 11},
+            {"deterministic", true},
+            {"device", "cpu"}};
+        config = dir / "config.json";
+        fs::write_file_atomic(config, cfg.dump(2));
+    }
+
+    std::filesystem::path out(const std::string& name) const { return dir.path() / name; }
+
+    // `dtune train` in one process, or under `dtune launch` with `ranks` processes.
+    std::string train(int ranks, const std::string& out_name, const std::string& extra) const {
+        const std::string train_args =
+            "train --config '" + config.string() + "' --output_dir '" + out(out_name).string() + "' " + extra;
+        if (ranks == 0) return std::string(DTUNE_BIN) + " " + train_args;
+        return std::string(DTUNE_BIN) + " launch --grace_period 3 --nproc_per_node " + std::to_string(ranks) +
+               " --master_port " + std::to_string(free_port()) + " -- " + train_args;
+    }
+};
+
+std::map<std::string, at::Tensor> final_weights(const std::filesystem::path& out) {
+    std::map<std::string, at::Tensor> m;
+    for (auto& [k, v] : io::load_safetensors(out / "pipeline/unet/diffusion_pytorch_model.safetensors"))
+        m[k] = v.clone();
+    return m;
+}
+
+double max_difference(const std::map<std::string, at::Tensor>& a,
+                      const std::map<std::string, at::Tensor>& b) {
+    EXPECT_EQ(a.size(), b.size());
+    double worst = 0;
+    for (const auto& [k, v] : a) {
+        auto it = b.find(k);
+        if (it == b.end()) {
+            ADD_FAILURE() << "missing " << k;
+            continue;
+        }
+        worst = std::max(worst, (v.to(at::kDouble) - it->second.to(at::kDouble)).abs().max().item<double>());
+    }
+    return worst;
+}
+
+TEST(DistTrain, TwoRanksEqualOneProcessWithTheGlobalBatchAndOnlyRankZeroWrites) {
+    Workspace w;
+    const auto single = run_shell(w.train(0, "single", "--train_batch_size 2 --max_train_steps 3"));
+    ASSERT_EQ(single.exit_code, 0) << single.output;
+    const auto dp =
+        run_shell("DTUNE_CHECK_RANK_WEIGHTS=1 " +
+                  w.train(2, "dp", "--train_batch_size 1 --max_train_steps 3 --gradient_checkpointing true"));
+    ASSERT_EQ(dp.exit_code, 0) << dp.output;
+    EXPECT_TRUE(contains(dp.output, "2 ranks over gloo")) << dp.output;
+    // (The 2-rank run recomputes activations in backward: the overlap hooks must see each gradient
+    // once.) A different sample set must show up: one process with batch 1 sees half the data.
+    const auto half = run_shell(w.train(0, "half", "--train_batch_size 1 --max_train_steps 3"));
+    ASSERT_EQ(half.exit_code, 0) << half.output;
+
+    const auto a = final_weights(w.out("single"));
+    const auto b = final_weights(w.out("dp"));
+    const double diff = max_difference(a, b);
+    std::printf("2 ranks x batch 1 vs 1 x batch 2: max |dw| = %.3g\n", diff);
+    EXPECT_LE(diff, 1e-6);
+    EXPECT_GT(max_difference(a, final_weights(w.out("half"))), 1e-4);
+
+    // Rank 0 alone writes the shared files: one metrics line per step, one config, no leftovers.
+    std::ifstream metrics(w.out("dp") / "metrics.jsonl");
+    int lines = 0;
+    for (std::string line; std::getline(metrics, line);) ++lines;
+    EXPECT_EQ(lines, 3);
+    for (const char* f :
+         {"config.resolved.json", "checkpoint-2/.guard", "checkpoint-2/random_states.safetensors",
+          "checkpoint-2/random_states_rank1.safetensors", "checkpoint-3/.guard"})
+        EXPECT_TRUE(std::filesystem::exists(w.out("dp") / f)) << f;
+    for (const auto& e : std::filesystem::directory_iterator(w.out("dp"))) {
+        const std::string name = e.path().filename().string();
+        EXPECT_FALSE(contains(name, "-tmp") || contains(name, "shared-output-check")) << name;
+    }
+
+    // Resume on another world size: the 2-rank checkpoint of step 2, continued by one process with
+    // the same global batch, ends where the single process that ran straight through ended.
+    std::filesystem::create_directories(w.out("resumed"));
+    std::filesystem::copy(w.out("dp") / "checkpoint-2", w.out("resumed") / "checkpoint-2",
+                          std::filesystem::copy_options::recursive);
+    const auto resumed = run_shell(w.train(0, "resumed", "--train_batch_size 2 --max_train_steps 3"));
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    EXPECT_TRUE(contains(resumed.output, "resumed from")) << resumed.output;
+    const double resume_diff = max_difference(a, final_weights(w.out("resumed")));
+    std::printf("2 ranks to step 2, then 1 process to step 3 vs 1 process: max |dw| = %.3g\n", resume_diff);
+    EXPECT_LE(resume_diff, 1e-6);
+}
+
+TEST(DistTrain, ZeroOneEqualsPlainDataParallelAndResumesOnOneRank) {
+    Workspace w;
+    const std::string adam = "--optimizer torch-adamw --learning_rate 1e-3 ";
+    const auto plain = run_shell(w.train(2, "plain", adam + "--train_batch_size 1 --max_train_steps 4"));
+    ASSERT_EQ(plain.exit_code, 0) << plain.output;
+    const auto zero =
+        run_shell(w.train(2, "zero", adam + "--train_batch_size 1 --max_train_steps 4 --zero_stage 1"));
+    ASSERT_EQ(zero.exit_code, 0) << zero.output;
+    EXPECT_TRUE(contains(zero.output, "ZeRO stage 1")) << zero.output;
+    EXPECT_TRUE(std::filesystem::exists(w.out("zero") / "checkpoint-2/optimizer-shard-1-of-2.safetensors"));
+    EXPECT_FALSE(std::filesystem::exists(w.out("zero") / "checkpoint-2/optimizer.safetensors"));
+    const double diff = max_difference(final_weights(w.out("plain")), final_weights(w.out("zero")));
+    std::printf("ZeRO-1 vs plain data parallel: max |dw| = %.3g\n", diff);
+    EXPECT_LE(diff, 1e-6);
+
+    // Resume from the step-2 checkpoints. On 2 ranks without ZeRO, the ZeRO-1 shards (merged by
+    // parameter name) must give exactly the run that never stopped.
+    auto resume_from = [&](const std::string& from, const std::string& to, int ranks,
+                           const std::string& extra) {
+        std::filesystem::create_directories(w.out(to));
+        std::filesystem::copy(w.out(from) / "checkpoint-2", w.out(to) / "checkpoint-2",
+                              std::filesystem::copy_options::recursive);
+        const auto r = run_shell(w.train(ranks, to, adam + extra + " --max_train_steps 4"));
+        EXPECT_EQ(r.exit_code, 0) << r.output;
+        EXPECT_TRUE(contains(r.output, "resumed from")) << r.output;
+    };
+    resume_from("zero", "zero_then_plain", 2, "--train_batch_size 1");
+    const double same_world =
+        max_difference(final_weights(w.out("plain")), final_weights(w.out("zero_then_plain")));
+    std::printf("ZeRO-1 checkpoint resumed by 2 plain ranks vs straight: max |dw| = %.3g\n", same_world);
+    EXPECT_EQ(same_world, 0.0);
+    // On one process (another world size): the shards must restore exactly the state the plain
+    // run's whole optimizer.safetensors restores (AdamW would amplify float-order differences
+    // between 1 and 2 ranks, so the two resumed runs are compared with each other).
+    resume_from("zero", "zero_then_one", 0, "--train_batch_size 2");
+    resume_from("plain", "plain_then_one", 0, "--train_batch_size 2");
+    const double other_world =
+        max_difference(final_weights(w.out("zero_then_one")), final_weights(w.out("plain_then_one")));
+    std::printf("1 process resumed from ZeRO-1 shards vs from the whole state: max |dw| = %.3g\n",
+                other_world);
+    EXPECT_EQ(other_world, 0.0);
+    // A checkpoint without optimizer state is refused rather than resumed with a fresh optimizer.
+    std::filesystem::create_directories(w.out("no_state"));
+    std::filesystem::copy(w.out("plain") / "checkpoint-2", w.out("no_state") / "checkpoint-2",
+                          std::filesystem::copy_options::recursive);
+    std::filesystem::remove(w.out("no_state") / "checkpoint-2/optimizer.safetensors");
+    const auto manifest_path = w.out("no_state") / "checkpoint-2/checkpoint_manifest.json";
+    auto manifest = nlohmann::json::parse(fs::read_file(manifest_path));
+    auto& files = manifest["files"];
+    files.erase(std::remove(files.begin(), files.end(), "optimizer.safetensors"), files.end());
+    fs::write_file_atomic(manifest_path, manifest.dump());
+    const auto fresh = run_shell(w.train(0, "no_state", adam + "--train_batch_size 2 --max_train_steps 4"));
+    EXPECT_NE(fresh.exit_code, 0) << fresh.output;  // refused: the checkpoint has no optimizer state
+    EXPECT_TRUE(contains(fresh.output, "has no optimizer state")) << fresh.output;
+}
+
+TEST(DistTrain, ResumeNeedsTheSameGlobalBatch) {
+    Workspace w;
+    ASSERT_EQ(run_shell(w.train(2, "run", "--train_batch_size 1 --max_train_steps 2")).exit_code, 0);
+    const auto r = run_shell(w.train(0, "run", "--train_batch_size 1 --max_train_steps 4"));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_TRUE(contains(r.output, "global batch of 2")) << r.output;
+}
+
+// The pid of the launcher's child that has RANK=`rank` in its environment, or -1.
+pid_t child_with_rank(pid_t launcher, int rank) {
+    for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+        const std::string name = e.path().filename().string();
+        if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+        std::ifstream stat(e.path() / "stat");
+        std::string pid, comm, state;
+        pid_t ppid = 0;
+        if (!(stat >> pid >> comm >> state >> ppid) || ppid != launcher) continue;
+        std::ifstream env(e.path() / "environ");
+        std::string all((std::istreambuf_iterator<char>(env)), std::istreambuf_iterator<char>());
+        if (contains(all, std::string(1, '\0') + "RANK=" + std::to_string(rank) + '\0') ||
+            all.rfind("RANK=" + std::to_string(rank) + '\0', 0) == 0)
+            return static_cast<pid_t>(std::stol(name));
+    }
+    return -1;
+}
+
+TEST(DistTrain, KilledRankStopsTheOthersAndIsNamed) {
+    Workspace w;
+    const auto log = w.out("kill.log");
+    const pid_t launcher = fork();
+    ASSERT_GE(launcher, 0);
+    if (launcher == 0) {
+        const std::string cmd = "exec " + w.train(2, "killed", "--train_batch_size 1 --max_train_steps 500") +
+                                " > '" + log.string() + "' 2>&1";
+        execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+        _exit(127);
+    }
+    const auto metrics = w.out("killed") / "metrics.jsonl";
+    for (int i = 0; i < 1200 && !std::filesystem::exists(metrics); ++i)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    const pid_t victim = child_with_rank(launcher, 1);
+    ASSERT_GT(victim, 0) << fs::read_file(log);
+    const auto start = std::chrono::steady_clock::now();
+    ::kill(victim, SIGKILL);
+    int status = 0;
+    ::waitpid(launcher, &status, 0);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const std::string output = fs::read_file(log);
+    ASSERT_TRUE(WIFEXITED(status)) << output;
+    EXPECT_EQ(WEXITSTATUS(status), 1) << output;
+    EXPECT_LT(seconds, 30.0) << output;
+    EXPECT_TRUE(contains(output, "rank 1 (local rank 1")) << output;
+    EXPECT_TRUE(contains(output, "killed by signal 9")) << output;
+    EXPECT_EQ(child_with_rank(launcher, 0), -1);  // rank 0 is gone too
+}
+
+TEST(DistTrain, InjectedGpuFaultPostsGpuFaultStopsEveryRankAndExits75) {
+    Workspace w;
+    test::HttpListener listener;
+    const nlohmann::json hook = {{"webhook_type", "raw"}, {"callback_url", listener.url()}};
+    const auto start = std::chrono::steady_clock::now();
+    const auto r = run_shell(
+        "DTUNE_INJECT_GPU_FAULT=power_brake DTUNE_HEALTH_INTERVAL_S=0.5 " +
+        w.train(2, "fault",
+                "--train_batch_size 1 --max_train_steps 500 --webhook_config '" + hook.dump() + "'"));
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(r.exit_code, 75) << r.output;
+    EXPECT_LT(seconds, 120.0) << r.output;
+    EXPECT_TRUE(contains(r.output, "error: dtune launch: GPU fault on node 0: GPU fault on node"))
+        << r.output;
+    EXPECT_TRUE(contains(r.output, "power-brake")) << r.output;
+    // Both ranks stopped by themselves at the same step (not killed by the launcher).
+    EXPECT_TRUE(line_with(r.output, "[rank 1]", "GPU fault reported by rank 0")) << r.output;
+    EXPECT_TRUE(line_with(r.output, "[rank 0]", "GPU fault reported by rank 0")) << r.output;
+    EXPECT_FALSE(contains(r.output, "SIGKILL")) << r.output;
+    EXPECT_FALSE(std::filesystem::exists(w.out("fault") / "pipeline"));
+
+    bool fault_seen = false, failed_status = false;
+    for (const auto& req : listener.wait_for(3, std::chrono::seconds(10))) {
+        const auto body = nlohmann::json::parse(req.body, nullptr, false);
+        if (body.is_discarded()) continue;
+        if (body.value("type", "") == "gpu.fault") {
+            fault_seen = true;
+            EXPECT_EQ(body.value("severity", ""), "critical") << req.body;
+            EXPECT_EQ(body["fault"].value("type", ""), "power_brake") << req.body;
+            EXPECT_EQ(body["fault"]["gpu"].value("index", -1), 0) << req.body;
+        }
+        if (body.value("type", "") == "training.status" && body.value("status", "") == "failed")
+            failed_status = true;
+    }
+    EXPECT_TRUE(fault_seen);
+    EXPECT_TRUE(failed_status);
+}
+
+TEST(DistTrain, OutputDirNotSharedIsExplained) {
+    Workspace w;
+    // Each rank gets its own output_dir, as two nodes without a shared mount would.
+    const std::string cmd = std::string(DTUNE_BIN) +
+                            " launch --grace_period 3 --nproc_per_node 2 --master_port " +
+                            std::to_string(free_port()) + " -- /bin/sh -c \"exec " + DTUNE_BIN +
+                            " train --config '" + w.config.string() + "' --output_dir '" +
+                            w.out("node").string() + "'\\$RANK --train_batch_size 1 --max_train_steps 1\"";
+    const auto r = run_shell("DTUNE_SHARED_DIR_WAIT_S=2 " + cmd);
+    EXPECT_EQ(r.exit_code, 1) << r.output;  // the launcher reports the first rank that failed
+    EXPECT_TRUE(contains(r.output, "is not shared by every rank")) << r.output;
+    EXPECT_TRUE(contains(r.output, "output_dir " + w.out("node").string())) << r.output;
+    EXPECT_TRUE(contains(r.output, "docs/multi-node.md")) << r.output;
+}
+
+}  // namespace
+}  // namespace dtune

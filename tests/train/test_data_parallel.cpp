@@ -1,0 +1,116 @@
+// Data-parallel pieces that need no second process: rank r of N serves and draws exactly rows
+// [r*B, (r+1)*B) of what one process with batch N*B serves and draws (synthetic source, caption
+// dropout); ZeRO stage resolution; the single-process DataParallel (no sockets, agreement is local).
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+#include "core/error.h"
+#include "dist/env.h"
+#include "train/batch_source.h"
+#include "train/config.h"
+#include "train/data_parallel.h"
+#include "train/step.h"
+
+namespace dtune::train {
+namespace {
+
+SyntheticBatchOptions synthetic(int64_t batch, int rank, int world) {
+    SyntheticBatchOptions o;
+    o.batch_size = batch;
+    o.latent_size = 4;
+    o.tokens = 3;
+    o.dim = 5;
+    o.pooled_dim = 2;
+    o.rank = rank;
+    o.world_size = world;
+    return o;
+}
+
+TEST(DataParallelSharding, SyntheticRanksServeRowsOfTheGlobalBatch) {
+    SyntheticBatchSource whole(synthetic(4, 0, 1));
+    auto g = at::detail::createCPUGenerator(5);
+    std::vector<TrainBatch> global{whole.next(g), whole.next(g)};
+    for (int rank = 0; rank < 2; ++rank) {
+        SyntheticBatchSource part(synthetic(2, rank, 2));
+        auto gr = at::detail::createCPUGenerator(5);  // every rank holds the same generator state
+        for (const auto& expected : global) {
+            TrainBatch b = part.next(gr);
+            ASSERT_EQ(b.latents.size(0), 2);
+            EXPECT_TRUE(at::equal(b.latents, expected.latents.slice(0, 2 * rank, 2 * rank + 2)));
+            EXPECT_TRUE(at::equal(b.prompt_embeds, expected.prompt_embeds.slice(0, 2 * rank, 2 * rank + 2)));
+            EXPECT_TRUE(at::equal(b.pooled_embeds, expected.pooled_embeds.slice(0, 2 * rank, 2 * rank + 2)));
+            EXPECT_EQ(b.paths[0], expected.paths[static_cast<size_t>(2 * rank)]);
+        }
+        // Same stream afterwards: the rank advanced its generator exactly as the single process did.
+        EXPECT_TRUE(at::equal(gr.get_state(), g.get_state()));
+    }
+}
+
+TEST(DataParallelSharding, CaptionDropoutDrawsForTheGlobalBatch) {
+    PromptEmbedding empty{at::full({3, 5}, 7.0f), at::zeros({2})};
+    auto dropped_rows = [&](int rank, int world, int64_t batch) {
+        SyntheticBatchSource s(synthetic(batch, 0, 1));
+        auto g = at::detail::createCPUGenerator(9);
+        TrainBatch b = s.next(g);
+        auto dg = at::detail::createCPUGenerator(21);
+        apply_caption_dropout(b, empty, 0.5, dg, rank, world);
+        std::vector<bool> rows;
+        for (int64_t i = 0; i < batch; ++i) rows.push_back(b.prompt_embeds[i].eq(7.0f).all().item<bool>());
+        return rows;
+    };
+    const auto whole = dropped_rows(0, 1, 8);
+    EXPECT_GT(std::count(whole.begin(), whole.end(), true), 0);  // p = 0.5 over 8 rows
+    EXPECT_LT(std::count(whole.begin(), whole.end(), true), 8);
+    for (int rank = 0; rank < 4; ++rank) {
+        const auto mine = dropped_rows(rank, 4, 2);
+        EXPECT_EQ(mine[0], whole[static_cast<size_t>(2 * rank)]) << "rank " << rank;
+        EXPECT_EQ(mine[1], whole[static_cast<size_t>(2 * rank + 1)]) << "rank " << rank;
+    }
+}
+
+TEST(DataParallelConfig, ZeroStageFromConfigOrLauncher) {
+    TrainConfig c;
+    ::unsetenv("DTUNE_ZERO_STAGE");
+    EXPECT_EQ(resolve_zero_stage(c), 0);
+    ::setenv("DTUNE_ZERO_STAGE", "1", 1);
+    EXPECT_EQ(resolve_zero_stage(c), 1);
+    ::setenv("DTUNE_ZERO_STAGE", "2", 1);
+    EXPECT_EQ(resolve_zero_stage(c), 1);  // ZeRO-2 runs as stage 1, with a warning
+    ::setenv("DTUNE_ZERO_STAGE", "one", 1);
+    EXPECT_THROW(resolve_zero_stage(c), UsageError);
+    c.set("zero_stage", "0", "test");  // the config wins over the launcher's variable
+    EXPECT_EQ(resolve_zero_stage(c), 0);
+    c.set("zero_stage", "3", "test");
+    EXPECT_THROW(resolve_zero_stage(c), UsageError);
+    ::unsetenv("DTUNE_ZERO_STAGE");
+}
+
+TEST(DataParallelSingle, OneProcessAgreesLocallyAndPicksTheLocalGpu) {
+    dist::DistEnv env;  // not launched: one process, no sockets
+    DataParallel dp(env, c10::Device(c10::kCPU), 1, std::chrono::seconds(5));
+    EXPECT_EQ(dp.world_size(), 1);
+    EXPECT_EQ(dp.zero_stage(), 0);  // nothing to shard with one rank
+    auto p = at::ones({3}).set_requires_grad(true);
+    dp.attach({p});
+    EXPECT_TRUE(dp.updates(0));
+    StepAgreement a = dp.agree(0.25, false, 0);
+    EXPECT_EQ(a.mean_loss, 0.25);
+    EXPECT_FALSE(a.stop || a.fault());
+    a = dp.agree(0.5, true, 3);  // GPU 2 of this node faulted (index + 1)
+    EXPECT_TRUE(a.stop);
+    EXPECT_EQ(a.fault_rank, 0);
+    EXPECT_EQ(a.fault_gpu, 2);
+
+    dist::DistEnv launched;
+    launched.launched = true;
+    launched.world_size = launched.local_world_size = 4;
+    launched.rank = launched.local_rank = 3;
+    EXPECT_EQ(DataParallel::pick_device(c10::Device(c10::kCUDA), launched), c10::Device(c10::kCUDA, 3));
+    EXPECT_EQ(DataParallel::pick_device(c10::Device(c10::kCUDA, 1), launched), c10::Device(c10::kCUDA, 1));
+    EXPECT_EQ(DataParallel::pick_device(c10::Device(c10::kCPU), launched), c10::Device(c10::kCPU));
+    EXPECT_EQ(DataParallel::pick_device(c10::Device(c10::kCUDA), env), c10::Device(c10::kCUDA));
+}
+
+}  // namespace
+}  // namespace dtune::train
