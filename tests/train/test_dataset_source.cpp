@@ -292,6 +292,22 @@ TEST(DatasetSource, ResumeContinuesWithTheExactNextBatchWhilePrefetching) {
     EXPECT_EQ(captions.size(), 3u);  // every candidate caption gets picked somewhere
 }
 
+TEST(DatasetSource, VaeCacheDisableEncodesEveryBatchAndOndemandStoresOnFirstUse) {
+    for (const char* mode : {"vae_cache_disable", "vae_cache_ondemand"}) {
+        Workspace s;
+        s.entry[mode] = true;
+        auto c = std::make_shared<Counters>();
+        DatasetBatchSource src(s.options(2, 0), fake_encoders(c));
+        EXPECT_EQ(c->vae_calls, 0) << mode;  // nothing prebuilt
+        EXPECT_FALSE(src.vae_released()) << mode;
+        auto g = unused_generator();
+        for (int i = 0; i < 16; ++i) src.next(g);  // two epochs
+        const bool disabled = std::string(mode) == "vae_cache_disable";
+        EXPECT_EQ(c->vae_images, disabled ? 32 : 16) << mode;
+        EXPECT_EQ(stdfs::exists(s.dir / "vae") ? count_files(s.dir / "vae") : 0, disabled ? 0 : 16) << mode;
+    }
+}
+
 TEST(DatasetSource, EffectiveBatchSizeErrorUsesSimpleTunersText) {
     Workspace s(3, 0);
     try {
