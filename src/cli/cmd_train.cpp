@@ -72,8 +72,15 @@ std::string train_usage() {
            "checkpoints_total_limit kept) and pipeline/unet/ at the end. A run resumes from the newest\n"
            "complete checkpoint (resume_from_checkpoint latest); incomplete ones are skipped.\n"
            "Ctrl-C or SIGTERM saves a checkpoint and exits with code 4; a second signal exits at once.\n"
-           "Now: full fine-tunes of the SDXL UNet, latents encoded on the fly (vae_cache_disable), and a\n"
-           "placeholder text embedding until the CLIP text encoders land.\n\n"
+           "Data: every enabled image dataset of data_backend_config (multidatabackend.json; local or\n"
+           "type aws, mirrored to output_dir/cache/s3/<id>) is bucketed by aspect ratio; each batch comes\n"
+           "from one bucket. At start the text embeddings (both SDXL CLIP encoders, and \"\" for caption\n"
+           "dropout) go to the text_embeds entry's cache_dir and the VAE latents to each dataset's\n"
+           "cache_dir_vae, with a progress bar; valid entries are reused, damaged ones rebuilt with a\n"
+           "warning, and the encoders are freed once everything is cached. vae_cache_disable encodes\n"
+           "latents every step, vae_cache_ondemand when first needed. SDXL time ids come from each\n"
+           "image's bucket metadata. A background loader prepares the next batches (2, or\n"
+           "dataloader_prefetch_qlen with dataloader_prefetch). Now: full fine-tunes of the SDXL UNet.\n\n"
            "Options:\n" +
            train::options_help();
 }

@@ -13,6 +13,7 @@
 #include "core/log.h"
 #include "core/progress.h"
 #include "core/thread_pool.h"
+#include "data/captions.h"
 #include "data/storage.h"
 #include "io/image_info.h"
 
@@ -133,6 +134,37 @@ void BucketIndex::remove_missing(const std::vector<std::string>& present) {
         it = keep.count(it->first) ? std::next(it) : metadata.erase(it);
 }
 
+namespace {
+
+// Sizes of new files: with metadata_backend parquet, from the table's width/height columns
+// without opening the images (SimpleTuner's parquet backend); files the table does not size are
+// header-scanned like discovery. Sorted by path, so first-seen pinning stays stable.
+HeaderScan sizes_of(const std::vector<std::string>& fresh, const StorageBackend& storage,
+                    const DatasetConfig& config, ThreadPool& pool, bool show_progress) {
+    std::vector<std::string> to_scan;
+    std::vector<std::pair<std::string, Size>> from_table;
+    if (config.metadata_backend == MetadataBackendKind::kParquet && config.parquet) {
+        const MetadataTable table = MetadataTable::load(storage, *config.parquet, false);
+        for (const auto& f : fresh) {
+            const MetadataRow* row = table.find_for_path(f);
+            if (row && row->width && row->height && *row->width > 0 && *row->height > 0)
+                from_table.emplace_back(f, Size{*row->width, *row->height});
+            else
+                to_scan.push_back(f);
+        }
+    } else {
+        to_scan = fresh;
+    }
+    HeaderScan scan = scan_image_headers(to_scan, pool, show_progress, "discovery " + config.id);
+    if (from_table.empty()) return scan;
+    scan.images.insert(scan.images.end(), from_table.begin(), from_table.end());
+    std::sort(scan.images.begin(), scan.images.end(),
+              [](const auto& a, const auto& b) { return a.first < b.first; });
+    return scan;
+}
+
+}  // namespace
+
 int64_t BucketIndex::refresh(StorageBackend& storage, const DatasetConfig& config,
                              const BucketSettings& settings, ThreadPool& pool, AspectResolutionMap* map,
                              uint64_t seed, bool show_progress) {
@@ -142,7 +174,7 @@ int64_t BucketIndex::refresh(StorageBackend& storage, const DatasetConfig& confi
     std::vector<std::string> fresh;
     for (const auto& f : files)
         if (!metadata.count(f)) fresh.push_back(f);
-    const HeaderScan scan = scan_image_headers(fresh, pool, show_progress, "discovery " + config.id);
+    HeaderScan scan = sizes_of(fresh, storage, config, pool, show_progress);
     for (const auto& [path, reason] : scan.failed) {
         skipped.emplace_back(path, reason);
         ++stats.error;

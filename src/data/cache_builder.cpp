@@ -96,15 +96,21 @@ std::map<std::pair<int, int>, std::vector<const LatentRequest*>> check_entries(
     const LatentCache& cache, const std::vector<const LatentRequest*>& all, CacheBuildReport& report,
     std::map<const LatentRequest*, EntryStatus>& found, ThreadPool& pool, Progress& progress) {
     std::vector<EntryStatus> status(all.size());
+    std::vector<std::string> reasons(all.size());
     pool.parallel_for(all.size(), [&](size_t i) {
         try {
-            status[i] = cache.load(*all[i]).status;
+            EntryLookup found = cache.load(*all[i]);
+            status[i] = found.status;
+            reasons[i] = std::move(found.reason);
         } catch (const DataError&) {
             status[i] = EntryStatus::kMissing;  // the image is gone: the decode step reports it
         }
     });
     std::map<std::pair<int, int>, std::vector<const LatentRequest*>> todo;
     for (size_t i = 0; i < all.size(); ++i) {
+        if (status[i] == EntryStatus::kCorrupt)
+            log::warn() << "latent cache entry " << cache.entry_path(all[i]->path).string() << " (of "
+                        << all[i]->path << ") is corrupt: " << reasons[i] << "; rebuilding it";
         ++counter_of(report, status[i]);
         found[all[i]] = status[i];
         if (status[i] == EntryStatus::kValid) {

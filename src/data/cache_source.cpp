@@ -7,6 +7,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/log.h"
 #include "core/progress.h"
 #include "core/thread_pool.h"
 #include "data/batch_plan.h"
@@ -113,9 +114,17 @@ CacheBuildReport build_text_cache(const TextEmbedCache& cache, const std::vector
     CacheBuildReport report;
     report.total = static_cast<int64_t>(mine.size());
     std::vector<EntryStatus> status(mine.size());
-    pool.parallel_for(mine.size(), [&](size_t i) { status[i] = cache.load(mine[i], nullptr).status; });
+    std::vector<std::string> reasons(mine.size());
+    pool.parallel_for(mine.size(), [&](size_t i) {
+        EntryLookup found = cache.load(mine[i], nullptr);
+        status[i] = found.status;
+        reasons[i] = std::move(found.reason);
+    });
     std::vector<std::string> todo;
     for (size_t i = 0; i < mine.size(); ++i) {
+        if (status[i] == EntryStatus::kCorrupt)
+            log::warn() << "text cache entry " << cache.entry_path(mine[i]).string()
+                        << " is corrupt: " << reasons[i] << "; rebuilding it";
         switch (status[i]) {
             case EntryStatus::kValid: ++report.reused; continue;
             case EntryStatus::kStale: ++report.rebuilt_stale; break;

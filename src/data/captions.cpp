@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <filesystem>
 #include <sstream>
+#include <variant>
 
 #include "core/error.h"
 #include "data/storage.h"
+#include "io/parquet.h"
 
 namespace dtune::data {
 
@@ -40,6 +42,19 @@ std::optional<int> int_cell(const json& row, const std::string& column) {
     auto it = row.find(column);
     if (it == row.end() || !it->is_number()) return std::nullopt;
     return static_cast<int>(it->get<double>());
+}
+
+// io::Table rows as JSON objects (nulls left out), the shape from_rows() reads.
+std::vector<json> table_rows(const io::Table& table) {
+    std::vector<json> rows(table.num_rows(), json::object());
+    for (size_t c = 0; c < table.num_columns(); ++c) {
+        const auto& cells = table.column(c);
+        for (size_t r = 0; r < cells.size(); ++r) {
+            if (!cells[r]) continue;
+            std::visit([&](const auto& v) { rows[r][table.names()[c]] = v; }, *cells[r]);
+        }
+    }
+    return rows;
 }
 
 }  // namespace
@@ -93,12 +108,23 @@ MetadataTable MetadataTable::from_rows(const std::vector<json>& rows, const Parq
 
 MetadataTable MetadataTable::load(const StorageBackend& storage, const ParquetSettings& s,
                                   bool require_caption) {
-    const std::string ext = std::filesystem::path(s.path).extension().string();
-    if (ext == ".jsonl" || ext == ".json")
+    std::string ext = std::filesystem::path(s.path).extension().string();
+    std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
+    if (ext == ".jsonl" || ext == ".json" || ext == ".ndjson")
         return from_rows(parse_jsonl(storage.read(s.path), s.path), s, s.path, require_caption);
-    throw UsageError(str(s.path,
-                         ": Parquet tables are not readable in this build yet; convert the table to "
-                         "JSON-lines (.jsonl) for now"));
+    DTUNE_CHECK_AS(
+        UsageError, ext == ".parquet", s.path,
+        ": the metadata table must be .parquet or JSON-lines (.jsonl); convert it or fix parquet.path");
+    // Through the storage (local or S3) into the Parquet reader; only the configured columns.
+    const std::string bytes = storage.read(s.path);
+    const auto file = io::ParquetFile::from_buffer(std::vector<uint8_t>(bytes.begin(), bytes.end()), s.path);
+    std::vector<std::string> wanted;
+    for (const auto& c :
+         {s.filename_column, s.caption_column, s.fallback_caption_column, s.width_column, s.height_column})
+        if (!c.empty() && file.column_index(c) >= 0 &&
+            std::find(wanted.begin(), wanted.end(), c) == wanted.end())
+            wanted.push_back(c);
+    return from_rows(table_rows(file.read_table(wanted)), s, s.path, require_caption);
 }
 
 const MetadataRow* MetadataTable::find_for_path(const std::string& image_path) const {

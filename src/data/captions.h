@@ -38,7 +38,7 @@ class MetadataTable {
                                    const std::string& source, bool require_caption);
     // JSON-lines bytes → rows; DataError naming the line on bad JSON.
     static std::vector<nlohmann::json> parse_jsonl(const std::string& bytes, const std::string& source);
-    // Reads `settings.path` through the storage (.jsonl now; .parquet once the reader lands).
+    // Reads `settings.path` through the storage: .parquet (io/parquet.h) or JSON-lines.
     static MetadataTable load(const StorageBackend& storage, const ParquetSettings& settings,
                               bool require_caption);
 

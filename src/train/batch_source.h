@@ -1,9 +1,10 @@
 // Where a training step's batch comes from: latents, prompt embeddings and SDXL time ids, behind
-// one interface so the latent / text-embedding caches can replace on-the-fly encoding later.
+// one interface: SyntheticBatchSource (tests, benchmarks) and DatasetBatchSource (dataset_source.h).
 //
 // Invariants: a source is deterministic given its state and the generator passed to next(), and
 // state()/load_state() capture everything needed to serve the exact next batch after a restart.
-// Every random number a source draws comes from that generator (the trainer checkpoints it).
+// Random numbers come from that generator (the trainer checkpoints it) or, for DatasetBatchSource,
+// from generators seeded by the sample's position (so a prefetch thread cannot change them).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -32,25 +33,6 @@ struct TrainBatch {
 struct PromptEmbedding {
     at::Tensor prompt;  // [77, D]
     at::Tensor pooled;  // [P]
-};
-
-// Text conditioning for captions. The CLIP text encoders plug in here once they land.
-class TextEmbedder {
-  public:
-    virtual ~TextEmbedder() = default;
-    virtual PromptEmbedding encode(const std::string& caption) = 0;
-};
-
-// PLACEHOLDER until src/models has SDXL's two CLIP text encoders and encode_prompt: a fixed
-// pseudo-random embedding per caption (seeded by a hash of the text), so training runs end to end
-// and deterministically. A model trained with it does not follow prompts.
-class HashedTextEmbedder final : public TextEmbedder {
-  public:
-    HashedTextEmbedder(int64_t tokens, int64_t dim, int64_t pooled_dim);
-    PromptEmbedding encode(const std::string& caption) override;
-
-  private:
-    int64_t tokens_, dim_, pooled_dim_;
 };
 
 class BatchSource {
@@ -107,30 +89,7 @@ class SyntheticBatchSource final : public BatchSource {
     int64_t served_ = 0;
 };
 
-// Encodes images with the VAE: x -> (z - shift) * scaling, z sampled from the posterior with the
-// step's generator. [B, 3, H, W] in [-1, 1] -> [B, C, H/f, W/f]. With data parallelism the
-// encoder draws the posterior noise for the global batch and keeps this rank's rows.
-using LatentEncoder = std::function<at::Tensor(const at::Tensor& images, at::Generator& generator)>;
-
-// SimpleTuner's vae_cache_disable path for the first image dataset of multidatabackend.json: images
-// listed from instance_data_dir, resized (shorter edge) and centre-cropped to a square of the
-// dataset's resolution, VAE-encoded on the fly; captions by the dataset's strategy (filename /
-// textfile / instanceprompt); one square bucket served by data::BucketSampler.
-struct ImageFolderOptions {
-    std::filesystem::path data_backend_config;
-    std::string output_dir;
-    double resolution = 1024;  // the config's fallback
-    std::string resolution_type = "pixel_area";
-    int batch_size = 1;
-    uint64_t seed = 0;
-    c10::Device device = c10::Device(c10::kCPU);
-    int rank = 0;  // data parallelism (see above)
-    int world_size = 1;
-    std::function<void()> barrier = [] {};
-};
-
-std::unique_ptr<BatchSource> make_image_folder_source(const ImageFolderOptions& options,
-                                                      LatentEncoder encoder,
-                                                      std::shared_ptr<TextEmbedder> embedder);
+// The real data path (multidatabackend.json, buckets, caches, text encoders) is
+// DatasetBatchSource in train/dataset_source.h.
 
 }  // namespace dtune::train

@@ -19,6 +19,8 @@
 #include "models/vae/autoencoder_kl.h"
 #include "train/checkpoint.h"
 #include "train/data_parallel.h"
+#include "train/dataset_source.h"
+#include "train/sdxl_data_encoders.h"
 #include "train/lr_schedule.h"
 #include "train/signals.h"
 
@@ -87,42 +89,28 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     schedule_.emplace(
         diffusion::NoiseScheduleConfig::from_json(sched_json, (model_dir_ / "scheduler").string()));
 
-    models::ComponentLoadOptions vae_load;
-    vae_load.device = device_;  // fp32: SDXL's VAE overflows in fp16 and encode cost is small
-    auto vae = models::load_autoencoder_kl(vae_dir(config_, model_dir_), vae_load);
-    vae->eval();
-    const int64_t dp_rank = dp_->rank(), dp_world = dp_->world_size();
-    LatentEncoder encode = [vae, dp_rank, dp_world](const at::Tensor& images, at::Generator& gen) mutable {
-        at::NoGradGuard no_grad;
-        const auto posterior = vae->encode(images.to(at::kFloat));  // [B, C, h, w] each
-        // Drawn for the global batch, this rank's rows kept (see batch_source.h).
-        auto shape = posterior.mean.sizes().vec();
-        const int64_t b = shape[0];
-        shape[0] = b * dp_world;
-        const at::Tensor eps = at::randn(shape, gen, at::kFloat)
-                                   .slice(0, dp_rank * b, (dp_rank + 1) * b)
-                                   .to(posterior.mean.device());  // [B, C, h, w]
-        return vae->scale_latents(posterior.mean + posterior.std * eps);
-    };
-    const auto& uc = unet_->config();
-    const int64_t pooled_dim = uc.projection_class_embeddings_input_dim - 6 * uc.addition_time_embed_dim;
-    log::warn()
-        << "the SDXL text encoders are not in dtune yet: captions are embedded by a seeded placeholder, "
-           "so this run exercises the trainer but the model will not learn to follow prompts";
-    auto embedder = std::make_shared<HashedTextEmbedder>(77, uc.cross_attention_dim.at(0), pooled_dim);
-    ImageFolderOptions io;
-    io.data_backend_config = config_.text("data_backend_config");
-    io.output_dir = config_.text("output_dir");
-    io.resolution = config_.real("resolution");
-    io.resolution_type = config_.text("resolution_type");
-    io.batch_size = static_cast<int>(config_.integer("train_batch_size"));
-    io.seed = resolve_seed(config_);
-    io.device = device_;
-    io.rank = dp_->rank();
-    io.world_size = dp_->world_size();
-    io.barrier = dp_->barrier_function();
-    source_ = make_image_folder_source(io, encode, embedder);
-    config_.set("seed", std::to_string(io.seed), "resolved seed");
+    // The data path: SDXL's encoders as callables, buckets and caches from multidatabackend.json.
+    SdxlEncoderOptions eo;
+    eo.model_dir = model_dir_;
+    eo.vae_override = vae_dir(config_, model_dir_);
+    eo.device = device_;
+    eo.vae_dtype = device_.is_cuda() ? at::kBFloat16 : at::kFloat;  // SimpleTuner's vae_dtype default
+    DatasetSourceOptions ds;
+    ds.data_backend_config = config_.text("data_backend_config");
+    ds.global = data_args_from_config(config_);
+    ds.train_batch_size = static_cast<int>(config_.integer("train_batch_size"));
+    ds.gradient_accumulation_steps = static_cast<int>(config_.integer("gradient_accumulation_steps"));
+    ds.allow_dataset_oversubscription = config_.flag("allow_dataset_oversubscription");
+    ds.seed = resolve_seed(config_);
+    ds.prefetch_batches =
+        config_.flag("dataloader_prefetch") ? static_cast<int>(config_.integer("dataloader_prefetch_qlen")) : 2;
+    ds.device = device_;
+    ds.rank = dp_->rank();
+    ds.world_size = dp_->world_size();
+    ds.barrier = dp_->barrier_function();
+    source_ = std::make_unique<DatasetBatchSource>(ds, load_sdxl_data_encoders(eo));
+    const uint64_t resolved_seed = ds.seed;
+    config_.set("seed", std::to_string(resolved_seed), "resolved seed");
     init_common();
 }
 

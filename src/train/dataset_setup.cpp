@@ -1,0 +1,365 @@
+// DatasetBatchSource construction (see dataset_source.h): datasets → buckets → captions → plans →
+// text and latent caches → released encoders. Every rank runs this; rank 0 writes the bucket
+// index, the cache work is sharded, and the barrier separates the phases so every rank then sees
+// every file.
+#include <algorithm>
+#include <cctype>
+#include <optional>
+#include <set>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "data/captions.h"
+#include "data/dataset_buckets.h"
+#include "data/s3_storage.h"
+#include "data/storage.h"
+#include "train/dataset_loader.h"
+
+namespace dtune::train::detail {
+namespace {
+
+namespace stdfs = std::filesystem;
+
+const std::vector<std::string> kImageExtensions = {".png", ".jpg", ".jpeg", ".webp"};
+
+void barrier(const DatasetSourceOptions& o) {
+    if (o.barrier) o.barrier();
+}
+
+// `type: aws`: the dataset's images, caption files and metadata table are copied once into
+// <output_dir>/cache/s3/<id>/ (files already there are kept), and the entry is pointed at that
+// folder, so discovery, bucket metadata and the latent cache work on local files. Rank 0 copies.
+data::DatasetConfig mirror_s3_dataset(const data::DatasetConfig& config, const DatasetSourceOptions& o) {
+    data::DatasetConfig local = config;
+    const stdfs::path mirror = stdfs::path(o.global.output_dir) / "cache" / "s3" / config.id;
+    local.type = data::StorageType::kLocal;
+    local.instance_data_dir = mirror.string();
+    if (local.parquet && !local.parquet->path.empty())
+        local.parquet->path = (mirror / "_metadata" / stdfs::path(config.parquet->path).filename()).string();
+    if (o.rank != 0) return local;
+    auto storage = data::make_storage(config);
+    std::vector<std::string> keys = storage->list_files(config.instance_data_dir, {});
+    std::vector<std::pair<std::string, stdfs::path>> todo;
+    const std::string root =
+        config.instance_data_dir.empty() ? data::s3_data_prefix_for(config) : config.instance_data_dir;
+    for (const auto& key : keys) {
+        std::string ext = stdfs::path(key).extension().string();
+        std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
+        if (ext != ".txt" &&
+            std::find(kImageExtensions.begin(), kImageExtensions.end(), ext) == kImageExtensions.end())
+            continue;
+        std::string rel = key.rfind(root, 0) == 0 ? key.substr(root.size()) : key;
+        while (!rel.empty() && rel.front() == '/') rel.erase(0, 1);
+        const stdfs::path dest = mirror / rel;
+        if (!stdfs::exists(dest)) todo.emplace_back(key, dest);
+    }
+    if (local.parquet && !local.parquet->path.empty() && !stdfs::exists(local.parquet->path))
+        todo.emplace_back(config.parquet->path, local.parquet->path);
+    log::info() << "dataset '" << config.id << "' (aws): " << keys.size() << " objects listed, "
+                << todo.size() << " copied to " << mirror.string();
+    auto* s3 = dynamic_cast<data::S3Storage*>(storage.get());
+    for (size_t i = 0; i < todo.size(); i += 64) {
+        std::vector<std::string> chunk;
+        for (size_t k = i; k < std::min(todo.size(), i + 64); ++k) chunk.push_back(todo[k].first);
+        std::vector<std::string> bytes;
+        if (s3) {
+            bytes = s3->read_many(chunk);
+        } else {
+            for (const auto& key : chunk) bytes.push_back(storage->read(key));
+        }
+        for (size_t k = 0; k < chunk.size(); ++k) {
+            stdfs::create_directories(todo[i + k].second.parent_path());
+            fs::write_file_atomic(todo[i + k].second, bytes[k]);
+        }
+    }
+    return local;
+}
+
+// Every sample's candidate captions; samples without a usable caption are dropped with a warning
+// (SimpleTuner would stop; dtune reports and continues).
+void resolve_all_captions(LoadedDataset& d) {
+    auto storage = data::make_storage(d.config);
+    std::optional<data::MetadataTable> table;
+    if (d.config.caption_strategy == data::CaptionStrategy::kParquet) {
+        DTUNE_CHECK_AS(UsageError, d.config.parquet.has_value(), "dataset '", d.config.id,
+                       "': caption_strategy parquet needs a \"parquet\" block with the table's path");
+        table =
+            data::MetadataTable::load(*storage, *d.config.parquet, false);  // captionless rows: skipped below
+    }
+    for (auto& [key, paths] : d.buckets) {
+        std::vector<std::string> kept;
+        for (const auto& p : paths) {
+            try {
+                d.captions[p] = data::resolve_captions(d.config, *storage, p, table ? &*table : nullptr);
+                kept.push_back(p);
+            } catch (const DataError& e) {
+                log::warn() << "dataset '" << d.config.id << "': skipping " << p << ": " << e.what();
+            }
+        }
+        paths = std::move(kept);
+    }
+}
+
+// The effective-batch-size plan and every rank's share of every bucket, concatenated in rank order.
+void plan_dataset(LoadedDataset& d, const DatasetSourceOptions& o) {
+    for (auto it = d.buckets.begin(); it != d.buckets.end();)
+        it = it->second.empty() ? d.buckets.erase(it) : std::next(it);
+    data::BatchCheckInput in;
+    in.dataset_id = d.config.id;
+    in.train_batch_size = d.batch_size;
+    in.world_size = o.world_size;
+    in.gradient_accumulation_steps = o.gradient_accumulation_steps;
+    in.repeats = d.config.repeats;
+    in.repeats_set_by_user = d.config.repeats_set;
+    in.allow_oversubscription = o.allow_dataset_oversubscription;
+    in.apply_padding = o.apply_padding;
+    std::map<std::string, int64_t> sizes;
+    for (const auto& [key, paths] : d.buckets) sizes[key] = static_cast<int64_t>(paths.size());
+    d.plan = data::plan_epoch(in, sizes);
+    d.global.clear();
+    for (int r = 0; r < o.world_size; ++r)
+        for (auto& [key, list] : data::rank_bucket_lists(d.buckets, d.plan, d.config.id, o.seed, o.world_size,
+                                                         r, o.apply_padding))
+            d.global[key].insert(d.global[key].end(), list.begin(), list.end());
+    // SimpleTuner's later check (_handle_config_versioning): every bucket pruned or excluded.
+    if (d.global.empty())
+        throw UsageError(
+            str("(id=", d.config.id, ") Dataset produced no usable samples. This typically happens ",
+                "when: batch_size * num_gpus * gradient_accumulation_steps is too large for the ",
+                "buckets (each bucket needs at least train_batch_size images), or every image was ",
+                "filtered out. Lower train_batch_size, add images, set repeats or enable ",
+                "allow_dataset_oversubscription.\n", d.plan.report()));
+    d.report.samples = 0;
+    d.report.buckets.clear();
+    for (const auto& [key, list] : d.global) {
+        d.report.samples += static_cast<int64_t>(list.size());
+        d.report.buckets.push_back(key);
+    }
+}
+
+LoadedDataset bucket_dataset(const data::DatasetConfig& config, const DatasetSourceOptions& o,
+                             bool write_index, ThreadPool& pool) {
+    LoadedDataset d;
+    d.config = config;
+    d.batch_size = config.train_batch_size;
+    data::BucketBuildOptions bo;
+    bo.output_dir = o.global.output_dir;
+    bo.seed = o.seed;
+    bo.world_size = o.world_size;
+    bo.rank = o.rank;
+    bo.gradient_accumulation_steps = o.gradient_accumulation_steps;
+    bo.allow_dataset_oversubscription = o.allow_dataset_oversubscription;
+    bo.apply_padding = o.apply_padding;
+    bo.write_index = write_index;
+    bo.show_progress = o.show_progress && o.rank == 0;
+    bo.math = o.math;
+    data::DatasetBuckets built = data::build_dataset_buckets(config, bo, pool);  // EBS check included
+    d.buckets = std::move(built.index.buckets);
+    d.plans = std::move(built.index.metadata);
+    return d;
+}
+
+std::shared_ptr<data::TextEmbedCache> text_cache_for(const data::DatasetConfig& d,
+                                                     const data::DataBackendConfig& all,
+                                                     const DatasetSourceOptions& o,
+                                                     const DatasetEncoders& enc) {
+    const auto* entry = all.find(d.text_embeds);
+    data::TextCacheSettings ts;
+    ts.cache_dir = entry && !entry->cache_dir.empty() ? entry->cache_dir : o.global.cache_dir_text;
+    ts.model_family = o.global.model_family;
+    ts.encoder_identity = enc.text_identity;
+    ts.compression = (entry ? entry->compress_cache : o.global.compress_disk_cache)
+                         ? data::CacheCompression::kZstd
+                         : data::CacheCompression::kNone;
+    return std::make_shared<data::TextEmbedCache>(ts);
+}
+
+// Paths of every rank's skipped-image report of a dataset's latent cache.
+std::string skip_report_path(const data::DatasetConfig& d, int rank) {
+    return (stdfs::path(d.cache_dir_vae) / str("skipped_images_rank", rank, ".json")).string();
+}
+
+// After the barrier: drops images any rank could not decode (listed in its report) and replans.
+void drop_unreadable(LoadedDataset& d, const DatasetSourceOptions& o) {
+    std::set<std::string> bad;
+    for (int r = 0; r < o.world_size; ++r) {
+        const std::string path = skip_report_path(d.config, r);
+        if (!stdfs::exists(path)) continue;
+        const auto report = nlohmann::json::parse(fs::read_file(path));  // {path: reason}
+        for (auto it = report.begin(); it != report.end(); ++it) bad.insert(it.key());
+    }
+    if (bad.empty()) return;
+    for (auto& [key, paths] : d.buckets)
+        paths.erase(
+            std::remove_if(paths.begin(), paths.end(), [&](const auto& p) { return bad.count(p) > 0; }),
+            paths.end());
+    log::warn() << "dataset '" << d.config.id << "': " << bad.size()
+                << " unreadable image(s) left out (listed in " << skip_report_path(d.config, 0) << " …)";
+    plan_dataset(d, o);
+}
+
+void build_text_caches(std::vector<LoadedDataset>& datasets, const DatasetSourceOptions& o,
+                       const DatasetEncoders& enc, ThreadPool& pool) {
+    // One build per cache folder; "" (caption dropout) goes into the first dataset's cache.
+    std::map<std::string, std::pair<std::shared_ptr<data::TextEmbedCache>, std::vector<std::string>>> by_dir;
+    for (size_t i = 0; i < datasets.size(); ++i) {
+        auto& d = datasets[i];
+        auto& slot = by_dir[d.text_cache->settings().cache_dir];
+        if (!slot.first) slot.first = d.text_cache;
+        d.text_cache = slot.first;
+        for (const auto& [path, captions] : d.captions)
+            slot.second.insert(slot.second.end(), captions.begin(), captions.end());
+        if (i == 0) slot.second.emplace_back("");
+    }
+    for (auto& [dir, slot] : by_dir) {
+        data::CacheBuildOptions opt;
+        opt.world_size = o.world_size;
+        opt.rank = o.rank;
+        opt.batch_size = std::max(1, o.text_encoder_batch_size);
+        opt.show_progress = o.show_progress && o.rank == 0;
+        opt.label = "text embeds";
+        const auto report = data::build_text_cache(*slot.first, slot.second, enc.text, opt, pool);
+        log::info() << "text embeddings in " << dir << ": " << report.summary();
+        for (auto& d : datasets)
+            if (d.text_cache == slot.first) d.report.text = report;
+    }
+}
+
+void build_latent_caches(std::vector<LoadedDataset>& datasets, const DatasetSourceOptions& o,
+                         const DatasetEncoders& enc, ThreadPool& pool) {
+    for (auto& d : datasets) {
+        if (d.config.vae_cache_disable) continue;
+        d.latent_cache =
+            std::make_unique<data::LatentCache>(data::latent_cache_settings(d.config, enc.vae_identity));
+        if (d.config.vae_cache_ondemand) continue;
+        std::map<std::string, std::vector<data::LatentRequest>> requests;
+        for (const auto& [key, paths] : d.buckets)
+            for (const auto& p : paths) requests[key].push_back({p, d.plans.at(p), false});
+        data::CacheBuildOptions opt;
+        opt.world_size = o.world_size;
+        opt.rank = o.rank;
+        opt.batch_size = std::max(1, d.config.vae_batch_size);
+        opt.show_progress = o.show_progress && o.rank == 0;
+        opt.label = "latents " + d.config.id;
+        opt.report_path = skip_report_path(d.config, o.rank);
+        d.report.latents = data::build_latent_cache(*d.latent_cache, requests, enc.vae, opt, pool);
+        log::info() << "latents of '" << d.config.id << "': " << d.report.latents.summary();
+    }
+}
+
+// True when every latent entry of every dataset is on disk (so the VAE is not needed again).
+bool latents_complete(const std::vector<LoadedDataset>& datasets) {
+    for (const auto& d : datasets) {
+        if (!d.latent_cache || d.config.vae_cache_ondemand) return false;
+        for (const auto& [key, paths] : d.buckets)
+            for (const auto& p : paths)
+                if (!stdfs::exists(d.latent_cache->entry_path(p))) return false;
+    }
+    return true;
+}
+
+bool text_complete(const std::vector<LoadedDataset>& datasets) {
+    for (const auto& d : datasets) {
+        if (!stdfs::exists(d.text_cache->entry_path(""))) return false;
+        for (const auto& [path, captions] : d.captions)
+            for (const auto& c : captions)
+                if (!stdfs::exists(d.text_cache->entry_path(c))) return false;
+    }
+    return true;
+}
+
+}  // namespace
+
+}  // namespace dtune::train::detail
+
+namespace dtune::train {
+
+data::GlobalDataArgs data_args_from_config(const TrainConfig& c) {
+    data::GlobalDataArgs a;
+    a.output_dir = c.text("output_dir");
+    a.model_family = c.text("model_family");
+    a.resolution = c.real("resolution");
+    const std::string rt = c.text("resolution_type");
+    a.resolution_type = rt == "pixel"  ? data::ResolutionType::kPixel
+                        : rt == "area" ? data::ResolutionType::kArea
+                                       : data::ResolutionType::kPixelArea;
+    a.minimum_image_size = c.opt_real("minimum_image_size");
+    a.maximum_image_size = c.opt_real("maximum_image_size");
+    a.target_downsample_size = c.opt_real("target_downsample_size");
+    a.instance_prompt = c.text("instance_prompt");
+    a.train_batch_size = static_cast<int>(c.integer("train_batch_size"));
+    a.cache_dir_vae = c.text("cache_dir_vae");
+    a.cache_dir_text = c.text("cache_dir_text").empty()
+                           ? (std::filesystem::path(a.output_dir) / "cache" / "text").string()
+                           : c.text("cache_dir_text");
+    a.vae_cache_disable = c.flag("vae_cache_disable");
+    a.vae_cache_ondemand = c.flag("vae_cache_ondemand");
+    a.compress_disk_cache = c.flag("compress_disk_cache");
+    a.vae_batch_size = static_cast<int>(c.integer("vae_batch_size"));
+    a.caption_dropout_probability = c.real("caption_dropout_probability");
+    return a;
+}
+
+}  // namespace dtune::train
+
+namespace dtune::train::detail {
+
+SetupResult setup_datasets(const DatasetSourceOptions& o, DatasetEncoders enc, ThreadPool& pool) {
+    const auto all = data::load_data_backend_config(o.data_backend_config, o.global);
+    if (o.rank == 0)
+        for (const auto& w : all.warnings) log::warn() << o.data_backend_config.string() << ": " << w;
+    std::vector<data::DatasetConfig> configs;
+    for (const auto& d : all.datasets) {
+        if (d.dataset_type == data::DatasetType::kImage)
+            configs.push_back(d.type == data::StorageType::kAws ? mirror_s3_dataset(d, o) : d);
+        else if (d.is_image_like())
+            log::info() << "dataset '" << d.id << "' (" << data::to_string(d.dataset_type)
+                        << ") is not trained on; dtune trains on image datasets only";
+    }
+    DTUNE_CHECK_AS(UsageError, !configs.empty(), o.data_backend_config.string(),
+                   " has no enabled image dataset; add an entry with \"dataset_type\": \"image\" and "
+                   "instance_data_dir");
+    SetupResult out;
+    // Rank 0 scans and writes the bucket index (and the S3 mirror); the others read what it wrote.
+    if (o.rank == 0)
+        for (const auto& c : configs) out.datasets.push_back(bucket_dataset(c, o, true, pool));
+    barrier(o);
+    if (o.rank != 0)
+        for (const auto& c : configs) out.datasets.push_back(bucket_dataset(c, o, false, pool));
+    for (auto& d : out.datasets) {
+        resolve_all_captions(d);
+        plan_dataset(d, o);
+        d.report.dataset = d.config.id;
+        d.text_cache = text_cache_for(d.config, all, o, enc);
+    }
+    build_text_caches(out.datasets, o, enc, pool);
+    build_latent_caches(out.datasets, o, enc, pool);
+    barrier(o);  // every rank's share of both caches is on disk from here on
+    for (auto& d : out.datasets) drop_unreadable(d, o);
+
+    const data::TextEmbeds empty = data::text_embeds_for(*out.datasets.front().text_cache, {""}, enc.text);
+    out.empty_prompt = {empty.prompt_embeds[0], empty.pooled_prompt_embeds[0]};  // [T, D], [P]
+    out.text_released = text_complete(out.datasets);
+    out.vae_released = latents_complete(out.datasets);
+    if (out.text_released) enc.text = nullptr;  // the closures own the models: this frees them
+    if (out.vae_released) enc.vae = nullptr;
+    out.text = enc.text;
+    data::LatentEncodeFn vae = enc.vae;
+    if (!vae)
+        vae = [](const at::Tensor&) -> at::Tensor {
+            throw DataError(
+                "a latent cache entry became unreadable during training and the VAE was released after "
+                "caching; restart the run (the entry is rebuilt at start-up)");
+        };
+    for (auto& d : out.datasets) {
+        const auto mode = data::latent_mode_for(d.config);
+        d.latents = data::make_latent_source(mode, d.latent_cache.get(), vae, pool);
+    }
+    log::info() << "data: " << out.datasets.size() << " dataset(s); text encoders "
+                << (out.text_released ? "released after caching" : "kept") << ", VAE "
+                << (out.vae_released ? "released after caching" : "kept");
+    return out;
+}
+
+}  // namespace dtune::train::detail

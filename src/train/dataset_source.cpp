@@ -1,0 +1,303 @@
+// DatasetBatchSource serving (see dataset_source.h): the planner (dataset choice, global bucket
+// samplers, rank slices, epochs), the prefetch thread and collation into TrainBatch.
+#include <random>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "data/captions.h"
+#include "train/dataset_loader.h"
+
+namespace dtune::train {
+namespace detail {
+
+// ---- planner ----------------------------------------------------------------------------------
+
+Planner::Planner(const std::vector<LoadedDataset>& datasets, uint64_t seed, int world_size, int rank)
+    : seed_(seed), world_size_(world_size), rank_(rank) {
+    for (const auto& d : datasets) {
+        samplers_.emplace_back(d.global, d.batch_size * world_size, d.config.repeats, seed, d.config.id);
+        data::DatasetWeight w;
+        w.id = d.config.id;
+        w.probability = d.config.probability;
+        w.length = d.report.samples;
+        w.start_epoch = d.config.start_epoch;
+        w.start_step = d.config.start_step;
+        w.end_epoch = d.config.end_epoch;
+        w.end_step = d.config.end_step;
+        weights_.push_back(w);
+        ids_.push_back(d.config.id);
+        batch_sizes_.push_back(d.batch_size);
+    }
+    begin_epoch(0);
+}
+
+void Planner::begin_epoch(int64_t epoch) {
+    epoch_ = epoch;
+    in_epoch_ = 0;
+    done_.assign(samplers_.size(), false);
+    for (auto& s : samplers_) s.begin_epoch(epoch);
+}
+
+PlannedBatch Planner::next() {
+    for (;;) {
+        auto weights = weights_;
+        for (size_t i = 0; i < weights.size(); ++i)
+            if (done_[i]) weights[i].probability = 0;
+        // Steps and epochs as SimpleTuner counts them for start/end windows: epochs from 1.
+        const auto pick = data::choose_dataset(weights, served_, epoch_ + 1, seed_);
+        if (!pick) {
+            DTUNE_CHECK_AS(UsageError, in_epoch_ > 0, "no dataset is active in epoch ", epoch_ + 1,
+                           " at step ", served_,
+                           "; check the datasets' start_epoch/end_epoch/start_step/end_step and probability");
+            begin_epoch(epoch_ + 1);
+            continue;
+        }
+        auto& sampler = samplers_[*pick];
+        auto batch = sampler.next();
+        while (!batch && sampler.next_pass()) batch = sampler.next();
+        if (!batch) {
+            done_[*pick] = true;
+            continue;
+        }
+        PlannedBatch p;
+        p.dataset = *pick;
+        p.bucket = batch->bucket;
+        const size_t bs = static_cast<size_t>(batch_sizes_[*pick]);
+        p.first_position = static_cast<int64_t>(bs) * rank_;
+        p.samples.assign(batch->samples.begin() + long(bs * size_t(rank_)),
+                         batch->samples.begin() + long(bs * size_t(rank_ + 1)));
+        p.epoch = epoch_;
+        p.batch_in_epoch = in_epoch_;
+        ++served_;
+        ++in_epoch_;
+        return p;
+    }
+}
+
+int64_t Planner::batches_per_epoch() const {
+    int64_t n = 0;
+    for (const auto& s : samplers_) n += s.batches_per_epoch();
+    return n;
+}
+
+nlohmann::json Planner::state() const {
+    nlohmann::json samplers = nlohmann::json::array();
+    for (const auto& s : samplers_) samplers.push_back(s.state().to_json());
+    return {{"kind", "datasets"},        {"datasets", ids_}, {"batch_sizes", batch_sizes_},
+            {"world_size", world_size_}, {"epoch", epoch_},  {"served", served_},
+            {"in_epoch", in_epoch_},     {"done", done_},    {"samplers", samplers}};
+}
+
+void Planner::load_state(const nlohmann::json& s) {
+    DTUNE_CHECK_AS(UsageError, s.value("kind", "") == "datasets",
+                   "the checkpoint's batch state was written by another kind of data source (",
+                   s.value("kind", "?"), "); resume with the multidatabackend.json it was written with");
+    DTUNE_CHECK_AS(UsageError, s.at("datasets").get<std::vector<std::string>>() == ids_,
+                   "the checkpoint was written with datasets ", s.at("datasets").dump(),
+                   " but the config has ", nlohmann::json(ids_).dump(),
+                   "; resume with the same multidatabackend.json");
+    DTUNE_CHECK_AS(UsageError,
+                   s.at("batch_sizes").get<std::vector<int>>() == batch_sizes_ &&
+                       s.at("world_size").get<int>() == world_size_,
+                   "the checkpoint was written with batch sizes ", s.at("batch_sizes").dump(), " on ",
+                   s.at("world_size").dump(), " rank(s), now ", nlohmann::json(batch_sizes_).dump(), " on ",
+                   world_size_, "; resume with the same train_batch_size and number of processes");
+    epoch_ = s.at("epoch").get<int64_t>();
+    served_ = s.at("served").get<int64_t>();
+    in_epoch_ = s.at("in_epoch").get<int64_t>();
+    done_ = s.at("done").get<std::vector<bool>>();
+    for (size_t i = 0; i < samplers_.size(); ++i)
+        samplers_[i].restore(data::SamplerState::from_json(s.at("samplers").at(i)));
+}
+
+// ---- preparation --------------------------------------------------------------------------------
+
+namespace {
+
+// The per-sample generator: a pure function of where the sample sits, not of thread timing.
+std::mt19937_64 sample_rng(uint64_t seed, const std::string& dataset, const PlannedBatch& p,
+                           int64_t position) {
+    uint64_t s = data::mix64(seed ^ data::hash64(dataset));
+    s = data::mix64(s ^ static_cast<uint64_t>(p.epoch));
+    s = data::mix64(s ^ static_cast<uint64_t>(p.batch_in_epoch));
+    return std::mt19937_64(data::mix64(s ^ static_cast<uint64_t>(position)));
+}
+
+}  // namespace
+}  // namespace detail
+
+std::vector<double> sdxl_time_ids(const data::SamplePlan& plan) {
+    return {double(plan.intermediary.height), double(plan.intermediary.width), double(plan.crop_top),
+            double(plan.crop_left),           double(plan.target.height),      double(plan.target.width)};
+}
+
+detail::PreparedBatch DatasetBatchSource::Impl::prepare(const detail::PlannedBatch& p) {
+    auto& d = datasets.at(p.dataset);
+    detail::PreparedBatch out;
+    TrainBatch& b = out.batch;
+    std::vector<data::LatentRequest> requests;
+    std::vector<double> ids;
+    for (size_t i = 0; i < p.samples.size(); ++i) {
+        const std::string& path = p.samples[i];
+        const data::SamplePlan& plan = d.plans.at(path);
+        requests.push_back({path, plan, false});
+        for (double v : sdxl_time_ids(plan)) ids.push_back(v);
+        auto rng = detail::sample_rng(options.seed, d.config.id, p, p.first_position + int64_t(i));
+        b.captions.push_back(data::pick_caption(d.captions.at(path), rng));
+        b.paths.push_back(path);
+    }
+    b.latents = d.latents->get(requests).to(at::kFloat);  // [B, C, h, w]
+    data::TextEncodeFn encode = text;
+    if (!encode)
+        encode = [&d](const std::vector<std::string>& captions) -> data::TextEmbeds {
+            throw DataError(
+                str("a text-embedding entry for \"", captions.front(), "\" in ",
+                    d.text_cache->settings().cache_dir,
+                    " became unreadable during training and the text encoders were released after "
+                    "caching; restart the run (the entry is rebuilt at start-up)"));
+        };
+    const data::TextEmbeds t = data::text_embeds_for(*d.text_cache, b.captions, encode);
+    b.prompt_embeds = t.prompt_embeds.to(at::kFloat);         // [B, T, D]
+    b.pooled_embeds = t.pooled_prompt_embeds.to(at::kFloat);  // [B, P]
+    const auto n = static_cast<int64_t>(p.samples.size());
+    b.time_ids = at::tensor(ids, at::kFloat).view({n, 6});  // [B, 6]
+    if (options.device.is_cuda())
+        for (at::Tensor* t : {&b.latents, &b.prompt_embeds, &b.pooled_embeds, &b.time_ids})
+            *t = t->pin_memory();
+    out.epoch = p.epoch;
+    return out;
+}
+
+void DatasetBatchSource::Impl::producer(detail::Planner local) {
+    for (;;) {
+        {
+            std::unique_lock lock(mutex);
+            cv.wait(lock, [&] { return stop || queue.size() < size_t(options.prefetch_batches); });
+            if (stop) return;
+        }
+        detail::PreparedBatch item;
+        try {
+            item = prepare(local.next());
+            item.state_after = local.state();
+        } catch (...) {
+            item.error = std::current_exception();
+        }
+        const bool failed = static_cast<bool>(item.error);
+        {
+            std::lock_guard lock(mutex);
+            queue.push_back(std::move(item));
+        }
+        cv.notify_all();
+        if (failed) return;
+    }
+}
+
+void DatasetBatchSource::Impl::start() {
+    stop = false;
+    running = true;
+    thread = std::thread([this, local = planner] { producer(local); });
+}
+
+void DatasetBatchSource::Impl::halt() {
+    if (!running) return;
+    {
+        std::lock_guard lock(mutex);
+        stop = true;
+    }
+    cv.notify_all();
+    thread.join();
+    running = false;
+    queue.clear();
+    planner.load_state(consumed);  // the thread ran ahead; the consumed position is what counts
+}
+
+// ---- public -----------------------------------------------------------------------------------
+
+DatasetBatchSource::DatasetBatchSource(DatasetSourceOptions options, DatasetEncoders encoders)
+    : impl_(std::make_unique<Impl>()) {
+    auto& m = *impl_;
+    DTUNE_CHECK_AS(UsageError,
+                   options.world_size >= 1 && options.rank >= 0 && options.rank < options.world_size, "rank ",
+                   options.rank, " is outside world_size ", options.world_size);
+    m.options = std::move(options);
+    m.pool = std::make_unique<ThreadPool>(static_cast<size_t>(std::max(0, m.options.cache_threads)));
+    auto setup = detail::setup_datasets(m.options, std::move(encoders), *m.pool);
+    m.datasets = std::move(setup.datasets);
+    m.empty = setup.empty_prompt;
+    m.vae_released = setup.vae_released;
+    m.text_released = setup.text_released;
+    m.text = std::move(setup.text);
+    for (const auto& d : m.datasets) m.reports.push_back(d.report);
+    m.planner = detail::Planner(m.datasets, m.options.seed, m.options.world_size, m.options.rank);
+    m.consumed = m.planner.state();
+}
+
+DatasetBatchSource::~DatasetBatchSource() {
+    if (impl_) impl_->halt();
+}
+
+TrainBatch DatasetBatchSource::next(at::Generator&) {
+    auto& m = *impl_;
+    detail::PreparedBatch item;
+    if (m.options.prefetch_batches <= 0) {
+        item = m.prepare(m.planner.next());
+        item.state_after = m.planner.state();
+    } else {
+        if (!m.running) m.start();
+        std::unique_lock lock(m.mutex);
+        m.cv.wait(lock, [&] { return !m.queue.empty(); });
+        item = std::move(m.queue.front());
+        m.queue.pop_front();
+        lock.unlock();
+        m.cv.notify_all();
+    }
+    if (item.error) {
+        m.halt();
+        std::rethrow_exception(item.error);
+    }
+    m.consumed = std::move(item.state_after);
+    m.consumed_epoch = item.epoch;
+    TrainBatch b = std::move(item.batch);
+    const bool async = m.options.device.is_cuda();
+    for (at::Tensor* t : {&b.latents, &b.prompt_embeds, &b.pooled_embeds, &b.time_ids})
+        *t = t->to(m.options.device, /*non_blocking=*/async);
+    return b;
+}
+
+int64_t DatasetBatchSource::batches_per_epoch() const {
+    return impl_->planner.batches_per_epoch();
+}
+
+int64_t DatasetBatchSource::epoch() const {
+    return impl_->consumed_epoch;
+}
+
+PromptEmbedding DatasetBatchSource::empty_prompt() {
+    return impl_->empty;
+}
+
+nlohmann::json DatasetBatchSource::state() const {
+    return impl_->consumed;
+}
+
+void DatasetBatchSource::load_state(const nlohmann::json& state) {
+    auto& m = *impl_;
+    m.halt();
+    m.planner.load_state(state);
+    m.consumed = m.planner.state();
+    m.consumed_epoch = m.planner.epoch();
+}
+
+const std::vector<DatasetCacheReport>& DatasetBatchSource::cache_reports() const {
+    return impl_->reports;
+}
+
+bool DatasetBatchSource::vae_released() const {
+    return impl_->vae_released;
+}
+
+bool DatasetBatchSource::text_encoder_released() const {
+    return impl_->text_released;
+}
+
+}  // namespace dtune::train

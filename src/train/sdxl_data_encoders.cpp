@@ -1,0 +1,68 @@
+// SDXL encoders as DatasetEncoders callables (see sdxl_data_encoders.h).
+#include "train/sdxl_data_encoders.h"
+
+#include <cstring>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "data/sampler.h"
+#include "models/clip/sdxl_text_encoders.h"
+#include "models/common/pipeline_folder.h"
+#include "models/vae/autoencoder_kl.h"
+
+namespace dtune::train {
+
+uint64_t tensor_content_hash(const at::Tensor& t) {
+    const at::Tensor c = t.detach().to(at::kCPU).contiguous();
+    const auto* bytes = static_cast<const unsigned char*>(c.data_ptr());
+    const size_t n = c.nbytes();
+    uint64_t h = data::mix64(n);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t word;
+        std::memcpy(&word, bytes + i, 8);
+        h = data::mix64(h ^ word);
+    }
+    for (; i < n; ++i) h = data::mix64(h ^ bytes[i]);
+    return h;
+}
+
+DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& o) {
+    namespace stdfs = std::filesystem;
+    auto folder = models::PipelineFolder::open(o.model_dir);
+    if (!o.vae_override.empty()) folder.set_vae_override(o.vae_override);
+    models::ComponentLoadOptions vo;
+    vo.device = o.device;
+    vo.dtype = o.vae_dtype;
+    auto vae = std::make_shared<models::AutoencoderKL>(models::load_autoencoder_kl(folder.vae_path(), vo));
+    (*vae)->eval();
+    const char* dtype = o.vae_dtype == c10::kBFloat16 ? "bf16" : o.vae_dtype == c10::kHalf ? "fp16" : "fp32";
+    DatasetEncoders e;
+    e.vae_identity = str("AutoencoderKL ", stdfs::weakly_canonical(folder.vae_path()).string(),
+                         " scaling=", (*vae)->config().scaling_factor, " dtype=", dtype, " sample");
+    e.vae = [vae, vo](const at::Tensor& images) {
+        at::NoGradGuard no_grad;
+        const auto posterior = (*vae)->encode(images.to(vo.device, vo.dtype));  // [B, C, h, w] each
+        std::vector<at::Tensor> eps;
+        for (int64_t i = 0; i < images.size(0); ++i) {
+            at::Generator g = at::detail::createCPUGenerator(tensor_content_hash(images[i]) >> 1);
+            eps.push_back(at::randn(posterior.mean.sizes().slice(1), g, at::kFloat));  // [C, h, w]
+        }
+        const at::Tensor noise = at::stack(eps).to(posterior.mean.device(), posterior.mean.scalar_type());
+        return (*vae)->scale_latents(posterior.mean + posterior.std * noise).to(at::kCPU, at::kFloat);
+    };
+    models::TextEncoderLoadOptions to;
+    to.device = o.device;
+    auto text = std::make_shared<models::SDXLTextEncoders>(models::SDXLTextEncoders::load(folder, to));
+    e.text_identity = str("SDXLTextEncoders ", stdfs::weakly_canonical(o.model_dir).string());
+    e.text = [text](const std::vector<std::string>& captions) {
+        models::SDXLEncodeOptions opt;
+        opt.do_classifier_free_guidance = false;  // "" is encoded, as SimpleTuner's dropout embedding
+        const auto out = text->encode_prompt(captions, opt);
+        return data::TextEmbeds{out.prompt_embeds.to(at::kCPU, at::kFloat),
+                                out.pooled_prompt_embeds.to(at::kCPU, at::kFloat)};
+    };
+    return e;
+}
+
+}  // namespace dtune::train

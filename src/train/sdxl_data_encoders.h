@@ -1,0 +1,32 @@
+// SDXL's VAE and two CLIP text encoders wrapped as the data layer's callables (DatasetEncoders),
+// for `dtune train`'s caches and on-the-fly encoding.
+//
+// Invariants: the VAE callable is deterministic per image: the posterior sample's noise comes from
+// a CPU generator seeded by a hash of the image's pixels, so latents do not depend on batching,
+// rank, thread timing or the run (a cache built by any rank or run is the one a fresh build would
+// write). The identities follow `dtune cache`'s, so caches built there are reused by training.
+// The callables own the models: dropping them frees the memory.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
+
+#include <filesystem>
+
+#include "train/dataset_source.h"
+
+namespace dtune::train {
+
+struct SdxlEncoderOptions {
+    std::filesystem::path model_dir;     // diffusers SDXL folder (tokenizers, text encoders, vae)
+    std::filesystem::path vae_override;  // pretrained_vae_model_name_or_path when a local folder
+    c10::Device device = c10::Device(c10::kCPU);
+    c10::ScalarType vae_dtype = c10::kFloat;  // bf16 on CUDA (SimpleTuner's default), fp32 on CPU
+};
+
+DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& options);
+
+// 64-bit hash of a tensor's values (contiguous CPU copy), used to seed the posterior sample.
+uint64_t tensor_content_hash(const at::Tensor& t);
+
+}  // namespace dtune::train

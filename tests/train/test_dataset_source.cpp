@@ -1,0 +1,368 @@
+// DatasetBatchSource on generated images with counting stand-in encoders (no model): buckets of
+// two shapes, caches written then reused (encoder calls counted), a corrupted entry rebuilt with a
+// warning naming it, parquet captions against the fixture's expected rows, SDXL time ids against
+// hand-computed geometry, resume equality with the prefetch thread running ahead, the same batches
+// with and without prefetching, the effective-batch-size error and two ranks in one process.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <set>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "data/sampler.h"
+#include "io/image.h"
+#include "support/test_support.h"
+#include "train/dataset_source.h"
+
+namespace dtune::train {
+namespace {
+
+namespace stdfs = std::filesystem;
+
+struct Counters {
+    int64_t vae_calls = 0, vae_images = 0, text_calls = 0, text_captions = 0;
+};
+
+// VAE stand-in: 8×8 average pooling plus the channel mean → [B, 4, H/8, W/8]. Text stand-in: a
+// caption's embedding drawn from a generator seeded by its hash.
+DatasetEncoders fake_encoders(std::shared_ptr<Counters> c) {
+    DatasetEncoders e;
+    e.vae_identity = "test pool vae";
+    e.text_identity = "test hashed text";
+    e.vae = [c](const at::Tensor& images) {
+        ++c->vae_calls;
+        c->vae_images += images.size(0);
+        const at::Tensor pooled = at::avg_pool2d(images, {8, 8});  // [B, 3, h, w]
+        return at::cat({pooled, pooled.mean(1, true)}, 1);         // [B, 4, h, w]
+    };
+    e.text = [c](const std::vector<std::string>& captions) {
+        ++c->text_calls;
+        c->text_captions += static_cast<int64_t>(captions.size());
+        std::vector<at::Tensor> p, q;
+        for (const auto& s : captions) {
+            at::Generator g = at::detail::createCPUGenerator(data::hash64(s) >> 1);
+            p.push_back(at::randn({77, 8}, g, at::kFloat));
+            q.push_back(at::randn({4}, g, at::kFloat));
+        }
+        return data::TextEmbeds{at::stack(p), at::stack(q)};
+    };
+    return e;
+}
+
+void write_png(const stdfs::path& path, int w, int h, int seed) {
+    io::RgbImage img(w, h);
+    for (size_t p = 0; p < img.pixels.size(); ++p)
+        img.pixels[p] = static_cast<uint8_t>((p * 13 + seed * 71) % 251);
+    io::write_image(path, img);
+}
+
+struct Workspace {
+    test::TempDir dir;
+    nlohmann::json entry;
+
+    // `wide` images of 256×128 and `tall` of 64×128, resolution 64 px.
+    Workspace(int wide = 8, int tall = 8) {
+        const auto images = dir / "images";
+        stdfs::create_directories(images);
+        for (int i = 0; i < wide; ++i)
+            write_png(images / ("wide " + std::to_string(i) + ".png"), 256, 128, i);
+        for (int i = 0; i < tall; ++i)
+            write_png(images / ("tall " + std::to_string(i) + ".png"), 64, 128, 50 + i);
+        entry = {{"id", "pics"},
+                 {"type", "local"},
+                 {"instance_data_dir", images.string()},
+                 {"resolution", 64},
+                 {"resolution_type", "pixel"},
+                 {"caption_strategy", "filename"},
+                 {"cache_dir_vae", (dir / "vae").string()}};
+    }
+
+    DatasetSourceOptions options(int batch = 2, int prefetch = 2) const {
+        const nlohmann::json backends = nlohmann::json::array({entry,
+                                                               {{"id", "text"},
+                                                                {"dataset_type", "text_embeds"},
+                                                                {"default", true},
+                                                                {"cache_dir", (dir / "text").string()}}});
+        fs::write_file_atomic(dir / "multidatabackend.json", backends.dump(2));
+        DatasetSourceOptions o;
+        o.data_backend_config = dir / "multidatabackend.json";
+        o.global.output_dir = (dir / "out").string();
+        o.global.cache_dir_text = (dir / "text").string();
+        o.train_batch_size = batch;
+        o.global.train_batch_size = batch;
+        o.seed = 42;
+        o.prefetch_batches = prefetch;
+        o.show_progress = false;
+        o.cache_threads = 2;
+        return o;
+    }
+};
+
+at::Generator unused_generator() {
+    return at::detail::createCPUGenerator(1);
+}
+
+int64_t count_files(const stdfs::path& dir) {
+    int64_t n = 0;
+    for (const auto& e : stdfs::recursive_directory_iterator(dir))
+        if (e.is_regular_file() && e.path().extension() == ".safetensors") ++n;
+    return n;
+}
+
+TEST(DatasetSource, BucketsOfSeveralShapesAndCachesReusedOnTheSecondRun) {
+    Workspace s;
+    auto c1 = std::make_shared<Counters>();
+    std::vector<TrainBatch> first;
+    {
+        DatasetBatchSource src(s.options(), fake_encoders(c1));
+        EXPECT_EQ(c1->vae_images, 16);
+        EXPECT_EQ(c1->vae_calls, 4);       // 8 per shape in vae_batch_size 4
+        EXPECT_EQ(c1->text_captions, 17);  // 16 filenames + ""
+        EXPECT_TRUE(src.vae_released());
+        EXPECT_TRUE(src.text_encoder_released());
+        EXPECT_EQ(src.batches_per_epoch(), 8);
+        auto g = unused_generator();
+        std::set<std::vector<int64_t>> shapes;
+        for (int i = 0; i < 8; ++i) {
+            TrainBatch b = src.next(g);
+            shapes.insert(b.latents.sizes().vec());
+            ASSERT_EQ(b.latents.size(0), 2);
+            EXPECT_EQ(b.prompt_embeds.sizes(), (at::IntArrayRef{2, 77, 8}));
+            EXPECT_EQ(b.time_ids.sizes(), (at::IntArrayRef{2, 6}));
+            first.push_back(std::move(b));
+        }
+        EXPECT_EQ(shapes, (std::set<std::vector<int64_t>>{{2, 4, 8, 16}, {2, 4, 16, 8}}));
+    }
+    EXPECT_EQ(count_files(s.dir / "vae"), 16);
+    EXPECT_EQ(count_files(s.dir / "text"), 17);
+
+    auto c2 = std::make_shared<Counters>();
+    DatasetBatchSource again(s.options(), fake_encoders(c2));
+    EXPECT_EQ(c2->vae_calls, 0);
+    EXPECT_EQ(c2->text_calls, 0);
+    EXPECT_EQ(again.cache_reports().at(0).latents.reused, 16);
+    auto g = unused_generator();
+    for (const auto& expected : first) {
+        TrainBatch b = again.next(g);
+        EXPECT_EQ(b.paths, expected.paths);
+        EXPECT_TRUE(at::equal(b.latents, expected.latents));
+        EXPECT_TRUE(at::equal(b.prompt_embeds, expected.prompt_embeds));
+    }
+    EXPECT_EQ(c2->vae_calls, 0);
+}
+
+TEST(DatasetSource, CorruptedLatentEntryIsRebuiltWithAWarningNamingIt) {
+    Workspace s;
+    { DatasetBatchSource src(s.options(), fake_encoders(std::make_shared<Counters>())); }
+    stdfs::path victim;
+    for (const auto& e : stdfs::recursive_directory_iterator(s.dir / "vae"))
+        if (e.path().extension() == ".safetensors") victim = e.path();
+    ASSERT_FALSE(victim.empty());
+    std::string bytes = fs::read_file(victim);
+    bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x5a);
+    fs::write_file_atomic(victim, bytes);
+
+    const auto log_file = s.dir / "log.txt";
+    log::set_file(log_file);
+    auto c = std::make_shared<Counters>();
+    { DatasetBatchSource src(s.options(), fake_encoders(c)); }
+    log::set_file({});
+    EXPECT_EQ(c->vae_images, 1);
+    const std::string log = fs::read_file(log_file);
+    EXPECT_NE(log.find(victim.string()), std::string::npos) << log;
+    EXPECT_NE(log.find("corrupt"), std::string::npos) << log;
+}
+
+TEST(DatasetSource, ParquetCaptionsComeFromTheTable) {
+    test::TempDir dir;
+    const auto images = dir / "images";
+    stdfs::create_directories(images);
+    // The fixture's first rows: filename → caption (row 0 has a null caption).
+    std::map<std::string, nlohmann::json> expected;
+    std::ifstream rows(test::fixtures_dir() / "parquet" / "expected_rows.jsonl");
+    std::string line;
+    for (int i = 0; i < 9 && std::getline(rows, line); ++i) {
+        const auto row = nlohmann::json::parse(line);
+        expected[row.at("filename").get<std::string>()] = row.at("caption");
+        // 64×64 files: their buckets must come from the table's width/height, not the headers.
+        write_png(images / row.at("filename").get<std::string>(), 64, 64, i);  // PNG bytes, .jpg name
+    }
+    const nlohmann::json backends = nlohmann::json::array(
+        {{{"id", "pq"},
+          {"type", "local"},
+          {"instance_data_dir", images.string()},
+          {"resolution", 64},
+          {"resolution_type", "pixel"},
+          {"caption_strategy", "parquet"},
+          {"metadata_backend", "parquet"},
+          {"parquet",
+           {{"path", (test::fixtures_dir() / "parquet" / "zstd_dict_v2.parquet").string()},
+            {"filename_column", "filename"},
+            {"caption_column", "caption"},
+            {"width_column", "width"},
+            {"height_column", "height"},
+            {"identifier_includes_extension", true}}},
+          {"cache_dir_vae", (dir / "vae").string()}},
+         {{"id", "text"},
+          {"dataset_type", "text_embeds"},
+          {"default", true},
+          {"cache_dir", (dir / "text").string()}}});
+    fs::write_file_atomic(dir / "mdb.json", backends.dump());
+    DatasetSourceOptions o;
+    o.data_backend_config = dir / "mdb.json";
+    o.global.output_dir = (dir / "out").string();
+    o.train_batch_size = o.global.train_batch_size = 1;
+    o.show_progress = false;
+    DatasetBatchSource src(o, fake_encoders(std::make_shared<Counters>()));
+    EXPECT_EQ(src.batches_per_epoch(), 8);  // 8 captioned images, the captionless one left out
+    auto g = unused_generator();
+    std::set<std::string> seen;
+    for (int i = 0; i < 8; ++i) {
+        const TrainBatch b = src.next(g);
+        const std::string name = stdfs::path(b.paths.at(0)).filename().string();
+        ASSERT_TRUE(expected.at(name).is_string()) << name;
+        EXPECT_EQ(b.captions.at(0), expected.at(name).get<std::string>());
+        seen.insert(name);
+        if (name == "img_00001.jpg") {
+            // The table says 768×1344: aspect round(768/1344, 2) = 0.57, width 64, height
+            // 64 / 0.57 = 112.3 → nearest multiple of 64 = 128; the file itself is 64×64.
+            EXPECT_EQ(b.latents.sizes(), (at::IntArrayRef{1, 4, 16, 8}));
+            EXPECT_EQ(b.time_ids[0][4].item<float>(), 128.f);
+            EXPECT_EQ(b.time_ids[0][5].item<float>(), 64.f);
+        }
+    }
+    EXPECT_EQ(seen.size(), 8u);
+    EXPECT_EQ(seen.count("img_00000.jpg"), 0u);
+}
+
+TEST(DatasetSource, TimeIdsAreTheBucketGeometry) {
+    // 256×128 at 64 px: resized to 128×64 (the "original" SDXL size), then either kept whole
+    // (target 128×64) or centre-cropped square (target 64×64 from left (128 − 64) / 2 = 32).
+    for (const bool crop : {false, true}) {
+        Workspace s(4, 0);
+        if (crop) {
+            s.entry["crop"] = true;
+            s.entry["crop_style"] = "center";
+            s.entry["crop_aspect"] = "square";
+        }
+        DatasetBatchSource src(s.options(), fake_encoders(std::make_shared<Counters>()));
+        auto g = unused_generator();
+        const TrainBatch b = src.next(g);
+        const std::vector<float> want =
+            crop ? std::vector<float>{64, 128, 0, 32, 64, 64} : std::vector<float>{64, 128, 0, 0, 64, 128};
+        for (int64_t i = 0; i < 2; ++i) EXPECT_TRUE(at::equal(b.time_ids[i], at::tensor(want))) << b.time_ids;
+        EXPECT_EQ(b.latents.size(2) * 8, static_cast<int64_t>(want[4]));
+        EXPECT_EQ(b.latents.size(3) * 8, static_cast<int64_t>(want[5]));
+    }
+}
+
+TEST(DatasetSource, ResumeContinuesWithTheExactNextBatchWhilePrefetching) {
+    Workspace s;
+    s.entry["caption_strategy"] = "textfile";  // several captions per image: the per-sample pick
+    for (const auto& e : stdfs::directory_iterator(s.dir / "images")) {
+        auto txt = e.path();
+        fs::write_file_atomic(txt.replace_extension(".txt"),
+                              "first caption\nsecond caption\nthird caption\n");
+    }
+    auto run = [&](int prefetch, int take, const nlohmann::json* resume, nlohmann::json* state_at,
+                   int state_after) {
+        DatasetBatchSource src(s.options(2, prefetch), fake_encoders(std::make_shared<Counters>()));
+        if (resume) src.load_state(*resume);
+        auto g = unused_generator();
+        std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> out;
+        for (int i = 0; i < take; ++i) {
+            const TrainBatch b = src.next(g);
+            out.emplace_back(b.paths, b.captions);
+            if (state_at && i + 1 == state_after) *state_at = src.state();
+        }
+        return out;
+    };
+    nlohmann::json mid;
+    const auto straight = run(4, 20, nullptr, &mid, 11);  // crosses the epoch end (8 per epoch)
+    const auto resumed = run(4, 9, &mid, nullptr, 0);
+    ASSERT_EQ(resumed.size(), 9u);
+    for (size_t i = 0; i < resumed.size(); ++i) EXPECT_EQ(resumed[i], straight[11 + i]) << i;
+    const auto sync = run(0, 20, nullptr, nullptr, 0);
+    EXPECT_EQ(sync, straight);  // timing-independent: no prefetch gives the same batches
+    std::set<std::string> captions;
+    for (const auto& [paths, caps] : straight) captions.insert(caps.begin(), caps.end());
+    EXPECT_EQ(captions.size(), 3u);  // every candidate caption gets picked somewhere
+}
+
+TEST(DatasetSource, VaeCacheDisableEncodesEveryBatchAndOndemandStoresOnFirstUse) {
+    for (const char* mode : {"vae_cache_disable", "vae_cache_ondemand"}) {
+        Workspace s;
+        s.entry[mode] = true;
+        auto c = std::make_shared<Counters>();
+        DatasetBatchSource src(s.options(2, 0), fake_encoders(c));
+        EXPECT_EQ(c->vae_calls, 0) << mode;  // nothing prebuilt
+        EXPECT_FALSE(src.vae_released()) << mode;
+        auto g = unused_generator();
+        for (int i = 0; i < 16; ++i) src.next(g);  // two epochs
+        const bool disabled = std::string(mode) == "vae_cache_disable";
+        EXPECT_EQ(c->vae_images, disabled ? 32 : 16) << mode;
+        EXPECT_EQ(stdfs::exists(s.dir / "vae") ? count_files(s.dir / "vae") : 0, disabled ? 0 : 16) << mode;
+    }
+}
+
+TEST(DatasetSource, EffectiveBatchSizeErrorUsesSimpleTunersText) {
+    Workspace s(3, 0);
+    try {
+        auto o = s.options(2);
+        o.gradient_accumulation_steps = 2;  // 3 images, batch 2 × 2 accumulation = 4 > 3
+        DatasetBatchSource src(o, fake_encoders(std::make_shared<Counters>()));
+        FAIL() << "expected the effective-batch-size error";
+    } catch (const UsageError& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find("Dataset configuration will produce zero usable batches."), std::string::npos) << m;
+        EXPECT_NE(m.find("pics"), std::string::npos) << m;
+        EXPECT_NE(m.find("allow_dataset_oversubscription"), std::string::npos) << m;
+        EXPECT_NE(m.find("Minimum repeats required: 1"), std::string::npos) << m;  // ceil(4 / 3) - 1
+    }
+    // Batch 4 prunes the only bucket (3 < 4): SimpleTuner's "no usable samples" error.
+    try {
+        DatasetBatchSource src(s.options(4), fake_encoders(std::make_shared<Counters>()));
+        FAIL() << "expected the no-usable-samples error";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("(id=pics) Dataset produced no usable samples."),
+                  std::string::npos)
+            << e.what();
+    }
+}
+
+TEST(DatasetSource, TwoRanksServeDisjointSlicesOfTheSameGlobalBatch) {
+    Workspace s;
+    auto c0 = std::make_shared<Counters>(), c1 = std::make_shared<Counters>();
+    auto o0 = s.options(2), o1 = s.options(2);
+    o0.world_size = o1.world_size = 2;
+    o1.rank = 1;
+    DatasetBatchSource r0(o0, fake_encoders(c0));
+    DatasetBatchSource r1(o1, fake_encoders(c1));
+    EXPECT_GT(c0->vae_images, 0);
+    EXPECT_GT(c1->vae_images, 0);
+    EXPECT_EQ(c0->vae_images + c1->vae_images, 16);  // sharded cache build
+    EXPECT_EQ(r0.batches_per_epoch(), 4);            // per-rank micro-batches: 16 / (2 × 2)
+    EXPECT_EQ(r1.batches_per_epoch(), 4);
+    // One process of batch 4 sees the global batches the two ranks split.
+    auto o = s.options(4);
+    DatasetBatchSource whole(o, fake_encoders(std::make_shared<Counters>()));
+    auto g = unused_generator();
+    std::multiset<std::string> all;
+    for (int i = 0; i < 4; ++i) {
+        const TrainBatch a = r0.next(g), b = r1.next(g), w = whole.next(g);
+        EXPECT_EQ(a.latents.sizes(), b.latents.sizes());
+        std::vector<std::string> joined = a.paths;
+        joined.insert(joined.end(), b.paths.begin(), b.paths.end());
+        EXPECT_EQ(joined, w.paths);
+        for (const auto& p : a.paths) EXPECT_EQ(std::count(b.paths.begin(), b.paths.end(), p), 0) << p;
+        all.insert(joined.begin(), joined.end());
+    }
+    EXPECT_EQ(all.size(), 16u);
+    EXPECT_EQ(std::set<std::string>(all.begin(), all.end()).size(), 16u);  // an epoch covers every image once
+}
+
+}  // namespace
+}  // namespace dtune::train
