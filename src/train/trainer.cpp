@@ -15,7 +15,9 @@
 #include "core/progress.h"
 #include "models/common/weights.h"
 #include "models/vae/autoencoder_kl.h"
+#include "train/adapters.h"
 #include "train/checkpoint.h"
+#include "train/loss_scaler.h"
 #include "train/lr_schedule.h"
 #include "train/signals.h"
 
@@ -50,9 +52,6 @@ c10::Device parse_train_device(const std::string& name) {
 }
 
 Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
-    DTUNE_CHECK_AS(
-        UsageError, config_.text("model_type") == "full", "model_type ", config_.text("model_type"),
-        " is not trained by dtune yet (LoRA adapters are landing); set model_type to full for now");
     model_dir_ = config_.text("pretrained_model_name_or_path");
     DTUNE_CHECK_AS(UsageError, !model_dir_.empty() && std::filesystem::is_directory(model_dir_),
                    "pretrained_model_name_or_path \"", model_dir_.string(),
@@ -132,10 +131,11 @@ void Trainer::init_common() {
                        : diffusion::parse_prediction_type(config_.text("prediction_type"), "prediction_type");
     s.caption_dropout_probability = config_.real("caption_dropout_probability");
     const std::string mp = config_.text("mixed_precision");
-    DTUNE_CHECK_AS(UsageError, mp != "fp16",
-                   "mixed_precision fp16 needs loss scaling, which dtune does not have ",
-                   "yet; use bf16 or no");
-    s.compute_dtype = mp == "bf16" && device_.is_cuda() ? at::kBFloat16 : at::kFloat;
+    // On the CPU autocast is not used: bf16/fp16 there run in float32 (fp16 keeps its loss scaler).
+    s.compute_dtype = !device_.is_cuda() ? at::kFloat
+                      : mp == "bf16"     ? at::kBFloat16
+                      : mp == "fp16"     ? at::kHalf
+                                         : at::kFloat;
     empty_prompt_ = source_->empty_prompt();
     empty_prompt_.prompt = empty_prompt_.prompt.to(device_);
     empty_prompt_.pooled = empty_prompt_.pooled.to(device_);
@@ -146,6 +146,7 @@ void Trainer::init_common() {
                                                : config_.integer("num_train_epochs") *
                                                      ((source_->batches_per_epoch() + accum - 1) / accum);
     for (const auto& item : unet_->named_parameters()) trainable_.push_back({item.key(), item.value()});
+    init_extras();  // LoRA injection (trainable adapters), fp16 loss scaler
     config_.write_resolved(output_dir_ / kResolvedConfig);
 }
 
@@ -197,15 +198,20 @@ void Trainer::resume() {
     const auto dir = resolve_resume_checkpoint(output_dir_, config_.text("resume_from_checkpoint"));
     if (!dir) return;
     const LoadedCheckpoint ckpt = load_checkpoint(*dir);
-    const auto& weights = ckpt.tensor_files.at(kUNetWeights);
-    std::map<std::string, at::Tensor> by_name(weights.begin(), weights.end());
-    at::NoGradGuard no_grad;
-    for (auto& p : trainable_) {
-        auto it = by_name.find(p.name);
-        DTUNE_CHECK_AS(DataError, it != by_name.end(), "checkpoint ", dir->string(), " has no weight ",
-                       p.name, "; it was written by a different model or model_type");
-        p.tensor.copy_(it->second);
+    if (!load_lora_weights(ckpt)) {
+        const auto it_w = ckpt.tensor_files.find(kUNetWeights);
+        DTUNE_CHECK_AS(DataError, it_w != ckpt.tensor_files.end(), "checkpoint ", dir->string(), " has no ",
+                       kUNetWeights, "; it was written by a different model_type");
+        std::map<std::string, at::Tensor> by_name(it_w->second.begin(), it_w->second.end());
+        at::NoGradGuard no_grad;
+        for (auto& p : trainable_) {
+            auto it = by_name.find(p.name);
+            DTUNE_CHECK_AS(DataError, it != by_name.end(), "checkpoint ", dir->string(), " has no weight ",
+                           p.name, "; it was written by a different model or model_type");
+            p.tensor.copy_(it->second);
+        }
     }
+    load_extras(ckpt);  // EMA shadows, loss scaler
     TensorMap opt;
     for (const auto& [k, v] : ckpt.tensor_files.at(kOptimizerState)) opt[k] = v.to(device_);
     optimizer_->load_state_dict(opt);
@@ -225,6 +231,7 @@ double Trainer::train_one_step(double& grad_norm) {
     for (int64_t micro = 0; micro < accum; ++micro) {
         TrainBatch batch = source_->next(*generator_);
         apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_);
+        if (lora_) lora_->begin_forward(*generator_);  // the LoRA dropout seed of this forward
         MicroStep m = micro_step(*unet_, batch, *schedule_, step_options_, global_step_, *generator_);
         const double value = m.loss.item<double>();
         if (!std::isfinite(value)) {
@@ -234,11 +241,13 @@ double Trainer::train_one_step(double& grad_norm) {
                             "); lower learning_rate, set max_grad_norm, use mixed_precision bf16 or no, ",
                             "or check those images; resume from the last checkpoint"));
         }
-        (m.loss / static_cast<double>(accum)).backward();
+        const at::Tensor loss = m.loss / static_cast<double>(accum);
+        (scaler_ ? scaler_->scale_loss(loss) : loss).backward();
         loss_sum += value;
     }
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
+    step_overflowed_ = scaler_ && !scaler_->unscale(params);  // fp16: gradients / scale, inf check
     double sq = 0;
     for (const auto& p : params)
         if (p.grad().defined()) sq += p.grad().to(at::kFloat).pow(2).sum().item<double>();
@@ -256,9 +265,11 @@ double Trainer::train_one_step(double& grad_norm) {
 void Trainer::save(const std::string& why) {
     CheckpointContents c;
     c.global_step = global_step_;
-    io::TensorList weights;
-    for (const auto& p : trainable_) weights.emplace_back(p.name, p.tensor.detach());
-    c.tensor_files[kUNetWeights] = std::move(weights);
+    if (!lora_) {
+        io::TensorList weights;
+        for (const auto& p : trainable_) weights.emplace_back(p.name, p.tensor.detach());
+        c.tensor_files[kUNetWeights] = std::move(weights);
+    }
     io::TensorList opt;
     for (const auto& [k, v] : optimizer_->state_dict()) opt.emplace_back(k, v);
     c.tensor_files[kOptimizerState] = std::move(opt);
@@ -273,6 +284,7 @@ void Trainer::save(const std::string& why) {
                   {"model_type", config_.text("model_type")},
                   {"model_flavour", config_.text("model_flavour")},
                   {"modelspec_architecture", "stable-diffusion-xl-v1-base"}};
+    save_extras(c);  // LoRA file, EMA, loss scaler
     const auto dir = save_checkpoint(output_dir_, c);
     log::info() << "saved " << dir.string() << " (" << why << ")";
     rotate_checkpoints(output_dir_, config_.integer("checkpoints_total_limit"));
@@ -288,12 +300,7 @@ void Trainer::append_metrics(double loss, double lr, double grad_norm, double im
 }
 
 void Trainer::write_final_outputs() {
-    // The trained UNet as a diffusers component folder (the full pipeline export comes later).
-    const auto unet_dir = output_dir_ / "pipeline" / "unet";
-    std::filesystem::create_directories(unet_dir);
-    io::save_safetensors(unet_dir / "diffusion_pytorch_model.safetensors", models::state_dict(*unet_));
-    if (!model_dir_.empty())
-        fs::write_file_atomic(unet_dir / "config.json", fs::read_file(model_dir_ / "unet" / "config.json"));
+    write_model_outputs();  // LoRA file(s) or the pipeline folder (trainer_extras.cpp)
 }
 
 TrainResult Trainer::run() {
@@ -307,6 +314,7 @@ TrainResult Trainer::run() {
 
 TrainResult Trainer::run_loop() {
     build_optimizer();
+    start_ema();
     resume();
     LRScheduleOptions lr_options;
     lr_options.type = parse_lr_schedule(config_.text("lr_scheduler"), config_.integer("lr_warmup_steps"));
@@ -336,9 +344,11 @@ TrainResult Trainer::run_loop() {
         const double lr = schedule.lr(global_step_);
         const double loss = train_one_step(grad_norm);
         optimizer_->set_lr(lr);
-        optimizer_->step();
+        if (!step_overflowed_) optimizer_->step();  // fp16 overflow: skipped, the scaler backs off
         optimizer_->zero_grad();
         ++global_step_;
+        if (scaler_) scaler_->update(step_overflowed_);
+        if (ema_) ema_->step(global_step_);
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         result.last_loss = loss;
         if (global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0)

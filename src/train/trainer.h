@@ -1,6 +1,7 @@
 // The training loop: from a resolved TrainConfig to trained weights, with checkpoints, exact resume,
-// metrics and a clean stop on SIGINT/SIGTERM. Full fine-tune of the UNet for now; LoRA plugs in
-// through set_trainable_parameters() (the parameters the optimizer updates and checkpoints save).
+// metrics and a clean stop on SIGINT/SIGTERM. model_type full trains every UNet weight; model_type lora
+// injects LoRA/DoRA adapters and trains only those (set_trainable_parameters, adapters.h); EMA
+// (ema.h), fp16 loss scaling (loss_scaler.h) and the exports (export.h) live in trainer_extras.cpp.
 //
 // The loop reads like a table of contents:
 //   for each optimizer step: accumulate micro-batches (batch -> caption dropout -> micro_step ->
@@ -24,10 +25,16 @@
 #include "train/batch_source.h"
 #include "train/callbacks.h"
 #include "train/config.h"
+#include "train/ema.h"
 #include "train/optimizer.h"
 #include "train/step.h"
 
 namespace dtune::train {
+
+class LoRATraining;
+class LossScaler;
+struct CheckpointContents;
+struct LoadedCheckpoint;
 
 struct NamedTensor {
     std::string name;
@@ -72,6 +79,12 @@ class Trainer {
     const std::vector<NamedTensor>& trainable_parameters() const { return trainable_; }
     // Rank 0 writes shared files (checkpoints, outputs, reports); 0 when not distributed.
     bool is_main_process() const { return rank_ == 0; }
+    // With use_ema: puts the EMA weights into the model until the guard ends (validation with EMA
+    // weights); without EMA (or before run() starts) a no-op guard. Do not train while it lives.
+    EMAWeightsGuard use_ema_weights();
+    const EMAModel* ema() const { return ema_.get(); }
+    // model_type lora: the injected adapters (nullptr for a full fine-tune).
+    LoRATraining* lora() { return lora_.get(); }
 
   private:
     TrainResult run_loop();
@@ -82,6 +95,13 @@ class Trainer {
     void save(const std::string& why);
     void append_metrics(double loss, double lr, double grad_norm, double img_per_s);
     void write_final_outputs();
+    // trainer_extras.cpp: LoRA adapters, EMA, fp16 loss scaling and the exports.
+    void init_extras();
+    void start_ema();
+    void save_extras(CheckpointContents& c);
+    void load_extras(const LoadedCheckpoint& ckpt);
+    bool load_lora_weights(const LoadedCheckpoint& ckpt);
+    void write_model_outputs();
 
     TrainConfig config_;
     std::filesystem::path output_dir_;
@@ -101,6 +121,10 @@ class Trainer {
     std::optional<std::filesystem::path> resumed_from_;
     std::vector<std::shared_ptr<TrainCallback>> callbacks_;
     int rank_ = 0;
+    std::unique_ptr<LoRATraining> lora_;
+    std::unique_ptr<EMAModel> ema_;
+    std::unique_ptr<LossScaler> scaler_;  // mixed_precision fp16
+    bool step_overflowed_ = false;        // fp16: inf/NaN gradients, the optimizer step is skipped
 };
 
 // Parses "cpu", "cuda", "cuda:N" or "auto" (CUDA when available).

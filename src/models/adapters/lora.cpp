@@ -1,9 +1,12 @@
 // LoRA / DoRA layers: forward, merge/unmerge and injection by module-name patterns (PEFT's rules).
 #include "models/adapters/lora.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <mutex>
 #include <optional>
 #include <regex>
 #include <variant>
@@ -130,6 +133,20 @@ at::Tensor LoRALayer::base_no_bias(const at::Tensor& x) const {
     return at::conv2d(x, *base_weight_, {}, stride_, padding_, dilation_);
 }
 
+at::Tensor LoRALayer::dropout(const at::Tensor& x) {
+    if (!dropout_seed_) return at::dropout(x, dropout_, /*train=*/true);
+    if (!dropout_generator_ || dropout_generator_->device() != x.device())
+        dropout_generator_ = x.is_cuda() ? at::detail::getCUDAHooks().getNewGenerator(x.device().index())
+                                         : at::detail::createCPUGenerator();
+    {
+        std::lock_guard<std::mutex> lock(dropout_generator_->mutex());
+        dropout_generator_->set_current_seed(*dropout_seed_);
+    }
+    // Inverted dropout as at::dropout computes it: keep with probability 1 - p, scale by 1 / (1 - p).
+    const at::Tensor keep = at::empty_like(x).bernoulli_(1.0 - dropout_, *dropout_generator_);  // like x
+    return x * keep.div_(1.0 - dropout_);
+}
+
 at::Tensor LoRALayer::delta_weight() const {
     // Conv: B is 1×1, so B∘A is the matrix product of the flattened factors.
     at::Tensor d = at::matmul(up_.flatten(1), down_.flatten(1));  // [out, in·kh·kw]
@@ -145,7 +162,7 @@ at::Tensor LoRALayer::weight_norm(const at::Tensor& delta) const {
 at::Tensor LoRALayer::forward(const at::Tensor& x, const at::Tensor& base_out) {
     if (merged_) return base_out;
     const bool drop = dropout_ > 0.0 && host_->is_training();
-    const at::Tensor xd = drop ? at::dropout(x, dropout_, /*train=*/true) : x;
+    const at::Tensor xd = drop ? dropout(x) : x;
     const double s = scale();
     const at::Tensor lora = apply_factor(apply_factor(xd, down_, true), up_, false);  // like base_out
     if (!magnitude_.defined()) return base_out + lora * s;
@@ -218,6 +235,16 @@ std::vector<at::Tensor> LoRAAdapters::parameters() const {
     std::vector<at::Tensor> out;
     for (auto& [_, t] : named_parameters()) out.push_back(t);
     return out;
+}
+
+void LoRAAdapters::set_dropout_seed(uint64_t seed) {
+    for (std::size_t i = 0; i < entries_.size(); ++i) {
+        // splitmix64 of (seed, index): independent streams per layer from one draw.
+        uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (i + 1);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+        entries_[i].layer->set_dropout_seed(z ^ (z >> 31));
+    }
 }
 
 void LoRAAdapters::merge() {
