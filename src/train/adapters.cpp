@@ -59,6 +59,8 @@ models::LoRAConfig lora_config_from(const TrainConfig& config) {
     c.init = models::parse_lora_init(config.text("lora_init_type"));
     c.use_dora = config.flag("use_dora");
     c.target_modules = parse_lora_targets(config.raw("peft_lora_target_modules"));
+    // The initial adapters follow the run's seed (like SimpleTuner's seeding before PEFT injection).
+    if (auto seed = config.opt_integer("seed")) c.init_seed = static_cast<uint64_t>(*seed) ^ 0x4c6f5241ULL;
     DTUNE_CHECK_AS(UsageError, config.text("lora_type") == "standard", "lora_type ", config.text("lora_type"),
                    " is not implemented by dtune; use lora_type standard (PEFT-style LoRA/DoRA)");
     return c;

@@ -121,16 +121,16 @@ class Recorder : public TrainCallback {
 TEST(EMATrainer, ShadowsFollowTheRecordedWeightsAndSwapIn) {
     test::TempDir dir;
     auto trainer = make_trainer(tiny_config(
-        dir.path(), 4, {{"model_type", "lora"}, {"lora_rank", 2}, {"use_ema", true}, {"ema_decay", 0.5}}));
+        dir.path(), 3, {{"model_type", "lora"}, {"lora_rank", 2}, {"use_ema", true}, {"ema_decay", 0.5}}));
     auto recorder = std::make_shared<Recorder>();
     trainer->add_callback(recorder);
     trainer->run();
-    ASSERT_EQ(recorder->steps.size(), 4u);
+    ASSERT_EQ(recorder->steps.size(), 3u);
     ASSERT_NE(trainer->ema(), nullptr);
     // Recompute the EMA from the recorded weights: step 1 copies, then d = min((1+k)/(10+k), 0.5)
-    // with k = step - 1, i.e. 2/11, 3/12, 4/13 here.
+    // with k = step - 1, i.e. 2/11 and 3/12 here.
     std::vector<at::Tensor> expect = recorder->steps[0];
-    for (int64_t step = 2; step <= 4; ++step) {
+    for (int64_t step = 2; step <= 3; ++step) {
         const double k = static_cast<double>(step - 1), d = std::min((1 + k) / (10 + k), 0.5);
         for (std::size_t i = 0; i < expect.size(); ++i)
             expect[i] = d * expect[i] + (1 - d) * recorder->steps[static_cast<size_t>(step - 1)][i];
@@ -149,20 +149,20 @@ TEST(EMATrainer, ShadowsFollowTheRecordedWeightsAndSwapIn) {
         EXPECT_TRUE(at::equal(trainer->trainable_parameters().back().tensor, shadows.back().second));
     }
     EXPECT_TRUE(at::equal(trainer->trainable_parameters().back().tensor, trained));
-    EXPECT_TRUE(std::filesystem::exists(dir / "checkpoint-4" / "unet_ema" / "ema_model.safetensors"));
+    EXPECT_TRUE(std::filesystem::exists(dir / "checkpoint-3" / "unet_ema" / "ema_model.safetensors"));
     EXPECT_TRUE(std::filesystem::exists(dir / "ema" / "pytorch_lora_weights.safetensors"));
 }
 
 TEST(EMATrainer, FullFineTuneEMAIsALoadableUNetFolder) {
     test::TempDir dir;
     auto trainer =
-        make_trainer(tiny_config(dir.path(), 2,
+        make_trainer(tiny_config(dir.path(), 1,
                                  {{"use_ema", true},
                                   {"ema_update_interval", 1},
                                   {"pretrained_model_name_or_path", testutil::tiny_model().string()},
                                   {"checkpoint_step_interval", 0}}));
     trainer->run();
-    auto ema_unet = models::load_unet(dir / "checkpoint-2" / "unet_ema");
+    auto ema_unet = models::load_unet(dir / "checkpoint-1" / "unet_ema");
     const auto& shadows = trainer->ema()->shadows();
     std::map<std::string, at::Tensor> loaded;
     for (auto& [k, v] : models::state_dict(*ema_unet)) loaded[k] = v;
@@ -177,19 +177,19 @@ TEST(LossScalerTrainer, Fp16OnCpuMatchesNoMixedPrecisionAndCheckpointsTheScale) 
     // Power-of-two scaling is exact without overflow, and the CPU runs fp16 in float32: the weights
     // must equal a mixed_precision "no" run.
     test::TempDir fp16_dir, plain_dir;
-    auto fp16 = make_trainer(tiny_config(fp16_dir.path(), 3, {{"mixed_precision", "fp16"}}));
+    auto fp16 = make_trainer(tiny_config(fp16_dir.path(), 2, {{"mixed_precision", "fp16"}}));
     fp16->run();
-    auto plain = make_trainer(tiny_config(plain_dir.path(), 3));
+    auto plain = make_trainer(tiny_config(plain_dir.path(), 2));
     plain->run();
     const auto a = models::state_dict(*fp16->unet()), b = models::state_dict(*plain->unet());
     double worst = 0;
     for (std::size_t i = 0; i < a.size(); ++i)
         worst = std::max(worst, (a[i].second - b[i].second).abs().max().item<double>());
     EXPECT_LE(worst, 1e-6);
-    const auto state = nlohmann::json::parse(fs::read_file(fp16_dir / "checkpoint-3" / "loss_scaler.json"));
+    const auto state = nlohmann::json::parse(fs::read_file(fp16_dir / "checkpoint-2" / "loss_scaler.json"));
     EXPECT_DOUBLE_EQ(state.at("scale").get<double>(), 65536.0);
-    EXPECT_EQ(state.at("growth_tracker").get<int64_t>(), 3);
-    EXPECT_FALSE(std::filesystem::exists(plain_dir / "checkpoint-3" / "loss_scaler.json"));
+    EXPECT_EQ(state.at("growth_tracker").get<int64_t>(), 2);
+    EXPECT_FALSE(std::filesystem::exists(plain_dir / "checkpoint-2" / "loss_scaler.json"));
 }
 
 }  // namespace

@@ -59,7 +59,8 @@ LoRAInit parse_lora_init(const std::string& value) {
                          "' is not implemented; use 'default' (kaiming-uniform A, zero B) or 'gaussian'"));
 }
 
-LoRALayer::LoRALayer(AdaptableLinearImpl& host, int64_t rank, double alpha, const LoRAConfig& config)
+LoRALayer::LoRALayer(AdaptableLinearImpl& host, int64_t rank, double alpha, const LoRAConfig& config,
+                     at::Generator* init_generator)
     : kind_(Kind::kLinear),
       host_(&host),
       base_weight_(&host.weight),
@@ -69,10 +70,11 @@ LoRALayer::LoRALayer(AdaptableLinearImpl& host, int64_t rank, double alpha, cons
       dropout_(config.dropout),
       rslora_(config.use_rslora) {
     const int64_t out = host.weight.size(0), in = host.weight.size(1);
-    create(host, {rank, in}, {out, rank}, config);
+    create(host, {rank, in}, {out, rank}, config, init_generator);
 }
 
-LoRALayer::LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, const LoRAConfig& config)
+LoRALayer::LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, const LoRAConfig& config,
+                     at::Generator* init_generator)
     : kind_(Kind::kConv2d),
       host_(&host),
       base_weight_(&host.weight),
@@ -90,18 +92,28 @@ LoRALayer::LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, cons
     padding_ = std::vector<int64_t>((*padding)->begin(), (*padding)->end());
     dilation_ = std::vector<int64_t>(o.dilation()->begin(), o.dilation()->end());
     const auto w = host.weight.sizes();  // [out, in, kh, kw]
-    create(host, {rank, w[1], w[2], w[3]}, {w[0], rank, 1, 1}, config);
+    create(host, {rank, w[1], w[2], w[3]}, {w[0], rank, 1, 1}, config, init_generator);
 }
 
 void LoRALayer::create(torch::nn::Module& host, at::IntArrayRef down_shape, at::IntArrayRef up_shape,
-                       const LoRAConfig& config) {
+                       const LoRAConfig& config, at::Generator* init_generator) {
     torch::NoGradGuard no_grad;
     const auto options = base_weight_->options().requires_grad(false);
     at::Tensor a = at::empty(down_shape, options);
-    if (config.init == LoRAInit::kGaussian)
+    if (init_generator) {
+        // The same distributions, drawn in float32 on the CPU from the seeded generator.
+        at::Tensor draw = at::empty(down_shape, at::kFloat);
+        const double fan_in = static_cast<double>(a.numel() / rank_);  // in · kh · kw
+        if (config.init == LoRAInit::kGaussian)
+            draw.normal_(0.0, 1.0 / static_cast<double>(rank_), *init_generator);
+        else
+            draw.uniform_(-1.0 / std::sqrt(fan_in), 1.0 / std::sqrt(fan_in), *init_generator);
+        a.copy_(draw);
+    } else if (config.init == LoRAInit::kGaussian) {
         a.normal_(0.0, 1.0 / static_cast<double>(rank_));
-    else
+    } else {
         torch::nn::init::kaiming_uniform_(a, std::sqrt(5.0));  // uniform on ±1/√fan_in
+    }
     down_ = host.register_module("lora_A", std::make_shared<LoRAFactorImpl>(a))->weight;
     up_ = host.register_module("lora_B", std::make_shared<LoRAFactorImpl>(at::zeros(up_shape, options)))
               ->weight;
@@ -307,14 +319,17 @@ LoRAAdapters inject_lora(torch::nn::Module& root, const LoRAConfig& config) {
         for (auto& p : root.parameters()) p.set_requires_grad(false);
     std::vector<LoRAAdapters::Entry> entries;
     const double alpha = config.effective_alpha();
+    std::optional<at::Generator> init_generator;
+    if (config.init_seed) init_generator = at::detail::createCPUGenerator(*config.init_seed);
+    at::Generator* gen = init_generator ? &*init_generator : nullptr;
     for (auto& [name, m] : found) {
         std::shared_ptr<LoRALayer> layer;
         if (auto* linear = dynamic_cast<AdaptableLinearImpl*>(m)) {
-            layer = std::make_shared<LoRALayer>(*linear, config.rank, alpha, config);
+            layer = std::make_shared<LoRALayer>(*linear, config.rank, alpha, config, gen);
             linear->set_adapter(layer);
         } else {
             auto* conv = dynamic_cast<AdaptableConv2dImpl*>(m);
-            layer = std::make_shared<LoRALayer>(*conv, config.rank, alpha, config);
+            layer = std::make_shared<LoRALayer>(*conv, config.rank, alpha, config, gen);
             conv->set_adapter(layer);
         }
         entries.push_back({name, std::move(layer)});

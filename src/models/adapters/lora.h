@@ -66,6 +66,9 @@ struct LoRAConfig {
     // string form of target_modules); target_modules is then ignored.
     std::string target_regex;
     bool freeze_base = true;  // requires_grad(false) on every parameter the tree had before
+    // When set, lora_A is drawn from a CPU generator seeded with this (layers in module-tree order),
+    // so the initial adapters are a function of the seed; otherwise from the global generator.
+    std::optional<uint64_t> init_seed;
 
     double effective_alpha() const { return alpha > 0 ? alpha : static_cast<double>(rank); }
 };
@@ -75,8 +78,11 @@ class LoRALayer : public LayerAdapter {
   public:
     enum class Kind { kLinear, kConv2d };
 
-    LoRALayer(AdaptableLinearImpl& host, int64_t rank, double alpha, const LoRAConfig& config);
-    LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, const LoRAConfig& config);
+    // `init_generator` (CPU, may be null: the global generator) draws lora_A.
+    LoRALayer(AdaptableLinearImpl& host, int64_t rank, double alpha, const LoRAConfig& config,
+              at::Generator* init_generator = nullptr);
+    LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, const LoRAConfig& config,
+              at::Generator* init_generator = nullptr);
 
     at::Tensor forward(const at::Tensor& x, const at::Tensor& base_out) override;
 
@@ -110,7 +116,7 @@ class LoRALayer : public LayerAdapter {
 
   private:
     void create(torch::nn::Module& host, at::IntArrayRef down_shape, at::IntArrayRef up_shape,
-                const LoRAConfig& config);
+                const LoRAConfig& config, at::Generator* init_generator);
     at::Tensor apply_factor(const at::Tensor& x, const at::Tensor& w, bool first) const;  // A or B
     at::Tensor dropout(const at::Tensor& x);
     at::Tensor base_no_bias(const at::Tensor& x) const;
