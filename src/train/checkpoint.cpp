@@ -51,6 +51,11 @@ stdfs::path save_checkpoint(const stdfs::path& output_dir, const CheckpointConte
         write_json(tmp / rel, j);
         files.push_back(rel);
     }
+    for (const auto& [rel, write] : c.file_writers) {
+        stdfs::create_directories((tmp / rel).parent_path());
+        write(tmp / rel);
+        files.push_back(rel);
+    }
     io::TensorList rng;
     for (const auto& [name, t] : c.rng_states) rng.emplace_back(name, t);
     io::save_safetensors(tmp / kRandomStates, rng);

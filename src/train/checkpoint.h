@@ -32,6 +32,9 @@ struct CheckpointContents {
     std::map<std::string, io::TensorList> tensor_files;
     // Relative path -> JSON: "training_state.json" (step, epoch, batch source), the resolved config.
     std::map<std::string, nlohmann::json> json_files;
+    // Relative path -> a function that writes that file (formats with their own keys and metadata,
+    // e.g. "pytorch_lora_weights.safetensors"); listed in the manifest like the others.
+    std::map<std::string, std::function<void(const stdfs::path&)>> file_writers;
     // RNG states as uint8 tensors ("cpu", "cuda:0", ...), saved as random_states.safetensors.
     std::map<std::string, at::Tensor> rng_states;
     nlohmann::json metadata;  // model_family, model_type, ... for the manifest

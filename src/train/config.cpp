@@ -32,6 +32,7 @@ const std::vector<OptionSpec>& specs() {
     {"use_dora", OptionType::kBool, "false", "DoRA (weight-decomposed LoRA)", nullptr},
     {"lora_format", OptionType::kString, "\"diffusers\"", "LoRA file key format", "diffusers,comfyui"},
     {"init_lora", OptionType::kString, "\"\"", "start from an existing LoRA file", nullptr},
+    {"peft_lora_target_modules", OptionType::kAny, "null", "LoRA target module suffixes: JSON list or JSON file (default to_k,to_q,to_v,to_out.0)", nullptr},
     {"learning_rate", OptionType::kFloat, "4e-7", "base learning rate", nullptr},
     {"lr_scheduler", OptionType::kString, "\"constant_with_warmup\"", "LR schedule", "constant,constant_with_warmup,linear,cosine,cosine_with_warmup,cosine_with_restarts,polynomial,sine"},
     {"lr_warmup_steps", OptionType::kInt, "0", "LR warmup steps", nullptr},
@@ -63,8 +64,13 @@ const std::vector<OptionSpec>& specs() {
     {"snr_gamma", OptionType::kFloat, "null", "min-SNR gamma (5 is typical)", nullptr},
     {"prediction_type", OptionType::kString, "null", "override the scheduler's prediction type", "epsilon,v_prediction,sample"},
     {"caption_dropout_probability", OptionType::kFloat, "0.1", "probability of training on the empty caption", nullptr},
-    {"use_ema", OptionType::kBool, "false", "exponential moving average of weights (not implemented yet unless false)", nullptr},
+    {"use_ema", OptionType::kBool, "false", "exponential moving average of the trained weights", nullptr},
     {"ema_decay", OptionType::kFloat, "0.995", "EMA decay", nullptr},
+    {"ema_device", OptionType::kString, "\"cpu\"", "where the float32 EMA weights live", "cpu,accelerator"},
+    {"ema_cpu_only", OptionType::kBool, "false", "update the EMA on the CPU (dtune always does with ema_device cpu)", nullptr},
+    {"ema_update_interval", OptionType::kInt, "null", "update the EMA every N steps (None: every step)", nullptr},
+    {"ema_warmup_steps", OptionType::kInt, "0", "copy the weights into the EMA before this step, then use ema_decay", nullptr},
+    {"ema_foreach_disable", OptionType::kBool, "false", "per-tensor EMA updates instead of foreach ops", nullptr},
     {"allow_dataset_oversubscription", OptionType::kBool, "false", "repeat small buckets to fill a batch", nullptr},
     {"resolution", OptionType::kFloat, "1024", "dataset fallback resolution", nullptr},
     {"resolution_type", OptionType::kString, "\"pixel_area\"", "dataset fallback resolution type", "pixel,area,pixel_area"},
@@ -98,6 +104,7 @@ const std::vector<OptionSpec>& specs() {
     {"device", OptionType::kString, "\"auto\"", "dtune: cpu, cuda, cuda:N or auto", nullptr},
     {"metrics_interval", OptionType::kInt, "1", "dtune: write metrics.jsonl every N steps", nullptr},
     {"zero_stage", OptionType::kInt, "null", "dtune: ZeRO stage for multi-GPU runs, 0 or 1 (default: accelerate's deepspeed_config.zero_stage via dtune launch, else 0)", nullptr},
+    {"export_single_file", OptionType::kBool, "false", "dtune: full fine-tunes also write output_dir/sdxl_checkpoint.safetensors (single-file SDXL)", nullptr},
     };
     return kSpecs;
 }
@@ -117,7 +124,7 @@ const std::vector<std::pair<const char*, const char*>> kNotImplemented = {
     {"timestep_bias_portion", "0.25"}, {"aspect_bucket_alignment", "64"}, {"aspect_bucket_rounding", "2"},
     {"write_batch_size", "128"}, {"read_batch_size", "25"},
     {"image_processing_batch_size", "32"},
-    {"data_backend_sampling", "\"auto-weighting\""}, {"seed_for_each_device", "true"}, {"ema_device", "\"cpu\""},
+    {"data_backend_sampling", "\"auto-weighting\""}, {"seed_for_each_device", "true"},
     {"tracker_project_name", "\"simpletuner\""}, {"tracker_run_name", "\"simpletuner-testing\""},
     {"validation_prompt_library", "false"}, {"user_prompt_library", "null"},
     {"validation_epoch_interval", "null"}, {"validation_on_startup", "false"}, {"validation_randomize", "false"},
@@ -133,6 +140,7 @@ const std::vector<std::pair<const char*, const char*>> kNotImplemented = {
     {"ignore_final_epochs", "false"}, {"disable_benchmark", "false"},
     {"validation_torch_compile", "false"}, {"pretrained_unet_model_name_or_path", "null"},
     {"revision", "null"}, {"variant", "null"}, {"train_text_encoder", "false"}, {"lora_target_modules", "null"},
+    {"peft_lora_mode", "\"standard\""}, {"slider_lora_target", "false"},
     {"gradient_precision", "null"}, {"fused_qkv_projections", "false"}, {"max_grad_value", "null"},
     {"i_know_what_i_am_doing", "false"}, {"override_dataset_config", "false"},
     {"cache_dir", "\"\""}, {"logging_dir", "\"logs\""}, {"quantize_via", "\"accelerator\""},
@@ -339,7 +347,6 @@ void TrainConfig::validate() const {
     if (!is_null("optimizer_config") && !text("optimizer_config").empty())
         throw UsageError(
             "option optimizer_config is not implemented by dtune yet; remove it (use adam_* options)");
-    if (flag("use_ema")) throw UsageError("option use_ema is not implemented by dtune yet; set it to false");
     const double p = real("caption_dropout_probability");
     if (p < 0 || p > 1) throw UsageError(str("caption_dropout_probability = ", p, " must be in [0, 1]"));
 }

@@ -17,11 +17,13 @@
 #include "core/progress.h"
 #include "models/common/weights.h"
 #include "models/vae/autoencoder_kl.h"
+#include "train/adapters.h"
 #include "train/checkpoint.h"
 #include "train/data_parallel.h"
 #include "train/dataset_source.h"
-#include "train/sdxl_data_encoders.h"
+#include "train/loss_scaler.h"
 #include "train/lr_schedule.h"
+#include "train/sdxl_data_encoders.h"
 #include "train/signals.h"
 
 namespace dtune::train {
@@ -67,9 +69,6 @@ c10::Device parse_train_device(const std::string& name) {
 }
 
 Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
-    DTUNE_CHECK_AS(
-        UsageError, config_.text("model_type") == "full", "model_type ", config_.text("model_type"),
-        " is not trained by dtune yet (LoRA adapters are landing); set model_type to full for now");
     model_dir_ = config_.text("pretrained_model_name_or_path");
     DTUNE_CHECK_AS(UsageError, !model_dir_.empty() && std::filesystem::is_directory(model_dir_),
                    "pretrained_model_name_or_path \"", model_dir_.string(),
@@ -102,8 +101,9 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     ds.gradient_accumulation_steps = static_cast<int>(config_.integer("gradient_accumulation_steps"));
     ds.allow_dataset_oversubscription = config_.flag("allow_dataset_oversubscription");
     ds.seed = resolve_seed(config_);
-    ds.prefetch_batches =
-        config_.flag("dataloader_prefetch") ? static_cast<int>(config_.integer("dataloader_prefetch_qlen")) : 2;
+    ds.prefetch_batches = config_.flag("dataloader_prefetch")
+                              ? static_cast<int>(config_.integer("dataloader_prefetch_qlen"))
+                              : 2;
     ds.device = device_;
     ds.rank = dp_->rank();
     ds.world_size = dp_->world_size();
@@ -167,10 +167,11 @@ void Trainer::init_common() {
                        : diffusion::parse_prediction_type(config_.text("prediction_type"), "prediction_type");
     s.caption_dropout_probability = config_.real("caption_dropout_probability");
     const std::string mp = config_.text("mixed_precision");
-    DTUNE_CHECK_AS(UsageError, mp != "fp16",
-                   "mixed_precision fp16 needs loss scaling, which dtune does not have ",
-                   "yet; use bf16 or no");
-    s.compute_dtype = mp == "bf16" && device_.is_cuda() ? at::kBFloat16 : at::kFloat;
+    // On the CPU autocast is not used: bf16/fp16 there run in float32 (fp16 keeps its loss scaler).
+    s.compute_dtype = !device_.is_cuda() ? at::kFloat
+                      : mp == "bf16"     ? at::kBFloat16
+                      : mp == "fp16"     ? at::kHalf
+                                         : at::kFloat;
     empty_prompt_ = source_->empty_prompt();
     empty_prompt_.prompt = empty_prompt_.prompt.to(device_);
     empty_prompt_.pooled = empty_prompt_.pooled.to(device_);
@@ -181,6 +182,7 @@ void Trainer::init_common() {
                                                : config_.integer("num_train_epochs") *
                                                      ((source_->batches_per_epoch() + accum - 1) / accum);
     for (const auto& item : unet_->named_parameters()) trainable_.push_back({item.key(), item.value()});
+    init_extras();  // LoRA injection (trainable adapters), fp16 loss scaler
     if (is_main_process()) config_.write_resolved(output_dir_ / kResolvedConfig);
 }
 
@@ -234,15 +236,20 @@ void Trainer::resume() {
     const auto dir = resolve_resume_checkpoint(output_dir_, config_.text("resume_from_checkpoint"));
     if (!dir) return;
     const LoadedCheckpoint ckpt = load_checkpoint(*dir);
-    const auto& weights = ckpt.tensor_files.at(kUNetWeights);
-    std::map<std::string, at::Tensor> by_name(weights.begin(), weights.end());
-    at::NoGradGuard no_grad;
-    for (auto& p : trainable_) {
-        auto it = by_name.find(p.name);
-        DTUNE_CHECK_AS(DataError, it != by_name.end(), "checkpoint ", dir->string(), " has no weight ",
-                       p.name, "; it was written by a different model or model_type");
-        p.tensor.copy_(it->second);
+    if (!load_lora_weights(ckpt)) {
+        const auto it_w = ckpt.tensor_files.find(kUNetWeights);
+        DTUNE_CHECK_AS(DataError, it_w != ckpt.tensor_files.end(), "checkpoint ", dir->string(), " has no ",
+                       kUNetWeights, "; it was written by a different model_type");
+        std::map<std::string, at::Tensor> by_name(it_w->second.begin(), it_w->second.end());
+        at::NoGradGuard no_grad;
+        for (auto& p : trainable_) {
+            auto it = by_name.find(p.name);
+            DTUNE_CHECK_AS(DataError, it != by_name.end(), "checkpoint ", dir->string(), " has no weight ",
+                           p.name, "; it was written by a different model or model_type");
+            p.tensor.copy_(it->second);
+        }
     }
+    load_extras(ckpt);  // EMA shadows, loss scaler
     load_optimizer_state(ckpt);
     const auto& state = ckpt.json_files.at(kTrainingState);
     source_->load_state(state.at("batch_source"));
@@ -266,6 +273,7 @@ double Trainer::train_one_step(double& grad_norm) {
         TrainBatch batch = source_->next(*generator_);
         apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_,
                               dp_->rank(), dp_->world_size());
+        if (lora_) lora_->begin_forward(*generator_);  // the LoRA dropout seed of this forward
         MicroStep m = micro_step(*unet_, batch, *schedule_, step_options_, global_step_, *generator_);
         const double value = m.loss.item<double>();
         if (!std::isfinite(value)) {
@@ -276,12 +284,14 @@ double Trainer::train_one_step(double& grad_norm) {
                             "or check those images; resume from the last checkpoint"));
         }
         if (micro == accum - 1) dp_->arm_reduction();  // reduce during the last backward
-        (m.loss / static_cast<double>(accum)).backward();
+        const at::Tensor loss = m.loss / static_cast<double>(accum);
+        (scaler_ ? scaler_->scale_loss(loss) : loss).backward();
         loss_sum += value;
     }
     dp_->reduce_gradients();  // average over the ranks once, after the last micro-step
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
+    step_overflowed_ = scaler_ && !scaler_->unscale(params);  // fp16: gradients / scale, inf check
     double sq = 0;
     for (const auto& p : params)
         if (p.grad().defined()) sq += p.grad().to(at::kFloat).pow(2).sum().item<double>();
@@ -326,9 +336,11 @@ void Trainer::save(const std::string& why) {
     }
     CheckpointContents c;
     c.global_step = global_step_;
-    io::TensorList weights;
-    for (const auto& p : trainable_) weights.emplace_back(p.name, p.tensor.detach());
-    c.tensor_files[kUNetWeights] = std::move(weights);
+    if (!lora_) {
+        io::TensorList weights;
+        for (const auto& p : trainable_) weights.emplace_back(p.name, p.tensor.detach());
+        c.tensor_files[kUNetWeights] = std::move(weights);
+    }
     if (!zero) {
         io::TensorList opt;
         for (const auto& [k, v] : optimizer_->state_dict()) opt.emplace_back(k, v);
@@ -346,6 +358,7 @@ void Trainer::save(const std::string& why) {
                   {"model_type", config_.text("model_type")},
                   {"model_flavour", config_.text("model_flavour")},
                   {"modelspec_architecture", "stable-diffusion-xl-v1-base"}};
+    save_extras(c);  // LoRA file, EMA, loss scaler
     const auto dir = save_checkpoint(output_dir_, c);
     log::info() << "saved " << dir.string() << " (" << why << ")";
     rotate_checkpoints(output_dir_, config_.integer("checkpoints_total_limit"));
@@ -386,12 +399,7 @@ void Trainer::append_metrics(double loss, double lr, double grad_norm, double im
 
 void Trainer::write_final_outputs() {
     if (!is_main_process()) return;
-    // The trained UNet as a diffusers component folder (the full pipeline export comes later).
-    const auto unet_dir = output_dir_ / "pipeline" / "unet";
-    std::filesystem::create_directories(unet_dir);
-    io::save_safetensors(unet_dir / "diffusion_pytorch_model.safetensors", models::state_dict(*unet_));
-    if (!model_dir_.empty())
-        fs::write_file_atomic(unet_dir / "config.json", fs::read_file(model_dir_ / "unet" / "config.json"));
+    write_model_outputs();  // LoRA file(s) or the pipeline folder (trainer_extras.cpp)
 }
 
 TrainResult Trainer::run() {
@@ -406,6 +414,7 @@ TrainResult Trainer::run() {
 TrainResult Trainer::run_loop() {
     dp_->attach(tensors_of(trainable_));  // rank 0's weights everywhere; reducer; ZeRO partition
     build_optimizer();
+    start_ema();
     resume();
     LRScheduleOptions lr_options;
     lr_options.type = parse_lr_schedule(config_.text("lr_scheduler"), config_.integer("lr_warmup_steps"));
@@ -447,12 +456,14 @@ TrainResult Trainer::run_loop() {
         const double lr = schedule.lr(global_step_);
         double loss = train_one_step(grad_norm);
         optimizer_->set_lr(lr);
-        optimizer_->step();
+        if (!step_overflowed_) optimizer_->step();  // fp16 overflow: skipped, the scaler backs off
         optimizer_->zero_grad();
         dp_->after_step();  // ZeRO-1: weights from their owners; every gradient dropped
         agreed = dp_->agree(loss, stop_requested(), gpu_fault_request());
         loss = agreed.mean_loss;
         ++global_step_;
+        if (scaler_) scaler_->update(step_overflowed_);
+        if (ema_) ema_->step(global_step_);
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         result.last_loss = loss;
         if (is_main_process() &&

@@ -1,6 +1,7 @@
 // The training loop: from a resolved TrainConfig to trained weights, with checkpoints, exact resume,
-// metrics and a clean stop on SIGINT/SIGTERM. Full fine-tune of the UNet for now; LoRA plugs in
-// through set_trainable_parameters() (the parameters the optimizer updates and checkpoints save).
+// metrics and a clean stop on SIGINT/SIGTERM. model_type full trains every UNet weight; model_type lora
+// injects LoRA/DoRA adapters and trains only those (set_trainable_parameters, adapters.h); EMA
+// (ema.h), fp16 loss scaling (loss_scaler.h) and the exports (export.h) live in trainer_extras.cpp.
 //
 // The loop reads like a table of contents:
 //   for each optimizer step: accumulate micro-batches (batch -> caption dropout -> micro_step ->
@@ -24,6 +25,7 @@
 #include "train/batch_source.h"
 #include "train/callbacks.h"
 #include "train/config.h"
+#include "train/ema.h"
 #include "train/optimizer.h"
 #include "train/step.h"
 
@@ -34,6 +36,9 @@ struct DistEnv;
 namespace dtune::train {
 
 class DataParallel;
+class LoRATraining;
+class LossScaler;
+struct CheckpointContents;
 struct LoadedCheckpoint;
 
 struct NamedTensor {
@@ -85,6 +90,12 @@ class Trainer {
     int rank() const { return rank_; }
     int local_rank() const;
     int world_size() const;
+    // With use_ema: puts the EMA weights into the model until the guard ends (validation with EMA
+    // weights); without EMA (or before run() starts) a no-op guard. Do not train while it lives.
+    EMAWeightsGuard use_ema_weights();
+    const EMAModel* ema() const { return ema_.get(); }
+    // model_type lora: the injected adapters (nullptr for a full fine-tune).
+    LoRATraining* lora() { return lora_.get(); }
 
   private:
     TrainResult run_loop();
@@ -97,6 +108,13 @@ class Trainer {
     void write_final_outputs();
     void init_data_parallel(const dist::DistEnv& env);
     void load_optimizer_state(const LoadedCheckpoint& ckpt);
+    // trainer_extras.cpp: LoRA adapters, EMA, fp16 loss scaling and the exports.
+    void init_extras();
+    void start_ema();
+    void save_extras(CheckpointContents& c);
+    void load_extras(const LoadedCheckpoint& ckpt);
+    bool load_lora_weights(const LoadedCheckpoint& ckpt);
+    void write_model_outputs();
 
     TrainConfig config_;
     std::filesystem::path output_dir_;
@@ -117,6 +135,10 @@ class Trainer {
     std::vector<std::shared_ptr<TrainCallback>> callbacks_;
     int rank_ = 0;
     std::unique_ptr<DataParallel> dp_;  // data parallelism (a no-op for one process)
+    std::unique_ptr<LoRATraining> lora_;
+    std::unique_ptr<EMAModel> ema_;
+    std::unique_ptr<LossScaler> scaler_;  // mixed_precision fp16
+    bool step_overflowed_ = false;        // fp16: inf/NaN gradients, the optimizer step is skipped
 };
 
 // Parses "cpu", "cuda", "cuda:N" or "auto" (CUDA when available).

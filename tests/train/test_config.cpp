@@ -103,9 +103,12 @@ TEST(TrainConfig, UnimplementedOptionIsAnErrorUnlessDefault) {
     // SimpleTuner's default value changes nothing and is accepted.
     EXPECT_NO_THROW(load_text(dir, R"({"model_family": "sdxl", "base_model_precision": "no_change"})"));
     EXPECT_NE(usage_message([&] {
-                  load_text(dir, R"({"model_family": "sdxl", "use_ema": true})");
-              }).find("use_ema is not implemented"),
+                  load_text(dir, R"({"model_family": "sdxl", "slider_lora_target": true})");
+              }).find("slider_lora_target is not implemented"),
               std::string::npos);
+    // EMA and its companions are implemented now.
+    EXPECT_NO_THROW(load_text(dir, R"({"model_family": "sdxl", "use_ema": true, "ema_device": "accelerator",
+                                       "ema_update_interval": 2, "ema_warmup_steps": 3})"));
 }
 
 TEST(TrainConfig, BadValuesNameTheKey) {

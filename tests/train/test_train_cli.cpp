@@ -1,5 +1,6 @@
 // End to end: `dtune train` on CPU with the tiny SDXL fixture and a generated dataset of a dozen
-// small PNGs (written with io::write_image): loss finite, outputs written, resume equality through
+// small PNGs (written with io::write_image): loss finite, outputs written (full: a pipeline folder
+// `dtune inspect` opens; LoRA: ComfyUI-keyed adapter files, EMA copy), resume equality through
 // the CLI (2 steps straight == 1 step, then resume, 1 step), SIGTERM -> checkpoint + exit code 4,
 // and an unimplemented option -> exit code 2 naming it.
 #include <gtest/gtest.h>
@@ -108,6 +109,44 @@ TEST(TrainCli, EndToEndOutputsAndResumeEquality) {
     }
     EXPECT_EQ(differing, 0);
     EXPECT_GT(trained, 0);
+    // pipeline/ is a complete diffusers folder that dtune's own loader opens.
+    EXPECT_TRUE(std::filesystem::exists(out / "pipeline/model_index.json"));
+    EXPECT_EQ(run(std::string(DTUNE_BIN) + " inspect '" + (out / "pipeline").string() + "' >/dev/null 2>>'" +
+                  (w.dir / "log.txt").string() + "'"),
+              0)
+        << fs::read_file(w.dir / "log.txt");
+}
+
+TEST(TrainCli, LoRARunWritesAdapterFilesAndResumesExactly) {
+    Workspace w;
+    const std::string lora =
+        "--model_type lora --lora_rank 4 --lora_alpha 4 --lora_format comfyui --use_ema true ";
+    ASSERT_EQ(run(w.command("straight", lora + "--max_train_steps 2")), 0)
+        << fs::read_file(w.dir / "log.txt");
+    ASSERT_EQ(run(w.command("split", lora + "--max_train_steps 1")), 0);
+    ASSERT_EQ(run(w.command("split", lora + "--max_train_steps 2")), 0);
+    const auto out = w.dir / "straight";
+    for (const char* f :
+         {"pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors",
+          "checkpoint-1/pytorch_lora_weights.safetensors", "checkpoint-2/pytorch_lora_weights.safetensors"})
+        EXPECT_TRUE(std::filesystem::exists(out / f)) << f;
+    EXPECT_FALSE(std::filesystem::exists(out / "pipeline"));
+    const auto file = io::load_safetensors(out / "pytorch_lora_weights.safetensors");
+    int64_t alphas = 0;
+    for (const auto& [k, v] : file) {
+        EXPECT_EQ(k.rfind("lora_unet_", 0), 0u) << k;
+        if (k.size() > 6 && k.compare(k.size() - 6, 6, ".alpha") == 0) {
+            ++alphas;
+            EXPECT_EQ(v.item<float>(), 4.0f) << k;
+        }
+    }
+    EXPECT_GT(alphas, 0);
+    for (const char* f : {"pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors"})
+        EXPECT_EQ(fs::read_file(out / f), fs::read_file(w.dir / "split" / f)) << f;
+    EXPECT_EQ(
+        run(std::string(DTUNE_BIN) + " inspect '" + (out / "pytorch_lora_weights.safetensors").string() +
+            "' >/dev/null 2>>'" + (w.dir / "log.txt").string() + "'"),
+        0);
 }
 
 TEST(TrainCli, SigtermSavesACheckpointAndExitsWith4) {

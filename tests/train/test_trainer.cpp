@@ -177,6 +177,36 @@ TEST(TrainCheckpoint, ResumeIsBitExact) {
     EXPECT_GT(changed, static_cast<int64_t>(a.size()) / 2);
 }
 
+TEST(TrainCheckpoint, LoRAResumeIsBitExact) {
+    // LoRA with dropout under gradient checkpointing, EMA and fp16 loss scaling: every piece of state
+    // (adapters, optimizer, dropout seeds, EMA shadows, loss scale) must resume exactly.
+    const std::string lora = R"({"model_type": "lora", "lora_rank": 4, "lora_dropout": 0.1,
+        "gradient_checkpointing": true, "use_ema": true, "mixed_precision": "fp16",
+        "checkpoint_step_interval": 1)";
+    test::TempDir straight, split;
+    const io::TensorList a =
+        run_trainer(tiny_config(straight.path(), 2, lora + R"(, "resume_from_checkpoint": "none"})"));
+    TrainResult second;
+    run_trainer(tiny_config(split.path(), 1, lora + "}"));
+    const io::TensorList b = run_trainer(tiny_config(split.path(), 2, lora + "}"), &second);
+    ASSERT_TRUE(second.resumed_from.has_value());
+    ASSERT_EQ(a.size(), b.size());
+    int64_t differing = 0, adapters = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        ASSERT_EQ(a[i].first, b[i].first);
+        if (!at::equal(a[i].second, b[i].second)) ++differing;
+        adapters += a[i].first.find(".lora_") != std::string::npos ? 1 : 0;
+    }
+    EXPECT_EQ(differing, 0);
+    EXPECT_GT(adapters, 0);
+    for (const char* f : {"pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors",
+                          "checkpoint-2/unet_ema/ema_model.safetensors", "checkpoint-2/loss_scaler.json"})
+        EXPECT_EQ(fs::read_file(straight / f), fs::read_file(split / f)) << f;
+    EXPECT_NE(fs::read_file(straight / "pytorch_lora_weights.safetensors"),
+              fs::read_file(straight / "ema/pytorch_lora_weights.safetensors"));
+    EXPECT_FALSE(std::filesystem::exists(straight / "checkpoint-2" / "unet"));  // adapters only
+}
+
 TEST(TrainSignals, StopRequestSavesACheckpointAndReportsInterrupted) {
     test::TempDir dir;
     install_stop_signal_handlers();

@@ -1,9 +1,12 @@
 // LoRA / DoRA layers: forward, merge/unmerge and injection by module-name patterns (PEFT's rules).
 #include "models/adapters/lora.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <mutex>
 #include <optional>
 #include <regex>
 #include <variant>
@@ -56,7 +59,8 @@ LoRAInit parse_lora_init(const std::string& value) {
                          "' is not implemented; use 'default' (kaiming-uniform A, zero B) or 'gaussian'"));
 }
 
-LoRALayer::LoRALayer(AdaptableLinearImpl& host, int64_t rank, double alpha, const LoRAConfig& config)
+LoRALayer::LoRALayer(AdaptableLinearImpl& host, int64_t rank, double alpha, const LoRAConfig& config,
+                     at::Generator* init_generator)
     : kind_(Kind::kLinear),
       host_(&host),
       base_weight_(&host.weight),
@@ -66,10 +70,11 @@ LoRALayer::LoRALayer(AdaptableLinearImpl& host, int64_t rank, double alpha, cons
       dropout_(config.dropout),
       rslora_(config.use_rslora) {
     const int64_t out = host.weight.size(0), in = host.weight.size(1);
-    create(host, {rank, in}, {out, rank}, config);
+    create(host, {rank, in}, {out, rank}, config, init_generator);
 }
 
-LoRALayer::LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, const LoRAConfig& config)
+LoRALayer::LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, const LoRAConfig& config,
+                     at::Generator* init_generator)
     : kind_(Kind::kConv2d),
       host_(&host),
       base_weight_(&host.weight),
@@ -87,18 +92,28 @@ LoRALayer::LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, cons
     padding_ = std::vector<int64_t>((*padding)->begin(), (*padding)->end());
     dilation_ = std::vector<int64_t>(o.dilation()->begin(), o.dilation()->end());
     const auto w = host.weight.sizes();  // [out, in, kh, kw]
-    create(host, {rank, w[1], w[2], w[3]}, {w[0], rank, 1, 1}, config);
+    create(host, {rank, w[1], w[2], w[3]}, {w[0], rank, 1, 1}, config, init_generator);
 }
 
 void LoRALayer::create(torch::nn::Module& host, at::IntArrayRef down_shape, at::IntArrayRef up_shape,
-                       const LoRAConfig& config) {
+                       const LoRAConfig& config, at::Generator* init_generator) {
     torch::NoGradGuard no_grad;
     const auto options = base_weight_->options().requires_grad(false);
     at::Tensor a = at::empty(down_shape, options);
-    if (config.init == LoRAInit::kGaussian)
+    if (init_generator) {
+        // The same distributions, drawn in float32 on the CPU from the seeded generator.
+        at::Tensor draw = at::empty(down_shape, at::kFloat);
+        const double fan_in = static_cast<double>(a.numel() / rank_);  // in · kh · kw
+        if (config.init == LoRAInit::kGaussian)
+            draw.normal_(0.0, 1.0 / static_cast<double>(rank_), *init_generator);
+        else
+            draw.uniform_(-1.0 / std::sqrt(fan_in), 1.0 / std::sqrt(fan_in), *init_generator);
+        a.copy_(draw);
+    } else if (config.init == LoRAInit::kGaussian) {
         a.normal_(0.0, 1.0 / static_cast<double>(rank_));
-    else
+    } else {
         torch::nn::init::kaiming_uniform_(a, std::sqrt(5.0));  // uniform on ±1/√fan_in
+    }
     down_ = host.register_module("lora_A", std::make_shared<LoRAFactorImpl>(a))->weight;
     up_ = host.register_module("lora_B", std::make_shared<LoRAFactorImpl>(at::zeros(up_shape, options)))
               ->weight;
@@ -130,6 +145,20 @@ at::Tensor LoRALayer::base_no_bias(const at::Tensor& x) const {
     return at::conv2d(x, *base_weight_, {}, stride_, padding_, dilation_);
 }
 
+at::Tensor LoRALayer::dropout(const at::Tensor& x) {
+    if (!dropout_seed_) return at::dropout(x, dropout_, /*train=*/true);
+    if (!dropout_generator_ || dropout_generator_->device() != x.device())
+        dropout_generator_ = x.is_cuda() ? at::detail::getCUDAHooks().getNewGenerator(x.device().index())
+                                         : at::detail::createCPUGenerator();
+    {
+        std::lock_guard<std::mutex> lock(dropout_generator_->mutex());
+        dropout_generator_->set_current_seed(*dropout_seed_);
+    }
+    // Inverted dropout as at::dropout computes it: keep with probability 1 - p, scale by 1 / (1 - p).
+    const at::Tensor keep = at::empty_like(x).bernoulli_(1.0 - dropout_, *dropout_generator_);  // like x
+    return x * keep.div_(1.0 - dropout_);
+}
+
 at::Tensor LoRALayer::delta_weight() const {
     // Conv: B is 1×1, so B∘A is the matrix product of the flattened factors.
     at::Tensor d = at::matmul(up_.flatten(1), down_.flatten(1));  // [out, in·kh·kw]
@@ -145,7 +174,7 @@ at::Tensor LoRALayer::weight_norm(const at::Tensor& delta) const {
 at::Tensor LoRALayer::forward(const at::Tensor& x, const at::Tensor& base_out) {
     if (merged_) return base_out;
     const bool drop = dropout_ > 0.0 && host_->is_training();
-    const at::Tensor xd = drop ? at::dropout(x, dropout_, /*train=*/true) : x;
+    const at::Tensor xd = drop ? dropout(x) : x;
     const double s = scale();
     const at::Tensor lora = apply_factor(apply_factor(xd, down_, true), up_, false);  // like base_out
     if (!magnitude_.defined()) return base_out + lora * s;
@@ -220,6 +249,16 @@ std::vector<at::Tensor> LoRAAdapters::parameters() const {
     return out;
 }
 
+void LoRAAdapters::set_dropout_seed(uint64_t seed) {
+    for (std::size_t i = 0; i < entries_.size(); ++i) {
+        // splitmix64 of (seed, index): independent streams per layer from one draw.
+        uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (i + 1);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+        entries_[i].layer->set_dropout_seed(z ^ (z >> 31));
+    }
+}
+
 void LoRAAdapters::merge() {
     for (auto& e : entries_) e.layer->merge();
 }
@@ -280,14 +319,17 @@ LoRAAdapters inject_lora(torch::nn::Module& root, const LoRAConfig& config) {
         for (auto& p : root.parameters()) p.set_requires_grad(false);
     std::vector<LoRAAdapters::Entry> entries;
     const double alpha = config.effective_alpha();
+    std::optional<at::Generator> init_generator;
+    if (config.init_seed) init_generator = at::detail::createCPUGenerator(*config.init_seed);
+    at::Generator* gen = init_generator ? &*init_generator : nullptr;
     for (auto& [name, m] : found) {
         std::shared_ptr<LoRALayer> layer;
         if (auto* linear = dynamic_cast<AdaptableLinearImpl*>(m)) {
-            layer = std::make_shared<LoRALayer>(*linear, config.rank, alpha, config);
+            layer = std::make_shared<LoRALayer>(*linear, config.rank, alpha, config, gen);
             linear->set_adapter(layer);
         } else {
             auto* conv = dynamic_cast<AdaptableConv2dImpl*>(m);
-            layer = std::make_shared<LoRALayer>(*conv, config.rank, alpha, config);
+            layer = std::make_shared<LoRALayer>(*conv, config.rank, alpha, config, gen);
             conv->set_adapter(layer);
         }
         entries.push_back({name, std::move(layer)});

@@ -18,11 +18,17 @@
 // Parameters are registered on the adapted layer itself under PEFT's exported names, so the
 // model's named_parameters() hold e.g.
 // "mid_block.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight"; they move with module.to() and the
-// dropout follows module.train()/eval(). Inject after loading the base weights (a strict base load would list
+// dropout follows module.train()/eval(). Dropout masks must be reproducible when gradient
+// checkpointing recomputes a block in backward: training code calls LoRAAdapters::set_dropout_seed
+// with a fresh seed before each forward (the trainer draws it from its own generator, which also keeps
+// resume exact). Inject after loading the base weights (a strict base load would list
 // the adapter tensors as missing).
 #pragma once
 
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
+
+#include <cstdint>
 
 #include <memory>
 #include <optional>
@@ -60,6 +66,9 @@ struct LoRAConfig {
     // string form of target_modules); target_modules is then ignored.
     std::string target_regex;
     bool freeze_base = true;  // requires_grad(false) on every parameter the tree had before
+    // When set, lora_A is drawn from a CPU generator seeded with this (layers in module-tree order),
+    // so the initial adapters are a function of the seed; otherwise from the global generator.
+    std::optional<uint64_t> init_seed;
 
     double effective_alpha() const { return alpha > 0 ? alpha : static_cast<double>(rank); }
 };
@@ -69,8 +78,11 @@ class LoRALayer : public LayerAdapter {
   public:
     enum class Kind { kLinear, kConv2d };
 
-    LoRALayer(AdaptableLinearImpl& host, int64_t rank, double alpha, const LoRAConfig& config);
-    LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, const LoRAConfig& config);
+    // `init_generator` (CPU, may be null: the global generator) draws lora_A.
+    LoRALayer(AdaptableLinearImpl& host, int64_t rank, double alpha, const LoRAConfig& config,
+              at::Generator* init_generator = nullptr);
+    LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, const LoRAConfig& config,
+              at::Generator* init_generator = nullptr);
 
     at::Tensor forward(const at::Tensor& x, const at::Tensor& base_out) override;
 
@@ -83,6 +95,10 @@ class LoRALayer : public LayerAdapter {
     void set_scale(double s);
     bool use_dora() const { return magnitude_.defined(); }
     bool merged() const { return merged_; }
+    // Seeds this layer's dropout masks: with a seed set, every training forward draws its mask from a
+    // generator reset to `seed`, so a gradient-checkpointed block that recomputes its forward in
+    // backward sees the same mask. Without one, masks come from the global generator (at::dropout).
+    void set_dropout_seed(uint64_t seed) { dropout_seed_ = seed; }
 
     at::Tensor& down() { return down_; }            // lora_A.weight
     at::Tensor& up() { return up_; }                // lora_B.weight
@@ -100,8 +116,9 @@ class LoRALayer : public LayerAdapter {
 
   private:
     void create(torch::nn::Module& host, at::IntArrayRef down_shape, at::IntArrayRef up_shape,
-                const LoRAConfig& config);
+                const LoRAConfig& config, at::Generator* init_generator);
     at::Tensor apply_factor(const at::Tensor& x, const at::Tensor& w, bool first) const;  // A or B
+    at::Tensor dropout(const at::Tensor& x);
     at::Tensor base_no_bias(const at::Tensor& x) const;
 
     Kind kind_;
@@ -116,6 +133,8 @@ class LoRALayer : public LayerAdapter {
     at::Tensor down_, up_, magnitude_;
     at::Tensor merged_factor_;  // DoRA: m/‖W'‖ used by merge(), needed by unmerge()
     bool merged_ = false;
+    std::optional<uint64_t> dropout_seed_;
+    std::optional<at::Generator> dropout_generator_;  // on the input's device, reseeded per forward
 };
 
 // The adapters injected into one model, in module-tree order. It refers to the model's layers, so
@@ -142,6 +161,10 @@ class LoRAAdapters {
 
     void merge();
     void unmerge();
+
+    // Gives every layer its own dropout seed derived from `seed` and its index (call once per
+    // training forward with a fresh seed; see LoRALayer::set_dropout_seed).
+    void set_dropout_seed(uint64_t seed);
 
   private:
     LoRAConfig config_;

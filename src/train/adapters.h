@@ -1,0 +1,71 @@
+// LoRA / DoRA training for `model_type lora`: the adapter settings from the config, injection into the
+// UNet, init_lora, the per-forward dropout seed, and the adapter file written into checkpoints and
+// output_dir.
+//
+// Config keys (SimpleTuner's names, SIMPLETUNER.md §6): lora_rank, lora_alpha (None = rank),
+// lora_dropout, lora_init_type (default | gaussian), use_dora, lora_format (diffusers | comfyui),
+// init_lora (a diffusers, PEFT or kohya/ComfyUI file), peft_lora_target_modules (a JSON list of
+// module-name suffixes, the same list as JSON text, or a path to a JSON file holding it; default
+// SDXL's to_k, to_q, to_v, to_out.0; Conv2d names such as conv1 or proj_in give LoCon-style adapters).
+//
+// Invariants: only the adapter tensors are trainable (the base UNet is frozen); the adapter file
+// round-trips bit-exactly (a resumed run continues from exactly the saved factors, with the layers'
+// alphas as this run set them); dropout draws one seed per forward from the trainer's generator,
+// and only when lora_dropout > 0.
+#pragma once
+
+#include <ATen/core/Generator.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "io/safetensors.h"
+#include "models/adapters/lora.h"
+#include "models/adapters/lora_io.h"
+#include "train/config.h"
+
+namespace torch::nn {
+class Module;
+}
+
+namespace dtune::train {
+
+// The file name diffusers' load_lora_weights(dir) looks for; also SimpleTuner's checkpoint file.
+inline constexpr const char* kLoRAWeightsFile = "pytorch_lora_weights.safetensors";
+
+// peft_lora_target_modules: null -> SDXL's defaults; a JSON array of strings; a string holding a JSON
+// array; or a path to a JSON file holding one. UsageError naming the value and the accepted forms.
+std::vector<std::string> parse_lora_targets(const nlohmann::json& value);
+
+// The adapter settings of a config (see the file comment).
+models::LoRAConfig lora_config_from(const TrainConfig& config);
+
+class LoRATraining {
+  public:
+    // Injects adapters into `unet` (freezing its own parameters) and loads init_lora when set.
+    LoRATraining(torch::nn::Module& unet, const TrainConfig& config);
+
+    // The trainable adapter tensors under PEFT's names ("<module>.lora_A.weight", ...).
+    io::TensorList trainable() const { return adapters_.named_parameters(); }
+    // Before each training forward: a fresh dropout seed from `generator` (no draw without dropout).
+    void begin_forward(at::Generator& generator);
+
+    // Writes the adapters in the configured lora_format, in their own dtype (lossless).
+    void save(const std::filesystem::path& file) const;
+    // Loads a file written by save() (resume): the factors exactly, the alphas kept as injected.
+    void load_exact(const std::filesystem::path& file);
+
+    models::LoRAAdapters& adapters() { return adapters_; }
+    const models::LoRAAdapters& adapters() const { return adapters_; }
+    models::LoRAFormat format() const { return format_; }
+
+  private:
+    models::LoRAAdapters adapters_;
+    models::LoRAFormat format_;
+    bool dropout_ = false;
+};
+
+}  // namespace dtune::train

@@ -1,0 +1,160 @@
+// The trainer's model-type and precision extras (see trainer.h): LoRA injection and adapter files,
+// the EMA of the trainable parameters, fp16 loss scaling, and the final exports.
+//
+// Files, following SimpleTuner's layout (SIMPLETUNER.md §7):
+//   checkpoint-N/pytorch_lora_weights.safetensors       LoRA (lora_format keys); resumed from
+//   checkpoint-N/ema/pytorch_lora_weights.safetensors   LoRA + EMA, loadable like the above
+//   checkpoint-N/unet/config.json                       full: makes unet/ a loadable component
+//   checkpoint-N/unet_ema/...                           EMA shadows (full: a loadable unet folder,
+//                                                       LoRA: ema_model.safetensors) + ema_state.json
+//   checkpoint-N/loss_scaler.json                       fp16: scale and clean-step counter
+//   output_dir/pytorch_lora_weights.safetensors (+ ema/) or output_dir/pipeline/ (+ the optional
+//   single file output_dir/sdxl_checkpoint.safetensors); a full fine-tune with EMA exports the EMA
+//   weights, as SimpleTuner does.
+#include <torch/nn/module.h>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "io/safetensors.h"
+#include "models/common/weights.h"
+#include "train/adapters.h"
+#include "train/checkpoint.h"
+#include "train/export.h"
+#include "train/loss_scaler.h"
+#include "train/trainer.h"
+
+namespace dtune::train {
+namespace {
+
+constexpr const char* kEMALoRAShadows = "unet_ema/ema_model.safetensors";
+constexpr const char* kEMAUNetShadows = "unet_ema/diffusion_pytorch_model.safetensors";
+constexpr const char* kEMAState = "unet_ema/ema_state.json";
+constexpr const char* kLossScalerState = "loss_scaler.json";
+constexpr const char* kSingleFile = "sdxl_checkpoint.safetensors";
+
+std::optional<std::filesystem::path> local_vae(const TrainConfig& config) {
+    const std::filesystem::path vae = config.text("pretrained_vae_model_name_or_path");
+    if (!vae.empty() && std::filesystem::is_regular_file(vae / "config.json")) return vae;
+    return std::nullopt;
+}
+
+}  // namespace
+
+void Trainer::init_extras() {
+    if (model_dir_.empty()) {  // the constructor with a given model: exports still need the base folder
+        const std::filesystem::path base = config_.text("pretrained_model_name_or_path");
+        if (!base.empty() && std::filesystem::is_regular_file(base / "model_index.json")) model_dir_ = base;
+    }
+    const bool lora = config_.text("model_type") == "lora";
+    if (lora) {
+        lora_ = std::make_unique<LoRATraining>(*unet_, config_);
+        std::vector<NamedTensor> params;
+        for (auto& [name, tensor] : lora_->trainable()) params.push_back({name, tensor});
+        set_trainable_parameters(std::move(params));
+    }
+    DTUNE_CHECK_AS(UsageError, !lora || !config_.flag("export_single_file"),
+                   "export_single_file writes a full SDXL checkpoint and needs model_type full; for a "
+                   "LoRA use pytorch_lora_weights.safetensors (lora_format comfyui for ComfyUI)");
+    if (config_.text("mixed_precision") == "fp16") {
+        scaler_ = std::make_unique<LossScaler>();
+        if (!device_.is_cuda())
+            log::info() << "mixed_precision fp16 on the CPU: no autocast (float32 compute); the dynamic loss "
+                           "scaler still runs";
+    }
+}
+
+void Trainer::start_ema() {
+    if (!config_.flag("use_ema")) return;
+    io::TensorList params;
+    for (const auto& p : trainable_) params.emplace_back(p.name, p.tensor);
+    ema_ = std::make_unique<EMAModel>(std::move(params), ema_options_from(config_));
+    log::info() << "EMA of " << trainable_.size() << " trainable tensors (decay " << config_.real("ema_decay")
+                << ", on " << config_.text("ema_device") << ")";
+}
+
+EMAWeightsGuard Trainer::use_ema_weights() {
+    return ema_ ? EMAWeightsGuard(*ema_) : EMAWeightsGuard();
+}
+
+void Trainer::save_extras(CheckpointContents& c) {
+    if (lora_) {
+        c.file_writers[kLoRAWeightsFile] = [this](const std::filesystem::path& file) { lora_->save(file); };
+        if (ema_)
+            c.file_writers[std::string("ema/") + kLoRAWeightsFile] =
+                [this](const std::filesystem::path& file) {
+                    EMAWeightsGuard swap = use_ema_weights();
+                    lora_->save(file);
+                };
+    } else if (!model_dir_.empty()) {
+        c.json_files["unet/config.json"] =
+            nlohmann::json::parse(fs::read_file(model_dir_ / "unet" / "config.json"));
+    }
+    if (ema_) {
+        c.tensor_files[lora_ ? kEMALoRAShadows : kEMAUNetShadows] = ema_->shadows();
+        if (!lora_ && !model_dir_.empty())
+            c.json_files["unet_ema/config.json"] = c.json_files["unet/config.json"];
+        c.json_files[kEMAState] = ema_->state();
+    }
+    if (scaler_) c.json_files[kLossScalerState] = scaler_->state();
+}
+
+bool Trainer::load_lora_weights(const LoadedCheckpoint& ckpt) {
+    if (!lora_) return false;
+    const auto file = ckpt.dir / kLoRAWeightsFile;
+    DTUNE_CHECK_AS(DataError, std::filesystem::is_regular_file(file), "checkpoint ", ckpt.dir.string(),
+                   " has no ", kLoRAWeightsFile,
+                   "; it was written by a model_type full run. Resume it with "
+                   "model_type full, or start the LoRA in a new output_dir");
+    lora_->load_exact(file);
+    return true;
+}
+
+void Trainer::load_extras(const LoadedCheckpoint& ckpt) {
+    if (ema_) {
+        const auto shadows = ckpt.tensor_files.find(lora_ ? kEMALoRAShadows : kEMAUNetShadows);
+        const auto state = ckpt.json_files.find(kEMAState);
+        if (shadows != ckpt.tensor_files.end() && state != ckpt.json_files.end()) {
+            ema_->load(shadows->second, state->second, ckpt.dir.string());
+        } else {
+            log::warn() << "checkpoint " << ckpt.dir.string() << " has no EMA state (use_ema was off): the "
+                        << "EMA starts from the resumed weights";
+            start_ema();
+        }
+    }
+    if (scaler_) {
+        const auto state = ckpt.json_files.find(kLossScalerState);
+        if (state != ckpt.json_files.end())
+            scaler_->load_state(state->second);
+        else
+            log::warn() << "checkpoint " << ckpt.dir.string()
+                        << " has no loss-scaler state: fp16 loss scaling "
+                        << "starts again from scale " << scaler_->scale();
+    }
+}
+
+void Trainer::write_model_outputs() {
+    if (!is_main_process()) return;
+    if (lora_) {
+        lora_->save(output_dir_ / kLoRAWeightsFile);
+        if (ema_) {
+            EMAWeightsGuard swap = use_ema_weights();
+            lora_->save(output_dir_ / "ema" / kLoRAWeightsFile);
+        }
+        return;
+    }
+    EMAWeightsGuard swap = use_ema_weights();  // SimpleTuner exports a full fine-tune's EMA weights
+    if (model_dir_.empty()) {
+        // No base pipeline to complete the folder (a Trainer built around a bare UNet).
+        const auto unet_dir = output_dir_ / "pipeline" / "unet";
+        std::filesystem::create_directories(unet_dir);
+        io::save_safetensors(unet_dir / "diffusion_pytorch_model.safetensors", models::state_dict(*unet_));
+        log::warn() << "no base model folder: wrote only " << unet_dir.string();
+        return;
+    }
+    export_pipeline(model_dir_, *unet_, output_dir_ / "pipeline", local_vae(config_));
+    if (config_.flag("export_single_file"))
+        export_single_file(model_dir_, *unet_, output_dir_ / kSingleFile, local_vae(config_));
+}
+
+}  // namespace dtune::train

@@ -1,0 +1,68 @@
+// Shared setup for the trainer tests on the tiny SDXL fixture (CPU): the UNet, its noise schedule,
+// a deterministic config and a synthetic batch source.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "core/fs.h"
+#include "models/common/weights.h"
+#include "support/test_support.h"
+#include "train/trainer.h"
+
+namespace dtune::train::testutil {
+
+inline std::filesystem::path tiny_model() {
+    return test::fixtures_dir() / "tiny-sdxl";
+}
+
+inline models::UNet2DConditionModel tiny_unet() {
+    return models::load_unet(tiny_model() / "unet");
+}
+
+inline diffusion::NoiseSchedule tiny_schedule() {
+    const auto j = nlohmann::json::parse(fs::read_file(tiny_model() / "scheduler" / "scheduler_config.json"));
+    return diffusion::NoiseSchedule(diffusion::NoiseScheduleConfig::from_json(j, "tiny scheduler"));
+}
+
+// Deterministic CPU config: AdamW, constant LR 1e-3, batch 2, a checkpoint every 2 steps.
+inline TrainConfig tiny_config(const std::filesystem::path& out, int64_t steps,
+                               const nlohmann::json& extra = {}) {
+    TrainConfig c;
+    c.merge_json(nlohmann::json{{"model_family", "sdxl"},
+                                {"output_dir", out.string()},
+                                {"optimizer", "torch-adamw"},
+                                {"learning_rate", 1e-3},
+                                {"lr_scheduler", "constant"},
+                                {"train_batch_size", 2},
+                                {"max_train_steps", steps},
+                                {"checkpoint_step_interval", 2},
+                                {"mixed_precision", "no"},
+                                {"gradient_checkpointing", false},
+                                {"deterministic", true},
+                                {"seed", 1234},
+                                {"caption_dropout_probability", 0.25},
+                                {"metrics_interval", 1}},
+                 "test");
+    if (!extra.is_null()) c.merge_json(extra, "test extra");
+    c.validate();
+    return c;
+}
+
+inline std::unique_ptr<BatchSource> synthetic() {
+    SyntheticBatchOptions o;
+    o.batch_size = 2;
+    o.latent_size = 8;
+    o.dim = 64;  // the tiny UNet's cross_attention_dim
+    o.pooled_dim = 32;
+    return std::make_unique<SyntheticBatchSource>(o);
+}
+
+inline std::unique_ptr<Trainer> make_trainer(const TrainConfig& config) {
+    return std::make_unique<Trainer>(config, tiny_unet(), tiny_schedule(), synthetic());
+}
+
+}  // namespace dtune::train::testutil
