@@ -12,7 +12,7 @@ FAMILIES = [  # first match wins
     ("layernorm", r"layer_norm|LayerNorm"),
     ("optimizer", r"adam|multi_tensor|foreach"),
     ("reduce", r"reduce"),
-    ("copy/cast", r"copy|Memcpy|Memset|cast|convert"),
+    ("copy/cast", r"copy|Memcpy|Memset|\bcast|convert"),  # \b: not gpu_kernel_impl_nocast
     ("elementwise", r"elementwise|vectorized|unrolled|Activation|gelu|silu"),
 ]
 

@@ -1,9 +1,11 @@
 // One micro-batch of the training step (SIMPLETUNER.md §1.3): caption dropout, noise and timesteps,
 // noisy latents, the UNet's prediction, the target for the prediction type and the (min-SNR) loss.
-// Backward, accumulation, clipping and the optimizer are the trainer's.
+// Accumulation is the trainer's; optimizer_step_async is one whole step (backward, clipping,
+// optimizer) without host synchronisation, for the benchmark and CUDA graphs (graph_step.h).
 //
 // Invariant: every random number comes from the generator passed in (drawn on the CPU), so a CPU run
-// in deterministic mode is a function of the seed and the checkpointed generator state.
+// in deterministic mode is a function of the seed and the checkpointed generator state; except with
+// StepOptions::device_rng, where the device's default generator draws them.
 #pragma once
 
 #include <ATen/ATen.h>
