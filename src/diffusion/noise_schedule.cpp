@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "diffusion/config_json.h"
+#include "diffusion/training_sampling.h"
 
 namespace dtune::diffusion {
 
@@ -132,8 +133,13 @@ std::pair<at::Tensor, at::Tensor> NoiseSchedule::coefficients(const at::Tensor& 
     DTUNE_CHECK(timesteps.dim() == 1 && timesteps.size(0) == x.size(0),
                 "timesteps must be [B] with B = ", x.size(0), " (the batch of the samples); got shape ",
                 timesteps.sizes());
-    const at::Tensor t = timesteps.to(x.device(), at::kLong);
-    const at::Tensor ac = alphas_cumprod_.to(x.device(), x.scalar_type()).index_select(0, t);  // [B]
+    const at::Tensor t = to_device_async(timesteps, x.device()).to(at::kLong);
+    if (x.device().is_cpu()) {
+        alphas_cumprod_device_ = alphas_cumprod_;
+    } else if (!alphas_cumprod_device_.defined() || alphas_cumprod_device_.device() != x.device()) {
+        alphas_cumprod_device_ = alphas_cumprod_.to(x.device());
+    }
+    const at::Tensor ac = alphas_cumprod_device_.to(x.scalar_type()).index_select(0, t);  // [B]
     std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
     shape[0] = x.size(0);
     return {ac.pow(0.5).view(shape), (1 - ac).pow(0.5).view(shape)};  // [B, 1, ..., 1] each

@@ -76,6 +76,9 @@ class NoiseSchedule {
     NoiseScheduleConfig config_;
     at::Tensor betas_;
     at::Tensor alphas_cumprod_;
+    // alphas_cumprod_ on the last accelerator asked for, copied once: a step then makes no host copy
+    // (which a CUDA graph could not replay).
+    mutable at::Tensor alphas_cumprod_device_;
 };
 
 }  // namespace dtune::diffusion

@@ -8,13 +8,20 @@
 
 namespace dtune::diffusion {
 
+at::Tensor to_device_async(const at::Tensor& host, const at::Device& device) {
+    if (host.device() == device) return host;
+    if (!device.is_cuda() || !host.is_cpu()) return host.to(device);
+    return host.pin_memory().to(device, /*non_blocking=*/true);
+}
+
 namespace {
 
 // Draws on the generator's device (a CPU generator gives the same numbers whatever device trains),
 // then moves to `device`.
 at::Tensor randn_from(const at::Generator& generator, at::IntArrayRef shape, const at::Device& device) {
     at::Generator g = generator;
-    return at::randn(shape, g, at::TensorOptions().dtype(at::kFloat).device(generator.device())).to(device);
+    return to_device_async(
+        at::randn(shape, g, at::TensorOptions().dtype(at::kFloat).device(generator.device())), device);
 }
 
 at::TensorOptions on_generator(const at::Generator& generator, at::ScalarType dtype) {

@@ -36,6 +36,11 @@ struct TrainingNoise {
 // flow matching, as in SimpleTuner), adds noise_offset * N(0,1) per [B, C] channel when a uniform draw
 // is below the probability. With input perturbation, input_noise = noise + p * N(0, 1), p decaying
 // with global_step when input_perturbation_steps > 0.
+// Copies a host tensor to `device` without waiting for the device: through pinned memory with a
+// non-blocking copy when the device is a GPU (a plain .to() of pageable memory synchronises the
+// stream, which drains the GPU's queue once per step), a plain .to() otherwise.
+at::Tensor to_device_async(const at::Tensor& host, const at::Device& device);
+
 TrainingNoise sample_training_noise(const at::Tensor& latents, const NoiseOptions& options,
                                     int64_t global_step, at::Generator& generator,
                                     bool flow_matching = false);

@@ -196,23 +196,37 @@ void Adafactor::step() {
 
 // ---- clipping -----------------------------------------------------------------------------------
 
-double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, double norm_type) {
+at::Tensor clip_grad_norm_async(const std::vector<at::Tensor>& params, double max_norm, double norm_type) {
     std::vector<at::Tensor> grads;
     for (const auto& p : params) {
         if (p.grad().defined()) grads.push_back(p.grad());
     }
-    if (grads.empty()) return 0.0;
+    if (grads.empty()) return {};
     at::NoGradGuard no_grad;
+    const at::Device device = grads.front().device();
+    bool uniform = true;  // one device and dtype: the multi-tensor kernels take the whole list
+    for (const auto& g : grads)
+        uniform = uniform && g.device() == device && g.scalar_type() == grads.front().scalar_type();
     const std::vector<at::Tensor> norms = at::_foreach_norm(grads, norm_type);
     std::vector<at::Tensor> on_device;
-    const at::Device device = grads.front().device();
+    on_device.reserve(norms.size());
     for (const auto& n : norms) on_device.push_back(n.to(device, at::kFloat));
     const at::Tensor stacked = at::stack(on_device);  // [num_grads]
     const at::Tensor total =
         std::isinf(norm_type) ? stacked.max() : at::linalg_vector_norm(stacked, norm_type);
-    const at::Tensor coef = at::clamp_max(max_norm / (total + 1e-6), 1.0);
-    for (auto& grad : grads) grad.mul_(coef.to(grad.device(), grad.scalar_type()));
-    return total.item<double>();
+    if (max_norm <= 0) return total;
+    const at::Tensor coef = at::clamp_max(max_norm / (total + 1e-6), 1.0);  // scalar, on device
+    if (uniform) {
+        at::_foreach_mul_(grads, coef.to(grads.front().scalar_type()));
+    } else {
+        for (auto& grad : grads) grad.mul_(coef.to(grad.device(), grad.scalar_type()));
+    }
+    return total;
+}
+
+double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, double norm_type) {
+    const at::Tensor total = clip_grad_norm_async(params, max_norm, norm_type);
+    return total.defined() ? total.item<double>() : 0.0;
 }
 
 void clip_grad_value(const std::vector<at::Tensor>& params, double clip) {

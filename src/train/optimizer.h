@@ -179,6 +179,12 @@ class Adafactor : public Optimizer {
 // total is the norm_type norm of all gradients together (inf: max abs). Returns total (possibly
 // non-finite: the caller decides what to do with that).
 double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, double norm_type = 2.0);
+// The same without reading the norm back: returns the total norm as a float32 scalar on the
+// gradients' device (undefined when no parameter has a gradient), so a step never waits for the
+// GPU. max_norm <= 0 only measures. Gradients sharing device and dtype are scaled by one
+// multi-tensor kernel.
+at::Tensor clip_grad_norm_async(const std::vector<at::Tensor>& params, double max_norm,
+                                double norm_type = 2.0);
 // torch.nn.utils.clip_grad_value_: clamps every gradient element to [-clip, clip].
 void clip_grad_value(const std::vector<at::Tensor>& params, double clip);
 

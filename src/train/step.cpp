@@ -3,6 +3,7 @@
 
 #include <ATen/autocast_mode.h>
 
+#include "core/error.h"
 #include "models/unet/unet_2d_condition.h"
 
 namespace dtune::train {
@@ -54,32 +55,63 @@ int64_t apply_caption_dropout(TrainBatch& batch, const PromptEmbedding& empty, d
     return dropped;
 }
 
+namespace {
+
+// Noise, input noise and timesteps of one micro-batch (see StepOptions::device_rng).
+struct Draws {
+    diffusion::TrainingNoise noise;
+    at::Tensor t;      // [B] int64, where drawn
+    at::Tensor t_dev;  // [B] int64 on the latents' device
+};
+
+Draws draw(const at::Tensor& latents, const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+           int64_t global_step, at::Generator& generator) {
+    Draws d;
+    const int64_t b = latents.size(0);
+    if (!options.device_rng && options.world_size <= 1) {
+        d.noise = diffusion::sample_training_noise(latents, options.noise, global_step, generator);
+        d.t = diffusion::sample_timesteps(b, schedule.num_train_timesteps(), options.timesteps,
+                                          generator);  // [B] int64, CPU
+        d.t_dev = diffusion::to_device_async(d.t, latents.device());
+        return d;
+    }
+    if (!options.device_rng) {
+        // Data parallelism: draw for the global batch on the CPU (only the shape is read) and keep
+        // this rank's rows, so N ranks x B equal 1 rank x N*B draw for draw.
+        auto global_shape = latents.sizes().vec();
+        global_shape[0] = b * options.world_size;
+        const at::Tensor like = at::empty(global_shape, at::kFloat);  // [N*B, C, h, w], never read
+        d.noise = diffusion::sample_training_noise(like, options.noise, global_step, generator);
+        const int64_t lo = options.rank * b, hi = lo + b;
+        d.noise.noise = d.noise.noise.slice(0, lo, hi).to(latents.device());              // [B, C, h, w]
+        d.noise.input_noise = d.noise.input_noise.slice(0, lo, hi).to(latents.device());  // [B, C, h, w]
+        d.t = diffusion::sample_timesteps(b * options.world_size, schedule.num_train_timesteps(),
+                                          options.timesteps, generator)
+                  .slice(0, lo, hi);  // [B] int64, CPU
+        d.t_dev = d.t.to(latents.device());
+        return d;
+    }
+    const auto& n = options.noise;
+    DTUNE_CHECK_AS(UsageError, !n.offset_noise && n.input_perturbation == 0,
+                   "drawing noise on the GPU (CUDA graphs) supports plain noise only; unset offset_noise "
+                   "and input_perturbation, or train without CUDA graphs");
+    d.noise.noise = at::randn(latents.sizes(), latents.options());  // [B, C, h, w]
+    d.noise.input_noise = d.noise.noise;
+    d.t = at::randint(0, schedule.num_train_timesteps(), {b}, latents.options().dtype(at::kLong));  // [B]
+    d.t_dev = d.t;
+    return d;
+}
+
+}  // namespace
+
 MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
                      const diffusion::NoiseSchedule& schedule, const StepOptions& options,
                      int64_t global_step, at::Generator& generator) {
     const at::Tensor latents = batch.latents.to(at::kFloat);  // [B, C, h, w]
-    const int64_t b = latents.size(0);
-    diffusion::TrainingNoise noise;
-    at::Tensor t;  // [B] int64, CPU
-    if (options.world_size <= 1) {
-        noise = diffusion::sample_training_noise(latents, options.noise, global_step, generator);
-        t = diffusion::sample_timesteps(b, schedule.num_train_timesteps(), options.timesteps, generator);
-    } else {
-        // Draw for the global batch on the CPU (only the shape is read), keep this rank's rows.
-        auto global_shape = latents.sizes().vec();
-        global_shape[0] = b * options.world_size;
-        const at::Tensor like = at::empty(global_shape, at::kFloat);  // [N*B, C, h, w], never read
-        noise = diffusion::sample_training_noise(like, options.noise, global_step, generator);
-        const int64_t lo = options.rank * b, hi = lo + b;
-        noise.noise = noise.noise.slice(0, lo, hi).to(latents.device());              // [B, C, h, w]
-        noise.input_noise = noise.input_noise.slice(0, lo, hi).to(latents.device());  // [B, C, h, w]
-        t = diffusion::sample_timesteps(b * options.world_size, schedule.num_train_timesteps(),
-                                        options.timesteps, generator)
-                .slice(0, lo, hi);
-    }
-    const at::Tensor t_dev = t.to(latents.device());
-    const at::Tensor noisy = schedule.add_noise(latents, noise.input_noise, t_dev);  // [B, C, h, w]
-    const at::Tensor target = schedule.target(options.prediction, latents, noise.noise, t_dev);
+    const Draws d = draw(latents, schedule, options, global_step, generator);
+    const at::Tensor& t_dev = d.t_dev;
+    const at::Tensor noisy = schedule.add_noise(latents, d.noise.input_noise, t_dev);  // [B, C, h, w]
+    const at::Tensor target = schedule.target(options.prediction, latents, d.noise.noise, t_dev);
     at::Tensor pred;
     {
         AutocastGuard autocast(latents.device().type(), options.compute_dtype);
@@ -89,7 +121,21 @@ MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& b
     MicroStep out;
     out.loss = diffusion::diffusion_loss(pred.to(at::kFloat), target, t_dev, options.prediction, &schedule,
                                          options.loss);
-    out.timesteps = t;
+    out.timesteps = d.t;
+    return out;
+}
+
+StepTensors optimizer_step_async(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
+                                 const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+                                 int64_t global_step, at::Generator& generator, Optimizer& optimizer,
+                                 const std::vector<at::Tensor>& params, double max_grad_norm) {
+    MicroStep m = micro_step(unet, batch, schedule, options, global_step, generator);
+    m.loss.backward();
+    StepTensors out;
+    out.loss = m.loss.detach();
+    out.grad_norm = clip_grad_norm_async(params, max_grad_norm);
+    optimizer.step();
+    optimizer.zero_grad();
     return out;
 }
 

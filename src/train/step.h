@@ -1,9 +1,11 @@
 // One micro-batch of the training step (SIMPLETUNER.md §1.3): caption dropout, noise and timesteps,
 // noisy latents, the UNet's prediction, the target for the prediction type and the (min-SNR) loss.
-// Backward, accumulation, clipping and the optimizer are the trainer's.
+// Accumulation is the trainer's; optimizer_step_async is one whole step (backward, clipping,
+// optimizer) without host synchronisation, for the benchmark and CUDA graphs (graph_step.h).
 //
 // Invariant: every random number comes from the generator passed in (drawn on the CPU), so a CPU run
-// in deterministic mode is a function of the seed and the checkpointed generator state.
+// in deterministic mode is a function of the seed and the checkpointed generator state; except with
+// StepOptions::device_rng, where the device's default generator draws them.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -14,6 +16,7 @@
 #include "diffusion/noise_schedule.h"
 #include "diffusion/training_sampling.h"
 #include "train/batch_source.h"
+#include "train/optimizer.h"
 
 namespace dtune::models {
 class UNet2DConditionModelImpl;
@@ -34,6 +37,10 @@ struct StepOptions {
     // rank) and this rank's rows are kept, so N ranks x B equal 1 rank x N*B draw for draw.
     int64_t rank = 0;
     int64_t world_size = 1;
+    // Draw noise and timesteps (uniform over [0, T)) on the latents' device with its default
+    // generator instead of the CPU generator passed in: no host work or copies, so a CUDA graph can
+    // capture the step. Plain noise only (no offset noise, input perturbation or timestep bias).
+    bool device_rng = false;
 };
 
 // SimpleTuner's caption dropout for SDXL: each sample with probability p trains on the empty
@@ -45,12 +52,27 @@ int64_t apply_caption_dropout(TrainBatch& batch, const PromptEmbedding& empty, d
 
 struct MicroStep {
     at::Tensor loss;       // scalar float32 with the graph attached
-    at::Tensor timesteps;  // [B] int64 (CPU)
+    at::Tensor timesteps;  // [B] int64 (CPU; on the latents' device with device_rng)
 };
 
 // Forward of one micro-batch: loss = per-sample loss averaged over the batch.
 MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
                      const diffusion::NoiseSchedule& schedule, const StepOptions& options,
                      int64_t global_step, at::Generator& generator);
+
+// What one optimizer step leaves on the device. Nothing is read back: call .item() only when
+// logging, since each read waits for the GPU to drain its queue.
+struct StepTensors {
+    at::Tensor loss;       // scalar float32, detached
+    at::Tensor grad_norm;  // scalar float32 before clipping (undefined when no gradient)
+};
+
+// One whole optimizer step on one micro-batch with no host synchronisation: micro_step, backward,
+// clipping by total norm (max_grad_norm <= 0: measured only), the optimizer's update and
+// zero_grad. `params` are the optimizer's parameters (what is clipped).
+StepTensors optimizer_step_async(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
+                                 const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+                                 int64_t global_step, at::Generator& generator, Optimizer& optimizer,
+                                 const std::vector<at::Tensor>& params, double max_grad_norm);
 
 }  // namespace dtune::train

@@ -6,12 +6,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <ATen/autocast_mode.h>
+
 #include <cmath>
 #include <fstream>
 
 #include "core/error.h"
 #include "io/safetensors.h"
 #include "model_test_util.h"
+#include "models/common/blocks.h"
 #include "models/common/checkpoint.h"
 #include "models/common/weights.h"
 #include "models/unet/unet_2d_condition.h"
@@ -176,6 +179,54 @@ TEST(UNetUnit, CheckpointedFunctionRecomputesInBackward) {
     const at::Tensor c = (x * w).cos().detach();
     EXPECT_LE(test::max_abs_diff(x.grad(), c * w.detach()), 1e-6);
     EXPECT_LE(test::max_abs_diff(w.grad(), (c * x.detach()).sum(0)), 1e-6);
+}
+
+TEST(UNetUnit, CheckpointRecomputesUnderTheForwardsAutocast) {
+    // Under CPU bf16 autocast the matmul rounds to bf16. Backward runs after the autocast scope has
+    // closed, so a recomputation that did not re-enter it would give float32 gradients instead.
+    at::manual_seed(3);
+    const at::Tensor x0 = at::randn({8, 16}), w0 = at::randn({16, 16});
+    auto grad_of_w = [&](bool checkpoint, bool autocast) {
+        at::Tensor w = w0.clone().requires_grad_(true);
+        const CheckpointFn fn = [&](const std::vector<at::Tensor>& in) { return at::mm(in[0], w).sin(); };
+        at::Tensor out;
+        at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+        at::autocast::set_autocast_enabled(at::kCPU, autocast);
+        out = checkpoint ? checkpointed(fn, {x0}, {w}) : fn({x0});
+        at::autocast::set_autocast_enabled(at::kCPU, false);
+        at::autocast::clear_cache();
+        out.to(at::kFloat).sum().backward();
+        return w.grad();
+    };
+    const at::Tensor plain = grad_of_w(false, true);
+    EXPECT_GT(test::max_abs_diff(plain, grad_of_w(false, false)), 1e-3);  // bf16 really differs
+    EXPECT_LE(test::max_abs_diff(grad_of_w(true, true), plain), 1e-6);
+}
+
+TEST(UNetUnit, NormsKeepBf16UnderAutocast) {
+    at::manual_seed(5);
+    torch::nn::GroupNorm gn(torch::nn::GroupNormOptions(4, 16).eps(1e-5));
+    torch::nn::LayerNorm ln(torch::nn::LayerNormOptions({16}).eps(1e-5));
+    torch::NoGradGuard no_grad;
+    gn->weight.uniform_(0.5, 1.5), gn->bias.uniform_(-0.5, 0.5);
+    ln->weight.uniform_(0.5, 1.5), ln->bias.uniform_(-0.5, 0.5);
+    const at::Tensor x = at::randn({2, 16, 4, 4}) * 3 + 1;  // [B, C, H, W]
+    const at::Tensor seq = x.flatten(2).transpose(1, 2);    // [B, HW, C]
+    // Without autocast: exactly the module.
+    EXPECT_TRUE(at::equal(norm_forward(*gn, x), gn->forward(x)));
+    EXPECT_TRUE(at::equal(norm_forward(*ln, seq), ln->forward(seq)));
+    // Under autocast a bf16 input stays bf16 and matches the float32 result to bf16 precision.
+    at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCPU, true);
+    const at::Tensor g16 = norm_forward(*gn, x.to(at::kBFloat16));
+    const at::Tensor l16 = norm_forward(*ln, seq.to(at::kBFloat16));
+    at::autocast::set_autocast_enabled(at::kCPU, false);
+    at::autocast::clear_cache();
+    EXPECT_EQ(g16.scalar_type(), at::kBFloat16);
+    EXPECT_EQ(l16.scalar_type(), at::kBFloat16);
+    EXPECT_LE(test::max_abs_diff(g16.to(at::kFloat), gn->forward(x.to(at::kBFloat16).to(at::kFloat))), 0.05);
+    EXPECT_LE(test::max_abs_diff(l16.to(at::kFloat), ln->forward(seq.to(at::kBFloat16).to(at::kFloat))),
+              0.05);
 }
 
 TEST(UNetUnit, ChannelsLastMatchesContiguous) {

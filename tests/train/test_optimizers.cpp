@@ -150,6 +150,22 @@ TEST(GradClip, MatchesTorch) {
     EXPECT_TRUE(at::equal(p.grad(), at::tensor({0.1f, 0.2f, -0.2f})));
 }
 
+TEST(GradClip, AsyncNormStaysOnDeviceAndMeasuresWithoutMax) {
+    // Two parameters with gradients (3, 4) and (12): total norm sqrt(9 + 16 + 144) = 13.
+    at::Tensor a = at::zeros({2}).requires_grad_(true), b = at::zeros({1}).requires_grad_(true);
+    a.mutable_grad() = at::tensor({3.0f, 4.0f});
+    b.mutable_grad() = at::tensor({12.0f});
+    const at::Tensor measured = clip_grad_norm_async({a, b}, 0.0);
+    EXPECT_EQ(measured.dim(), 0);
+    EXPECT_NEAR(measured.item<double>(), 13.0, 1e-5);
+    EXPECT_TRUE(at::equal(a.grad(), at::tensor({3.0f, 4.0f})));  // max_norm 0: nothing scaled
+    EXPECT_NEAR(clip_grad_norm_async({a, b}, 6.5).item<double>(), 13.0, 1e-5);
+    EXPECT_LE(max_abs_diff(a.grad(), at::tensor({1.5f, 2.0f})), 1e-6);  // scaled by 6.5 / 13
+    EXPECT_LE(max_abs_diff(b.grad(), at::tensor({6.0f})), 1e-6);
+    at::Tensor none = at::zeros({1}).requires_grad_(true);
+    EXPECT_FALSE(clip_grad_norm_async({none}, 1.0).defined());  // no gradient: nothing to measure
+}
+
 TEST(StochasticRounding, BracketsAndIsUnbiased) {
     at::Generator g = at::make_generator<at::CPUGeneratorImpl>(7);
     // 1 + 2^-9 lies a quarter of the way between the bf16 neighbours 1 and 1 + 2^-7; the negative value

@@ -176,6 +176,13 @@ at::Tensor LoRALayer::forward(const at::Tensor& x, const at::Tensor& base_out) {
     const bool drop = dropout_ > 0.0 && host_->is_training();
     const at::Tensor xd = drop ? dropout(x) : x;
     const double s = scale();
+    if (!magnitude_.defined() && kind_ == Kind::kLinear) {
+        // base_out + s·(x·Aᵀ)·Bᵀ as one GEMM: the sum and the scale ride in addmm's epilogue, which
+        // saves two elementwise passes over the layer's output in forward and two in backward.
+        const at::Tensor h = at::linear(xd, down_).reshape({-1, rank_});  // [N, r]
+        const at::Tensor y = at::addmm(base_out.reshape({-1, base_out.size(-1)}), h, up_.t(), 1.0, s);
+        return y.view(base_out.sizes());  // like base_out
+    }
     const at::Tensor lora = apply_factor(apply_factor(xd, down_, true), up_, false);  // like base_out
     if (!magnitude_.defined()) return base_out + lora * s;
 

@@ -103,9 +103,9 @@ BasicTransformerBlockImpl::BasicTransformerBlockImpl(const TransformerBlockOptio
 
 at::Tensor BasicTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& context) {
     at::Tensor h =
-        x + attn1_->forward(norm1_->forward(x), options_.only_cross_attention ? context : at::Tensor());
-    h = h + attn2_->forward(norm2_->forward(h), context);
-    return h + ff_->forward(norm3_->forward(h));
+        x + attn1_->forward(norm_forward(*norm1_, x), options_.only_cross_attention ? context : at::Tensor());
+    h = h + attn2_->forward(norm_forward(*norm2_, h), context);
+    return h + ff_->forward(norm_forward(*norm3_, h));
 }
 
 Transformer2DModelImpl::Transformer2DModelImpl(const Transformer2DOptions& o) : options_(o) {
@@ -132,7 +132,7 @@ Transformer2DModelImpl::Transformer2DModelImpl(const Transformer2DOptions& o) : 
 
 at::Tensor Transformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor& context) {
     const int64_t b = x.size(0), h = x.size(2), w = x.size(3);
-    at::Tensor t = norm_->forward(x);
+    at::Tensor t = norm_forward(*norm_, x);
     if (proj_in_conv_) t = proj_in_conv_->forward(t);
     const int64_t inner = t.size(1);
     t = t.permute({0, 2, 3, 1}).reshape({b, h * w, inner});  // [B, HW, C]

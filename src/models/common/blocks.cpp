@@ -1,6 +1,8 @@
 // Convolutional building blocks: time embedding, ResNet block, down/up sampling.
 #include "models/common/blocks.h"
 
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/nn/functional.h>
 
 #include <cmath>
@@ -25,6 +27,33 @@ at::Tensor timestep_embedding(const at::Tensor& timesteps, int64_t dim, bool fli
 TimestepEmbeddingImpl::TimestepEmbeddingImpl(int64_t in_channels, int64_t time_embed_dim) {
     linear_1_ = register_module("linear_1", AdaptableLinear(in_channels, time_embed_dim));
     linear_2_ = register_module("linear_2", AdaptableLinear(time_embed_dim, time_embed_dim));
+}
+
+namespace {
+
+bool keep_low_precision(const at::Tensor& x) {
+    const auto t = x.scalar_type();
+    return (t == at::kBFloat16 || t == at::kHalf) && at::autocast::is_autocast_enabled(x.device().type());
+}
+
+at::Tensor cast_to(const at::Tensor& w, const at::Tensor& x) {
+    return w.defined() ? w.to(x.scalar_type()) : w;
+}
+
+}  // namespace
+
+at::Tensor norm_forward(torch::nn::LayerNormImpl& norm, const at::Tensor& x) {
+    if (!keep_low_precision(x)) return norm.forward(x);
+    const at::Tensor w = cast_to(norm.weight, x), b = cast_to(norm.bias, x);
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    return at::layer_norm(x, norm.options.normalized_shape(), w, b, norm.options.eps());
+}
+
+at::Tensor norm_forward(torch::nn::GroupNormImpl& norm, const at::Tensor& x) {
+    if (!keep_low_precision(x)) return norm.forward(x);
+    const at::Tensor w = cast_to(norm.weight, x), b = cast_to(norm.bias, x);
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    return at::group_norm(x, norm.options.num_groups(), w, b, norm.options.eps());
 }
 
 at::Tensor TimestepEmbeddingImpl::forward(const at::Tensor& x) {
@@ -56,11 +85,11 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options_(o
 }
 
 at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
-    at::Tensor h = conv1_->forward(at::silu(norm1_->forward(x)));
+    at::Tensor h = conv1_->forward(at::silu(norm_forward(*norm1_, x)));
     if (time_emb_proj_ && temb.defined()) {
         h = h + time_emb_proj_->forward(at::silu(temb)).unsqueeze(-1).unsqueeze(-1);  // [B, C, 1, 1]
     }
-    h = conv2_->forward(at::silu(norm2_->forward(h)));
+    h = conv2_->forward(at::silu(norm_forward(*norm2_, h)));
     at::Tensor shortcut = conv_shortcut_ ? conv_shortcut_->forward(x) : x;
     at::Tensor out = shortcut + h;
     if (options_.output_scale_factor != 1.0) out = out / options_.output_scale_factor;

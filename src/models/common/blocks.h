@@ -22,6 +22,14 @@ namespace dtune::models {
 at::Tensor timestep_embedding(const at::Tensor& timesteps, int64_t dim, bool flip_sin_to_cos,
                               double freq_shift);
 
+// LayerNorm / GroupNorm forward that, under autocast, keeps a bf16/fp16 input in its dtype (the
+// affine weights cast to it) instead of autocast's float32 upcast: the kernels accumulate in float32
+// either way, and what follows a norm (a matmul, or SiLU then a convolution) rounds to bf16 anyway,
+// so this saves an upcast copy, a float32 output and the downcast after it, forward and backward.
+// Without autocast, or for a float32 input, exactly module.forward(x).
+at::Tensor norm_forward(torch::nn::LayerNormImpl& norm, const at::Tensor& x);
+at::Tensor norm_forward(torch::nn::GroupNormImpl& norm, const at::Tensor& x);
+
 // linear_1 -> SiLU -> linear_2 (diffusers' TimestepEmbedding with act_fn "silu").
 class TimestepEmbeddingImpl : public torch::nn::Module {
   public:

@@ -4,6 +4,10 @@
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <ATen/autocast_mode.h>
+
+#include <array>
+
 namespace dtune::models {
 namespace {
 
@@ -16,6 +20,10 @@ struct Body : torch::CustomClassHolder {
     std::vector<at::Tensor> params;
     std::vector<bool> defined;  // which of the original inputs were defined
     std::size_t n_inputs = 0;   // defined inputs; the tensor list is [inputs..., params...]
+    // Autocast (CPU, CUDA) as it was in forward: backward runs on the autograd engine's thread after
+    // the caller's autocast scope has closed, and the recomputation must see the same dtypes.
+    std::array<bool, 2> autocast{};
+    std::array<c10::ScalarType, 2> autocast_dtype{at::kBFloat16, at::kBFloat16};
 };
 
 std::vector<at::Tensor> expand(const Body& body, const std::vector<at::Tensor>& defined_inputs) {
@@ -24,6 +32,38 @@ std::vector<at::Tensor> expand(const Body& body, const std::vector<at::Tensor>& 
     for (bool d : body.defined) out.push_back(d ? defined_inputs[k++] : at::Tensor());
     return out;
 }
+
+constexpr std::array<at::DeviceType, 2> kAutocastDevices{at::kCPU, at::kCUDA};
+
+// Re-enters the forward's autocast state for the recomputation, with the cast cache off: the
+// engine thread's cache would otherwise keep low-precision copies of the weights across optimizer
+// steps.
+class ForwardAutocast {
+  public:
+    explicit ForwardAutocast(const Body& body) : cache_(at::autocast::is_autocast_cache_enabled()) {
+        for (size_t i = 0; i < kAutocastDevices.size(); ++i) {
+            enabled_[i] = at::autocast::is_autocast_enabled(kAutocastDevices[i]);
+            dtype_[i] = at::autocast::get_autocast_dtype(kAutocastDevices[i]);
+            at::autocast::set_autocast_dtype(kAutocastDevices[i], body.autocast_dtype[i]);
+            at::autocast::set_autocast_enabled(kAutocastDevices[i], body.autocast[i]);
+        }
+        at::autocast::set_autocast_cache_enabled(false);
+    }
+    ~ForwardAutocast() {
+        at::autocast::set_autocast_cache_enabled(cache_);
+        for (size_t i = 0; i < kAutocastDevices.size(); ++i) {
+            at::autocast::set_autocast_enabled(kAutocastDevices[i], enabled_[i]);
+            at::autocast::set_autocast_dtype(kAutocastDevices[i], dtype_[i]);
+        }
+    }
+    ForwardAutocast(const ForwardAutocast&) = delete;
+    ForwardAutocast& operator=(const ForwardAutocast&) = delete;
+
+  private:
+    std::array<bool, 2> enabled_{};
+    std::array<c10::ScalarType, 2> dtype_{};
+    bool cache_;
+};
 
 struct Recompute : torch::autograd::Function<Recompute> {
     static variable_list forward(AutogradContext* ctx, at::TensorList all, c10::intrusive_ptr<Body> body) {
@@ -57,6 +97,7 @@ struct Recompute : torch::autograd::Function<Recompute> {
         at::Tensor out;
         {
             at::AutoGradMode enable(true);
+            const ForwardAutocast autocast(*body);
             out = body->fn(expand(*body, inputs));
         }
         variable_list result(body->n_inputs + body->params.size() + 1);  // + the non-tensor `body` arg
@@ -75,6 +116,10 @@ at::Tensor checkpointed(CheckpointFn fn, const std::vector<at::Tensor>& inputs,
     auto body = c10::make_intrusive<Body>();
     body->fn = std::move(fn);
     body->params = params;
+    for (size_t i = 0; i < kAutocastDevices.size(); ++i) {
+        body->autocast[i] = at::autocast::is_autocast_enabled(kAutocastDevices[i]);
+        body->autocast_dtype[i] = at::autocast::get_autocast_dtype(kAutocastDevices[i]);
+    }
     std::vector<at::Tensor> all;
     for (const at::Tensor& x : inputs) {
         body->defined.push_back(x.defined());

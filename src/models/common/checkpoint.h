@@ -5,7 +5,8 @@
 // inputs and back-propagates through that recomputation into the inputs and `params`. Gradients
 // are identical to the plain call because the same ops run on the same values. The blocks we
 // checkpoint have no randomness in training (dropout 0 in every diffusers SDXL/SD config), so no
-// RNG state is replayed.
+// RNG state is replayed. The forward's autocast state (CPU and CUDA) is re-entered for the
+// recomputation, which runs on the autograd thread after the caller's autocast scope has closed.
 #pragma once
 
 #include <ATen/core/Tensor.h>

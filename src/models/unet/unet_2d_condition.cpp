@@ -230,7 +230,7 @@ at::Tensor UNet2DConditionModelImpl::forward(const at::Tensor& sample, const at:
     for (auto& block : down_blocks_) x = block->forward(x, emb, context, skips);
     x = mid_block_->forward(x, emb, context);
     for (auto& block : up_blocks_) x = block->forward(x, emb, context, skips);
-    return conv_out_->forward(at::silu(conv_norm_out_->forward(x)));
+    return conv_out_->forward(at::silu(norm_forward(*conv_norm_out_, x)));
 }
 
 void UNet2DConditionModelImpl::set_gradient_checkpointing(bool enabled) {

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+# Summarises a Chrome trace written by bench_train_step --profile (Kineto, GPU activity only) into
+# where GPU time goes per step: busy vs idle over the traced span, time by kernel family, and the
+# kernels that cost most. Usage: summarize_trace.py trace_lora4.json [--steps 2] [--top 25]
+import argparse, collections, json, re
+
+FAMILIES = [  # first match wins
+    ("attention", r"flash|fmha|sdpa|attention"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm80_|matmul"),
+    ("conv", r"conv|implicit_convolve|winograd|fft|dgrad|wgrad|fprop"),
+    ("groupnorm", r"group_norm|groupnorm|RowwiseMoments|ComputeFusedParams|GroupNorm|Moments"),
+    ("layernorm", r"layer_norm|LayerNorm"),
+    ("optimizer", r"adam|multi_tensor|foreach"),
+    ("reduce", r"reduce"),
+    ("copy/cast", r"copy|Memcpy|Memset|\bcast|convert"),  # \b: not gpu_kernel_impl_nocast
+    ("elementwise", r"elementwise|vectorized|unrolled|Activation|gelu|silu"),
+]
+
+
+def family(name):
+    for fam, pattern in FAMILIES:
+        if re.search(pattern, name, re.IGNORECASE):
+            return fam
+    return "other"
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("trace")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--top", type=int, default=25)
+    a = p.parse_args()
+    events = json.load(open(a.trace))
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat", "").lower() in
+               ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not kernels:
+        print(a.trace, ": no GPU events")
+        return
+    start = min(e["ts"] for e in kernels)
+    end = max(e["ts"] + e["dur"] for e in kernels)
+    busy = sum(e["dur"] for e in kernels)
+    per_fam, per_name, count = collections.Counter(), collections.Counter(), collections.Counter()
+    for e in kernels:
+        per_fam[family(e["name"])] += e["dur"]
+        per_name[e["name"][:110]] += e["dur"]
+        count[e["name"][:110]] += 1
+    s = a.steps
+    print(f"{a.trace}: per step span {(end - start) / s / 1e3:.1f} ms, GPU busy {busy / s / 1e3:.1f} ms "
+          f"({100 * busy / (end - start):.0f}%), {len(kernels) // s} kernels")
+    for fam, us in per_fam.most_common():
+        print(f"  {fam:12} {us / s / 1e3:8.2f} ms  {100 * us / busy:5.1f}%")
+    by_family = collections.defaultdict(list)
+    for name, us in per_name.most_common():
+        by_family[family(name)].append((name, us))
+    print("  top kernels per family (ms per step, launches per step):")
+    for fam, _ in per_fam.most_common():
+        for name, us in by_family[fam][:4]:
+            print(f"    {fam:11} {us / s / 1e3:7.2f} {count[name] // s:5d}  {name}")
+    print("  top kernels (ms per step, launches per step):")
+    for name, us in per_name.most_common(a.top):
+        print(f"    {us / s / 1e3:7.2f} {count[name] // s:5d}  {name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,164 @@
+// CUDA-graph capture and replay of the optimizer step (see graph_step.h).
+#include "train/graph_step.h"
+
+#ifdef DTUNE_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/core/Event.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <exception>
+#include <optional>
+#include <string>
+
+#include "core/log.h"
+
+namespace dtune::train {
+
+struct GraphedStep::Entry {
+    int seen = 0;         // eager steps since the last (re)start
+    bool failed = false;  // capture failed: eager for good
+    std::vector<double> lrs;
+    double max_grad_norm = 0;
+    TrainBatch inputs;  // the graph's static inputs
+    StepTensors out;    // the graph's static outputs
+#ifdef DTUNE_WITH_CUDA
+    std::optional<c10::cuda::CUDAStream> stream;  // side stream for warm-up and capture
+    std::unique_ptr<at::cuda::CUDAGraph> graph;
+#endif
+};
+
+namespace {
+
+#ifdef DTUNE_WITH_CUDA
+
+std::vector<int64_t> shape_key(const TrainBatch& b) {
+    std::vector<int64_t> key;
+    for (const at::Tensor* t : {&b.latents, &b.prompt_embeds, &b.pooled_embeds, &b.time_ids}) {
+        key.push_back(-1);  // separator: [2, 3] + [4] differs from [2] + [3, 4]
+        if (t->defined())
+            for (int64_t s : t->sizes()) key.push_back(s);
+    }
+    return key;
+}
+
+std::vector<double> group_lrs(const Optimizer& optimizer) {
+    std::vector<double> lrs;
+    for (const auto& g : optimizer.param_groups()) lrs.push_back(g.lr);
+    return lrs;
+}
+
+// Runs fn on `side` after the current stream's queued work, and makes the current stream wait for
+// it (the stream dance CUDA graphs need: capture cannot happen on the legacy default stream).
+template <typename Fn>
+void on_side_stream(c10::cuda::CUDAStream side, Fn&& fn) {
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream();
+    c10::Event before(c10::DeviceType::CUDA);
+    before.record(current);
+    before.block(side);
+    {
+        const c10::cuda::CUDAStreamGuard guard(side);
+        fn();
+    }
+    c10::Event after(c10::DeviceType::CUDA);
+    after.record(side);
+    after.block(current);
+}
+
+TrainBatch static_copy(const TrainBatch& b) {
+    TrainBatch s;
+    s.latents = b.latents.clone();
+    s.prompt_embeds = b.prompt_embeds.clone();
+    s.pooled_embeds = b.pooled_embeds.defined() ? b.pooled_embeds.clone() : at::Tensor();
+    s.time_ids = b.time_ids.defined() ? b.time_ids.clone() : at::Tensor();
+    return s;
+}
+
+void copy_into(TrainBatch& dst, const TrainBatch& src) {
+    dst.latents.copy_(src.latents, /*non_blocking=*/true);
+    dst.prompt_embeds.copy_(src.prompt_embeds, true);
+    if (dst.pooled_embeds.defined()) dst.pooled_embeds.copy_(src.pooled_embeds, true);
+    if (dst.time_ids.defined()) dst.time_ids.copy_(src.time_ids, true);
+}
+
+#endif
+
+}  // namespace
+
+GraphedStep::GraphedStep(int warmup) : warmup_(std::max(1, warmup)) {}
+GraphedStep::~GraphedStep() = default;
+
+StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
+                             const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+                             int64_t global_step, at::Generator& generator, Optimizer& optimizer,
+                             const std::vector<at::Tensor>& params, double max_grad_norm) {
+    auto eager = [&] {
+        ++eager_;
+        return optimizer_step_async(unet, batch, schedule, options, global_step, generator, optimizer, params,
+                                    max_grad_norm);
+    };
+#ifndef DTUNE_WITH_CUDA
+    return eager();
+#else
+    if (!options.device_rng || !batch.latents.is_cuda()) return eager();
+    auto& slot = entries_[shape_key(batch)];
+    if (!slot) slot = std::make_unique<Entry>();
+    Entry& e = *slot;
+    if (e.failed) return eager();
+    const std::vector<double> lrs = group_lrs(optimizer);
+    if (e.graph && (e.lrs != lrs || e.max_grad_norm != max_grad_norm)) {
+        e.graph.reset();  // baked-in settings changed: warm up and capture again
+        e.seen = 0;
+    }
+    if (!e.stream) e.stream = c10::cuda::getStreamFromPool(false, batch.latents.device().index());
+    if (!e.graph && e.seen < warmup_) {
+        ++e.seen;
+        StepTensors out;
+        on_side_stream(*e.stream, [&] { out = eager(); });
+        return out;
+    }
+    if (!e.graph) {
+        e.inputs = static_copy(batch);
+        e.lrs = lrs;
+        e.max_grad_norm = max_grad_norm;
+        optimizer.zero_grad();
+        // The graph's private pool cannot reuse blocks the eager steps left cached; hand them back
+        // first, or a large step fails its capture for want of memory that is only fragmented.
+        c10::cuda::CUDACachingAllocator::emptyCache();
+        try {
+            on_side_stream(*e.stream, [&] {
+                e.graph = std::make_unique<at::cuda::CUDAGraph>();
+                e.graph->capture_begin();
+                try {
+                    e.out = optimizer_step_async(unet, e.inputs, schedule, options, global_step, generator,
+                                                 optimizer, params, max_grad_norm);
+                } catch (...) {
+                    try {
+                        e.graph->capture_end();
+                    } catch (...) {
+                    }
+                    throw;
+                }
+                e.graph->capture_end();
+            });
+        } catch (const std::exception& err) {
+            const std::string what = err.what();
+            log::warn() << "CUDA graph capture failed for batch shape " << batch.latents.sizes()
+                        << "; this shape trains without a graph (" << what.substr(0, what.find('\n')) << ")";
+            e.graph.reset();
+            e.failed = true;
+            optimizer.zero_grad();
+            return eager();
+        }
+    } else {
+        copy_into(e.inputs, batch);
+    }
+    e.graph->replay();
+    ++replays_;
+    return e.out;
+#endif
+}
+
+}  // namespace dtune::train
