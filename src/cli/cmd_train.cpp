@@ -5,6 +5,7 @@
 #include "cli/command.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "report/observers.h"
 #include "train/config.h"
 #include "train/signals.h"
 #include "train/trainer.h"
@@ -30,6 +31,7 @@ int run_train(const std::vector<std::string>& args) {
     train::TrainConfig config = train::TrainConfig::load(config_file, overrides);
     train::install_stop_signal_handlers();
     train::Trainer trainer(std::move(config));
+    report::add_observers(trainer);  // TensorBoard, validation, eval loss, report.html
     const train::TrainResult result = trainer.run();
     if (result.outcome == train::TrainOutcome::kInterrupted) {
         log::info() << "stopped at step " << result.global_step << " after saving a checkpoint; run the same "

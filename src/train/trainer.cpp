@@ -11,6 +11,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/gpu_memory.h"
 #include "core/log.h"
 #include "core/progress.h"
 #include "models/common/weights.h"
@@ -41,6 +42,13 @@ std::filesystem::path vae_dir(const TrainConfig& config, const std::filesystem::
     log::info() << "pretrained_vae_model_name_or_path " << vae.string()
                 << " is not a local folder; using the model's own VAE " << (model_dir / "vae").string();
     return model_dir / "vae";
+}
+
+// 4 significant digits for the progress bar ("0.1234", "1e-04").
+std::string format_metric(double v) {
+    char b[32];
+    std::snprintf(b, sizeof(b), "%.4g", v);
+    return b;
 }
 
 }  // namespace
@@ -279,12 +287,14 @@ void Trainer::save(const std::string& why) {
     for (auto& cb : callbacks_) cb->on_checkpoint(*this, dir);
 }
 
-void Trainer::append_metrics(double loss, double lr, double grad_norm, double img_per_s) {
+void Trainer::append_metrics(const StepReport& r) {
+    if (!is_main_process()) return;
+    nlohmann::json row{{"step", r.step},           {"epoch", r.epoch},         {"loss", r.loss},
+                       {"lr", r.lr},               {"grad_norm", r.grad_norm}, {"img_per_s", r.img_per_s},
+                       {"samples_seen", r.samples_seen}};
+    if (r.gpu_memory_gib) row["gpu_memory_gib"] = *r.gpu_memory_gib;
     std::ofstream out(output_dir_ / "metrics.jsonl", std::ios::app);
-    out << nlohmann::json{{"step", global_step_},   {"epoch", source_->epoch()}, {"loss", loss}, {"lr", lr},
-                          {"grad_norm", grad_norm}, {"img_per_s", img_per_s}}
-               .dump()
-        << "\n";
+    out << row.dump() << "\n";
 }
 
 void Trainer::write_final_outputs() {
@@ -321,7 +331,9 @@ TrainResult Trainer::run_loop() {
     const int64_t images_per_step =
         config_.integer("train_batch_size") * config_.integer("gradient_accumulation_steps");
     for (auto& cb : callbacks_) cb->on_train_start(*this);
-    Progress progress(total_steps_, ProgressOptions{"training", "step"});
+    ProgressOptions progress_options{"training", "step"};
+    progress_options.quiet = !is_main_process();
+    Progress progress(total_steps_, progress_options);
     progress.update(global_step_);
     TrainResult result;
     result.resumed_from = resumed_from_;
@@ -341,8 +353,6 @@ TrainResult Trainer::run_loop() {
         ++global_step_;
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         result.last_loss = loss;
-        if (global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0)
-            append_metrics(loss, lr, grad_norm, static_cast<double>(images_per_step) / dt);
         StepReport report;
         report.step = global_step_;
         report.epoch = source_->epoch();
@@ -352,8 +362,11 @@ TrainResult Trainer::run_loop() {
         report.img_per_s = static_cast<double>(images_per_step) / dt;
         report.samples_seen = global_step_ * images_per_step;
         report.step_seconds = dt;
+        report.gpu_memory_gib = peak_gpu_memory_gib(device_);
+        if (global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0) append_metrics(report);
         for (auto& cb : callbacks_) cb->on_step_end(*this, report);
-        progress.set_postfix(str("loss ", loss, " lr ", lr));
+        progress.set_postfix(str("loss ", format_metric(loss), " lr ", format_metric(lr), " ",
+                                 format_rate(report.img_per_s, "img")));
         progress.update();
         if (interval > 0 && global_step_ % interval == 0 && global_step_ < total_steps_) save("interval");
     }
