@@ -2,6 +2,7 @@
 #include "demo/demo_model.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/optim/adam.h>
 
 #include <map>

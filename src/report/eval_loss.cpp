@@ -2,6 +2,7 @@
 #include "report/eval_loss.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/InferenceMode.h>
 
 #include <cmath>

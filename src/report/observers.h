@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "report/tensorboard.h"
@@ -36,7 +37,15 @@ class ReportCallback final : public train::TrainCallback {
     void on_checkpoint(train::Trainer& trainer, const std::filesystem::path& dir) override;
     void on_train_end(train::Trainer& trainer, const train::TrainResult& result) override;
     void on_error(train::Trainer& trainer, const std::exception& error) override;
+
+  private:
+    const nlohmann::json& dataset(train::Trainer& trainer);
+    std::optional<nlohmann::json> dataset_;  // computed once (it walks the image folders)
 };
+
+// One line per multidatabackend.json entry: type, folder, resolution, caption strategy and, for
+// local folders, the image count. null when there is no readable data_backend_config.
+nlohmann::json dataset_summary(const train::TrainConfig& config);
 
 // True when report_to names tensorboard (or "all").
 bool reports_to_tensorboard(const train::TrainConfig& config);

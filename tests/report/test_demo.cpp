@@ -96,6 +96,7 @@ TEST(DemoCli, RunsEndToEnd) {
     const std::string page((std::istreambuf_iterator<char>(html)), {});
     EXPECT_NE(page.find("finished at step 8"), std::string::npos);
     EXPECT_NE(page.find("eval-loss-chart"), std::string::npos);
+    EXPECT_NE(page.find("36 images"), std::string::npos);  // the dataset summary
 }
 #endif
 

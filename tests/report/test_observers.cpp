@@ -2,6 +2,7 @@
 // and names files as SimpleTuner does; eval loss is deterministic and sees weight changes; metrics
 // and TensorBoard rows carry samples seen; report.html is written at checkpoints.
 #include <gtest/gtest.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <fstream>
 
