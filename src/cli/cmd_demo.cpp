@@ -33,14 +33,15 @@ struct DemoArgs {
     int64_t steps = 240;
     std::filesystem::path output_dir = "dtune-demo";
     std::string model_type = kDefaultModelType;
-    int vae_fit_steps = 150;
+    int vae_fit_steps = 60;
 };
 
 DemoArgs parse_demo_args(const std::vector<std::string>& args) {
     DemoArgs a;
     for (size_t i = 0; i < args.size(); ++i) {
         const std::string& key = args[i];
-        DTUNE_CHECK_AS(UsageError, i + 1 < args.size(), "option ", key, " needs a value; see dtune demo --help");
+        DTUNE_CHECK_AS(UsageError, i + 1 < args.size(), "option ", key,
+                       " needs a value; see dtune demo --help");
         const std::string& value = args[++i];
         try {
             if (key == "--steps")
@@ -58,14 +59,15 @@ DemoArgs parse_demo_args(const std::vector<std::string>& args) {
         }
     }
     DTUNE_CHECK_AS(UsageError, a.steps >= 2, "--steps ", a.steps, " is too small; use 2 or more");
-    DTUNE_CHECK_AS(UsageError, a.model_type == "full" || a.model_type == "lora", "--model_type ", a.model_type,
-                   " is not full or lora");
+    DTUNE_CHECK_AS(UsageError, a.model_type == "full" || a.model_type == "lora", "--model_type ",
+                   a.model_type, " is not full or lora");
     return a;
 }
 
 at::Tensor load_images(const std::filesystem::path& dir, int count) {
     std::vector<at::Tensor> images;
-    for (int i = 0; i < count; ++i) images.push_back(io::to_tensor(io::read_image(dir / str("shape_", i, ".png"))));
+    for (int i = 0; i < count; ++i)
+        images.push_back(io::to_tensor(io::read_image(dir / str("shape_", i, ".png"))));
     return at::stack(images);  // [N, 3, H, W] in [-1, 1]
 }
 
@@ -73,14 +75,25 @@ at::Tensor load_images(const std::filesystem::path& dir, int count) {
 std::filesystem::path write_configs(const DemoArgs& a, const std::filesystem::path& root) {
     const auto cfg = root / "config";
     std::filesystem::create_directories(cfg);
-    const nlohmann::json backends = nlohmann::json::array(
-        {{{"id", "shapes"}, {"type", "local"}, {"instance_data_dir", (root / "data" / "train").string()},
-          {"caption_strategy", "textfile"}, {"resolution", kImageSize}, {"resolution_type", "pixel"}},
-         {{"id", "shapes-eval"}, {"type", "local"}, {"dataset_type", "eval"},
-          {"instance_data_dir", (root / "data" / "eval").string()}, {"caption_strategy", "textfile"},
-          {"resolution", kImageSize}, {"resolution_type", "pixel"}},
-         {{"id", "text-embeds"}, {"type", "local"}, {"dataset_type", "text_embeds"}, {"default", true},
-          {"cache_dir", (root / "cache" / "text").string()}}});
+    const nlohmann::json backends =
+        nlohmann::json::array({{{"id", "shapes"},
+                                {"type", "local"},
+                                {"instance_data_dir", (root / "data" / "train").string()},
+                                {"caption_strategy", "textfile"},
+                                {"resolution", kImageSize},
+                                {"resolution_type", "pixel"}},
+                               {{"id", "shapes-eval"},
+                                {"type", "local"},
+                                {"dataset_type", "eval"},
+                                {"instance_data_dir", (root / "data" / "eval").string()},
+                                {"caption_strategy", "textfile"},
+                                {"resolution", kImageSize},
+                                {"resolution_type", "pixel"}},
+                               {{"id", "text-embeds"},
+                                {"type", "local"},
+                                {"dataset_type", "text_embeds"},
+                                {"default", true},
+                                {"cache_dir", (root / "cache" / "text").string()}}});
     fs::write_file_atomic(cfg / "multidatabackend.json", backends.dump(2) + "\n");
     fs::write_file_atomic(cfg / "prompts.json",
                           nlohmann::json{{"green_square", "a green square on a black background"},
@@ -113,7 +126,7 @@ std::filesystem::path write_configs(const DemoArgs& a, const std::filesystem::pa
                                 {"validation_negative_prompt", ""},
                                 {"validation_step_interval", quarter},
                                 {"validation_resolution", str(kImageSize, "x", kImageSize)},
-                                {"validation_num_inference_steps", 20},
+                                {"validation_num_inference_steps", 12},
                                 {"validation_guidance", 3.0},
                                 {"validation_seed", 42},
                                 {"eval_steps_interval", quarter},
@@ -135,8 +148,9 @@ train::TrainResult train_until(const std::filesystem::path& config_file, int64_t
 std::filesystem::path assemble_pipeline(const std::filesystem::path& root) {
     const auto out = root / "run" / "pipeline";
     for (const char* c : {"text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae", "scheduler"})
-        std::filesystem::copy(root / "model" / c, out / c,
-                              std::filesystem::copy_options::recursive | std::filesystem::copy_options::overwrite_existing);
+        std::filesystem::copy(
+            root / "model" / c, out / c,
+            std::filesystem::copy_options::recursive | std::filesystem::copy_options::overwrite_existing);
     std::filesystem::copy_file(root / "model" / "model_index.json", out / "model_index.json",
                                std::filesystem::copy_options::overwrite_existing);
     return out;
@@ -147,7 +161,8 @@ std::pair<double, double> loss_trend(const std::filesystem::path& metrics) {
     const size_t k = std::max<size_t>(1, rows.size() / 10);
     double first = 0, last = 0;
     for (size_t i = 0; i < k && i < rows.size(); ++i) first += rows[i].at("loss").get<double>();
-    for (size_t i = rows.size() - std::min(k, rows.size()); i < rows.size(); ++i) last += rows[i].at("loss").get<double>();
+    for (size_t i = rows.size() - std::min(k, rows.size()); i < rows.size(); ++i)
+        last += rows[i].at("loss").get<double>();
     return {first / static_cast<double>(k), last / static_cast<double>(k)};
 }
 
@@ -178,7 +193,8 @@ int run_demo(const std::vector<std::string>& args) {
     train::install_stop_signal_handlers();
     const int64_t half = a.steps / 2;
     log::info() << "demo: training steps 1-" << half << ", then stopping (checkpoint-" << half << ")";
-    if (train_until(config_file, half).outcome == train::TrainOutcome::kInterrupted) return static_cast<int>(ExitCode::kInterrupted);
+    if (train_until(config_file, half).outcome == train::TrainOutcome::kInterrupted)
+        return static_cast<int>(ExitCode::kInterrupted);
     log::info() << "demo: resuming from checkpoint-" << half << " to step " << a.steps;
     const auto result = train_until(config_file, a.steps);
     if (result.outcome == train::TrainOutcome::kInterrupted) return static_cast<int>(ExitCode::kInterrupted);
@@ -188,7 +204,8 @@ int run_demo(const std::vector<std::string>& args) {
     const auto [first, last] = loss_trend(run / "metrics.jsonl");
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf(
-        "\ndtune demo finished in %.0f s: %lld steps (resumed at %lld), loss %.4f -> %.4f (mean of first / last "
+        "\ndtune demo finished in %.0f s: %lld steps (resumed at %lld), loss %.4f -> %.4f (mean of first / "
+        "last "
         "10%% of steps)\n\n"
         "  dataset          %s\n"
         "  model            %s\n"
@@ -201,8 +218,8 @@ int run_demo(const std::vector<std::string>& args) {
         "--width 64 --height 64)\n"
         "  report           %s/report.html  <- open this in a browser\n",
         seconds, static_cast<long long>(result.global_step), static_cast<long long>(half), first, last,
-        (root / "data").c_str(), (root / "model").c_str(), config_file.c_str(), run.c_str(), run.c_str(), run.c_str(),
-        run.c_str(), run.c_str(), pipeline.c_str(), pipeline.c_str(), run.c_str());
+        (root / "data").c_str(), (root / "model").c_str(), config_file.c_str(), run.c_str(), run.c_str(),
+        run.c_str(), run.c_str(), run.c_str(), pipeline.c_str(), pipeline.c_str(), run.c_str());
     return 0;
 }
 
@@ -219,7 +236,7 @@ DTUNE_REGISTER_COMMAND(
     "  --steps N            training steps (default 240)\n"
     "  --output_dir DIR     where everything goes (default ./dtune-demo; must not hold a run)\n"
     "  --model_type TYPE    full (default) or lora (once LoRA training lands in dtune train)\n"
-    "  --vae_fit_steps N    autoencoder fitting steps before training (default 150; 0 = random VAE)\n",
+    "  --vae_fit_steps N    autoencoder fitting steps before training (default 60; 0 = random VAE)\n",
     run_demo);
 
 }  // namespace dtune::cli

@@ -10,7 +10,8 @@ namespace dtune {
 std::optional<double> peak_gpu_memory_gib(c10::Device device) {
 #if defined(DTUNE_WITH_CUDA)
     if (!device.is_cuda()) return std::nullopt;
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.has_index() ? device.index() : 0);
+    const auto stats =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(device.has_index() ? device.index() : 0);
     constexpr size_t kAggregate = 0;  // StatType::AGGREGATE
     return static_cast<double>(stats.allocated_bytes[kAggregate].peak) / (1024.0 * 1024.0 * 1024.0);
 #else

@@ -65,7 +65,8 @@ io::RgbImage draw_sample(const DemoSample& s, int size) {
             // 4x supersampling for smooth edges.
             int hits = 0;
             for (int sy = 0; sy < 2; ++sy)
-                for (int sx = 0; sx < 2; ++sx) hits += inside(s.shape, x + 0.25 + 0.5 * sx, y + 0.25 + 0.5 * sy, c, r);
+                for (int sx = 0; sx < 2; ++sx)
+                    hits += inside(s.shape, x + 0.25 + 0.5 * sx, y + 0.25 + 0.5 * sy, c, r);
             const double a = hits / 4.0;
             row[3 * x + 0] = static_cast<uint8_t>(std::lround(fg.r * a + bg.r * (1 - a)));
             row[3 * x + 1] = static_cast<uint8_t>(std::lround(fg.g * a + bg.g * (1 - a)));

@@ -74,22 +74,24 @@ json unet_config(int64_t cross_dim, int64_t pooled_dim) {
 }
 
 json vae_config(double scaling_factor) {
-    return json{{"_class_name", "AutoencoderKL"},
-                {"act_fn", "silu"},
-                {"block_out_channels", {32, 32, 64, 64}},
-                {"down_block_types", {"DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"}},
-                {"up_block_types", {"UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"}},
-                {"force_upcast", true},
-                {"in_channels", 3},
-                {"out_channels", 3},
-                {"latent_channels", 4},
-                {"layers_per_block", 1},
-                {"norm_num_groups", 32},
-                {"sample_size", 64},
-                {"scaling_factor", scaling_factor},
-                {"mid_block_add_attention", true},
-                {"use_quant_conv", true},
-                {"use_post_quant_conv", true}};
+    return json{
+        {"_class_name", "AutoencoderKL"},
+        {"act_fn", "silu"},
+        {"block_out_channels", {16, 16, 32, 32}},
+        {"down_block_types",
+         {"DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"}},
+        {"up_block_types", {"UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"}},
+        {"force_upcast", true},
+        {"in_channels", 3},
+        {"out_channels", 3},
+        {"latent_channels", 4},
+        {"layers_per_block", 1},
+        {"norm_num_groups", 16},
+        {"sample_size", 64},
+        {"scaling_factor", scaling_factor},
+        {"mid_block_add_attention", true},
+        {"use_quant_conv", true},
+        {"use_post_quant_conv", true}};
 }
 
 json clip_config(bool projection, int64_t vocab, int64_t bos, int64_t eos, int64_t pad, const char* act) {
@@ -137,7 +139,7 @@ double fit_vae(models::AutoencoderKL& vae, const at::Tensor& images, int steps, 
     auto gen = at::detail::createCPUGenerator(seed);
     vae->train();
     double mse = 0;
-    const int64_t n = images.size(0), batch = std::min<int64_t>(8, n);
+    const int64_t n = images.size(0), batch = std::min<int64_t>(4, n);
     for (int s = 0; s < steps; ++s) {
         const at::Tensor idx = at::randperm(n, gen).slice(0, 0, batch);
         const at::Tensor x = images.index_select(0, idx);  // [b, 3, H, W]
@@ -165,8 +167,15 @@ std::pair<std::string, std::string> make_demo_tokenizer(const std::vector<std::s
     auto add = [&](const std::string& t) {
         if (seen.insert(t).second) vocab.push_back(t);
     };
-    for (const auto& s : byte_sym) add(s);
-    for (const auto& s : byte_sym) add(s + "</w>");
+    // CLIP's order: the printable bytes ('!'..'~', 0xA1..0xAC, 0xAE..0xFF), then the others.
+    std::vector<int> order;
+    for (int b = '!'; b <= '~'; ++b) order.push_back(b);
+    for (int b = 0xA1; b <= 0xAC; ++b) order.push_back(b);
+    for (int b = 0xAE; b <= 0xFF; ++b) order.push_back(b);
+    for (int b = 0; b < 256; ++b)
+        if (b < '!' || (b > '~' && b < 0xA1) || b == 0xAD) order.push_back(b);
+    for (const int b : order) add(byte_sym[static_cast<size_t>(b)]);
+    for (const int b : order) add(byte_sym[static_cast<size_t>(b)] + "</w>");
     std::string merges = "#version: 0.2\n";
     std::set<std::string> merge_seen;
     for (const auto& w : words) {
@@ -198,7 +207,8 @@ std::string write_demo_model(const std::filesystem::path& dir, const std::vector
     const auto [vocab_text, merges] = make_demo_tokenizer(words);
     const auto vocab = json::parse(vocab_text);
     const int64_t n_vocab = static_cast<int64_t>(vocab.size());
-    const int64_t bos = vocab.at("<|startoftext|>").get<int64_t>(), eos = vocab.at("<|endoftext|>").get<int64_t>();
+    const int64_t bos = vocab.at("<|startoftext|>").get<int64_t>(),
+                  eos = vocab.at("<|endoftext|>").get<int64_t>();
     const int64_t bang = vocab.at("!").get<int64_t>();
     write_tokenizer(dir / "tokenizer", vocab_text, merges, "<|endoftext|>");
     write_tokenizer(dir / "tokenizer_2", vocab_text, merges, "!");  // SDXL's second tokenizer pads with "!"
@@ -209,7 +219,8 @@ std::string write_demo_model(const std::filesystem::path& dir, const std::vector
     write_json(dir / "text_encoder" / "config.json", te1);
     write_json(dir / "text_encoder_2" / "config.json", te2);
     models::CLIPTextModel m1(models::CLIPTextConfig::from_json_text(te1.dump(), "demo text_encoder"));
-    models::CLIPTextModelWithProjection m2(models::CLIPTextConfig::from_json_text(te2.dump(), "demo text_encoder_2"));
+    models::CLIPTextModelWithProjection m2(
+        models::CLIPTextConfig::from_json_text(te2.dump(), "demo text_encoder_2"));
     io::save_safetensors(dir / "text_encoder" / "model.safetensors", models::state_dict(*m1));
     io::save_safetensors(dir / "text_encoder_2" / "model.safetensors", models::state_dict(*m2));
     int64_t params = 0;
@@ -224,28 +235,28 @@ std::string write_demo_model(const std::filesystem::path& dir, const std::vector
     int64_t unet_params = 0;
     for (const auto& p : unet->parameters()) unet_params += p.numel();
 
-    models::AutoencoderKL vae(models::AutoencoderKLConfig::from_json(models::ConfigReader(vae_config(1.0), "demo vae")));
+    models::AutoencoderKL vae(
+        models::AutoencoderKLConfig::from_json(models::ConfigReader(vae_config(1.0), "demo vae")));
     double scaling = 0.13025, fit_mse = -1;
     if (o.vae_fit_images.defined() && o.vae_fit_steps > 0) {
         fit_mse = fit_vae(vae, o.vae_fit_images, o.vae_fit_steps, o.seed);
         at::NoGradGuard no_grad;
         const at::Tensor z = vae->encode(o.vae_fit_images).mean;  // [N, 4, h, w]
-        scaling = 1.0 / std::max(1e-3, z.std().item<double>());    // unit-variance latents, as SD chose 0.18215
+        scaling = 1.0 / std::max(1e-3, z.std().item<double>());  // unit-variance latents, as SD chose 0.18215
     }
     write_json(dir / "vae" / "config.json", vae_config(scaling));
     io::save_safetensors(dir / "vae" / "diffusion_pytorch_model.safetensors", models::state_dict(*vae));
 
-    write_json(dir / "scheduler" / "scheduler_config.json",
-               json{{"_class_name", "EulerDiscreteScheduler"},
-                    {"beta_start", 0.00085},
-                    {"beta_end", 0.012},
-                    {"beta_schedule", "scaled_linear"},
-                    {"num_train_timesteps", 1000},
-                    {"prediction_type", "epsilon"},
-                    {"steps_offset", 1},
-                    {"timestep_spacing", "leading"},
-                    {"interpolation_type", "linear"},
-                    {"use_karras_sigmas", false}});
+    write_json(dir / "scheduler" / "scheduler_config.json", json{{"_class_name", "EulerDiscreteScheduler"},
+                                                                 {"beta_start", 0.00085},
+                                                                 {"beta_end", 0.012},
+                                                                 {"beta_schedule", "scaled_linear"},
+                                                                 {"num_train_timesteps", 1000},
+                                                                 {"prediction_type", "epsilon"},
+                                                                 {"steps_offset", 1},
+                                                                 {"timestep_spacing", "leading"},
+                                                                 {"interpolation_type", "linear"},
+                                                                 {"use_karras_sigmas", false}});
     write_json(dir / "model_index.json",
                json{{"_class_name", "StableDiffusionXLPipeline"},
                     {"force_zeros_for_empty_prompt", true},
@@ -256,8 +267,9 @@ std::string write_demo_model(const std::filesystem::path& dir, const std::vector
                     {"tokenizer_2", {"transformers", "CLIPTokenizer"}},
                     {"unet", {"diffusers", "UNet2DConditionModel"}},
                     {"vae", {"diffusers", "AutoencoderKL"}}});
-    return str("UNet ", unet_params, " parameters, text encoders ", params, ", vocabulary ", n_vocab, " tokens",
-               fit_mse >= 0 ? str(", VAE fitted to the shapes (reconstruction MSE ", fit_mse, ")") : std::string());
+    return str(
+        "UNet ", unet_params, " parameters, text encoders ", params, ", vocabulary ", n_vocab, " tokens",
+        fit_mse >= 0 ? str(", VAE fitted to the shapes (reconstruction MSE ", fit_mse, ")") : std::string());
 }
 
 }  // namespace dtune::demo

@@ -30,7 +30,8 @@ std::vector<int64_t> trailing_timesteps(int64_t num_train_timesteps, int64_t n) 
     const double ratio = static_cast<double>(num_train_timesteps) / static_cast<double>(n);
     // numpy's arange(T, 0, -ratio) then np.round (half to even, as std::nearbyint does).
     for (int64_t i = 0; i < n; ++i)
-        out.push_back(static_cast<int64_t>(std::nearbyint(static_cast<double>(num_train_timesteps) - i * ratio)) - 1);
+        out.push_back(
+            static_cast<int64_t>(std::nearbyint(static_cast<double>(num_train_timesteps) - i * ratio)) - 1);
     return out;
 }
 
@@ -52,10 +53,12 @@ double eval_loss(models::UNet2DConditionModelImpl& unet, const diffusion::NoiseS
             const at::Tensor x0 = s.latents.to(at::kCPU, at::kFloat);
             const at::Tensor noisy = schedule.add_noise(x0, noise, ts);
             at::Tensor target = noise;
-            if (prediction == diffusion::PredictionType::kVPrediction) target = schedule.velocity(x0, noise, ts);
+            if (prediction == diffusion::PredictionType::kVPrediction)
+                target = schedule.velocity(x0, noise, ts);
             if (prediction == diffusion::PredictionType::kSample) target = x0;
-            const at::Tensor pred = unet.forward(noisy.to(device), ts.to(device), s.embeds.to(device),
-                                                 models::UNetAddedCond{s.pooled.to(device), s.time_ids.to(device)});
+            const at::Tensor pred =
+                unet.forward(noisy.to(device), ts.to(device), s.embeds.to(device),
+                             models::UNetAddedCond{s.pooled.to(device), s.time_ids.to(device)});
             total += (pred.to(at::kCPU, at::kFloat) - target).pow(2).mean().item<double>();
         }
     }
@@ -70,7 +73,8 @@ namespace {
 
 int eval_edge(const data::DatasetConfig& d) {
     if (d.resolution_type_as_written == data::ResolutionType::kArea)
-        return std::max(64, static_cast<int>(std::lround(std::sqrt(d.resolution_as_written * 1e6) / 64.0)) * 64);
+        return std::max(64,
+                        static_cast<int>(std::lround(std::sqrt(d.resolution_as_written * 1e6) / 64.0)) * 64);
     return static_cast<int>(std::lround(d.resolution_as_written));
 }
 
@@ -112,21 +116,24 @@ void EvalLossCallback::prepare(train::Trainer& trainer) {
             const auto e = te.encode_prompt({caption}, enc);
             s.embeds = e.prompt_embeds.to(at::kFloat);
             s.pooled = e.pooled_prompt_embeds.to(at::kFloat);
-            s.time_ids = at::tensor({double(spec.resize_height), double(spec.resize_width), double(spec.crop_top),
-                                     double(spec.crop_left), double(edge), double(edge)},
-                                    at::kFloat)
-                             .unsqueeze(0);  // [1, 6]
+            s.time_ids =
+                at::tensor({double(spec.resize_height), double(spec.resize_width), double(spec.crop_top),
+                            double(spec.crop_left), double(edge), double(edge)},
+                           at::kFloat)
+                    .unsqueeze(0);  // [1, 6]
             samples_.push_back(std::move(s));
         }
     }
     DTUNE_CHECK_AS(DataError, !samples_.empty(), options_.data_backend_config.string(),
                    ": the eval dataset has no readable images; add images or remove the eval entry");
-    const auto sched = nlohmann::json::parse(fs::read_file(pf.component("scheduler").path / "scheduler_config.json"));
+    const auto sched =
+        nlohmann::json::parse(fs::read_file(pf.component("scheduler").path / "scheduler_config.json"));
     schedule_.emplace(diffusion::NoiseScheduleConfig::from_json(sched, "scheduler_config.json"));
     prediction_ = config.is_null("prediction_type")
                       ? schedule_->config().prediction_type
                       : diffusion::parse_prediction_type(config.text("prediction_type"), "prediction_type");
-    log::info() << "eval loss: " << samples_.size() << " image(s) x " << options_.num_timesteps << " timesteps";
+    log::info() << "eval loss: " << samples_.size() << " image(s) x " << options_.num_timesteps
+                << " timesteps";
 }
 
 double EvalLossCallback::evaluate(train::Trainer& trainer, int64_t step) {
@@ -165,7 +172,8 @@ std::shared_ptr<EvalLossCallback> make_eval_loss_callback(const train::TrainConf
     bool has_eval = false;
     if (root.is_array())
         for (const auto& d : root)
-            if (d.is_object() && d.value("dataset_type", "") == "eval" && !d.value("disabled", false)) has_eval = true;
+            if (d.is_object() && d.value("dataset_type", "") == "eval" && !d.value("disabled", false))
+                has_eval = true;
     if (!has_eval) return nullptr;
     EvalLossCallback::Options o;
     o.model_dir = config.text("pretrained_model_name_or_path");

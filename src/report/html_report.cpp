@@ -50,7 +50,8 @@ table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;paddin
 
 }  // namespace
 
-std::string validation_image_name(int64_t step, const std::string& shortname, int index, int width, int height) {
+std::string validation_image_name(int64_t step, const std::string& shortname, int index, int width,
+                                  int height) {
     return str("step_", step, "_", shortname, "_", index, "_", width, "x", height, ".png");
 }
 
@@ -109,8 +110,8 @@ std::string base64_encode(std::string_view bytes) {
     out.reserve((bytes.size() + 2) / 3 * 4);
     size_t i = 0;
     for (; i + 2 < bytes.size(); i += 3) {
-        const uint32_t n = (static_cast<uint8_t>(bytes[i]) << 16) | (static_cast<uint8_t>(bytes[i + 1]) << 8) |
-                           static_cast<uint8_t>(bytes[i + 2]);
+        const uint32_t n = (static_cast<uint8_t>(bytes[i]) << 16) |
+                           (static_cast<uint8_t>(bytes[i + 1]) << 8) | static_cast<uint8_t>(bytes[i + 2]);
         for (int k = 3; k >= 0; --k) out.push_back(kAlphabet[(n >> (6 * k)) & 63]);
     }
     if (i < bytes.size()) {
@@ -147,7 +148,8 @@ std::string svg_line_chart(const std::string& id, const std::string& title,
       << "<text x=\"" << left << "\" y=\"16\" font-size=\"13\" font-weight=\"bold\">" << html_escape(title)
       << "</text>";
     if (points.empty()) {
-        s << "<text x=\"" << left << "\" y=\"" << height / 2 << "\" font-size=\"12\" fill=\"#777\">no data yet</text></svg>";
+        s << "<text x=\"" << left << "\" y=\"" << height / 2
+          << "\" font-size=\"12\" fill=\"#777\">no data yet</text></svg>";
         return s.str();
     }
     double x0 = points.front().first, x1 = x0, y0 = points.front().second, y1 = y0;
@@ -161,9 +163,9 @@ std::string svg_line_chart(const std::string& id, const std::string& title,
     auto py = [&](double y) { return top + (1 - (y - y0) / (y1 - y0)) * ph; };
     s << "<rect x=\"" << left << "\" y=\"" << top << "\" width=\"" << pw << "\" height=\"" << ph
       << "\" fill=\"#fff\" stroke=\"#bbb\"/>";
-    s << "<text x=\"" << left - 4 << "\" y=\"" << top + 10 << "\" font-size=\"11\" text-anchor=\"end\">" << fmt(y1)
-      << "</text><text x=\"" << left - 4 << "\" y=\"" << top + ph << "\" font-size=\"11\" text-anchor=\"end\">"
-      << fmt(y0) << "</text>";
+    s << "<text x=\"" << left - 4 << "\" y=\"" << top + 10 << "\" font-size=\"11\" text-anchor=\"end\">"
+      << fmt(y1) << "</text><text x=\"" << left - 4 << "\" y=\"" << top + ph
+      << "\" font-size=\"11\" text-anchor=\"end\">" << fmt(y0) << "</text>";
     s << "<text x=\"" << left << "\" y=\"" << height - 8 << "\" font-size=\"11\">step " << fmt(x0)
       << "</text><text x=\"" << left + pw << "\" y=\"" << height - 8
       << "\" font-size=\"11\" text-anchor=\"end\">step " << fmt(x1) << "</text>";
@@ -206,13 +208,15 @@ std::string image_grid(const std::vector<ValidationImageFile>& images) {
           << "</span></th>";
     s << "</tr>";
     for (const auto& [step, cells] : rows) {
-        s << "<tr><td>" << step << (step == 0 ? "<br><span class=\"muted\">base model</span>" : "") << "</td>";
+        s << "<tr><td>" << step << (step == 0 ? "<br><span class=\"muted\">base model</span>" : "")
+          << "</td>";
         for (const auto& col : columns) {
             auto it = cells.find(col);
             s << "<td>";
             if (it != cells.end())
                 s << "<img alt=\"" << html_escape(it->second->path.filename().string())
-                  << "\" src=\"data:image/png;base64," << base64_encode(read_binary(it->second->path)) << "\">";
+                  << "\" src=\"data:image/png;base64," << base64_encode(read_binary(it->second->path))
+                  << "\">";
             s << "</td>";
         }
         s << "</tr>";
@@ -226,7 +230,8 @@ std::string throughput_table(const std::vector<nlohmann::json>& metrics) {
     double rate_sum = 0, mem = -1;
     int64_t n = 0;
     for (const auto& r : metrics) {
-        if (r.contains("img_per_s") && r.at("img_per_s").is_number()) rate_sum += r.at("img_per_s").get<double>(), ++n;
+        if (r.contains("img_per_s") && r.at("img_per_s").is_number())
+            rate_sum += r.at("img_per_s").get<double>(), ++n;
         if (r.contains("gpu_memory_gib") && r.at("gpu_memory_gib").is_number())
             mem = std::max(mem, r.at("gpu_memory_gib").get<double>());
     }
@@ -281,8 +286,7 @@ std::filesystem::path write_report(const std::filesystem::path& output_dir, cons
     {
         std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
         out << render_report(in);
-        if (!out)
-            throw DataError(str("cannot write ", tmp.string(), "; check that output_dir is writable"));
+        if (!out) throw DataError(str("cannot write ", tmp.string(), "; check that output_dir is writable"));
     }
     std::filesystem::rename(tmp, path);
     return path;

@@ -3,6 +3,7 @@
 
 #include <cctype>
 
+#include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
 #include "io/image.h"
@@ -32,7 +33,8 @@ void TensorBoardCallback::add_scalar(const std::string& tag, double value, int64
     if (writer_) writer_->add_scalar(tag, value, step);
 }
 
-void TensorBoardCallback::add_png(const std::string& tag, int width, int height, std::string png, int64_t step) {
+void TensorBoardCallback::add_png(const std::string& tag, int width, int height, std::string png,
+                                  int64_t step) {
     if (writer_) writer_->add_image(tag, ImageSummary{width, height, 3, std::move(png)}, step);
 }
 
@@ -61,7 +63,8 @@ nlohmann::json dataset_summary(const train::TrainConfig& config) {
                 line += str(", ", n, " images");
             }
         }
-        if (d.contains("resolution")) line += ", resolution " + d.at("resolution").dump() + " " + d.value("resolution_type", "");
+        if (d.contains("resolution"))
+            line += ", resolution " + d.at("resolution").dump() + " " + d.value("resolution_type", "");
         if (d.contains("caption_strategy")) line += ", captions: " + d.value("caption_strategy", "");
         if (d.contains("cache_dir")) line += ", cache " + d.value("cache_dir", "");
         out[d.value("id", str("entry ", out.size()))] = line;
@@ -77,17 +80,18 @@ const nlohmann::json& ReportCallback::dataset(train::Trainer& trainer) {
 void ReportCallback::on_checkpoint(train::Trainer& trainer, const std::filesystem::path& dir) {
     if (trainer.is_main_process())
         write_report(trainer.output_dir(),
-                     str("running (", dir.filename().string(), " saved at step ", trainer.global_step(), " of ",
-                         trainer.total_steps(), ")"),
+                     str("running (", dir.filename().string(), " saved at step ", trainer.global_step(),
+                         " of ", trainer.total_steps(), ")"),
                      dataset(trainer));
 }
 
 void ReportCallback::on_train_end(train::Trainer& trainer, const train::TrainResult& result) {
     if (!trainer.is_main_process()) return;
-    const auto path = write_report(
-        trainer.output_dir(), str(result.outcome == train::TrainOutcome::kCompleted ? "finished" : "interrupted",
-                                  " at step ", result.global_step, " of ", trainer.total_steps()),
-        dataset(trainer));
+    const auto path =
+        write_report(trainer.output_dir(),
+                     str(result.outcome == train::TrainOutcome::kCompleted ? "finished" : "interrupted",
+                         " at step ", result.global_step, " of ", trainer.total_steps()),
+                     dataset(trainer));
     log::info() << "report: " << path.string();
 }
 
@@ -120,12 +124,15 @@ void add_observers(train::Trainer& trainer) {
         if (tb)
             v->add_sink([tb](int64_t step, const std::string& name, int i, const std::string& res,
                              const io::RgbImage& im) {
-                tb->add_png(str("validation/", name, "_", i, "_", res), im.width, im.height, io::encode_png(im), step);
+                tb->add_png(str("validation/", name, "_", i, "_", res), im.width, im.height,
+                            io::encode_png(im), step);
             });
         trainer.add_callback(v);
     }
     if (auto eval = make_eval_loss_callback(config)) {
-        if (tb) eval->set_scalar_sink([tb](int64_t step, double loss) { tb->add_scalar("eval/loss", loss, step); });
+        if (tb)
+            eval->set_scalar_sink(
+                [tb](int64_t step, double loss) { tb->add_scalar("eval/loss", loss, step); });
         trainer.add_callback(eval);
     }
     trainer.add_callback(std::make_shared<ReportCallback>());

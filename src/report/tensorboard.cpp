@@ -251,8 +251,8 @@ EventWriter::~EventWriter() {
 void EventWriter::write(const Event& event) {
     const std::string rec = frame_record(encode_event(event));
     if (std::fwrite(rec.data(), 1, rec.size(), file_) != rec.size() || std::fflush(file_) != 0)
-        throw DataError(str("writing ", path_.string(), " failed: ", std::strerror(errno),
-                            "; is the disk full?"));
+        throw DataError(
+            str("writing ", path_.string(), " failed: ", std::strerror(errno), "; is the disk full?"));
 }
 
 void EventWriter::add_scalar(const std::string& tag, double value, int64_t step) {
@@ -282,7 +282,8 @@ std::vector<Event> read_events(const std::filesystem::path& file) {
     while (data.size() - pos >= 12) {
         const std::string_view len_bytes(data.data() + pos, 8);
         uint64_t len = 0;
-        for (int i = 0; i < 8; ++i) len |= static_cast<uint64_t>(static_cast<uint8_t>(len_bytes[i])) << (8 * i);
+        for (int i = 0; i < 8; ++i)
+            len |= static_cast<uint64_t>(static_cast<uint8_t>(len_bytes[i])) << (8 * i);
         uint32_t len_crc = 0;
         std::memcpy(&len_crc, data.data() + pos + 8, 4);
         if (len_crc != masked_crc32c(len_bytes))

@@ -39,7 +39,8 @@ std::vector<std::pair<int, int>> parse_validation_resolution(const std::string& 
                                          : static_cast<int>(v);
                 w = h = side;
             }
-            if (w <= 0 || h <= 0 || w % 8 || h % 8) throw bad(str("size ", w, "x", h, " is not a multiple of 8"));
+            if (w <= 0 || h <= 0 || w % 8 || h % 8)
+                throw bad(str("size ", w, "x", h, " is not a multiple of 8"));
             out.emplace_back(w, h);
         } catch (const std::invalid_argument&) {
             throw bad(str("\"", item, "\" is not a size"));
@@ -74,17 +75,20 @@ std::vector<ValidationPrompt> read_prompt_library(const std::filesystem::path& f
 ValidationSettings validation_settings(const train::TrainConfig& config) {
     ValidationSettings s;
     if (config.flag("validation_disable")) return s;
-    if (!config.text("validation_prompt").empty()) s.prompts.push_back({"validation", config.text("validation_prompt")});
+    if (!config.text("validation_prompt").empty())
+        s.prompts.push_back({"validation", config.text("validation_prompt")});
     if (!config.text("user_prompt_library").empty()) {
         auto lib = read_prompt_library(config.text("user_prompt_library"));
         s.prompts.insert(s.prompts.end(), lib.begin(), lib.end());
     }
-    if (!config.is_null("validation_negative_prompt")) s.negative_prompt = config.text("validation_negative_prompt");
+    if (!config.is_null("validation_negative_prompt"))
+        s.negative_prompt = config.text("validation_negative_prompt");
     s.resolutions = parse_validation_resolution(config.text("validation_resolution"));
     s.guidance = config.real("validation_guidance");
     s.guidance_rescale = config.real("validation_guidance_rescale");
     s.steps = config.integer("validation_num_inference_steps");
-    DTUNE_CHECK_AS(UsageError, s.steps >= 1, "validation_num_inference_steps ", s.steps, " is invalid; use 1 or more");
+    DTUNE_CHECK_AS(UsageError, s.steps >= 1, "validation_num_inference_steps ", s.steps,
+                   " is invalid; use 1 or more");
     const auto seed = config.opt_integer("validation_seed");
     s.seed = static_cast<uint64_t>(seed ? *seed : config.integer("seed"));
     if (!config.is_null("validation_noise_scheduler")) s.sampler = config.text("validation_noise_scheduler");
@@ -125,7 +129,8 @@ std::unique_ptr<validate::SDXLPipeline> load_pipeline(const std::filesystem::pat
     models::ComponentLoadOptions vae_load;
     vae_load.device = trainer.device();  // float32: SDXL's VAE overflows in half precision
     auto vae = models::load_autoencoder_kl(pf.vae_path(), vae_load);
-    auto sched = nlohmann::json::parse(fs::read_file(pf.component("scheduler").path / "scheduler_config.json"));
+    auto sched =
+        nlohmann::json::parse(fs::read_file(pf.component("scheduler").path / "scheduler_config.json"));
     sched["timestep_spacing"] = "trailing";  // SimpleTuner's inference_scheduler_timestep_spacing
     // The pipeline shares the trainer's UNet module (a holder copy), so it validates live weights.
     auto p = std::make_unique<validate::SDXLPipeline>(std::move(te), trainer.unet(), std::move(vae),
@@ -151,7 +156,8 @@ std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& train
             for (const auto& [w, h] : settings_.resolutions) {
                 validate::GenerationRequest r;
                 r.prompt = {p.prompt};
-                if (settings_.negative_prompt) r.negative_prompt = std::vector<std::string>{*settings_.negative_prompt};
+                if (settings_.negative_prompt)
+                    r.negative_prompt = std::vector<std::string>{*settings_.negative_prompt};
                 r.width = w, r.height = h;
                 r.steps = settings_.steps;
                 r.guidance_scale = settings_.guidance;
@@ -161,10 +167,12 @@ std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& train
                 r.num_images_per_prompt = settings_.num_images;
                 const auto images = validate::to_rgb_images(pipeline_->generate(r).images);
                 for (size_t i = 0; i < images.size(); ++i) {
-                    const auto path = dir / validation_image_name(step, p.shortname, static_cast<int>(i), w, h);
+                    const auto path =
+                        dir / validation_image_name(step, p.shortname, static_cast<int>(i), w, h);
                     io::write_image(path, images[i]);
                     written.push_back(path);
-                    for (auto& sink : sinks_) sink(step, p.shortname, static_cast<int>(i), str(w, "x", h), images[i]);
+                    for (auto& sink : sinks_)
+                        sink(step, p.shortname, static_cast<int>(i), str(w, "x", h), images[i]);
                 }
             }
         }

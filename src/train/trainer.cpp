@@ -289,8 +289,12 @@ void Trainer::save(const std::string& why) {
 
 void Trainer::append_metrics(const StepReport& r) {
     if (!is_main_process()) return;
-    nlohmann::json row{{"step", r.step},           {"epoch", r.epoch},         {"loss", r.loss},
-                       {"lr", r.lr},               {"grad_norm", r.grad_norm}, {"img_per_s", r.img_per_s},
+    nlohmann::json row{{"step", r.step},
+                       {"epoch", r.epoch},
+                       {"loss", r.loss},
+                       {"lr", r.lr},
+                       {"grad_norm", r.grad_norm},
+                       {"img_per_s", r.img_per_s},
                        {"samples_seen", r.samples_seen}};
     if (r.gpu_memory_gib) row["gpu_memory_gib"] = *r.gpu_memory_gib;
     std::ofstream out(output_dir_ / "metrics.jsonl", std::ios::app);
@@ -363,7 +367,8 @@ TrainResult Trainer::run_loop() {
         report.samples_seen = global_step_ * images_per_step;
         report.step_seconds = dt;
         report.gpu_memory_gib = peak_gpu_memory_gib(device_);
-        if (global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0) append_metrics(report);
+        if (global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0)
+            append_metrics(report);
         for (auto& cb : callbacks_) cb->on_step_end(*this, report);
         progress.set_postfix(str("loss ", format_metric(loss), " lr ", format_metric(lr), " ",
                                  format_rate(report.img_per_s, "img")));

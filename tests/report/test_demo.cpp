@@ -5,8 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
-#include <set>
 #include <fstream>
+#include <set>
 
 #include "core/fs.h"
 #include "demo/demo_data.h"
@@ -55,7 +55,8 @@ TEST(DemoModel, TokenizerLoadsAndMergesWholeWords) {
     EXPECT_EQ(v.at("!</w>").get<int>(), 256);
     // "circle" and "background" are spelled by their merge chains into one token each.
     EXPECT_EQ(tok.encode_raw("circle"), (models::CLIPTokenizer::Ids{v.at("circle</w>").get<int64_t>()}));
-    EXPECT_EQ(tok.encode_raw("background"), (models::CLIPTokenizer::Ids{v.at("background</w>").get<int64_t>()}));
+    EXPECT_EQ(tok.encode_raw("background"),
+              (models::CLIPTokenizer::Ids{v.at("background</w>").get<int64_t>()}));
     const auto ids = tok.encode_raw("a red circle on a blue background");
     EXPECT_GE(ids.size(), 7u);
     for (const auto id : ids) EXPECT_LT(id, static_cast<int64_t>(v.size()) - 2);  // no special tokens

@@ -43,8 +43,8 @@ TEST(HtmlReport, PageFromOutputDir) {
     {
         std::ofstream m(dir / "metrics.jsonl");
         for (int s = 1; s <= 4; ++s)
-            m << nlohmann::json{{"step", s}, {"loss", 1.0 / s}, {"lr", 1e-4}, {"grad_norm", 2.0}, {"img_per_s", 8.0},
-                                {"samples_seen", 4 * s}}
+            m << nlohmann::json{{"step", s},        {"loss", 1.0 / s},  {"lr", 1e-4},
+                                {"grad_norm", 2.0}, {"img_per_s", 8.0}, {"samples_seen", 4 * s}}
                      .dump()
               << "\n";
         m << "not json\n";
@@ -52,7 +52,8 @@ TEST(HtmlReport, PageFromOutputDir) {
     std::filesystem::create_directories(dir / "validation_images");
     std::ofstream(dir / "validation_images" / "step_0_validation_0_64x64.png") << "PNGDATA0";
     std::ofstream(dir / "validation_images" / "step_4_validation_0_64x64.png") << "PNGDATA4";
-    std::ofstream(dir / "config.resolved.json") << R"({"learning_rate": 0.0001, "validation_prompt": "<b>x</b>"})";
+    std::ofstream(dir / "config.resolved.json")
+        << R"({"learning_rate": 0.0001, "validation_prompt": "<b>x</b>"})";
     const auto path = write_report(dir.path(), "finished", nlohmann::json{{"images", 12}});
     std::ifstream in(path);
     const std::string html((std::istreambuf_iterator<char>(in)), {});

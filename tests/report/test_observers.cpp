@@ -1,8 +1,8 @@
 // The observers on a real (tiny fixture) trainer: validation leaves the trained weights bit-identical
 // and names files as SimpleTuner does; eval loss is deterministic and sees weight changes; metrics
 // and TensorBoard rows carry samples seen; report.html is written at checkpoints.
-#include <gtest/gtest.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
 
 #include <fstream>
 
@@ -30,7 +30,8 @@ diffusion::NoiseSchedule tiny_schedule() {
     return diffusion::NoiseSchedule(diffusion::NoiseScheduleConfig::from_json(j, "tiny scheduler"));
 }
 
-train::TrainConfig config(const std::filesystem::path& out, const nlohmann::json& extra = nlohmann::json::object()) {
+train::TrainConfig config(const std::filesystem::path& out,
+                          const nlohmann::json& extra = nlohmann::json::object()) {
     train::TrainConfig c;
     c.merge_json(nlohmann::json{{"model_family", "sdxl"},
                                 {"output_dir", out.string()},
@@ -68,7 +69,8 @@ TEST(Validation, ParsesResolutions) {
     using P = std::vector<std::pair<int, int>>;
     EXPECT_EQ(parse_validation_resolution("1024x1024, 1280x768"), (P{{1024, 1024}, {1280, 768}}));
     EXPECT_EQ(parse_validation_resolution("256"), (P{{256, 256}}));
-    EXPECT_EQ(parse_validation_resolution("1"), (P{{1024, 1024}}));  // 1 MP -> sqrt(1e6)=1000 -> 1024 on the 64 grid
+    EXPECT_EQ(parse_validation_resolution("1"),
+              (P{{1024, 1024}}));  // 1 MP -> sqrt(1e6)=1000 -> 1024 on the 64 grid
     EXPECT_THROW(parse_validation_resolution("100x7"), UsageError);
     EXPECT_THROW(parse_validation_resolution("big"), UsageError);
 }
@@ -79,7 +81,8 @@ TEST(Validation, DoesNotChangeTrainingAndNamesFilesLikeSimpleTuner) {
     plain->run();
     const auto a = models::state_dict(*plain->unet());
 
-    const auto c = config(val_dir.path(), {{"validation_prompt", "a red circle"}, {"report_to", "tensorboard"}});
+    const auto c =
+        config(val_dir.path(), {{"validation_prompt", "a red circle"}, {"report_to", "tensorboard"}});
     auto trainer = make_trainer(c);
     add_observers(*trainer);
     trainer->run();
@@ -152,19 +155,30 @@ TEST(EvalLoss, CallbackScoresAnEvalDatasetDeterministically) {
     std::filesystem::create_directories(dir / "eval");
     for (int i = 0; i < 2; ++i) {
         io::RgbImage im(64, 64);
-        for (size_t k = 0; k < im.pixels.size(); ++k) im.pixels[k] = static_cast<uint8_t>((k * (i + 3)) % 251);
+        for (size_t k = 0; k < im.pixels.size(); ++k)
+            im.pixels[k] = static_cast<uint8_t>((k * (i + 3)) % 251);
         io::write_image(dir / "eval" / str("img", i, ".png"), im);
         std::ofstream(dir / "eval" / str("img", i, ".txt")) << "a shape " << i;
     }
     const auto backend = dir / "multidatabackend.json";
-    std::ofstream(backend) << nlohmann::json::array(
-                                  {{{"id", "train"}, {"type", "local"}, {"instance_data_dir", (dir / "eval").string()},
-                                    {"caption_strategy", "textfile"}, {"resolution", 64}, {"resolution_type", "pixel"}},
-                                   {{"id", "holdout"}, {"type", "local"}, {"dataset_type", "eval"},
-                                    {"instance_data_dir", (dir / "eval").string()}, {"caption_strategy", "textfile"},
-                                    {"resolution", 64}, {"resolution_type", "pixel"}},
-                                   {{"id", "te"}, {"type", "local"}, {"dataset_type", "text_embeds"}, {"default", true},
-                                    {"cache_dir", (dir / "te").string()}}})
+    std::ofstream(backend) << nlohmann::json::array({{{"id", "train"},
+                                                      {"type", "local"},
+                                                      {"instance_data_dir", (dir / "eval").string()},
+                                                      {"caption_strategy", "textfile"},
+                                                      {"resolution", 64},
+                                                      {"resolution_type", "pixel"}},
+                                                     {{"id", "holdout"},
+                                                      {"type", "local"},
+                                                      {"dataset_type", "eval"},
+                                                      {"instance_data_dir", (dir / "eval").string()},
+                                                      {"caption_strategy", "textfile"},
+                                                      {"resolution", 64},
+                                                      {"resolution_type", "pixel"}},
+                                                     {{"id", "te"},
+                                                      {"type", "local"},
+                                                      {"dataset_type", "text_embeds"},
+                                                      {"default", true},
+                                                      {"cache_dir", (dir / "te").string()}}})
                                   .dump();
     const auto c = config(dir / "out", {{"data_backend_config", backend.string()}, {"eval_timesteps", 3}});
     auto cb = make_eval_loss_callback(c);

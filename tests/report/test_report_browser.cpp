@@ -25,7 +25,8 @@ struct Shot {
     io::RgbImage image;
 };
 
-Shot screenshot(const std::string& chromium, const std::filesystem::path& html, const std::filesystem::path& dir) {
+Shot screenshot(const std::string& chromium, const std::filesystem::path& html,
+                const std::filesystem::path& dir) {
     const auto png = dir / "shot.png";
     const auto log = dir / "chromium.log";
     const std::string cmd = chromium +
@@ -62,12 +63,17 @@ TEST(ReportBrowser, LoadsWithoutErrorsAndRendersChartsAndImages) {
     {
         std::ofstream m(dir / "metrics.jsonl");
         for (int s = 1; s <= 50; ++s)
-            m << nlohmann::json{{"step", s}, {"loss", 1.0 / s}, {"lr", 1e-4 * s}, {"grad_norm", 1.0 + (s % 5)}}.dump()
+            m << nlohmann::json{{"step", s},
+                                {"loss", 1.0 / s},
+                                {"lr", 1e-4 * s},
+                                {"grad_norm", 1.0 + (s % 5)}}
+                     .dump()
               << "\n";
     }
     // A pure magenta validation image: its pixels in the screenshot prove the image rendered.
     io::RgbImage im(64, 64);
-    for (size_t i = 0; i < im.pixels.size(); i += 3) im.pixels[i] = 255, im.pixels[i + 1] = 0, im.pixels[i + 2] = 255;
+    for (size_t i = 0; i < im.pixels.size(); i += 3)
+        im.pixels[i] = 255, im.pixels[i + 1] = 0, im.pixels[i + 2] = 255;
     std::filesystem::create_directories(dir / "validation_images");
     io::write_image(dir / "validation_images" / validation_image_name(50, "validation", 0, 64, 64), im);
     const auto html = write_report(dir.path(), "finished");
@@ -82,7 +88,8 @@ TEST(ReportBrowser, LoadsWithoutErrorsAndRendersChartsAndImages) {
 
     // Control: a page with a script error is caught, and a page without charts has no curve.
     const auto bad = dir / "bad.html";
-    std::ofstream(bad) << "<!DOCTYPE html><html><body><p>x</p><script>undefined_function();</script></body></html>";
+    std::ofstream(bad)
+        << "<!DOCTYPE html><html><body><p>x</p><script>undefined_function();</script></body></html>";
     const Shot b = screenshot(chromium, bad, dir.path());
     EXPECT_TRUE(has_console_error(b.log)) << b.log;
     EXPECT_LT(count_pixels(b.image, 0x1f, 0x6f, 0xeb, 40), 10);

@@ -40,7 +40,10 @@ TEST(TensorBoard, EventProtobufHandEncoded) {
     const std::string bytes = encode_event(e);
     // wall_time (field 1, fixed64) = 0; step (field 2, varint 300 = ac 02); summary (field 5) {
     // value (field 1) { tag (1) "a", simple_value (2, fixed32) 1.0f = 00 00 80 3f } }.
-    const std::string expected("\x09\0\0\0\0\0\0\0\0\x10\xac\x02\x2a\x0a\x0a\x08\x0a\x01" "a\x15\0\0\x80\x3f", 24);
+    const std::string expected(
+        "\x09\0\0\0\0\0\0\0\0\x10\xac\x02\x2a\x0a\x0a\x08\x0a\x01"
+        "a\x15\0\0\x80\x3f",
+        24);
     EXPECT_EQ(bytes, expected);
     const Event back = decode_event(bytes, "test");
     EXPECT_EQ(back.step, 300);
@@ -64,7 +67,8 @@ TEST(TensorBoard, WriterReaderRoundTripAndDamage) {
     EXPECT_EQ(events[0].file_version, "brain.Event:2");
     for (int s = 1; s <= 5; ++s) {
         EXPECT_EQ(events[static_cast<size_t>(s)].step, s);
-        EXPECT_FLOAT_EQ(*events[static_cast<size_t>(s)].values.at(0).simple_value, static_cast<float>(1.0 / s));
+        EXPECT_FLOAT_EQ(*events[static_cast<size_t>(s)].values.at(0).simple_value,
+                        static_cast<float>(1.0 / s));
     }
     const auto& im = *events[6].values.at(0).image;
     EXPECT_EQ(im.width, 2);
@@ -97,24 +101,27 @@ TEST(TensorBoard, TensorBoardPackageReadsOurFile) {
         for (int s = 1; s <= 3; ++s) w.add_scalar("train/loss", 0.5 * s, s);
         // A real 1x1 PNG (red pixel), so TensorBoard's image plugin accepts it.
         static const unsigned char kPng[] = {
-            0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a, 0x00, 0x00, 0x00, 0x0d, 0x49, 0x48, 0x44, 0x52,
-            0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x01, 0x08, 0x02, 0x00, 0x00, 0x00, 0x90, 0x77, 0x53,
-            0xde, 0x00, 0x00, 0x00, 0x0c, 0x49, 0x44, 0x41, 0x54, 0x78, 0x9c, 0x63, 0xf8, 0xcf, 0xc0, 0x00,
-            0x00, 0x03, 0x01, 0x01, 0x00, 0xc9, 0xfe, 0x92, 0xef, 0x00, 0x00, 0x00, 0x00, 0x49, 0x45, 0x4e,
-            0x44, 0xae, 0x42, 0x60, 0x82};
-        w.add_image("validation/red", ImageSummary{1, 1, 3, std::string(reinterpret_cast<const char*>(kPng), sizeof(kPng))}, 3);
+            0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a, 0x00, 0x00, 0x00, 0x0d, 0x49, 0x48,
+            0x44, 0x52, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x01, 0x08, 0x02, 0x00, 0x00,
+            0x00, 0x90, 0x77, 0x53, 0xde, 0x00, 0x00, 0x00, 0x0c, 0x49, 0x44, 0x41, 0x54, 0x78,
+            0x9c, 0x63, 0xf8, 0xcf, 0xc0, 0x00, 0x00, 0x03, 0x01, 0x01, 0x00, 0xc9, 0xfe, 0x92,
+            0xef, 0x00, 0x00, 0x00, 0x00, 0x49, 0x45, 0x4e, 0x44, 0xae, 0x42, 0x60, 0x82};
+        w.add_image("validation/red",
+                    ImageSummary{1, 1, 3, std::string(reinterpret_cast<const char*>(kPng), sizeof(kPng))}, 3);
     }
     const auto script = dir / "read.py";
-    std::ofstream(script) << "import sys\n"
-                             "from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n"
-                             "acc = EventAccumulator(sys.argv[1], size_guidance={'scalars': 0, 'images': 0})\n"
-                             "acc.Reload()\n"
-                             "s = acc.Scalars('train/loss')\n"
-                             "print(' '.join('%d:%g' % (e.step, e.value) for e in s))\n"
-                             "im = acc.Images('validation/red')\n"
-                             "print('img', len(im), im[0].step, im[0].width, im[0].height, len(im[0].encoded_image_string))\n";
+    std::ofstream(script)
+        << "import sys\n"
+           "from tensorboard.backend.event_processing.event_accumulator import EventAccumulator\n"
+           "acc = EventAccumulator(sys.argv[1], size_guidance={'scalars': 0, 'images': 0})\n"
+           "acc.Reload()\n"
+           "s = acc.Scalars('train/loss')\n"
+           "print(' '.join('%d:%g' % (e.step, e.value) for e in s))\n"
+           "im = acc.Images('validation/red')\n"
+           "print('img', len(im), im[0].step, im[0].width, im[0].height, len(im[0].encoded_image_string))\n";
     const auto out = dir / "out.txt";
-    const std::string cmd = "python3 " + script.string() + " " + (dir / "run").string() + " > " + out.string() + " 2>&1";
+    const std::string cmd =
+        "python3 " + script.string() + " " + (dir / "run").string() + " > " + out.string() + " 2>&1";
     const int rc = std::system(cmd.c_str());
     std::ifstream in(out);
     const std::string text((std::istreambuf_iterator<char>(in)), {});
