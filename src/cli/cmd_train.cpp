@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "health/breaker.h"
+#include "report/observers.h"
 #include "train/config.h"
 #include "train/run_observers.h"
 #include "train/signals.h"
@@ -34,6 +35,7 @@ int run_train(const std::vector<std::string>& args) {
     train::install_stop_signal_handlers();
     train::Trainer trainer(std::move(config));
     train::add_run_observers(trainer, trainer.config());
+    report::add_observers(trainer);  // TensorBoard, validation, eval loss, report.html
     train::TrainResult result;
     try {
         result = trainer.run();
@@ -68,7 +70,9 @@ std::string train_usage() {
            "option dtune does not implement yet is an error unless it is left at its default; an unknown\n"
            "key is an error naming the closest known one. config.toml is not supported yet.\n\n"
            "Writes to output_dir: config.resolved.json, metrics.jsonl (step, loss, lr, grad_norm,\n"
-           "img_per_s), checkpoint-<step>/ every checkpoint_step_interval steps (the newest\n"
+           "img_per_s, samples_seen, gpu_memory_gib), report.html (rewritten at each checkpoint),\n"
+           "validation_images/ (with validation_prompt), eval.jsonl (with a dataset_type eval dataset),\n"
+           "logs/ (report_to tensorboard), checkpoint-<step>/ every checkpoint_step_interval steps (the newest\n"
            "checkpoints_total_limit kept) and, at the end:\n"
            "  model_type lora: pytorch_lora_weights.safetensors (also in each checkpoint; with use_ema\n"
            "    also ema/pytorch_lora_weights.safetensors). lora_format diffusers: load it with\n"

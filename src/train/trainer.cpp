@@ -13,6 +13,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/gpu_memory.h"
 #include "core/log.h"
 #include "core/progress.h"
 #include "models/common/weights.h"
@@ -60,6 +61,13 @@ void log_fault_stop(const StepAgreement& agreed, int64_t step) {
     log::error() << "GPU fault reported by rank " << agreed.fault_rank << " (GPU " << agreed.fault_gpu
                  << " of its node): stopping at step " << step << " without a checkpoint; the last "
                  << "checkpoint is intact";
+}
+
+// 4 significant digits for the progress bar ("0.1234", "1e-04").
+std::string format_metric(double v) {
+    char b[32];
+    std::snprintf(b, sizeof(b), "%.4g", v);
+    return b;
 }
 
 }  // namespace
@@ -384,12 +392,18 @@ void Trainer::load_optimizer_state(const LoadedCheckpoint& ckpt) {
     optimizer_->load_state_dict(opt);
 }
 
-void Trainer::append_metrics(double loss, double lr, double grad_norm, double img_per_s) {
+void Trainer::append_metrics(const StepReport& r) {
+    if (!is_main_process()) return;
+    nlohmann::json row{{"step", r.step},
+                       {"epoch", r.epoch},
+                       {"loss", r.loss},
+                       {"lr", r.lr},
+                       {"grad_norm", r.grad_norm},
+                       {"img_per_s", r.img_per_s},
+                       {"samples_seen", r.samples_seen}};
+    if (r.gpu_memory_gib) row["gpu_memory_gib"] = *r.gpu_memory_gib;
     std::ofstream out(output_dir_ / "metrics.jsonl", std::ios::app);
-    out << nlohmann::json{{"step", global_step_},   {"epoch", source_->epoch()}, {"loss", loss}, {"lr", lr},
-                          {"grad_norm", grad_norm}, {"img_per_s", img_per_s}}
-               .dump()
-        << "\n";
+    out << row.dump() << "\n";
 }
 
 void Trainer::write_final_outputs() {
@@ -424,7 +438,9 @@ TrainResult Trainer::run_loop() {
     const int64_t images_per_step = config_.integer("train_batch_size") *
                                     config_.integer("gradient_accumulation_steps") * dp_->world_size();
     for (auto& cb : callbacks_) cb->on_train_start(*this);
-    Progress progress(total_steps_, ProgressOptions{"training", "step"});
+    ProgressOptions progress_options{"training", "step"};
+    progress_options.quiet = !is_main_process();
+    Progress progress(total_steps_, progress_options);
     progress.update(global_step_);
     TrainResult result;
     result.resumed_from = resumed_from_;
@@ -461,9 +477,6 @@ TrainResult Trainer::run_loop() {
         if (ema_) ema_->step(global_step_);
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         result.last_loss = loss;
-        if (is_main_process() &&
-            global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0)
-            append_metrics(loss, lr, grad_norm, static_cast<double>(images_per_step) / dt);
         StepReport report;
         report.step = global_step_;
         report.epoch = source_->epoch();
@@ -473,8 +486,12 @@ TrainResult Trainer::run_loop() {
         report.img_per_s = static_cast<double>(images_per_step) / dt;
         report.samples_seen = global_step_ * images_per_step;
         report.step_seconds = dt;
+        report.gpu_memory_gib = peak_gpu_memory_gib(device_);
+        if (global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0)
+            append_metrics(report);
         for (auto& cb : callbacks_) cb->on_step_end(*this, report);
-        progress.set_postfix(str("loss ", loss, " lr ", lr));
+        progress.set_postfix(str("loss ", format_metric(loss), " lr ", format_metric(lr), " ",
+                                 format_rate(report.img_per_s, "img")));
         progress.update();
         if (interval > 0 && global_step_ % interval == 0 && global_step_ < total_steps_) save("interval");
     }

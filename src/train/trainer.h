@@ -104,7 +104,7 @@ class Trainer {
     void resume();
     double train_one_step(double& grad_norm);
     void save(const std::string& why);
-    void append_metrics(double loss, double lr, double grad_norm, double img_per_s);
+    void append_metrics(const StepReport& report);
     void write_final_outputs();
     void init_data_parallel(const dist::DistEnv& env);
     void load_optimizer_state(const LoadedCheckpoint& ckpt);

@@ -1,0 +1,188 @@
+// Eval loss (see eval_loss.h).
+#include "report/eval_loss.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/core/InferenceMode.h>
+
+#include <cmath>
+#include <fstream>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "data/captions.h"
+#include "data/dataset_config.h"
+#include "data/storage.h"
+#include "io/image_tensor.h"
+#include "models/clip/sdxl_text_encoders.h"
+#include "models/common/pipeline_folder.h"
+#include "models/unet/unet_2d_condition.h"
+#include "models/vae/autoencoder_kl.h"
+#include "train/trainer.h"
+
+namespace dtune::report {
+
+std::vector<int64_t> trailing_timesteps(int64_t num_train_timesteps, int64_t n) {
+    DTUNE_CHECK_AS(UsageError, n >= 1 && n <= num_train_timesteps, "eval_timesteps ", n,
+                   " is invalid; use 1 to ", num_train_timesteps);
+    std::vector<int64_t> out;
+    const double ratio = static_cast<double>(num_train_timesteps) / static_cast<double>(n);
+    // numpy's arange(T, 0, -ratio) then np.round (half to even, as std::nearbyint does).
+    for (int64_t i = 0; i < n; ++i)
+        out.push_back(
+            static_cast<int64_t>(std::nearbyint(static_cast<double>(num_train_timesteps) - i * ratio)) - 1);
+    return out;
+}
+
+double eval_loss(models::UNet2DConditionModelImpl& unet, const diffusion::NoiseSchedule& schedule,
+                 diffusion::PredictionType prediction, const std::vector<EvalSample>& samples,
+                 const std::vector<int64_t>& timesteps) {
+    DTUNE_CHECK(!samples.empty() && !timesteps.empty(), "eval_loss needs samples and timesteps");
+    const bool was_training = unet.is_training();
+    unet.eval();
+    c10::InferenceMode guard;
+    double total = 0;
+    const auto device = unet.parameters().front().device();
+    for (const auto& s : samples) {
+        for (const int64_t t : timesteps) {
+            // SimpleTuner reseeds to 0 before every batch and timestep: the same noise each time.
+            at::Generator gen = at::detail::createCPUGenerator(0);
+            const at::Tensor noise = at::randn(s.latents.sizes(), gen, at::kFloat);  // [1, C, h, w]
+            const at::Tensor ts = at::full({1}, t, at::kLong);
+            const at::Tensor x0 = s.latents.to(at::kCPU, at::kFloat);
+            const at::Tensor noisy = schedule.add_noise(x0, noise, ts);
+            at::Tensor target = noise;
+            if (prediction == diffusion::PredictionType::kVPrediction)
+                target = schedule.velocity(x0, noise, ts);
+            if (prediction == diffusion::PredictionType::kSample) target = x0;
+            const at::Tensor pred =
+                unet.forward(noisy.to(device), ts.to(device), s.embeds.to(device),
+                             models::UNetAddedCond{s.pooled.to(device), s.time_ids.to(device)});
+            total += (pred.to(at::kCPU, at::kFloat) - target).pow(2).mean().item<double>();
+        }
+    }
+    if (was_training) unet.train();
+    return total / static_cast<double>(samples.size() * timesteps.size());
+}
+
+EvalLossCallback::EvalLossCallback(Options options) : options_(std::move(options)) {}
+EvalLossCallback::~EvalLossCallback() = default;
+
+namespace {
+
+int eval_edge(const data::DatasetConfig& d) {
+    if (d.resolution_type_as_written == data::ResolutionType::kArea)
+        return std::max(64,
+                        static_cast<int>(std::lround(std::sqrt(d.resolution_as_written * 1e6) / 64.0)) * 64);
+    return static_cast<int>(std::lround(d.resolution_as_written));
+}
+
+}  // namespace
+
+// Loads the eval images (resized, centre-cropped squares), encodes them once with the model
+// folder's VAE (posterior mean) and CLIP encoders, then frees the encoders.
+void EvalLossCallback::prepare(train::Trainer& trainer) {
+    const auto& config = trainer.config();
+    data::GlobalDataArgs args;
+    args.output_dir = trainer.output_dir().string();
+    const auto backends = data::load_data_backend_config(options_.data_backend_config, args);
+    const auto pf = models::PipelineFolder::open(options_.model_dir);
+    auto te = models::SDXLTextEncoders::load(pf);
+    auto vae = models::load_autoencoder_kl(pf.vae_path());
+    vae->eval();
+    c10::InferenceMode guard;
+    for (const auto& d : backends.datasets) {
+        if (d.dataset_type != data::DatasetType::kEval) continue;
+        auto storage = data::make_storage(d);
+        const auto files = storage->list_files(d.instance_data_dir, {".png", ".jpg", ".jpeg", ".webp"});
+        const int edge = eval_edge(d);
+        for (const auto& path : files) {
+            if (static_cast<int64_t>(samples_.size()) >= options_.num_images) break;
+            const io::RgbImage probe = io::read_image(path);
+            const double scale = static_cast<double>(edge) / std::min(probe.width, probe.height);
+            io::PrepareSpec spec;
+            spec.resize_width = std::max(edge, static_cast<int>(std::lround(probe.width * scale)));
+            spec.resize_height = std::max(edge, static_cast<int>(std::lround(probe.height * scale)));
+            spec.crop_top = (spec.resize_height - edge) / 2;
+            spec.crop_left = (spec.resize_width - edge) / 2;
+            spec.crop_width = spec.crop_height = edge;
+            const at::Tensor pixels = io::prepare_image_tensor(path, spec).unsqueeze(0);  // [1, 3, e, e]
+            EvalSample s;
+            s.latents = vae->scale_latents(vae->encode(pixels).mean);  // [1, C, e/f, e/f]
+            const auto caption = data::resolve_captions(d, *storage, path).front();
+            models::SDXLEncodeOptions enc;
+            enc.do_classifier_free_guidance = false;
+            const auto e = te.encode_prompt({caption}, enc);
+            s.embeds = e.prompt_embeds.to(at::kFloat);
+            s.pooled = e.pooled_prompt_embeds.to(at::kFloat);
+            s.time_ids =
+                at::tensor({double(spec.resize_height), double(spec.resize_width), double(spec.crop_top),
+                            double(spec.crop_left), double(edge), double(edge)},
+                           at::kFloat)
+                    .unsqueeze(0);  // [1, 6]
+            samples_.push_back(std::move(s));
+        }
+    }
+    DTUNE_CHECK_AS(DataError, !samples_.empty(), options_.data_backend_config.string(),
+                   ": the eval dataset has no readable images; add images or remove the eval entry");
+    const auto sched =
+        nlohmann::json::parse(fs::read_file(pf.component("scheduler").path / "scheduler_config.json"));
+    schedule_.emplace(diffusion::NoiseScheduleConfig::from_json(sched, "scheduler_config.json"));
+    prediction_ = config.is_null("prediction_type")
+                      ? schedule_->config().prediction_type
+                      : diffusion::parse_prediction_type(config.text("prediction_type"), "prediction_type");
+    log::info() << "eval loss: " << samples_.size() << " image(s) x " << options_.num_timesteps
+                << " timesteps";
+}
+
+double EvalLossCallback::evaluate(train::Trainer& trainer, int64_t step) {
+    last_step_ = step;
+    if (samples_.empty()) prepare(trainer);
+    const auto ts = trailing_timesteps(schedule_->num_train_timesteps(), options_.num_timesteps);
+    const double loss = eval_loss(*trainer.unet(), *schedule_, prediction_, samples_, ts);
+    std::ofstream out(trainer.output_dir() / "eval.jsonl", std::ios::app);
+    out << nlohmann::json{{"step", step},
+                          {"eval_loss", loss},
+                          {"images", samples_.size()},
+                          {"timesteps", options_.num_timesteps}}
+               .dump()
+        << "\n";
+    if (sink_) sink_(step, loss);
+    log::info() << "eval loss at step " << step << ": " << loss;
+    return loss;
+}
+
+void EvalLossCallback::on_step_end(train::Trainer& trainer, const train::StepReport& report) {
+    if (trainer.is_main_process() && options_.interval > 0 && report.step % options_.interval == 0)
+        evaluate(trainer, report.step);
+}
+
+void EvalLossCallback::on_train_end(train::Trainer& trainer, const train::TrainResult& result) {
+    if (trainer.is_main_process() && result.outcome == train::TrainOutcome::kCompleted &&
+        last_step_ != result.global_step)
+        evaluate(trainer, result.global_step);
+}
+
+std::shared_ptr<EvalLossCallback> make_eval_loss_callback(const train::TrainConfig& config) {
+    if (config.flag("eval_loss_disable") || config.is_null("data_backend_config")) return nullptr;
+    const std::filesystem::path file = config.text("data_backend_config");
+    if (!std::filesystem::exists(file)) return nullptr;
+    const auto root = nlohmann::json::parse(fs::read_file(file), nullptr, false);
+    bool has_eval = false;
+    if (root.is_array())
+        for (const auto& d : root)
+            if (d.is_object() && d.value("dataset_type", "") == "eval" && !d.value("disabled", false))
+                has_eval = true;
+    if (!has_eval) return nullptr;
+    EvalLossCallback::Options o;
+    o.model_dir = config.text("pretrained_model_name_or_path");
+    o.data_backend_config = file;
+    const auto interval = config.opt_integer("eval_steps_interval");
+    o.interval = interval ? *interval : config.integer("validation_step_interval");
+    o.num_images = config.integer("num_eval_images");
+    o.num_timesteps = config.integer("eval_timesteps");
+    return std::make_shared<EvalLossCallback>(std::move(o));
+}
+
+}  // namespace dtune::report

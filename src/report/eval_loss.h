@@ -1,0 +1,80 @@
+// Eval loss on `dataset_type: eval` datasets (SIMPLETUNER.md §9): each eval image is noised at
+// eval_timesteps fixed timesteps (the training scheduler's trailing set_timesteps) with noise from
+// a generator reseeded to 0 for every image and timestep, and the loss is the mean over images and
+// timesteps. Logged to output_dir/eval.jsonl (and TensorBoard eval/loss) every eval_steps_interval
+// steps (validation_step_interval when unset) and at the end.
+//
+// Invariants: the same weights give the same eval loss, bit for bit on the CPU; the pass runs under
+// no-grad with the UNet in eval mode and its own generators, so it never changes training. Eval
+// latents use the VAE posterior mean and prompts the model folder's CLIP encoders (no CFG).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "diffusion/noise_schedule.h"
+#include "train/callbacks.h"
+#include "train/config.h"
+
+namespace dtune::models {
+class UNet2DConditionModelImpl;
+}
+
+namespace dtune::report {
+
+struct EvalSample {
+    at::Tensor latents;   // [1, C, h, w] scaled latents
+    at::Tensor embeds;    // [1, 77, D]
+    at::Tensor pooled;    // [1, P]
+    at::Tensor time_ids;  // [1, 6]
+};
+
+// diffusers DDPMScheduler.set_timesteps(n) with timestep_spacing "trailing":
+// round(arange(T, 0, -T/n)) - 1, in descending order.
+std::vector<int64_t> trailing_timesteps(int64_t num_train_timesteps, int64_t n);
+
+// Mean loss over samples × timesteps (see the file comment). Restores the UNet's train/eval mode.
+double eval_loss(models::UNet2DConditionModelImpl& unet, const diffusion::NoiseSchedule& schedule,
+                 diffusion::PredictionType prediction, const std::vector<EvalSample>& samples,
+                 const std::vector<int64_t>& timesteps);
+
+class EvalLossCallback final : public train::TrainCallback {
+  public:
+    struct Options {
+        std::filesystem::path model_dir;
+        std::filesystem::path data_backend_config;
+        int64_t interval = 100;
+        int64_t num_images = 4;
+        int64_t num_timesteps = 28;
+    };
+    explicit EvalLossCallback(Options options);
+    ~EvalLossCallback() override;
+
+    void set_scalar_sink(std::function<void(int64_t, double)> sink) { sink_ = std::move(sink); }
+    void on_step_end(train::Trainer& trainer, const train::StepReport& report) override;
+    void on_train_end(train::Trainer& trainer, const train::TrainResult& result) override;
+    // Scores the current weights and appends to eval.jsonl; returns the loss.
+    double evaluate(train::Trainer& trainer, int64_t step);
+
+  private:
+    void prepare(train::Trainer& trainer);
+
+    Options options_;
+    std::vector<EvalSample> samples_;
+    std::optional<diffusion::NoiseSchedule> schedule_;
+    diffusion::PredictionType prediction_ = diffusion::PredictionType::kEpsilon;
+    std::function<void(int64_t, double)> sink_;
+    int64_t last_step_ = -1;
+};
+
+// The callback when the config's data_backend_config has an eval dataset and eval_loss_disable is
+// off; nullptr otherwise.
+std::shared_ptr<EvalLossCallback> make_eval_loss_callback(const train::TrainConfig& config);
+
+}  // namespace dtune::report

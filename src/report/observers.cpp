@@ -1,0 +1,141 @@
+// Run observers (see observers.h).
+#include "report/observers.h"
+
+#include <cctype>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "io/image.h"
+#include "report/eval_loss.h"
+#include "report/html_report.h"
+#include "report/validation.h"
+#include "train/trainer.h"
+
+namespace dtune::report {
+
+void TensorBoardCallback::on_train_start(train::Trainer& trainer) {
+    if (trainer.is_main_process() && !writer_)
+        writer_ = std::make_unique<EventWriter>(trainer.output_dir() / "logs" / "dtune");
+}
+
+void TensorBoardCallback::on_step_end(train::Trainer&, const train::StepReport& r) {
+    if (!writer_) return;
+    writer_->add_scalar("train/loss", r.loss, r.step);
+    writer_->add_scalar("train/lr", r.lr, r.step);
+    writer_->add_scalar("train/grad_norm", r.grad_norm, r.step);
+    writer_->add_scalar("train/img_per_s", r.img_per_s, r.step);
+    writer_->add_scalar("train/samples_seen", static_cast<double>(r.samples_seen), r.step);
+    if (r.gpu_memory_gib) writer_->add_scalar("train/gpu_memory_gib", *r.gpu_memory_gib, r.step);
+}
+
+void TensorBoardCallback::add_scalar(const std::string& tag, double value, int64_t step) {
+    if (writer_) writer_->add_scalar(tag, value, step);
+}
+
+void TensorBoardCallback::add_png(const std::string& tag, int width, int height, std::string png,
+                                  int64_t step) {
+    if (writer_) writer_->add_image(tag, ImageSummary{width, height, 3, std::move(png)}, step);
+}
+
+nlohmann::json dataset_summary(const train::TrainConfig& config) {
+    if (config.is_null("data_backend_config")) return nullptr;
+    const std::filesystem::path file = config.text("data_backend_config");
+    std::error_code ec;
+    if (!std::filesystem::is_regular_file(file, ec)) return nullptr;
+    const auto root = nlohmann::json::parse(fs::read_file(file), nullptr, false);
+    if (!root.is_array()) return nullptr;
+    nlohmann::json out = nlohmann::json::object();
+    for (const auto& d : root) {
+        if (!d.is_object()) continue;
+        const std::string type = d.value("dataset_type", "image");
+        std::string line = str(type, ", ", d.value("type", "local"));
+        if (d.contains("instance_data_dir")) {
+            const std::string dir = d.value("instance_data_dir", "");
+            line += ", " + dir;
+            if (d.value("type", "local") == "local" && std::filesystem::is_directory(dir, ec)) {
+                int64_t n = 0;
+                for (const auto& e : std::filesystem::recursive_directory_iterator(dir, ec)) {
+                    auto ext = e.path().extension().string();
+                    for (auto& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+                    n += ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".webp";
+                }
+                line += str(", ", n, " images");
+            }
+        }
+        if (d.contains("resolution"))
+            line += ", resolution " + d.at("resolution").dump() + " " + d.value("resolution_type", "");
+        if (d.contains("caption_strategy")) line += ", captions: " + d.value("caption_strategy", "");
+        if (d.contains("cache_dir")) line += ", cache " + d.value("cache_dir", "");
+        out[d.value("id", str("entry ", out.size()))] = line;
+    }
+    return out;
+}
+
+const nlohmann::json& ReportCallback::dataset(train::Trainer& trainer) {
+    if (!dataset_) dataset_ = dataset_summary(trainer.config());
+    return *dataset_;
+}
+
+void ReportCallback::on_checkpoint(train::Trainer& trainer, const std::filesystem::path& dir) {
+    if (trainer.is_main_process())
+        write_report(trainer.output_dir(),
+                     str("running (", dir.filename().string(), " saved at step ", trainer.global_step(),
+                         " of ", trainer.total_steps(), ")"),
+                     dataset(trainer));
+}
+
+void ReportCallback::on_train_end(train::Trainer& trainer, const train::TrainResult& result) {
+    if (!trainer.is_main_process()) return;
+    const auto path =
+        write_report(trainer.output_dir(),
+                     str(result.outcome == train::TrainOutcome::kCompleted ? "finished" : "interrupted",
+                         " at step ", result.global_step, " of ", trainer.total_steps()),
+                     dataset(trainer));
+    log::info() << "report: " << path.string();
+}
+
+void ReportCallback::on_error(train::Trainer& trainer, const std::exception& error) {
+    if (!trainer.is_main_process()) return;
+    try {
+        write_report(trainer.output_dir(), str("failed at step ", trainer.global_step(), ": ", error.what()),
+                     dataset(trainer));
+    } catch (const std::exception& e) {
+        log::warn() << "could not write report.html after the failure: " << e.what();
+    }
+}
+
+bool reports_to_tensorboard(const train::TrainConfig& config) {
+    const std::string r = config.text("report_to");
+    return r == "tensorboard" || r == "all";
+}
+
+void add_observers(train::Trainer& trainer) {
+    const auto& config = trainer.config();
+    std::shared_ptr<TensorBoardCallback> tb;
+    if (reports_to_tensorboard(config)) {
+        tb = std::make_shared<TensorBoardCallback>();
+        trainer.add_callback(tb);
+    }
+    const std::filesystem::path model_dir = config.text("pretrained_model_name_or_path");
+    auto settings = validation_settings(config);
+    if (!settings.prompts.empty()) {
+        auto v = std::make_shared<ValidationCallback>(std::move(settings), model_dir);
+        if (tb)
+            v->add_sink([tb](int64_t step, const std::string& name, int i, const std::string& res,
+                             const io::RgbImage& im) {
+                tb->add_png(str("validation/", name, "_", i, "_", res), im.width, im.height,
+                            io::encode_png(im), step);
+            });
+        trainer.add_callback(v);
+    }
+    if (auto eval = make_eval_loss_callback(config)) {
+        if (tb)
+            eval->set_scalar_sink(
+                [tb](int64_t step, double loss) { tb->add_scalar("eval/loss", loss, step); });
+        trainer.add_callback(eval);
+    }
+    trainer.add_callback(std::make_shared<ReportCallback>());
+}
+
+}  // namespace dtune::report

@@ -1,0 +1,188 @@
+// Validation during training (see validation.h).
+#include "report/validation.h"
+
+#include <cmath>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "models/common/pipeline_folder.h"
+#include "report/html_report.h"
+#include "train/trainer.h"
+#include "validate/sdxl_pipeline.h"
+
+namespace dtune::report {
+
+std::vector<std::pair<int, int>> parse_validation_resolution(const std::string& text) {
+    std::vector<std::pair<int, int>> out;
+    std::stringstream ss(text);
+    std::string item;
+    auto bad = [&](const std::string& why) {
+        return UsageError(str("validation_resolution \"", text, "\": ", why,
+                              "; use sizes like \"1024x1024,1280x768\" (multiples of 8) or one number"));
+    };
+    while (std::getline(ss, item, ',')) {
+        item.erase(0, item.find_first_not_of(' '));
+        item.erase(item.find_last_not_of(' ') + 1);
+        if (item.empty()) continue;
+        try {
+            const auto x = item.find('x');
+            int w = 0, h = 0;
+            if (x != std::string::npos) {
+                w = std::stoi(item.substr(0, x));
+                h = std::stoi(item.substr(x + 1));
+            } else {
+                const double v = std::stod(item);
+                // SimpleTuner reads values below 128 as megapixels.
+                const int side = v < 128 ? static_cast<int>(std::lround(std::sqrt(v * 1e6) / 64.0)) * 64
+                                         : static_cast<int>(v);
+                w = h = side;
+            }
+            if (w <= 0 || h <= 0 || w % 8 || h % 8)
+                throw bad(str("size ", w, "x", h, " is not a multiple of 8"));
+            out.emplace_back(w, h);
+        } catch (const std::invalid_argument&) {
+            throw bad(str("\"", item, "\" is not a size"));
+        }
+    }
+    if (out.empty()) throw bad("no size given");
+    return out;
+}
+
+std::vector<ValidationPrompt> read_prompt_library(const std::filesystem::path& file) {
+    const auto j = nlohmann::json::parse(fs::read_file(file), nullptr, false);
+    DTUNE_CHECK_AS(UsageError, j.is_object(), "user_prompt_library ", file.string(),
+                   " is not a JSON object; write it as {\"shortname\": \"prompt\", ...}");
+    std::vector<ValidationPrompt> out;
+    for (const auto& [name, v] : j.items()) {
+        std::string prompt;
+        if (v.is_string())
+            prompt = v.get<std::string>();
+        else if (v.is_object() && v.contains("prompt") && v.at("prompt").is_string())
+            prompt = v.at("prompt").get<std::string>();
+        else
+            throw UsageError(str("user_prompt_library ", file.string(), ": entry \"", name,
+                                 "\" is neither a prompt string nor {\"prompt\": \"...\"}"));
+        std::string shortname = name;
+        for (char& c : shortname)
+            if (c == '/' || c == ' ') c = '_';  // the name becomes part of a file name
+        out.push_back({shortname, prompt});
+    }
+    return out;
+}
+
+ValidationSettings validation_settings(const train::TrainConfig& config) {
+    ValidationSettings s;
+    if (config.flag("validation_disable")) return s;
+    if (!config.text("validation_prompt").empty())
+        s.prompts.push_back({"validation", config.text("validation_prompt")});
+    if (!config.text("user_prompt_library").empty()) {
+        auto lib = read_prompt_library(config.text("user_prompt_library"));
+        s.prompts.insert(s.prompts.end(), lib.begin(), lib.end());
+    }
+    if (!config.is_null("validation_negative_prompt"))
+        s.negative_prompt = config.text("validation_negative_prompt");
+    s.resolutions = parse_validation_resolution(config.text("validation_resolution"));
+    s.guidance = config.real("validation_guidance");
+    s.guidance_rescale = config.real("validation_guidance_rescale");
+    s.steps = config.integer("validation_num_inference_steps");
+    DTUNE_CHECK_AS(UsageError, s.steps >= 1, "validation_num_inference_steps ", s.steps,
+                   " is invalid; use 1 or more");
+    const auto seed = config.opt_integer("validation_seed");
+    s.seed = static_cast<uint64_t>(seed ? *seed : config.integer("seed"));
+    if (!config.is_null("validation_noise_scheduler")) s.sampler = config.text("validation_noise_scheduler");
+    s.num_images = static_cast<int>(config.integer("num_validation_images"));
+    DTUNE_CHECK_AS(UsageError, s.num_images >= 1, "num_validation_images ", s.num_images,
+                   " is invalid; use 1 or more");
+    s.interval = config.integer("validation_step_interval");
+    s.benchmark = !config.flag("disable_benchmark");
+    return s;
+}
+
+ValidationCallback::ValidationCallback(ValidationSettings settings, std::filesystem::path model_dir)
+    : settings_(std::move(settings)), model_dir_(std::move(model_dir)) {}
+
+ValidationCallback::~ValidationCallback() = default;
+
+void ValidationCallback::on_train_start(train::Trainer& trainer) {
+    // The base model's images: only on a fresh start (after a resume the UNet is already trained).
+    if (settings_.benchmark && trainer.global_step() == 0) run(trainer, 0);
+}
+
+void ValidationCallback::on_step_end(train::Trainer& trainer, const train::StepReport& report) {
+    if (settings_.interval > 0 && report.step % settings_.interval == 0) run(trainer, report.step);
+}
+
+void ValidationCallback::on_train_end(train::Trainer& trainer, const train::TrainResult& result) {
+    if (result.outcome == train::TrainOutcome::kCompleted && last_step_ != result.global_step)
+        run(trainer, result.global_step);
+}
+
+namespace {
+
+std::unique_ptr<validate::SDXLPipeline> load_pipeline(const std::filesystem::path& model_dir,
+                                                      train::Trainer& trainer) {
+    const auto pf = models::PipelineFolder::open(model_dir);
+    const c10::ScalarType dtype = trainer.unet()->parameters().front().scalar_type();
+    auto te = models::SDXLTextEncoders::load(pf, {dtype, trainer.device()});
+    models::ComponentLoadOptions vae_load;
+    vae_load.device = trainer.device();  // float32: SDXL's VAE overflows in half precision
+    auto vae = models::load_autoencoder_kl(pf.vae_path(), vae_load);
+    auto sched =
+        nlohmann::json::parse(fs::read_file(pf.component("scheduler").path / "scheduler_config.json"));
+    sched["timestep_spacing"] = "trailing";  // SimpleTuner's inference_scheduler_timestep_spacing
+    // The pipeline shares the trainer's UNet module (a holder copy), so it validates live weights.
+    auto p = std::make_unique<validate::SDXLPipeline>(std::move(te), trainer.unet(), std::move(vae),
+                                                      std::move(sched), trainer.device());
+    trainer.unet()->train();  // the pipeline's constructor switched it to eval
+    return p;
+}
+
+}  // namespace
+
+std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& trainer, int64_t step) {
+    std::vector<std::filesystem::path> written;
+    last_step_ = step;
+    if (!trainer.is_main_process() || settings_.prompts.empty()) return written;
+    if (!pipeline_) pipeline_ = load_pipeline(model_dir_, trainer);
+    const auto dir = trainer.output_dir() / "validation_images";
+    std::filesystem::create_directories(dir);
+    auto& unet = trainer.unet();
+    const bool was_training = unet->is_training();
+    unet->eval();
+    try {
+        for (const auto& p : settings_.prompts) {
+            for (const auto& [w, h] : settings_.resolutions) {
+                validate::GenerationRequest r;
+                r.prompt = {p.prompt};
+                if (settings_.negative_prompt)
+                    r.negative_prompt = std::vector<std::string>{*settings_.negative_prompt};
+                r.width = w, r.height = h;
+                r.steps = settings_.steps;
+                r.guidance_scale = settings_.guidance;
+                r.guidance_rescale = settings_.guidance_rescale;
+                r.sampler = settings_.sampler;
+                r.seed = settings_.seed;
+                r.num_images_per_prompt = settings_.num_images;
+                const auto images = validate::to_rgb_images(pipeline_->generate(r).images);
+                for (size_t i = 0; i < images.size(); ++i) {
+                    const auto path =
+                        dir / validation_image_name(step, p.shortname, static_cast<int>(i), w, h);
+                    io::write_image(path, images[i]);
+                    written.push_back(path);
+                    for (auto& sink : sinks_)
+                        sink(step, p.shortname, static_cast<int>(i), str(w, "x", h), images[i]);
+                }
+            }
+        }
+    } catch (...) {
+        if (was_training) unet->train();
+        throw;
+    }
+    if (was_training) unet->train();
+    log::info() << "validation at step " << step << ": " << written.size() << " image(s) in " << dir.string();
+    return written;
+}
+
+}  // namespace dtune::report

@@ -1,0 +1,85 @@
+// Validation during training (SIMPLETUNER.md §9): every validation_step_interval steps, the live
+// UNet (with any LoRA layers injected into it) generates images for each validation prompt and
+// resolution, saved as output_dir/validation_images/step_<N>_<shortname>_<i>_<WxH>.png. At step 0
+// (not on a resume) a base-model "benchmark" set is made unless disable_benchmark; a final set is
+// made at the end of training.
+//
+// Invariants: validation draws only from its own CPU generator seeded by validation_seed (or the
+// run's seed), runs under inference mode, and puts the UNet back in training mode afterwards, so
+// a run with validation trains bit-identical weights to one without. Text encoders and the VAE
+// are loaded from the model folder once, on the first validation. Rank 0 only.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "io/image.h"
+#include "train/callbacks.h"
+#include "train/config.h"
+
+namespace dtune::validate {
+class SDXLPipeline;
+}
+
+namespace dtune::report {
+
+struct ValidationPrompt {
+    std::string shortname;  // "validation" for validation_prompt; the library's key otherwise
+    std::string prompt;
+};
+
+struct ValidationSettings {
+    std::vector<ValidationPrompt> prompts;
+    std::optional<std::string> negative_prompt;
+    std::vector<std::pair<int, int>> resolutions;  // (width, height)
+    double guidance = 7.5;
+    double guidance_rescale = 0.0;
+    int64_t steps = 30;
+    uint64_t seed = 0;
+    std::string sampler = "ddim";  // SimpleTuner's SDXL default
+    int num_images = 1;
+    int64_t interval = 100;  // steps; <= 0 disables interval validation
+    bool benchmark = true;   // base-model images at step 0
+};
+
+// "1024x1024,1280x768" -> sizes; a bare number N is NxN; values < 128 are megapixels (SimpleTuner),
+// rounded to a square of side multiple of 64. UsageError naming validation_resolution otherwise.
+std::vector<std::pair<int, int>> parse_validation_resolution(const std::string& text);
+// user_prompt_library: a JSON object {shortname: prompt} (a prompt may also be {"prompt": ...}).
+std::vector<ValidationPrompt> read_prompt_library(const std::filesystem::path& file);
+// The settings from the config; no prompts means validation is off.
+ValidationSettings validation_settings(const train::TrainConfig& config);
+
+// Called with (step, shortname, index, "WxH", image) for every saved image (TensorBoard, webhooks).
+using ValidationImageSink =
+    std::function<void(int64_t, const std::string&, int, const std::string&, const io::RgbImage&)>;
+
+class ValidationCallback final : public train::TrainCallback {
+  public:
+    ValidationCallback(ValidationSettings settings, std::filesystem::path model_dir);
+    ~ValidationCallback() override;
+
+    void add_sink(ValidationImageSink sink) { sinks_.push_back(std::move(sink)); }
+
+    void on_train_start(train::Trainer& trainer) override;
+    void on_step_end(train::Trainer& trainer, const train::StepReport& report) override;
+    void on_train_end(train::Trainer& trainer, const train::TrainResult& result) override;
+
+    // Generates and saves the images for `step` now; returns the files written.
+    std::vector<std::filesystem::path> run(train::Trainer& trainer, int64_t step);
+
+  private:
+    ValidationSettings settings_;
+    std::filesystem::path model_dir_;
+    std::unique_ptr<validate::SDXLPipeline> pipeline_;
+    std::vector<ValidationImageSink> sinks_;
+    int64_t last_step_ = -1;
+};
+
+}  // namespace dtune::report

@@ -1,0 +1,198 @@
+// The observers on a real (tiny fixture) trainer: validation leaves the trained weights bit-identical
+// and names files as SimpleTuner does; eval loss is deterministic and sees weight changes; metrics
+// and TensorBoard rows carry samples seen; report.html is written at checkpoints.
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "io/image.h"
+#include "models/common/weights.h"
+#include "report/eval_loss.h"
+#include "report/html_report.h"
+#include "report/observers.h"
+#include "report/tensorboard.h"
+#include "report/validation.h"
+#include "support/test_support.h"
+#include "train/trainer.h"
+
+namespace dtune::report {
+namespace {
+
+std::filesystem::path tiny_model() {
+    return test::fixtures_dir() / "tiny-sdxl";
+}
+
+diffusion::NoiseSchedule tiny_schedule() {
+    const auto j = nlohmann::json::parse(fs::read_file(tiny_model() / "scheduler" / "scheduler_config.json"));
+    return diffusion::NoiseSchedule(diffusion::NoiseScheduleConfig::from_json(j, "tiny scheduler"));
+}
+
+train::TrainConfig config(const std::filesystem::path& out,
+                          const nlohmann::json& extra = nlohmann::json::object()) {
+    train::TrainConfig c;
+    c.merge_json(nlohmann::json{{"model_family", "sdxl"},
+                                {"output_dir", out.string()},
+                                {"pretrained_model_name_or_path", tiny_model().string()},
+                                {"optimizer", "torch-adamw"},
+                                {"learning_rate", 1e-3},
+                                {"lr_scheduler", "constant"},
+                                {"train_batch_size", 2},
+                                {"max_train_steps", 4},
+                                {"checkpoint_step_interval", 2},
+                                {"mixed_precision", "no"},
+                                {"gradient_checkpointing", false},
+                                {"deterministic", true},
+                                {"seed", 99},
+                                {"validation_step_interval", 2},
+                                {"validation_resolution", "64x64"},
+                                {"validation_num_inference_steps", 2},
+                                {"validation_seed", 7}},
+                 "test");
+    c.merge_json(extra, "test extra");
+    c.validate();
+    return c;
+}
+
+std::unique_ptr<train::Trainer> make_trainer(const train::TrainConfig& c) {
+    train::SyntheticBatchOptions o;
+    o.batch_size = 2;
+    o.dim = 64;
+    o.pooled_dim = 32;
+    return std::make_unique<train::Trainer>(c, models::load_unet(tiny_model() / "unet"), tiny_schedule(),
+                                            std::make_unique<train::SyntheticBatchSource>(o));
+}
+
+TEST(Validation, ParsesResolutions) {
+    using P = std::vector<std::pair<int, int>>;
+    EXPECT_EQ(parse_validation_resolution("1024x1024, 1280x768"), (P{{1024, 1024}, {1280, 768}}));
+    EXPECT_EQ(parse_validation_resolution("256"), (P{{256, 256}}));
+    EXPECT_EQ(parse_validation_resolution("1"),
+              (P{{1024, 1024}}));  // 1 MP -> sqrt(1e6)=1000 -> 1024 on the 64 grid
+    EXPECT_THROW(parse_validation_resolution("100x7"), UsageError);
+    EXPECT_THROW(parse_validation_resolution("big"), UsageError);
+}
+
+TEST(Validation, DoesNotChangeTrainingAndNamesFilesLikeSimpleTuner) {
+    test::TempDir plain_dir, val_dir;
+    auto plain = make_trainer(config(plain_dir.path()));
+    plain->run();
+    const auto a = models::state_dict(*plain->unet());
+
+    const auto c =
+        config(val_dir.path(), {{"validation_prompt", "a red circle"}, {"report_to", "tensorboard"}});
+    auto trainer = make_trainer(c);
+    add_observers(*trainer);
+    trainer->run();
+    const auto b = models::state_dict(*trainer->unet());
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+
+    const auto dir = val_dir / "validation_images";
+    for (int step : {0, 2, 4})
+        EXPECT_TRUE(std::filesystem::exists(dir / str("step_", step, "_validation_0_64x64.png"))) << step;
+    EXPECT_EQ(list_validation_images(dir).size(), 3u);  // the final step coincides with the interval
+    // The live UNet is validated: the base model's image differs from the trained one's.
+    const auto before = io::read_image(dir / "step_0_validation_0_64x64.png");
+    const auto after = io::read_image(dir / "step_4_validation_0_64x64.png");
+    EXPECT_NE(before.pixels, after.pixels);
+
+    // metrics.jsonl has samples seen; TensorBoard got scalars and the three images.
+    const auto rows = read_jsonl(val_dir / "metrics.jsonl");
+    ASSERT_EQ(rows.size(), 4u);
+    EXPECT_EQ(rows.back().at("samples_seen").get<int64_t>(), 8);
+    std::filesystem::path events;
+    for (const auto& e : std::filesystem::directory_iterator(val_dir / "logs" / "dtune")) events = e.path();
+    int64_t losses = 0, images = 0;
+    for (const auto& e : read_events(events))
+        for (const auto& v : e.values) {
+            losses += v.tag == "train/loss";
+            images += v.image.has_value();
+        }
+    EXPECT_EQ(losses, 4);
+    EXPECT_EQ(images, 3);
+    EXPECT_TRUE(std::filesystem::exists(val_dir / "report.html"));
+}
+
+TEST(EvalLoss, TrailingTimestepsMatchDiffusers) {
+    // numpy: np.round(np.arange(1000, 0, -1000/28)).astype(int) - 1 (DDPMScheduler, trailing).
+    const std::vector<int64_t> expected{999, 963, 928, 892, 856, 820, 785, 749, 713, 678, 642, 606, 570, 535,
+                                        499, 463, 428, 392, 356, 320, 285, 249, 213, 178, 142, 106, 70,  35};
+    EXPECT_EQ(trailing_timesteps(1000, 28), expected);
+    EXPECT_EQ(trailing_timesteps(1000, 3), (std::vector<int64_t>{999, 666, 332}));
+}
+
+TEST(EvalLoss, SameWeightsSameLossAndTrainingIsSeen) {
+    auto unet = models::load_unet(tiny_model() / "unet");
+    const auto schedule = tiny_schedule();
+    auto gen = at::detail::createCPUGenerator(3);
+    std::vector<EvalSample> samples(2);
+    for (auto& s : samples) {
+        s.latents = at::randn({1, 4, 8, 8}, gen);
+        s.embeds = at::randn({1, 77, 64}, gen);
+        s.pooled = at::randn({1, 32}, gen);
+        s.time_ids = at::tensor({64.f, 64.f, 0.f, 0.f, 64.f, 64.f}).unsqueeze(0);
+    }
+    const auto ts = trailing_timesteps(1000, 4);
+    unet->train();
+    const double first = eval_loss(*unet, schedule, diffusion::PredictionType::kEpsilon, samples, ts);
+    (void)at::randn({100});  // the global generator moves; eval uses its own
+    const double second = eval_loss(*unet, schedule, diffusion::PredictionType::kEpsilon, samples, ts);
+    EXPECT_TRUE(std::isfinite(first));
+    EXPECT_EQ(first, second);
+    EXPECT_TRUE(unet->is_training());
+    {
+        at::NoGradGuard g;
+        for (auto& p : unet->parameters()) p.mul_(0.5);
+    }
+    EXPECT_NE(eval_loss(*unet, schedule, diffusion::PredictionType::kEpsilon, samples, ts), first);
+}
+
+TEST(EvalLoss, CallbackScoresAnEvalDatasetDeterministically) {
+    test::TempDir dir;
+    std::filesystem::create_directories(dir / "eval");
+    for (int i = 0; i < 2; ++i) {
+        io::RgbImage im(64, 64);
+        for (size_t k = 0; k < im.pixels.size(); ++k)
+            im.pixels[k] = static_cast<uint8_t>((k * (i + 3)) % 251);
+        io::write_image(dir / "eval" / str("img", i, ".png"), im);
+        std::ofstream(dir / "eval" / str("img", i, ".txt")) << "a shape " << i;
+    }
+    const auto backend = dir / "multidatabackend.json";
+    std::ofstream(backend) << nlohmann::json::array({{{"id", "train"},
+                                                      {"type", "local"},
+                                                      {"instance_data_dir", (dir / "eval").string()},
+                                                      {"caption_strategy", "textfile"},
+                                                      {"resolution", 64},
+                                                      {"resolution_type", "pixel"}},
+                                                     {{"id", "holdout"},
+                                                      {"type", "local"},
+                                                      {"dataset_type", "eval"},
+                                                      {"instance_data_dir", (dir / "eval").string()},
+                                                      {"caption_strategy", "textfile"},
+                                                      {"resolution", 64},
+                                                      {"resolution_type", "pixel"}},
+                                                     {{"id", "te"},
+                                                      {"type", "local"},
+                                                      {"dataset_type", "text_embeds"},
+                                                      {"default", true},
+                                                      {"cache_dir", (dir / "te").string()}}})
+                                  .dump();
+    const auto c = config(dir / "out", {{"data_backend_config", backend.string()}, {"eval_timesteps", 3}});
+    auto cb = make_eval_loss_callback(c);
+    ASSERT_NE(cb, nullptr);
+    auto trainer = make_trainer(c);
+    const double a = cb->evaluate(*trainer, 0);
+    const double b = cb->evaluate(*trainer, 0);
+    EXPECT_TRUE(std::isfinite(a));
+    EXPECT_EQ(a, b);
+    const auto rows = read_jsonl(dir / "out" / "eval.jsonl");
+    ASSERT_EQ(rows.size(), 2u);
+    EXPECT_EQ(rows[0].at("images").get<int>(), 2);
+    EXPECT_EQ(make_eval_loss_callback(config(dir / "out2")), nullptr);  // no eval dataset, no callback
+}
+
+}  // namespace
+}  // namespace dtune::report
