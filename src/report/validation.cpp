@@ -149,6 +149,8 @@ std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& train
     const auto dir = trainer.output_dir() / "validation_images";
     std::filesystem::create_directories(dir);
     auto& unet = trainer.unet();
+    // With use_ema the EMA weights generate (as SimpleTuner validates); restored when this returns.
+    const train::EMAWeightsGuard ema_weights = trainer.use_ema_weights();
     const bool was_training = unet->is_training();
     unet->eval();
     try {
