@@ -89,7 +89,11 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     init_data_parallel(env);
     models::ComponentLoadOptions load;
     load.device = device_;
-    load.dtype = config_.text("optimizer") == "adamw_bf16" ? at::kBFloat16 : at::kFloat;
+    // bf16 weights for adamw_bf16, and for a LoRA's frozen base on CUDA under bf16 autocast (the
+    // adapters are trained in float32 there, see init_extras).
+    const bool lora_bf16_base = config_.text("model_type") == "lora" && device_.is_cuda() &&
+                                config_.text("mixed_precision") == "bf16";
+    load.dtype = config_.text("optimizer") == "adamw_bf16" || lora_bf16_base ? at::kBFloat16 : at::kFloat;
     unet_ = models::load_unet(model_dir_ / "unet", load);
     const auto sched_json =
         nlohmann::json::parse(fs::read_file(model_dir_ / "scheduler" / "scheduler_config.json"));

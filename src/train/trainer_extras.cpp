@@ -49,6 +49,13 @@ void Trainer::init_extras() {
     const bool lora = config_.text("model_type") == "lora";
     if (lora) {
         lora_ = std::make_unique<LoRATraining>(*unet_, config_);
+        // Adapters are created in the base weights' dtype; on a bf16 base they train in float32
+        // (unless adamw_bf16 asks for bf16 weights), as diffusers' and SimpleTuner's scripts do.
+        if (config_.text("optimizer") != "adamw_bf16") {
+            at::NoGradGuard no_grad;
+            for (auto& [name, tensor] : lora_->trainable())
+                if (tensor.scalar_type() != at::kFloat) tensor.set_data(tensor.to(at::kFloat));
+        }
         std::vector<NamedTensor> params;
         for (auto& [name, tensor] : lora_->trainable()) params.push_back({name, tensor});
         set_trainable_parameters(std::move(params));

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Full-size SDXL training runs with `dtune train` on the GPU machine: a random-weight pipeline built
+# from ../shared/fixtures/sdxl-base-configs, 1024² shape images, LoRA and/or full fine-tune.
+#   tools/gpu/train_full_size.sh <build dir> <work dir> <mode> [steps] [extra dtune train options...]
+# mode: lora (rank 16, batch 4) or full (batch 1, adamw_bf16). Prints the last metrics line and a
+# JSON summary (median ms/step over the second half of the run, peak memory, final loss).
+set -euo pipefail
+build=$1 work=$2 mode=$3 steps=${4:-200}
+shift $(( $# < 4 ? $# : 4 ))
+root=$(cd "$(dirname "$0")/../.." && pwd)
+fixtures=${DTUNE_FIXTURES:-$root/shared/fixtures}
+mkdir -p "$work"
+if [[ ! -f $work/sdxl/model_index.json ]]; then
+  "$build/bench/make_random_pipeline" --configs "$fixtures/sdxl-base-configs" \
+    --tokenizers "$fixtures/tiny-sdxl" --out "$work/sdxl" --dtype bf16
+fi
+[[ -d $work/images ]] || python3 "$root/tools/gpu/make_images.py" "$work/images" --count 32
+cat > "$work/mdb.json" <<JSON
+[
+  {"id": "shapes", "type": "local", "instance_data_dir": "$work/images", "caption_strategy": "textfile",
+   "resolution": 1024, "resolution_type": "pixel_area", "cache_dir_vae": "$work/cache/vae"},
+  {"id": "text", "type": "local", "dataset_type": "text_embeds", "default": true, "cache_dir": "$work/cache/text"}
+]
+JSON
+out=$work/out-$mode
+rm -rf "$out"
+if [[ $mode == lora ]]; then
+  args=(--model_type lora --lora_rank 16 --train_batch_size 4 --optimizer torch-adamw --learning_rate 1e-4)
+else
+  args=(--model_type full --train_batch_size 1 --optimizer adamw_bf16 --learning_rate 1e-5)
+fi
+"$build/bin/dtune" train --model_family sdxl --pretrained_model_name_or_path "$work/sdxl" \
+  --data_backend_config "$work/mdb.json" --output_dir "$out" --max_train_steps "$steps" \
+  --mixed_precision bf16 --gradient_checkpointing false --checkpoint_step_interval "$steps" \
+  --seed 42 --device cuda --caption_dropout_probability 0.1 --lr_scheduler constant \
+  "${args[@]}" "$@"
+batch=$([[ $mode == lora ]] && echo 4 || echo 1)
+python3 - "$out/metrics.jsonl" "$mode" "$batch" <<'PY'
+import json, math, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+half = rows[len(rows) // 2:]  # past warm-up and caching
+ips = statistics.median(r["img_per_s"] for r in half)
+print(json.dumps({"mode": sys.argv[2], "steps": rows[-1]["step"], "final_loss": rows[-1]["loss"],
+                  "all_finite": all(math.isfinite(r["loss"]) for r in rows),
+                  "img_per_s_median": ips, "ms_per_step_median": 1000.0 * int(sys.argv[3]) / ips,
+                  "peak_gpu_gib": max(r.get("gpu_memory_gib", 0) for r in rows)}))
+PY
