@@ -8,6 +8,13 @@
 // Peak RSS is the process's ru_maxrss, so run one load per process. Before timing, it reads the
 // checkpoint once through a small buffer (the page cache then holds it), so the number is the
 // loader's cost, not the disk's; say so when quoting it.
+//
+// Measured (full-size SDXL UNet, 2,567,463,684 parameters, 4.78 GiB bf16 file -> bf16 on the CPU,
+// dev build, the project's shared 2-core CPU machine under a load average of ~13, so times are
+// noisy; peak RSS is not):
+//   before (fp32 modules with random init, then .to(bf16), then copy): 400 s, peak RSS 9.68 GiB
+//   after  (UninitializedParameters + copy from the mmap + page release): 66 s, peak RSS 5.18 GiB
+// The after peak is the bf16 model itself (4.78 GiB) plus the process's baseline.
 #include <ATen/ATen.h>
 #include <sys/resource.h>
 
