@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "io/safetensors.h"
 #include "models/clip/sdxl_text_encoders.h"
+#include "models/common/weights.h"
 #include "models/unet/unet_2d_condition.h"
 #include "models/vae/autoencoder_kl.h"
 #include "support/test_support.h"

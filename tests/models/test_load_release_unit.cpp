@@ -47,7 +47,7 @@ TEST(LoadRelease, ReleaseDropsResidentPagesButKeepsTheData) {
     test::TempDir dir;
     const io::WeightSource source = io::WeightSource::open(write_big(dir));
     const at::Tensor view = source.get("w");
-    EXPECT_DOUBLE_EQ(view.sum().item<double>(), double(kElements) * (kElements - 1) / 2);  // touches all
+    EXPECT_EQ(view.max().item<float>(), static_cast<float>(kElements - 1));  // reads every page
     const int64_t before = mapping_rss_kib(view.const_data_ptr());
     EXPECT_GE(before, 15 * 1024);
     source.release(view);
