@@ -1,10 +1,17 @@
-// `dtune sample`: text-to-image generation with an SDXL pipeline folder. Writes one PNG per image
-// and a JSON sidecar (same name, .json) holding every setting needed to reproduce it.
+// `dtune sample`: text-to-image generation with an SDXL pipeline folder or single-file checkpoint
+// (+ optional LoRA). Writes one image per sample (PNG, JPEG or WebP) and a JSON sidecar (same
+// name, .json) holding every setting needed to reproduce it.
 #include <ATen/ATen.h>
 
+#include <sched.h>
+
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <map>
 #include <optional>
 
 #include <nlohmann/json.hpp>
@@ -24,7 +31,7 @@ namespace {
 
 struct SampleArgs {
     std::string model;
-    std::string config_folder;  // for single-file checkpoints
+    std::string config_folder;  // for single-file checkpoints; empty = built-in SDXL base configs
     std::string prompt;
     std::optional<std::string> negative_prompt;
     int64_t width = 1024, height = 1024, steps = 30;
@@ -35,6 +42,11 @@ struct SampleArgs {
     std::string device = "auto", dtype = "auto";
     std::string output_dir = "samples";
     bool grid = false;
+    std::string lora;
+    double lora_scale = 1.0;
+    std::string format = "png";
+    int quality = 90;
+    int threads = 0;  // 0 = automatic (see cpu_threads)
 };
 
 int64_t to_int(const std::string& key, const std::string& v) {
@@ -57,73 +69,96 @@ double to_double(const std::string& key, const std::string& v) {
     throw UsageError(str(key, " expects a number, got '", v, "'"));
 }
 
+using Setter = std::function<void(SampleArgs&, const std::string& key, const std::string& value)>;
+
+// Every option that takes a value, by name.
+const std::map<std::string, Setter>& value_options() {
+    static const std::map<std::string, Setter> options = {
+        {"--model", [](SampleArgs& a, auto&, auto& v) { a.model = v; }},
+        {"--config_folder", [](SampleArgs& a, auto&, auto& v) { a.config_folder = v; }},
+        {"--prompt", [](SampleArgs& a, auto&, auto& v) { a.prompt = v; }},
+        {"--negative_prompt", [](SampleArgs& a, auto&, auto& v) { a.negative_prompt = v; }},
+        {"--width", [](SampleArgs& a, auto& k, auto& v) { a.width = to_int(k, v); }},
+        {"--height", [](SampleArgs& a, auto& k, auto& v) { a.height = to_int(k, v); }},
+        {"--steps", [](SampleArgs& a, auto& k, auto& v) { a.steps = to_int(k, v); }},
+        {"--guidance", [](SampleArgs& a, auto& k, auto& v) { a.guidance = to_double(k, v); }},
+        {"--guidance_rescale", [](SampleArgs& a, auto& k, auto& v) { a.guidance_rescale = to_double(k, v); }},
+        {"--seed", [](SampleArgs& a, auto& k, auto& v) { a.seed = static_cast<uint64_t>(to_int(k, v)); }},
+        {"--sampler", [](SampleArgs& a, auto&, auto& v) { a.sampler = v; }},
+        {"--batch", [](SampleArgs& a, auto& k, auto& v) { a.batch = static_cast<int>(to_int(k, v)); }},
+        {"--device", [](SampleArgs& a, auto&, auto& v) { a.device = v; }},
+        {"--dtype", [](SampleArgs& a, auto&, auto& v) { a.dtype = v; }},
+        {"--output_dir", [](SampleArgs& a, auto&, auto& v) { a.output_dir = v; }},
+        {"--lora", [](SampleArgs& a, auto&, auto& v) { a.lora = v; }},
+        {"--lora_scale", [](SampleArgs& a, auto& k, auto& v) { a.lora_scale = to_double(k, v); }},
+        {"--format", [](SampleArgs& a, auto&, auto& v) { a.format = v; }},
+        {"--quality", [](SampleArgs& a, auto& k, auto& v) { a.quality = static_cast<int>(to_int(k, v)); }},
+        {"--threads", [](SampleArgs& a, auto& k, auto& v) { a.threads = static_cast<int>(to_int(k, v)); }},
+    };
+    return options;
+}
+
+// Checked again by the pipeline; here so that a typo fails before the model loads.
+void check_args(const SampleArgs& a) {
+    if (a.model.empty())
+        throw UsageError("sample needs a model: dtune sample --model <sdxl pipeline folder | file> ...");
+    if (a.prompt.empty()) throw UsageError("sample needs --prompt \"...\"");
+    if (a.width <= 0 || a.height <= 0 || a.width % 8 || a.height % 8)
+        throw UsageError(
+            str("--width/--height ", a.width, "x", a.height, " is invalid: use positive multiples of 8"));
+    if (a.steps < 1) throw UsageError(str("--steps ", a.steps, " is invalid: use 1 or more"));
+    if (a.batch < 1) throw UsageError(str("--batch ", a.batch, " is invalid: use 1 or more"));
+    if (a.quality < 1 || a.quality > 100)
+        throw UsageError(str("--quality ", a.quality, " is invalid: use 1..100 (100 = lossless WebP)"));
+    if (a.threads < 0)
+        throw UsageError(str("--threads ", a.threads, " is invalid: use 1 or more (0 = auto)"));
+    if (!std::isfinite(a.lora_scale)) throw UsageError("--lora_scale must be a finite number");
+    if (!a.lora.empty() && !std::filesystem::is_regular_file(a.lora))
+        throw UsageError(str("--lora ", a.lora, " is not a file; pass a LoRA .safetensors file"));
+    io::image_extension(a.format);  // throws UsageError for an unknown format
+}
+
 SampleArgs parse_args(const std::vector<std::string>& args) {
     SampleArgs a;
     for (std::size_t i = 0; i < args.size(); ++i) {
         std::string key = args[i], value;
-        const bool is_flag = key == "--grid";
         if (key.rfind("--", 0) != 0) {
             if (!a.model.empty())
                 throw UsageError(str("unexpected argument '", key, "'; see dtune sample --help"));
             a.model = key;
             continue;
         }
+        if (key == "--grid") {
+            a.grid = true;
+            continue;
+        }
         if (const auto eq = key.find('='); eq != std::string::npos) {
             value = key.substr(eq + 1);
             key = key.substr(0, eq);
-        } else if (!is_flag) {
+        } else if (value_options().count(key)) {
             if (i + 1 >= args.size()) throw UsageError(str(key, " needs a value; see dtune sample --help"));
             value = args[++i];
         }
-        if (key == "--model")
-            a.model = value;
-        else if (key == "--config_folder")
-            a.config_folder = value;
-        else if (key == "--prompt")
-            a.prompt = value;
-        else if (key == "--negative_prompt")
-            a.negative_prompt = value;
-        else if (key == "--width")
-            a.width = to_int(key, value);
-        else if (key == "--height")
-            a.height = to_int(key, value);
-        else if (key == "--steps")
-            a.steps = to_int(key, value);
-        else if (key == "--guidance")
-            a.guidance = to_double(key, value);
-        else if (key == "--guidance_rescale")
-            a.guidance_rescale = to_double(key, value);
-        else if (key == "--seed")
-            a.seed = static_cast<uint64_t>(to_int(key, value));
-        else if (key == "--sampler")
-            a.sampler = value;
-        else if (key == "--batch")
-            a.batch = static_cast<int>(to_int(key, value));
-        else if (key == "--device")
-            a.device = value;
-        else if (key == "--dtype")
-            a.dtype = value;
-        else if (key == "--output_dir")
-            a.output_dir = value;
-        else if (key == "--grid")
-            a.grid = true;
-        else
+        const auto it = value_options().find(key);
+        if (it == value_options().end())
             throw UsageError(str("unknown option '", key, "' for sample; see dtune sample --help"));
+        it->second(a, key, value);
     }
-    if (a.model.empty())
-        throw UsageError("sample needs a model: dtune sample --model <sdxl pipeline folder> ...");
-    if (std::filesystem::is_regular_file(a.model) && a.config_folder.empty())
-        throw UsageError(
-            str(a.model, " is a single-file checkpoint: also pass --config_folder <diffusers SDXL folder> ",
-                "for its configs, tokenizers and scheduler"));
-    if (a.prompt.empty()) throw UsageError("sample needs --prompt \"...\"");
-    // Checked again by the pipeline; here so that a typo fails before the model loads.
-    if (a.width <= 0 || a.height <= 0 || a.width % 8 || a.height % 8)
-        throw UsageError(
-            str("--width/--height ", a.width, "x", a.height, " is invalid: use positive multiples of 8"));
-    if (a.steps < 1) throw UsageError(str("--steps ", a.steps, " is invalid: use 1 or more"));
-    if (a.batch < 1) throw UsageError(str("--batch ", a.batch, " is invalid: use 1 or more"));
+    check_args(a);
     return a;
+}
+
+// Intra-op threads for CPU sampling: --threads, else OMP_NUM_THREADS when set (libtorch reads
+// it itself), else the CPUs this process may run on (affinity/cpuset, not the host's count) capped
+// at 16: past that the tiny-batch convolutions and GEMMs of sampling stop scaling and only add
+// contention with whatever else runs on the machine.
+int cpu_threads(int requested) {
+    if (requested > 0) return requested;
+    if (std::getenv("OMP_NUM_THREADS")) return 0;  // 0 = leave libtorch's choice
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    const int available = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+    return std::clamp(available, 1, 16);
 }
 
 c10::Device pick_device(const std::string& name) {
@@ -150,6 +185,8 @@ nlohmann::json sidecar(const SampleArgs& a, c10::Device device, c10::ScalarType 
     j["sampler"] = a.sampler;
     j["batch"] = a.batch;
     j["index_in_batch"] = index;
+    j["lora"] = a.lora.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.lora);
+    if (!a.lora.empty()) j["lora_scale"] = a.lora_scale;
     j["device"] = device.str();
     j["dtype"] = dtype_name(dtype);
     j["seconds_per_batch"] = seconds;
@@ -158,17 +195,17 @@ nlohmann::json sidecar(const SampleArgs& a, c10::Device device, c10::ScalarType 
     return j;
 }
 
-int run_sample(const std::vector<std::string>& args) {
-    const SampleArgs a = parse_args(args);
-    const c10::Device device = pick_device(a.device);
-    const c10::ScalarType dtype =
-        a.dtype == "auto" ? (device.is_cuda() ? c10::kBFloat16 : c10::kFloat) : parse_dtype(a.dtype);
+validate::SDXLPipeline load_pipeline(const SampleArgs& a, c10::Device device, c10::ScalarType dtype) {
     log::info() << "loading " << a.model << " on " << device.str() << " in " << dtype_name(dtype);
     const validate::PipelineLoadOptions load{dtype, device};
-    auto pipe = a.config_folder.empty()
-                    ? validate::SDXLPipeline::load(a.model, load)
-                    : validate::SDXLPipeline::load_single_file(a.model, a.config_folder, load);
+    auto pipe = std::filesystem::is_regular_file(a.model)
+                    ? validate::SDXLPipeline::load_single_file(a.model, a.config_folder, load)
+                    : validate::SDXLPipeline::load(a.model, load);
+    if (!a.lora.empty()) pipe.load_lora(a.lora, a.lora_scale);
+    return pipe;
+}
 
+validate::GenerationRequest request_from(const SampleArgs& a) {
     validate::GenerationRequest r;
     r.prompt = {a.prompt};
     if (a.negative_prompt) r.negative_prompt = std::vector<std::string>{*a.negative_prompt};
@@ -180,30 +217,44 @@ int run_sample(const std::vector<std::string>& args) {
     r.sampler = a.sampler;
     r.seed = a.seed;
     r.num_images_per_prompt = a.batch;
+    return r;
+}
+
+int run_sample(const std::vector<std::string>& args) {
+    const SampleArgs a = parse_args(args);
+    const c10::Device device = pick_device(a.device);
+    const c10::ScalarType dtype =
+        a.dtype == "auto" ? (device.is_cuda() ? c10::kBFloat16 : c10::kFloat) : parse_dtype(a.dtype);
+    if (const int threads = device.is_cpu() ? cpu_threads(a.threads) : a.threads; threads > 0) {
+        at::set_num_threads(threads);
+        log::info() << "using " << threads << " CPU threads";
+    }
+    auto pipe = load_pipeline(a, device, dtype);
 
     ProgressOptions po;
     po.label = "sampling";
     po.unit = "step";
     Progress bar(a.steps, po);
     const auto t0 = std::chrono::steady_clock::now();
-    const auto out = pipe.generate(r, [&](int64_t, int64_t) { bar.update(); });
+    const auto out = pipe.generate(request_from(a), [&](int64_t, int64_t) { bar.update(); });
     bar.finish();
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
     std::filesystem::create_directories(a.output_dir);
+    const std::string ext = io::image_extension(a.format);
     const auto images = validate::to_rgb_images(out.images);
     for (std::size_t i = 0; i < images.size(); ++i) {
         const std::string stem = str("sample_", a.seed, "_", i);
-        const auto png = std::filesystem::path(a.output_dir) / (stem + ".png");
-        io::write_image(png, images[i]);
+        const auto path = std::filesystem::path(a.output_dir) / (stem + ext);
+        io::write_image(path, images[i], a.quality);
         fs::write_file_atomic(std::filesystem::path(a.output_dir) / (stem + ".json"),
                               sidecar(a, device, dtype, static_cast<int>(i), seconds).dump(1) + "\n");
-        std::printf("%s\n", png.string().c_str());
+        std::printf("%s\n", path.string().c_str());
     }
     if (a.grid && images.size() > 1) {
         const int cols = static_cast<int>(std::ceil(std::sqrt(static_cast<double>(images.size()))));
-        const auto grid_path = std::filesystem::path(a.output_dir) / str("grid_", a.seed, ".png");
-        io::write_image(grid_path, io::make_grid(images, cols, 4));
+        const auto grid_path = std::filesystem::path(a.output_dir) / str("grid_", a.seed, ext);
+        io::write_image(grid_path, io::make_grid(images, cols, 4), a.quality);
         std::printf("%s\n", grid_path.string().c_str());
     }
     log::info() << images.size() << " image(s) in " << seconds << " s";
@@ -213,14 +264,16 @@ int run_sample(const std::vector<std::string>& args) {
 }  // namespace
 
 DTUNE_REGISTER_COMMAND(
-    sample, "sample", "generate images from an SDXL model folder",
+    sample, "sample", "generate images from an SDXL model folder or single file",
     "usage: dtune sample --model <folder | file.safetensors> --prompt TEXT [options]\n\n"
     "Generates images with an SDXL diffusers pipeline folder (model_index.json, unet/, vae/,\n"
-    "text_encoder{,_2}/, tokenizer{,_2}/, scheduler/) or an SDXL single-file checkpoint, and writes\n"
-    "<output_dir>/sample_<seed>_<i>.png plus sample_<seed>_<i>.json with every setting used.\n\n"
+    "text_encoder{,_2}/, tokenizer{,_2}/, scheduler/) or an SDXL single-file checkpoint (the\n"
+    ".safetensors that ComfyUI/A1111 use), and writes <output_dir>/sample_<seed>_<i>.<format>\n"
+    "plus sample_<seed>_<i>.json with every setting used.\n\n"
     "  --model PATH            the pipeline folder or single file (may also be the first argument)\n"
-    "  --config_folder DIR     with a single file: a diffusers SDXL folder giving the configs,\n"
-    "                          tokenizers and scheduler (weights come from the file)\n"
+    "  --config_folder DIR     with a single file: a diffusers folder giving the configs,\n"
+    "                          tokenizers and scheduler (weights come from the file); default:\n"
+    "                          dtune's built-in SDXL base 1.0 configs and CLIP tokenizers\n"
     "  --prompt TEXT           what to draw (required)\n"
     "  --negative_prompt TEXT  what to steer away from (default: none; zero embeddings)\n"
     "  --width N, --height N   image size in pixels, multiples of 8 (default 1024x1024)\n"
@@ -230,13 +283,20 @@ DTUNE_REGISTER_COMMAND(
     "  --seed N                seed of the CPU generator for the initial noise (default 0);\n"
     "                          the same seed gives the same image on any device\n"
     "  --sampler NAME          euler | euler_a | ddim | dpmpp_2m | dpmpp_2m_karras | unipc\n"
-    "                          (default euler), configured from scheduler/scheduler_config.json\n"
+    "                          (default euler), configured from the scheduler config\n"
     "  --batch N               images generated together for the prompt (default 1)\n"
+    "  --lora FILE             a UNet LoRA .safetensors (diffusers, PEFT or kohya/ComfyUI keys);\n"
+    "                          text-encoder parts of the file are skipped with a warning\n"
+    "  --lora_scale X          LoRA strength (default 1.0; 0 = the base model's output)\n"
     "  --device cpu|cuda|auto  where to run (default auto: cuda when available)\n"
     "  --dtype fp32|bf16|fp16|auto  weights dtype (default auto: bf16 on cuda, fp32 on cpu);\n"
     "                          the VAE stays fp32 in fp16 runs when its config sets force_upcast\n"
+    "  --threads N             CPU intra-op threads (default: OMP_NUM_THREADS if set, else the\n"
+    "                          CPUs this process may use, at most 16)\n"
+    "  --format png|jpeg|webp  image format (default png)\n"
+    "  --quality N             JPEG/WebP quality 1..100 (default 90; WebP 100 = lossless)\n"
     "  --output_dir DIR        where images go (default ./samples; created if missing)\n"
-    "  --grid                  with --batch > 1, also write grid_<seed>.png of all images\n",
+    "  --grid                  with --batch > 1, also write grid_<seed>.<format> of all images\n",
     run_sample);
 
 }  // namespace dtune::cli

@@ -1,5 +1,5 @@
 // Image codecs and pixel operations on 8-bit RGB: decode JPEG (libjpeg-turbo), PNG (libpng) and
-// WebP (libwebp) with EXIF orientation applied; Lanczos3 resize; crop; flip; PNG/JPEG writers;
+// WebP (libwebp) with EXIF orientation applied; Lanczos3 resize; crop; flip; PNG/JPEG/WebP writers;
 // a grid helper. Torch-free; image_tensor.h turns an RgbImage into a normalised tensor.
 //
 // Invariants: an RgbImage holds width·height·3 bytes, row-major, no padding. Decoding converts
@@ -57,8 +57,15 @@ RgbImage flip_horizontal(const RgbImage& image);
 // other than 1 adds an EXIF APP1 block (used by tests and to round-trip camera files).
 std::string encode_png(const RgbImage& image, int compression = 6);
 std::string encode_jpeg(const RgbImage& image, int quality = 90, int exif_orientation = 1);
-// Writes atomically; the format follows the extension (.png, .jpg/.jpeg).
-void write_image(const std::filesystem::path& path, const RgbImage& image, int jpeg_quality = 90);
+// WebP (libwebp): lossy at quality 1–99 (SimpleTuner writes validation WebPs at 90), lossless at
+// quality 100, so a decode gives back the exact pixels. At most 16383 pixels per side.
+std::string encode_webp(const RgbImage& image, int quality = 90);
+// Writes atomically; the format follows the extension (.png, .jpg/.jpeg, .webp); `quality` is
+// the JPEG/WebP quality above.
+void write_image(const std::filesystem::path& path, const RgbImage& image, int quality = 90);
+// ".png", ".jpg" or ".webp" for an image format name (png, jpg/jpeg, webp; any case), e.g.
+// SimpleTuner's validation_image_format; UsageError for anything else.
+std::string image_extension(const std::string& format);
 
 // Lays images out in rows of `columns` cells of the largest width/height, `padding` pixels apart,
 // on a background colour; each image is centred in its cell.

@@ -10,6 +10,7 @@
 
 #include <jpeglib.h>
 #include <png.h>
+#include <webp/encode.h>
 
 #include <algorithm>
 #include <cmath>
@@ -232,13 +233,41 @@ std::string encode_jpeg(const RgbImage& image, int quality, int exif_orientation
     return out;
 }
 
-void write_image(const std::filesystem::path& path, const RgbImage& image, int jpeg_quality) {
+std::string encode_webp(const RgbImage& image, int quality) {
+    DTUNE_CHECK(image.width > 0 && image.height > 0 && image.width <= WEBP_MAX_DIMENSION &&
+                    image.height <= WEBP_MAX_DIMENSION,
+                "WebP encoding: image size ", image.width, "x", image.height, " is outside 1..",
+                WEBP_MAX_DIMENSION, " per side; write PNG instead");
+    uint8_t* buffer = nullptr;
+    const int stride = image.width * 3;
+    const size_t size =
+        quality >= 100
+            ? WebPEncodeLosslessRGB(image.pixels.data(), image.width, image.height, stride, &buffer)
+            : WebPEncodeRGB(image.pixels.data(), image.width, image.height, stride,
+                            static_cast<float>(std::clamp(quality, 1, 99)), &buffer);
+    std::string out = size > 0 ? std::string(reinterpret_cast<const char*>(buffer), size) : std::string();
+    WebPFree(buffer);
+    if (size == 0) throw Error("WebP encoding failed (libwebp returned no data; out of memory?)");
+    return out;
+}
+
+std::string image_extension(const std::string& format) {
+    std::string f = format;
+    std::transform(f.begin(), f.end(), f.begin(), [](unsigned char c) { return std::tolower(c); });
+    if (f == "png") return ".png";
+    if (f == "jpg" || f == "jpeg") return ".jpg";
+    if (f == "webp") return ".webp";
+    throw UsageError(str("image format '", format, "' is not supported; use png, jpeg or webp"));
+}
+
+void write_image(const std::filesystem::path& path, const RgbImage& image, int quality) {
     std::string ext = path.extension().string();
     std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
     if (ext == ".png") return fs::write_file_atomic(path, encode_png(image));
-    if (ext == ".jpg" || ext == ".jpeg") return fs::write_file_atomic(path, encode_jpeg(image, jpeg_quality));
+    if (ext == ".jpg" || ext == ".jpeg") return fs::write_file_atomic(path, encode_jpeg(image, quality));
+    if (ext == ".webp") return fs::write_file_atomic(path, encode_webp(image, quality));
     throw UsageError(
-        str(path.string(), ": cannot tell the image format from the extension; use .png or .jpg"));
+        str(path.string(), ": cannot tell the image format from the extension; use .png, .jpg or .webp"));
 }
 
 }  // namespace dtune::io

@@ -2,6 +2,8 @@
 #include "io/safetensors.h"
 
 #include <ATen/ATen.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -90,6 +92,25 @@ at::Tensor SafetensorsFile::get(const std::string& name) const {
     auto keep_alive = map_;
     return at::from_blob(
         data, t.shape, [keep_alive](void*) mutable { keep_alive.reset(); }, options);
+}
+
+void SafetensorsFile::release(const at::Tensor& view) const {
+    if (!view.defined() || view.numel() == 0 || !view.device().is_cpu()) return;
+    // The byte extent of the view: its first element plus the farthest element along each axis.
+    int64_t last = 0;
+    for (int64_t d = 0; d < view.dim(); ++d) {
+        if (view.stride(d) < 0) return;
+        last += (view.size(d) - 1) * view.stride(d);
+    }
+    const auto* begin = static_cast<const uint8_t*>(view.const_data_ptr());
+    const auto* end = begin + (last + 1) * static_cast<int64_t>(view.element_size());
+    const uint8_t* map_begin = map_->data();
+    if (begin < map_begin || end > map_begin + map_->size()) return;  // not ours (e.g. a misaligned copy)
+    // Only whole pages inside the view: a page shared with a neighbouring tensor stays.
+    const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const uintptr_t first = (reinterpret_cast<uintptr_t>(begin) + page - 1) / page * page;
+    const uintptr_t stop = reinterpret_cast<uintptr_t>(end) / page * page;
+    if (stop > first) ::madvise(reinterpret_cast<void*>(first), stop - first, MADV_DONTNEED);
 }
 
 TensorList load_safetensors(const stdfs::path& path) {
@@ -215,6 +236,10 @@ const TensorInfo& WeightSource::info(const std::string& name) const {
 at::Tensor WeightSource::get(const std::string& name) const {
     info(name);  // throws a clear error for a missing key
     return shards_[where_.at(name)]->get(name);
+}
+
+void WeightSource::release(const at::Tensor& view) const {
+    for (const auto& shard : shards_) shard->release(view);
 }
 
 uint64_t WeightSource::total_bytes() const {

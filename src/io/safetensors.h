@@ -47,6 +47,12 @@ class SafetensorsFile {
     // A zero-copy CPU tensor viewing the file (a copy only when the data is misaligned for its
     // element type). Throws DataError naming the file and the missing key.
     at::Tensor get(const std::string& name) const;
+    // Drops this process's resident pages behind `view` (a tensor from get(), or a view of one)
+    // once its contents were copied elsewhere, so that loading a checkpoint does not keep a
+    // second copy of it resident. The data stays in the page cache and is read back from the file
+    // if touched again; a view that does not lie in this file's mapping is ignored. Never call it
+    // on a tensor that was written to (the private copy-on-write pages would revert to the file).
+    void release(const at::Tensor& view) const;
 
   private:
     std::filesystem::path path_;
@@ -76,6 +82,8 @@ class WeightSource {
     bool contains(const std::string& name) const { return where_.count(name) != 0; }
     const TensorInfo& info(const std::string& name) const;
     at::Tensor get(const std::string& name) const;
+    // SafetensorsFile::release for whichever shard `view` lies in.
+    void release(const at::Tensor& view) const;
     // Metadata of the first file (or of the index's "metadata" block for a sharded set).
     const Metadata& metadata() const { return metadata_; }
     const std::vector<std::filesystem::path>& files() const { return files_; }

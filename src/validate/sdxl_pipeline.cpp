@@ -9,6 +9,8 @@
 #include "core/log.h"
 #include "diffusion/sampler.h"
 #include "io/image_tensor.h"
+#include "io/safetensors.h"
+#include "models/adapters/lora_apply.h"
 
 namespace dtune::validate {
 
@@ -59,15 +61,46 @@ SDXLPipeline SDXLPipeline::load(const std::filesystem::path& folder, const Pipel
 SDXLPipeline SDXLPipeline::load_single_file(const std::filesystem::path& checkpoint,
                                             const std::filesystem::path& config_folder,
                                             const PipelineLoadOptions& options) {
-    const auto pf = models::PipelineFolder::open(config_folder);
-    auto text_encoders =
-        models::SDXLTextEncoders::load_single_file(checkpoint, pf, {options.dtype, options.device});
+    if (!config_folder.empty())
+        return load_single_file(checkpoint,
+                                models::SDXLConfigs::from_folder(models::PipelineFolder::open(config_folder)),
+                                options);
+    const io::WeightSource file = io::WeightSource::open(checkpoint);
+    models::check_builtin_architecture(file, checkpoint);
+    auto configs = models::SDXLConfigs::builtin();
+    // ComfyUI's markers for v-prediction / zero-terminal-SNR fine-tunes of SDXL (empty tensors).
+    if (file.contains("v_pred")) {
+        configs.scheduler["prediction_type"] = "v_prediction";
+        log::info() << checkpoint.string() << " is marked v_pred: sampling with prediction_type v_prediction";
+    }
+    if (file.contains("ztsnr")) {
+        configs.scheduler["rescale_betas_zero_snr"] = true;
+        log::info() << checkpoint.string() << " is marked ztsnr: zero-terminal-SNR schedule";
+    }
+    return load_single_file(checkpoint, std::move(configs), options);
+}
+
+SDXLPipeline SDXLPipeline::load_single_file(const std::filesystem::path& checkpoint,
+                                            models::SDXLConfigs configs, const PipelineLoadOptions& options) {
+    log::info() << "single file " << checkpoint.string() << " with " << configs.origin;
+    auto text_encoders = models::SDXLTextEncoders::load_single_file(
+        checkpoint, configs.text_encoder, configs.text_encoder_2, std::move(configs.tokenizer),
+        std::move(configs.tokenizer_2), configs.force_zeros_for_empty_prompt,
+        {options.dtype, options.device});
     models::ComponentLoadOptions comp{options.dtype, options.device};
     comp.single_file = checkpoint;
-    auto unet = models::load_unet(pf.component("unet").path, comp);  // configs from the folder
-    auto vae = models::load_autoencoder_kl(pf.vae_path(), comp);
-    return SDXLPipeline(std::move(text_encoders), std::move(unet), std::move(vae), read_scheduler_config(pf),
-                        options.device);
+    comp.config = configs.unet;
+    auto unet = models::load_unet({}, comp);
+    comp.config = configs.vae;
+    auto vae = models::load_autoencoder_kl({}, comp);
+    return SDXLPipeline(std::move(text_encoders), std::move(unet), std::move(vae),
+                        std::move(configs.scheduler), options.device);
+}
+
+void SDXLPipeline::load_lora(const std::filesystem::path& file, double strength) {
+    DTUNE_CHECK_AS(UsageError, !lora_, "this pipeline already has a LoRA applied; load one LoRA file (",
+                   file.string(), " was the second)");
+    lora_.emplace(models::apply_lora_file(*unet_, file, strength));
 }
 
 namespace {

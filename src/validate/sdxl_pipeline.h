@@ -28,7 +28,9 @@
 
 #include "diffusion/guidance.h"
 #include "io/image.h"
+#include "models/adapters/lora.h"
 #include "models/clip/sdxl_text_encoders.h"
+#include "models/sdxl/sdxl_configs.h"
 #include "models/unet/unet_2d_condition.h"
 #include "models/vae/autoencoder_kl.h"
 
@@ -84,11 +86,23 @@ class SDXLPipeline {
     static SDXLPipeline load(const std::filesystem::path& folder, const PipelineLoadOptions& options = {});
     // An SDXL single-file checkpoint (ldm/sgm layout, io/ldm_keys.h) for the weights, with the
     // configs, tokenizers and scheduler of `config_folder` (a diffusers SDXL folder of the same
-    // architecture, as diffusers' from_single_file(config=...)). Strict: any missing, unexpected
-    // or mis-shaped tensor is a DataError.
+    // architecture, as diffusers' from_single_file(config=...)) or, when `config_folder` is empty,
+    // dtune's built-in SDXL base 1.0 ones (models/sdxl/sdxl_configs.h; the file must then have
+    // SDXL base's architecture). With the built-ins, a file marked as v-prediction (a `v_pred` key,
+    // ComfyUI's convention) gets prediction_type v_prediction, and one marked `ztsnr` zero-terminal
+    // SNR. Strict: any missing, unexpected or mis-shaped tensor is a DataError.
     static SDXLPipeline load_single_file(const std::filesystem::path& checkpoint,
-                                         const std::filesystem::path& config_folder,
+                                         const std::filesystem::path& config_folder = {},
                                          const PipelineLoadOptions& options = {});
+    // The same with the configs given.
+    static SDXLPipeline load_single_file(const std::filesystem::path& checkpoint, models::SDXLConfigs configs,
+                                         const PipelineLoadOptions& options = {});
+
+    // Applies a UNet LoRA file (diffusers, PEFT or kohya layout) at `strength` for every later
+    // generate() (models/adapters/lora_apply.h). One LoRA per pipeline: a second call is a
+    // UsageError.
+    void load_lora(const std::filesystem::path& file, double strength = 1.0);
+    const models::LoRAAdapters* lora() const { return lora_ ? &*lora_ : nullptr; }
 
     // Throws UsageError for sizes not a multiple of the VAE factor, empty prompts, steps < 1 or
     // latents of the wrong shape.
@@ -111,6 +125,7 @@ class SDXLPipeline {
     models::AutoencoderKL vae_;
     nlohmann::json scheduler_config_;
     c10::Device device_;
+    std::optional<models::LoRAAdapters> lora_;  // refers to unet_'s layers, declared after it
 };
 
 // [B, 3, H, W] in [0, 1] -> 8-bit RGB images (value * 255, rounded, as diffusers' numpy_to_pil).

@@ -233,5 +233,46 @@ TEST(Image, JpegDctScalingKeepsEnoughPixels) {
     EXPECT_EQ(d.height, 150);
 }
 
+// A smooth colour ramp: what lossy codecs keep well (random noise would not compress).
+RgbImage ramp(int w, int h) {
+    RgbImage im(w, h);
+    for (int y = 0; y < h; ++y)
+        for (int x = 0; x < w; ++x) {
+            uint8_t* p = im.at(x, y);
+            p[0] = static_cast<uint8_t>(255 * x / (w - 1));
+            p[1] = static_cast<uint8_t>(255 * y / (h - 1));
+            p[2] = static_cast<uint8_t>(128 + 100 * std::sin(0.1 * (x + y)));
+        }
+    return im;
+}
+
+TEST(Image, WebpWriterRoundTripsThroughOurDecoder) {
+    const RgbImage noise = random_image(37, 21, 7);
+    const std::string lossless = encode_webp(noise, 100);
+    EXPECT_EQ(lossless.substr(0, 4), "RIFF");
+    EXPECT_EQ(lossless.substr(8, 4), "WEBP");
+    EXPECT_EQ(decode_image(lossless, "lossless.webp").pixels, noise.pixels);  // exact
+
+    const RgbImage smooth = ramp(96, 64);
+    const std::string lossy = encode_webp(smooth, 90);
+    const RgbImage back = decode_image(lossy, "lossy.webp");
+    EXPECT_LT(mean_abs_diff(back, smooth), 3.0);
+    EXPECT_NE(back.pixels, smooth.pixels);                    // really the lossy path
+    EXPECT_LT(encode_webp(smooth, 20).size(), lossy.size());  // quality is passed through
+
+    test::TempDir dir;
+    write_image(dir / "out.webp", smooth, 100);
+    EXPECT_EQ(read_image(dir / "out.webp").pixels, smooth.pixels);
+    EXPECT_THROW(write_image(dir / "out.gif", smooth), UsageError);
+}
+
+TEST(Image, ImageExtensionNamesFormats) {
+    EXPECT_EQ(image_extension("png"), ".png");
+    EXPECT_EQ(image_extension("JPEG"), ".jpg");
+    EXPECT_EQ(image_extension("jpg"), ".jpg");
+    EXPECT_EQ(image_extension("webp"), ".webp");
+    EXPECT_THROW(image_extension("gif"), UsageError);
+}
+
 }  // namespace
 }  // namespace dtune::io

@@ -1,6 +1,8 @@
 // SDXLPipeline against diffusers' StableDiffusionXLPipeline (fixtures/reference/pipeline_io.*,
 // made by fixtures/gen/gen_fixtures.py with the tiny SDXL model): prompt "a photo of a cat",
-// negative "blurry", 4 Euler steps, guidance 5.0, 64x64, fixed N(0, 1) init_latents.
+// negative "blurry", 4 Euler steps, guidance 5.0, 64x64, fixed N(0, 1) init_latents. From the
+// folder, from a single file with the folder's configs, and with dtune's built-in tokenizers and
+// scheduler.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -9,9 +11,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/error.h"
 #include "io/ldm_keys.h"
 #include "io/safetensors.h"
 #include "support/test_support.h"
+#include "tiny_single_file.h"
 #include "validate/sdxl_pipeline.h"
 
 namespace dtune {
@@ -57,30 +61,42 @@ TEST(SDXLPipelineParity, MatchesDiffusersLatentsAndImage) {
 }
 
 TEST(SDXLPipelineParity, SingleFileCheckpointMatchesToo) {
-    // The tiny pipeline written as an SDXL single file (ldm names, fused OpenCLIP q/k/v, conv VAE
-    // attention), loaded back with the folder only for configs, tokenizers and scheduler.
+    // The tiny pipeline written as an SDXL single file, loaded back with the folder only for
+    // configs, tokenizers and scheduler.
     const auto tiny = test::fixtures_dir() / "tiny-sdxl";
-    const std::pair<io::LdmComponent, std::pair<const char*, const char*>> parts[] = {
-        {io::LdmComponent::kUNet, {"unet", "diffusion_pytorch_model"}},
-        {io::LdmComponent::kVAE, {"vae", "diffusion_pytorch_model"}},
-        {io::LdmComponent::kTextEncoder, {"text_encoder", "model"}},
-        {io::LdmComponent::kTextEncoder2, {"text_encoder_2", "model"}}};
-    io::TensorList single;
-    for (const auto& [kind, where] : parts) {
-        const auto src = io::WeightSource::open(tiny / where.first, where.second);
-        io::TensorList comp;
-        for (const auto& k : src.keys()) {
-            // transformers 5 saves CLIPTextModel without "text_model."; single files carry it.
-            const std::string name =
-                kind == io::LdmComponent::kTextEncoder ? models::clip_text_key_to_module(k) : k;
-            if (!name.empty()) comp.emplace_back(name, src.get(k));
-        }
-        for (auto& kv : io::diffusers_to_ldm(comp, kind)) single.push_back(std::move(kv));
-    }
     test::TempDir dir;
-    io::save_safetensors(dir / "tiny_sdxl.safetensors", single);
-    auto pipe = validate::SDXLPipeline::load_single_file(dir / "tiny_sdxl.safetensors", tiny);
+    const auto file = test::write_tiny_single_file(tiny, dir / "tiny_sdxl.safetensors");
+    auto pipe = validate::SDXLPipeline::load_single_file(file, tiny);
     check_against_reference(pipe);
+}
+
+TEST(SDXLPipelineParity, BuiltinTokenizersAndSchedulerMatchToo) {
+    // The single file with dtune's built-in tokenizers and scheduler config (SDXL base's; the
+    // tiny fixture uses the same ones) and only the tiny model's four component configs: the
+    // compiled-in parts must give diffusers' result end to end.
+    const auto tiny = test::fixtures_dir() / "tiny-sdxl";
+    test::TempDir dir;
+    const auto file = test::write_tiny_single_file(tiny, dir / "tiny_sdxl.safetensors");
+    auto configs = models::SDXLConfigs::builtin();
+    const auto folder = models::SDXLConfigs::from_folder(models::PipelineFolder::open(tiny));
+    configs.unet = folder.unet;
+    configs.vae = folder.vae;
+    configs.text_encoder = folder.text_encoder;
+    configs.text_encoder_2 = folder.text_encoder_2;
+    auto pipe = validate::SDXLPipeline::load_single_file(file, std::move(configs));
+    check_against_reference(pipe);
+}
+
+TEST(SDXLPipelineParity, SingleFileOfAnotherArchitectureNeedsItsConfigFolder) {
+    test::TempDir dir;
+    const auto file =
+        test::write_tiny_single_file(test::fixtures_dir() / "tiny-sdxl", dir / "tiny.safetensors");
+    try {
+        validate::SDXLPipeline::load_single_file(file);  // built-in SDXL base configs
+        FAIL() << "the tiny model does not have SDXL base's architecture";
+    } catch (const DataError& e) {
+        EXPECT_NE(std::string(e.what()).find("--config_folder"), std::string::npos) << e.what();
+    }
 }
 
 }  // namespace

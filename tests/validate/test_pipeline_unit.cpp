@@ -1,6 +1,6 @@
 // SDXLPipeline behaviour with the tiny SDXL model on the CPU: seeded determinism down to the PNG
 // bytes, guidance 1.0 equal to a hand-written unguided loop, batching / num_images_per_prompt row
-// order, and request validation.
+// order, request validation, and a LoRA at strength 0 leaving the result unchanged.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -148,6 +148,20 @@ TEST(SDXLPipeline, RejectsBadRequests) {
     r = small_request();
     r.sampler = "heun";
     EXPECT_THROW(pipe.generate(r), UsageError);
+}
+
+TEST(SDXLPipeline, LoRAAtStrengthZeroChangesNothingAndOneDoes) {
+    const auto lora = test::fixtures_dir() / "reference" / "lora" / "pytorch_lora_weights.safetensors";
+    auto r = small_request();
+    const auto base = tiny_pipeline().generate(r);
+    auto zero = validate::SDXLPipeline::load(test::fixtures_dir() / "tiny-sdxl");
+    zero.load_lora(lora, 0.0);
+    ASSERT_NE(zero.lora(), nullptr);
+    EXPECT_TRUE(at::equal(zero.generate(r).images, base.images));
+    EXPECT_THROW(zero.load_lora(lora, 1.0), UsageError);  // one LoRA per pipeline
+    auto one = validate::SDXLPipeline::load(test::fixtures_dir() / "tiny-sdxl");
+    one.load_lora(lora, 1.0);
+    EXPECT_GT(max_abs_diff(one.generate(r).latents, base.latents), 1e-3);
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
 // `dtune sample` end to end on the CPU with the tiny SDXL fixture: runs the built binary, then
-// checks that each PNG decodes at the asked size and that its JSON sidecar records the settings.
+// checks that each PNG decodes at the asked size and that its JSON sidecar records the settings;
+// a single file with --config_folder gives the folder's bytes; --lora at scale 0 gives the base
+// image's bytes and at scale 1 other ones; --format webp/jpeg write decodable files.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -7,8 +9,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/fs.h"
 #include "io/image.h"
 #include "support/test_support.h"
+#include "tiny_single_file.h"
 
 namespace dtune {
 namespace {
@@ -59,10 +63,59 @@ TEST(SampleCli, BadOptionsExitWithUsageCode) {
     EXPECT_EQ(run(base + " --prompt x --width 63 --output_dir /tmp/dtune_never 2>/dev/null"), 2);
     EXPECT_EQ(run(base + " --prompt x --bogus 1 2>/dev/null"), 2);
     EXPECT_EQ(run(base + " 2>/dev/null"), 2);  // no prompt
-    // A single file needs --config_folder.
+    EXPECT_EQ(run(base + " --prompt x --format gif 2>/dev/null"), 2);
+    EXPECT_EQ(run(base + " --prompt x --quality 0 2>/dev/null"), 2);
+    EXPECT_EQ(run(base + " --prompt x --lora /no/such/lora.safetensors 2>/dev/null"), 2);
+    // A file that is not an SDXL base single file, without --config_folder: a data error (3).
     const auto file = test::fixtures_dir() / "tiny-sdxl" / "unet" / "diffusion_pytorch_model.safetensors";
     EXPECT_EQ(run(std::string(DTUNE_BIN) + " sample --model " + file.string() + " --prompt x 2>/dev/null"),
-              2);
+              3);
+}
+
+// Runs a small tiny-model sample into `out` with extra options and returns the image's bytes.
+std::string sample_bytes(const std::string& model, const std::filesystem::path& out, const std::string& extra,
+                         const std::string& ext = ".png") {
+    const std::string cmd = std::string(DTUNE_BIN) + " sample --model " + model +
+                            " --prompt 'a photo of a cat' --width 64 --height 64 --steps 2 --seed 5"
+                            " --device cpu --dtype fp32 --threads 1 --output_dir " +
+                            out.string() + " " + extra + " 2>/dev/null >/dev/null";
+    EXPECT_EQ(run(cmd), 0) << cmd;
+    return fs::read_file(out / ("sample_5_0" + ext));
+}
+
+TEST(SampleCli, SingleFileWithConfigFolderEqualsTheFolder) {
+    test::TempDir tmp;
+    const auto tiny = test::fixtures_dir() / "tiny-sdxl";
+    const auto file = test::write_tiny_single_file(tiny, tmp / "tiny.safetensors");
+    const std::string from_folder = sample_bytes(tiny.string(), tmp / "a", "");
+    const std::string from_file = sample_bytes(file.string(), tmp / "b", "--config_folder " + tiny.string());
+    EXPECT_FALSE(from_folder.empty());
+    EXPECT_EQ(from_file, from_folder);
+}
+
+TEST(SampleCli, LoRAScaleZeroIsTheBaseImage) {
+    test::TempDir tmp;
+    const std::string tiny = (test::fixtures_dir() / "tiny-sdxl").string();
+    const auto lora = test::fixtures_dir() / "reference" / "lora" / "pytorch_lora_weights.safetensors";
+    const std::string base = sample_bytes(tiny, tmp / "base", "");
+    EXPECT_EQ(sample_bytes(tiny, tmp / "zero", "--lora " + lora.string() + " --lora_scale 0"), base);
+    EXPECT_NE(sample_bytes(tiny, tmp / "one", "--lora " + lora.string() + " --lora_scale 1"), base);
+    const auto j = nlohmann::json::parse(std::ifstream(tmp / "one" / "sample_5_0.json"));
+    EXPECT_EQ(j.at("lora"), lora.string());
+    EXPECT_DOUBLE_EQ(j.at("lora_scale").get<double>(), 1.0);
+}
+
+TEST(SampleCli, WebpAndJpegOutputsDecode) {
+    test::TempDir tmp;
+    const std::string tiny = (test::fixtures_dir() / "tiny-sdxl").string();
+    const auto png = io::decode_image(sample_bytes(tiny, tmp / "png", ""), "png");
+    // Lossless WebP (quality 100) decodes to the PNG's pixels exactly.
+    const std::string webp = sample_bytes(tiny, tmp / "webp", "--format webp --quality 100", ".webp");
+    EXPECT_EQ(webp.substr(8, 4), "WEBP");
+    EXPECT_EQ(io::decode_image(webp, "webp").pixels, png.pixels);
+    const auto jpeg = io::decode_image(sample_bytes(tiny, tmp / "jpg", "--format jpeg", ".jpg"), "jpg");
+    EXPECT_EQ(jpeg.width, 64);
+    EXPECT_EQ(jpeg.height, 64);
 }
 
 }  // namespace

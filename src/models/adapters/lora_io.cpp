@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <regex>
+#include <set>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -257,6 +258,47 @@ LoRALoadReport load_lora(LoRAAdapters& adapters, const std::filesystem::path& fi
     log::info() << "LoRA: loaded " << report.modules_loaded << " modules from " << where << " ("
                 << report.format << " layout)";
     return report;
+}
+
+std::vector<LoRAFileModule> lora_file_modules(const std::filesystem::path& file,
+                                              const std::vector<std::string>& module_names) {
+    const io::SafetensorsFile f(file);
+    std::map<std::string, std::string> by_kohya;  // "down_blocks_1_..._to_k" -> dotted module
+    for (const auto& m : module_names) by_kohya[kohya_lora_name(m).substr(10)] = m;
+    const std::set<std::string> known(module_names.begin(), module_names.end());
+    std::map<std::string, LoRAFileModule> found;
+    std::vector<std::string> unmatched;
+    for (const std::string& key : f.keys()) {
+        if (is_text_encoder_key(key)) continue;
+        const auto parsed = parse_key(key);
+        std::string module;
+        if (parsed && parsed->kohya) {
+            if (auto it = by_kohya.find(parsed->module); it != by_kohya.end()) module = it->second;
+        } else if (parsed && known.count(parsed->module)) {
+            module = parsed->module;
+        }
+        if (module.empty()) {
+            if (!parsed || parsed->part == Part::kDown || parsed->part == Part::kUp) unmatched.push_back(key);
+            continue;
+        }
+        LoRAFileModule& m = found[module];
+        m.module = module;
+        if (parsed->part == Part::kDown) m.rank = f.info(key).shape.at(0);
+        if (parsed->part == Part::kMagnitude || parsed->part == Part::kDoraScale) m.dora = true;
+    }
+    DTUNE_CHECK_AS(
+        DataError, unmatched.empty(), file.string(), ": ", unmatched.size(),
+        " key(s) name no layer of the UNet:", joined(unmatched),
+        "\n  the file must be an SDXL UNet LoRA in diffusers, PEFT or kohya (lora_unet_...) layout");
+    std::vector<LoRAFileModule> out;
+    for (auto& [name, m] : found) {
+        DTUNE_CHECK_AS(DataError, m.rank > 0, file.string(), ": module ", name,
+                       " has no down (lora_A / lora_down) weight; the file is incomplete");
+        out.push_back(m);
+    }
+    DTUNE_CHECK_AS(DataError, !out.empty(), file.string(),
+                   " holds no UNet LoRA weights (only text-encoder keys, or no LoRA keys at all)");
+    return out;
 }
 
 namespace {

@@ -53,4 +53,16 @@ void save_lora(const LoRAAdapters& adapters, const std::filesystem::path& file, 
 // The kohya name of a module: "lora_unet_" + dotted name with '.' -> '_'.
 std::string kohya_lora_name(const std::string& module);
 
+// What a LoRA file adapts, read from its keys (any of the layouts above): one entry per UNet module
+// with its rank (rows of the down/A matrix) and whether it has a DoRA magnitude. Kohya names are
+// resolved against `module_names` (the model's dotted module names). Text-encoder keys are
+// skipped; keys that name no module of `module_names` are a DataError listing them.
+struct LoRAFileModule {
+    std::string module;
+    int64_t rank = 0;
+    bool dora = false;
+};
+std::vector<LoRAFileModule> lora_file_modules(const std::filesystem::path& file,
+                                              const std::vector<std::string>& module_names);
+
 }  // namespace dtune::models

@@ -65,10 +65,10 @@ CLIPTextConfig CLIPTextConfig::from_json_text(const std::string& text, const std
 }
 
 CLIPAttentionImpl::CLIPAttentionImpl(int64_t dim, int64_t heads) : heads_(heads) {
-    k_proj_ = register_module("k_proj", torch::nn::Linear(dim, dim));
-    v_proj_ = register_module("v_proj", torch::nn::Linear(dim, dim));
-    q_proj_ = register_module("q_proj", torch::nn::Linear(dim, dim));
-    out_proj_ = register_module("out_proj", torch::nn::Linear(dim, dim));
+    k_proj_ = register_module("k_proj", Linear(dim, dim));
+    v_proj_ = register_module("v_proj", Linear(dim, dim));
+    q_proj_ = register_module("q_proj", Linear(dim, dim));
+    out_proj_ = register_module("out_proj", Linear(dim, dim));
 }
 
 at::Tensor CLIPAttentionImpl::forward(const at::Tensor& x) {
@@ -86,8 +86,8 @@ at::Tensor CLIPAttentionImpl::forward(const at::Tensor& x) {
 }
 
 CLIPMLPImpl::CLIPMLPImpl(int64_t dim, int64_t hidden, std::string act) : act_(std::move(act)) {
-    fc1_ = register_module("fc1", torch::nn::Linear(dim, hidden));
-    fc2_ = register_module("fc2", torch::nn::Linear(hidden, dim));
+    fc1_ = register_module("fc1", Linear(dim, hidden));
+    fc2_ = register_module("fc2", Linear(hidden, dim));
 }
 
 at::Tensor CLIPMLPImpl::forward(const at::Tensor& x) {
@@ -120,9 +120,9 @@ at::Tensor CLIPEncoderLayerImpl::forward(const at::Tensor& x) {
 CLIPTextTransformerImpl::CLIPTextTransformerImpl(const CLIPTextConfig& c) : config_(c) {
     embeddings_ = register_module("embeddings", std::make_shared<torch::nn::Module>());
     token_embedding_ =
-        embeddings_->register_module("token_embedding", torch::nn::Embedding(c.vocab_size, c.hidden_size));
-    position_embedding_ = embeddings_->register_module(
-        "position_embedding", torch::nn::Embedding(c.max_position_embeddings, c.hidden_size));
+        embeddings_->register_module("token_embedding", Embedding(c.vocab_size, c.hidden_size));
+    position_embedding_ = embeddings_->register_module("position_embedding",
+                                                       Embedding(c.max_position_embeddings, c.hidden_size));
     encoder_ = register_module("encoder", std::make_shared<torch::nn::Module>());
     torch::nn::ModuleList layers;
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
@@ -178,7 +178,7 @@ CLIPTextModelWithProjectionImpl::CLIPTextModelWithProjectionImpl(const CLIPTextC
     text_model = register_module("text_model", CLIPTextTransformer(config));
     text_projection = register_module(
         "text_projection",
-        torch::nn::Linear(torch::nn::LinearOptions(config.hidden_size, config.projection_dim).bias(false)));
+        Linear(torch::nn::LinearOptions(config.hidden_size, config.projection_dim).bias(false)));
 }
 
 CLIPTextOutput CLIPTextModelWithProjectionImpl::forward(const at::Tensor& input_ids, bool all_hidden_states) {

@@ -17,14 +17,14 @@
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
-#include <torch/nn/modules/embedding.h>
-#include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include <filesystem>
 #include <string>
 #include <vector>
+
+#include "models/common/layers.h"
 
 namespace dtune::models {
 
@@ -63,7 +63,7 @@ class CLIPAttentionImpl : public torch::nn::Module {
 
   private:
     int64_t heads_;
-    torch::nn::Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, out_proj_{nullptr};
+    Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, out_proj_{nullptr};
 };
 TORCH_MODULE(CLIPAttention);
 
@@ -74,7 +74,7 @@ class CLIPMLPImpl : public torch::nn::Module {
 
   private:
     std::string act_;
-    torch::nn::Linear fc1_{nullptr}, fc2_{nullptr};
+    Linear fc1_{nullptr}, fc2_{nullptr};
 };
 TORCH_MODULE(CLIPMLP);
 
@@ -102,7 +102,7 @@ class CLIPTextTransformerImpl : public torch::nn::Module {
   private:
     CLIPTextConfig config_;
     std::shared_ptr<torch::nn::Module> embeddings_;  // holds token_/position_embedding
-    torch::nn::Embedding token_embedding_{nullptr}, position_embedding_{nullptr};
+    Embedding token_embedding_{nullptr}, position_embedding_{nullptr};
     std::shared_ptr<torch::nn::Module> encoder_;  // holds the `layers` list
     std::vector<CLIPEncoderLayer> layers_;
     torch::nn::LayerNorm final_layer_norm_{nullptr};
@@ -127,7 +127,7 @@ class CLIPTextModelWithProjectionImpl : public torch::nn::Module {
     CLIPTextOutput forward(const at::Tensor& input_ids, bool all_hidden_states = true);
     const CLIPTextConfig& config() const { return text_model->config(); }
     CLIPTextTransformer text_model{nullptr};
-    torch::nn::Linear text_projection{nullptr};  // [P, D], no bias
+    Linear text_projection{nullptr};  // [P, D], no bias
 };
 TORCH_MODULE(CLIPTextModelWithProjection);
 

@@ -172,13 +172,41 @@ CLIPTokenizer CLIPTokenizer::from_files(const stdfs::path& vocab_json, const std
     DTUNE_CHECK_AS(DataError, stdfs::is_regular_file(merges_txt),
                    "merges file not found: ", merges_txt.string(),
                    "; a CLIP tokenizer needs vocab.json and merges.txt side by side");
-    std::ifstream in(merges_txt);
-    DTUNE_CHECK_AS(DataError, in.good(), "cannot read merges file ", merges_txt.string(),
-                   "; check permissions");
-    std::string line;
+    tok.load_merges(fs::read_file(merges_txt), merges_txt.string(), vocab_json.string(), 0);
+    tok.finish_setup(special, max_length, vocab_json.parent_path().string());
+    return tok;
+}
+
+CLIPTokenizer CLIPTokenizer::from_merges(std::string_view merges_txt, const std::string& source,
+                                         const CLIPSpecialTokens& special, int max_length) {
+    // OpenAI CLIP's vocabulary rule: the 256 byte symbols (printable ones first, in the order of
+    // GPT-2's byte table), the same with "</w>", one entry per merge, then <|startoftext|> and
+    // <|endoftext|>: 256 + 256 + 48,894 + 2 = 49,408 ids for CLIP's merges.
+    CLIPTokenizer tok;
+    build_byte_table(tok.byte_symbol_);
+    std::vector<std::string> symbols;
+    for (int b = 0; b < 256; ++b)
+        if (unicode::decode_utf8(tok.byte_symbol_[b]).front() < 256) symbols.push_back(tok.byte_symbol_[b]);
+    for (int b = 0; b < 256; ++b)
+        if (unicode::decode_utf8(tok.byte_symbol_[b]).front() >= 256) symbols.push_back(tok.byte_symbol_[b]);
+    for (const auto& s : symbols) tok.vocab_.emplace(s, static_cast<int64_t>(tok.vocab_.size()));
+    for (const auto& s : symbols) tok.vocab_.emplace(s + kEndOfWord, static_cast<int64_t>(tok.vocab_.size()));
+    tok.load_merges(merges_txt, source, source, /*add_to_vocab=*/true);
+    for (const char* s : {"<|startoftext|>", "<|endoftext|>"})
+        tok.vocab_.emplace(s, static_cast<int64_t>(tok.vocab_.size()));
+    tok.finish_setup(special, max_length, source);
+    return tok;
+}
+
+void CLIPTokenizer::load_merges(std::string_view text, const std::string& source,
+                                const std::string& vocab_source, bool add_to_vocab) {
     int64_t line_no = 0;
     int32_t rank = 0;
-    while (std::getline(in, line)) {
+    for (std::size_t begin = 0; begin < text.size();) {
+        std::size_t end = text.find('\n', begin);
+        if (end == std::string_view::npos) end = text.size();
+        std::string line(text.substr(begin, end - begin));
+        begin = end + 1;
         ++line_no;
         if (!line.empty() && line.back() == '\r') line.pop_back();
         if (line.empty() || (line_no == 1 && line.rfind("#version", 0) == 0)) continue;
@@ -186,18 +214,16 @@ CLIPTokenizer CLIPTokenizer::from_files(const stdfs::path& vocab_json, const std
         DTUNE_CHECK_AS(DataError,
                        space != std::string::npos && space > 0 && space + 1 < line.size() &&
                            line.find(' ', space + 1) == std::string::npos,
-                       "merges file ", merges_txt.string(), " line ", line_no, " is '", line,
+                       "merges file ", source, " line ", line_no, " is '", line,
                        "', expected two symbols separated by one space; re-download merges.txt");
         const std::string left = line.substr(0, space), right = line.substr(space + 1);
-        const auto l = tok.vocab_.find(left), r = tok.vocab_.find(right), m = tok.vocab_.find(left + right);
-        DTUNE_CHECK_AS(DataError, l != tok.vocab_.end() && r != tok.vocab_.end() && m != tok.vocab_.end(),
-                       "merges file ", merges_txt.string(), " line ", line_no, " ('", line,
-                       "') uses a symbol missing from ", vocab_json.string(),
+        if (add_to_vocab) vocab_.emplace(left + right, static_cast<int64_t>(vocab_.size()));
+        const auto l = vocab_.find(left), r = vocab_.find(right), m = vocab_.find(left + right);
+        DTUNE_CHECK_AS(DataError, l != vocab_.end() && r != vocab_.end() && m != vocab_.end(), "merges file ",
+                       source, " line ", line_no, " ('", line, "') uses a symbol missing from ", vocab_source,
                        "; vocab.json and merges.txt must come from the same tokenizer");
-        tok.merges_.emplace(pair_key(l->second, r->second), Merge{rank++, static_cast<int32_t>(m->second)});
+        merges_.emplace(pair_key(l->second, r->second), Merge{rank++, static_cast<int32_t>(m->second)});
     }
-    tok.finish_setup(special, max_length, vocab_json.parent_path().string());
-    return tok;
 }
 
 CLIPTokenizer CLIPTokenizer::from_tokenizer_json(const stdfs::path& tokenizer_json,

@@ -51,6 +51,11 @@ class CLIPTokenizer {
     static CLIPTokenizer from_files(const std::filesystem::path& vocab_json,
                                     const std::filesystem::path& merges_txt,
                                     const CLIPSpecialTokens& special = {}, int max_length = 77);
+    // CLIP's merges.txt alone: the vocabulary follows from the merges by OpenAI CLIP's rule (byte
+    // symbols, the same with "</w>", one entry per merge, then BOS and EOS), which is exactly
+    // CLIP's vocab.json. `source` names the merges in errors.
+    static CLIPTokenizer from_merges(std::string_view merges_txt, const std::string& source,
+                                     const CLIPSpecialTokens& special = {}, int max_length = 77);
     // A `tokenizers` tokenizer.json (model.type "BPE").
     static CLIPTokenizer from_tokenizer_json(const std::filesystem::path& tokenizer_json,
                                              const CLIPSpecialTokens& special = {}, int max_length = 77);
@@ -78,6 +83,9 @@ class CLIPTokenizer {
   private:
     CLIPTokenizer() = default;
     void finish_setup(const CLIPSpecialTokens& special, int max_length, const std::string& source);
+    // merges.txt lines -> merges_ by rank; `add_to_vocab` gives each merge result the next id first.
+    void load_merges(std::string_view text, const std::string& source, const std::string& vocab_source,
+                     bool add_to_vocab);
     void append_piece_ids(const std::string& piece, Ids& out) const;
     Ids bpe(const std::string& piece) const;
     void encode_segment(std::string_view segment, Ids& out) const;

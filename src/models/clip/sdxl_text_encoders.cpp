@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "io/ldm_keys.h"
+#include "models/common/layers.h"
 #include "models/common/weights.h"
 
 namespace dtune::models {
@@ -28,13 +29,21 @@ io::WeightSource open_text_encoder_weights(const stdfs::path& dir) {
     return io::WeightSource::open(dir);
 }
 
+// The module with its large tensors allocated uninitialised in the target dtype/device; only for
+// the strict loads below, which overwrite every tensor.
+template <typename Module>
+Module build_uninitialized(const CLIPTextConfig& config, const TextEncoderLoadOptions& o) {
+    UninitializedParameters scope(o.dtype.value_or(at::kFloat), o.device.value_or(c10::Device(c10::kCPU)));
+    return Module(config);
+}
+
 template <typename Module>
 Module load_text_encoder(const stdfs::path& dir, const TextEncoderLoadOptions& options,
                          const char* class_name) {
     DTUNE_CHECK_AS(DataError, stdfs::is_directory(dir), class_name, " folder not found: ", dir.string(),
                    "; pass the pipeline's text encoder folder (config.json + model.safetensors)");
     const CLIPTextConfig config = CLIPTextConfig::from_json_file(dir / "config.json");
-    Module module(config);
+    Module module = build_uninitialized<Module>(config, options);
     LoadOptions load;
     load.rename = clip_text_key_to_module;
     load.dtype = options.dtype.value_or(at::kFloat);
@@ -99,12 +108,13 @@ Encoded run_encoder(Model& model, const at::Tensor& ids, int64_t batch, const SD
 // Loads tensors already in memory (a single file's component after its key dialect was mapped)
 // with the same renaming and strictness as a folder.
 void copy_named_tensors(torch::nn::Module& module, const io::TensorList& tensors,
-                        const TextEncoderLoadOptions& o, const std::string& what) {
+                        const TextEncoderLoadOptions& o, const std::string& what,
+                        const io::WeightSource& file) {
     LoadOptions load;
     load.rename = clip_text_key_to_module;
     load.dtype = o.dtype.value_or(at::kFloat);
     load.device = o.device.value_or(c10::Device(c10::kCPU));
-    load_weights(module, tensors, load, what, what);
+    load_weights(module, tensors, load, what, what, &file);
     module.eval();
 }
 
@@ -131,20 +141,31 @@ SDXLTextEncoders SDXLTextEncoders::load(const PipelineFolder& folder, const Text
 SDXLTextEncoders SDXLTextEncoders::load_single_file(const stdfs::path& checkpoint,
                                                     const PipelineFolder& config_folder,
                                                     const TextEncoderLoadOptions& options) {
-    const io::WeightSource file = io::WeightSource::open(checkpoint);
     const auto config = [&](const char* name) {
         return CLIPTextConfig::from_json_file(config_folder.component(name).path / "config.json");
     };
-    CLIPTextModel te1(config("text_encoder"));
-    CLIPTextModelWithProjection te2(config("text_encoder_2"));
+    return load_single_file(checkpoint, config("text_encoder"), config("text_encoder_2"),
+                            CLIPTokenizer::from_folder(config_folder.component("tokenizer").path),
+                            CLIPTokenizer::from_folder(config_folder.component("tokenizer_2").path),
+                            config_folder.force_zeros_for_empty_prompt(), options);
+}
+
+SDXLTextEncoders SDXLTextEncoders::load_single_file(const stdfs::path& checkpoint,
+                                                    const CLIPTextConfig& config,
+                                                    const CLIPTextConfig& config_2, CLIPTokenizer tokenizer,
+                                                    CLIPTokenizer tokenizer_2,
+                                                    bool force_zeros_for_empty_prompt,
+                                                    const TextEncoderLoadOptions& options) {
+    const io::WeightSource file = io::WeightSource::open(checkpoint);
+    auto te1 = build_uninitialized<CLIPTextModel>(config, options);
+    auto te2 = build_uninitialized<CLIPTextModelWithProjection>(config_2, options);
     const std::string from = " from " + checkpoint.string();
     copy_named_tensors(*te1, io::ldm_to_diffusers(file, io::LdmComponent::kTextEncoder), options,
-                       "CLIPTextModel" + from);
+                       "CLIPTextModel" + from, file);
     copy_named_tensors(*te2, io::ldm_to_diffusers(file, io::LdmComponent::kTextEncoder2), options,
-                       "CLIPTextModelWithProjection" + from);
-    return SDXLTextEncoders{CLIPTokenizer::from_folder(config_folder.component("tokenizer").path),
-                            CLIPTokenizer::from_folder(config_folder.component("tokenizer_2").path), te1, te2,
-                            config_folder.force_zeros_for_empty_prompt()};
+                       "CLIPTextModelWithProjection" + from, file);
+    return SDXLTextEncoders{std::move(tokenizer), std::move(tokenizer_2), te1, te2,
+                            force_zeros_for_empty_prompt};
 }
 
 SDXLPromptEmbeds SDXLTextEncoders::encode_prompt(const std::vector<std::string>& prompt,

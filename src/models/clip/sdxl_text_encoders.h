@@ -83,6 +83,13 @@ struct SDXLTextEncoders {
     static SDXLTextEncoders load_single_file(const std::filesystem::path& checkpoint,
                                              const PipelineFolder& config_folder,
                                              const TextEncoderLoadOptions& options = {});
+    // The same with the configs and tokenizers given (e.g. the built-in SDXL base ones of
+    // models/sdxl/sdxl_configs.h), so that the file alone is enough.
+    static SDXLTextEncoders load_single_file(const std::filesystem::path& checkpoint,
+                                             const CLIPTextConfig& config, const CLIPTextConfig& config_2,
+                                             CLIPTokenizer tokenizer, CLIPTokenizer tokenizer_2,
+                                             bool force_zeros_for_empty_prompt,
+                                             const TextEncoderLoadOptions& options = {});
 
     // No gradient is recorded (text encoders are frozen in SDXL fine-tuning).
     SDXLPromptEmbeds encode_prompt(const std::vector<std::string>& prompt,

@@ -1,20 +1,20 @@
 // Linear and Conv2d layers that can carry an adapter (LoRA, DoRA, ...).
 //
-// AdaptableLinear / AdaptableConv2d are torch::nn::Linear / Conv2d with the same parameters
-// (`weight`, `bias`) and one extra hook: when an adapter is attached, forward() returns
-// adapter->forward(x, base_out) instead of base_out. The model code builds these types wherever a
-// layer may be targeted by an adapter, so injection needs no change to the blocks' forward code and
-// checkpoint keys stay diffusers' names. Without an adapter the forward is exactly the base layer's.
+// AdaptableLinear / AdaptableConv2d are our Linear / Conv2d (layers.h: torch::nn's, plus
+// uninitialised construction for loading) with the same parameters (`weight`, `bias`) and one extra hook:
+// when an adapter is attached, forward() returns adapter->forward(x, base_out) instead of base_out. The model
+// code builds these types wherever a layer may be targeted by an adapter, so injection needs no change to the
+// blocks' forward code and checkpoint keys stay diffusers' names. Without an adapter the forward is exactly
+// the base layer's.
 //
 // The adapter's own modules and parameters are registered on the host layer by the adapter code
 // (so `to_q.lora_A.weight` appears in the model's named_parameters, moves with .to() and follows
 // train()/eval()); the host only keeps the adapter object alive and calls it.
 #pragma once
 
-#include <torch/nn/modules/conv.h>
-#include <torch/nn/modules/linear.h>
-
 #include <memory>
+
+#include "models/common/layers.h"
 
 namespace dtune::models {
 
@@ -25,11 +25,11 @@ class LayerAdapter {
     virtual at::Tensor forward(const at::Tensor& x, const at::Tensor& base_out) = 0;
 };
 
-class AdaptableLinearImpl : public torch::nn::LinearImpl {
+class AdaptableLinearImpl : public LinearImpl {
   public:
-    using torch::nn::LinearImpl::LinearImpl;
+    using LinearImpl::LinearImpl;
     at::Tensor forward(const at::Tensor& x) {
-        at::Tensor out = torch::nn::LinearImpl::forward(x);
+        at::Tensor out = LinearImpl::forward(x);
         return adapter_ ? adapter_->forward(x, out) : out;
     }
     // Throws UsageError when an adapter is already attached (one adapter per layer).
@@ -41,11 +41,11 @@ class AdaptableLinearImpl : public torch::nn::LinearImpl {
 };
 TORCH_MODULE(AdaptableLinear);
 
-class AdaptableConv2dImpl : public torch::nn::Conv2dImpl {
+class AdaptableConv2dImpl : public Conv2dImpl {
   public:
-    using torch::nn::Conv2dImpl::Conv2dImpl;
+    using Conv2dImpl::Conv2dImpl;
     at::Tensor forward(const at::Tensor& x) {
-        at::Tensor out = torch::nn::Conv2dImpl::forward(x);
+        at::Tensor out = Conv2dImpl::forward(x);
         return adapter_ ? adapter_->forward(x, out) : out;
     }
     void set_adapter(std::shared_ptr<LayerAdapter> adapter);

@@ -17,6 +17,11 @@ ConfigReader read_component_config(const std::filesystem::path& dir, const std::
     return ConfigReader::from_file(config);
 }
 
+ConfigReader component_config(const std::filesystem::path& dir, const ComponentLoadOptions& options,
+                              const std::string& what) {
+    return options.config ? *options.config : read_component_config(dir, what);
+}
+
 void load_component_weights(torch::nn::Module& module, const std::filesystem::path& dir,
                             const ComponentLoadOptions& options, const std::string& what,
                             io::LdmComponent component, const io::LdmLayout& layout) {
@@ -27,7 +32,8 @@ void load_component_weights(torch::nn::Module& module, const std::filesystem::pa
     if (options.single_file) {
         const io::WeightSource file = io::WeightSource::open(*options.single_file);
         load_weights(module, io::ldm_to_diffusers(file, component, layout), load,
-                     str(what, " from ", options.single_file->string()), options.single_file->string());
+                     str(what, " from ", options.single_file->string()), options.single_file->string(),
+                     &file);
     } else {
         const io::WeightSource source = io::WeightSource::open(dir, "diffusion_pytorch_model");
         load_weights(module, source, load, str(what, " from ", dir.string()));

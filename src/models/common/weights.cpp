@@ -22,7 +22,7 @@ std::string listing(const std::vector<std::string>& names) {
 // The shared body: `keys` are the checkpoint's names, `get` reads one, `from` names the origin.
 LoadReport load_named(torch::nn::Module& module, const std::vector<std::string>& keys,
                       const std::function<at::Tensor(const std::string&)>& get, const LoadOptions& options,
-                      const std::string& what, const std::string& from) {
+                      const std::string& what, const std::string& from, const io::WeightSource* backing) {
     std::map<std::string, at::Tensor> targets;
     for (auto& item : module.named_parameters(/*recurse=*/true)) targets[item.key()] = item.value();
     for (auto& item : module.named_buffers(/*recurse=*/true)) targets[item.key()] = item.value();
@@ -48,6 +48,7 @@ LoadReport load_named(torch::nn::Module& module, const std::vector<std::string>&
             continue;
         }
         dst.copy_(src);  // converts dtype and device in one step
+        if (backing) backing->release(src);
         seen.insert(name);
         ++report.loaded;
     }
@@ -80,16 +81,16 @@ LoadReport load_weights(torch::nn::Module& module, const io::WeightSource& sourc
                         const std::string& what) {
     return load_named(
         module, source.keys(), [&](const std::string& key) { return source.get(key); }, options, what,
-        source.files().empty() ? "" : source.files()[0].string());
+        source.files().empty() ? "" : source.files()[0].string(), &source);
 }
 
 LoadReport load_weights(torch::nn::Module& module, const io::TensorList& tensors, const LoadOptions& options,
-                        const std::string& what, const std::string& from) {
+                        const std::string& what, const std::string& from, const io::WeightSource* backing) {
     std::map<std::string, at::Tensor> by_name(tensors.begin(), tensors.end());
     std::vector<std::string> keys;
     for (const auto& [k, _] : by_name) keys.push_back(k);
     return load_named(
-        module, keys, [&](const std::string& key) { return by_name.at(key); }, options, what, from);
+        module, keys, [&](const std::string& key) { return by_name.at(key); }, options, what, from, backing);
 }
 
 io::TensorList state_dict(const torch::nn::Module& module) {

@@ -4,7 +4,11 @@
 // "down_blocks.1.attentions.0.proj_in.weight" is the module's own parameter name and loading is
 // a name-for-name copy. Loading is strict by default: missing or unexpected keys, or a shape
 // mismatch, throw DataError listing (up to 20 of) them. Tensors are converted to the requested
-// dtype/device straight from the memory-mapped file.
+// dtype/device straight from the memory-mapped file into the module's tensors (one copy), and the
+// file's pages are released from this process as soon as a tensor is copied (the page cache keeps
+// them), so peak resident memory is the model plus one tensor, not the model plus the file.
+// Modules built inside an UninitializedParameters scope (layers.h) already have their large
+// parameters in the target dtype/device, so nothing is converted twice.
 #pragma once
 
 #include <torch/nn/module.h>
@@ -42,9 +46,11 @@ LoadReport load_weights(torch::nn::Module& module, const io::WeightSource& sourc
                         const std::string& what);
 
 // The same from tensors already in memory (e.g. a single-file checkpoint's component after its key
-// dialect was mapped, see io/ldm_keys.h). `from` names their origin in errors.
+// dialect was mapped, see io/ldm_keys.h). `from` names their origin in errors. When the tensors
+// are views of `backing`'s files, their pages are released after each copy (as above).
 LoadReport load_weights(torch::nn::Module& module, const io::TensorList& tensors, const LoadOptions& options,
-                        const std::string& what, const std::string& from);
+                        const std::string& what, const std::string& from,
+                        const io::WeightSource* backing = nullptr);
 
 // All parameters and buffers by their full names, for saving.
 io::TensorList state_dict(const torch::nn::Module& module);

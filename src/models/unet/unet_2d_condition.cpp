@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "models/common/layers.h"
 
 namespace dtune::models {
 namespace {
@@ -251,8 +252,12 @@ void UNet2DConditionModelImpl::set_channels_last(bool enabled) {
 }
 
 UNet2DConditionModel load_unet(const std::filesystem::path& dir, const ComponentLoadOptions& options) {
-    const ConfigReader config = read_component_config(dir, "UNet");
-    UNet2DConditionModel model(UNet2DConditionConfig::from_json(config));
+    const auto config = UNet2DConditionConfig::from_json(component_config(dir, options, "UNet"));
+    UNet2DConditionModel model{nullptr};
+    {
+        UninitializedParameters scope(options.dtype, options.device);  // the strict load fills every tensor
+        model = UNet2DConditionModel(config);
+    }
     ComponentLoadOptions load = options;
     load.channels_last = false;
     io::LdmLayout layout;

@@ -95,8 +95,9 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
 };
 TORCH_MODULE(UNet2DConditionModel);
 
-// Builds the model from `<dir>/config.json` and loads `<dir>/diffusion_pytorch_model.safetensors`
-// (or the sharded index) into options.dtype on options.device.
+// Builds the model from `<dir>/config.json` (or options.config) and loads
+// `<dir>/diffusion_pytorch_model.safetensors` (the sharded index, or options.single_file) straight
+// into options.dtype on options.device (see component.h).
 UNet2DConditionModel load_unet(const std::filesystem::path& dir, const ComponentLoadOptions& options = {});
 
 }  // namespace dtune::models

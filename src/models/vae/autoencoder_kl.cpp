@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "models/common/layers.h"
 
 namespace dtune::models {
 
@@ -67,10 +68,10 @@ AutoencoderKLImpl::AutoencoderKLImpl(AutoencoderKLConfig config) : config_(std::
     decoder_ = register_module("decoder", VAEDecoder(d));
     const int64_t m = 2 * c.latent_channels;
     if (c.use_quant_conv)
-        quant_conv_ = register_module("quant_conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(m, m, 1)));
+        quant_conv_ = register_module("quant_conv", Conv2d(torch::nn::Conv2dOptions(m, m, 1)));
     if (c.use_post_quant_conv)
-        post_quant_conv_ = register_module("post_quant_conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(
-                                                                  c.latent_channels, c.latent_channels, 1)));
+        post_quant_conv_ = register_module(
+            "post_quant_conv", Conv2d(torch::nn::Conv2dOptions(c.latent_channels, c.latent_channels, 1)));
 }
 
 at::Tensor AutoencoderKLImpl::encode_moments(const at::Tensor& x) {
@@ -194,13 +195,17 @@ at::Tensor run_tiled(const at::Tensor& x, int64_t tile, double overlap, double s
 }
 
 AutoencoderKL load_autoencoder_kl(const std::filesystem::path& dir, const ComponentLoadOptions& options) {
-    const ConfigReader config = read_component_config(dir, "VAE");
-    AutoencoderKL model(AutoencoderKLConfig::from_json(config));
+    const auto config = AutoencoderKLConfig::from_json(component_config(dir, options, "VAE"));
     ComponentLoadOptions load = options;
-    if (model->config().force_upcast && options.dtype == at::kHalf) {
-        log::info() << "VAE " << dir.string()
+    if (config.force_upcast && options.dtype == at::kHalf) {
+        log::info() << "VAE " << (options.single_file ? *options.single_file : dir).string()
                     << ": force_upcast is set, keeping fp32 weights instead of fp16";
         load.dtype = at::kFloat;
+    }
+    AutoencoderKL model{nullptr};
+    {
+        UninitializedParameters scope(load.dtype, load.device);  // the strict load fills every tensor
+        model = AutoencoderKL(config);
     }
     io::LdmLayout layout;
     layout.vae_num_blocks = static_cast<int>(model->config().block_out_channels.size());

@@ -10,7 +10,6 @@
 
 #include <ATen/core/Generator.h>
 #include <torch/nn/module.h>
-#include <torch/nn/modules/conv.h>
 
 #include <filesystem>
 #include <functional>
@@ -78,12 +77,12 @@ class AutoencoderKLImpl : public torch::nn::Module {
     AutoencoderKLConfig config_;
     VAEEncoder encoder_{nullptr};
     VAEDecoder decoder_{nullptr};
-    torch::nn::Conv2d quant_conv_{nullptr}, post_quant_conv_{nullptr};
+    Conv2d quant_conv_{nullptr}, post_quant_conv_{nullptr};
 };
 TORCH_MODULE(AutoencoderKL);
 
-// Builds from `<dir>/config.json` and loads the weights. With force_upcast and dtype fp16 the
-// weights stay fp32 (logged), matching diffusers pipelines' upcast of the SDXL VAE.
+// Builds from `<dir>/config.json` (or options.config) and loads the weights (as load_unet). With force_upcast
+// and dtype fp16 the weights stay fp32 (logged), matching diffusers pipelines' upcast of the SDXL VAE.
 AutoencoderKL load_autoencoder_kl(const std::filesystem::path& dir, const ComponentLoadOptions& options = {});
 
 // Runs fn over overlapping tiles of x [B, C, H, W] and blends them (exposed for tests). The

@@ -8,8 +8,8 @@ namespace {
 
 constexpr double kEps = 1e-6;  // diffusers hard-codes the VAE's GroupNorm eps
 
-torch::nn::Conv2d conv3(int64_t in, int64_t out) {
-    return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1));
+Conv2d conv3(int64_t in, int64_t out) {
+    return Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1));
 }
 
 ResnetBlock2D resnet(int64_t in, int64_t out, int64_t groups) {

@@ -5,13 +5,13 @@
 #pragma once
 
 #include <torch/nn/module.h>
-#include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/normalization.h>
 
 #include <vector>
 
 #include "models/common/attention.h"
 #include "models/common/blocks.h"
+#include "models/common/layers.h"
 
 namespace dtune::models {
 
@@ -55,7 +55,7 @@ class VAEEncoderImpl : public torch::nn::Module {
     at::Tensor forward(const at::Tensor& x);  // [B, 3, H, W] -> [B, 2*latent, H/f, W/f]
 
   private:
-    torch::nn::Conv2d conv_in_{nullptr}, conv_out_{nullptr};
+    Conv2d conv_in_{nullptr}, conv_out_{nullptr};
     std::vector<VAECoderBlock> blocks_;
     VAEMidBlock mid_block_{nullptr};
     torch::nn::GroupNorm conv_norm_out_{nullptr};
@@ -68,7 +68,7 @@ class VAEDecoderImpl : public torch::nn::Module {
     at::Tensor forward(const at::Tensor& z);  // [B, latent, h, w] -> [B, 3, h*f, w*f]
 
   private:
-    torch::nn::Conv2d conv_in_{nullptr}, conv_out_{nullptr};
+    Conv2d conv_in_{nullptr}, conv_out_{nullptr};
     std::vector<VAECoderBlock> blocks_;
     VAEMidBlock mid_block_{nullptr};
     torch::nn::GroupNorm conv_norm_out_{nullptr};
