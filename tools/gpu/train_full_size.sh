@@ -4,6 +4,7 @@
 #   tools/gpu/train_full_size.sh <build dir> <work dir> <mode> [steps] [extra dtune train options...]
 # mode: lora (rank 16, batch 4) or full (batch 1, adamw_bf16). Prints the last metrics line and a
 # JSON summary (median ms/step over the second half of the run, peak memory, final loss).
+# NPROC=2 runs it data-parallel through `dtune launch --nproc_per_node 2` (batch is per GPU).
 set -euo pipefail
 build=$1 work=$2 mode=$3 steps=${4:-200}
 shift $(( $# < 4 ? $# : 4 ))
@@ -22,25 +23,28 @@ cat > "$work/mdb.json" <<JSON
   {"id": "text", "type": "local", "dataset_type": "text_embeds", "default": true, "cache_dir": "$work/cache/text"}
 ]
 JSON
-out=$work/out-$mode
+nproc=${NPROC:-1}
+out=$work/out-$mode-$nproc
+run=("$build/bin/dtune" train)
+(( nproc > 1 )) && run=("$build/bin/dtune" launch --nproc_per_node "$nproc" -- train)
 rm -rf "$out"
 if [[ $mode == lora ]]; then
   args=(--model_type lora --lora_rank 16 --train_batch_size 4 --optimizer torch-adamw --learning_rate 1e-4)
 else
   args=(--model_type full --train_batch_size 1 --optimizer adamw_bf16 --learning_rate 1e-5)
 fi
-"$build/bin/dtune" train --model_family sdxl --pretrained_model_name_or_path "$work/sdxl" \
+"${run[@]}" --model_family sdxl --pretrained_model_name_or_path "$work/sdxl" \
   --data_backend_config "$work/mdb.json" --output_dir "$out" --max_train_steps "$steps" \
   --mixed_precision bf16 --gradient_checkpointing false --checkpoint_step_interval "$steps" \
   --seed 42 --device cuda --caption_dropout_probability 0.1 --lr_scheduler constant \
   "${args[@]}" "$@"
-batch=$([[ $mode == lora ]] && echo 4 || echo 1)
+batch=$(( ($([[ $mode == lora ]] && echo 4 || echo 1)) * nproc ))
 python3 - "$out/metrics.jsonl" "$mode" "$batch" <<'PY'
 import json, math, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 half = rows[len(rows) // 2:]  # past warm-up and caching
 ips = statistics.median(r["img_per_s"] for r in half)
-print(json.dumps({"mode": sys.argv[2], "steps": rows[-1]["step"], "final_loss": rows[-1]["loss"],
+print(json.dumps({"mode": sys.argv[2], "images_per_step": int(sys.argv[3]), "steps": rows[-1]["step"], "final_loss": rows[-1]["loss"],
                   "all_finite": all(math.isfinite(r["loss"]) for r in rows),
                   "img_per_s_median": ips, "ms_per_step_median": 1000.0 * int(sys.argv[3]) / ips,
                   "peak_gpu_gib": max(r.get("gpu_memory_gib", 0) for r in rows)}))
