@@ -25,8 +25,15 @@ const char* fault_type_name(FaultType type) {
 bool is_cuda_error(const std::string& message) {
     std::string m = message;
     std::transform(m.begin(), m.end(), m.begin(), [](unsigned char c) { return std::tolower(c); });
-    for (const char* needle : {"cuda", "cudnn", "cublas", "nccl", "device-side assert", "out of memory",
-                               "illegal memory access", "uncorrectable ecc"})
+    // Errors that mean the device (or its link) can no longer be trusted. Deviation from
+    // SimpleTuner, which matches any "cuda" and "out of memory": a programming error that merely
+    // mentions a CUDA device ("Expected a 'cuda' device type ...") or an out-of-memory is not a
+    // hardware fault, and replacing the machine (exit 75) would not help.
+    for (const char* needle :
+         {"cuda error", "cudaerror", "cudnn_status_execution_failed", "cudnn_status_internal_error",
+          "cublas_status_execution_failed", "cublas_status_internal_error", "nccl error", "nccl watchdog",
+          "device-side assert", "illegal memory access", "illegal instruction", "launch failure",
+          "uncorrectable ecc", "ecc error"})
         if (m.find(needle) != std::string::npos) return true;
     return false;
 }

@@ -164,7 +164,13 @@ void Trainer::init_common() {
     if (config_.flag("deterministic")) at::globalContext().setDeterministicAlgorithms(true, false);
     const uint64_t seed = static_cast<uint64_t>(config_.integer("seed"));
     generator_ = at::detail::createCPUGenerator(seed);
-    optimizer_generator_ = at::detail::createCPUGenerator(seed ^ 0x9e3779b97f4a7c15ULL);
+    // adamw_bf16 draws its rounding noise where the weights are: a generator of that device.
+    if (device_.is_cuda()) {
+        optimizer_generator_ = at::globalContext().defaultGenerator(device_).clone();
+        optimizer_generator_->set_current_seed(seed ^ 0x9e3779b97f4a7c15ULL);
+    } else {
+        optimizer_generator_ = at::detail::createCPUGenerator(seed ^ 0x9e3779b97f4a7c15ULL);
+    }
     unet_->train();
     unet_->set_gradient_checkpointing(config_.flag("gradient_checkpointing"));
 

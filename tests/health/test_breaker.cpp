@@ -109,7 +109,11 @@ TEST(Breaker, PowerBrakeAndHwSlowdownTripThermalOnlyWarns) {
 TEST(Breaker, CudaErrorsAreClassifiedAndCounted) {
     EXPECT_TRUE(is_cuda_error("CUDA error: an illegal memory access was encountered"));
     EXPECT_TRUE(is_cuda_error("NCCL watchdog timeout"));
-    EXPECT_TRUE(is_cuda_error("CUDA out of memory. Tried to allocate 2.00 GiB"));
+    EXPECT_TRUE(is_cuda_error("CUDA error: unspecified launch failure"));
+    EXPECT_TRUE(is_cuda_error("CUDA error: uncorrectable ECC error encountered"));
+    // Not hardware faults: exiting 75 ("replace the machine") would not help.
+    EXPECT_FALSE(is_cuda_error("CUDA out of memory. Tried to allocate 2.00 GiB"));
+    EXPECT_FALSE(is_cuda_error("Expected a 'cuda' device type for generator but found 'cpu'"));
     EXPECT_FALSE(is_cuda_error("bucket 1.75 has 3 samples"));
     CircuitBreaker b(BreakerConfig{.cuda_failure_threshold = 2});
     EXPECT_FALSE(b.record_cuda_error("config key missing").has_value());
