@@ -88,8 +88,14 @@ TEST(CudaGraphTrainerGpu, ReplaysAndMatchesTheEagerRun) {
         EXPECT_NEAR(g, e, 1e-3 * std::abs(e) + 1e-6) << "step " << i + 1;
     }
     ASSERT_EQ(eager.weights.size(), graph.weights.size());
-    for (size_t i = 0; i < eager.weights.size(); ++i)
-        EXPECT_TRUE(at::allclose(graph.weights[i], eager.weights[i], 1e-3, 1e-5)) << "tensor " << i;
+    // Relative to the tensor's norm: Adam's first steps move an element by about +-lr whatever its
+    // gradient's size, so a near-zero gradient whose sign the GPU's reduction order flips may differ
+    // by 2 lr in one element; a stale or wrong LR (or different noise) moves whole tensors.
+    for (size_t i = 0; i < eager.weights.size(); ++i) {
+        const double diff = (graph.weights[i] - eager.weights[i]).norm().item<double>();
+        const double norm = eager.weights[i].norm().item<double>();
+        EXPECT_LE(diff, 5e-2 * norm + 1e-7) << "tensor " << i << " (norm " << norm << ")";
+    }
 }
 
 }  // namespace
