@@ -60,9 +60,24 @@ bool AdamW::step_fused(ParamGroup& g) {
     }
     // torch increments the counters itself before the fused kernel, which only reads them.
     at::_foreach_add_(steps, 1);
+    if (device_lr_ && device.is_cuda()) {
+        const auto index = static_cast<size_t>(&g - groups_.data());
+        if (lr_tensors_.size() != groups_.size()) lr_tensors_.resize(groups_.size());
+        if (!lr_tensors_[index].defined())  // first use is eager (GraphedStep warms up before capture)
+            lr_tensors_[index] = at::full({}, g.lr, at::TensorOptions().dtype(at::kFloat).device(device));
+        at::_fused_adamw_(params, grads, avgs, sqs, /*max_exp_avg_sqs=*/{}, steps, lr_tensors_[index],
+                          options_.beta1, options_.beta2, g.weight_decay, options_.eps, /*amsgrad=*/false,
+                          /*maximize=*/false);
+        return true;
+    }
     at::_fused_adamw_(params, grads, avgs, sqs, /*max_exp_avg_sqs=*/{}, steps, g.lr, options_.beta1,
                       options_.beta2, g.weight_decay, options_.eps, /*amsgrad=*/false, /*maximize=*/false);
     return true;
+}
+
+void AdamW::upload_lr() {
+    for (size_t i = 0; i < lr_tensors_.size() && i < groups_.size(); ++i)
+        if (lr_tensors_[i].defined()) lr_tensors_[i].fill_(groups_[i].lr);  // a tiny kernel, not captured
 }
 
 void AdamW::step_loop(ParamGroup& g) {

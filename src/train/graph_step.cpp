@@ -107,7 +107,7 @@ StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const Train
     if (!slot) slot = std::make_unique<Entry>();
     Entry& e = *slot;
     if (e.failed) return eager();
-    const std::vector<double> lrs = group_lrs(optimizer);
+    const std::vector<double> lrs = lr_on_device_ ? std::vector<double>() : group_lrs(optimizer);
     if (e.graph && (e.lrs != lrs || e.max_grad_norm != max_grad_norm)) {
         e.graph.reset();  // baked-in settings changed: warm up and capture again
         e.seen = 0;

@@ -11,7 +11,9 @@
 //   graph advances on every replay) and a CUDA model; without CUDA (or built without it) every call
 //   is eager.
 // - The learning rate and max_grad_norm are baked into the capture: when either differs from the
-//   captured value, that shape's graph is dropped and recaptured after `warmup` eager steps.
+//   captured value, that shape's graph is dropped and recaptured after `warmup` eager steps. With
+//   set_lr_on_device(true) (AdamW::use_device_lr: the optimizer reads its lr from device memory)
+//   LR changes keep the graph.
 // - The returned StepTensors are the graph's own output buffers: the next call overwrites them.
 #pragma once
 
@@ -38,6 +40,10 @@ class GraphedStep {
                     at::Generator& generator, Optimizer& optimizer, const std::vector<at::Tensor>& params,
                     double max_grad_norm);
 
+    // The optimizer reads its learning rate from a device tensor refreshed before each call, so an
+    // LR change needs no recapture.
+    void set_lr_on_device(bool on) { lr_on_device_ = on; }
+
     // Steps replayed from a graph / run eagerly so far.
     int64_t replays() const { return replays_; }
     int64_t eager_steps() const { return eager_; }
@@ -45,6 +51,7 @@ class GraphedStep {
   private:
     struct Entry;
     int warmup_;
+    bool lr_on_device_ = false;
     int64_t replays_ = 0, eager_ = 0;
     std::map<std::vector<int64_t>, std::unique_ptr<Entry>> entries_;  // key: the batch's shapes
 };

@@ -74,12 +74,19 @@ class AdamW : public Optimizer {
     const char* name() const override { return "adamw"; }
     void step() override;
     const AdamWOptions& options() const { return options_; }
+    // CUDA graphs: from now on the fused path reads each group's lr from a float32 tensor on the
+    // parameters' device, which upload_lr() refreshes from ParamGroup::lr outside any capture; a
+    // captured step then follows LR changes without being recaptured.
+    void use_device_lr() { device_lr_ = true; }
+    void upload_lr();
 
   private:
     void step_loop(ParamGroup& group);
     bool step_fused(ParamGroup& group);
 
     AdamWOptions options_;
+    bool device_lr_ = false;
+    std::vector<at::Tensor> lr_tensors_;  // per group, [] float32 (device_lr_)
 };
 
 // ---- AdamW for bf16 weights with stochastic rounding (SimpleTuner's default `adamw_bf16`) ------

@@ -22,6 +22,7 @@
 #include "train/checkpoint.h"
 #include "train/data_parallel.h"
 #include "train/dataset_source.h"
+#include "train/graph_step.h"
 #include "train/loss_scaler.h"
 #include "train/lr_schedule.h"
 #include "train/sdxl_data_encoders.h"
@@ -435,6 +436,7 @@ TrainResult Trainer::run_loop() {
     build_optimizer();
     start_ema();
     resume();
+    init_graph();  // cuda_graph (trainer_graph.cpp)
     LRScheduleOptions lr_options;
     lr_options.type = parse_lr_schedule(config_.text("lr_scheduler"), config_.integer("lr_warmup_steps"));
     lr_options.base_lr = config_.real("learning_rate");
@@ -475,10 +477,12 @@ TrainResult Trainer::run_loop() {
         const auto t0 = std::chrono::steady_clock::now();
         double grad_norm = 0;
         const double lr = schedule.lr(global_step_);
-        double loss = train_one_step(grad_norm);
-        optimizer_->set_lr(lr);
-        if (!step_overflowed_) optimizer_->step();  // fp16 overflow: skipped, the scaler backs off
-        optimizer_->zero_grad();
+        double loss = graph_ ? train_graphed_step(lr, grad_norm) : train_one_step(grad_norm);
+        if (!graph_) {
+            optimizer_->set_lr(lr);
+            if (!step_overflowed_) optimizer_->step();  // fp16 overflow: skipped, the scaler backs off
+            optimizer_->zero_grad();
+        }
         dp_->after_step();  // ZeRO-1: weights from their owners; every gradient dropped
         agreed = dp_->agree(loss, stop_requested(), gpu_fault_request());
         loss = agreed.mean_loss;

@@ -36,6 +36,7 @@ struct DistEnv;
 namespace dtune::train {
 
 class DataParallel;
+class GraphedStep;
 class LoRATraining;
 class LossScaler;
 struct CheckpointContents;
@@ -96,6 +97,8 @@ class Trainer {
     const EMAModel* ema() const { return ema_.get(); }
     // model_type lora: the injected adapters (nullptr for a full fine-tune).
     LoRATraining* lora() { return lora_.get(); }
+    // cuda_graph: the graphed step when the run allows it (nullptr: eager; trainer_graph.cpp).
+    const GraphedStep* graphed_step() const { return graph_.get(); }
 
   private:
     TrainResult run_loop();
@@ -115,6 +118,9 @@ class Trainer {
     void load_extras(const LoadedCheckpoint& ckpt);
     bool load_lora_weights(const LoadedCheckpoint& ckpt);
     void write_model_outputs();
+    // trainer_graph.cpp: cuda_graph (the whole optimizer step as one CUDA graph per batch shape).
+    void init_graph();
+    double train_graphed_step(double lr, double& grad_norm);
 
     TrainConfig config_;
     std::filesystem::path output_dir_;
@@ -139,6 +145,7 @@ class Trainer {
     std::unique_ptr<EMAModel> ema_;
     std::unique_ptr<LossScaler> scaler_;  // mixed_precision fp16
     bool step_overflowed_ = false;        // fp16: inf/NaN gradients, the optimizer step is skipped
+    std::unique_ptr<GraphedStep> graph_;  // cuda_graph, when the run allows it
 };
 
 // Parses "cpu", "cuda", "cuda:N" or "auto" (CUDA when available).

@@ -1,0 +1,121 @@
+// The trainer's CUDA-graph step (see trainer_graph.h): conditions, set-up, and one optimizer step
+// through GraphedStep with the loss and gradient norm read back only at metrics_interval.
+//
+// What stays outside the graph: the batch (data loader, caption dropout from the CPU generator),
+// the LR (AdamW reads it from a device tensor refreshed before each replay, so schedules do not
+// recapture), the EMA update, metrics and checkpoints. Noise and timesteps come from the CUDA
+// default generator (StepOptions::device_rng), whose state every checkpoint already saves
+// (capture_rng_states), so a resumed run continues the same random streams at the exact step; it
+// is not bit-identical to an uninterrupted run because the GPU kernels are not deterministic.
+#include "train/trainer_graph.h"
+
+#include <ATen/Context.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <mutex>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "train/graph_step.h"
+#include "train/trainer.h"
+
+namespace dtune::train {
+
+std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int world_size) {
+    const std::string fix = "; otherwise the run trains without CUDA graphs";
+    if (!device.is_cuda()) return str("device is ", device.str(), " (CUDA graphs need a CUDA device)");
+    if (world_size > 1)
+        return str("world_size is ", world_size,
+                   ": the data-parallel gradient all-reduce runs between "
+                   "backward and the optimizer step and is not captured (train on one GPU for graphs)");
+    if (c.integer("gradient_accumulation_steps") != 1)
+        return str("gradient_accumulation_steps is ", c.integer("gradient_accumulation_steps"),
+                   " (set it to 1 and raise train_batch_size", fix, ")");
+    const std::string opt = c.text("optimizer");
+    if (opt != "torch-adamw" && opt != "optimi-adamw")
+        return str("optimizer is ", opt, " (only fused AdamW is graph-safe: set optimizer torch-adamw", fix,
+                   ")");
+    if (c.flag("deterministic"))
+        return "deterministic is true (its per-tensor AdamW reads the step count back to the host; set "
+               "deterministic false" +
+               fix + ")";
+    if (c.text("mixed_precision") == "fp16")
+        return "mixed_precision is fp16 (the loss scaler decides on the host; use bf16" + fix + ")";
+    if (c.flag("offset_noise"))
+        return "offset_noise is true (the graph draws plain noise; unset it" + fix + ")";
+    if (c.real("input_perturbation") != 0)
+        return "input_perturbation is not 0 (the graph draws plain noise; set it to 0" + fix + ")";
+    if (c.opt_real("snr_gamma").value_or(0) > 0)
+        return "snr_gamma is set (min-SNR weights read the timesteps on the host; unset it" + fix + ")";
+    if (c.real("max_grad_norm") > 0 && c.text("grad_clip_method") != "norm")
+        return "grad_clip_method is value (the graph clips by global norm: set grad_clip_method norm or "
+               "max_grad_norm 0" +
+               fix + ")";
+    if (c.text("model_type") == "lora" && c.real("lora_dropout") > 0)
+        return str("lora_dropout is ", c.real("lora_dropout"),
+                   " (its per-step seed is drawn on the host; set lora_dropout 0", fix, ")");
+    return {};
+}
+
+void Trainer::init_graph() {
+    if (!config_.flag("cuda_graph")) return;
+    const std::string blocker = cuda_graph_blocker(config_, device_, world_size());
+    if (!blocker.empty()) {
+        log::info() << "cuda_graph: training eagerly because " << blocker;
+        return;
+    }
+    auto* adamw = dynamic_cast<AdamW*>(optimizer_.get());
+    DTUNE_CHECK(adamw != nullptr, "internal: cuda_graph needs the AdamW optimizer");
+    adamw->use_device_lr();
+    // DTUNE_CUDA_GRAPH_WARMUP: eager steps per batch shape before its capture (default 2); a value
+    // above max_train_steps keeps every step eager with the graph's settings (device RNG and LR),
+    // the reference a graph run is checked against.
+    const char* env = std::getenv("DTUNE_CUDA_GRAPH_WARMUP");
+    const int warmup = env && *env ? std::max(1, std::atoi(env)) : 2;
+    graph_ = std::make_unique<GraphedStep>(warmup);
+    graph_->set_lr_on_device(true);
+    step_options_.device_rng = true;
+    // Noise and timesteps come from the device's generator: seed it from the run seed, unless a
+    // resume just restored its state from the checkpoint.
+    if (!resumed_from_) {
+        at::Generator gen = at::globalContext().defaultGenerator(device_);  // a handle: shares the state
+        const std::lock_guard<std::mutex> lock(gen.mutex());
+        gen.set_current_seed(static_cast<uint64_t>(config_.integer("seed")));
+    }
+    log::info() << "cuda_graph: each batch shape trains as one CUDA graph after " << warmup
+                << " eager warm-up steps; "
+                << "loss and grad_norm are read back every metrics_interval ("
+                << config_.integer("metrics_interval") << ") steps";
+}
+
+double Trainer::train_graphed_step(double lr, double& grad_norm) {
+    TrainBatch batch = source_->next(*generator_);
+    apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_);
+    optimizer_->set_lr(lr);
+    static_cast<AdamW&>(*optimizer_).upload_lr();  // before the replay, on the same stream
+    std::vector<at::Tensor> params;
+    for (const auto& p : trainable_) params.push_back(p.tensor);
+    const StepTensors out = graph_->run(*unet_, batch, *schedule_, step_options_, global_step_, *generator_,
+                                        *optimizer_, params, config_.real("max_grad_norm"));
+    const int64_t step = global_step_ + 1;
+    const bool read =
+        step % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0 || step == total_steps_;
+    constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+    if (!read) {
+        grad_norm = kNaN;  // StepReport: NaN when not read back
+        return kNaN;
+    }
+    const double loss = out.loss.item<double>();  // waits for the step: once per metrics_interval
+    grad_norm = out.grad_norm.defined() ? out.grad_norm.item<double>() : 0.0;
+    if (!std::isfinite(loss))
+        throw Error(
+            str("the loss is ", loss, " at step ", step,
+                " (cuda_graph: read every metrics_interval steps, "
+                "so it may have turned non-finite earlier); lower learning_rate, set max_grad_norm, or "
+                "check the data; resume from the last checkpoint"));
+    return loss;
+}
+
+}  // namespace dtune::train
