@@ -96,12 +96,23 @@ void Planner::load_state(const nlohmann::json& s) {
                    "the checkpoint was written with datasets ", s.at("datasets").dump(),
                    " but the config has ", nlohmann::json(ids_).dump(),
                    "; resume with the same multidatabackend.json");
-    DTUNE_CHECK_AS(UsageError,
-                   s.at("batch_sizes").get<std::vector<int>>() == batch_sizes_ &&
-                       s.at("world_size").get<int>() == world_size_,
-                   "the checkpoint was written with batch sizes ", s.at("batch_sizes").dump(), " on ",
-                   s.at("world_size").dump(), " rank(s), now ", nlohmann::json(batch_sizes_).dump(), " on ",
-                   world_size_, "; resume with the same train_batch_size and number of processes");
+    // The samplers serve global batches (per-rank batch x world size), so a resume on another
+    // number of ranks is exact when every dataset's global batch is unchanged.
+    const auto saved_sizes = s.at("batch_sizes").get<std::vector<int>>();
+    const int saved_world = s.at("world_size").get<int>();
+    bool same_global = saved_sizes.size() == batch_sizes_.size();
+    for (std::size_t i = 0; same_global && i < saved_sizes.size(); ++i)
+        same_global = saved_sizes[i] * saved_world == batch_sizes_[i] * world_size_;
+    auto global = [](const std::vector<int>& sizes, int world) {
+        nlohmann::json g = nlohmann::json::array();
+        for (int b : sizes) g.push_back(b * world);
+        return g.size() == 1 ? g[0].dump() : g.dump();
+    };
+    DTUNE_CHECK_AS(UsageError, same_global, "the checkpoint was written with a global batch of ",
+                   global(saved_sizes, saved_world), " (train_batch_size ", s.at("batch_sizes").dump(),
+                   " on ", saved_world, " rank(s)), now ", global(batch_sizes_, world_size_), " (",
+                   nlohmann::json(batch_sizes_).dump(), " on ", world_size_,
+                   "); resume with the same train_batch_size x number of processes");
     epoch_ = s.at("epoch").get<int64_t>();
     served_ = s.at("served").get<int64_t>();
     in_epoch_ = s.at("in_epoch").get<int64_t>();
