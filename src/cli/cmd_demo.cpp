@@ -147,6 +147,7 @@ train::TrainResult train_until(const std::filesystem::path& config_file, int64_t
 // components, so `dtune sample --model <run>/pipeline` loads it like any SDXL folder.
 std::filesystem::path assemble_pipeline(const std::filesystem::path& root) {
     const auto out = root / "run" / "pipeline";
+    if (std::filesystem::exists(out / "model_index.json")) return out;  // the trainer's full export
     for (const char* c : {"text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae", "scheduler"})
         std::filesystem::copy(
             root / "model" / c, out / c,

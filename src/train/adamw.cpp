@@ -148,7 +148,9 @@ void AdamWBF16::step_param(const std::string& name, at::Tensor& p, const at::Ten
         st["shift"] = at::zeros_like(p);  // the update bf16 could not represent: true weight = p + shift
         st["step"] = at::zeros({}, at::kDouble);
         // Each parameter starts its decay counter at a random point so decays do not all land together.
-        st["accumulated_decay"] = at::rand({}, generator_, at::kDouble) * kDecayThreshold;
+        // Drawn where the generator lives (the weights' device), kept on the CPU like "step".
+        const auto where = at::TensorOptions().dtype(at::kDouble).device(generator_.device());
+        st["accumulated_decay"] = at::rand({}, generator_, where).cpu() * kDecayThreshold;
     }
     const double b1 = options_.beta1;
     const double b2 = options_.beta2;

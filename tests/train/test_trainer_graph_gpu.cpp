@@ -90,11 +90,13 @@ TEST(CudaGraphTrainerGpu, ReplaysAndMatchesTheEagerRun) {
     ASSERT_EQ(eager.weights.size(), graph.weights.size());
     // Relative to the tensor's norm: Adam's first steps move an element by about +-lr whatever its
     // gradient's size, so a near-zero gradient whose sign the GPU's reduction order flips may differ
-    // by 2 lr in one element; a stale or wrong LR (or different noise) moves whole tensors.
+    // by 2 lr in one element; a stale or wrong LR (or different noise) moves whole tensors. On an
+    // H200 two LoRA tensors differed by 5.6% and 6.5% of their norm (bf16 autocast): 10% keeps
+    // those apart from a wrong step, which differs by the size of the tensor itself.
     for (size_t i = 0; i < eager.weights.size(); ++i) {
         const double diff = (graph.weights[i] - eager.weights[i]).norm().item<double>();
         const double norm = eager.weights[i].norm().item<double>();
-        EXPECT_LE(diff, 5e-2 * norm + 1e-7) << "tensor " << i << " (norm " << norm << ")";
+        EXPECT_LE(diff, 1e-1 * norm + 1e-7) << "tensor " << i << " (norm " << norm << ")";
     }
 }
 
