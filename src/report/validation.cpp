@@ -96,6 +96,7 @@ ValidationSettings validation_settings(const train::TrainConfig& config) {
     DTUNE_CHECK_AS(UsageError, s.num_images >= 1, "num_validation_images ", s.num_images,
                    " is invalid; use 1 or more");
     s.interval = config.integer("validation_step_interval");
+    if (const auto e = config.opt_integer("validation_epoch_interval"); e && *e > 0) s.epoch_interval = *e;
     s.benchmark = !config.flag("disable_benchmark");
     return s;
 }
@@ -111,7 +112,12 @@ void ValidationCallback::on_train_start(train::Trainer& trainer) {
 }
 
 void ValidationCallback::on_step_end(train::Trainer& trainer, const train::StepReport& report) {
-    if (settings_.interval > 0 && report.step % settings_.interval == 0) run(trainer, report.step);
+    const bool by_step = settings_.interval > 0 && report.step % settings_.interval == 0;
+    // report.epoch counts completed epochs: validate when it reaches a new multiple of the interval.
+    const bool by_epoch = settings_.epoch_interval > 0 && last_epoch_ >= 0 && report.epoch > last_epoch_ &&
+                          report.epoch % settings_.epoch_interval == 0;
+    last_epoch_ = report.epoch;
+    if (by_step || by_epoch) run(trainer, report.step);
 }
 
 void ValidationCallback::on_train_end(train::Trainer& trainer, const train::TrainResult& result) {

@@ -44,8 +44,9 @@ struct ValidationSettings {
     uint64_t seed = 0;
     std::string sampler = "ddim";  // SimpleTuner's SDXL default
     int num_images = 1;
-    int64_t interval = 100;  // steps; <= 0 disables interval validation
-    bool benchmark = true;   // base-model images at step 0
+    int64_t interval = 100;      // steps; <= 0 disables interval validation
+    int64_t epoch_interval = 0;  // validation_epoch_interval: after every N completed epochs (0: off)
+    bool benchmark = true;       // base-model images at step 0
 };
 
 // "1024x1024,1280x768" -> sizes; a bare number N is NxN; values < 128 are megapixels (SimpleTuner),
@@ -80,6 +81,7 @@ class ValidationCallback final : public train::TrainCallback {
     std::unique_ptr<validate::SDXLPipeline> pipeline_;
     std::vector<ValidationImageSink> sinks_;
     int64_t last_step_ = -1;
+    int64_t last_epoch_ = -1;  // the epoch count after the previous step (-1: none seen yet)
 };
 
 }  // namespace dtune::report

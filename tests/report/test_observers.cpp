@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <set>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -114,6 +115,23 @@ TEST(Validation, DoesNotChangeTrainingAndNamesFilesLikeSimpleTuner) {
     EXPECT_EQ(losses, 4);
     EXPECT_EQ(images, 3);
     EXPECT_TRUE(std::filesystem::exists(val_dir / "report.html"));
+}
+
+TEST(Validation, EpochIntervalValidatesAtEpochEnds) {
+    // The synthetic source has 4 micro-batches per epoch: epochs end after steps 4 and 8.
+    test::TempDir dir;
+    const auto c = config(dir.path(), {{"validation_prompt", "a red circle"},
+                                       {"validation_step_interval", 0},
+                                       {"validation_epoch_interval", 1},
+                                       {"disable_benchmark", true},
+                                       {"max_train_steps", 9},
+                                       {"checkpoint_step_interval", 0}});
+    auto trainer = make_trainer(c);
+    add_observers(*trainer);
+    trainer->run();
+    std::set<int64_t> steps;
+    for (const auto& f : list_validation_images(dir / "validation_images")) steps.insert(f.step);
+    EXPECT_EQ(steps, (std::set<int64_t>{4, 8, 9}));  // two epoch ends and the final step
 }
 
 TEST(EvalLoss, TrailingTimestepsMatchDiffusers) {
