@@ -458,6 +458,11 @@ TrainResult Trainer::run_loop() {
     result.resumed_from = resumed_from_;
     // Every rank leaves the loop at the same step: decisions come from the ranks' agreement.
     StepAgreement agreed = dp_->agree(0.0, stop_requested(), gpu_fault_request());
+    // Throughput over the steps since the last metrics row: with CUDA graphs the host runs ahead
+    // and the step that reads the loss back waits for the queued ones, so one step's time alone
+    // says nothing; the sum over the window is the time the steps took.
+    double window_seconds = 0;
+    int64_t window_steps = 0;
     while (global_step_ < total_steps_) {
         // One process: a request made since the last step counts now (no peers to agree with).
         if (dp_->world_size() == 1)
@@ -497,12 +502,17 @@ TrainResult Trainer::run_loop() {
         report.loss = loss;
         report.lr = lr;
         report.grad_norm = grad_norm;
-        report.img_per_s = static_cast<double>(images_per_step) / dt;
+        window_seconds += dt;
+        ++window_steps;
+        report.img_per_s = static_cast<double>(images_per_step * window_steps) / window_seconds;
         report.samples_seen = global_step_ * images_per_step;
         report.step_seconds = dt;
         report.gpu_memory_gib = peak_gpu_memory_gib(device_);
-        if (global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0)
+        if (global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0) {
             append_metrics(report);
+            window_seconds = 0;
+            window_steps = 0;
+        }
         for (auto& cb : callbacks_) cb->on_step_end(*this, report);
         progress.set_postfix(str("loss ", format_metric(loss), " lr ", format_metric(lr), " ",
                                  format_rate(report.img_per_s, "img")));
