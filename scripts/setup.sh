@@ -14,6 +14,7 @@ debian_packages=(
     clang clang-format clang-tidy libclang-rt-14-dev  # libFuzzer, formatting, lint
     libgtest-dev libgmock-dev                     # unit tests
     nlohmann-json3-dev                            # JSON configs and safetensors headers
+    libtomlplusplus-dev                           # config.toml (toml++, header-only use)
     libicu-dev                                    # libicuuc at run time: Unicode NFC/case (CLIP tokenizer)
     zlib1g-dev libzstd-dev libsnappy-dev          # cache compression, parquet codecs
     libpng-dev libjpeg62-turbo-dev libwebp-dev    # image codecs

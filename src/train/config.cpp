@@ -1,5 +1,6 @@
 // TrainConfig: option table, JSON/CLI parsing, typed access, resolved output (see config.h).
 #include "train/config.h"
+#include "train/config_toml.h"
 
 #include <algorithm>
 #include <cmath>
@@ -364,12 +365,16 @@ TrainConfig TrainConfig::load(const std::filesystem::path& config_file,
     TrainConfig config;
     if (!config_file.empty()) {
         const std::string ext = config_file.extension().string();
-        if (ext == ".toml")
-            throw UsageError(str(config_file.string(),
-                                 ": config.toml is not supported yet (no TOML library in "
-                                 "the build); convert it to config.json with the same keys"));
         if (ext == ".env")
             throw UsageError(str(config_file.string(), ": config.env is not supported; use config.json"));
+        if (ext == ".toml") {
+            DTUNE_CHECK_AS(DataError, std::filesystem::is_regular_file(config_file), config_file.string(),
+                           ": no such file; check the --config path");
+            config.merge_json(read_toml_config(config_file), config_file.string());
+            config.apply_overrides(overrides);
+            config.finish();
+            return config;
+        }
         const std::string text = fs::read_file(config_file);
         json parsed = json::parse(text, nullptr, false);
         if (parsed.is_discarded())
@@ -378,10 +383,13 @@ TrainConfig TrainConfig::load(const std::filesystem::path& config_file,
         config.merge_json(parsed, config_file.string());
     }
     config.apply_overrides(overrides);
-    if (config.is_null("model_flavour") && config.values_["model_family"] == "sdxl")
-        config.values_["model_flavour"] = "base-1.0";
-    config.validate();
+    config.finish();
     return config;
+}
+
+void TrainConfig::finish() {
+    if (is_null("model_flavour") && values_["model_family"] == "sdxl") values_["model_flavour"] = "base-1.0";
+    validate();
 }
 
 bool TrainConfig::is_null(const std::string& key) const {

@@ -50,6 +50,8 @@ class TrainConfig {
     void set(const std::string& key, const std::string& value_text, const std::string& source);
     // Checks cross-key constraints (required keys, choices); called by load().
     void validate() const;
+    // Fills flavour defaults, then validate(); the end of load().
+    void finish();
 
     bool is_null(const std::string& key) const;
     std::string text(const std::string& key) const;  // "" when null

@@ -127,8 +127,33 @@ TEST(TrainConfig, BadValuesNameTheKey) {
                   load_text(dir, R"({"model_family": "sdxl", "train_batch_size": 0})");
               }).find("train_batch_size"),
               std::string::npos);
-    EXPECT_NE(usage_message([&] { TrainConfig::load(dir / "config.toml", {}); }).find("TOML"),
-              std::string::npos);
+}
+
+TEST(TrainConfig, TomlReadsLikeTheSameJson) {
+    test::TempDir dir;
+    fs::write_file_atomic(dir / "config.toml", R"(# SimpleTuner-style config.toml
+"--model_family" = "sdxl"
+model_type = "lora"
+learning_rate = 1e-4
+lora_rank = 8
+"--train_batch_size" = 2
+use_ema = true
+validation_resolution = "1024x1024,1280x768"
+peft_lora_target_modules = ["to_q", "to_k"]
+)");
+    const TrainConfig from_toml = TrainConfig::load(dir / "config.toml", {"--lora_alpha", "4"});
+    const TrainConfig from_json = load_text(dir, R"({"--model_family": "sdxl", "model_type": "lora",
+        "learning_rate": 1e-4, "lora_rank": 8, "--train_batch_size": 2, "use_ema": true,
+        "validation_resolution": "1024x1024,1280x768", "peft_lora_target_modules": ["to_q", "to_k"],
+        "lora_alpha": 4})");
+    EXPECT_EQ(from_toml.resolved(), from_json.resolved());
+    EXPECT_EQ(from_toml.integer("lora_rank"), 8);
+    EXPECT_EQ(from_toml.real("lora_alpha"), 4.0);  // the command line still overrides the file
+
+    fs::write_file_atomic(dir / "bad.toml", "model_family = \"sdxl\"\nlearning_rate = = 1\n");
+    const std::string message = usage_message([&] { TrainConfig::load(dir / "bad.toml", {}); });
+    EXPECT_NE(message.find("bad.toml:2:"), std::string::npos) << message;
+    EXPECT_NE(message.find("not valid TOML"), std::string::npos) << message;
 }
 
 TEST(TrainConfig, ResolvedFileRoundTrips) {

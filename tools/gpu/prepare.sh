@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 for p in /.gpudeps/ /.gpudeps.tar.xz /shared/; do grep -qxF "$p" .git/info/exclude || echo "$p" >> .git/info/exclude; done
 tmp=$(mktemp -d)
-(cd "$tmp" && apt-get download nlohmann-json3-dev libgtest-dev libgmock-dev libcurl4-openssl-dev libgloo-dev \
+(cd "$tmp" && apt-get download nlohmann-json3-dev libtomlplusplus-dev libgtest-dev libgmock-dev libcurl4-openssl-dev libgloo-dev \
     zlib1g-dev libzstd-dev libsnappy-dev libpng-dev libjpeg62-turbo-dev libwebp-dev >/dev/null)
 rm -rf .gpudeps && mkdir -p .gpudeps
 for f in "$tmp"/*.deb; do dpkg -x "$f" .gpudeps; done
