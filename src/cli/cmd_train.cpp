@@ -68,7 +68,7 @@ std::string train_usage() {
            "Trains from SimpleTuner's config.json (keys with or without \"--\"); command-line options\n"
            "override the file. Every option below uses SimpleTuner's name and default. A SimpleTuner\n"
            "option dtune does not implement yet is an error unless it is left at its default; an unknown\n"
-           "key is an error naming the closest known one. config.toml is not supported yet.\n\n"
+           "key is an error naming the closest known one. config.toml with the same keys works too.\n\n"
            "Writes to output_dir: config.resolved.json, metrics.jsonl (step, loss, lr, grad_norm,\n"
            "img_per_s, samples_seen, gpu_memory_gib), report.html (rewritten at each checkpoint),\n"
            "validation_images/ (with validation_prompt), eval.jsonl (with a dataset_type eval dataset),\n"
