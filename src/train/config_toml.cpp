@@ -5,7 +5,7 @@
 #include "train/config_toml.h"
 
 #include <sstream>
-#include <toml++/toml.hpp>
+#include <toml++/toml.h>
 
 #include "core/error.h"
 
