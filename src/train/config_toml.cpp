@@ -4,8 +4,8 @@
 #define TOML_EXCEPTIONS 1
 #include "train/config_toml.h"
 
-#include <sstream>
 #include <toml++/toml.h>
+#include <sstream>
 
 #include "core/error.h"
 
