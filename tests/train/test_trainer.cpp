@@ -13,53 +13,19 @@
 #include "train/signals.h"
 #include "train/step.h"
 #include "train/trainer.h"
+#include "trainer_test_util.h"
 
 namespace dtune::train {
 namespace {
 
-std::filesystem::path tiny_model() {
-    return test::fixtures_dir() / "tiny-sdxl";
-}
+using testutil::synthetic;
+using testutil::tiny_config;
+using testutil::tiny_schedule;
+using testutil::tiny_unet;
 
-models::UNet2DConditionModel tiny_unet() {
-    return models::load_unet(tiny_model() / "unet");
-}
-
-diffusion::NoiseSchedule tiny_schedule() {
-    const auto j = nlohmann::json::parse(fs::read_file(tiny_model() / "scheduler" / "scheduler_config.json"));
-    return diffusion::NoiseSchedule(diffusion::NoiseScheduleConfig::from_json(j, "tiny scheduler"));
-}
-
-TrainConfig tiny_config(const std::filesystem::path& out, int64_t steps,
-                        const std::string& extra_json = "{}") {
-    TrainConfig c;
-    c.merge_json(nlohmann::json{{"model_family", "sdxl"},
-                                {"output_dir", out.string()},
-                                {"optimizer", "torch-adamw"},
-                                {"learning_rate", 1e-3},
-                                {"lr_scheduler", "constant"},
-                                {"train_batch_size", 2},
-                                {"max_train_steps", steps},
-                                {"checkpoint_step_interval", 2},
-                                {"mixed_precision", "no"},
-                                {"gradient_checkpointing", false},
-                                {"deterministic", true},
-                                {"seed", 1234},
-                                {"caption_dropout_probability", 0.25},
-                                {"metrics_interval", 1}},
-                 "test");
-    c.merge_json(nlohmann::json::parse(extra_json), "test extra");
-    c.validate();
-    return c;
-}
-
-std::unique_ptr<BatchSource> synthetic() {
-    SyntheticBatchOptions o;
-    o.batch_size = 2;
-    o.latent_size = 8;
-    o.dim = 64;  // the tiny UNet's cross_attention_dim
-    o.pooled_dim = 32;
-    return std::make_unique<SyntheticBatchSource>(o);
+// The shared deterministic config with extra keys given as JSON text.
+TrainConfig config_with(const std::filesystem::path& out, int64_t steps, const std::string& extra_json) {
+    return testutil::tiny_config(out, steps, nlohmann::json::parse(extra_json));
 }
 
 io::TensorList run_trainer(const TrainConfig& config, TrainResult* result = nullptr) {
@@ -119,7 +85,7 @@ TEST(TrainStep, LossFallsOnAFixedBatch) {
 TEST(TrainCheckpoint, LayoutGuardAndRotation) {
     test::TempDir dir;
     TrainResult r;
-    run_trainer(tiny_config(dir.path(), 6, R"({"checkpoints_total_limit": 2})"), &r);
+    run_trainer(config_with(dir.path(), 6, R"({"checkpoints_total_limit": 2})"), &r);
     EXPECT_EQ(r.global_step, 6);
     const auto all = list_checkpoints(dir.path());
     ASSERT_EQ(all.size(), 2u);  // steps 4 and 6; step 2 rotated away
@@ -156,7 +122,7 @@ TEST(TrainCheckpoint, LayoutGuardAndRotation) {
 TEST(TrainCheckpoint, ResumeIsBitExact) {
     test::TempDir straight, split;
     const io::TensorList a =
-        run_trainer(tiny_config(straight.path(), 4, R"({"resume_from_checkpoint": "none"})"));
+        run_trainer(config_with(straight.path(), 4, R"({"resume_from_checkpoint": "none"})"));
     TrainResult first, second;
     run_trainer(tiny_config(split.path(), 2), &first);
     EXPECT_FALSE(first.resumed_from.has_value());
@@ -185,10 +151,10 @@ TEST(TrainCheckpoint, LoRAResumeIsBitExact) {
         "checkpoint_step_interval": 1)";
     test::TempDir straight, split;
     const io::TensorList a =
-        run_trainer(tiny_config(straight.path(), 2, lora + R"(, "resume_from_checkpoint": "none"})"));
+        run_trainer(config_with(straight.path(), 2, lora + R"(, "resume_from_checkpoint": "none"})"));
     TrainResult second;
-    run_trainer(tiny_config(split.path(), 1, lora + "}"));
-    const io::TensorList b = run_trainer(tiny_config(split.path(), 2, lora + "}"), &second);
+    run_trainer(config_with(split.path(), 1, lora + "}"));
+    const io::TensorList b = run_trainer(config_with(split.path(), 2, lora + "}"), &second);
     ASSERT_TRUE(second.resumed_from.has_value());
     ASSERT_EQ(a.size(), b.size());
     int64_t differing = 0, adapters = 0;
