@@ -173,6 +173,24 @@ TEST(TrainCheckpoint, LoRAResumeIsBitExact) {
     EXPECT_FALSE(std::filesystem::exists(straight / "checkpoint-2" / "unet"));  // adapters only
 }
 
+TEST(TrainMetrics, RowsEveryIntervalWithTheWindowsThroughput) {
+    // metrics_interval 3 over 6 steps: rows at steps 3 and 6; img_per_s is the rate over the 3
+    // steps since the previous row (images / summed step time): finite and positive.
+    test::TempDir dir;
+    const auto c = config_with(dir.path(), 6, R"({"metrics_interval": 3, "checkpoint_step_interval": 0})");
+    run_trainer(c);
+    std::ifstream metrics(dir / "metrics.jsonl");
+    std::vector<int64_t> steps;
+    for (std::string line; std::getline(metrics, line);) {
+        const auto j = nlohmann::json::parse(line);
+        steps.push_back(j.at("step").get<int64_t>());
+        const double ips = j.at("img_per_s").get<double>();
+        EXPECT_TRUE(std::isfinite(ips) && ips > 0) << line;
+        EXPECT_EQ(j.at("samples_seen").get<int64_t>(), steps.back() * 2) << line;  // batch 2
+    }
+    EXPECT_EQ(steps, (std::vector<int64_t>{3, 6}));
+}
+
 TEST(TrainSignals, StopRequestSavesACheckpointAndReportsInterrupted) {
     test::TempDir dir;
     install_stop_signal_handlers();
