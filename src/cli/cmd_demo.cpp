@@ -143,18 +143,15 @@ train::TrainResult train_until(const std::filesystem::path& config_file, int64_t
     return trainer.run();
 }
 
-// The exported pipeline: the trained UNet (written by the trainer) plus the base model's other
-// components, so `dtune sample --model <run>/pipeline` loads it like any SDXL folder.
-std::filesystem::path assemble_pipeline(const std::filesystem::path& root) {
-    const auto out = root / "run" / "pipeline";
-    if (std::filesystem::exists(out / "model_index.json")) return out;  // the trainer's full export
-    for (const char* c : {"text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "vae", "scheduler"})
-        std::filesystem::copy(
-            root / "model" / c, out / c,
-            std::filesystem::copy_options::recursive | std::filesystem::copy_options::overwrite_existing);
-    std::filesystem::copy_file(root / "model" / "model_index.json", out / "model_index.json",
-                               std::filesystem::copy_options::overwrite_existing);
-    return out;
+// How to generate with what the run exported: a full fine-tune's diffusers pipeline folder (written
+// by the trainer), or the base model plus the LoRA file.
+std::string sample_command(const std::filesystem::path& root, const std::string& model_type) {
+    const auto run = root / "run";
+    const std::string model = model_type == "lora" ? str((root / "model").string(), " --lora ",
+                                                         (run / "pytorch_lora_weights.safetensors").string())
+                                                   : (run / "pipeline").string();
+    return str("dtune sample --model ", model,
+               " --prompt \"a red circle on a blue background\" --width 64 --height 64");
 }
 
 std::pair<double, double> loss_trend(const std::filesystem::path& metrics) {
@@ -199,7 +196,7 @@ int run_demo(const std::vector<std::string>& args) {
     log::info() << "demo: resuming from checkpoint-" << half << " to step " << a.steps;
     const auto result = train_until(config_file, a.steps);
     if (result.outcome == train::TrainOutcome::kInterrupted) return static_cast<int>(ExitCode::kInterrupted);
-    const auto pipeline = assemble_pipeline(root);
+    const std::string sample = sample_command(root, a.model_type);
 
     const auto run = root / "run";
     const auto [first, last] = loss_trend(run / "metrics.jsonl");
@@ -215,12 +212,11 @@ int run_demo(const std::vector<std::string>& args) {
         "  validation       %s/validation_images/\n"
         "  metrics          %s/metrics.jsonl, eval loss in %s/eval.jsonl\n"
         "  TensorBoard      tensorboard --logdir %s/logs\n"
-        "  trained pipeline %s  (dtune sample --model %s --prompt \"a red circle on a blue background\" "
-        "--width 64 --height 64)\n"
+        "  generate with    %s\n"
         "  report           %s/report.html  <- open this in a browser\n",
         seconds, static_cast<long long>(result.global_step), static_cast<long long>(half), first, last,
         (root / "data").c_str(), (root / "model").c_str(), config_file.c_str(), run.c_str(), run.c_str(),
-        run.c_str(), run.c_str(), run.c_str(), pipeline.c_str(), pipeline.c_str(), run.c_str());
+        run.c_str(), run.c_str(), run.c_str(), sample.c_str(), run.c_str());
     return 0;
 }
 
