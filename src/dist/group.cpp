@@ -12,7 +12,9 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <atomic>
 #include <cstdlib>
+#include <string_view>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -25,6 +27,40 @@ void Group::all_reduce_mean_(at::Tensor& tensor) {
 }
 
 namespace {
+
+// DTUNE_DIST_TRACE=1 logs every collective on entry and completion with the rank: the way to see
+// which collective a stuck job waits in (ranks that disagree on the sequence hang).
+bool trace_enabled() {
+    static const bool on = [] {
+        const char* v = std::getenv("DTUNE_DIST_TRACE");
+        return v && *v && std::string_view(v) != "0";
+    }();
+    return on;
+}
+
+class Trace {
+  public:
+    Trace(int rank, const char* op, const at::Tensor* t = nullptr) : rank_(rank), op_(op) {
+        if (!trace_enabled()) return;
+        seq_ = ++counter();
+        auto line = log::info();
+        line << "dist trace: rank " << rank_ << " #" << seq_ << " " << op_ << " begin";
+        if (t) line << " " << t->sizes() << " " << t->dtype() << " on " << t->device();
+    }
+    ~Trace() {
+        if (trace_enabled())
+            log::info() << "dist trace: rank " << rank_ << " #" << seq_ << " " << op_ << " issued";
+    }
+
+  private:
+    static std::atomic<int64_t>& counter() {
+        static std::atomic<int64_t> n{0};
+        return n;
+    }
+    int rank_;
+    const char* op_;
+    int64_t seq_ = 0;
+};
 
 class SingleGroup final : public Group {
   public:
@@ -41,6 +77,7 @@ class SingleGroup final : public Group {
     void broadcast_(at::Tensor&, int) override {}
     std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override { return {tensor.clone()}; }
     void shutdown() override {}
+    void abort() override {}
 };
 
 class WorkPending final : public Pending {
@@ -59,17 +96,25 @@ class WorkPending final : public Pending {
 class C10dGroup final : public Group {
   public:
     C10dGroup(DistEnv env, c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> backend,
-              const char* name)
-        : Group(std::move(env)), store_(std::move(store)), backend_(std::move(backend)), name_(name) {}
+              const char* name, at::Device device)
+        : Group(std::move(env)),
+          store_(std::move(store)),
+          backend_(std::move(backend)),
+          name_(name),
+          device_(device) {}
     ~C10dGroup() override { shutdown(); }
     const char* backend() const override { return name_; }
 
     void barrier() override {
         check_open();
-        backend_->barrier()->wait();
+        Trace trace(rank(), "barrier");
+        c10d::BarrierOptions opts;
+        if (device_.is_cuda()) opts.device_ids = {device_.index()};
+        backend_->barrier(opts)->wait();
     }
     std::unique_ptr<Pending> all_reduce_sum_async(at::Tensor& tensor) override {
         check_open();
+        Trace trace(rank(), "all_reduce_sum", &tensor);
         std::vector<at::Tensor> tensors{tensor};
         c10d::AllreduceOptions opts;
         opts.reduceOp = c10d::ReduceOp::SUM;
@@ -77,6 +122,7 @@ class C10dGroup final : public Group {
     }
     void all_reduce_max_(at::Tensor& tensor) override {
         check_open();
+        Trace trace(rank(), "all_reduce_max", &tensor);
         std::vector<at::Tensor> tensors{tensor};
         c10d::AllreduceOptions opts;
         opts.reduceOp = c10d::ReduceOp::MAX;
@@ -84,6 +130,7 @@ class C10dGroup final : public Group {
     }
     void broadcast_(at::Tensor& tensor, int root) override {
         check_open();
+        Trace trace(rank(), "broadcast", &tensor);
         std::vector<at::Tensor> tensors{tensor};
         c10d::BroadcastOptions opts;
         opts.rootRank = root;
@@ -91,6 +138,7 @@ class C10dGroup final : public Group {
     }
     std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override {
         check_open();
+        Trace trace(rank(), "all_gather", &tensor);
         std::vector<at::Tensor> inputs{tensor.contiguous()};
         std::vector<std::vector<at::Tensor>> outputs(1);
         for (int r = 0; r < world_size(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
@@ -107,6 +155,16 @@ class C10dGroup final : public Group {
         backend_.reset();
         store_.reset();
     }
+    void abort() override {
+        if (!backend_) return;
+        try {
+            backend_->abort();
+        } catch (const std::exception& e) {
+            log::warn() << "dist: backend abort: " << e.what();
+        }
+        backend_.reset();
+        store_.reset();
+    }
 
   private:
     void check_open() const {
@@ -117,6 +175,7 @@ class C10dGroup final : public Group {
     c10::intrusive_ptr<c10d::Store> store_;
     c10::intrusive_ptr<c10d::Backend> backend_;
     const char* name_;
+    at::Device device_;
 };
 
 c10::intrusive_ptr<c10d::Store> connect_store(const DistEnv& env, const GroupOptions& options) {
@@ -150,7 +209,13 @@ c10::intrusive_ptr<c10d::Backend> make_nccl(const DistEnv& env, const c10::intru
     c10::cuda::set_device(options.device.index());
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = options.collective_timeout;
-    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, opts);
+    auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, opts);
+    // Bind the group to this rank's GPU and create the communicator now, as torch's
+    // init_process_group(device_id=...) does: barriers then use this GPU instead of a guess from the
+    // rank, and a rendezvous problem shows up here rather than inside the first collective.
+    backend->setBoundDeviceId(options.device);
+    backend->eagerConnectSingleDevice(options.device);
+    return backend;
 }
 #endif
 
@@ -179,7 +244,7 @@ std::unique_ptr<Group> init_group(const DistEnv& env, const GroupOptions& option
         log::info() << "dist: " << env.world_size << " ranks over " << name << ", rendezvous "
                     << env.master_addr << ":" << env.master_port << ", NCCL_NVLS_ENABLE=" << nvls
                     << ", collective timeout " << options.collective_timeout.count() / 1000 << " s";
-    return std::make_unique<C10dGroup>(env, store, backend, name);
+    return std::make_unique<C10dGroup>(env, store, backend, name, options.device);
 }
 
 }  // namespace dtune::dist

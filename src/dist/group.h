@@ -56,6 +56,9 @@ class Group {
     virtual std::vector<at::Tensor> all_gather(const at::Tensor& tensor) = 0;
     // Ends the backend and the store (idempotent; also run by the destructor).
     virtual void shutdown() = 0;
+    // Ends the backend without waiting for collectives in flight (peers may be gone or stuck): the
+    // path for errors. Pending collectives on this rank fail instead of blocking. Idempotent.
+    virtual void abort() = 0;
 
   protected:
     explicit Group(DistEnv env) : env_(std::move(env)) {}

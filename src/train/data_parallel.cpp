@@ -2,6 +2,7 @@
 #include "train/data_parallel.h"
 
 #include <cstdlib>
+#include <exception>
 #include <random>
 #include <thread>
 
@@ -54,7 +55,16 @@ DataParallel::DataParallel(const dist::DistEnv& env, c10::Device device, int zer
 
 DataParallel::~DataParallel() {
     reducer_.reset();
-    if (group_) group_->shutdown();
+    if (!group_) return;
+    // Unwinding from an error: peers may be inside a collective that will never complete, and a
+    // graceful NCCL shutdown would wait for it (a hang that also hides the error). Abort instead.
+    if (std::uncaught_exceptions() > 0) {
+        log::warn() << "data parallel: rank " << env_.rank << " is leaving on an error; aborting its "
+                    << "process group so no collective waits for it";
+        group_->abort();
+    } else {
+        group_->shutdown();
+    }
 }
 
 void DataParallel::barrier() {
