@@ -7,12 +7,9 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-logs}; mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 DTUNE_FIXTURES=$PWD/shared/fixtures
-rm -rf .gpudeps; tar xJf .gpudeps.tar.xz
-export CMAKE_PREFIX_PATH=$PWD/.gpudeps/usr; G=$PWD/.gpudeps/usr/include/x86_64-linux-gnu
-cmake --preset dev -DDTUNE_FIXTURES_DIR=$PWD/shared/fixtures -DCURL_LIBRARY=/usr/lib/x86_64-linux-gnu/libcurl.so.4 \
-  -DCURL_INCLUDE_DIR=$G -DCMAKE_CXX_FLAGS="-isystem $G" >"$out/cfg.log" 2>&1 || { tail -30 "$out/cfg.log"; exit 1; }
-cmake --build build/dev -j32 >"$out/build.log" 2>&1 || { grep -B2 -A12 'error' "$out/build.log" | head -80; exit 1; }
-cmake --build build/dev -j32 --target make_random_pipeline >>"$out/build.log" 2>&1
+rm -rf .gpudeps
+tools/gpu/build.sh || exit 1
+tools/gpu/build.sh make_random_pipeline || exit 1
 ctest --test-dir build/dev -j8 -L gpu --output-on-failure >"$out/ctest_gpu.log" 2>&1; tail -4 "$out/ctest_gpu.log"
 W=/tmp/w
 step() { echo "== $1: rc=$2"; tail -1 "$out/$1.log"; }
