@@ -1,11 +1,13 @@
 // Data-parallel training glue between the trainer and src/dist (see data_parallel.h).
 #include "train/data_parallel.h"
 
+#include <cctype>
 #include <cstdlib>
 #include <exception>
 #include <random>
 #include <thread>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
@@ -37,9 +39,29 @@ int resolve_zero_stage(const TrainConfig& config) {
     return static_cast<int>(*stage);
 }
 
-c10::Device DataParallel::pick_device(c10::Device requested, const dist::DistEnv& env) {
-    if (!env.launched || !requested.is_cuda() || requested.has_index()) return requested;
-    return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+c10::Device DataParallel::pick_device(const std::string& text, const dist::DistEnv& env, int cuda_devices) {
+    std::string t = text;
+    for (auto& c : t) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    const bool wants_cuda = t == "cuda" || (t == "auto" && cuda_devices > 0);
+    if (!env.launched || !wants_cuda) {
+        const c10::Device parsed = parse_device(text);
+        DTUNE_CHECK_AS(
+            UsageError, !env.launched || !parsed.is_cuda() || env.local_world_size <= 1, "device '", text,
+            "' names one GPU, but ", env.local_world_size,
+            " processes run on this node and would all use it; use --device cuda so that each ",
+            "rank takes the GPU of its LOCAL_RANK (or restrict each process with CUDA_VISIBLE_DEVICES)");
+        return parsed;
+    }
+    DTUNE_CHECK_AS(UsageError, cuda_devices > 0, "device '", text,
+                   "' asked for CUDA but this process sees no ", "CUDA device; use --device cpu");
+    if (env.local_rank < cuda_devices)
+        return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank));
+    DTUNE_CHECK_AS(UsageError, cuda_devices == 1, "local rank ", env.local_rank,
+                   " has no GPU of its own: this ", "process sees ", cuda_devices, " GPUs but ",
+                   env.local_world_size,
+                   " processes run on this node; start at most one process per GPU (--nproc_per_node ",
+                   cuda_devices, ")");
+    return c10::Device(c10::kCUDA, 0);  // the launcher shows each process only its own GPU
 }
 
 DataParallel::DataParallel(const dist::DistEnv& env, c10::Device device, int zero_stage,

@@ -56,9 +56,13 @@ class DataParallel {
     DataParallel(const DataParallel&) = delete;
     DataParallel& operator=(const DataParallel&) = delete;
 
-    // The device a launched rank trains on: cuda:LOCAL_RANK when `requested` is CUDA without an
-    // explicit index (one GPU per process), else `requested`.
-    static c10::Device pick_device(c10::Device requested, const dist::DistEnv& env);
+    // The device a rank trains on, from the `device` option's text and the `cuda_devices` this
+    // process sees. Launched with "cuda" or "auto" on a CUDA machine: cuda:LOCAL_RANK (one GPU per
+    // process), or cuda:0 when each process is shown a single GPU (CUDA_VISIBLE_DEVICES per rank).
+    // An explicit "cuda:N" while several processes share the node would put them all on GPU N
+    // (NCCL refuses that as a duplicate GPU): a UsageError. Not launched: the text as parse_device
+    // reads it.
+    static c10::Device pick_device(const std::string& text, const dist::DistEnv& env, int cuda_devices);
 
     int rank() const { return env_.rank; }
     int local_rank() const { return env_.local_rank; }

@@ -84,9 +84,8 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
                    "\" is not a local folder; dtune reads diffusers folders only (no hub downloads)");
     DTUNE_CHECK_AS(UsageError, !config_.is_null("data_backend_config"),
                    "data_backend_config is required; point it at your multidatabackend.json");
-    device_ = parse_train_device(config_.text("device"));
     const dist::DistEnv env = dist::read_dist_env();
-    device_ = DataParallel::pick_device(device_, env);
+    device_ = DataParallel::pick_device(config_.text("device"), env, cuda_device_count());
     init_data_parallel(env);
     models::ComponentLoadOptions load;
     load.device = device_;

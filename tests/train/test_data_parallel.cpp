@@ -106,10 +106,34 @@ TEST(DataParallelSingle, OneProcessAgreesLocallyAndPicksTheLocalGpu) {
     launched.launched = true;
     launched.world_size = launched.local_world_size = 4;
     launched.rank = launched.local_rank = 3;
-    EXPECT_EQ(DataParallel::pick_device(c10::Device(c10::kCUDA), launched), c10::Device(c10::kCUDA, 3));
-    EXPECT_EQ(DataParallel::pick_device(c10::Device(c10::kCUDA, 1), launched), c10::Device(c10::kCUDA, 1));
-    EXPECT_EQ(DataParallel::pick_device(c10::Device(c10::kCPU), launched), c10::Device(c10::kCPU));
-    EXPECT_EQ(DataParallel::pick_device(c10::Device(c10::kCUDA), env), c10::Device(c10::kCUDA));
+}
+
+// The 2-GPU NCCL hang of session 2: "cuda" parsed to cuda:0 on every rank, so both ranks shared GPU 0.
+TEST(DataParallel, LaunchedRanksTakeTheirOwnGpu) {
+    dist::DistEnv launched;
+    launched.launched = true;
+    launched.world_size = launched.local_world_size = 4;
+    launched.rank = launched.local_rank = 3;
+    const c10::Device gpu3(c10::kCUDA, 3);
+    EXPECT_EQ(DataParallel::pick_device("cuda", launched, 4), gpu3);
+    EXPECT_EQ(DataParallel::pick_device("CUDA", launched, 8), gpu3);
+    EXPECT_EQ(DataParallel::pick_device("auto", launched, 4), gpu3);
+    // One visible GPU per process (CUDA_VISIBLE_DEVICES set per rank by the launcher).
+    EXPECT_EQ(DataParallel::pick_device("cuda", launched, 1), c10::Device(c10::kCUDA, 0));
+    EXPECT_EQ(DataParallel::pick_device("cpu", launched, 4), c10::Device(c10::kCPU));
+    EXPECT_EQ(DataParallel::pick_device("auto", launched, 0), c10::Device(c10::kCPU));
+    auto error_of = [&](const std::string& text, int gpus) -> std::string {
+        try {
+            DataParallel::pick_device(text, launched, gpus);
+        } catch (const UsageError& e) {
+            return e.what();
+        }
+        return "(no error)";
+    };
+    EXPECT_NE(error_of("cuda", 2).find("--nproc_per_node 2"), std::string::npos) << error_of("cuda", 2);
+    EXPECT_NE(error_of("cuda", 0).find("use --device cpu"), std::string::npos) << error_of("cuda", 0);
+    dist::DistEnv single;
+    EXPECT_EQ(DataParallel::pick_device("cpu", single, 0), c10::Device(c10::kCPU));
 }
 
 }  // namespace
