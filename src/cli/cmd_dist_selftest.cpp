@@ -5,6 +5,13 @@
 #include <signal.h>
 #include <unistd.h>
 
+#ifdef DTUNE_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
 #include <chrono>
 #include <cstdio>
 #include <thread>
@@ -81,6 +88,52 @@ void check_reducer(dist::Group& g, const at::TensorOptions& opts) {
     double w_expected = (n - 1) / 2.0;  // mean of 0..n-1
     DTUNE_CHECK(w.grad().cpu().allclose(at::full({5}, w_expected, at::kDouble)), "grad mean ", w.grad().cpu(),
                 ", expected ", w_expected);
+}
+
+// all_reduce_gradients_flat: the mean over ranks in several buckets; an undefined gradient stays
+// undefined. On CUDA the same reduction is also captured in a CUDA graph and replayed with new
+// gradients: the path of the graphed data-parallel training step (NCCL inside a capture).
+void check_flat_reduce(dist::Group& g, const at::TensorOptions& opts) {
+    const double mean_rank = (g.world_size() - 1) / 2.0;
+    auto a = at::zeros({5}, opts).set_requires_grad(true);
+    auto b = at::zeros({3}, opts).set_requires_grad(true);
+    auto c = at::zeros({2}, opts).set_requires_grad(true);
+    a.mutable_grad() = at::zeros({5}, opts);
+    c.mutable_grad() = at::zeros({2}, opts);
+    auto fill = [&](double base) {
+        a.grad().fill_(base + g.rank());
+        c.grad().fill_(2 * base + 3.0 * g.rank());
+    };
+    auto expect = [&](double base, const char* how) {
+        const auto dbl = at::TensorOptions().dtype(at::kDouble);
+        DTUNE_CHECK(a.grad().cpu().allclose(at::full({5}, base + mean_rank, dbl)), how, ": grad a ",
+                    a.grad().cpu(), ", expected ", base + mean_rank);
+        DTUNE_CHECK(c.grad().cpu().allclose(at::full({2}, 2 * base + 3 * mean_rank, dbl)), how, ": grad c ",
+                    c.grad().cpu(), ", expected ", 2 * base + 3 * mean_rank);
+        DTUNE_CHECK(!b.grad().defined(), how, ": a parameter without a gradient got one");
+    };
+    const std::vector<at::Tensor> params{a, b, c};
+    fill(1.0);
+    dist::all_reduce_gradients_flat(g, params, 48);  // 48-byte buckets: {a}, then {b, c}
+    expect(1.0, "flat all-reduce");
+#ifdef DTUNE_WITH_CUDA
+    if (!opts.device().is_cuda()) return;
+    at::cuda::CUDAGraph graph;
+    const auto side = c10::cuda::getStreamFromPool(false, opts.device().index());
+    c10::cuda::device_synchronize();
+    {
+        const c10::cuda::CUDAStreamGuard guard(side);
+        graph.capture_begin();
+        dist::all_reduce_gradients_flat(g, params, 48);
+        graph.capture_end();
+    }
+    c10::cuda::device_synchronize();
+    for (double base : {2.0, 5.0}) {
+        fill(base);
+        graph.replay();
+        expect(base, "flat all-reduce replayed from a CUDA graph");
+    }
+#endif
 }
 
 // Three Linear layers, identical on every rank (fixed seed), as leaf tensors.
@@ -217,7 +270,10 @@ int run_selftest(const std::vector<std::string>& args) {
     auto opts = at::TensorOptions().dtype(at::kDouble).device(go.device);
     if (a.check == "fail") deliberate_failure(*group, a);
     if (a.check == "all" || a.check == "collectives") check_collectives(*group, opts);
-    if (a.check == "all" || a.check == "reducer") check_reducer(*group, opts);
+    if (a.check == "all" || a.check == "reducer") {
+        check_reducer(*group, opts);
+        check_flat_reduce(*group, opts);
+    }
     if (a.check == "all" || a.check == "dp") {
         for (const char* opt : {"sgd", "adamw"})
             for (int variant = 0; variant < 3; ++variant) {

@@ -171,6 +171,43 @@ void GradReducer::reduce() {
                 "set DTUNE_DDP_OVERLAP=0 to reduce after backward instead");
 }
 
+void all_reduce_gradients_flat(Group& group, const std::vector<at::Tensor>& params,
+                               std::size_t bucket_bytes) {
+    if (group.world_size() <= 1) return;
+    at::NoGradGuard no_grad;
+    const double inv = 1.0 / group.world_size();
+    std::size_t k = 0;
+    while (k < params.size()) {
+        // One bucket: consecutive parameters of one dtype and device, up to bucket_bytes.
+        std::vector<std::size_t> bucket{k};
+        std::size_t bytes = static_cast<std::size_t>(params[k].numel()) * params[k].element_size();
+        for (++k; k < params.size(); ++k) {
+            const at::Tensor& p = params[k];
+            const std::size_t size = static_cast<std::size_t>(p.numel()) * p.element_size();
+            if (p.scalar_type() != params[bucket[0]].scalar_type() ||
+                p.device() != params[bucket[0]].device() || bytes + size > bucket_bytes)
+                break;
+            bucket.push_back(k);
+            bytes += size;
+        }
+        std::vector<at::Tensor> parts;
+        for (std::size_t j : bucket) {
+            const at::Tensor& p = params[j];
+            parts.push_back(p.grad().defined() ? p.grad().detach().reshape({-1}).to(p.scalar_type())
+                                               : at::zeros({p.numel()}, p.options()));
+        }
+        at::Tensor flat = at::cat(parts);  // [sum numel]
+        group.all_reduce_sum_(flat);
+        flat.mul_(inv);
+        int64_t offset = 0;
+        for (std::size_t j : bucket) {
+            const at::Tensor& p = params[j];
+            if (p.grad().defined()) p.grad().copy_(flat.slice(0, offset, offset + p.numel()).view(p.sizes()));
+            offset += p.numel();
+        }
+    }
+}
+
 void broadcast_parameters(Group& group, const std::vector<at::Tensor>& params, int root) {
     if (group.world_size() <= 1) return;
     at::NoGradGuard no_grad;

@@ -77,6 +77,13 @@ class GradReducer {
     std::size_t hook_launches_ = 0, last_overlapped_ = 0;
 };
 
+// Averages the gradients of `params` over the ranks in flat all-reduces of at most `bucket_bytes`
+// with no host synchronisation, so it can run inside a CUDA graph capture (the graphed
+// data-parallel step). An undefined gradient counts as zeros and is left undefined; every rank must
+// see the same parameters used (true when one graph is replayed everywhere).
+void all_reduce_gradients_flat(Group& group, const std::vector<at::Tensor>& params,
+                               std::size_t bucket_bytes = std::size_t{64} << 20);
+
 // Copies rank `root`'s values into every rank's parameters (start of training: identical weights).
 void broadcast_parameters(Group& group, const std::vector<at::Tensor>& params, int root = 0);
 

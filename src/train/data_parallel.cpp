@@ -118,6 +118,10 @@ void DataParallel::reduce_gradients() {
     if (reducer_) reducer_->reduce();
 }
 
+void DataParallel::all_reduce_gradients_capturable(const std::vector<at::Tensor>& params) {
+    dist::all_reduce_gradients_flat(*group_, params);
+}
+
 void DataParallel::after_step() {
     if (partition_) partition_->sync_parameters(*group_, params_);
     for (auto& p : params_) p.mutable_grad() = at::Tensor();

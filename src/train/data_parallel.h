@@ -84,6 +84,9 @@ class DataParallel {
     // Averages every attached gradient over the ranks (after the last micro-step's backward):
     // launches what the hooks did not, waits for all buckets.
     void reduce_gradients();
+    // The gradient average with no host synchronisation (inside a CUDA graph capture): one flat
+    // all-reduce per 64 MB of `params`' gradients, no overlap with backward.
+    void all_reduce_gradients_capturable(const std::vector<at::Tensor>& params);
     // After the optimizer step: ZeRO-1 broadcasts each parameter from its owner; then drops the
     // gradients of every attached parameter (the sharded optimizer's zero_grad sees only its own).
     void after_step();

@@ -93,11 +93,12 @@ GraphedStep::~GraphedStep() = default;
 StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
                              const diffusion::NoiseSchedule& schedule, const StepOptions& options,
                              int64_t global_step, at::Generator& generator, Optimizer& optimizer,
-                             const std::vector<at::Tensor>& params, double max_grad_norm) {
+                             const std::vector<at::Tensor>& params, double max_grad_norm,
+                             const std::function<void()>& after_backward) {
     auto eager = [&] {
         ++eager_;
         return optimizer_step_async(unet, batch, schedule, options, global_step, generator, optimizer, params,
-                                    max_grad_norm);
+                                    max_grad_norm, after_backward);
     };
 #ifndef DTUNE_WITH_CUDA
     return eager();
@@ -133,7 +134,7 @@ StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const Train
                 e.graph->capture_begin();
                 try {
                     e.out = optimizer_step_async(unet, e.inputs, schedule, options, global_step, generator,
-                                                 optimizer, params, max_grad_norm);
+                                                 optimizer, params, max_grad_norm, after_backward);
                 } catch (...) {
                     try {
                         e.graph->capture_end();

@@ -19,6 +19,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <vector>
@@ -38,7 +39,7 @@ class GraphedStep {
     StepTensors run(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
                     const diffusion::NoiseSchedule& schedule, const StepOptions& options, int64_t global_step,
                     at::Generator& generator, Optimizer& optimizer, const std::vector<at::Tensor>& params,
-                    double max_grad_norm);
+                    double max_grad_norm, const std::function<void()>& after_backward = {});
 
     // The optimizer reads its learning rate from a device tensor refreshed before each call, so an
     // LR change needs no recapture.

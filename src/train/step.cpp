@@ -95,9 +95,16 @@ Draws draw(const at::Tensor& latents, const diffusion::NoiseSchedule& schedule, 
     DTUNE_CHECK_AS(UsageError, !n.offset_noise && n.input_perturbation == 0,
                    "drawing noise on the GPU (CUDA graphs) supports plain noise only; unset offset_noise "
                    "and input_perturbation, or train without CUDA graphs");
-    d.noise.noise = at::randn(latents.sizes(), latents.options());  // [B, C, h, w]
+    // Every rank's device generator has the same state: draw for the global batch and keep this
+    // rank's rows, so ranks do not train on the same noise and timesteps.
+    auto global_shape = latents.sizes().vec();
+    global_shape[0] = b * options.world_size;
+    const int64_t lo = options.rank * b, hi = lo + b;
+    d.noise.noise = at::randn(global_shape, latents.options()).slice(0, lo, hi);  // [B, C, h, w]
     d.noise.input_noise = d.noise.noise;
-    d.t = at::randint(0, schedule.num_train_timesteps(), {b}, latents.options().dtype(at::kLong));  // [B]
+    d.t = at::randint(0, schedule.num_train_timesteps(), {b * options.world_size},
+                      latents.options().dtype(at::kLong))
+              .slice(0, lo, hi);  // [B]
     d.t_dev = d.t;
     return d;
 }
@@ -128,9 +135,11 @@ MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& b
 StepTensors optimizer_step_async(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
                                  const diffusion::NoiseSchedule& schedule, const StepOptions& options,
                                  int64_t global_step, at::Generator& generator, Optimizer& optimizer,
-                                 const std::vector<at::Tensor>& params, double max_grad_norm) {
+                                 const std::vector<at::Tensor>& params, double max_grad_norm,
+                                 const std::function<void()>& after_backward) {
     MicroStep m = micro_step(unet, batch, schedule, options, global_step, generator);
     m.loss.backward();
+    if (after_backward) after_backward();
     StepTensors out;
     out.loss = m.loss.detach();
     out.grad_norm = clip_grad_norm_async(params, max_grad_norm);

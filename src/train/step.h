@@ -11,6 +11,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 
 #include "diffusion/loss.h"
 #include "diffusion/noise_schedule.h"
@@ -69,10 +70,12 @@ struct StepTensors {
 
 // One whole optimizer step on one micro-batch with no host synchronisation: micro_step, backward,
 // clipping by total norm (max_grad_norm <= 0: measured only), the optimizer's update and
-// zero_grad. `params` are the optimizer's parameters (what is clipped).
+// zero_grad. `params` are the optimizer's parameters (what is clipped). `after_backward`, when set,
+// runs between backward and clipping: the data-parallel gradient average of a graphed step.
 StepTensors optimizer_step_async(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
                                  const diffusion::NoiseSchedule& schedule, const StepOptions& options,
                                  int64_t global_step, at::Generator& generator, Optimizer& optimizer,
-                                 const std::vector<at::Tensor>& params, double max_grad_norm);
+                                 const std::vector<at::Tensor>& params, double max_grad_norm,
+                                 const std::function<void()>& after_backward = {});
 
 }  // namespace dtune::train

@@ -18,18 +18,20 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "train/data_parallel.h"
 #include "train/graph_step.h"
 #include "train/trainer.h"
 
 namespace dtune::train {
 
-std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int world_size) {
+std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int world_size, int zero_stage) {
     const std::string fix = "; otherwise the run trains without CUDA graphs";
     if (!device.is_cuda()) return str("device is ", device.str(), " (CUDA graphs need a CUDA device)");
-    if (world_size > 1)
-        return str("world_size is ", world_size,
-                   ": the data-parallel gradient all-reduce runs between "
-                   "backward and the optimizer step and is not captured (train on one GPU for graphs)");
+    if (world_size > 1 && zero_stage > 0)
+        return str("zero_stage is ", zero_stage, " with ", world_size,
+                   " ranks (the sharded optimizer step and the parameter exchange after it are not "
+                   "captured; zero_stage 0 graphs the data-parallel step",
+                   fix, ")");
     if (c.integer("gradient_accumulation_steps") != 1)
         return str("gradient_accumulation_steps is ", c.integer("gradient_accumulation_steps"),
                    " (set it to 1 and raise train_batch_size", fix, ")");
@@ -61,7 +63,7 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
 
 void Trainer::init_graph() {
     if (!config_.flag("cuda_graph")) return;
-    const std::string blocker = cuda_graph_blocker(config_, device_, world_size());
+    const std::string blocker = cuda_graph_blocker(config_, device_, world_size(), dp_->zero_stage());
     if (!blocker.empty()) {
         log::info() << "cuda_graph: training eagerly because " << blocker;
         return;
@@ -92,13 +94,17 @@ void Trainer::init_graph() {
 
 double Trainer::train_graphed_step(double lr, double& grad_norm) {
     TrainBatch batch = source_->next(*generator_);
-    apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_);
+    apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_,
+                          dp_->rank(), dp_->world_size());
     optimizer_->set_lr(lr);
     static_cast<AdamW&>(*optimizer_).upload_lr();  // before the replay, on the same stream
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
+    // Data parallel: the gradient average is part of the graph (NCCL collectives are captured).
+    std::function<void()> reduce;
+    if (world_size() > 1) reduce = [this, &params] { dp_->all_reduce_gradients_capturable(params); };
     const StepTensors out = graph_->run(*unet_, batch, *schedule_, step_options_, global_step_, *generator_,
-                                        *optimizer_, params, config_.real("max_grad_norm"));
+                                        *optimizer_, params, config_.real("max_grad_norm"), reduce);
     const int64_t step = global_step_ + 1;
     const bool read =
         step % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0 || step == total_steps_;

@@ -13,8 +13,10 @@ namespace dtune::train {
 
 class TrainConfig;
 
-// Empty when a run on `device` with `world_size` processes can use the graphed step; otherwise the
-// first unmet condition, phrased for the log ("... ; set X to train with CUDA graphs").
-std::string cuda_graph_blocker(const TrainConfig& config, c10::Device device, int world_size);
+// Empty when a run on `device` with `world_size` processes (ZeRO stage `zero_stage`) can use the
+// graphed step; otherwise the first unmet condition, phrased for the log ("... ; set X to train
+// with CUDA graphs").
+std::string cuda_graph_blocker(const TrainConfig& config, c10::Device device, int world_size,
+                               int zero_stage = 0);
 
 }  // namespace dtune::train

@@ -53,7 +53,9 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
                                  cuda, 1),
               "");
     EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path(), {{"optimizer", "optimi-adamw"}}), cuda, 1), "");
-    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 2).rfind("world_size is 2", 0), 0u);
+    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 2), "");  // the all-reduce is captured
+    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 2, 1).rfind("zero_stage is 1", 0), 0u);
+    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 1, 1), "");  // one rank: no sharding
     EXPECT_EQ(
         cuda_graph_blocker(graph_friendly(dir.path()), c10::Device(c10::kCPU), 1).rfind("device is cpu", 0),
         0u);
