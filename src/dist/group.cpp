@@ -145,28 +145,24 @@ class C10dGroup final : public Group {
         backend_->allgather(outputs, inputs)->wait();
         return outputs[0];
     }
-    void shutdown() override {
-        if (!backend_) return;
-        try {
-            backend_->shutdown();
-        } catch (const std::exception& e) {
-            log::warn() << "dist: backend shutdown: " << e.what();
-        }
-        backend_.reset();
-        store_.reset();
-    }
-    void abort() override {
-        if (!backend_) return;
-        try {
-            backend_->abort();
-        } catch (const std::exception& e) {
-            log::warn() << "dist: backend abort: " << e.what();
-        }
-        backend_.reset();
-        store_.reset();
-    }
+    void shutdown() override { end(false); }
+    void abort() override { end(true); }
 
   private:
+    // Ends the backend once: gracefully (waits for work in flight) or by abort (does not).
+    void end(bool abort) {
+        if (!backend_) return;
+        try {
+            if (abort)
+                backend_->abort();
+            else
+                backend_->shutdown();
+        } catch (const std::exception& e) {
+            log::warn() << "dist: backend " << (abort ? "abort" : "shutdown") << ": " << e.what();
+        }
+        backend_.reset();
+        store_.reset();
+    }
     void check_open() const {
         DTUNE_CHECK(backend_, "dist: collective called after shutdown() on rank ", rank(),
                     "; call shutdown() only at the end of the job");
