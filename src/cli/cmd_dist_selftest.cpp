@@ -121,23 +121,25 @@ std::unique_ptr<train::Optimizer> make_optimizer(const std::string& kind, std::v
     return std::make_unique<train::AdamW>(std::vector{group});
 }
 
-// Trains `steps` steps data-parallel (reducer; ZeRO-1 when `zero1`) and as one process on the
-// global batch; returns the largest weight difference.
+// Trains `steps` steps data-parallel (reducer; ZeRO-1 when `zero1`; ZeRO-2, with overlap, when
+// `zero2`) and as one process on the global batch; returns the largest weight difference.
 double dp_equivalence(dist::Group& g, const SelftestArgs& a, const std::string& opt_kind, bool zero1,
-                      bool overlap, const at::TensorOptions& opts) {
+                      bool overlap, bool zero2, const at::TensorOptions& opts) {
     const int n = g.world_size();
     auto mine = make_model(opts);
     auto reference = make_model(opts);
-    dist::ZeroPartition partition(mine, n);
+    dist::ZeroPartition partition(mine, n, zero2 ? dist::ZeroLayout::kContiguous : dist::ZeroLayout::kGreedy);
     std::vector<at::Tensor> stepped = mine;
-    if (zero1) {
+    if (zero1 || zero2) {
         stepped.clear();
         for (auto i : partition.owned_by(g.rank())) stepped.push_back(mine[i]);
     }
     auto opt = make_optimizer(opt_kind, stepped);
     auto ref_opt = make_optimizer(opt_kind, reference);
-    dist::GradReducer reducer(g, mine, dist::ReducerOptions{512});  // small buckets: several per step
-    if (overlap) reducer.enable_overlap();
+    dist::ReducerOptions ro{512};  // small buckets: several per step
+    if (zero2) ro.owners = partition.owners();
+    dist::GradReducer reducer(g, mine, ro);
+    if (overlap || zero2) reducer.enable_overlap();
     for (int step = 0; step < a.steps; ++step) {
         long rows = static_cast<long>(a.batch) * n * a.accumulate;
         auto [x, y] = global_batch(step, rows, opts);
@@ -155,8 +157,12 @@ double dp_equivalence(dist::Group& g, const SelftestArgs& a, const std::string& 
         DTUNE_CHECK(!overlap || g.world_size() == 1 || reducer.overlapped_buckets() > 0,
                     "overlap is on but no bucket was launched during backward (", reducer.buckets().size(),
                     " buckets)");
+        for (std::size_t i = 0; zero2 && i < mine.size(); ++i)
+            DTUNE_CHECK(mine[i].grad().defined() == (partition.owner(i) == g.rank()), "ZeRO-2: parameter #",
+                        i, " (owner rank ", partition.owner(i), ") ",
+                        mine[i].grad().defined() ? "kept" : "lost", " its gradient on rank ", g.rank());
         opt->step();
-        if (zero1) partition.sync_parameters(g, mine);
+        if (zero1 || zero2) partition.sync_parameters(g, mine);
         ref_opt->zero_grad();
         at::mse_loss(forward(reference, x), y).backward();
         ref_opt->step();
@@ -220,18 +226,17 @@ int run_selftest(const std::vector<std::string>& args) {
     if (a.check == "all" || a.check == "reducer") check_reducer(*group, opts);
     if (a.check == "all" || a.check == "dp") {
         for (const char* opt : {"sgd", "adamw"})
-            for (int variant = 0; variant < 3; ++variant) {
-                const bool zero1 = variant == 1, overlap = variant == 2;
-                double diff = dp_equivalence(*group, a, opt, zero1, overlap, opts);
+            for (int variant = 0; variant < 4; ++variant) {
+                const bool zero1 = variant == 1, overlap = variant == 2, zero2 = variant == 3;
+                double diff = dp_equivalence(*group, a, opt, zero1, overlap, zero2, opts);
+                const char* name = zero1 ? " zero1" : overlap ? " overlap" : zero2 ? " zero2" : "";
                 if (group->is_main())
                     std::printf(
                         "dist-selftest: %s%s, %d ranks x batch %d x accumulate %d: max |w - w_ref| = %.3g\n",
-                        opt, zero1 ? " zero1" : (overlap ? " overlap" : ""), group->world_size(), a.batch,
-                        a.accumulate, diff);
+                        opt, name, group->world_size(), a.batch, a.accumulate, diff);
                 std::fflush(stdout);
-                DTUNE_CHECK(diff <= 1e-6, "data-parallel ", opt, zero1 ? " (ZeRO-1)" : "",
-                            " weights differ from the ", "single-process reference by ", diff,
-                            " (> 1e-6) on rank ", group->rank());
+                DTUNE_CHECK(diff <= 1e-6, "data-parallel ", opt, name, " weights differ from the ",
+                            "single-process reference by ", diff, " (> 1e-6) on rank ", group->rank());
             }
     }
     group->barrier();
@@ -251,7 +256,7 @@ DTUNE_REGISTER_COMMAND(
     "           [--fail_rank R --fail_how exit|kill|hang] [--timeout_s S]\n\n"
     "Checks all-reduce/broadcast/all-gather against closed forms, and that N ranks x batch B\n"
     "train the same weights (within 1e-6, float64) as one process on batch N*B (SGD, AdamW,\n"
-    "with and without ZeRO-1). --check fail makes one rank fail, to test the launcher.\n",
+    "plain, ZeRO-1, overlapped, ZeRO-2). --check fail makes one rank fail, to test the launcher.\n",
     run_selftest);
 
 }  // namespace dtune::cli
