@@ -53,8 +53,10 @@ void check_collectives(dist::Group& g, const at::TensorOptions& opts) {
     g.barrier();
 }
 
-// Bucketing and unused parameters: p has a grad on every rank but 0, q on none, w on all.
-void check_reducer(dist::Group& g, const at::TensorOptions& opts) {
+// Bucketing and unused parameters: p has a grad on every rank but 0, q on none, w on all. With
+// `sharded` (ZeRO-2), p and q belong to rank 0 and w to the last rank: each rank must end with
+// exactly the gradients of its own parameters that some rank used, with the same values.
+void check_reducer(dist::Group& g, const at::TensorOptions& opts, bool sharded) {
     const int n = g.world_size();
     auto p = at::zeros({3}, opts).set_requires_grad(true);
     auto q = at::zeros({3}, opts).set_requires_grad(true);
@@ -62,25 +64,36 @@ void check_reducer(dist::Group& g, const at::TensorOptions& opts) {
     if (g.rank() != 0) p.mutable_grad() = at::full({3}, g.rank() + 1.0, opts);
     w.mutable_grad() = at::full({5}, static_cast<double>(g.rank()), opts);
     // 48-byte buckets, reverse order: w (40 B) alone, then q and p (24 B each) together.
-    dist::GradReducer reducer(g, {p, q, w}, dist::ReducerOptions{48});
+    dist::ReducerOptions options{48};
+    if (sharded) options.owners = {0, 0, n - 1};
+    dist::GradReducer reducer(g, {p, q, w}, options);
     using Buckets = std::vector<std::vector<std::size_t>>;
     DTUNE_CHECK(reducer.buckets() == (Buckets{{2}, {1, 0}}), "reducer buckets are not {{2}, {1, 0}}");
     reducer.reduce();
+    const bool keeps_p = !sharded || g.rank() == 0, keeps_w = !sharded || g.rank() == n - 1;
     if (n == 1) {
         // One rank: p has a grad on no rank at all (rank 0 is the one without), so, like q, it
         // must stay undefined. (This check used to expect a zero grad here, which failed every
         // `--nproc_per_node 1` run, on CUDA and CPU alike.)
         DTUNE_CHECK(!p.grad().defined(), "a parameter without a gradient on the only rank got one");
-    } else {
+    } else if (keeps_p) {
         double p_expected = (n * (n + 1) / 2.0 - 1.0) / n;  // (2 + ... + n) / n: rank 0 counts as zero
         DTUNE_CHECK(p.grad().defined() && p.grad().cpu().allclose(at::full({3}, p_expected, at::kDouble)),
                     "partly unused parameter: grad ", p.grad().defined() ? p.grad().cpu() : at::Tensor(),
                     ", expected ", p_expected);
+    } else {
+        DTUNE_CHECK(!p.grad().defined(), "ZeRO-2: rank ", g.rank(),
+                    " kept the gradient of rank 0's parameter");
     }
     DTUNE_CHECK(!q.grad().defined(), "a parameter unused on every rank got a gradient");
     double w_expected = (n - 1) / 2.0;  // mean of 0..n-1
-    DTUNE_CHECK(w.grad().cpu().allclose(at::full({5}, w_expected, at::kDouble)), "grad mean ", w.grad().cpu(),
-                ", expected ", w_expected);
+    if (keeps_w)
+        DTUNE_CHECK(w.grad().defined() && w.grad().cpu().allclose(at::full({5}, w_expected, at::kDouble)),
+                    "grad mean ", w.grad().defined() ? w.grad().cpu() : at::Tensor(), ", expected ",
+                    w_expected);
+    else
+        DTUNE_CHECK(!w.grad().defined(), "ZeRO-2: rank ", g.rank(), " kept the gradient of rank ", n - 1,
+                    "'s parameter");
 }
 
 // Three Linear layers, identical on every rank (fixed seed), as leaf tensors.
@@ -223,7 +236,10 @@ int run_selftest(const std::vector<std::string>& args) {
     auto opts = at::TensorOptions().dtype(at::kDouble).device(go.device);
     if (a.check == "fail") deliberate_failure(*group, a);
     if (a.check == "all" || a.check == "collectives") check_collectives(*group, opts);
-    if (a.check == "all" || a.check == "reducer") check_reducer(*group, opts);
+    if (a.check == "all" || a.check == "reducer") {
+        check_reducer(*group, opts, false);
+        check_reducer(*group, opts, true);
+    }
     if (a.check == "all" || a.check == "dp") {
         for (const char* opt : {"sgd", "adamw"})
             for (int variant = 0; variant < 4; ++variant) {
