@@ -26,8 +26,7 @@ namespace {
 // The flags both equivalence runs share: 2 ranks x batch 1 x accumulation 2 (4 images per step),
 // clipping by global norm with a threshold below the tiny model's gradient norms (checked below).
 const std::string kCommon =
-    "--train_batch_size 1 --gradient_accumulation_steps 2 --grad_clip_method norm --max_grad_norm 0.02 "
-    "--max_train_steps 4 ";
+    "--train_batch_size 1 --gradient_accumulation_steps 2 --grad_clip_method norm --max_grad_norm 0.02 ";
 
 std::vector<double> logged_grad_norms(const std::filesystem::path& out) {
     std::vector<double> norms;
@@ -65,9 +64,9 @@ std::vector<ShardLine> shard_lines(const std::string& output) {
 
 TEST(DistZero2, EqualsPlainDataParallelWithAccumulationAndGlobalNormClipping) {
     Workspace w;
-    const auto plain = run_shell(w.train(2, "plain", kCommon));
+    const auto plain = run_shell(w.train(2, "plain", kCommon + "--max_train_steps 4"));
     ASSERT_EQ(plain.exit_code, 0) << plain.output;
-    const auto zero = run_shell(w.train(2, "zero2", kCommon + "--zero_stage 2"));
+    const auto zero = run_shell(w.train(2, "zero2", kCommon + "--max_train_steps 4 --zero_stage 2"));
     ASSERT_EQ(zero.exit_code, 0) << zero.output;
     EXPECT_TRUE(contains(zero.output, "ZeRO stage 2")) << zero.output;
 
@@ -106,8 +105,10 @@ TEST(DistZero2, EqualsPlainDataParallelWithAccumulationAndGlobalNormClipping) {
 TEST(DistZero2, CheckpointResumesOnOneProcessExactly) {
     Workspace w;
     const std::string adam = "--optimizer torch-adamw --learning_rate 1e-3 ";
-    ASSERT_EQ(run_shell(w.train(2, "plain", adam + kCommon)).exit_code, 0);
-    const auto zero = run_shell(w.train(2, "zero2", adam + kCommon + "--zero_stage 2"));
+    // Checkpoint at step 2 (the workspace's interval), end at 3.
+    const std::string steps = "--max_train_steps 3 ";
+    ASSERT_EQ(run_shell(w.train(2, "plain", adam + kCommon + steps)).exit_code, 0);
+    const auto zero = run_shell(w.train(2, "zero2", adam + kCommon + steps + "--zero_stage 2"));
     ASSERT_EQ(zero.exit_code, 0) << zero.output;
     EXPECT_FALSE(std::filesystem::exists(w.out("zero2") / "checkpoint-2/optimizer.safetensors"));
     // Each rank's shard holds AdamW state of its own parameters only, and together all of them.
@@ -131,7 +132,7 @@ TEST(DistZero2, CheckpointResumesOnOneProcessExactly) {
         const auto r =
             run_shell(w.train(0, to,
                               adam + "--train_batch_size 2 --gradient_accumulation_steps 2 "
-                                     "--grad_clip_method norm --max_grad_norm 0.02 --max_train_steps 4"));
+                                     "--grad_clip_method norm --max_grad_norm 0.02 --max_train_steps 3"));
         EXPECT_EQ(r.exit_code, 0) << r.output;
         EXPECT_TRUE(contains(r.output, "resumed from")) << r.output;
     };
