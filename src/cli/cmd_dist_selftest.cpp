@@ -60,8 +60,10 @@ void check_collectives(dist::Group& g, const at::TensorOptions& opts) {
     g.barrier();
 }
 
-// Bucketing and unused parameters: p has a grad on every rank but 0, q on none, w on all.
-void check_reducer(dist::Group& g, const at::TensorOptions& opts) {
+// Bucketing and unused parameters: p has a grad on every rank but 0, q on none, w on all. With
+// `sharded` (ZeRO-2), p and q belong to rank 0 and w to the last rank: each rank must end with
+// exactly the gradients of its own parameters that some rank used, with the same values.
+void check_reducer(dist::Group& g, const at::TensorOptions& opts, bool sharded) {
     const int n = g.world_size();
     auto p = at::zeros({3}, opts).set_requires_grad(true);
     auto q = at::zeros({3}, opts).set_requires_grad(true);
@@ -69,25 +71,36 @@ void check_reducer(dist::Group& g, const at::TensorOptions& opts) {
     if (g.rank() != 0) p.mutable_grad() = at::full({3}, g.rank() + 1.0, opts);
     w.mutable_grad() = at::full({5}, static_cast<double>(g.rank()), opts);
     // 48-byte buckets, reverse order: w (40 B) alone, then q and p (24 B each) together.
-    dist::GradReducer reducer(g, {p, q, w}, dist::ReducerOptions{48});
+    dist::ReducerOptions options{48};
+    if (sharded) options.owners = {0, 0, n - 1};
+    dist::GradReducer reducer(g, {p, q, w}, options);
     using Buckets = std::vector<std::vector<std::size_t>>;
     DTUNE_CHECK(reducer.buckets() == (Buckets{{2}, {1, 0}}), "reducer buckets are not {{2}, {1, 0}}");
     reducer.reduce();
+    const bool keeps_p = !sharded || g.rank() == 0, keeps_w = !sharded || g.rank() == n - 1;
     if (n == 1) {
         // One rank: p has a grad on no rank at all (rank 0 is the one without), so, like q, it
         // must stay undefined. (This check used to expect a zero grad here, which failed every
         // `--nproc_per_node 1` run, on CUDA and CPU alike.)
         DTUNE_CHECK(!p.grad().defined(), "a parameter without a gradient on the only rank got one");
-    } else {
+    } else if (keeps_p) {
         double p_expected = (n * (n + 1) / 2.0 - 1.0) / n;  // (2 + ... + n) / n: rank 0 counts as zero
         DTUNE_CHECK(p.grad().defined() && p.grad().cpu().allclose(at::full({3}, p_expected, at::kDouble)),
                     "partly unused parameter: grad ", p.grad().defined() ? p.grad().cpu() : at::Tensor(),
                     ", expected ", p_expected);
+    } else {
+        DTUNE_CHECK(!p.grad().defined(), "ZeRO-2: rank ", g.rank(),
+                    " kept the gradient of rank 0's parameter");
     }
     DTUNE_CHECK(!q.grad().defined(), "a parameter unused on every rank got a gradient");
     double w_expected = (n - 1) / 2.0;  // mean of 0..n-1
-    DTUNE_CHECK(w.grad().cpu().allclose(at::full({5}, w_expected, at::kDouble)), "grad mean ", w.grad().cpu(),
-                ", expected ", w_expected);
+    if (keeps_w)
+        DTUNE_CHECK(w.grad().defined() && w.grad().cpu().allclose(at::full({5}, w_expected, at::kDouble)),
+                    "grad mean ", w.grad().defined() ? w.grad().cpu() : at::Tensor(), ", expected ",
+                    w_expected);
+    else
+        DTUNE_CHECK(!w.grad().defined(), "ZeRO-2: rank ", g.rank(), " kept the gradient of rank ", n - 1,
+                    "'s parameter");
 }
 
 // all_reduce_gradients_flat: the mean over ranks in several buckets; an undefined gradient stays
@@ -174,23 +187,25 @@ std::unique_ptr<train::Optimizer> make_optimizer(const std::string& kind, std::v
     return std::make_unique<train::AdamW>(std::vector{group});
 }
 
-// Trains `steps` steps data-parallel (reducer; ZeRO-1 when `zero1`) and as one process on the
-// global batch; returns the largest weight difference.
+// Trains `steps` steps data-parallel (reducer; ZeRO-1 when `zero1`; ZeRO-2, with overlap, when
+// `zero2`) and as one process on the global batch; returns the largest weight difference.
 double dp_equivalence(dist::Group& g, const SelftestArgs& a, const std::string& opt_kind, bool zero1,
-                      bool overlap, const at::TensorOptions& opts) {
+                      bool overlap, bool zero2, const at::TensorOptions& opts) {
     const int n = g.world_size();
     auto mine = make_model(opts);
     auto reference = make_model(opts);
-    dist::ZeroPartition partition(mine, n);
+    dist::ZeroPartition partition(mine, n, zero2 ? dist::ZeroLayout::kContiguous : dist::ZeroLayout::kGreedy);
     std::vector<at::Tensor> stepped = mine;
-    if (zero1) {
+    if (zero1 || zero2) {
         stepped.clear();
         for (auto i : partition.owned_by(g.rank())) stepped.push_back(mine[i]);
     }
     auto opt = make_optimizer(opt_kind, stepped);
     auto ref_opt = make_optimizer(opt_kind, reference);
-    dist::GradReducer reducer(g, mine, dist::ReducerOptions{512});  // small buckets: several per step
-    if (overlap) reducer.enable_overlap();
+    dist::ReducerOptions ro{512};  // small buckets: several per step
+    if (zero2) ro.owners = partition.owners();
+    dist::GradReducer reducer(g, mine, ro);
+    if (overlap || zero2) reducer.enable_overlap();
     for (int step = 0; step < a.steps; ++step) {
         long rows = static_cast<long>(a.batch) * n * a.accumulate;
         auto [x, y] = global_batch(step, rows, opts);
@@ -208,8 +223,12 @@ double dp_equivalence(dist::Group& g, const SelftestArgs& a, const std::string& 
         DTUNE_CHECK(!overlap || g.world_size() == 1 || reducer.overlapped_buckets() > 0,
                     "overlap is on but no bucket was launched during backward (", reducer.buckets().size(),
                     " buckets)");
+        for (std::size_t i = 0; zero2 && i < mine.size(); ++i)
+            DTUNE_CHECK(mine[i].grad().defined() == (partition.owner(i) == g.rank()), "ZeRO-2: parameter #",
+                        i, " (owner rank ", partition.owner(i), ") ",
+                        mine[i].grad().defined() ? "kept" : "lost", " its gradient on rank ", g.rank());
         opt->step();
-        if (zero1) partition.sync_parameters(g, mine);
+        if (zero1 || zero2) partition.sync_parameters(g, mine);
         ref_opt->zero_grad();
         at::mse_loss(forward(reference, x), y).backward();
         ref_opt->step();
@@ -271,23 +290,23 @@ int run_selftest(const std::vector<std::string>& args) {
     if (a.check == "fail") deliberate_failure(*group, a);
     if (a.check == "all" || a.check == "collectives") check_collectives(*group, opts);
     if (a.check == "all" || a.check == "reducer") {
-        check_reducer(*group, opts);
+        check_reducer(*group, opts, false);
+        check_reducer(*group, opts, true);
         check_flat_reduce(*group, opts);
     }
     if (a.check == "all" || a.check == "dp") {
         for (const char* opt : {"sgd", "adamw"})
-            for (int variant = 0; variant < 3; ++variant) {
-                const bool zero1 = variant == 1, overlap = variant == 2;
-                double diff = dp_equivalence(*group, a, opt, zero1, overlap, opts);
+            for (int variant = 0; variant < 4; ++variant) {
+                const bool zero1 = variant == 1, overlap = variant == 2, zero2 = variant == 3;
+                double diff = dp_equivalence(*group, a, opt, zero1, overlap, zero2, opts);
+                const char* name = zero1 ? " zero1" : overlap ? " overlap" : zero2 ? " zero2" : "";
                 if (group->is_main())
                     std::printf(
                         "dist-selftest: %s%s, %d ranks x batch %d x accumulate %d: max |w - w_ref| = %.3g\n",
-                        opt, zero1 ? " zero1" : (overlap ? " overlap" : ""), group->world_size(), a.batch,
-                        a.accumulate, diff);
+                        opt, name, group->world_size(), a.batch, a.accumulate, diff);
                 std::fflush(stdout);
-                DTUNE_CHECK(diff <= 1e-6, "data-parallel ", opt, zero1 ? " (ZeRO-1)" : "",
-                            " weights differ from the ", "single-process reference by ", diff,
-                            " (> 1e-6) on rank ", group->rank());
+                DTUNE_CHECK(diff <= 1e-6, "data-parallel ", opt, name, " weights differ from the ",
+                            "single-process reference by ", diff, " (> 1e-6) on rank ", group->rank());
             }
     }
     group->barrier();
@@ -307,7 +326,7 @@ DTUNE_REGISTER_COMMAND(
     "           [--fail_rank R --fail_how exit|kill|hang] [--timeout_s S]\n\n"
     "Checks all-reduce/broadcast/all-gather against closed forms, and that N ranks x batch B\n"
     "train the same weights (within 1e-6, float64) as one process on batch N*B (SGD, AdamW,\n"
-    "with and without ZeRO-1). --check fail makes one rank fail, to test the launcher.\n",
+    "plain, ZeRO-1, overlapped, ZeRO-2). --check fail makes one rank fail, to test the launcher.\n",
     run_selftest);
 
 }  // namespace dtune::cli

@@ -74,6 +74,9 @@ class SingleGroup final : public Group {
         return std::make_unique<Done>();
     }
     void all_reduce_max_(at::Tensor&) override {}
+    std::unique_ptr<Pending> reduce_sum_async(at::Tensor& tensor, int) override {
+        return all_reduce_sum_async(tensor);
+    }
     void broadcast_(at::Tensor&, int) override {}
     std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override { return {tensor.clone()}; }
     void shutdown() override {}
@@ -88,6 +91,7 @@ class WorkPending final : public Pending {
         work_->wait();
         work_.reset();
     }
+    bool ready() override { return !work_ || work_->isCompleted(); }
 
   private:
     c10::intrusive_ptr<c10d::Work> work_;
@@ -127,6 +131,14 @@ class C10dGroup final : public Group {
         c10d::AllreduceOptions opts;
         opts.reduceOp = c10d::ReduceOp::MAX;
         backend_->allreduce(tensors, opts)->wait();
+    }
+    std::unique_ptr<Pending> reduce_sum_async(at::Tensor& tensor, int root) override {
+        check_open();
+        std::vector<at::Tensor> tensors{tensor};
+        c10d::ReduceOptions opts;
+        opts.reduceOp = c10d::ReduceOp::SUM;
+        opts.rootRank = root;
+        return std::make_unique<WorkPending>(backend_->reduce(tensors, opts));
     }
     void broadcast_(at::Tensor& tensor, int root) override {
         check_open();

@@ -31,6 +31,8 @@ class Pending {
   public:
     virtual ~Pending() = default;
     virtual void wait() = 0;
+    // Whether it has finished, without blocking (false when unknown; wait() still required).
+    virtual bool ready() { return false; }
 };
 
 class Group {
@@ -50,6 +52,8 @@ class Group {
     void all_reduce_sum_(at::Tensor& tensor) { all_reduce_sum_async(tensor)->wait(); }
     void all_reduce_mean_(at::Tensor& tensor);
     virtual void all_reduce_max_(at::Tensor& tensor) = 0;
+    // In place on `root`: the sum over ranks (the other ranks' `tensor` is scratch afterwards).
+    virtual std::unique_ptr<Pending> reduce_sum_async(at::Tensor& tensor, int root) = 0;
     // In place: `tensor` takes root's values on every rank.
     virtual void broadcast_(at::Tensor& tensor, int root) = 0;
     // Every rank's `tensor` (same shape everywhere), in rank order.

@@ -1,4 +1,5 @@
-// Bucketed gradient all-reduce, parameter broadcast/check and the ZeRO-1 partition (see reducer.h).
+// Bucketed gradient all-reduce (ZeRO-2: reduce to the owner), parameter broadcast/check and the
+// ZeRO partition (see reducer.h).
 #include "dist/reducer.h"
 
 #include <ATen/core/grad_mode.h>
@@ -16,23 +17,29 @@ namespace dtune::dist {
 
 GradReducer::GradReducer(Group& group, std::vector<at::Tensor> params, ReducerOptions options)
     : group_(group), params_(std::move(params)) {
+    const std::vector<int>& owners = options.owners;
+    DTUNE_CHECK(owners.empty() || owners.size() == params_.size(), "GradReducer: ", owners.size(),
+                " owners for ", params_.size(), " parameters");
     // Reverse order: the last layers' gradients are ready first during backward.
     std::vector<std::size_t> current;
     std::size_t bytes = 0;
+    auto close_bucket = [&] {
+        if (!owners.empty()) bucket_owner_.push_back(owners[current[0]]);
+        buckets_.push_back(std::move(current));
+        current.clear();
+        bytes = 0;
+    };
     for (std::size_t k = params_.size(); k-- > 0;) {
         const at::Tensor& p = params_[k];
         bool compatible = current.empty() || (params_[current[0]].scalar_type() == p.scalar_type() &&
-                                              params_[current[0]].device() == p.device());
+                                              params_[current[0]].device() == p.device() &&
+                                              (owners.empty() || owners[current[0]] == owners[k]));
         std::size_t size = static_cast<std::size_t>(p.numel()) * p.element_size();
-        if (!current.empty() && (!compatible || bytes + size > options.bucket_bytes)) {
-            buckets_.push_back(std::move(current));
-            current.clear();
-            bytes = 0;
-        }
+        if (!current.empty() && (!compatible || bytes + size > options.bucket_bytes)) close_bucket();
         current.push_back(k);
         bytes += size;
     }
-    if (!current.empty()) buckets_.push_back(std::move(current));
+    if (!current.empty()) close_bucket();
 }
 
 GradReducer::~GradReducer() {
@@ -60,6 +67,9 @@ at::Tensor GradReducer::pack(const std::vector<std::size_t>& bucket) const {
     return at::cat(parts);
 }
 
+// Non-sharded: copies into the existing gradients (a new one is a clone, so that one view does not
+// keep the whole bucket alive). ZeRO-2: the owner's gradients become views of `flat`, which holds
+// only its own parameters.
 void GradReducer::unpack(const std::vector<std::size_t>& bucket, const at::Tensor& flat) {
     long total = flat.numel() - static_cast<long>(bucket.size());
     // [n] how many ranks had a grad; read once on the host (one sync per bucket, not per parameter).
@@ -75,18 +85,39 @@ void GradReducer::unpack(const std::vector<std::size_t>& bucket, const at::Tenso
         if (p.grad().defined())
             p.mutable_grad().copy_(averaged);
         else
-            p.mutable_grad() = averaged.clone();
+            p.mutable_grad() = sharded() ? averaged : averaged.clone();
     }
 }
 
 void GradReducer::launch(std::size_t b) {
     flats_[b] = pack(buckets_[b]);
-    works_[b] = group_.all_reduce_sum_async(flats_[b]);
+    if (!sharded()) {
+        works_[b] = group_.all_reduce_sum_async(flats_[b]);
+        return;
+    }
+    // ZeRO-2: the flat copy is all this rank needs; the owner gets the sum back in reduce().
+    for (std::size_t k : buckets_[b]) params_[k].mutable_grad() = at::Tensor();
+    works_[b] = group_.reduce_sum_async(flats_[b], bucket_owner_[b]);
+}
+
+// ZeRO-2, from the hooks: drops the flat copies of other ranks' buckets whose reduce has finished,
+// in launch order (stops at the first one still in flight).
+void GradReducer::release_finished() {
+    for (; next_release_ < next_launch_; ++next_release_) {
+        const std::size_t b = next_release_;
+        if (bucket_owner_[b] == group_.rank()) continue;  // kept: this rank's own gradients
+        if (!works_[b]->ready()) break;
+        works_[b].reset();
+        flats_[b] = at::Tensor();
+        ++released_early_;
+    }
 }
 
 void GradReducer::reset_round() {
     armed_ = false;
     next_launch_ = 0;
+    next_release_ = 0;
+    released_early_ = 0;
     std::fill(fired_.begin(), fired_.end(), 0);
     for (std::size_t b = 0; b < remaining_.size(); ++b) remaining_[b] = buckets_[b].size();
     flats_.assign(buckets_.size(), at::Tensor());
@@ -139,6 +170,7 @@ void GradReducer::on_grad_ready(std::size_t k) {
         launch(next_launch_++);
         ++hook_launches_;
     }
+    if (sharded()) release_finished();
 }
 
 void GradReducer::reduce() {
@@ -151,16 +183,23 @@ void GradReducer::reduce() {
             flats_.assign(buckets_.size(), at::Tensor());
             works_.clear();
             works_.resize(buckets_.size());
+            released_early_ = 0;
         }
         armed_ = false;  // a late hook must not launch anything now
         while (next_launch_ < buckets_.size()) launch(next_launch_++);
         twice = twice_;
         last_overlapped_ = hook_launches_;
+        last_released_early_ = released_early_;
     }
     at::NoGradGuard no_grad;
     const long n_ranks = group_.world_size();
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        if (!works_[b]) continue;  // ZeRO-2: another rank's bucket, already released
         works_[b]->wait();
+        if (sharded() && bucket_owner_[b] != group_.rank()) {
+            flats_[b] = at::Tensor();  // the owner has the sum; nothing of it stays here
+            continue;
+        }
         long grads = flats_[b].numel() - static_cast<long>(buckets_[b].size());
         flats_[b].slice(0, 0, grads).div_(n_ranks);
         unpack(buckets_[b], flats_[b]);
@@ -241,9 +280,13 @@ void check_parameters_identical(Group& group, const std::vector<at::Tensor>& par
     }
 }
 
-ZeroPartition::ZeroPartition(const std::vector<at::Tensor>& params, int world_size)
+ZeroPartition::ZeroPartition(const std::vector<at::Tensor>& params, int world_size, ZeroLayout layout)
     : owner_(params.size(), 0) {
     DTUNE_CHECK(world_size >= 1, "ZeroPartition: world size ", world_size, " must be at least 1");
+    if (layout == ZeroLayout::kContiguous) {
+        assign_contiguous(params, world_size);
+        return;
+    }
     std::vector<std::size_t> order(params.size());
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(),
@@ -253,6 +296,31 @@ ZeroPartition::ZeroPartition(const std::vector<at::Tensor>& params, int world_si
         auto least = std::min_element(load.begin(), load.end()) - load.begin();
         owner_[i] = static_cast<int>(least);
         load[static_cast<std::size_t>(least)] += params[i].numel();
+    }
+}
+
+// Rank r takes the parameters whose midpoint (in cumulative elements) falls in the r-th
+// world_size-th of the total; a rank moves on early when exactly one parameter per remaining rank
+// is left, and never before it has one.
+void ZeroPartition::assign_contiguous(const std::vector<at::Tensor>& params, int world_size) {
+    double total = 0;
+    for (const auto& p : params) total += static_cast<double>(p.numel());
+    const double share = total / world_size;
+    double prefix = 0;
+    int rank = 0;
+    std::size_t in_rank = 0;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+        const double n = static_cast<double>(params[i].numel());
+        const std::size_t left = params.size() - i;  // this one included
+        const auto later_ranks = static_cast<std::size_t>(world_size - 1 - rank);
+        if (rank < world_size - 1 && in_rank > 0 &&
+            (prefix + n / 2 > share * (rank + 1) || left <= later_ranks)) {
+            ++rank;
+            in_rank = 0;
+        }
+        owner_[i] = rank;
+        ++in_rank;
+        prefix += n;
     }
 }
 

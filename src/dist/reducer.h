@@ -12,10 +12,18 @@
 // one of them); reduce() launches the rest and waits. A parameter whose gradient is accumulated
 // twice in one backward (shared weights across recomputed segments) makes reduce() throw.
 //
-// ZeroPartition (ZeRO-1): each parameter belongs to one rank, which alone keeps its optimizer state
-// and updates it; sync_parameters() broadcasts every parameter from its owner after the step. The
-// caller must clear the gradients of ALL parameters before the next step (the sharded optimizer's
-// zero_grad only sees its own).
+// ZeRO-2 (ReducerOptions::owners set): each bucket holds the parameters of one owner rank only and
+// is reduced (summed) to that rank instead of all-reduced. Launching a bucket copies its gradients
+// into the bucket's flat tensor and drops them from the parameters on every rank; after the
+// reduction only the owner gets them back (as views of the flat tensor), so a rank ends the
+// reduction holding the gradients of the parameters it owns and no others. A bucket another rank
+// owns is dropped as soon as its reduce has finished (checked from the hooks while backward runs),
+// so its memory comes back before backward ends.
+//
+// ZeroPartition (ZeRO-1/2): each parameter belongs to one rank, which alone keeps its optimizer
+// state and updates it; sync_parameters() broadcasts every parameter from its owner after the step.
+// The caller must clear the gradients of ALL parameters before the next step (the sharded
+// optimizer's zero_grad only sees its own).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -32,6 +40,10 @@ namespace dtune::dist {
 
 struct ReducerOptions {
     std::size_t bucket_bytes = 25u << 20;  // DDP's default bucket_cap_mb=25
+    // ZeRO-2: the rank that keeps each parameter's reduced gradient (index = parameter); empty:
+    // every rank keeps every gradient (all-reduce). Contiguous runs make few buckets (see
+    // ZeroLayout::kContiguous).
+    std::vector<int> owners;
 };
 
 class GradReducer {
@@ -51,8 +63,12 @@ class GradReducer {
     std::size_t overlapped_buckets() const { return last_overlapped_; }
     // Parameter indices per bucket, in launch order (for tests and logs).
     const std::vector<std::vector<std::size_t>>& buckets() const { return buckets_; }
+    // ZeRO-2: buckets of other ranks dropped while backward ran, in the last reduce() (tests, logs).
+    std::size_t released_early() const { return last_released_early_; }
 
   private:
+    bool sharded() const { return !bucket_owner_.empty(); }
+    void release_finished();
     at::Tensor pack(const std::vector<std::size_t>& bucket) const;
     void unpack(const std::vector<std::size_t>& bucket, const at::Tensor& flat);
 
@@ -63,6 +79,7 @@ class GradReducer {
     Group& group_;
     std::vector<at::Tensor> params_;
     std::vector<std::vector<std::size_t>> buckets_;
+    std::vector<int> bucket_owner_;  // ZeRO-2: the rank each bucket is reduced to; empty otherwise
     // Overlap state of the current round (guarded by mutex_: hooks run on autograd threads).
     bool overlap_ = false;
     bool armed_ = false;
@@ -71,10 +88,12 @@ class GradReducer {
     std::vector<int> fired_;              // per parameter: hook calls this round
     std::vector<std::size_t> remaining_;  // per bucket: parameters not ready yet
     std::size_t next_launch_ = 0;
+    std::size_t next_release_ = 0;  // ZeRO-2: the first launched bucket not yet checked for release
     std::vector<at::Tensor> flats_;
     std::vector<std::unique_ptr<Pending>> works_;
     std::string twice_;  // a parameter whose hook fired twice this round
     std::size_t hook_launches_ = 0, last_overlapped_ = 0;
+    std::size_t released_early_ = 0, last_released_early_ = 0;
 };
 
 // Averages the gradients of `params` over the ranks in flat all-reduces of at most `bucket_bytes`
@@ -92,17 +111,28 @@ void broadcast_parameters(Group& group, const std::vector<at::Tensor>& params, i
 void check_parameters_identical(Group& group, const std::vector<at::Tensor>& params,
                                 const std::vector<std::string>& names = {}, double tolerance = 0.0);
 
+enum class ZeroLayout {
+    kGreedy,      // largest first to the least-loaded rank: best balance (ZeRO-1)
+    kContiguous,  // runs of consecutive parameters, balanced by element count: the reducer's
+                  // buckets (consecutive parameters) then each have one owner (ZeRO-2)
+};
+
 class ZeroPartition {
   public:
-    // Greedy by size (largest first to the least-loaded rank), deterministic on every rank.
-    ZeroPartition(const std::vector<at::Tensor>& params, int world_size);
+    // Deterministic on every rank. kContiguous gives every rank at least one parameter when there
+    // are at least as many parameters as ranks; each rank's element count is within the largest
+    // parameter of total / world_size.
+    ZeroPartition(const std::vector<at::Tensor>& params, int world_size,
+                  ZeroLayout layout = ZeroLayout::kGreedy);
     int owner(std::size_t index) const { return owner_[index]; }
+    const std::vector<int>& owners() const { return owner_; }
     // Indices of the parameters `rank` updates, in parameter order.
     std::vector<std::size_t> owned_by(int rank) const;
     // After each rank stepped its own parameters: broadcast each parameter from its owner.
     void sync_parameters(Group& group, const std::vector<at::Tensor>& params) const;
 
   private:
+    void assign_contiguous(const std::vector<at::Tensor>& params, int world_size);
     std::vector<int> owner_;
 };
 

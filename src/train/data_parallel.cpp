@@ -26,16 +26,11 @@ int resolve_zero_stage(const TrainConfig& config) {
         origin = str("DTUNE_ZERO_STAGE='", env, "' (from deepspeed_config.zero_stage)");
         char* end = nullptr;
         stage = std::strtol(env, &end, 10);
-        DTUNE_CHECK_AS(UsageError, end && *end == '\0', origin, " is not a number; use 0 or 1");
+        DTUNE_CHECK_AS(UsageError, end && *end == '\0', origin, " is not a number; use 0, 1 or 2");
     }
     DTUNE_CHECK_AS(UsageError, *stage >= 0 && *stage <= 2, origin, " is ", *stage,
-                   "; dtune implements ZeRO stage 0 (plain data parallel) and 1 (sharded optimizer ",
-                   "state); use 1, the lowest stage that shards, or 0");
-    if (*stage == 2) {
-        log::warn() << origin << " is 2: ZeRO-2 (sharded gradients) is not in dtune yet; running "
-                    << "stage 1 (optimizer state sharded, gradients averaged whole on every rank)";
-        return 1;
-    }
+                   "; dtune implements ZeRO stage 0 (plain data parallel), 1 (sharded optimizer ",
+                   "state) and 2 (sharded optimizer state and gradients); use the lowest that fits");
     return static_cast<int>(*stage);
 }
 
@@ -100,10 +95,16 @@ std::function<void()> DataParallel::barrier_function() {
 void DataParallel::attach(std::vector<at::Tensor> params) {
     params_ = std::move(params);
     dist::broadcast_parameters(*group_, params_, 0);
-    reducer_ = std::make_unique<dist::GradReducer>(*group_, params_);
+    // ZeRO-2 partitions contiguous runs so that each gradient bucket has one owner to reduce to.
+    if (zero_stage_ >= 1)
+        partition_ = std::make_unique<dist::ZeroPartition>(
+            params_, env_.world_size,
+            zero_stage_ == 2 ? dist::ZeroLayout::kContiguous : dist::ZeroLayout::kGreedy);
+    dist::ReducerOptions reducer_options;
+    if (zero_stage_ == 2) reducer_options.owners = partition_->owners();
+    reducer_ = std::make_unique<dist::GradReducer>(*group_, params_, reducer_options);
     const char* overlap = std::getenv("DTUNE_DDP_OVERLAP");
     if (!(overlap && std::string(overlap) == "0")) reducer_->enable_overlap();
-    if (zero_stage_ >= 1) partition_ = std::make_unique<dist::ZeroPartition>(params_, env_.world_size);
 }
 
 bool DataParallel::updates(std::size_t index) const {
@@ -116,6 +117,7 @@ void DataParallel::arm_reduction() {
 
 void DataParallel::reduce_gradients() {
     if (reducer_) reducer_->reduce();
+    if (zero_stage_ == 2 && !shard_reported_) report_gradient_shard();
 }
 
 void DataParallel::all_reduce_gradients_capturable(const std::vector<at::Tensor>& params) {

@@ -1,13 +1,14 @@
 // Data-parallel training for the trainer: joins the job the torchrun variables describe (`dtune
 // launch` or torchrun), gives every rank rank 0's starting weights, averages the gradients of the
 // trainable parameters after backward (dist::GradReducer, ~25 MB buckets), partitions optimizer
-// state with ZeRO-1, and makes every per-step decision (stop, GPU fault, the logged loss) with one
-// small all-reduce so that all ranks leave the loop at the same step.
+// state with ZeRO-1 (and the gradients too with ZeRO-2: reduced to their owner only), and makes every
+// per-step decision (stop, GPU fault, the logged loss) with one small all-reduce so that all ranks leave the
+// loop at the same step.
 //
 // Invariants: with one process every call is a no-op and nothing touches the network; collectives
 // are issued in the same order on every rank (the trainer calls these at fixed points of its loop);
-// with ZeRO-1 each parameter has exactly one owner, which alone keeps its optimizer state and
-// updates it, and after after_step() every rank holds the same weights.
+// with ZeRO-1/2 each parameter has exactly one owner, which alone keeps its optimizer state (ZeRO-2:
+// and its reduced gradient) and updates it, and after after_step() every rank holds the same weights.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -42,8 +43,7 @@ struct StepAgreement {
 };
 
 // zero_stage from config.json, else DTUNE_ZERO_STAGE (set by `dtune launch --accelerate_config`
-// from deepspeed_config.zero_stage), else 0. Stage 2 runs as 1 with a warning (ZeRO-2 is not
-// built yet); UsageError for any other stage.
+// from deepspeed_config.zero_stage), else 0. UsageError for a stage other than 0, 1 or 2.
 int resolve_zero_stage(const TrainConfig& config);
 
 class DataParallel {
@@ -74,7 +74,7 @@ class DataParallel {
     // Broadcasts rank 0's values of `params` to every rank and prepares the reducer (and the ZeRO
     // partition). Call once, before the optimizer is built.
     void attach(std::vector<at::Tensor> params);
-    // Whether this rank's optimizer updates parameter `index` of attach()'s list (ZeRO-1: only
+    // Whether this rank's optimizer updates parameter `index` of attach()'s list (ZeRO-1/2: only
     // the ones it owns; otherwise all).
     bool updates(std::size_t index) const;
     // Call before the last micro-step's backward: its gradient hooks start the all-reduce of each
@@ -82,7 +82,8 @@ class DataParallel {
     // it off). No communication happens on the other micro-steps.
     void arm_reduction();
     // Averages every attached gradient over the ranks (after the last micro-step's backward):
-    // launches what the hooks did not, waits for all buckets.
+    // launches what the hooks did not, waits for all buckets. ZeRO-2: afterwards this rank holds
+    // only the gradients of the parameters it owns.
     void reduce_gradients();
     // The gradient average with no host synchronisation (inside a CUDA graph capture): one flat
     // all-reduce per 64 MB of `params`' gradients, no overlap with backward.
@@ -90,6 +91,15 @@ class DataParallel {
     // After the optimizer step: ZeRO-1 broadcasts each parameter from its owner; then drops the
     // gradients of every attached parameter (the sharded optimizer's zero_grad sees only its own).
     void after_step();
+    // Gradient clipping by norm over the attached parameters (`params`, attach()'s order): the
+    // global norm of all gradients, returned (undefined when no parameter has a gradient). ZeRO-2:
+    // each rank holds only its own gradients, so the per-parameter norms are summed over the
+    // ranks (one all-reduce of [2, N]) and the norm is taken over the same vector an unsharded run
+    // would stack, so it is bit-identical to one. max_norm <= 0: measure only.
+    at::Tensor clip_grad_norm_async(const std::vector<at::Tensor>& params, double max_norm);
+    // fp16: whether the gradients of any rank overflowed. ZeRO-2 all-reduces `local` (each rank saw
+    // only its shard); otherwise every rank holds the same gradients and `local` is returned.
+    bool gradients_overflowed(bool local);
     // One all-reduce: the stop and fault requests of every rank and the mean loss.
     // `fault_gpu` is gpu_fault_request() (GPU index + 1, 0 when none).
     StepAgreement agree(double loss, bool stop, int fault_gpu);
@@ -109,6 +119,8 @@ class DataParallel {
                       const std::function<void(const std::filesystem::path&)>& write);
 
   private:
+    void report_gradient_shard();  // ZeRO-2, first reduction: what this rank holds (log)
+
     dist::DistEnv env_;
     c10::Device device_;
     int zero_stage_ = 0;
@@ -116,6 +128,7 @@ class DataParallel {
     std::unique_ptr<dist::GradReducer> reducer_;
     std::unique_ptr<dist::ZeroPartition> partition_;
     std::vector<at::Tensor> params_;
+    bool shard_reported_ = false;
 };
 
 // Per-rank checkpoint file names.

@@ -310,10 +310,11 @@ double Trainer::train_one_step(double& grad_norm) {
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
     step_overflowed_ = scaler_ && !scaler_->unscale(params);  // fp16: gradients / scale, inf check
+    if (scaler_) step_overflowed_ = dp_->gradients_overflowed(step_overflowed_);  // ZeRO-2: any shard
     // One multi-tensor norm and one read-back per step (not one per parameter).
     const double max_grad = config_.real("max_grad_norm");
     const bool by_norm = max_grad > 0 && config_.text("grad_clip_method") == "norm";
-    const at::Tensor norm = clip_grad_norm_async(params, by_norm ? max_grad : 0.0);
+    const at::Tensor norm = dp_->clip_grad_norm_async(params, by_norm ? max_grad : 0.0);  // ZeRO-2: global
     grad_norm = norm.defined() ? norm.item<double>() : 0.0;
     if (max_grad > 0 && !by_norm) clip_grad_value(params, max_grad);
     return loss_sum / static_cast<double>(accum);

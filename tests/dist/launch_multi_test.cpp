@@ -62,6 +62,7 @@ TEST(DistLaunch, TwoRanksCollectivesAndDataParallel) {
     EXPECT_TRUE(contains(r.output, "dist-selftest: OK (2 ranks, gloo)")) << r.output;
     EXPECT_TRUE(contains(r.output, "adamw zero1, 2 ranks")) << r.output;
     EXPECT_TRUE(contains(r.output, "adamw overlap, 2 ranks")) << r.output;
+    EXPECT_TRUE(contains(r.output, "adamw zero2, 2 ranks")) << r.output;
 }
 
 TEST(DistLaunch, OneRankRunsEveryCheck) {
@@ -77,6 +78,7 @@ TEST(DistLaunch, FourRanksWithGradientAccumulation) {
     EXPECT_EQ(r.exit_code, 0) << r.output;
     EXPECT_TRUE(contains(r.output, "dist-selftest: OK (4 ranks, gloo)")) << r.output;
     EXPECT_TRUE(contains(r.output, "4 ranks x batch 2 x accumulate 2")) << r.output;
+    EXPECT_TRUE(contains(r.output, "sgd zero2, 4 ranks x batch 2 x accumulate 2")) << r.output;
 }
 
 TEST(DistLaunch, TwoNodesOnOneHost) {

@@ -1,12 +1,15 @@
 // Data-parallel pieces that need no second process: rank r of N serves and draws exactly rows
 // [r*B, (r+1)*B) of what one process with batch N*B serves and draws (synthetic source, caption
-// dropout); ZeRO stage resolution; the single-process DataParallel (no sockets, agreement is local).
+// dropout); ZeRO stage resolution; the ZeRO-2 partition and bucket layout (hand-worked cases); the
+// single-process DataParallel (no sockets, agreement is local).
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 
 #include "core/error.h"
 #include "dist/env.h"
+#include "dist/group.h"
+#include "dist/reducer.h"
 #include "train/batch_source.h"
 #include "train/config.h"
 #include "train/data_parallel.h"
@@ -76,7 +79,7 @@ TEST(DataParallelConfig, ZeroStageFromConfigOrLauncher) {
     ::setenv("DTUNE_ZERO_STAGE", "1", 1);
     EXPECT_EQ(resolve_zero_stage(c), 1);
     ::setenv("DTUNE_ZERO_STAGE", "2", 1);
-    EXPECT_EQ(resolve_zero_stage(c), 1);  // ZeRO-2 runs as stage 1, with a warning
+    EXPECT_EQ(resolve_zero_stage(c), 2);
     ::setenv("DTUNE_ZERO_STAGE", "one", 1);
     EXPECT_THROW(resolve_zero_stage(c), UsageError);
     c.set("zero_stage", "0", "test");  // the config wins over the launcher's variable
@@ -84,6 +87,44 @@ TEST(DataParallelConfig, ZeroStageFromConfigOrLauncher) {
     c.set("zero_stage", "3", "test");
     EXPECT_THROW(resolve_zero_stage(c), UsageError);
     ::unsetenv("DTUNE_ZERO_STAGE");
+}
+
+std::vector<at::Tensor> tensors_of_sizes(const std::vector<long>& sizes) {
+    std::vector<at::Tensor> out;
+    for (long n : sizes) out.push_back(at::zeros({n}));
+    return out;
+}
+
+std::vector<int> contiguous_owners(const std::vector<long>& sizes, int world) {
+    return dist::ZeroPartition(tensors_of_sizes(sizes), world, dist::ZeroLayout::kContiguous).owners();
+}
+
+// Worked by hand: rank r takes the parameters whose element midpoint lies in its 1/world share.
+TEST(ZeroPartitionContiguous, RunsBalancedByElementsAndNoRankEmpty) {
+    EXPECT_EQ(contiguous_owners({4, 4, 4, 4}, 2), (std::vector<int>{0, 0, 1, 1}));  // midpoints 2 6 | 10 14
+    EXPECT_EQ(contiguous_owners({1, 100, 1}, 2), (std::vector<int>{0, 0, 1}));      // 51 is not past 51
+    EXPECT_EQ(contiguous_owners({100, 1}, 2), (std::vector<int>{0, 1}));            // rank 1 must get one
+    EXPECT_EQ(contiguous_owners({1, 1, 1, 1}, 4), (std::vector<int>{0, 1, 2, 3}));
+    EXPECT_EQ(contiguous_owners({3, 1, 1, 1, 1, 1}, 2), (std::vector<int>{0, 0, 1, 1, 1, 1}));
+    EXPECT_EQ(contiguous_owners({5, 5}, 1), (std::vector<int>{0, 0}));
+    // Fewer parameters than ranks: the last ranks own nothing, nobody is out of range.
+    EXPECT_EQ(contiguous_owners({5, 5}, 3), (std::vector<int>{0, 1}));
+}
+
+// ZeRO-2 buckets (reverse order) close where the owner changes, so each is reduced to one rank.
+TEST(ZeroPartitionContiguous, ReducerBucketsHaveOneOwner) {
+    auto group = dist::init_group(dist::DistEnv{});  // one process: no sockets
+    dist::ReducerOptions options;
+    options.bucket_bytes = 1 << 20;
+    options.owners = {0, 0, 1, 1, 1};
+    dist::GradReducer sharded(*group, tensors_of_sizes({2, 2, 2, 2, 2}), options);
+    using Buckets = std::vector<std::vector<std::size_t>>;
+    EXPECT_EQ(sharded.buckets(), (Buckets{{4, 3, 2}, {1, 0}}));
+    options.owners.clear();
+    dist::GradReducer whole(*group, tensors_of_sizes({2, 2, 2, 2, 2}), options);
+    EXPECT_EQ(whole.buckets(), (Buckets{{4, 3, 2, 1, 0}}));
+    options.owners = {0, 1};
+    EXPECT_THROW(dist::GradReducer(*group, tensors_of_sizes({2, 2, 2}), options), Error);
 }
 
 TEST(DataParallelSingle, OneProcessAgreesLocallyAndPicksTheLocalGpu) {
