@@ -71,7 +71,9 @@ class Group {
     virtual void shutdown() = 0;
 
     // Publishes this rank's failure on the fault channel so that the other ranks stop; returns
-    // the record that won (an earlier rank's, if one was there first). No-op for one process.
+    // the record that won (an earlier rank's, if one was there first). When this rank's record
+    // wins, the process is ended with its exit code fault_exit_grace + 20 s later unless it has
+    // exited by then (webhooks get their 15 s flush first). No-op for one process.
     virtual FaultRecord publish_fault(const FaultRecord& record) { return record; }
     // Another rank's failure once this rank has seen it, else nullopt.
     virtual std::optional<FaultRecord> peer_fault() const { return std::nullopt; }
