@@ -156,6 +156,7 @@ void FaultChannel::leave_after_failure() {
     stop_watcher();
     if (left_) return;
     left_ = true;
+    if (auto seen = peer_fault(); seen && seen->kind == "lost") return;  // no store left to tell
     try {
         store_->add(kLeavingKey, 1);
         if (rank_ != 0 || !store_->check({kRecordKey}) || peer_fault()) return;

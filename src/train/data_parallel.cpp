@@ -79,7 +79,7 @@ DataParallel::~DataParallel() {
     if (std::uncaught_exceptions() > 0) {
         // An error outside the training loop (data setup, checkpoint load...): its message is on
         // this rank's stderr; the others only need to stop instead of waiting in a collective.
-        if (!failed_)
+        if (!failed_ && !group_->peer_fault())  // (a peer's failure needs no report of ours)
             report_failure(Error(str("rank ", env_.rank, " exited with an error outside the training loop; ",
                                      "its log (above) has the message")));
         group_->abort();
