@@ -1,6 +1,8 @@
 // `dtune train --config config.json [--key value ...]`: SimpleTuner-compatible training.
 // Exit codes: 0 done, 2 bad config, 3 bad data/model files, 4 stopped by a signal after saving,
 // 75 a GPU fault (circuit breaker, or a CUDA error in a step) stopped every rank.
+#include <c10/util/Exception.h>
+
 #include <cstdio>
 
 #include "cli/command.h"
@@ -44,8 +46,10 @@ int run_train(const std::vector<std::string>& args) {
     } catch (const std::exception& e) {
         // A CUDA failure in a step means the GPU (or its memory) is not trustworthy: same exit as
         // the circuit breaker, so an orchestrator replaces the instance.
-        if (health::is_cuda_error(e.what()))
-            throw Error(str("CUDA error in training: ", e.what()), ExitCode::kGpuFault);
+        const auto* torch_error = dynamic_cast<const c10::Error*>(&e);  // its what() has a backtrace
+        const std::string message = torch_error ? torch_error->what_without_backtrace() : e.what();
+        if (health::is_cuda_error(message))
+            throw Error(str("CUDA error in training: ", message), ExitCode::kGpuFault);
         throw;
     }
     if (result.outcome == train::TrainOutcome::kGpuFault) {

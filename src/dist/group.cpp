@@ -12,12 +12,15 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <exception>
 #include <string_view>
 
 #include "core/error.h"
 #include "core/log.h"
+#include "dist/fault_channel.h"
 
 namespace dtune::dist {
 
@@ -80,33 +83,46 @@ class SingleGroup final : public Group {
     void broadcast_(at::Tensor&, int) override {}
     std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override { return {tensor.clone()}; }
     void shutdown() override {}
-    void abort() override {}
 };
+
+class C10dGroup;
 
 class WorkPending final : public Pending {
   public:
-    explicit WorkPending(c10::intrusive_ptr<c10d::Work> work) : work_(std::move(work)) {}
-    void wait() override {
-        if (!work_) return;
-        work_->wait();
-        work_.reset();
-    }
+    WorkPending(C10dGroup& group, c10::intrusive_ptr<c10d::Work> work)
+        : group_(group), work_(std::move(work)) {}
+    void wait() override;
     bool ready() override { return !work_ || work_->isCompleted(); }
 
   private:
+    C10dGroup& group_;
     c10::intrusive_ptr<c10d::Work> work_;
 };
 
 class C10dGroup final : public Group {
   public:
     C10dGroup(DistEnv env, c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> backend,
-              const char* name, at::Device device)
+              const char* name, const GroupOptions& options)
         : Group(std::move(env)),
           store_(std::move(store)),
           backend_(std::move(backend)),
           name_(name),
-          device_(device) {}
-    ~C10dGroup() override { shutdown(); }
+          device_(options.device),
+          poll_interval_(options.fault_poll_interval),
+          exit_grace_(options.fault_exit_grace) {
+        if (poll_interval_.count() <= 0) return;
+        FaultChannelOptions channel;
+        channel.poll_interval = poll_interval_;
+        channel.store_address = str(env_.master_addr, ":", env_.master_port);
+        channel_ = std::make_unique<FaultChannel>(store_, rank(), world_size(), channel,
+                                                  [this](const FaultRecord& r) { on_peer_fault(r); });
+    }
+    ~C10dGroup() override {
+        if (std::uncaught_exceptions() > 0 || peer_fault())
+            abort();
+        else
+            shutdown();
+    }
     const char* backend() const override { return name_; }
 
     void barrier() override {
@@ -114,7 +130,7 @@ class C10dGroup final : public Group {
         Trace trace(rank(), "barrier");
         c10d::BarrierOptions opts;
         if (device_.is_cuda()) opts.device_ids = {device_.index()};
-        backend_->barrier(opts)->wait();
+        wait(backend_->barrier(opts));
     }
     std::unique_ptr<Pending> all_reduce_sum_async(at::Tensor& tensor) override {
         check_open();
@@ -122,7 +138,7 @@ class C10dGroup final : public Group {
         std::vector<at::Tensor> tensors{tensor};
         c10d::AllreduceOptions opts;
         opts.reduceOp = c10d::ReduceOp::SUM;
-        return std::make_unique<WorkPending>(backend_->allreduce(tensors, opts));
+        return std::make_unique<WorkPending>(*this, backend_->allreduce(tensors, opts));
     }
     void all_reduce_max_(at::Tensor& tensor) override {
         check_open();
@@ -130,15 +146,16 @@ class C10dGroup final : public Group {
         std::vector<at::Tensor> tensors{tensor};
         c10d::AllreduceOptions opts;
         opts.reduceOp = c10d::ReduceOp::MAX;
-        backend_->allreduce(tensors, opts)->wait();
+        wait(backend_->allreduce(tensors, opts));
     }
     std::unique_ptr<Pending> reduce_sum_async(at::Tensor& tensor, int root) override {
         check_open();
+        Trace trace(rank(), "reduce_sum", &tensor);
         std::vector<at::Tensor> tensors{tensor};
         c10d::ReduceOptions opts;
         opts.reduceOp = c10d::ReduceOp::SUM;
         opts.rootRank = root;
-        return std::make_unique<WorkPending>(backend_->reduce(tensors, opts));
+        return std::make_unique<WorkPending>(*this, backend_->reduce(tensors, opts));
     }
     void broadcast_(at::Tensor& tensor, int root) override {
         check_open();
@@ -146,7 +163,7 @@ class C10dGroup final : public Group {
         std::vector<at::Tensor> tensors{tensor};
         c10d::BroadcastOptions opts;
         opts.rootRank = root;
-        backend_->broadcast(tensors, opts)->wait();
+        wait(backend_->broadcast(tensors, opts));
     }
     std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override {
         check_open();
@@ -154,37 +171,114 @@ class C10dGroup final : public Group {
         std::vector<at::Tensor> inputs{tensor.contiguous()};
         std::vector<std::vector<at::Tensor>> outputs(1);
         for (int r = 0; r < world_size(); ++r) outputs[0].push_back(at::empty_like(inputs[0]));
-        backend_->allgather(outputs, inputs)->wait();
+        wait(backend_->allgather(outputs, inputs));
         return outputs[0];
     }
-    void shutdown() override { end(false); }
-    void abort() override { end(true); }
-
-  private:
-    // Ends the backend once: gracefully (waits for work in flight) or by abort (does not).
-    void end(bool abort) {
+    void shutdown() override {
         if (!backend_) return;
+        if (peer_fault()) return abort();
+        if (channel_) channel_->leave();  // rank 0 keeps the store until every rank stopped watching
         try {
-            if (abort)
-                backend_->abort();
-            else
-                backend_->shutdown();
+            backend_->shutdown();
         } catch (const std::exception& e) {
-            log::warn() << "dist: backend " << (abort ? "abort" : "shutdown") << ": " << e.what();
+            log::warn() << "dist: backend shutdown: " << e.what();
         }
         backend_.reset();
+        channel_.reset();
         store_.reset();
     }
+
+    FaultRecord publish_fault(const FaultRecord& record) override {
+        if (!channel_) return record;
+        FaultRecord winner = channel_->publish(record);
+        if (winner.rank == rank()) {
+            // The bound on this rank's own exit: its webhooks get their flush time (15 s) first.
+            exit_after(exit_grace_ + std::chrono::seconds(20), record.exit_code,
+                       str("rank ", rank(), " failed (", record.message.substr(0, 200), ")"));
+        }
+        return winner;
+    }
+    std::optional<FaultRecord> peer_fault() const override {
+        return channel_ ? channel_->peer_fault() : std::nullopt;
+    }
+    void abort() override {
+        if (!backend_) return;
+        if (channel_) channel_->leave_after_failure();
+        abort_backend();
+        // Leaked on purpose: destroying the backend joins its threads, and a collective still
+        // pending there (the peer that failed never joins it) would block the join.
+        (void)backend_.release();
+        store_.reset();
+    }
+
+    // Waits for `work`, in slices on Gloo so that a peer's failure interrupts the wait; turns a
+    // backend error that a peer's failure caused into PeerFailure.
+    void wait(const c10::intrusive_ptr<c10d::Work>& work) {
+        try {
+            if (!channel_ || name_ != std::string("gloo")) {
+                work->wait();  // NCCL: returns once queued; the watcher aborts a hung communicator
+            } else {
+                const auto slice = std::min(poll_interval_, std::chrono::milliseconds(100));
+                for (;;) {
+                    try {
+                        work->wait(slice);  // throws "timed out" when the slice passes first
+                    } catch (const std::exception&) {
+                        if (!work->isCompleted()) throw_if_peer_failed();
+                    }
+                    if (work->isCompleted()) {
+                        work->wait();  // returns, or rethrows the collective's own error
+                        break;
+                    }
+                    throw_if_peer_failed();
+                }
+            }
+        } catch (const PeerFailure&) {
+            throw;
+        } catch (const std::exception&) {
+            if (channel_)
+                if (auto f = channel_->check_now()) throw PeerFailure(*f, rank());
+            throw;
+        }
+        throw_if_peer_failed();
+    }
+
+  private:
     void check_open() const {
         DTUNE_CHECK(backend_, "dist: collective called after shutdown() on rank ", rank(),
                     "; call shutdown() only at the end of the job");
+        throw_if_peer_failed();
+    }
+    // Runs once, on the watcher thread (or in a failed collective's check): says why this rank
+    // stops, unblocks NCCL, and bounds the time left to this process.
+    void on_peer_fault(const FaultRecord& record) {
+        log::error() << peer_failure_line(record, rank());
+        abort_backend();
+        exit_after(exit_grace_, record.exit_code,
+                   str("rank ", rank(), " stops because rank ", record.rank, " failed"));
+    }
+    void abort_backend() {
+        if (aborted_.exchange(true)) return;
+        try {
+            backend_->abort();  // NCCL: aborts the communicators; Gloo: nothing to abort
+        } catch (const std::exception& e) {
+            log::warn() << "dist: backend abort: " << e.what();
+        }
     }
 
     c10::intrusive_ptr<c10d::Store> store_;
     c10::intrusive_ptr<c10d::Backend> backend_;
     const char* name_;
     at::Device device_;
+    std::chrono::milliseconds poll_interval_, exit_grace_;
+    std::unique_ptr<FaultChannel> channel_;
+    std::atomic<bool> aborted_{false};
 };
+
+void WorkPending::wait() {
+    if (!work_) return;
+    auto work = std::move(work_);
+    group_.wait(work);
+}
 
 c10::intrusive_ptr<c10d::Store> connect_store(const DistEnv& env, const GroupOptions& options) {
     c10d::TCPStoreOptions opts;
@@ -252,7 +346,7 @@ std::unique_ptr<Group> init_group(const DistEnv& env, const GroupOptions& option
         log::info() << "dist: " << env.world_size << " ranks over " << name << ", rendezvous "
                     << env.master_addr << ":" << env.master_port << ", NCCL_NVLS_ENABLE=" << nvls
                     << ", collective timeout " << options.collective_timeout.count() / 1000 << " s";
-    return std::make_unique<C10dGroup>(env, store, backend, name, options.device);
+    return std::make_unique<C10dGroup>(env, store, backend, name, options);
 }
 
 }  // namespace dtune::dist

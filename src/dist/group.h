@@ -2,9 +2,15 @@
 // ProcessGroupNCCL (CUDA device, when built with NCCL) or ProcessGroupGloo (CPU) backend, both with
 // a timeout so a dead peer ends a collective with an error instead of a hang.
 //
+// Every multi-process group runs the job's fault channel (fault_channel.h): a rank that fails
+// publishes why (publish_fault), and a collective blocked on this rank throws PeerFailure within
+// a poll interval of another rank's failure instead of waiting for the collective timeout (Gloo:
+// the wait is sliced and checks the channel; NCCL: the watcher aborts the communicators). Once a
+// peer has failed, the process ends within fault_exit_grace whatever its main thread is doing.
+//
 // Invariants: a single-process Group (world size 1) never opens a socket, and every collective is
 // the identity on it; collectives must be called by every rank in the same order; after
-// shutdown() no collective may be called.
+// shutdown() or abort() no collective may be called.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,9 +18,11 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "dist/env.h"
+#include "dist/fault.h"
 
 namespace dtune::dist {
 
@@ -24,6 +32,10 @@ struct GroupOptions {
     std::chrono::milliseconds collective_timeout{std::chrono::minutes(10)};
     // The device the tensors live on: cuda -> NCCL, cpu -> Gloo.
     at::Device device{at::kCPU};
+    // Fault channel: how often each rank polls for another rank's failure (0: no channel), and how
+    // long a rank may take to exit once a peer has failed before it is ended with _Exit.
+    std::chrono::milliseconds fault_poll_interval{500};
+    std::chrono::milliseconds fault_exit_grace{std::chrono::seconds(5)};
 };
 
 // A collective in flight. wait() rethrows the backend's error (peer gone, timeout).
@@ -58,11 +70,24 @@ class Group {
     virtual void broadcast_(at::Tensor& tensor, int root) = 0;
     // Every rank's `tensor` (same shape everywhere), in rank order.
     virtual std::vector<at::Tensor> all_gather(const at::Tensor& tensor) = 0;
-    // Ends the backend and the store (idempotent; also run by the destructor).
+    // Ends the backend and the store after a normal run (idempotent; also run by the destructor
+    // when no exception is in flight and no peer failed).
     virtual void shutdown() = 0;
-    // Ends the backend without waiting for collectives in flight (peers may be gone or stuck): the
-    // path for errors. Pending collectives on this rank fail instead of blocking. Idempotent.
-    virtual void abort() = 0;
+
+    // Publishes this rank's failure on the fault channel so that the other ranks stop; returns
+    // the record that won (an earlier rank's, if one was there first). When this rank's record
+    // wins, the process is ended with its exit code fault_exit_grace + 20 s later unless it has
+    // exited by then (webhooks get their 15 s flush first). No-op for one process.
+    virtual FaultRecord publish_fault(const FaultRecord& record) { return record; }
+    // Another rank's failure once this rank has seen it, else nullopt.
+    virtual std::optional<FaultRecord> peer_fault() const { return std::nullopt; }
+    void throw_if_peer_failed() const {
+        if (auto f = peer_fault()) throw PeerFailure(*f, rank());
+    }
+    // Ends the group after a failure (idempotent): stops the watcher, aborts the backend (NCCL
+    // communicators) and leaves its threads to the process exit instead of joining them, since a
+    // collective still pending would block the join.
+    virtual void abort() {}
 
   protected:
     explicit Group(DistEnv env) : env_(std::move(env)) {}

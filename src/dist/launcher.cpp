@@ -22,6 +22,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "dist/env.h"
+#include "dist/fault.h"
 
 extern char** environ;
 
@@ -194,13 +195,53 @@ void stop_all(std::vector<Child>& children, int first_signal, double grace_s) {
 constexpr int kGpuFaultExit = static_cast<int>(ExitCode::kGpuFault);
 
 // The "GPU fault on node ..." line a rank printed (the one whose monitor or step saw the fault),
-// else the line saying which rank reported it.
+// else the line saying which rank reported it, else a peer's "rank X stops because rank R failed
+// on node N (GPU g): ..." (the failing rank ran on another node).
 std::string fault_line(const std::vector<Child>& children) {
     for (const char* needle : {"GPU fault on node ", "GPU fault reported by rank "})
         for (const auto& c : children)
             for (const auto& line : c.tail)
                 if (auto at = line.find(needle); at != std::string::npos) return line.substr(at);
+    for (const auto& c : children)
+        for (const auto& line : c.tail)
+            if (origin_rank_in(line) >= 0) {
+                const auto at = line.find(str("rank ", c.rank, " stops"));
+                return line.substr(at == std::string::npos ? 0 : at);
+            }
     return "a rank exited with code 75 (GPU fault) without saying which GPU";
+}
+
+// Reads a child's stderr to the end (bounded: a grandchild may hold the pipe open).
+void drain_to_end(Child& c) {
+    for (int i = 0; i < 200 && c.err_fd >= 0; ++i) {
+        pollfd p{c.err_fd, POLLIN, 0};
+        if (::poll(&p, 1, 10) <= 0) break;
+        drain(c);
+    }
+}
+
+// The local child that `c` says failed first ("rank X stops because rank R failed", through the
+// fault channel), once it has exited with a failure within `grace_s`; else `c`. A peer stopped by
+// the channel often exits before the failing rank (which is still flushing webhooks), and the
+// report must name the rank that failed, not the one it took down.
+int origin_rank(const Child& c) {
+    int origin = -1;
+    for (const auto& line : c.tail)
+        if (int r = origin_rank_in(line); r >= 0) origin = r;
+    return origin;
+}
+
+Child& origin_of(std::vector<Child>& children, Child& c, double grace_s) {
+    const int origin = origin_rank(c);
+    Child* o = nullptr;
+    for (auto& other : children)
+        if (other.rank == origin && &other != &c) o = &other;
+    if (!o) return c;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(grace_s);
+    while (!o->exited && std::chrono::steady_clock::now() < deadline) pump(children, 50);
+    if (!o->exited || !failed(o->status)) return c;
+    drain_to_end(*o);
+    return *o;
 }
 
 std::string failure_message(const Child& c) {
@@ -210,6 +251,30 @@ std::string failure_message(const Child& c) {
     msg += " Its last stderr lines:";
     for (const auto& line : c.tail) msg += "\n  | " + line;
     return msg;
+}
+
+// The launcher's result after child `c` failed (the others are stopped).
+LaunchResult failure_result(const std::vector<Child>& children, const Child& c, int node_rank) {
+    LaunchResult result;
+    // A rank the fault channel stopped names the rank that failed first; when that one
+    // does not run here (another node), say so before this rank's report.
+    const int origin = origin_rank(c);
+    bool origin_here = false;
+    for (const auto& other : children) origin_here = origin_here || other.rank == origin;
+    std::string cause;
+    if (origin >= 0 && origin != c.rank)
+        cause = str("rank ", origin, origin_here ? " failed first" : " failed (on another node)", "; ");
+    result.exit_code = 1;
+    result.message = cause + failure_message(c);
+    if (WIFEXITED(c.status) && WEXITSTATUS(c.status) == kGpuFaultExit) {
+        // Keep the orchestrator's signal (75: replace this machine) and say which GPU.
+        result.exit_code = kGpuFaultExit;
+        const std::string where = origin >= 0 && origin != c.rank && !origin_here
+                                      ? str("GPU fault on rank ", origin, " (another node): ")
+                                      : str("GPU fault on node ", node_rank, ": ");
+        result.message = where + fault_line(children) + "\n" + failure_message(c);
+    }
+    return result;
 }
 
 }  // namespace
@@ -275,23 +340,10 @@ LaunchResult run_local_ranks(const LaunchConfig& config, const std::string& self
         for (auto& c : children)
             if (c.exited && failed(c.status) && (!first || died_before(c, *first))) first = &c;
         if (first) {
-            Child& c = *first;
-            // The child is gone: read its stderr to the end (bounded: a grandchild may hold it open).
-            for (int i = 0; i < 200 && c.err_fd >= 0; ++i) {
-                pollfd p{c.err_fd, POLLIN, 0};
-                if (::poll(&p, 1, 10) <= 0) break;
-                drain(c);
-            }
+            drain_to_end(*first);  // the child is gone: its last lines are in the pipe
+            Child& c = origin_of(children, *first, config.grace_period_s);
             stop_all(children, SIGTERM, config.grace_period_s);
-            result.exit_code = 1;
-            result.message = failure_message(c);
-            if (WIFEXITED(c.status) && WEXITSTATUS(c.status) == kGpuFaultExit) {
-                // Keep the orchestrator's signal (75: replace this machine) and say which GPU.
-                result.exit_code = kGpuFaultExit;
-                result.message = str("GPU fault on node ", config.node_rank, ": ", fault_line(children), "\n",
-                                     result.message);
-            }
-            return result;
+            return failure_result(children, c, config.node_rank);
         }
     }
     for (int i = 0; i < 20; ++i) pump(children, 0);

@@ -1,6 +1,8 @@
 // Data-parallel training glue between the trainer and src/dist (see data_parallel.h).
 #include "train/data_parallel.h"
 
+#include <unistd.h>
+
 #include <cctype>
 #include <cstdlib>
 #include <exception>
@@ -13,6 +15,7 @@
 #include "core/log.h"
 #include "dist/group.h"
 #include "dist/reducer.h"
+#include "health/breaker.h"
 #include "train/config.h"
 
 namespace dtune::train {
@@ -33,6 +36,21 @@ int resolve_zero_stage(const TrainConfig& config) {
                    "state) and 2 (sharded optimizer state and gradients); use the lowest that fits");
     return static_cast<int>(*stage);
 }
+
+namespace {
+
+// A duration in seconds from the environment (e.g. "0.5"), else `fallback`.
+std::chrono::milliseconds env_milliseconds(const char* name, std::chrono::milliseconds fallback) {
+    const char* value = std::getenv(name);
+    if (!value || !*value) return fallback;
+    char* end = nullptr;
+    const double seconds = std::strtod(value, &end);
+    DTUNE_CHECK_AS(UsageError, end && *end == '\0' && seconds >= 0, name, "='", value,
+                   "' is not a number of seconds; use e.g. 0.5");
+    return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+}  // namespace
 
 c10::Device DataParallel::pick_device(const std::string& text, const dist::DistEnv& env, int cuda_devices) {
     std::string t = text;
@@ -65,6 +83,8 @@ DataParallel::DataParallel(const dist::DistEnv& env, c10::Device device, int zer
     dist::GroupOptions options;
     options.device = device;
     options.collective_timeout = collective_timeout;
+    options.fault_poll_interval = env_milliseconds("DTUNE_FAULT_POLL_S", options.fault_poll_interval);
+    options.fault_exit_grace = env_milliseconds("DTUNE_FAULT_EXIT_GRACE_S", options.fault_exit_grace);
     group_ = dist::init_group(env_, options);
     if (env_.world_size > 1 && env_.rank == 0)
         log::info() << "data parallel: " << env_.world_size << " ranks, ZeRO stage " << zero_stage_;
@@ -73,15 +93,43 @@ DataParallel::DataParallel(const dist::DistEnv& env, c10::Device device, int zer
 DataParallel::~DataParallel() {
     reducer_.reset();
     if (!group_) return;
-    // Unwinding from an error: peers may be inside a collective that will never complete, and a
-    // graceful NCCL shutdown would wait for it (a hang that also hides the error). Abort instead.
     if (std::uncaught_exceptions() > 0) {
-        log::warn() << "data parallel: rank " << env_.rank << " is leaving on an error; aborting its "
-                    << "process group so no collective waits for it";
+        // An error outside the training loop (data setup, checkpoint load...): its message is on
+        // this rank's stderr; the others only need to stop instead of waiting in a collective.
+        if (!failed_ && !group_->peer_fault())  // (a peer's failure needs no report of ours)
+            report_failure(Error(str("rank ", env_.rank, " exited with an error outside the training loop; ",
+                                     "its log (above) has the message")));
+        group_->abort();
+    } else if (failed_ || group_->peer_fault()) {
         group_->abort();
     } else {
         group_->shutdown();
     }
+}
+
+void DataParallel::report_failure(const std::exception& error) {
+    if (env_.world_size <= 1 || dist::is_peer_failure(error)) return;
+    failed_ = true;
+    dist::FaultRecord record;
+    record.rank = env_.rank;
+    // libtorch's errors carry a C++ backtrace in what(); peers and the launcher need the message.
+    const auto* torch_error = dynamic_cast<const c10::Error*>(&error);
+    record.message = torch_error ? torch_error->what_without_backtrace() : error.what();
+    if (health::is_cuda_error(record.message)) {
+        record.kind = "gpu_fault";
+        record.exit_code = static_cast<int>(ExitCode::kGpuFault);
+        record.message = "CUDA error in training: " + record.message;
+    } else {
+        record.kind = "error";
+        const auto* known = dynamic_cast<const Error*>(&error);
+        record.exit_code = static_cast<int>(known ? known->code() : ExitCode::kError);
+    }
+    record.message = record.message.substr(0, dist::FaultRecord::kMaxMessage);
+    char host[256] = "unknown";
+    ::gethostname(host, sizeof host - 1);
+    record.node = host;
+    record.gpu = device_.is_cuda() ? device_.index() : -1;
+    group_->publish_fault(record);
 }
 
 void DataParallel::barrier() {
@@ -146,6 +194,7 @@ StepAgreement DataParallel::agree(double loss, bool stop, int fault_gpu) {
     at::Tensor on_device = flags.to(device_);
     group_->all_reduce_sum_(on_device);
     flags = on_device.cpu();
+    group_->throw_if_peer_failed();  // NCCL: an aborted all-reduce leaves garbage behind
     a = flags.accessor<double, 1>();
     out.stop = a[0] > 0;
     out.mean_loss = a[1] / env_.world_size;

@@ -2,8 +2,10 @@
 // launch` or torchrun), gives every rank rank 0's starting weights, averages the gradients of the
 // trainable parameters after backward (dist::GradReducer, ~25 MB buckets), partitions optimizer
 // state with ZeRO-1 (and the gradients too with ZeRO-2: reduced to their owner only), and makes every
-// per-step decision (stop, GPU fault, the logged loss) with one small all-reduce so that all ranks leave the
-// loop at the same step.
+// per-step decision (stop, GPU fault, the logged loss) with one small all-reduce so that all ranks
+// leave the loop at the same step. A rank that fails publishes why on the group's fault channel
+// (report_failure; also done for any exception that unwinds through the destructor), so the others
+// stop within a poll interval and exit with its code.
 //
 // Invariants: with one process every call is a no-op and nothing touches the network; collectives
 // are issued in the same order on every rank (the trainer calls these at fixed points of its loop);
@@ -103,6 +105,10 @@ class DataParallel {
     // One all-reduce: the stop and fault requests of every rank and the mean loss.
     // `fault_gpu` is gpu_fault_request() (GPU index + 1, 0 when none).
     StepAgreement agree(double loss, bool stop, int fault_gpu);
+    // Publishes this rank's failure to the other ranks (fault channel): a CUDA error as a GPU
+    // fault (exit 75), a dtune::Error with its exit code, anything else with 1. Nothing for a
+    // dist::PeerFailure (another rank failed first) or with one process.
+    void report_failure(const std::exception& error);
     // Throws Error naming the parameter when the ranks' weights differ by more than `tolerance`.
     void check_identical(const std::vector<std::string>& names, double tolerance);
 
@@ -129,6 +135,7 @@ class DataParallel {
     std::unique_ptr<dist::ZeroPartition> partition_;
     std::vector<at::Tensor> params_;
     bool shard_reported_ = false;
+    bool failed_ = false;  // report_failure() ran: end with abort(), not a normal shutdown
 };
 
 // Per-rank checkpoint file names.

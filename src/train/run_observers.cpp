@@ -1,6 +1,7 @@
 // Webhook and GPU health observers of a training run (see run_observers.h).
 #include "train/run_observers.h"
 
+#include <c10/util/Exception.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -8,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "dist/fault.h"
 #include "health/breaker.h"
 #include "notify/webhooks.h"
 #include "train/config.h"
@@ -142,9 +144,15 @@ void GpuHealthObserver::on_train_end(Trainer&, const TrainResult& result) {
     if (result.outcome == TrainOutcome::kGpuFault && notifier_) notifier_->flush(kFlushTimeout);
 }
 
-void GpuHealthObserver::on_error(Trainer&, const std::exception& error) {
+void GpuHealthObserver::on_error(Trainer& t, const std::exception& error) {
     monitor_.reset();
-    if (auto finding = cuda_breaker_->record_cuda_error(error.what())) {
+    // Another rank's fault reached this one through the fault channel: that rank's node reported
+    // it (gpu.fault goes out once, from the node that saw it).
+    if (dist::is_peer_failure(error)) return;
+    const auto* torch_error = dynamic_cast<const c10::Error*>(&error);  // what() has a backtrace
+    if (auto finding = cuda_breaker_->record_cuda_error(torch_error ? torch_error->what_without_backtrace()
+                                                                    : error.what())) {
+        if (t.device().is_cuda()) finding->gpu_index = t.device().index();
         report(*finding);
         if (notifier_) notifier_->flush(kFlushTimeout);
     }

@@ -9,7 +9,8 @@
 // on_train_start: a fatal finding posts gpu.fault from that node, writes a "GPU fault on node ..."
 // line to stderr (what `dtune launch` reports) and requests the fault stop, which the ranks agree
 // on at the next step boundary (see DataParallel::agree). A CUDA error thrown by a step is
-// classified on the rank that saw it (is_cuda_error) and reported the same way. Warnings
+// classified on the rank that saw it (is_cuda_error) and reported the same way; the other ranks,
+// stopped by the fault channel (dist::PeerFailure), post nothing, so gpu.fault goes out once. Warnings
 // (thermal slowdown) post gpu.fault with severity warning once and training goes on.
 //
 // Invariants: no observer blocks the training thread on the network (notify::Notifier queues);

@@ -21,6 +21,7 @@
 #include "train/adapters.h"
 #include "train/checkpoint.h"
 #include "train/data_parallel.h"
+#include "train/fault_inject.h"
 #include "train/dataset_source.h"
 #include "train/graph_step.h"
 #include "train/loss_scaler.h"
@@ -286,6 +287,7 @@ void Trainer::resume() {
 
 double Trainer::train_one_step(double& grad_norm) {
     const int64_t accum = config_.integer("gradient_accumulation_steps");
+    inject_step_error(dp_->rank(), global_step_ + 1);  // DTUNE_INJECT_STEP_ERROR (tests)
     double loss_sum = 0;
     for (int64_t micro = 0; micro < accum; ++micro) {
         TrainBatch batch = source_->next(*generator_);
@@ -426,6 +428,7 @@ TrainResult Trainer::run() {
     try {
         return run_loop();
     } catch (const std::exception& e) {
+        dp_->report_failure(e);  // first: the other ranks stop now, not at the collective timeout
         for (auto& cb : callbacks_) cb->on_error(*this, e);
         throw;
     }

@@ -1,12 +1,10 @@
-// Helpers for the tests that run `dtune train` under the real `dtune launch` (label dist): a
-// shell runner, a free port, and a workspace with the tiny SDXL fixture, 8 generated images and a
-// config (SGD, deterministic, CPU); final weights read back from the exported pipeline.
+// Helpers for the tests that run `dtune train` under the real `dtune launch` (label dist): the
+// shell runner and free port of support/shell.h, and a workspace with the tiny SDXL fixture, 8
+// generated images and a config (SGD, deterministic, CPU); final weights read back from the
+// exported pipeline.
 #pragma once
 
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,52 +18,16 @@
 #include "core/fs.h"
 #include "io/image.h"
 #include "io/safetensors.h"
+#include "support/shell.h"
 #include "support/test_support.h"
 
 namespace dtune {
 
-struct ShellRun {
-    int exit_code = -1;
-    std::string output;  // stdout and stderr
-};
-
-inline ShellRun run_shell(const std::string& command) {
-    ShellRun r;
-    FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-    char buf[4096];
-    std::size_t n;
-    while ((n = std::fread(buf, 1, sizeof buf, pipe)) > 0) r.output.append(buf, n);
-    const int status = ::pclose(pipe);
-    r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    return r;
-}
-
-inline bool contains(const std::string& haystack, const std::string& needle) {
-    return haystack.find(needle) != std::string::npos;
-}
-
-// Whether one line of `text` contains both `a` and then `b`.
-inline bool line_with(const std::string& text, const std::string& a, const std::string& b) {
-    std::istringstream in(text);
-    for (std::string line; std::getline(in, line);) {
-        const auto at = line.find(a);
-        if (at != std::string::npos && line.find(b, at) != std::string::npos) return true;
-    }
-    return false;
-}
-
-// A TCP port that was free a moment ago (the kernel's pick), so parallel tests do not collide.
-inline int free_port() {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-    socklen_t len = sizeof addr;
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    ::close(fd);
-    return ntohs(addr.sin_port);
-}
+using test::contains;
+using test::free_port;
+using test::line_with;
+using test::run_shell;
+using test::ShellRun;
 
 struct Workspace {
     test::TempDir dir;

@@ -3,26 +3,26 @@
 // in one process: N ranks x batch b must train the weights one process trains with batch N*b on the
 // same samples (the tolerance covers only float summation order), ZeRO-1 must equal plain data
 // parallelism, a checkpoint written by 2 ranks must resume in 1; and the failure paths: a killed
-// rank, an injected GPU fault (gpu.fault posted to a real HTTP listener, exit 75), an output_dir
-// that is not shared.
-#include <arpa/inet.h>
+// rank, an injected GPU fault (gpu.fault posted to a real HTTP listener, exit 75), a CUDA error or
+// a fatal error on one rank while the other waits in the gradient all-reduce (the fault channel
+// ends the job within seconds although the collective timeout is 300 s), an output_dir that is
+// not shared.
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <fstream>
-#include <sstream>
+#include <future>
 #include <thread>
 
 #include "core/fs.h"
 #include "dist/train_launch_util.h"
 #include "io/safetensors.h"
 #include "support/http_listener.h"
+#include "support/shell.h"
 #include "support/test_support.h"
 
 namespace dtune {
@@ -224,6 +224,104 @@ TEST(DistTrain, InjectedGpuFaultPostsGpuFaultStopsEveryRankAndExits75) {
     }
     EXPECT_TRUE(fault_seen);
     EXPECT_TRUE(failed_status);
+}
+
+// Two "nodes" on this machine: one `dtune launch` per rank (--nnodes 2), so no launcher can stop
+// the other node's rank and only the fault channel can end it early. Returns both launchers' runs;
+// `mark` is looked for in node 1's output.
+std::pair<test::ShellRun, test::ShellRun> run_two_nodes(const Workspace& w, const std::string& env,
+                                                        const std::string& out, const std::string& extra,
+                                                        const std::string& mark) {
+    const int port = free_port();
+    auto node = [&](int rank) {
+        // One rank per launcher: OMP_NUM_THREADS is not set for us (see dtune launch).
+        return "OMP_NUM_THREADS=1 " + env + " " + DTUNE_BIN +
+               " launch --grace_period 3 --nnodes 2 --node_rank " + std::to_string(rank) +
+               " --nproc_per_node 1 --master_addr 127.0.0.1 --master_port " + std::to_string(port) +
+               " -- train --config '" + w.config.string() + "' --output_dir '" + w.out(out).string() + "' " +
+               extra;
+    };
+    auto node1 = std::async(std::launch::async, [&] { return run_shell(node(1), mark); });
+    auto node0 = run_shell(node(0));
+    return {std::move(node0), node1.get()};
+}
+
+// Seconds from node 1's mark until the later of the two launchers exited (-1: no mark).
+double job_end_after_mark(const test::ShellRun& node0, const test::ShellRun& node1) {
+    if (!node1.marked_at) return -1;
+    const auto end = std::max(node0.ended_at, node1.ended_at);
+    return std::chrono::duration<double>(end - *node1.marked_at).count();
+}
+
+// The fault channel: rank 1 (node 1) throws what libtorch throws for an illegal memory access from
+// inside step 3, before its backward, so rank 0 (node 0) is left in the gradient all-reduce. With
+// the collective timeout at 300 s, both launchers must still end within seconds of the failure,
+// with exit 75, node 0's naming rank 1; and exactly one gpu.fault goes out (from rank 1's node;
+// rank 0, stopped by the channel, posts none).
+TEST(DistTrain, CudaErrorOnOneNodeEndsTheJobWithinSecondsAndExits75) {
+    Workspace w;
+    test::HttpListener listener;
+    const nlohmann::json hook = {{"webhook_type", "raw"}, {"callback_url", listener.url()}};
+    const auto [node0, node1] =
+        run_two_nodes(w, "DTUNE_COLLECTIVE_TIMEOUT_S=300 DTUNE_INJECT_STEP_ERROR=cuda:1:3", "cuda",
+                      "--train_batch_size 1 --max_train_steps 500 --webhook_config '" + hook.dump() + "'",
+                      "GPU fault on node");
+    const double after = job_end_after_mark(node0, node1);
+    std::printf("CUDA error on rank 1 at step 3: both nodes ended %.2f s after rank 1 reported it\n", after);
+    const std::string both = node0.output + "\n---- node 1 ----\n" + node1.output;
+    EXPECT_EQ(node1.exit_code, 75) << both;
+    EXPECT_EQ(node0.exit_code, 75) << both;
+    ASSERT_GE(after, 0) << both;
+    EXPECT_LT(after, 15.0) << both;  // measured 2.2-3.3 s on a loaded 2-core machine
+    // Node 1's launcher names its GPU line; node 0's names rank 1 as the cause of its rank's stop.
+    EXPECT_TRUE(contains(node1.output, "error: dtune launch: GPU fault on node 1: GPU fault on node"))
+        << both;
+    EXPECT_TRUE(contains(node1.output, "(rank 1, local rank 0)")) << both;
+    EXPECT_TRUE(contains(node0.output,
+                         "error: dtune launch: GPU fault on rank 1 (another node): rank 0 stops "
+                         "because rank 1 failed on node"))
+        << both;
+    EXPECT_TRUE(line_with(node0.output, "[rank 0]", "rank 0 stops because rank 1 failed on node")) << both;
+    EXPECT_TRUE(contains(node0.output, "CUDA error in training: CUDA error: an illegal memory access"))
+        << both;
+    EXPECT_FALSE(contains(both, "SIGKILL")) << both;
+    EXPECT_FALSE(std::filesystem::exists(w.out("cuda") / "pipeline"));
+
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));  // a late duplicate would show up
+    int faults = 0;
+    for (const auto& req : listener.requests()) {
+        const auto body = nlohmann::json::parse(req.body, nullptr, false);
+        if (body.is_discarded() || body.value("type", "") != "gpu.fault") continue;
+        ++faults;
+        EXPECT_EQ(body.value("severity", ""), "critical") << req.body;
+        EXPECT_EQ(body["fault"].value("type", ""), "cuda_error") << req.body;
+        EXPECT_TRUE(contains(req.body, "illegal memory access")) << req.body;
+    }
+    EXPECT_EQ(faults, 1);
+}
+
+// A fatal error that is not a GPU fault ends the job as quickly, with the launchers' code for a
+// failed rank (1), node 0's naming rank 1 and its error.
+TEST(DistTrain, FatalErrorOnOneNodeEndsTheJobWithinSeconds) {
+    Workspace w;
+    const auto [node0, node1] =
+        run_two_nodes(w, "DTUNE_COLLECTIVE_TIMEOUT_S=300 DTUNE_INJECT_STEP_ERROR=error:1:3", "error",
+                      "--train_batch_size 1 --max_train_steps 500", "injected failure");
+    const double after = job_end_after_mark(node0, node1);
+    std::printf("fatal error on rank 1 at step 3: both nodes ended %.2f s after rank 1 reported it\n", after);
+    const std::string both = node0.output + "\n---- node 1 ----\n" + node1.output;
+    EXPECT_EQ(node1.exit_code, 1) << both;
+    EXPECT_EQ(node0.exit_code, 1) << both;
+    ASSERT_GE(after, 0) << both;
+    EXPECT_LT(after, 15.0) << both;  // measured 2.2-3.3 s on a loaded 2-core machine
+    EXPECT_TRUE(contains(node1.output, "rank 1 (local rank 0, pid")) << both;
+    EXPECT_TRUE(
+        contains(node0.output, "error: dtune launch: rank 1 failed (on another node); rank 0 (local rank 0"))
+        << both;
+    EXPECT_TRUE(line_with(node0.output, "[rank 0]", "rank 0 stops because rank 1 failed on node")) << both;
+    EXPECT_TRUE(contains(node0.output, "injected failure (DTUNE_INJECT_STEP_ERROR) on rank 1 at step 3"))
+        << both;
+    EXPECT_FALSE(contains(both, "GPU fault")) << both;
 }
 
 TEST(DistTrain, OutputDirNotSharedIsExplained) {

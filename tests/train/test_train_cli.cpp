@@ -15,6 +15,7 @@
 #include "core/fs.h"
 #include "io/image.h"
 #include "io/safetensors.h"
+#include "support/shell.h"
 #include "support/test_support.h"
 
 namespace dtune {
@@ -69,16 +70,14 @@ struct Workspace {
     }
 };
 
-int run(const std::string& cmd) {
-    const int status = std::system(cmd.c_str());
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
+using test::run_status;
 
 TEST(TrainCli, EndToEndOutputsAndResumeEquality) {
     Workspace w;
-    ASSERT_EQ(run(w.command("straight", "--max_train_steps 2")), 0) << fs::read_file(w.dir / "log.txt");
-    ASSERT_EQ(run(w.command("split", "--max_train_steps 1")), 0);
-    ASSERT_EQ(run(w.command("split", "--max_train_steps 2")), 0);
+    ASSERT_EQ(run_status(w.command("straight", "--max_train_steps 2")), 0)
+        << fs::read_file(w.dir / "log.txt");
+    ASSERT_EQ(run_status(w.command("split", "--max_train_steps 1")), 0);
+    ASSERT_EQ(run_status(w.command("split", "--max_train_steps 2")), 0);
     EXPECT_NE(fs::read_file(w.dir / "log.txt").find("resumed from"), std::string::npos);
 
     const auto out = w.dir / "straight";
@@ -111,8 +110,8 @@ TEST(TrainCli, EndToEndOutputsAndResumeEquality) {
     EXPECT_GT(trained, 0);
     // pipeline/ is a complete diffusers folder that dtune's own loader opens.
     EXPECT_TRUE(std::filesystem::exists(out / "pipeline/model_index.json"));
-    EXPECT_EQ(run(std::string(DTUNE_BIN) + " inspect '" + (out / "pipeline").string() + "' >/dev/null 2>>'" +
-                  (w.dir / "log.txt").string() + "'"),
+    EXPECT_EQ(run_status(std::string(DTUNE_BIN) + " inspect '" + (out / "pipeline").string() +
+                         "' >/dev/null 2>>'" + (w.dir / "log.txt").string() + "'"),
               0)
         << fs::read_file(w.dir / "log.txt");
 }
@@ -121,10 +120,10 @@ TEST(TrainCli, LoRARunWritesAdapterFilesAndResumesExactly) {
     Workspace w;
     const std::string lora =
         "--model_type lora --lora_rank 4 --lora_alpha 4 --lora_format comfyui --use_ema true ";
-    ASSERT_EQ(run(w.command("straight", lora + "--max_train_steps 2")), 0)
+    ASSERT_EQ(run_status(w.command("straight", lora + "--max_train_steps 2")), 0)
         << fs::read_file(w.dir / "log.txt");
-    ASSERT_EQ(run(w.command("split", lora + "--max_train_steps 1")), 0);
-    ASSERT_EQ(run(w.command("split", lora + "--max_train_steps 2")), 0);
+    ASSERT_EQ(run_status(w.command("split", lora + "--max_train_steps 1")), 0);
+    ASSERT_EQ(run_status(w.command("split", lora + "--max_train_steps 2")), 0);
     const auto out = w.dir / "straight";
     for (const char* f :
          {"pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors",
@@ -143,10 +142,10 @@ TEST(TrainCli, LoRARunWritesAdapterFilesAndResumesExactly) {
     EXPECT_GT(alphas, 0);
     for (const char* f : {"pytorch_lora_weights.safetensors", "ema/pytorch_lora_weights.safetensors"})
         EXPECT_EQ(fs::read_file(out / f), fs::read_file(w.dir / "split" / f)) << f;
-    EXPECT_EQ(
-        run(std::string(DTUNE_BIN) + " inspect '" + (out / "pytorch_lora_weights.safetensors").string() +
-            "' >/dev/null 2>>'" + (w.dir / "log.txt").string() + "'"),
-        0);
+    EXPECT_EQ(run_status(std::string(DTUNE_BIN) + " inspect '" +
+                         (out / "pytorch_lora_weights.safetensors").string() + "' >/dev/null 2>>'" +
+                         (w.dir / "log.txt").string() + "'"),
+              0);
 }
 
 TEST(TrainCli, SigtermSavesACheckpointAndExitsWith4) {
@@ -177,7 +176,7 @@ TEST(TrainCli, SigtermSavesACheckpointAndExitsWith4) {
 
 TEST(TrainCli, UnimplementedOptionExitsWithUsageError) {
     Workspace w;
-    EXPECT_EQ(run(w.command("bad", "--base_model_precision int8-quanto")), 2);
+    EXPECT_EQ(run_status(w.command("bad", "--base_model_precision int8-quanto")), 2);
     EXPECT_NE(fs::read_file(w.dir / "log.txt").find("base_model_precision is not implemented by dtune yet"),
               std::string::npos);
 }

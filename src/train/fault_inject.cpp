@@ -1,0 +1,38 @@
+// DTUNE_INJECT_STEP_ERROR (see fault_inject.h).
+#include "train/fault_inject.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "core/error.h"
+
+namespace dtune::train {
+
+void inject_step_error(int rank, int64_t step) {
+    const char* env = std::getenv("DTUNE_INJECT_STEP_ERROR");
+    if (!env || !*env) return;
+    const std::string value = env;
+    const auto a = value.find(':'), b = value.rfind(':');
+    const std::string kind = value.substr(0, a);
+    char* end = nullptr;
+    const long want_rank = a == b ? -1 : std::strtol(value.c_str() + a + 1, &end, 10);
+    const bool rank_ok = a != b && end == value.c_str() + b;
+    const long long want_step = b == std::string::npos ? -1 : std::strtoll(value.c_str() + b + 1, &end, 10);
+    DTUNE_CHECK_AS(UsageError,
+                   (kind == "cuda" || kind == "error") && rank_ok && *end == '\0' && want_step > 0,
+                   "DTUNE_INJECT_STEP_ERROR='", value,
+                   "' is not <kind>:<rank>:<step> with kind cuda or error, e.g. cuda:1:3");
+    if (want_rank != rank || want_step != step) return;
+    if (kind == "cuda")
+        // The text and type libtorch raises for cudaErrorIllegalAddress (700).
+        throw c10::AcceleratorError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, 700,
+                                    "CUDA error: an illegal memory access was encountered (injected by "
+                                    "DTUNE_INJECT_STEP_ERROR)");
+    throw std::runtime_error("injected failure (DTUNE_INJECT_STEP_ERROR) on rank " + std::to_string(rank) +
+                             " at step " + std::to_string(step));
+}
+
+}  // namespace dtune::train

@@ -1,0 +1,15 @@
+// Test hook: DTUNE_INJECT_STEP_ERROR=<kind>:<rank>:<step> makes that rank throw from inside that
+// training step (1-based), before its forward, so the other ranks are left waiting in the
+// gradient all-reduce, the case the fault channel exists for. Kinds: "cuda" throws what libtorch
+// throws for an illegal memory access (c10::AcceleratorError, classified as a GPU fault: exit
+// 75); "error" throws a plain std::runtime_error (exit 1). Unset: nothing happens.
+#pragma once
+
+#include <cstdint>
+
+namespace dtune::train {
+
+// Throws as DTUNE_INJECT_STEP_ERROR asks when (rank, step) match; UsageError for a malformed value.
+void inject_step_error(int rank, int64_t step);
+
+}  // namespace dtune::train
