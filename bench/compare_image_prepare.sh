@@ -32,8 +32,8 @@ echo "== $BIN, $(nproc) cores here"
 for t in 1 "$threads"; do
     "$BIN/bench_image_scan" --files "$scan_files" --threads "$t" --dir "$DIR/scan" | tee -a "$log"
 done
-"$BIN/bench_image_prepare" --files "$files" --threads "$threads" --dir "$DIR/prepare" | tee -a "$log"
-"$BIN/bench_image_prepare" --files "$files" --threads "$threads" --dir "$DIR/prepare" --fast 1 | tee -a "$log"
+"$BIN/bench_image_prepare" --files "$files" --threads "$threads" --dir "$DIR/prepare_$files" | tee -a "$log"
+"$BIN/bench_image_prepare" --files "$files" --threads "$threads" --dir "$DIR/prepare_$files" --fast 1 | tee -a "$log"
 # The same geometry as the C++ run printed.
 geometry=$(python3 -c "
 import json, sys
@@ -42,7 +42,7 @@ r = [json.loads(l) for l in open('$log') if '\"image_prepare\"' in l][0]
 print(rw, rh, top, left, tw, th)")
 set -- $geometry
 if python3 -c "import PIL" 2>/dev/null; then
-    python3 bench/pillow_prepare.py --dir "$DIR/prepare" --resize "$1" "$2" --crop "$3" "$4" "$5" "$6" \
+    python3 bench/pillow_prepare.py --dir "$DIR/prepare_$files" --resize "$1" "$2" --crop "$3" "$4" "$5" "$6" \
         --threads "$threads" | tee -a "$log"
 else
     echo '{"bench": "image_prepare", "impl": "pillow", "skipped": "Pillow is not installed"}' | tee -a "$log"

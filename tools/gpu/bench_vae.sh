@@ -8,6 +8,7 @@
 #      (skipped with SKIP_IMAGE_BENCH=1; Pillow missing: its line says so).
 # Needs in this checkout: .gpudeps.tar.xz and shared/fixtures (tools/gpu/prepare.sh), and
 # DIFFUSERS_SRC pointing at a diffusers src/ folder or the diffusers wheel (unpacked to /tmp here).
+# Optional: WHEELS, a folder of wheels for modules diffusers imports (installed only if missing).
 # Results: $OUT (default out/vae_bench): dtune_vae.jsonl, diffusers_vae.json, image_bench.jsonl.
 # BUILD_ONLY=1 stops after the build (a first call, if building and running do not fit in one).
 #   DIFFUSERS_SRC=.whl/diffusers-0.42.1-py3-none-any.whl tools/gpu/bench_vae.sh --count 200 --batch 8
@@ -19,6 +20,14 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 echo "cpu cores: $(nproc)"
 LOGS=${LOGS:-/tmp/dtune_build_logs}
 mkdir -p "$LOGS"
+if [ -n "${WHEELS:-}" ]; then  # wheels for modules diffusers imports that the machine may lack
+    for pair in regex:regex filelock:filelock importlib_metadata:importlib_metadata zipp:zipp; do
+        mod=${pair#*:}
+        python3 -c "import $mod" 2>/dev/null && continue
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/${pair%%:*}-*.whl
+    done
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 if [ -f "${DIFFUSERS_SRC:-}" ]; then  # a wheel: unpack it
     rm -rf /tmp/diffusers_src && mkdir -p /tmp/diffusers_src && python3 -m zipfile -e "$DIFFUSERS_SRC" /tmp/diffusers_src
     export DIFFUSERS_SRC=/tmp/diffusers_src
@@ -34,7 +43,8 @@ if [ "$missing" = 1 ]; then
     export CMAKE_PREFIX_PATH=$PWD/.gpudeps/usr
     G=$PWD/.gpudeps/usr/include/x86_64-linux-gnu
     t0=$(date +%s)
-    cmake --preset release -DDTUNE_FIXTURES_DIR="$PWD/shared/fixtures" \
+    # Tests on: the release preset leaves them out, and test_data_cache's GPU case runs below.
+    cmake --preset release -DDTUNE_BUILD_TESTS=ON -DDTUNE_FIXTURES_DIR="$PWD/shared/fixtures" \
         -DCURL_LIBRARY=/usr/lib/x86_64-linux-gnu/libcurl.so.4 -DCURL_INCLUDE_DIR="$G" \
         -DCMAKE_CXX_FLAGS="-isystem $G" >"$LOGS/configure.log" 2>&1 || { tail -40 "$LOGS/configure.log"; exit 1; }
     args=()
