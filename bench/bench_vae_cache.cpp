@@ -10,6 +10,8 @@
 //                    (CPU encoder: time inside the call / wall)
 //   encode_only_img_per_s  the same encoder on random images already on the device, batch B at
 //                    res×res, as bench/diffusers_vae_encode.py times diffusers
+//   stages_s         decode/write seconds summed over pool threads; the calling thread's seconds
+//                    waiting for decodes, inside encoder calls, waiting for the device
 //   peak_gpu_gib, peak_rss_gib
 // Usage:
 //   bench_vae_cache --images DIR --model <sdxl folder or vae folder> [--make-images N]
@@ -321,6 +323,12 @@ int run(const Args& a) {
                           {"img_per_s", double(built) / wall},
                           {"encoder_busy", pipeline_timer.busy_s() / wall},
                           {"encode_only_img_per_s", encode_only},
+                          {"stages_s",
+                           {{"decode_all_threads", report.stages.decode},
+                            {"write_all_threads", report.stages.write},
+                            {"main_wait_decode", report.stages.wait_decode},
+                            {"main_encode_call", report.stages.encode_call},
+                            {"main_wait_device", report.stages.wait_device}}},
                           {"peak_gpu_gib", peak_gpu},
                           {"peak_rss_gib", peak_rss_gib()}};
     std::cout << out.dump() << std::endl;

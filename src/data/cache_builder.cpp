@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <future>
@@ -26,6 +27,13 @@ namespace dtune::data {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+int64_t nanoseconds_since(Clock::time_point t0) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+}
 
 io::PrepareSpec prepare_spec(const LatentRequest& r) {
     io::PrepareSpec s;
@@ -186,23 +194,29 @@ class LatentPipeline {
         depth_ = std::max(size_t(std::max(1, options.prefetch_batches)), (images + batch - 1) / batch);
     }
 
-    ~LatentPipeline() {  // an error unwinds through here: no write may outlive the cache
+    ~LatentPipeline() {  // an error unwinds through here: no task may outlive the requests or cache
+        for (auto& b : queue_)
+            for (auto& d : b.decoded)
+                if (d.valid()) d.wait();
         for (auto& w : writes_)
             if (w.valid()) w.wait();
+        report_.stages.decode = 1e-9 * double(decode_ns_.load());
+        report_.stages.write = 1e-9 * double(write_ns_.load());
     }
 
     void run(const std::vector<std::vector<const LatentRequest*>>& batches) {
-        std::deque<PendingBatch> queue;
         size_t next = 0;
         std::optional<EncodedBatch> in_flight;
-        while (next < batches.size() || !queue.empty()) {
-            while (next < batches.size() && queue.size() < depth_ + 1)
-                queue.push_back(start_decode(batches[next++]));
-            PendingBatch batch = std::move(queue.front());
-            queue.pop_front();
+        while (next < batches.size() || !queue_.empty()) {
+            while (next < batches.size() && queue_.size() < depth_ + 1)
+                queue_.push_back(start_decode(batches[next++]));
+            PendingBatch batch = std::move(queue_.front());
+            queue_.pop_front();
             auto [images, kept] = collect(batch);
             if (kept.empty()) continue;
+            const auto t0 = Clock::now();
             EncodedBatch encoded = launch_encode(encode_, images, std::move(kept));
+            report_.stages.encode_call += seconds_since(t0);
             ++report_.encoder_calls;
             // The previous batch's copy was queued before this batch's work: it is done or nearly.
             if (in_flight) finish(*in_flight);
@@ -221,8 +235,12 @@ class LatentPipeline {
         pending.images = at::empty({int64_t(requests.size()), 3, target.height, target.width},
                                    at::TensorOptions().dtype(at::kFloat).pinned_memory(pin_));
         for (size_t i = 0; i < requests.size(); ++i)
-            pending.decoded.push_back(pool_.submit(
-                [r = requests[i], row = pending.images[long(i)]] { return decode_into(*r, row); }));
+            pending.decoded.push_back(pool_.submit([this, r = requests[i], row = pending.images[long(i)]] {
+                const auto t0 = Clock::now();
+                std::string error = decode_into(*r, row);
+                decode_ns_ += nanoseconds_since(t0);
+                return error;
+            }));
         return pending;
     }
 
@@ -231,7 +249,9 @@ class LatentPipeline {
         std::vector<const LatentRequest*> kept;
         std::vector<int64_t> rows;
         for (size_t i = 0; i < batch.decoded.size(); ++i) {
+            const auto t0 = Clock::now();
             std::string error = batch.decoded[i].get();
+            report_.stages.wait_decode += seconds_since(t0);
             if (!error.empty()) {
                 report_.skipped_files.emplace_back(batch.requests[i]->path, std::move(error));
                 --counter_of(report_, found_[batch.requests[i]]);  // counted as skipped instead
@@ -248,11 +268,16 @@ class LatentPipeline {
 
     // Splits an encoded batch into entries and writes them on the pool.
     void finish(EncodedBatch& batch) {
+        const auto t0 = Clock::now();
         if (batch.ready) batch.ready->synchronize();
+        report_.stages.wait_device += seconds_since(t0);
         for (size_t i = 0; i < batch.requests.size(); ++i) {
             at::Tensor one = batch.latents[long(i)].clone();  // [C, h, w], owns its memory
-            writes_.push_back(
-                pool_.submit([&cache = cache_, r = batch.requests[i], one] { cache.store(*r, one); }));
+            writes_.push_back(pool_.submit([this, r = batch.requests[i], one] {
+                const auto t1 = Clock::now();
+                cache_.store(*r, one);
+                write_ns_ += nanoseconds_since(t1);
+            }));
         }
         progress_.update(static_cast<int64_t>(batch.requests.size()));
         // Bound the write backlog so latents do not pile up in memory.
@@ -271,7 +296,9 @@ class LatentPipeline {
     Progress& progress_;
     bool pin_;
     size_t depth_ = 1;
+    std::deque<PendingBatch> queue_;
     std::deque<std::future<void>> writes_;
+    std::atomic<int64_t> decode_ns_{0}, write_ns_{0};  // summed over pool threads
 };
 
 }  // namespace

@@ -69,6 +69,12 @@ struct CacheBuildReport {
     int64_t skipped = 0;          // unreadable images
     int64_t encoder_calls = 0;
     double seconds = 0;
+    // Where a latent build's time went (seconds): decode and write summed over pool threads; the
+    // rest on the calling thread: waiting for decodes, inside the encoder call, waiting for the
+    // device's latents. The build is decode-bound when wait_decode is a large part of `seconds`.
+    struct Stages {
+        double decode = 0, write = 0, wait_decode = 0, encode_call = 0, wait_device = 0;
+    } stages;
     std::vector<std::pair<std::string, std::string>> skipped_files;  // path → reason
     std::string summary() const;                                     // one line for logs and `dtune cache`
 };
