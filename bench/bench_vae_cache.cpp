@@ -16,7 +16,7 @@
 // Usage:
 //   bench_vae_cache --images DIR --model <sdxl folder or vae folder> [--make-images N]
 //       [--work DIR] [--device cuda|cpu] [--dtype bf16|fp32] [--batch 8] [--res 1024]
-//       [--threads T] [--variant base|cl|bm|cl+bm] [--encode-steps 10]
+//       [--threads T] [--variant base|cl|bm|cl+bm] [--encode-steps 10] [--profile DIR]
 // --make-images N first writes N photo-like JPEGs (quality 90, mixed aspect ratios, 1–2.4 MP)
 // into DIR unless they exist. Variants: cl = channels-last convolutions, bm = cuDNN benchmark mode
 // (algorithm search per shape); base = neither.
@@ -24,6 +24,7 @@
 #include <ATen/DeviceAccelerator.h>
 #include <c10/core/Event.h>
 #include <sys/resource.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -59,6 +60,7 @@ struct Args {
     int make_images = 0;
     std::string device = "cuda", dtype = "bf16", variant = "base";
     int batch = 8, res = 1024, threads = 0, encode_steps = 10;
+    stdfs::path profile_dir;  // CUDA only: a Kineto trace of 2 encode-only batches
 };
 
 Args parse_args(int argc, char** argv) {
@@ -89,6 +91,8 @@ Args parse_args(int argc, char** argv) {
             a.threads = std::stoi(v);
         else if (s == "--encode-steps")
             a.encode_steps = std::stoi(v);
+        else if (s == "--profile")
+            a.profile_dir = v;
         else
             throw std::invalid_argument("unknown argument " + s);
     }
@@ -211,6 +215,28 @@ double encode_only_rate(models::AutoencoderKLImpl& vae, const Args& a, c10::Devi
     return times.empty() ? 0.0 : a.batch / times[times.size() / 2];
 }
 
+// Two encode-only batches under the Kineto profiler (GPU activity), written as a Chrome trace
+// (bench/summarize_trace.py --steps 2 turns it into time per kernel family).
+void profile_encoder(models::AutoencoderKLImpl& vae, const Args& a, c10::ScalarType dtype,
+                     bool channels_last) {
+    namespace prof = torch::autograd::profiler;
+    const std::set<torch::profiler::impl::ActivityType> activities{torch::profiler::impl::ActivityType::CUDA};
+    const prof::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+    at::NoGradGuard no_grad;
+    at::Tensor images =
+        at::rand({a.batch, 3, a.res, a.res}, at::TensorOptions().dtype(dtype).device(at::kCUDA)) * 2 - 1;
+    if (channels_last) images = images.contiguous(at::MemoryFormat::ChannelsLast);
+    prof::prepareProfiler(config, activities);
+    prof::enableProfiler(config, activities);
+    for (int s = 0; s < 2; ++s) (void)vae.scale_latents(vae.encode(images).sample());
+    at::accelerator::synchronizeDevice(0);
+    auto result = prof::disableProfiler();
+    stdfs::create_directories(a.profile_dir);
+    std::string name = a.variant;
+    std::replace(name.begin(), name.end(), '+', '_');
+    result->save((a.profile_dir / ("trace_vae_" + name + ".json")).string());
+}
+
 // multidatabackend.json for the folder: SDXL's defaults (pixel_area at --res, no crop).
 data::DatasetConfig dataset_for(const Args& a) {
     const stdfs::path dir = stdfs::absolute(a.work);
@@ -289,6 +315,7 @@ int run(const Args& a) {
         for (int64_t b : sizes) (void)encode(at::rand({b, 3, h, w}) * 2 - 1);
     }
     const double encode_only = encode_only_rate(*vae, a, device, dtype, cl);
+    if (!a.profile_dir.empty() && device.is_cuda()) profile_encoder(*vae, a, dtype, cl);
     synchronize(device);
     TimedEncoder pipeline_timer(encode, device);
 

@@ -8,14 +8,16 @@
 #
 #   DIFFUSERS_SRC=<diffusers src/ or unpacked wheel> bench/compare_vae_cache.sh [--count 200]
 #       [--batch 8] [--res 1024] [--variants base,bm,cl,cl+bm] [--threads 0] [--device cuda]
-#       [--dtype bf16]
+#       [--dtype bf16] [--profile DIR]
 #
+# --profile DIR: a Kineto trace of 2 encode-only batches per variant (GPU), summarised into
+# $OUT/vae_profile.txt by bench/summarize_trace.py.
 # Environment: BENCH_BIN (default build/dev/bench/bench_vae_cache), MODEL (SDXL config folder;
 # default shared/fixtures/sdxl-base-configs or ../shared/fixtures/sdxl-base-configs), OUT (JSON and
 # the work folder; default out/vae_bench), IMAGES (the JPEG folder; default $OUT/images).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-count=200 batch=8 res=1024 variants=base,bm,cl,cl+bm threads=0 device=cuda dtype=bf16 steps=10
+count=200 batch=8 res=1024 variants=base,bm,cl,cl+bm threads=0 device=cuda dtype=bf16 steps=10 profile=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --count) count=$2; shift 2 ;;
@@ -26,6 +28,7 @@ while [ $# -gt 0 ]; do
         --device) device=$2; shift 2 ;;
         --dtype) dtype=$2; shift 2 ;;
         --steps) steps=$2; shift 2 ;;
+        --profile) profile=(--profile "$2"); shift 2 ;;
         *) echo "compare_vae_cache.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
@@ -48,10 +51,16 @@ for v in ${variants//,/ }; do
     # Each variant in its own process: clean peak memory and cuDNN state.
     "$BENCH_BIN" --images "$IMAGES" --make-images "$count" --model "$MODEL" --work "$OUT/work" \
         --device "$device" --dtype "$dtype" --batch "$batch" --res "$res" --threads "$threads" \
-        --variant "$v" --encode-steps "$steps" 2>"$OUT/dtune_vae_$v.err" | tee -a "$OUT/dtune_vae.jsonl" ||
+        --variant "$v" --encode-steps "$steps" "${profile[@]+"${profile[@]}"}" 2>"$OUT/dtune_vae_$v.err" | tee -a "$OUT/dtune_vae.jsonl" ||
         { echo "dtune $v failed:"; tail -20 "$OUT/dtune_vae_$v.err"; }
 done
 
+if [ ${#profile[@]} -gt 0 ]; then  # where the encoder's GPU time goes, per variant
+    for t in "${profile[1]}"/trace_vae_*.json; do
+        [ -f "$t" ] && { echo "== $t"; python3 bench/summarize_trace.py "$t" --steps 2 --top 15; }
+    done >"$OUT/vae_profile.txt" 2>&1
+    echo "encoder profiles: $OUT/vae_profile.txt"
+fi
 python3 - "$OUT" <<'EOF'
 import json, os, sys
 out = sys.argv[1]
