@@ -13,8 +13,9 @@
 # --profile DIR: a Kineto trace of 2 encode-only batches per variant (GPU), summarised into
 # $OUT/vae_profile.txt by bench/summarize_trace.py.
 # Environment: BENCH_BIN (default build/dev/bench/bench_vae_cache), MODEL (SDXL config folder;
-# default shared/fixtures/sdxl-base-configs or ../shared/fixtures/sdxl-base-configs), OUT (JSON and
-# the work folder; default out/vae_bench), IMAGES (the JPEG folder; default $OUT/images).
+# default shared/fixtures/sdxl-base-configs or ../shared/fixtures/sdxl-base-configs), OUT (the JSON
+# results; default out/vae_bench), SCRATCH (images and cache files; default /tmp/dtune_vae_bench),
+# IMAGES (the JPEG folder; default $SCRATCH/images).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 count=200 batch=8 res=1024 variants=base,bm,cl,cl+bm,cl+bm+gn threads=0 device=cuda dtype=bf16 steps=10 profile=()
@@ -36,7 +37,8 @@ first_of() { for p in "$@"; do [ -e "$p" ] && { echo "$p"; return; }; done; echo
 BENCH_BIN=${BENCH_BIN:-build/dev/bench/bench_vae_cache}
 MODEL=${MODEL:-$(first_of shared/fixtures/sdxl-base-configs ../shared/fixtures/sdxl-base-configs)}
 OUT=${OUT:-out/vae_bench}
-IMAGES=${IMAGES:-$OUT/images}
+SCRATCH=${SCRATCH:-/tmp/dtune_vae_bench}  # images and cache files: large, kept out of $OUT
+IMAGES=${IMAGES:-$SCRATCH/images}
 [ -n "${DIFFUSERS_SRC:-}" ] || { echo "set DIFFUSERS_SRC to a diffusers src/ folder or unpacked wheel" >&2; exit 2; }
 mkdir -p "$OUT"
 : >"$OUT/dtune_vae.jsonl"
@@ -49,7 +51,7 @@ DIFFUSERS_SRC="$DIFFUSERS_SRC" PYTHONUNBUFFERED=1 python3 bench/diffusers_vae_en
 for v in ${variants//,/ }; do
     echo "== dtune $v: $count JPEGs in $IMAGES, batch $batch, pixel_area $res"
     # Each variant in its own process: clean peak memory and cuDNN state.
-    "$BENCH_BIN" --images "$IMAGES" --make-images "$count" --model "$MODEL" --work "$OUT/work" \
+    "$BENCH_BIN" --images "$IMAGES" --make-images "$count" --model "$MODEL" --work "$SCRATCH/work" \
         --device "$device" --dtype "$dtype" --batch "$batch" --res "$res" --threads "$threads" \
         --variant "$v" --encode-steps "$steps" "${profile[@]+"${profile[@]}"}" 2>"$OUT/dtune_vae_$v.err" | tee -a "$OUT/dtune_vae.jsonl" ||
         { echo "dtune $v failed:"; tail -20 "$OUT/dtune_vae_$v.err"; }
