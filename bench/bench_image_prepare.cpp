@@ -89,8 +89,10 @@ int main(int argc, char** argv) {
     std::printf(
         "{\"bench\": \"image_prepare\", \"impl\": \"dtune%s\", \"files\": %d, \"threads\": %d, \"resize\": "
         "[%d, %d], "
-        "\"target\": [%d, %d], \"seconds\": %.3f, \"images_per_s\": %.2f, \"images_per_s_per_core\": %.2f}\n",
+        "\"target\": [%d, %d], \"crop_top_left\": [%d, %d], \"seconds\": %.3f, \"images_per_s\": %.2f, "
+        "\"images_per_s_per_core\": %.2f}\n",
         fast ? "-dct" : "", files, threads, plan.resize_size.width, plan.resize_size.height,
-        plan.target.width, plan.target.height, s, files / s, files / s / threads);
+        plan.target.width, plan.target.height, plan.crop_top, plan.crop_left, s, files / s,
+        files / s / threads);
     return checksum.load() >= 0 ? 0 : 1;
 }

@@ -131,8 +131,11 @@ Encoders load_encoders(const TrainConfig& c, const stdfs::path& model_root) {
                          " scaling=", (*vae)->config().scaling_factor, " dtype=", vae_dtype, " sample");
     e.vae = [vae, vo](const at::Tensor& images) {
         at::NoGradGuard no_grad;
-        const at::Tensor x = images.to(vo.device, vo.dtype);                                // [B, 3, H, W]
-        return (*vae)->scale_latents((*vae)->encode(x).sample()).to(at::kCPU, at::kFloat);  // [B, 4, h, w]
+        // Upload (asynchronous from the builder's pinned rows), then convert on the device; the
+        // latents stay there: the builder reads them back after queuing the next batch.
+        const at::Tensor x =
+            images.to(vo.device, /*non_blocking=*/vo.device.is_cuda()).to(vo.dtype);  // [B, 3, H, W]
+        return (*vae)->scale_latents((*vae)->encode(x).sample()).to(at::kFloat);      // [B, 4, h, w]
     };
     models::TextEncoderLoadOptions to;
     to.device = vo.device;

@@ -2,9 +2,12 @@
 #include "data/cache_builder.h"
 
 #include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
+#include <c10/core/Event.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <future>
@@ -25,6 +28,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+double seconds_since(Clock::time_point t0) {
+    return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+int64_t nanoseconds_since(Clock::time_point t0) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count();
+}
+
 io::PrepareSpec prepare_spec(const LatentRequest& r) {
     io::PrepareSpec s;
     s.resize_width = r.plan.resize_size.width;
@@ -44,32 +54,45 @@ std::vector<int64_t> rank_slice(int64_t n, int world_size, int rank) {
     return rank_indices(plan, world_size, rank, /*apply_padding=*/false);
 }
 
-// One image decoded for the encoder, or the reason it could not be.
-struct Decoded {
-    at::Tensor pixels;  // [3, H, W]
-    std::string error;
-};
-
-Decoded decode(const LatentRequest& r) {
+// Decodes one image into `row` ([3, H, W] of a batch tensor); "" or why it is unreadable.
+std::string decode_into(const LatentRequest& r, at::Tensor row) {
     try {
-        return {io::prepare_image_tensor(r.path, prepare_spec(r)), ""};
+        row.copy_(io::prepare_image_tensor(r.path, prepare_spec(r)));  // [3, H, W]
+        return "";
     } catch (const std::exception& e) {
-        return {{}, e.what()};
+        return e.what();
     }
 }
 
+// One batch on its way to the encoder: decoded on the pool straight into the rows of `images`.
 struct PendingBatch {
     std::vector<const LatentRequest*> requests;
-    std::vector<std::future<Decoded>> pixels;
+    at::Tensor images;                              // [n, 3, H, W] float32
+    std::vector<std::future<std::string>> decoded;  // per row: "" or the error
 };
 
-// Encodes `batch` and checks the shape: [B, C, H/8, W/8] with B = images.size(0).
-at::Tensor run_encoder(const LatentEncodeFn& encode, const at::Tensor& images) {
+// A batch whose encoder work is queued; `latents` are valid once `ready` (if any) has completed.
+struct EncodedBatch {
+    std::vector<const LatentRequest*> requests;
+    at::Tensor latents;               // [n, C, h, w] on the CPU
+    std::optional<c10::Event> ready;  // set when they come from a device by an asynchronous copy
+};
+
+// Runs the encoder on `images` and starts the copy of its latents to host memory without waiting
+// for the device, so the caller can queue the next batch behind this one.
+EncodedBatch launch_encode(const LatentEncodeFn& encode, const at::Tensor& images,
+                           std::vector<const LatentRequest*> requests) {
     at::Tensor latents = encode(images);  // [B, C, h, w]
     DTUNE_CHECK(latents.defined() && latents.dim() == 4 && latents.size(0) == images.size(0),
                 "the VAE encoder returned ", latents.defined() ? str(latents.sizes()) : "nothing",
                 " for images ", images.sizes(), "; it must return latents [B, C, H/8, W/8]");
-    return latents.detach().to(at::kCPU);
+    EncodedBatch out{std::move(requests), latents.detach(), std::nullopt};
+    if (out.latents.is_cpu()) return out;
+    const c10::Device device = out.latents.device();
+    out.latents = out.latents.to(at::kCPU, /*non_blocking=*/true);  // into pinned memory
+    out.ready.emplace(device.type());
+    out.ready->record(at::accelerator::getCurrentStream(device.index()));
+    return out;
 }
 
 void write_report(const std::string& path, const std::vector<std::pair<std::string, std::string>>& skipped) {
@@ -80,7 +103,6 @@ void write_report(const std::string& path, const std::vector<std::pair<std::stri
     fs::write_file_atomic(path, j.dump(2) + "\n");
 }
 
-// Checks every entry on the pool; returns the requests to encode, grouped by target shape.
 // The report counter of an entry found in `status`.
 int64_t& counter_of(CacheBuildReport& report, EntryStatus status) {
     switch (status) {
@@ -92,6 +114,7 @@ int64_t& counter_of(CacheBuildReport& report, EntryStatus status) {
     return report.built;
 }
 
+// Checks every entry on the pool; returns the requests to encode, grouped by target shape.
 std::map<std::pair<int, int>, std::vector<const LatentRequest*>> check_entries(
     const LatentCache& cache, const std::vector<const LatentRequest*>& all, CacheBuildReport& report,
     std::map<const LatentRequest*, EntryStatus>& found, ThreadPool& pool, Progress& progress) {
@@ -148,6 +171,138 @@ std::map<std::string, std::vector<LatentRequest>> shard_requests(
     return out;
 }
 
+namespace {
+
+// The decode → encode → write pipeline over `batches` (each: requests of one target shape).
+class LatentPipeline {
+  public:
+    LatentPipeline(const LatentCache& cache, const LatentEncodeFn& encode, const CacheBuildOptions& options,
+                   ThreadPool& pool, CacheBuildReport& report,
+                   std::map<const LatentRequest*, EntryStatus>& found, Progress& progress)
+        : cache_(cache),
+          encode_(encode),
+          options_(options),
+          pool_(pool),
+          report_(report),
+          found_(found),
+          progress_(progress),
+          pin_(options.pin_memory.value_or(at::hasCUDA())) {
+        // Keep every pool thread decoding: about two images per thread in flight (at most 64
+        // images of host memory), and never fewer than prefetch_batches batches.
+        const size_t batch = size_t(options.batch_size);
+        const size_t images = std::min<size_t>(64, 2 * std::max<size_t>(1, pool.size()));
+        depth_ = std::max(size_t(std::max(1, options.prefetch_batches)), (images + batch - 1) / batch);
+    }
+
+    ~LatentPipeline() {  // an error unwinds through here: no task may outlive the requests or cache
+        for (auto& b : queue_)
+            for (auto& d : b.decoded)
+                if (d.valid()) d.wait();
+        for (auto& w : writes_)
+            if (w.valid()) w.wait();
+        report_.stages.decode = 1e-9 * double(decode_ns_.load());
+        report_.stages.write = 1e-9 * double(write_ns_.load());
+    }
+
+    void run(const std::vector<std::vector<const LatentRequest*>>& batches) {
+        size_t next = 0;
+        std::optional<EncodedBatch> in_flight;
+        while (next < batches.size() || !queue_.empty()) {
+            while (next < batches.size() && queue_.size() < depth_ + 1)
+                queue_.push_back(start_decode(batches[next++]));
+            PendingBatch batch = std::move(queue_.front());
+            queue_.pop_front();
+            auto [images, kept] = collect(batch);
+            if (kept.empty()) continue;
+            const auto t0 = Clock::now();
+            EncodedBatch encoded = launch_encode(encode_, images, std::move(kept));
+            report_.stages.encode_call += seconds_since(t0);
+            ++report_.encoder_calls;
+            // The previous batch's copy was queued before this batch's work: it is done or nearly.
+            if (in_flight) finish(*in_flight);
+            in_flight = std::move(encoded);
+        }
+        if (in_flight) finish(*in_flight);
+        for (auto& w : writes_) w.get();
+        writes_.clear();
+    }
+
+  private:
+    PendingBatch start_decode(const std::vector<const LatentRequest*>& requests) {
+        const Size target = requests.front()->plan.target;
+        PendingBatch pending;
+        pending.requests = requests;
+        pending.images = at::empty({int64_t(requests.size()), 3, target.height, target.width},
+                                   at::TensorOptions().dtype(at::kFloat).pinned_memory(pin_));
+        for (size_t i = 0; i < requests.size(); ++i)
+            pending.decoded.push_back(pool_.submit([this, r = requests[i], row = pending.images[long(i)]] {
+                const auto t0 = Clock::now();
+                std::string error = decode_into(*r, row);
+                decode_ns_ += nanoseconds_since(t0);
+                return error;
+            }));
+        return pending;
+    }
+
+    // Waits for the batch's decodes; unreadable images are reported and dropped from the batch.
+    std::pair<at::Tensor, std::vector<const LatentRequest*>> collect(PendingBatch& batch) {
+        std::vector<const LatentRequest*> kept;
+        std::vector<int64_t> rows;
+        for (size_t i = 0; i < batch.decoded.size(); ++i) {
+            const auto t0 = Clock::now();
+            std::string error = batch.decoded[i].get();
+            report_.stages.wait_decode += seconds_since(t0);
+            if (!error.empty()) {
+                report_.skipped_files.emplace_back(batch.requests[i]->path, std::move(error));
+                --counter_of(report_, found_[batch.requests[i]]);  // counted as skipped instead
+                progress_.update();
+                continue;
+            }
+            kept.push_back(batch.requests[i]);
+            rows.push_back(int64_t(i));
+        }
+        if (kept.size() == batch.requests.size() || kept.empty()) return {batch.images, std::move(kept)};
+        at::Tensor images = batch.images.index_select(0, at::tensor(rows));  // [kept, 3, H, W]
+        return {pin_ ? images.pin_memory() : images, std::move(kept)};
+    }
+
+    // Splits an encoded batch into entries and writes them on the pool.
+    void finish(EncodedBatch& batch) {
+        const auto t0 = Clock::now();
+        if (batch.ready) batch.ready->synchronize();
+        report_.stages.wait_device += seconds_since(t0);
+        for (size_t i = 0; i < batch.requests.size(); ++i) {
+            at::Tensor one = batch.latents[long(i)].clone();  // [C, h, w], owns its memory
+            writes_.push_back(pool_.submit([this, r = batch.requests[i], one] {
+                const auto t1 = Clock::now();
+                cache_.store(*r, one);
+                write_ns_ += nanoseconds_since(t1);
+            }));
+        }
+        progress_.update(static_cast<int64_t>(batch.requests.size()));
+        // Bound the write backlog so latents do not pile up in memory.
+        while (writes_.size() > depth_ * size_t(options_.batch_size) * 2) {
+            writes_.front().get();
+            writes_.pop_front();
+        }
+    }
+
+    const LatentCache& cache_;
+    const LatentEncodeFn& encode_;
+    const CacheBuildOptions& options_;
+    ThreadPool& pool_;
+    CacheBuildReport& report_;
+    std::map<const LatentRequest*, EntryStatus>& found_;
+    Progress& progress_;
+    bool pin_;
+    size_t depth_ = 1;
+    std::deque<PendingBatch> queue_;
+    std::deque<std::future<void>> writes_;
+    std::atomic<int64_t> decode_ns_{0}, write_ns_{0};  // summed over pool threads
+};
+
+}  // namespace
+
 CacheBuildReport build_latent_cache(const LatentCache& cache,
                                     const std::map<std::string, std::vector<LatentRequest>>& buckets,
                                     const LatentEncodeFn& encode, const CacheBuildOptions& options,
@@ -165,58 +320,14 @@ CacheBuildReport build_latent_cache(const LatentCache& cache,
     std::map<const LatentRequest*, EntryStatus> found;
     const auto todo = check_entries(cache, all, report, found, pool, progress);
 
-    // Full batches per target shape, then a bounded decode-ahead queue feeding the encoder.
+    // Full batches per target shape (only each shape's last batch may be short).
     std::vector<std::vector<const LatentRequest*>> batches;
     for (const auto& [shape, requests] : todo)
         for (size_t i = 0; i < requests.size(); i += size_t(options.batch_size))
             batches.emplace_back(
                 requests.begin() + long(i),
                 requests.begin() + long(std::min(requests.size(), i + size_t(options.batch_size))));
-    std::deque<PendingBatch> queue;
-    size_t next = 0;
-    auto enqueue = [&] {
-        PendingBatch pending;
-        for (const LatentRequest* r : batches[next]) {
-            pending.requests.push_back(r);
-            pending.pixels.push_back(pool.submit([r] { return decode(*r); }));
-        }
-        queue.push_back(std::move(pending));
-        ++next;
-    };
-    std::vector<std::future<void>> writes;
-    const size_t depth = size_t(std::max(1, options.prefetch_batches));
-    while (next < batches.size() || !queue.empty()) {
-        while (next < batches.size() && queue.size() < depth + 1) enqueue();
-        PendingBatch batch = std::move(queue.front());
-        queue.pop_front();
-        std::vector<at::Tensor> images;
-        std::vector<const LatentRequest*> kept;
-        for (size_t i = 0; i < batch.pixels.size(); ++i) {
-            Decoded d = batch.pixels[i].get();
-            if (!d.error.empty()) {
-                report.skipped_files.emplace_back(batch.requests[i]->path, d.error);
-                --counter_of(report, found[batch.requests[i]]);  // counted as skipped instead
-                progress.update();
-                continue;
-            }
-            images.push_back(std::move(d.pixels));
-            kept.push_back(batch.requests[i]);
-        }
-        if (images.empty()) continue;
-        const at::Tensor latents = run_encoder(encode, at::stack(images));  // [B, C, h, w]
-        ++report.encoder_calls;
-        for (size_t i = 0; i < kept.size(); ++i) {
-            at::Tensor one = latents[long(i)].clone();  // [C, h, w], owns its memory
-            writes.push_back(pool.submit([&cache, r = kept[i], one] { cache.store(*r, one); }));
-        }
-        progress.update(static_cast<int64_t>(kept.size()));
-        // Bound the write backlog so latents do not pile up in memory.
-        while (writes.size() > depth * size_t(options.batch_size) * 2) {
-            writes.front().get();
-            writes.erase(writes.begin());
-        }
-    }
-    for (auto& w : writes) w.get();
+    LatentPipeline(cache, encode, options, pool, report, found, progress).run(batches);
     progress.finish();
     report.skipped = static_cast<int64_t>(report.skipped_files.size());
     for (const auto& [file, why] : report.skipped_files) log::warn() << "skipped " << file << ": " << why;

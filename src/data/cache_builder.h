@@ -3,13 +3,18 @@
 // build_latent_cache(): this rank's share of every bucket (contiguous slices as rank_indices()
 // cuts them, so ranks build disjoint shares whose union is the whole dataset) is checked against
 // the cache on the thread pool; valid entries are reused, the rest are grouped by target shape
-// into full encoder batches and run through a bounded pipeline: decode/resize/crop on the pool
-// (`prefetch_batches` batches ahead) → encode on the calling thread (the GPU thread in real
-// runs) → atomic writes on the pool. Unreadable images are skipped, counted and listed in the
-// report file; the build continues.
+// into full encoder batches and run through a bounded pipeline: decode/resize/crop on the pool,
+// straight into the rows of each batch tensor (pinned when a GPU takes it), enough batches ahead
+// to keep every pool thread busy → encode on the calling thread (the GPU thread in real runs),
+// one batch in flight: the next batch is queued on the device before the previous one's latents
+// are read back → atomic writes on the pool. Batch composition does not depend on timing, so
+// the entries are the same whatever the thread count. Unreadable images are skipped, counted and
+// listed in the report file; the build continues.
 //
 // Encoders come in as callables; this layer never links the models:
-//   LatentEncodeFn: images [B, 3, H, W] in [-1, 1] (CPU float32) → latents [B, C, H/8, W/8]
+//   LatentEncodeFn: images [B, 3, H, W] in [-1, 1] (CPU float32, possibly pinned) → latents
+//                   [B, C, H/8, W/8] on any device (the caller moves them to the CPU; a GPU
+//                   encoder should not wait for its result)
 //   TextEncodeFn:   captions (B) → prompt_embeds [B, T, D], pooled_prompt_embeds [B, P]
 #pragma once
 
@@ -19,6 +24,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,7 +49,11 @@ struct CacheBuildOptions {
     int batch_size = 4;  // vae_batch_size / text_encoder_batch_size
     int world_size = 1;
     int rank = 0;
-    int prefetch_batches = 2;  // decoded batches waiting for the encoder (bounded queue)
+    int prefetch_batches = 2;  // decoded batches waiting for the encoder (bounded queue; raised
+                               // so that about two images per pool thread are being decoded)
+    // Decode into pinned host memory so uploads to the encoder's GPU are asynchronous; unset:
+    // when a CUDA device is present.
+    std::optional<bool> pin_memory;
     bool show_progress = false;
     std::string label = "caching";
     // Where unreadable images are listed ({path: reason} JSON); empty: no file.
@@ -59,6 +69,12 @@ struct CacheBuildReport {
     int64_t skipped = 0;          // unreadable images
     int64_t encoder_calls = 0;
     double seconds = 0;
+    // Where a latent build's time went (seconds): decode and write summed over pool threads; the
+    // rest on the calling thread: waiting for decodes, inside the encoder call, waiting for the
+    // device's latents. The build is decode-bound when wait_decode is a large part of `seconds`.
+    struct Stages {
+        double decode = 0, write = 0, wait_decode = 0, encode_call = 0, wait_device = 0;
+    } stages;
     std::vector<std::pair<std::string, std::string>> skipped_files;  // path → reason
     std::string summary() const;                                     // one line for logs and `dtune cache`
 };

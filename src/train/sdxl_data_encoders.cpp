@@ -1,12 +1,15 @@
 // SDXL encoders as DatasetEncoders callables (see sdxl_data_encoders.h).
 #include "train/sdxl_data_encoders.h"
 
+#include <ATen/Parallel.h>
+
 #include <cstring>
 
 #include "core/dtype.h"
 #include "core/error.h"
 #include "data/sampler.h"
 #include "models/clip/sdxl_text_encoders.h"
+#include "models/common/component.h"
 #include "models/common/pipeline_folder.h"
 #include "models/vae/autoencoder_kl.h"
 
@@ -27,6 +30,36 @@ uint64_t tensor_content_hash(const at::Tensor& t) {
     return h;
 }
 
+data::LatentEncodeFn make_vae_encode_fn(std::shared_ptr<models::AutoencoderKLImpl> vae, c10::Device device,
+                                        c10::ScalarType dtype, VaeEncodeOptions options) {
+    if (options.channels_last) models::convert_to_channels_last(*vae);
+    return [vae, device, dtype, options](const at::Tensor& images) {
+        at::NoGradGuard no_grad;
+        // Upload in float32, convert on the device: an upload with a dtype change would convert on
+        // the host first, into pageable memory, and wait. Same values either way (RNE rounding).
+        const bool async = device.is_cuda() && images.is_pinned();
+        at::Tensor x = images.to(device, /*non_blocking=*/async).to(dtype);  // [B, 3, H, W]
+        if (options.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+        const auto posterior = vae->encode(x);  // [B, C, h, w] each; queued, not waited for
+        // The noise is drawn on the host while the device encodes: one hash per image, in parallel.
+        std::vector<uint64_t> seeds(static_cast<size_t>(images.size(0)));
+        at::parallel_for(0, images.size(0), 1, [&](int64_t begin, int64_t end) {
+            for (int64_t i = begin; i < end; ++i) seeds[size_t(i)] = tensor_content_hash(images[i]) >> 1;
+        });
+        std::vector<at::Tensor> eps;
+        for (uint64_t seed : seeds) {
+            at::Generator g = at::detail::createCPUGenerator(seed);
+            eps.push_back(at::randn(posterior.mean.sizes().slice(1), g, at::kFloat));  // [C, h, w]
+        }
+        at::Tensor noise = at::stack(eps);  // [B, C, h, w]
+        if (device.is_cuda()) noise = noise.pin_memory();
+        noise = noise.to(posterior.mean.device(), /*non_blocking=*/device.is_cuda())
+                    .to(posterior.mean.scalar_type());
+        const at::Tensor latents = vae->scale_latents(posterior.mean + posterior.std * noise).to(at::kFloat);
+        return options.channels_last ? latents.contiguous() : latents;
+    };
+}
+
 DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& o) {
     namespace stdfs = std::filesystem;
     auto folder = models::PipelineFolder::open(o.model_dir);
@@ -40,17 +73,7 @@ DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& o) {
     DatasetEncoders e;
     e.vae_identity = str("AutoencoderKL ", stdfs::weakly_canonical(folder.vae_path()).string(),
                          " scaling=", (*vae)->config().scaling_factor, " dtype=", dtype, " sample");
-    e.vae = [vae, vo](const at::Tensor& images) {
-        at::NoGradGuard no_grad;
-        const auto posterior = (*vae)->encode(images.to(vo.device, vo.dtype));  // [B, C, h, w] each
-        std::vector<at::Tensor> eps;
-        for (int64_t i = 0; i < images.size(0); ++i) {
-            at::Generator g = at::detail::createCPUGenerator(tensor_content_hash(images[i]) >> 1);
-            eps.push_back(at::randn(posterior.mean.sizes().slice(1), g, at::kFloat));  // [C, h, w]
-        }
-        const at::Tensor noise = at::stack(eps).to(posterior.mean.device(), posterior.mean.scalar_type());
-        return (*vae)->scale_latents(posterior.mean + posterior.std * noise).to(at::kCPU, at::kFloat);
-    };
+    e.vae = make_vae_encode_fn(vae->ptr(), vo.device, vo.dtype);
     models::TextEncoderLoadOptions to;
     to.device = o.device;
     auto text = std::make_shared<models::SDXLTextEncoders>(models::SDXLTextEncoders::load(folder, to));

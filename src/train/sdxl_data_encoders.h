@@ -12,8 +12,13 @@
 #include <c10/core/ScalarType.h>
 
 #include <filesystem>
+#include <memory>
 
 #include "train/dataset_source.h"
+
+namespace dtune::models {
+class AutoencoderKLImpl;
+}
 
 namespace dtune::train {
 
@@ -25,6 +30,20 @@ struct SdxlEncoderOptions {
 };
 
 DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& options);
+
+struct VaeEncodeOptions {
+    // NHWC convolutions (weights converted here, inputs per call); the latents come back in the
+    // standard layout. Off by default: a measured choice per card (bench/bench_vae_cache.cpp).
+    bool channels_last = false;
+};
+
+// The VAE callable of training and `dtune cache`: images [B, 3, H, W] float32 (CPU; pinned memory
+// makes the upload asynchronous) → scaled posterior samples [B, C, H/8, W/8] float32 on the VAE's
+// device, noise seeded per image by tensor_content_hash. Nothing in it waits for the device, so
+// the cache builder can queue the next batch while this one runs; callers move the result to
+// the CPU. `vae` holds weights of `dtype` on `device`.
+data::LatentEncodeFn make_vae_encode_fn(std::shared_ptr<models::AutoencoderKLImpl> vae, c10::Device device,
+                                        c10::ScalarType dtype, VaeEncodeOptions options = {});
 
 // 64-bit hash of a tensor's values (contiguous CPU copy), used to seed the posterior sample.
 uint64_t tensor_content_hash(const at::Tensor& t);

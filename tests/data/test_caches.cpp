@@ -276,6 +276,106 @@ TEST_F(CacheTest, RankSharesAreDisjointAndCoverEverything) {
     EXPECT_EQ(build_latent_cache(LatentCache(settings()), requests(), enc.fn(), {}, pool_).reused, 12);
 }
 
+// Two target shapes (32×32 for even images, 48×32 for odd ones), one bucket each.
+std::map<std::string, std::vector<LatentRequest>> two_shapes(const std::vector<LatentRequest>& square) {
+    std::map<std::string, std::vector<LatentRequest>> out;
+    for (size_t i = 0; i < square.size(); ++i) {
+        LatentRequest r = square[i];
+        if (i % 2) {
+            const Size o = r.plan.original;
+            const double s = std::max(48.0 / o.width, 32.0 / o.height);
+            r.plan.resize_size = {int(std::ceil(o.width * s)), int(std::ceil(o.height * s))};
+            r.plan.target = {48, 32};
+            r.plan.crop_left = (r.plan.resize_size.width - 48) / 2;
+            r.plan.crop_top = (r.plan.resize_size.height - 32) / 2;
+        }
+        out[i % 2 ? "1.5" : "1.0"].push_back(r);
+    }
+    return out;
+}
+
+// The pipeline's depth, thread count and host-memory kind must not change a single byte of the
+// cache, and each entry must be what the encoder gives for its batch: consecutive images of one
+// target shape in path order, batch_size at a time. The encoder depends on the whole batch (a
+// batch mean is added), so any other batch composition would show.
+TEST_F(CacheTest, EntriesDependOnlyOnInputsNotOnThePipeline) {
+    const LatentEncodeFn batch_dependent = [](const at::Tensor& x) { return tiny_vae(x) + 0.01 * x.mean(); };
+    const auto buckets = two_shapes(requests().at("1.0"));
+    std::vector<std::map<std::string, std::string>> bytes;  // entry file -> contents, per run
+    for (const auto& [threads, prefetch] : {std::pair{1, 1}, std::pair{4, 5}}) {
+        ThreadPool pool(static_cast<size_t>(threads));
+        LatentCacheSettings s = settings(CacheCompression::kNone);
+        s.cache_dir = (dir_ / ("cache" + std::to_string(threads))).string();
+        CacheBuildOptions opt;
+        opt.batch_size = 4;
+        opt.prefetch_batches = prefetch;
+        opt.pin_memory = false;
+        const auto report = build_latent_cache(LatentCache(s), buckets, batch_dependent, opt, pool);
+        EXPECT_EQ(report.built, 12);
+        EXPECT_EQ(report.encoder_calls, 4);  // 6 per shape: 4 + 2, twice
+        auto& files = bytes.emplace_back();
+        for (const auto& e : std::filesystem::recursive_directory_iterator(s.cache_dir))
+            if (e.is_regular_file())
+                files[e.path().lexically_relative(s.cache_dir).string()] = fs::read_file(e.path());
+    }
+    ASSERT_EQ(bytes[0].size(), 12u);
+    EXPECT_TRUE(bytes[0] == bytes[1]) << "cache files differ between pipeline settings";
+
+    LatentCacheSettings s = settings(CacheCompression::kNone);
+    s.cache_dir = (dir_ / "cache1").string();
+    const LatentCache cache(s);
+    for (const auto& [key, reqs] : buckets) {
+        auto sorted = reqs;
+        std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.path < b.path; });
+        for (size_t b = 0; b < sorted.size(); b += 4) {
+            std::vector<at::Tensor> images;
+            for (size_t i = b; i < std::min(sorted.size(), b + 4); ++i) {
+                const auto& p = sorted[i].plan;
+                images.push_back(io::prepare_image_tensor(
+                    sorted[i].path, {p.resize_size.width, p.resize_size.height, p.crop_top, p.crop_left,
+                                     p.target.width, p.target.height, false}));
+            }
+            const at::Tensor want = batch_dependent(at::stack(images));  // [n, 4, h, w]
+            for (size_t i = b; i < std::min(sorted.size(), b + 4); ++i) {
+                const auto found = cache.load(sorted[i]);
+                ASSERT_EQ(found.status, EntryStatus::kValid) << found.reason;
+                EXPECT_TRUE(at::equal(found.value, want[long(i - b)])) << sorted[i].path;
+            }
+        }
+    }
+}
+
+// An encoder on the GPU returns device tensors without waiting; the builder reads them back after
+// queuing the next batch. The entries must equal the same encoder's on the CPU.
+TEST_F(CacheTest, DeviceEncoderWithPinnedAsynchronousCopies) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const auto buckets = two_shapes(requests().at("1.0"));
+    // Average pool to [B, 3, h, w] plus the channel mean as a 4th channel, in float64 on either device.
+    const auto pool4 = [](const at::Tensor& x) {
+        const at::Tensor pooled = at::avg_pool2d(x.to(at::kDouble), {8, 8});  // [B, 3, h, w]
+        return at::cat({pooled, pooled.mean(1, true)}, 1);                    // [B, 4, h, w]
+    };
+    const LatentEncodeFn on_gpu = [&](const at::Tensor& x) {
+        EXPECT_TRUE(x.is_pinned());
+        return pool4(x.to(at::kCUDA, /*non_blocking=*/true));  // stays on the device
+    };
+    const LatentEncodeFn on_cpu = [&](const at::Tensor& x) { return pool4(x); };
+    LatentCacheSettings gpu_settings = settings(CacheCompression::kNone);
+    gpu_settings.cache_dir = (dir_ / "gpu").string();
+    CacheBuildOptions opt;
+    opt.batch_size = 4;
+    build_latent_cache(LatentCache(gpu_settings), buckets, on_gpu, opt, pool_);
+    opt.pin_memory = false;
+    build_latent_cache(LatentCache(settings(CacheCompression::kNone)), buckets, on_cpu, opt, pool_);
+    const LatentCache gpu(gpu_settings), cpu(settings(CacheCompression::kNone));
+    for (const auto& [key, reqs] : buckets)
+        for (const auto& r : reqs) {
+            const auto a = gpu.load(r), b = cpu.load(r);
+            ASSERT_EQ(a.status, EntryStatus::kValid) << a.reason;
+            EXPECT_TRUE(at::allclose(a.value, b.value, 1e-9, 1e-9)) << r.path;
+        }
+}
+
 TEST_F(CacheTest, LatentSourceModes) {
     CountingEncoder enc;
     LatentCache cache(settings());

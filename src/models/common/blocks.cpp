@@ -5,6 +5,7 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/nn/functional.h>
 
+#include <atomic>
 #include <cmath>
 
 namespace dtune::models {
@@ -49,7 +50,41 @@ at::Tensor norm_forward(torch::nn::LayerNormImpl& norm, const at::Tensor& x) {
     return at::layer_norm(x, norm.options.normalized_shape(), w, b, norm.options.eps());
 }
 
+namespace {
+std::atomic<bool> g_group_norm_nhwc{false};
+}  // namespace
+
+void set_group_norm_nhwc(bool enabled) {
+    g_group_norm_nhwc = enabled;
+}
+bool group_norm_nhwc_enabled() {
+    return g_group_norm_nhwc;
+}
+
+at::Tensor group_norm_nhwc(const at::Tensor& x, int64_t groups, const at::Tensor& weight,
+                           const at::Tensor& bias, double eps) {
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+    const int64_t n = x.size(0), c = x.size(1), hw = x.size(2) * x.size(3), cg = c / groups;
+    const at::Tensor v = x.permute({0, 2, 3, 1}).view({n, hw, groups, cg});     // [N, HW, G, Cg], NHWC memory
+    const at::Tensor mean = at::mean(v, {1, 3}, /*keepdim=*/true, at::kFloat);  // [N, 1, G, 1]
+    const at::Tensor mean_sq = at::linalg_vector_norm(v, 2, at::IntArrayRef{1, 3}, true, at::kFloat)
+                                   .square_()
+                                   .div_(static_cast<double>(hw * cg));  // E[x²], [N, 1, G, 1]
+    const at::Tensor rstd = (mean_sq - mean * mean).clamp_min_(0).add_(eps).rsqrt_();
+    at::Tensor scale = weight.defined() ? rstd * weight.to(at::kFloat).view({1, 1, groups, cg})
+                                        : rstd.expand({n, 1, groups, cg}).contiguous();  // [N, 1, G, Cg]
+    at::Tensor shift = -mean * scale;
+    if (bias.defined()) shift = shift + bias.to(at::kFloat).view({1, 1, groups, cg});
+    at::Tensor out = at::empty_like(x, at::MemoryFormat::ChannelsLast);  // [N, C, H, W]
+    at::Tensor out_view = out.permute({0, 2, 3, 1}).view({n, hw, groups, cg});
+    at::addcmul_out(out_view, shift, v, scale);  // computed in float32, rounded once to x's dtype
+    return out;
+}
+
 at::Tensor norm_forward(torch::nn::GroupNormImpl& norm, const at::Tensor& x) {
+    if (g_group_norm_nhwc && x.dim() == 4 && !x.is_contiguous() &&
+        x.is_contiguous(at::MemoryFormat::ChannelsLast))
+        return group_norm_nhwc(x, norm.options.num_groups(), norm.weight, norm.bias, norm.options.eps());
     if (!keep_low_precision(x)) return norm.forward(x);
     const at::Tensor w = cast_to(norm.weight, x), b = cast_to(norm.bias, x);
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);

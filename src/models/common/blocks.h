@@ -30,6 +30,16 @@ at::Tensor timestep_embedding(const at::Tensor& timesteps, int64_t dim, bool fli
 at::Tensor norm_forward(torch::nn::LayerNormImpl& norm, const at::Tensor& x);
 at::Tensor norm_forward(torch::nn::GroupNormImpl& norm, const at::Tensor& x);
 
+// Off by default. When on, norm_forward(GroupNorm) of a channels-last 4-D input stays in NHWC
+// memory (group statistics in float32, then one multiply-add rounded once to the input's dtype)
+// instead of at::group_norm, whose CUDA kernel makes the input NCHW-contiguous: two layout copies
+// per norm in a channels-last network. A measured choice (bench_vae_cache's "gn" variant).
+void set_group_norm_nhwc(bool enabled);
+bool group_norm_nhwc_enabled();
+// The NHWC GroupNorm itself (x [N, C, H, W] channels-last; weight/bias [C] or undefined).
+at::Tensor group_norm_nhwc(const at::Tensor& x, int64_t groups, const at::Tensor& weight,
+                           const at::Tensor& bias, double eps);
+
 // linear_1 -> SiLU -> linear_2 (diffusers' TimestepEmbedding with act_fn "silu").
 class TimestepEmbeddingImpl : public torch::nn::Module {
   public:
