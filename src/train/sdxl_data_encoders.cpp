@@ -27,6 +27,11 @@ uint64_t tensor_content_hash(const at::Tensor& t) {
     return h;
 }
 
+uint64_t posterior_seed(const at::Tensor& image, uint64_t salt) {
+    const uint64_t h = tensor_content_hash(image);
+    return (salt == 0 ? h : data::mix64(h ^ salt)) >> 1;  // salt 0: the cache entries' seed
+}
+
 DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& o) {
     namespace stdfs = std::filesystem;
     auto folder = models::PipelineFolder::open(o.model_dir);
@@ -40,12 +45,14 @@ DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& o) {
     DatasetEncoders e;
     e.vae_identity = str("AutoencoderKL ", stdfs::weakly_canonical(folder.vae_path()).string(),
                          " scaling=", (*vae)->config().scaling_factor, " dtype=", dtype, " sample");
-    e.vae = [vae, vo](const at::Tensor& images) {
+    e.vae = [vae, vo](const at::Tensor& images, const std::vector<uint64_t>& salts) {
         at::NoGradGuard no_grad;
+        DTUNE_CHECK(salts.size() == static_cast<size_t>(images.size(0)), "the VAE got ", salts.size(),
+                    " noise salts for ", images.size(0), " images");
         const auto posterior = (*vae)->encode(images.to(vo.device, vo.dtype));  // [B, C, h, w] each
         std::vector<at::Tensor> eps;
         for (int64_t i = 0; i < images.size(0); ++i) {
-            at::Generator g = at::detail::createCPUGenerator(tensor_content_hash(images[i]) >> 1);
+            at::Generator g = at::detail::createCPUGenerator(posterior_seed(images[i], salts[size_t(i)]));
             eps.push_back(at::randn(posterior.mean.sizes().slice(1), g, at::kFloat));  // [C, h, w]
         }
         const at::Tensor noise = at::stack(eps).to(posterior.mean.device(), posterior.mean.scalar_type());
