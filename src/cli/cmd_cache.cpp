@@ -4,9 +4,13 @@
 // Reads the few config.json keys it needs (keys may carry SimpleTuner's leading "--"; numbers may
 // be written as strings): pretrained_model_name_or_path and data_backend_config (required),
 // output_dir, pretrained_vae_model_name_or_path, resolution, resolution_type, model_family, seed,
-// vae_batch_size, text_encoder_batch_size (via the text_embeds entry), compress_disk_cache,
-// caption_strategy/instance_prompt fallbacks, vae_dtype. Rank sharding: --world-size/--rank (or
+// device, vae_batch_size, text_encoder_batch_size (via the text_embeds entry), compress_disk_cache,
+// random_flip, caption_strategy/instance_prompt fallbacks. Rank sharding: --world-size/--rank (or
 // WORLD_SIZE/RANK); rank 0 writes the bucket index, run it first.
+//
+// Invariant: the latent entries are exactly those `dtune train` prebuilds with the same config
+// (data::prebuild_requests) and hold the same values (the trainer's VAE callable, device and
+// dtype), so a training run after `dtune cache` reuses them all and trains identically.
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
@@ -18,6 +22,7 @@
 #include <set>
 
 #include "cli/command.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
@@ -25,10 +30,12 @@
 #include "data/cache_builder.h"
 #include "data/captions.h"
 #include "data/dataset_buckets.h"
+#include "data/sample_variants.h"
 #include "data/storage.h"
-#include "models/clip/sdxl_text_encoders.h"
-#include "models/common/pipeline_folder.h"
-#include "models/vae/autoencoder_kl.h"
+#include "dist/env.h"
+#include "train/data_parallel.h"
+#include "train/sdxl_data_encoders.h"
+#include "train/trainer.h"
 
 namespace dtune::cli {
 namespace {
@@ -101,54 +108,28 @@ data::GlobalDataArgs global_args(const TrainConfig& c) {
                          : cs == "instanceprompt" ? data::CaptionStrategy::kInstancePrompt
                          : cs == "parquet"        ? data::CaptionStrategy::kParquet
                                                   : data::CaptionStrategy::kFilename;
-    a.cache_dir_text = c.string("cache_dir_text", a.cache_dir_text);
+    // As `dtune train`: without cache_dir_text the text cache goes to <output_dir>/cache/text.
+    a.cache_dir_text = c.string("cache_dir_text", (stdfs::path(a.output_dir) / "cache" / "text").string());
     a.cache_dir_vae = c.string("cache_dir_vae", a.cache_dir_vae);
     a.compress_disk_cache = c.boolean("compress_disk_cache", a.compress_disk_cache);
+    a.random_flip = c.boolean("random_flip", a.random_flip);
     a.vae_batch_size = static_cast<int>(c.number("vae_batch_size", a.vae_batch_size));
     a.caption_dropout_probability = c.number("caption_dropout_probability", a.caption_dropout_probability);
     return a;
 }
 
-struct Encoders {
-    data::LatentEncodeFn vae;
-    data::TextEncodeFn text;
-    std::string vae_identity, text_identity;
-};
-
-Encoders load_encoders(const TrainConfig& c, const stdfs::path& model_root) {
-    auto folder = models::PipelineFolder::open(model_root);
-    if (auto vae = c.string("pretrained_vae_model_name_or_path", ""); !vae.empty())
-        folder.set_vae_override(vae);
-    const bool cuda = at::hasCUDA();
-    models::ComponentLoadOptions vo;
-    vo.device = cuda ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
-    const std::string vae_dtype = c.string("vae_dtype", cuda ? "bf16" : "fp32");
-    vo.dtype = vae_dtype == "bf16" ? c10::kBFloat16 : vae_dtype == "fp16" ? c10::kHalf : c10::kFloat;
-    auto vae = std::make_shared<models::AutoencoderKL>(models::load_autoencoder_kl(folder.vae_path(), vo));
-    (*vae)->eval();
-    Encoders e;
-    e.vae_identity = str("AutoencoderKL ", stdfs::weakly_canonical(folder.vae_path()).string(),
-                         " scaling=", (*vae)->config().scaling_factor, " dtype=", vae_dtype, " sample");
-    e.vae = [vae, vo](const at::Tensor& images) {
-        at::NoGradGuard no_grad;
-        // Upload (asynchronous from the builder's pinned rows), then convert on the device; the
-        // latents stay there: the builder reads them back after queuing the next batch.
-        const at::Tensor x =
-            images.to(vo.device, /*non_blocking=*/vo.device.is_cuda()).to(vo.dtype);  // [B, 3, H, W]
-        return (*vae)->scale_latents((*vae)->encode(x).sample()).to(at::kFloat);      // [B, 4, h, w]
-    };
-    models::TextEncoderLoadOptions to;
-    to.device = vo.device;
-    auto text = std::make_shared<models::SDXLTextEncoders>(models::SDXLTextEncoders::load(folder, to));
-    e.text_identity = str("SDXLTextEncoders ", stdfs::weakly_canonical(model_root).string());
-    e.text = [text](const std::vector<std::string>& captions) {
-        models::SDXLEncodeOptions o;
-        o.do_classifier_free_guidance = false;
-        const auto out = text->encode_prompt(captions, o);
-        return data::TextEmbeds{out.prompt_embeds.to(at::kCPU, at::kFloat),
-                                out.pooled_prompt_embeds.to(at::kCPU, at::kFloat)};
-    };
-    return e;
+// The trainer's own encoders, device and VAE dtype policy (bf16 on CUDA, fp32 on CPU, as
+// Trainer picks them), so the latents written here are the ones `dtune train` would write.
+train::DatasetEncoders load_encoders(const TrainConfig& c, const stdfs::path& model_root) {
+    train::SdxlEncoderOptions o;
+    o.model_dir = model_root;
+    if (auto vae = stdfs::path(c.string("pretrained_vae_model_name_or_path", ""));
+        !vae.empty() && stdfs::exists(vae / "config.json"))
+        o.vae_override = vae;
+    o.device = train::DataParallel::pick_device(c.string("device", "auto"), dist::read_dist_env(),
+                                                cuda_device_count());
+    o.vae_dtype = o.device.is_cuda() ? at::kBFloat16 : at::kFloat;
+    return train::load_sdxl_data_encoders(o);
 }
 
 int arg_int(const std::vector<std::string>& args, const std::string& name, const char* env, int fallback) {
@@ -189,9 +170,11 @@ Requests collect_requests(const data::DatasetConfig& d, const data::GlobalDataAr
     if (d.caption_strategy == data::CaptionStrategy::kParquet && d.parquet)
         table = data::MetadataTable::load(*storage, *d.parquet, true);
     Requests out;
+    // The entries training prebuilds (flip variants, crop_aspect random's epoch-0 sizes).
+    out.latents = data::prebuild_requests(d, buckets.index.buckets, buckets.index.metadata, seed,
+                                          data::load_aspect_pins(d, gargs.output_dir), {});
     for (const auto& [key, paths] : buckets.index.buckets)
         for (const auto& p : paths) {
-            out.latents[key].push_back({p, buckets.index.metadata.at(p), false});
             try {
                 for (auto& c : data::resolve_captions(d, *storage, p, table ? &*table : nullptr))
                     out.captions.push_back(std::move(c));
@@ -199,41 +182,77 @@ Requests collect_requests(const data::DatasetConfig& d, const data::GlobalDataAr
                 log::warn() << e.what();
             }
         }
-    if (d.caption_dropout_probability > 0) out.captions.emplace_back("");
     return out;
 }
 
-// Builds the text and latent caches of one image dataset; returns its report.
-nlohmann::json cache_dataset(const data::DatasetConfig& d, const data::DataBackendConfig& datasets,
-                             const data::GlobalDataArgs& gargs, const Encoders& enc, uint64_t seed, int world,
-                             int rank, ThreadPool& pool) {
-    const Requests requests = collect_requests(d, gargs, seed, rank, pool);
+// Builds the text caches the way `dtune train` does (train/dataset_setup.cpp): one build per
+// cache folder over the captions of every dataset using it, "" (caption dropout) added to the first
+// dataset's folder, batches of the text_embeds entry's text_encoder_batch_size (1 without one).
+// Equal batches matter: a batched encoder's results differ in the last bits with the batch.
+// Returns each dataset's text report (its folder's).
+std::vector<data::CacheBuildReport> cache_text(const std::vector<const data::DatasetConfig*>& images,
+                                               const std::vector<Requests>& requests,
+                                               const data::DataBackendConfig& datasets,
+                                               const data::GlobalDataArgs& gargs,
+                                               const train::DatasetEncoders& enc, int world, int rank,
+                                               ThreadPool& pool) {
+    struct Folder {
+        data::TextCacheSettings settings;
+        int batch_size = 1;
+        std::vector<std::string> captions;
+    };
+    std::map<std::string, Folder> folders;
+    std::vector<std::string> dir_of;
+    for (size_t i = 0; i < images.size(); ++i) {
+        const data::DatasetConfig& d = *images[i];
+        const auto* entry = datasets.find(d.text_embeds);
+        const std::string dir = entry && !entry->cache_dir.empty() ? entry->cache_dir : gargs.cache_dir_text;
+        Folder& f = folders[dir];
+        if (f.settings.cache_dir.empty()) {
+            f.settings.cache_dir = dir;
+            f.settings.model_family = gargs.model_family;
+            f.settings.encoder_identity = enc.text_identity;
+            f.settings.compression = (entry ? entry->compress_cache : gargs.compress_disk_cache)
+                                         ? data::CacheCompression::kZstd
+                                         : data::CacheCompression::kNone;
+            f.batch_size = entry ? std::max(1, entry->text_encoder_batch_size) : 1;
+        }
+        f.captions.insert(f.captions.end(), requests[i].captions.begin(), requests[i].captions.end());
+        if (i == 0) f.captions.emplace_back("");
+        dir_of.push_back(dir);
+    }
+    std::map<std::string, data::CacheBuildReport> reports;
+    for (auto& [dir, f] : folders) {
+        data::CacheBuildOptions opt;
+        opt.world_size = world;
+        opt.rank = rank;
+        opt.show_progress = true;
+        opt.batch_size = f.batch_size;
+        opt.label = "text embeds";
+        reports[dir] =
+            data::build_text_cache(data::TextEmbedCache(f.settings), f.captions, enc.text, opt, pool);
+        log::info() << "text embeddings in " << dir << ": " << reports[dir].summary();
+    }
+    std::vector<data::CacheBuildReport> out;
+    for (const auto& dir : dir_of) out.push_back(reports.at(dir));
+    return out;
+}
+
+// Builds the latent cache of one image dataset.
+data::CacheBuildReport cache_latents(const data::DatasetConfig& d, const Requests& requests,
+                                     const train::DatasetEncoders& enc, int world, int rank,
+                                     ThreadPool& pool) {
     data::CacheBuildOptions opt;
     opt.world_size = world;
     opt.rank = rank;
     opt.show_progress = true;
-
-    data::TextCacheSettings ts;
-    const auto* text_entry = datasets.find(d.text_embeds);
-    ts.cache_dir = text_entry ? text_entry->cache_dir : gargs.cache_dir_text;
-    ts.model_family = gargs.model_family;
-    ts.encoder_identity = enc.text_identity;
-    ts.compression = (text_entry ? text_entry->compress_cache : d.compress_cache)
-                         ? data::CacheCompression::kZstd
-                         : data::CacheCompression::kNone;
-    opt.batch_size = text_entry ? std::max(1, text_entry->text_encoder_batch_size) : 1;
-    opt.label = "text " + d.id;
-    const auto text =
-        data::build_text_cache(data::TextEmbedCache(ts), requests.captions, enc.text, opt, pool);
-    log::info() << "text embeddings of '" << d.id << "': " << text.summary();
-
     opt.batch_size = d.vae_batch_size;
     opt.label = "latents " + d.id;
     opt.report_path = (stdfs::path(d.cache_dir_vae) / str("skipped_images_rank", rank, ".json")).string();
     const data::LatentCache cache(data::latent_cache_settings(d, enc.vae_identity));
     const auto latents = data::build_latent_cache(cache, requests.latents, enc.vae, opt, pool);
     log::info() << "latents of '" << d.id << "': " << latents.summary();
-    return {{"latents", report_json(latents)}, {"text", report_json(text)}};
+    return latents;
 }
 
 int run_cache(const std::vector<std::string>& args) {
@@ -250,15 +269,24 @@ int run_cache(const std::vector<std::string>& args) {
     if (!stdfs::exists(backend) && stdfs::exists(config_path.parent_path() / backend))
         backend = config_path.parent_path() / backend;
     const auto datasets = data::load_data_backend_config(backend, gargs);
-    const Encoders enc = load_encoders(config, config.required("pretrained_model_name_or_path"));
+    const train::DatasetEncoders enc =
+        load_encoders(config, config.required("pretrained_model_name_or_path"));
     const auto seed = static_cast<uint64_t>(config.number("seed", 0));
-    at::manual_seed(seed);
 
     ThreadPool pool(0);
     nlohmann::json summary = nlohmann::json::object();
+    std::vector<const data::DatasetConfig*> images;
+    std::vector<Requests> requests;
     for (const auto& d : datasets.datasets)
-        if (d.is_image_like())
-            summary[d.id] = cache_dataset(d, datasets, gargs, enc, seed, world, rank, pool);
+        if (d.is_image_like()) {
+            images.push_back(&d);
+            requests.push_back(collect_requests(d, gargs, seed, rank, pool));
+        }
+    const auto text = cache_text(images, requests, datasets, gargs, enc, world, rank, pool);
+    for (size_t i = 0; i < images.size(); ++i)
+        summary[images[i]->id] = {
+            {"latents", report_json(cache_latents(*images[i], requests[i], enc, world, rank, pool))},
+            {"text", report_json(text[i])}};
     summary["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     fs::write_file_atomic(stdfs::path(gargs.output_dir) / str("cache_report_rank", rank, ".json"),
                           summary.dump(2) + "\n");

@@ -270,17 +270,61 @@ std::optional<Size> downsample_size(const BucketSettings& s, Size original, Size
     return Size{std::max(d.width, target.width), std::max(d.height, target.height)};
 }
 
+// The crop-aspect path of plan_sample for a chosen aspect, up to (not including) the tail.
+SamplePlan plan_head_for_aspect(const BucketSettings& s, Size original, double aspect,
+                                AspectResolutionMap* map) {
+    SamplePlan plan;
+    plan.original = original;
+    const int pixel_res = s.pixel_resolution();
+    const SizeResult r = run_calculator(s, aspect, s.resolution, original, map);
+    plan.target = r.target;
+    plan.intermediary = r.intermediary;
+    plan.aspect = aspect_of(plan.target, s.math.rounding);
+    if (!s.crop && aspect == 1.0 && original.width != original.height) {
+        // Deviation: without crop SimpleTuner would cut a target-sized window out of the
+        // full-size image in the 1.0 bucket; we resize the short side to the target first.
+        plan.intermediary = cover_short_side(original, pixel_res);
+    }
+    if (plan.aspect == 1.0) plan.target = {pixel_res, pixel_res};
+    return plan;
+}
+
+// The shared tail: square-intermediary correction, the optional downsample, the crop offsets.
+void finish_plan(const BucketSettings& s, SamplePlan& plan, std::mt19937_64& rng) {
+    const int pixel_res = s.pixel_resolution();
+    // correct_intermediary_square_size: never crop a square from something smaller than it.
+    if (plan.aspect == 1.0 && plan.intermediary.width < pixel_res)
+        plan.intermediary = cover_short_side(plan.original, pixel_res);
+    plan.intermediary.width = std::max(plan.intermediary.width, plan.target.width);
+    plan.intermediary.height = std::max(plan.intermediary.height, plan.target.height);
+    plan.resize_size = downsample_size(s, plan.original, plan.target).value_or(plan.intermediary);
+    std::tie(plan.crop_top, plan.crop_left) = crop_offsets(s.crop_style, plan.resize_size, plan.target, rng);
+}
+
 }  // namespace
+
+double choose_crop_aspect(const BucketSettings& s, Size original, std::mt19937_64& rng) {
+    return select_crop_aspect(s, aspect_of(original, s.math.rounding), original, rng);
+}
+
+SamplePlan plan_sample_for_aspect(const BucketSettings& s, Size original, double aspect, std::mt19937_64& rng,
+                                  AspectResolutionMap* map) {
+    DTUNE_CHECK_AS(DataError, original.width > 0 && original.height > 0, "image size ", original.width, "x",
+                   original.height, " is empty");
+    SamplePlan plan = plan_head_for_aspect(s, original, aspect, map);
+    finish_plan(s, plan, rng);
+    return plan;
+}
 
 SamplePlan plan_sample(const BucketSettings& s, Size original, std::mt19937_64& rng,
                        AspectResolutionMap* map) {
     DTUNE_CHECK_AS(DataError, original.width > 0 && original.height > 0, "image size ", original.width, "x",
                    original.height, " is empty");
     SamplePlan plan;
-    plan.original = original;
     const int pixel_res = s.pixel_resolution();
     const double image_aspect = aspect_of(original, s.math.rounding);
     if (s.crop && s.crop_aspect == CropAspect::kSquare) {
+        plan.original = original;
         plan.target = {pixel_res, pixel_res};
         plan.intermediary = run_calculator(s, 1.0, s.resolution, original, map).intermediary;
         if (s.resolution_type == ResolutionType::kPixel && original.width != original.height) {
@@ -293,24 +337,9 @@ SamplePlan plan_sample(const BucketSettings& s, Size original, std::mt19937_64& 
         double aspect = image_aspect;
         if (s.crop && (s.crop_aspect == CropAspect::kClosest || s.crop_aspect == CropAspect::kRandom))
             aspect = select_crop_aspect(s, image_aspect, original, rng);
-        const SizeResult r = run_calculator(s, aspect, s.resolution, original, map);
-        plan.target = r.target;
-        plan.intermediary = r.intermediary;
-        plan.aspect = aspect_of(plan.target, s.math.rounding);
-        if (!s.crop && aspect == 1.0 && original.width != original.height) {
-            // Deviation: without crop SimpleTuner would cut a target-sized window out of the
-            // full-size image in the 1.0 bucket; we resize the short side to the target first.
-            plan.intermediary = cover_short_side(original, pixel_res);
-        }
-        if (plan.aspect == 1.0) plan.target = {pixel_res, pixel_res};
+        plan = plan_head_for_aspect(s, original, aspect, map);
     }
-    // correct_intermediary_square_size: never crop a square from something smaller than it.
-    if (plan.aspect == 1.0 && plan.intermediary.width < pixel_res)
-        plan.intermediary = cover_short_side(original, pixel_res);
-    plan.intermediary.width = std::max(plan.intermediary.width, plan.target.width);
-    plan.intermediary.height = std::max(plan.intermediary.height, plan.target.height);
-    plan.resize_size = downsample_size(s, original, plan.target).value_or(plan.intermediary);
-    std::tie(plan.crop_top, plan.crop_left) = crop_offsets(s.crop_style, plan.resize_size, plan.target, rng);
+    finish_plan(s, plan, rng);
     return plan;
 }
 

@@ -119,6 +119,13 @@ struct BucketSettings {
 // random and crop_style random. `map` may be null (no pinning).
 SamplePlan plan_sample(const BucketSettings& settings, Size original, std::mt19937_64& rng,
                        AspectResolutionMap* map = nullptr);
+// The crop_aspect closest/random choice alone (one draw from `rng` for random).
+double choose_crop_aspect(const BucketSettings& settings, Size original, std::mt19937_64& rng);
+// plan_sample with the crop aspect already chosen (crop_aspect closest/random): `rng` drives only
+// the crop offsets. plan_sample(s, o, rng) == plan_sample_for_aspect(s, o, choose_crop_aspect(s, o,
+// rng), rng) for those modes.
+SamplePlan plan_sample_for_aspect(const BucketSettings& settings, Size original, double aspect,
+                                  std::mt19937_64& rng, AspectResolutionMap* map = nullptr);
 
 // SimpleTuner's meets_resolution_requirements on the original size. Returns empty when it passes,
 // else the reason ("too small: 400x300 < minimum 512").

@@ -21,6 +21,7 @@
 #include "core/progress.h"
 #include "core/thread_pool.h"
 #include "data/batch_plan.h"
+#include "data/sample_variants.h"
 #include "io/image_tensor.h"
 
 namespace dtune::data {
@@ -82,7 +83,9 @@ struct EncodedBatch {
 // for the device, so the caller can queue the next batch behind this one.
 EncodedBatch launch_encode(const LatentEncodeFn& encode, const at::Tensor& images,
                            std::vector<const LatentRequest*> requests) {
-    at::Tensor latents = encode(images);  // [B, C, h, w]
+    std::vector<uint64_t> salts;  // LatentRequest::noise_salt, one per image
+    for (const LatentRequest* r : requests) salts.push_back(r->noise_salt);
+    at::Tensor latents = encode(images, salts);  // [B, C, h, w]
     DTUNE_CHECK(latents.defined() && latents.dim() == 4 && latents.size(0) == images.size(0),
                 "the VAE encoder returned ", latents.defined() ? str(latents.sizes()) : "nothing",
                 " for images ", images.sizes(), "; it must return latents [B, C, H/8, W/8]");
@@ -132,7 +135,7 @@ std::map<std::pair<int, int>, std::vector<const LatentRequest*>> check_entries(
     std::map<std::pair<int, int>, std::vector<const LatentRequest*>> todo;
     for (size_t i = 0; i < all.size(); ++i) {
         if (status[i] == EntryStatus::kCorrupt)
-            log::warn() << "latent cache entry " << cache.entry_path(all[i]->path).string() << " (of "
+            log::warn() << "latent cache entry " << cache.entry_path(*all[i]).string() << " (of "
                         << all[i]->path << ") is corrupt: " << reasons[i] << "; rebuilding it";
         ++counter_of(report, status[i]);
         found[all[i]] = status[i];
@@ -158,12 +161,38 @@ std::string CacheBuildReport::summary() const {
     return o.str();
 }
 
+std::map<std::string, std::vector<LatentRequest>> prebuild_requests(
+    const DatasetConfig& config, const std::map<std::string, std::vector<std::string>>& buckets,
+    const std::map<std::string, SamplePlan>& plans, uint64_t seed, const AspectResolutionMap& pins,
+    const BucketMath& math) {
+    std::map<std::string, std::vector<LatentRequest>> out;
+    auto add = [&](const std::string& key, const std::string& path, const SamplePlan& plan) {
+        out[key].push_back({path, plan, false});
+        if (config.random_flip) out[key].push_back({path, plan, true});
+    };
+    if (!rebuckets_per_epoch(config)) {
+        for (const auto& [key, paths] : buckets)
+            for (const auto& p : paths) add(key, p, plans.at(p));
+        return out;
+    }
+    std::map<std::string, SamplePlan> indexed;
+    for (const auto& [key, paths] : buckets)
+        for (const auto& p : paths) indexed.emplace(p, plans.at(p));
+    const EpochBuckets first =
+        rebucket_epoch(BucketSettings::from(config, math), indexed, seed, config.id, 0, pins);
+    for (const auto& [key, paths] : first.buckets)
+        for (const auto& p : paths) add(key, p, first.plans.at(p));
+    return out;
+}
+
 std::map<std::string, std::vector<LatentRequest>> shard_requests(
     const std::map<std::string, std::vector<LatentRequest>>& buckets, int world_size, int rank) {
     std::map<std::string, std::vector<LatentRequest>> out;
     for (const auto& [key, requests] : buckets) {
         std::vector<LatentRequest> sorted = requests;
-        std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) { return a.path < b.path; });
+        std::sort(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) {
+            return a.path != b.path ? a.path < b.path : a.flip < b.flip;
+        });
         auto& mine = out[key];
         for (int64_t i : rank_slice(static_cast<int64_t>(sorted.size()), world_size, rank))
             mine.push_back(sorted[static_cast<size_t>(i)]);

@@ -12,9 +12,11 @@
 // listed in the report file; the build continues.
 //
 // Encoders come in as callables; this layer never links the models:
-//   LatentEncodeFn: images [B, 3, H, W] in [-1, 1] (CPU float32, possibly pinned) → latents
-//                   [B, C, H/8, W/8] on any device (the caller moves them to the CPU; a GPU
-//                   encoder should not wait for its result)
+//   LatentEncodeFn: images [B, 3, H, W] in [-1, 1] (CPU float32, possibly pinned) and one noise
+//                   salt per image (LatentRequest::noise_salt) → latents [B, C, H/8, W/8] on any
+//                   device (the caller moves them to the CPU; a GPU encoder should not wait for its
+//                   result); the result for an image must depend only on its pixels and its salt
+//                   (not on the batch it came in)
 //   TextEncodeFn:   captions (B) → prompt_embeds [B, T, D], pooled_prompt_embeds [B, P]
 #pragma once
 
@@ -37,7 +39,8 @@ class ThreadPool;
 
 namespace dtune::data {
 
-using LatentEncodeFn = std::function<at::Tensor(const at::Tensor& images)>;
+using LatentEncodeFn =
+    std::function<at::Tensor(const at::Tensor& images, const std::vector<uint64_t>& noise_salts)>;
 
 struct TextEmbeds {
     at::Tensor prompt_embeds;         // [B, T, D]
@@ -88,6 +91,15 @@ CacheBuildReport build_latent_cache(const LatentCache& cache,
                                     const std::map<std::string, std::vector<LatentRequest>>& buckets,
                                     const LatentEncodeFn& encode, const CacheBuildOptions& options,
                                     ThreadPool& pool);
+
+// The latent entries a run needs before its first step, per bucket: every sample of `buckets`
+// with its plan (the epoch-0 plan for crop_aspect random, see sample_variants.h), and with
+// random_flip its mirrored variant too. `dtune train` and `dtune cache` both build exactly these,
+// so a cache built by either serves the other.
+std::map<std::string, std::vector<LatentRequest>> prebuild_requests(
+    const DatasetConfig& config, const std::map<std::string, std::vector<std::string>>& buckets,
+    const std::map<std::string, SamplePlan>& plans, uint64_t seed, const AspectResolutionMap& pins,
+    const BucketMath& math);
 
 // Encodes every distinct caption of this rank's share (sorted distinct captions, contiguous slice)
 // that has no valid entry, in batches of options.batch_size; writes on the pool.

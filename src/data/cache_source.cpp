@@ -66,10 +66,12 @@ class CachedLatentSource final : public LatentSource {
     void encode_missing(const std::vector<LatentRequest>& batch, const std::vector<size_t>& missing,
                         std::vector<at::Tensor>& out) {
         std::vector<at::Tensor> images(missing.size());  // each [3, H, W]
+        std::vector<uint64_t> salts;
+        for (size_t i : missing) salts.push_back(batch[i].noise_salt);
         pool_.parallel_for(missing.size(), [&](size_t k) {
             images[k] = io::prepare_image_tensor(batch[missing[k]].path, spec_of(batch[missing[k]]));
         });
-        const at::Tensor latents = encode_(at::stack(images)).detach().to(at::kCPU);  // [M, C, h, w]
+        const at::Tensor latents = encode_(at::stack(images), salts).detach().to(at::kCPU);  // [M, C, h, w]
         DTUNE_CHECK(latents.dim() == 4 && latents.size(0) == static_cast<int64_t>(missing.size()),
                     "the VAE encoder returned ", latents.sizes(), " for ", missing.size(), " images");
         for (size_t k = 0; k < missing.size(); ++k) out[missing[k]] = latents[static_cast<int64_t>(k)];

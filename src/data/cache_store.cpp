@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "data/sample_variants.h"
 #include "io/safetensors.h"
 
 namespace dtune::data {
@@ -111,6 +112,7 @@ LatentCacheSettings latent_cache_settings(const DatasetConfig& config, const std
     s.encoder_identity = encoder_identity;
     s.dataset_settings = dataset_settings_text(config);
     s.compression = config.compress_cache ? CacheCompression::kZstd : CacheCompression::kNone;
+    s.size_in_name = rebuckets_per_epoch(config);
     return s;
 }
 
@@ -161,14 +163,21 @@ LatentCache::LatentCache(LatentCacheSettings settings) : settings_(std::move(set
 }
 
 std::filesystem::path LatentCache::entry_path(const std::string& image_path) const {
-    const std::filesystem::path image(image_path);
+    return entry_path(LatentRequest{image_path, {}, false});
+}
+
+std::filesystem::path LatentCache::entry_path(const LatentRequest& request) const {
+    const std::filesystem::path image(request.path);
     std::filesystem::path sub;
     if (!settings_.data_root.empty()) {
         const auto rel = image.lexically_relative(settings_.data_root);
         if (!rel.empty() && *rel.begin() != "..") sub = rel.parent_path();
     }
+    std::string variant;
+    if (settings_.size_in_name) variant += "-" + geometry_key(request.plan);
+    if (request.flip) variant += "-flip";
     return std::filesystem::path(settings_.cache_dir) / sub /
-           (sha256_hex(image.stem().string()) + ".safetensors");
+           (sha256_hex(image.stem().string()) + variant + ".safetensors");
 }
 
 std::string LatentCache::key_text(const LatentRequest& r) const {
@@ -206,7 +215,7 @@ std::map<std::string, std::string> LatentCache::expected_metadata(const LatentRe
 EntryLookup LatentCache::load(const LatentRequest& r) const {
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     std::map<std::string, std::string> metadata;
-    const auto path = entry_path(r.path);
+    const auto path = entry_path(r);
     EntryLookup result = read_entry(path, &tensors, &metadata);
     if (result.status != EntryStatus::kValid) return result;
     result = verify_metadata(metadata, expected_metadata(r));
@@ -230,7 +239,7 @@ void LatentCache::store(const LatentRequest& r, const at::Tensor& latents) const
                 "]; check the VAE's latent_channels");
     auto metadata = expected_metadata(r);
     metadata["dtype"] = c10::toString(latents.scalar_type());
-    write_entry(entry_path(r.path), serialize_entry({{"latents", latents}}, std::move(metadata)),
+    write_entry(entry_path(r), serialize_entry({{"latents", latents}}, std::move(metadata)),
                 settings_.compression);
 }
 

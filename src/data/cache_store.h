@@ -1,8 +1,9 @@
 // The on-disk latent and text-embedding caches: one file per entry, each a safetensors buffer
 // (optionally wrapped in zstd or gzip, see cache_codec.h) whose `__metadata__` records what the
 // entry was built from. Layout (README "Caches"):
-//   <cache_dir_vae>/<image subdirs below instance_data_dir>/<sha256(image stem)>.safetensors
-//     tensor "latents" [C, H/8, W/8]
+//   <cache_dir_vae>/<image subdirs below instance_data_dir>/<sha256(image stem)><variant>.safetensors
+//     tensor "latents" [C, H/8, W/8]; <variant> is "" for the planned crop, "-flip" for its mirror
+//     image, and crop_aspect-random datasets add "-<target WxH>_<resize WxH>" before it
 //   <text cache_dir>/<sha256(caption)[:32]>-<model_family>.safetensors
 //     tensors "prompt_embeds" [T, D], "pooled_prompt_embeds" [P]
 //
@@ -37,8 +38,11 @@ const char* to_string(EntryStatus status);
 // One image to encode: its path and the plan the bucket index computed for it.
 struct LatentRequest {
     std::string path;
-    SamplePlan plan;
+    SamplePlan plan;  // the crop offsets are those of the unmirrored image
     bool flip = false;
+    // Mixed into the posterior sample's seed by the VAE callable: 0 for cache entries (one latent
+    // per variant), a per-draw value under vae_cache_disable (a fresh sample every epoch).
+    uint64_t noise_salt = 0;
 };
 
 struct LatentCacheSettings {
@@ -48,7 +52,8 @@ struct LatentCacheSettings {
     std::string dataset_settings;  // canonical text of the dataset's preparation settings
     CacheCompression compression = CacheCompression::kZstd;
     int64_t latent_channels = 4;
-    int downsample = 8;  // pixels per latent cell
+    int downsample = 8;         // pixels per latent cell
+    bool size_in_name = false;  // crop_aspect random: one entry per geometry (see the layout)
 };
 
 // The preparation settings of a dataset that decide its pixels: resolution, resolution_type,
@@ -70,7 +75,10 @@ class LatentCache {
     explicit LatentCache(LatentCacheSettings settings);
     const LatentCacheSettings& settings() const { return settings_; }
 
+    // The entry of the planned, unmirrored variant (datasets without per-epoch sizes).
     std::filesystem::path entry_path(const std::string& image_path) const;
+    // The entry of one variant (flip, and the geometry for crop_aspect random).
+    std::filesystem::path entry_path(const LatentRequest& request) const;
     // Canonical text of everything an entry depends on (the key is its SHA-256). Stats the image;
     // DataError when it is gone.
     std::string key_text(const LatentRequest& request) const;

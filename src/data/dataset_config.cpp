@@ -326,6 +326,7 @@ void parse_image_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArgs& ar
     c.vae_cache_ondemand = r.get_bool("vae_cache_ondemand", args.vae_cache_ondemand);
     c.vae_cache_disable = r.get_bool("vae_cache_disable", args.vae_cache_disable);
     if (c.vae_cache_disable) c.vae_cache_ondemand = true;  // disable implies on-demand encoding
+    c.random_flip = r.get_bool("random_flip", args.random_flip);
     c.read_batch_size = r.get_positive_int("read_batch_size", args.read_batch_size);
     c.vae_batch_size = r.get_positive_int("vae_batch_size", args.vae_batch_size);
     c.image_processing_batch_size =

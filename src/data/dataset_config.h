@@ -73,6 +73,7 @@ struct GlobalDataArgs {
     std::string cache_dir_vae;  // empty: <output_dir>/cache/vae/<model_family>/<id>
     bool vae_cache_ondemand = false;
     bool vae_cache_disable = false;
+    bool random_flip = false;  // dtune/diffusers key (SimpleTuner has no flip option)
     bool compress_disk_cache = true;
     int write_batch_size = 128;
     int read_batch_size = 25;
@@ -136,6 +137,9 @@ struct DatasetConfig {
     std::optional<int> max_num_samples;
     bool vae_cache_ondemand = false;
     bool vae_cache_disable = false;
+    // Mirror training images left-right with probability 1/2, decided per draw (see
+    // data/sample_variants.h); not a SimpleTuner key (diffusers' --random_flip).
+    bool random_flip = false;
     int read_batch_size = 25;
     int vae_batch_size = 4;
     int image_processing_batch_size = 32;

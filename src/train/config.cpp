@@ -77,6 +77,7 @@ const std::vector<OptionSpec>& specs() {
     {"resolution_type", OptionType::kString, "\"pixel_area\"", "dataset fallback resolution type", "pixel,area,pixel_area"},
     {"vae_cache_disable", OptionType::kBool, "false", "encode latents on the fly every step (no latent cache)", nullptr},
     {"vae_cache_ondemand", OptionType::kBool, "false", "encode missing latents when first used instead of at start", nullptr},
+    {"random_flip", OptionType::kBool, "false", "mirror training images left-right at random (diffusers' key; a dataset entry may override it)", nullptr},
     {"vae_batch_size", OptionType::kInt, "4", "images per VAE call when building the latent cache", nullptr},
     {"compress_disk_cache", OptionType::kBool, "true", "zstd-compress cache entries (datasets' compress_cache wins)", nullptr},
     {"cache_dir_vae", OptionType::kString, "\"\"", "latent cache folder fallback (default <output_dir>/cache/vae/<family>/<id>)", nullptr},

@@ -22,10 +22,30 @@
 #include "core/thread_pool.h"
 #include "data/batch_plan.h"
 #include "data/cache_builder.h"
+#include "data/sample_variants.h"
 #include "data/sampler.h"
 #include "train/dataset_source.h"
 
 namespace dtune::train::detail {
+
+// What the planner needs to re-bucket a crop_aspect-random dataset each epoch (immutable, shared
+// by the planner's copies).
+struct RebucketInputs {
+    data::BucketSettings settings;
+    std::map<std::string, data::SamplePlan> indexed;  // every served path → its bucket-index plan
+    data::AspectResolutionMap pins;
+    data::BatchCheckInput check;
+    uint64_t seed = 0;
+    int world_size = 1;
+};
+
+// One epoch's layout of a re-bucketed dataset: every rank's share per bucket and the plans.
+struct EpochLayout {
+    std::map<std::string, std::vector<std::string>> global;  // key → every rank's share, rank order
+    std::map<std::string, data::SamplePlan> plans;
+    int64_t samples = 0;
+};
+EpochLayout layout_for_epoch(const RebucketInputs& inputs, int64_t epoch);
 
 struct LoadedDataset {
     data::DatasetConfig config;  // `type: aws` entries point at their local mirror
@@ -38,7 +58,10 @@ struct LoadedDataset {
     std::unique_ptr<data::LatentCache> latent_cache;
     std::unique_ptr<data::LatentSource> latents;
     std::shared_ptr<data::TextEmbedCache> text_cache;
+    int text_batch_size = 1;  // the text_embeds entry's text_encoder_batch_size
     DatasetCacheReport report;
+    data::AspectResolutionMap pins;                  // the aspect→size map bucketing used
+    std::shared_ptr<const RebucketInputs> rebucket;  // set when crop_aspect is random
 };
 
 // One planned micro-batch of this rank.
@@ -49,6 +72,8 @@ struct PlannedBatch {
     int64_t epoch = 0;
     int64_t batch_in_epoch = 0;
     int64_t first_position = 0;  // position of samples[0] in the global batch
+    // This epoch's plan of each sample for re-bucketed datasets; empty: the bucket-index plans.
+    std::vector<data::SamplePlan> plans;
 };
 
 // Which dataset, bucket and samples come next: one global BucketSampler per dataset, the
@@ -65,8 +90,13 @@ class Planner {
 
   private:
     void begin_epoch(int64_t epoch);
+    // Re-buckets the crop_aspect-random datasets for `epoch` (new samplers and plans).
+    void layout_epoch(int64_t epoch);
 
     std::vector<data::BucketSampler> samplers_;
+    std::vector<std::shared_ptr<const RebucketInputs>> rebucket_;  // null: fixed buckets
+    std::vector<std::shared_ptr<const std::map<std::string, data::SamplePlan>>> epoch_plans_;
+    std::vector<int> repeats_;
     std::vector<data::DatasetWeight> weights_;
     std::vector<std::string> ids_;
     std::vector<int> batch_sizes_;

@@ -201,12 +201,17 @@ void drop_unreadable(LoadedDataset& d, const DatasetSourceOptions& o) {
 
 void build_text_caches(std::vector<LoadedDataset>& datasets, const DatasetSourceOptions& o,
                        const DatasetEncoders& enc, ThreadPool& pool) {
-    // One build per cache folder; "" (caption dropout) goes into the first dataset's cache.
+    // One build per cache folder; "" (caption dropout) goes into the first dataset's cache. `dtune
+    // cache` batches the same captions the same way (batched encoders round differently per batch).
     std::map<std::string, std::pair<std::shared_ptr<data::TextEmbedCache>, std::vector<std::string>>> by_dir;
+    std::map<std::string, int> batch_of;
     for (size_t i = 0; i < datasets.size(); ++i) {
         auto& d = datasets[i];
         auto& slot = by_dir[d.text_cache->settings().cache_dir];
-        if (!slot.first) slot.first = d.text_cache;
+        if (!slot.first) {
+            slot.first = d.text_cache;
+            batch_of[d.text_cache->settings().cache_dir] = d.text_batch_size;
+        }
         d.text_cache = slot.first;
         for (const auto& [path, captions] : d.captions)
             slot.second.insert(slot.second.end(), captions.begin(), captions.end());
@@ -216,7 +221,7 @@ void build_text_caches(std::vector<LoadedDataset>& datasets, const DatasetSource
         data::CacheBuildOptions opt;
         opt.world_size = o.world_size;
         opt.rank = o.rank;
-        opt.batch_size = std::max(1, o.text_encoder_batch_size);
+        opt.batch_size = std::max(1, batch_of.at(dir));
         opt.show_progress = o.show_progress && o.rank == 0;
         opt.label = "text embeds";
         const auto report = data::build_text_cache(*slot.first, slot.second, enc.text, opt, pool);
@@ -233,9 +238,7 @@ void build_latent_caches(std::vector<LoadedDataset>& datasets, const DatasetSour
         d.latent_cache =
             std::make_unique<data::LatentCache>(data::latent_cache_settings(d.config, enc.vae_identity));
         if (d.config.vae_cache_ondemand) continue;
-        std::map<std::string, std::vector<data::LatentRequest>> requests;
-        for (const auto& [key, paths] : d.buckets)
-            for (const auto& p : paths) requests[key].push_back({p, d.plans.at(p), false});
+        const auto requests = data::prebuild_requests(d.config, d.buckets, d.plans, o.seed, d.pins, o.math);
         data::CacheBuildOptions opt;
         opt.world_size = o.world_size;
         opt.rank = o.rank;
@@ -249,14 +252,37 @@ void build_latent_caches(std::vector<LoadedDataset>& datasets, const DatasetSour
 }
 
 // True when every latent entry of every dataset is on disk (so the VAE is not needed again).
-bool latents_complete(const std::vector<LoadedDataset>& datasets) {
+// crop_aspect random keeps the VAE: later epochs may pick aspects not cached yet.
+bool latents_complete(const std::vector<LoadedDataset>& datasets, const DatasetSourceOptions& o) {
     for (const auto& d : datasets) {
-        if (!d.latent_cache || d.config.vae_cache_ondemand) return false;
-        for (const auto& [key, paths] : d.buckets)
-            for (const auto& p : paths)
-                if (!stdfs::exists(d.latent_cache->entry_path(p))) return false;
+        if (!d.latent_cache || d.config.vae_cache_ondemand || d.rebucket) return false;
+        for (const auto& [key, requests] :
+             data::prebuild_requests(d.config, d.buckets, d.plans, o.seed, d.pins, o.math))
+            for (const auto& r : requests)
+                if (!stdfs::exists(d.latent_cache->entry_path(r))) return false;
     }
     return true;
+}
+
+// crop_aspect random: what the planner needs to re-bucket the served samples every epoch.
+void prepare_rebucketing(LoadedDataset& d, const DatasetSourceOptions& o) {
+    if (!data::rebuckets_per_epoch(d.config)) return;
+    auto in = std::make_shared<RebucketInputs>();
+    in->settings = data::BucketSettings::from(d.config, o.math);
+    for (const auto& [key, paths] : d.buckets)
+        for (const auto& p : paths) in->indexed.emplace(p, d.plans.at(p));
+    in->pins = d.pins;
+    in->check.dataset_id = d.config.id;
+    in->check.train_batch_size = d.batch_size;
+    in->check.world_size = o.world_size;
+    in->check.gradient_accumulation_steps = o.gradient_accumulation_steps;
+    in->check.repeats = d.config.repeats;
+    in->check.repeats_set_by_user = d.config.repeats_set;
+    in->check.allow_oversubscription = o.allow_dataset_oversubscription;
+    in->check.apply_padding = o.apply_padding;
+    in->seed = o.seed;
+    in->world_size = o.world_size;
+    d.rebucket = std::move(in);
 }
 
 bool text_complete(const std::vector<LoadedDataset>& datasets) {
@@ -295,6 +321,7 @@ data::GlobalDataArgs data_args_from_config(const TrainConfig& c) {
                            : c.text("cache_dir_text");
     a.vae_cache_disable = c.flag("vae_cache_disable");
     a.vae_cache_ondemand = c.flag("vae_cache_ondemand");
+    a.random_flip = c.flag("random_flip");
     a.compress_disk_cache = c.flag("compress_disk_cache");
     a.vae_batch_size = static_cast<int>(c.integer("vae_batch_size"));
     a.caption_dropout_probability = c.real("caption_dropout_probability");
@@ -328,26 +355,32 @@ SetupResult setup_datasets(const DatasetSourceOptions& o, DatasetEncoders enc, T
     if (o.rank != 0)
         for (const auto& c : configs) out.datasets.push_back(bucket_dataset(c, o, false, pool));
     for (auto& d : out.datasets) {
+        d.pins = data::load_aspect_pins(d.config, o.global.output_dir);
         resolve_all_captions(d);
         plan_dataset(d, o);
         d.report.dataset = d.config.id;
         d.text_cache = text_cache_for(d.config, all, o, enc);
+        const auto* text_entry = all.find(d.config.text_embeds);
+        d.text_batch_size = text_entry ? text_entry->text_encoder_batch_size : o.text_encoder_batch_size;
     }
     build_text_caches(out.datasets, o, enc, pool);
     build_latent_caches(out.datasets, o, enc, pool);
     barrier(o);  // every rank's share of both caches is on disk from here on
-    for (auto& d : out.datasets) drop_unreadable(d, o);
+    for (auto& d : out.datasets) {
+        drop_unreadable(d, o);
+        prepare_rebucketing(d, o);
+    }
 
     const data::TextEmbeds empty = data::text_embeds_for(*out.datasets.front().text_cache, {""}, enc.text);
     out.empty_prompt = {empty.prompt_embeds[0], empty.pooled_prompt_embeds[0]};  // [T, D], [P]
     out.text_released = text_complete(out.datasets);
-    out.vae_released = latents_complete(out.datasets);
+    out.vae_released = latents_complete(out.datasets, o);
     if (out.text_released) enc.text = nullptr;  // the closures own the models: this frees them
     if (out.vae_released) enc.vae = nullptr;
     out.text = enc.text;
     data::LatentEncodeFn vae = enc.vae;
     if (!vae)
-        vae = [](const at::Tensor&) -> at::Tensor {
+        vae = [](const at::Tensor&, const std::vector<uint64_t>&) -> at::Tensor {
             throw DataError(
                 "a latent cache entry became unreadable during training and the VAE was released after "
                 "caching; restart the run (the entry is rebuilt at start-up)");

@@ -12,6 +12,37 @@ namespace detail {
 
 // ---- planner ----------------------------------------------------------------------------------
 
+EpochLayout layout_for_epoch(const RebucketInputs& in, int64_t epoch) {
+    const data::EpochBuckets eb =
+        data::rebucket_epoch(in.settings, in.indexed, in.seed, in.check.dataset_id, epoch, in.pins);
+    std::map<std::string, int64_t> sizes;
+    for (const auto& [key, paths] : eb.buckets) sizes[key] = static_cast<int64_t>(paths.size());
+    data::EpochPlan plan;
+    try {
+        plan = data::plan_epoch(in.check, sizes);
+    } catch (const UsageError& e) {
+        // This epoch's random buckets fail the batch-size check: rather than stop a run that
+        // passed it at start, oversubscribe (automatic repeats) this epoch and say so.
+        if (in.check.allow_oversubscription) throw;
+        log::warn() << "dataset '" << in.check.dataset_id << "', epoch " << epoch + 1
+                    << ": the crop_aspect random buckets fail the batch-size check; this epoch "
+                    << "repeats the short buckets (allow_dataset_oversubscription); "
+                    << std::string(e.what()).substr(0, std::string(e.what()).find('\n'));
+        auto check = in.check;
+        check.allow_oversubscription = true;
+        check.repeats_set_by_user = false;
+        plan = data::plan_epoch(check, sizes);
+    }
+    EpochLayout out;
+    for (int r = 0; r < in.world_size; ++r)
+        for (auto& [key, list] : data::rank_bucket_lists(eb.buckets, plan, in.check.dataset_id, in.seed,
+                                                         in.world_size, r, in.check.apply_padding))
+            out.global[key].insert(out.global[key].end(), list.begin(), list.end());
+    for (const auto& [key, list] : out.global) out.samples += static_cast<int64_t>(list.size());
+    out.plans = eb.plans;
+    return out;
+}
+
 Planner::Planner(const std::vector<LoadedDataset>& datasets, uint64_t seed, int world_size, int rank)
     : seed_(seed), world_size_(world_size), rank_(rank) {
     for (const auto& d : datasets) {
@@ -27,14 +58,30 @@ Planner::Planner(const std::vector<LoadedDataset>& datasets, uint64_t seed, int 
         weights_.push_back(w);
         ids_.push_back(d.config.id);
         batch_sizes_.push_back(d.batch_size);
+        rebucket_.push_back(d.rebucket);
+        epoch_plans_.emplace_back();
+        repeats_.push_back(d.config.repeats);
     }
     begin_epoch(0);
+}
+
+void Planner::layout_epoch(int64_t epoch) {
+    for (size_t i = 0; i < samplers_.size(); ++i) {
+        if (!rebucket_[i]) continue;
+        EpochLayout layout = layout_for_epoch(*rebucket_[i], epoch);
+        samplers_[i] = data::BucketSampler(std::move(layout.global), batch_sizes_[i] * world_size_,
+                                           repeats_[i], seed_, ids_[i]);
+        weights_[i].length = layout.samples;
+        epoch_plans_[i] =
+            std::make_shared<const std::map<std::string, data::SamplePlan>>(std::move(layout.plans));
+    }
 }
 
 void Planner::begin_epoch(int64_t epoch) {
     epoch_ = epoch;
     in_epoch_ = 0;
     done_.assign(samplers_.size(), false);
+    layout_epoch(epoch);
     for (auto& s : samplers_) s.begin_epoch(epoch);
 }
 
@@ -66,6 +113,8 @@ PlannedBatch Planner::next() {
         p.first_position = static_cast<int64_t>(bs) * rank_;
         p.samples.assign(batch->samples.begin() + long(bs * size_t(rank_)),
                          batch->samples.begin() + long(bs * size_t(rank_ + 1)));
+        if (epoch_plans_[*pick])
+            for (const auto& path : p.samples) p.plans.push_back(epoch_plans_[*pick]->at(path));
         p.epoch = epoch_;
         p.batch_in_epoch = in_epoch_;
         ++served_;
@@ -117,6 +166,7 @@ void Planner::load_state(const nlohmann::json& s) {
     served_ = s.at("served").get<int64_t>();
     in_epoch_ = s.at("in_epoch").get<int64_t>();
     done_ = s.at("done").get<std::vector<bool>>();
+    layout_epoch(epoch_);  // the saved sampler states belong to that epoch's buckets
     for (size_t i = 0; i < samplers_.size(); ++i)
         samplers_[i].restore(data::SamplerState::from_json(s.at("samplers").at(i)));
 }
@@ -138,8 +188,17 @@ std::mt19937_64 sample_rng(uint64_t seed, const std::string& dataset, const Plan
 }  // namespace detail
 
 std::vector<double> sdxl_time_ids(const data::SamplePlan& plan) {
-    return {double(plan.intermediary.height), double(plan.intermediary.width), double(plan.crop_top),
-            double(plan.crop_left),           double(plan.target.height),      double(plan.target.width)};
+    return sdxl_time_ids(plan, false);
+}
+
+std::vector<double> sdxl_time_ids(const data::SamplePlan& plan, bool flipped) {
+    const int left = flipped ? data::mirrored_crop_left(plan) : plan.crop_left;
+    return {double(plan.intermediary.height),
+            double(plan.intermediary.width),
+            double(plan.crop_top),
+            double(left),
+            double(plan.target.height),
+            double(plan.target.width)};
 }
 
 detail::PreparedBatch DatasetBatchSource::Impl::prepare(const detail::PlannedBatch& p) {
@@ -150,11 +209,15 @@ detail::PreparedBatch DatasetBatchSource::Impl::prepare(const detail::PlannedBat
     std::vector<double> ids;
     for (size_t i = 0; i < p.samples.size(); ++i) {
         const std::string& path = p.samples[i];
-        const data::SamplePlan& plan = d.plans.at(path);
-        requests.push_back({path, plan, false});
-        for (double v : sdxl_time_ids(plan)) ids.push_back(v);
+        const data::SamplePlan& plan = p.plans.empty() ? d.plans.at(path) : p.plans[i];
         auto rng = detail::sample_rng(options.seed, d.config.id, p, p.first_position + int64_t(i));
         b.captions.push_back(data::pick_caption(d.captions.at(path), rng));
+        // Drawn after the caption so captions are what they were without flips.
+        const bool flip = d.config.random_flip && (rng() >> 63) != 0;
+        data::LatentRequest request{path, plan, flip};
+        if (d.config.vae_cache_disable) request.noise_salt = rng() | 1;  // a fresh posterior sample per draw
+        requests.push_back(request);
+        for (double v : sdxl_time_ids(plan, flip)) ids.push_back(v);
         b.paths.push_back(path);
     }
     b.latents = d.latents->get(requests).to(at::kFloat);  // [B, C, h, w]

@@ -16,11 +16,16 @@
 // of one bucket (same shapes everywhere). A background thread prepares the next K batches (cache
 // reads or decode + encode, text embeds, collate, pinned memory on CUDA).
 //
+// Per-draw variants (data/sample_variants.h): with random_flip a draw is mirrored by the same
+// per-sample generator; with crop_aspect random the planner re-buckets each dataset at every epoch
+// start (a pure function of seed and epoch, so resume and every rank agree); with
+// vae_cache_disable each draw gets its own posterior-sample salt from that generator.
+//
 // Invariants: a batch is a pure function of (seed, the datasets, the planner state): per-sample
-// randomness (caption choice) comes from a generator seeded by (seed, dataset, epoch, batch,
-// position), never from a stream consumed in thread order, and the trainer's generator is not
-// used. state() is the planner state after the last batch next() returned, so load_state()
-// continues with the exact next batch whatever the prefetch thread had prepared.
+// randomness (caption choice, flip, posterior salt) comes from a generator seeded by (seed, dataset, epoch,
+// batch, position), never from a stream consumed in thread order, and the trainer's generator is not used.
+// state() is the planner state after the last batch next() returned, so load_state() continues with the exact
+// next batch whatever the prefetch thread had prepared.
 #pragma once
 
 #include <cstdint>
@@ -38,8 +43,9 @@
 namespace dtune::train {
 
 // The encoders reach the data path as callables (see data/cache_builder.h for the shapes). The VAE
-// callable must be deterministic per image (the trainer seeds the posterior sample from the pixels)
-// so caches built by different ranks, runs or batchings agree.
+// callable must be deterministic per (image, noise salt) (the trainer seeds the posterior sample
+// from the pixels and the salt) so caches built by different ranks, runs, batchings or `dtune
+// cache` agree.
 struct DatasetEncoders {
     data::LatentEncodeFn vae;
     std::string vae_identity;  // part of every latent cache key
@@ -56,7 +62,9 @@ struct DatasetSourceOptions {
     bool apply_padding = true;  // SimpleTuner pads rank shares (see data/batch_plan.h)
     uint64_t seed = 0;
     int prefetch_batches = 2;  // K batches prepared ahead by the loader thread (0: no thread)
-    int text_encoder_batch_size = 4;
+    // Text encoder batch without a text_embeds entry (an entry's text_encoder_batch_size wins;
+    // SimpleTuner's default 1, which `dtune cache` follows too).
+    int text_encoder_batch_size = 1;
     int cache_threads = 0;  // thread pool size (0: hardware concurrency)
     bool show_progress = true;
     data::BucketMath math;
@@ -105,7 +113,9 @@ class DatasetBatchSource final : public BatchSource {
 data::GlobalDataArgs data_args_from_config(const TrainConfig& config);
 
 // SDXL time ids of one sample from its bucket metadata: [intermediary h, intermediary w,
-// crop top, crop left, target h, target w] (SIMPLETUNER.md §1.3).
+// crop top, crop left, target h, target w] (SIMPLETUNER.md §1.3). For a mirrored draw the crop
+// left is the crop's left edge in the mirrored image (data::mirrored_crop_left).
 std::vector<double> sdxl_time_ids(const data::SamplePlan& plan);
+std::vector<double> sdxl_time_ids(const data::SamplePlan& plan, bool flipped);
 
 }  // namespace dtune::train

@@ -30,11 +30,18 @@ uint64_t tensor_content_hash(const at::Tensor& t) {
     return h;
 }
 
+uint64_t posterior_seed(const at::Tensor& image, uint64_t salt) {
+    const uint64_t h = tensor_content_hash(image);
+    return (salt == 0 ? h : data::mix64(h ^ salt)) >> 1;  // salt 0: the cache entries' seed
+}
+
 data::LatentEncodeFn make_vae_encode_fn(std::shared_ptr<models::AutoencoderKLImpl> vae, c10::Device device,
                                         c10::ScalarType dtype, VaeEncodeOptions options) {
     if (options.channels_last) models::convert_to_channels_last(*vae);
-    return [vae, device, dtype, options](const at::Tensor& images) {
+    return [vae, device, dtype, options](const at::Tensor& images, const std::vector<uint64_t>& salts) {
         at::NoGradGuard no_grad;
+        DTUNE_CHECK(salts.size() == static_cast<size_t>(images.size(0)), "the VAE got ", salts.size(),
+                    " noise salts for ", images.size(0), " images");
         // Upload in float32, convert on the device: an upload with a dtype change would convert on
         // the host first, into pageable memory, and wait. Same values either way (RNE rounding).
         const bool async = device.is_cuda() && images.is_pinned();
@@ -44,7 +51,8 @@ data::LatentEncodeFn make_vae_encode_fn(std::shared_ptr<models::AutoencoderKLImp
         // The noise is drawn on the host while the device encodes: one hash per image, in parallel.
         std::vector<uint64_t> seeds(static_cast<size_t>(images.size(0)));
         at::parallel_for(0, images.size(0), 1, [&](int64_t begin, int64_t end) {
-            for (int64_t i = begin; i < end; ++i) seeds[size_t(i)] = tensor_content_hash(images[i]) >> 1;
+            for (int64_t i = begin; i < end; ++i)
+                seeds[size_t(i)] = posterior_seed(images[i], salts[size_t(i)]);
         });
         std::vector<at::Tensor> eps;
         for (uint64_t seed : seeds) {

@@ -1,10 +1,12 @@
 // SDXL's VAE and two CLIP text encoders wrapped as the data layer's callables (DatasetEncoders),
 // for `dtune train`'s caches and on-the-fly encoding.
 //
-// Invariants: the VAE callable is deterministic per image: the posterior sample's noise comes from
-// a CPU generator seeded by a hash of the image's pixels, so latents do not depend on batching,
-// rank, thread timing or the run (a cache built by any rank or run is the one a fresh build would
-// write). The identities follow `dtune cache`'s, so caches built there are reused by training.
+// Invariants: the VAE callable is deterministic per (image, noise salt): the posterior sample's
+// noise comes from a CPU generator seeded by posterior_seed (a hash of the image's pixels, mixed
+// with the salt when it is not 0), so latents do not depend on batching, rank, thread timing or
+// the run (a cache built by any rank or run, or by `dtune cache`, which uses this same callable,
+// is the one a fresh build would write). vae_cache_disable passes a per-draw salt, so each epoch
+// draws a fresh sample.
 // The callables own the models: dropping them frees the memory.
 #pragma once
 
@@ -47,5 +49,7 @@ data::LatentEncodeFn make_vae_encode_fn(std::shared_ptr<models::AutoencoderKLImp
 
 // 64-bit hash of a tensor's values (contiguous CPU copy), used to seed the posterior sample.
 uint64_t tensor_content_hash(const at::Tensor& t);
+// The generator seed of one image's posterior sample (63 bits).
+uint64_t posterior_seed(const at::Tensor& image, uint64_t salt);
 
 }  // namespace dtune::train

@@ -34,7 +34,7 @@ at::Tensor tiny_vae(const at::Tensor& images) {
 struct CountingEncoder {
     std::atomic<int> calls{0}, images{0};
     LatentEncodeFn fn() {
-        return [this](const at::Tensor& x) {
+        return [this](const at::Tensor& x, const std::vector<uint64_t>&) {
             ++calls;
             images += static_cast<int>(x.size(0));
             return tiny_vae(x);
