@@ -299,7 +299,9 @@ std::map<std::string, std::vector<LatentRequest>> two_shapes(const std::vector<L
 // target shape in path order, batch_size at a time. The encoder depends on the whole batch (a
 // batch mean is added), so any other batch composition would show.
 TEST_F(CacheTest, EntriesDependOnlyOnInputsNotOnThePipeline) {
-    const LatentEncodeFn batch_dependent = [](const at::Tensor& x) { return tiny_vae(x) + 0.01 * x.mean(); };
+    const LatentEncodeFn batch_dependent = [](const at::Tensor& x, const std::vector<uint64_t>&) {
+        return tiny_vae(x) + 0.01 * x.mean();
+    };
     const auto buckets = two_shapes(requests().at("1.0"));
     std::vector<std::map<std::string, std::string>> bytes;  // entry file -> contents, per run
     for (const auto& [threads, prefetch] : {std::pair{1, 1}, std::pair{4, 5}}) {
@@ -335,7 +337,8 @@ TEST_F(CacheTest, EntriesDependOnlyOnInputsNotOnThePipeline) {
                     sorted[i].path, {p.resize_size.width, p.resize_size.height, p.crop_top, p.crop_left,
                                      p.target.width, p.target.height, false}));
             }
-            const at::Tensor want = batch_dependent(at::stack(images));  // [n, 4, h, w]
+            const at::Tensor want =
+                batch_dependent(at::stack(images), std::vector<uint64_t>(images.size()));  // [n, 4, h, w]
             for (size_t i = b; i < std::min(sorted.size(), b + 4); ++i) {
                 const auto found = cache.load(sorted[i]);
                 ASSERT_EQ(found.status, EntryStatus::kValid) << found.reason;
@@ -355,11 +358,11 @@ TEST_F(CacheTest, DeviceEncoderWithPinnedAsynchronousCopies) {
         const at::Tensor pooled = at::avg_pool2d(x.to(at::kDouble), {8, 8});  // [B, 3, h, w]
         return at::cat({pooled, pooled.mean(1, true)}, 1);                    // [B, 4, h, w]
     };
-    const LatentEncodeFn on_gpu = [&](const at::Tensor& x) {
+    const LatentEncodeFn on_gpu = [&](const at::Tensor& x, const std::vector<uint64_t>&) {
         EXPECT_TRUE(x.is_pinned());
         return pool4(x.to(at::kCUDA, /*non_blocking=*/true));  // stays on the device
     };
-    const LatentEncodeFn on_cpu = [&](const at::Tensor& x) { return pool4(x); };
+    const LatentEncodeFn on_cpu = [&](const at::Tensor& x, const std::vector<uint64_t>&) { return pool4(x); };
     LatentCacheSettings gpu_settings = settings(CacheCompression::kNone);
     gpu_settings.cache_dir = (dir_ / "gpu").string();
     CacheBuildOptions opt;

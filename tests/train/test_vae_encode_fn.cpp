@@ -18,11 +18,12 @@ class VaeEncodeFnTest : public ::testing::Test {
   protected:
     models::AutoencoderKL vae = models::load_autoencoder_kl(test::fixtures_dir() / "tiny-sdxl" / "vae");
     at::Tensor images = at::rand({3, 3, 64, 48}, at::Generator(at::detail::createCPUGenerator(7))) * 2 - 1;
+    const std::vector<uint64_t> salts = std::vector<uint64_t>(3, 0);  // 0: the cache entries' seed
 };
 
 TEST_F(VaeEncodeFnTest, RowsArePixelSeededScaledPosteriorSamples) {
     const auto encode = make_vae_encode_fn(vae.ptr(), c10::Device(c10::kCPU), at::kFloat);
-    const at::Tensor got = encode(images);  // [3, C, 8, 6]
+    const at::Tensor got = encode(images, salts);  // [3, C, 8, 6]
     ASSERT_EQ(got.dim(), 4);
     EXPECT_EQ(got.size(0), 3);
     EXPECT_EQ(got.size(2), 8);
@@ -39,16 +40,17 @@ TEST_F(VaeEncodeFnTest, RowsArePixelSeededScaledPosteriorSamples) {
     }
     // Another order in the batch permutes the rows and changes nothing else.
     const at::Tensor order = at::tensor({2, 0, 1}, at::kLong);
-    EXPECT_TRUE(at::allclose(encode(images.index_select(0, order)), got.index_select(0, order), 1e-5, 1e-6));
+    EXPECT_TRUE(
+        at::allclose(encode(images.index_select(0, order), salts), got.index_select(0, order), 1e-5, 1e-6));
     // Another image gets other noise: rows of equal-mean inputs still differ.
     EXPECT_FALSE(at::allclose(got[0], got[1]));
 }
 
 TEST_F(VaeEncodeFnTest, ChannelsLastGivesTheSameLatentsInTheStandardLayout) {
-    const at::Tensor plain = make_vae_encode_fn(vae.ptr(), c10::Device(c10::kCPU), at::kFloat)(images);
+    const at::Tensor plain = make_vae_encode_fn(vae.ptr(), c10::Device(c10::kCPU), at::kFloat)(images, salts);
     auto copy = models::load_autoencoder_kl(test::fixtures_dir() / "tiny-sdxl" / "vae");
-    const at::Tensor nhwc =
-        make_vae_encode_fn(copy.ptr(), c10::Device(c10::kCPU), at::kFloat, {.channels_last = true})(images);
+    const at::Tensor nhwc = make_vae_encode_fn(copy.ptr(), c10::Device(c10::kCPU), at::kFloat,
+                                               {.channels_last = true})(images, salts);
     EXPECT_TRUE(nhwc.is_contiguous());
     EXPECT_TRUE(at::allclose(nhwc, plain, 1e-4, 1e-5)) << (nhwc - plain).abs().max().item<double>();
 }
@@ -76,11 +78,11 @@ TEST_F(VaeEncodeFnTest, NhwcGroupNormMatchesGroupNorm) {
     EXPECT_TRUE(models::group_norm_nhwc(x, 32, at::Tensor(), at::Tensor(), 1e-6)
                     .allclose(at::group_norm(x, 32, {}, {}, 1e-6), 1e-4, 1e-5));
 
-    const at::Tensor plain = make_vae_encode_fn(vae.ptr(), c10::Device(c10::kCPU), at::kFloat)(images);
+    const at::Tensor plain = make_vae_encode_fn(vae.ptr(), c10::Device(c10::kCPU), at::kFloat)(images, salts);
     auto copy = models::load_autoencoder_kl(test::fixtures_dir() / "tiny-sdxl" / "vae");
     models::set_group_norm_nhwc(true);
-    const at::Tensor nhwc =
-        make_vae_encode_fn(copy.ptr(), c10::Device(c10::kCPU), at::kFloat, {.channels_last = true})(images);
+    const at::Tensor nhwc = make_vae_encode_fn(copy.ptr(), c10::Device(c10::kCPU), at::kFloat,
+                                               {.channels_last = true})(images, salts);
     models::set_group_norm_nhwc(false);
     EXPECT_TRUE(at::allclose(nhwc, plain, 1e-4, 1e-5)) << (nhwc - plain).abs().max().item<double>();
 }
