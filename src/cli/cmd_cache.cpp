@@ -23,6 +23,7 @@
 #include "core/log.h"
 #include "core/thread_pool.h"
 #include "data/cache_builder.h"
+#include "data/cache_placement.h"
 #include "data/captions.h"
 #include "data/dataset_buckets.h"
 #include "data/storage.h"
@@ -215,6 +216,7 @@ nlohmann::json cache_dataset(const data::DatasetConfig& d, const data::DataBacke
     ts.cache_dir = text_entry ? text_entry->cache_dir : gargs.cache_dir_text;
     ts.model_family = gargs.model_family;
     ts.encoder_identity = enc.text_identity;
+    ts.storage = data::text_cache_storage(text_entry);
     ts.compression = (text_entry ? text_entry->compress_cache : d.compress_cache)
                          ? data::CacheCompression::kZstd
                          : data::CacheCompression::kNone;
@@ -226,8 +228,11 @@ nlohmann::json cache_dataset(const data::DatasetConfig& d, const data::DataBacke
 
     opt.batch_size = d.vae_batch_size;
     opt.label = "latents " + d.id;
-    opt.report_path = (stdfs::path(d.cache_dir_vae) / str("skipped_images_rank", rank, ".json")).string();
-    const data::LatentCache cache(data::latent_cache_settings(d, enc.vae_identity));
+    const data::LatentCache cache(data::latent_cache_placement(d, datasets, gargs, enc.vae_identity));
+    const stdfs::path report_dir = cache.storage().remote()
+                                       ? stdfs::path(gargs.output_dir) / "cache" / "skipped" / d.id
+                                       : stdfs::path(d.cache_dir_vae);
+    opt.report_path = (report_dir / str("skipped_images_rank", rank, ".json")).string();
     const auto latents = data::build_latent_cache(cache, requests.latents, enc.vae, opt, pool);
     log::info() << "latents of '" << d.id << "': " << latents.summary();
     return {{"latents", report_json(latents)}, {"text", report_json(text)}};

@@ -18,6 +18,7 @@
 #include "core/progress.h"
 #include "core/thread_pool.h"
 #include "data/batch_plan.h"
+#include "data/prefetch.h"
 #include "io/image_tensor.h"
 
 namespace dtune::data {
@@ -50,9 +51,11 @@ struct Decoded {
     std::string error;
 };
 
-Decoded decode(const LatentRequest& r) {
+// Decodes from the local file, or from the bytes the prefetcher fetched (index `fetched`).
+Decoded decode(const LatentRequest& r, ObjectPrefetcher* ahead, size_t fetched) {
     try {
-        return {io::prepare_image_tensor(r.path, prepare_spec(r)), ""};
+        if (!ahead) return {io::prepare_image_tensor(r.path, prepare_spec(r)), ""};
+        return {io::prepare_image_tensor_bytes(ahead->take(fetched), r.path, prepare_spec(r)), ""};
     } catch (const std::exception& e) {
         return {{}, e.what()};
     }
@@ -97,15 +100,12 @@ std::map<std::pair<int, int>, std::vector<const LatentRequest*>> check_entries(
     std::map<const LatentRequest*, EntryStatus>& found, ThreadPool& pool, Progress& progress) {
     std::vector<EntryStatus> status(all.size());
     std::vector<std::string> reasons(all.size());
-    pool.parallel_for(all.size(), [&](size_t i) {
-        try {
-            EntryLookup found = cache.load(*all[i]);
-            status[i] = found.status;
-            reasons[i] = std::move(found.reason);
-        } catch (const DataError&) {
-            status[i] = EntryStatus::kMissing;  // the image is gone: the decode step reports it
-        }
-    });
+    // A gone image reads as kMissing: the decode step reports it.
+    std::vector<EntryLookup> lookups = cache.load_many(all, pool);
+    for (size_t i = 0; i < all.size(); ++i) {
+        status[i] = lookups[i].status;
+        reasons[i] = std::move(lookups[i].reason);
+    }
     std::map<std::pair<int, int>, std::vector<const LatentRequest*>> todo;
     for (size_t i = 0; i < all.size(); ++i) {
         if (status[i] == EntryStatus::kCorrupt)
@@ -172,49 +172,72 @@ CacheBuildReport build_latent_cache(const LatentCache& cache,
             batches.emplace_back(
                 requests.begin() + long(i),
                 requests.begin() + long(std::min(requests.size(), i + size_t(options.batch_size))));
+    // Images in a remote store (S3) are fetched in batch order, max_parallel_reads() at a time,
+    // ahead of the decode tasks that take them.
+    std::unique_ptr<ObjectPrefetcher> ahead;
+    if (cache.images().remote()) {
+        std::vector<std::string> order;
+        for (const auto& b : batches)
+            for (const LatentRequest* r : b) order.push_back(r->path);
+        const StorageBackend& images = cache.images();
+        ahead = std::make_unique<ObjectPrefetcher>(
+            std::move(order), [&images](const std::string& p) { return images.read(p); },
+            images.max_parallel_reads());
+    }
     std::deque<PendingBatch> queue;
-    size_t next = 0;
+    size_t next = 0, fetched = 0;
     auto enqueue = [&] {
         PendingBatch pending;
         for (const LatentRequest* r : batches[next]) {
             pending.requests.push_back(r);
-            pending.pixels.push_back(pool.submit([r] { return decode(*r); }));
+            pending.pixels.push_back(
+                pool.submit([r, a = ahead.get(), i = fetched++] { return decode(*r, a, i); }));
         }
         queue.push_back(std::move(pending));
         ++next;
     };
     std::vector<std::future<void>> writes;
     const size_t depth = size_t(std::max(1, options.prefetch_batches));
-    while (next < batches.size() || !queue.empty()) {
-        while (next < batches.size() && queue.size() < depth + 1) enqueue();
-        PendingBatch batch = std::move(queue.front());
-        queue.pop_front();
-        std::vector<at::Tensor> images;
-        std::vector<const LatentRequest*> kept;
-        for (size_t i = 0; i < batch.pixels.size(); ++i) {
-            Decoded d = batch.pixels[i].get();
-            if (!d.error.empty()) {
-                report.skipped_files.emplace_back(batch.requests[i]->path, d.error);
-                --counter_of(report, found[batch.requests[i]]);  // counted as skipped instead
-                progress.update();
-                continue;
+    try {
+        while (next < batches.size() || !queue.empty()) {
+            while (next < batches.size() && queue.size() < depth + 1) enqueue();
+            PendingBatch batch = std::move(queue.front());
+            queue.pop_front();
+            std::vector<at::Tensor> images;
+            std::vector<const LatentRequest*> kept;
+            for (size_t i = 0; i < batch.pixels.size(); ++i) {
+                Decoded d = batch.pixels[i].get();
+                if (!d.error.empty()) {
+                    report.skipped_files.emplace_back(batch.requests[i]->path, d.error);
+                    --counter_of(report, found[batch.requests[i]]);  // counted as skipped instead
+                    progress.update();
+                    continue;
+                }
+                images.push_back(std::move(d.pixels));
+                kept.push_back(batch.requests[i]);
             }
-            images.push_back(std::move(d.pixels));
-            kept.push_back(batch.requests[i]);
+            if (images.empty()) continue;
+            const at::Tensor latents = run_encoder(encode, at::stack(images));  // [B, C, h, w]
+            ++report.encoder_calls;
+            for (size_t i = 0; i < kept.size(); ++i) {
+                at::Tensor one = latents[long(i)].clone();  // [C, h, w], owns its memory
+                writes.push_back(pool.submit([&cache, r = kept[i], one] { cache.store(*r, one); }));
+            }
+            progress.update(static_cast<int64_t>(kept.size()));
+            // Bound the write backlog so latents do not pile up in memory.
+            while (writes.size() > depth * size_t(options.batch_size) * 2) {
+                writes.front().get();
+                writes.erase(writes.begin());
+            }
         }
-        if (images.empty()) continue;
-        const at::Tensor latents = run_encoder(encode, at::stack(images));  // [B, C, h, w]
-        ++report.encoder_calls;
-        for (size_t i = 0; i < kept.size(); ++i) {
-            at::Tensor one = latents[long(i)].clone();  // [C, h, w], owns its memory
-            writes.push_back(pool.submit([&cache, r = kept[i], one] { cache.store(*r, one); }));
-        }
-        progress.update(static_cast<int64_t>(kept.size()));
-        // Bound the write backlog so latents do not pile up in memory.
-        while (writes.size() > depth * size_t(options.batch_size) * 2) {
-            writes.front().get();
-            writes.erase(writes.begin());
-        }
+    } catch (...) {
+        // Decode tasks still queued take from `ahead`: let them finish before it goes away.
+        for (auto& pending : queue)
+            for (auto& f : pending.pixels)
+                if (f.valid()) f.wait();
+        for (auto& w : writes)
+            if (w.valid()) w.wait();
+        throw;
     }
     for (auto& w : writes) w.get();
     progress.finish();

@@ -28,7 +28,7 @@
 namespace dtune::train::detail {
 
 struct LoadedDataset {
-    data::DatasetConfig config;  // `type: aws` entries point at their local mirror
+    data::DatasetConfig config;  // `type: aws`: paths are object keys in the entry's bucket
     std::map<std::string, std::vector<std::string>> buckets;   // key → distinct samples (sorted)
     std::map<std::string, data::SamplePlan> plans;             // path → bucket metadata
     std::map<std::string, std::vector<std::string>> captions;  // path → candidate captions

@@ -10,6 +10,8 @@
 #include "s3_test_server.h"
 
 #include <gtest/gtest.h>
+
+#include <functional>
 #include <nlohmann/json.hpp>
 
 namespace dtune::data {
@@ -109,6 +111,45 @@ TEST(S3Storage, ListsUnderThePrefixAndReadsImages) {
                   std::string::npos)
             << e.what();
     }
+}
+
+// What a user sees for a missing bucket and for an endpoint where no server listens: the bucket
+// (and key), the key of the entry to fix, never the secret.
+TEST(S3Storage, MissingBucketAndWrongEndpointNameTheBucketAndTheFix) {
+    auto server = S3TestServer::start(test::S3ServerKind::kSeaweed);
+    ASSERT_TRUE(server);
+    nlohmann::json e = {{"id", "s3-missing"},
+                        {"type", "aws"},
+                        {"aws_bucket_name", "no-such-bucket-here"},
+                        {"aws_region_name", "us-east-1"},
+                        {"aws_endpoint_url", server->endpoint()},
+                        {"aws_access_key_id", S3TestServer::kAccessKey},
+                        {"aws_secret_access_key", S3TestServer::kSecretKey},
+                        {"aws_data_prefix", "imgs"}};
+    auto expect_error = [](const std::function<void()>& fn, const std::vector<std::string>& parts) {
+        try {
+            fn();
+            ADD_FAILURE() << "expected DataError";
+        } catch (const DataError& err) {
+            const std::string m = err.what();
+            for (const auto& p : parts) EXPECT_NE(m.find(p), std::string::npos) << p << " not in: " << m;
+            EXPECT_EQ(m.find(S3TestServer::kSecretKey), std::string::npos) << m;
+        }
+    };
+    auto missing = make_storage(parse_entry(e));
+    expect_error([&] { missing->list_files("imgs", {".png"}); },
+                 {"s3://no-such-bucket-here/", "NoSuchBucket", "aws_bucket_name"});
+    // A GET that may miss (cache lookups) must not read a missing bucket as a missing object.
+    expect_error([&] { missing->read_if_exists("imgs/a.png"); },
+                 {"s3://no-such-bucket-here/imgs/a.png", "NoSuchBucket", "aws_bucket_name"});
+
+    // Nothing listens on loopback port 9 (discard): the connection is refused on every attempt.
+    e["aws_bucket_name"] = "dtune-dataset";
+    e["aws_endpoint_url"] = "http://127.0.0.1:9";
+    e["aws_max_pool_connections"] = 2;
+    auto nowhere = make_storage(parse_entry(e));
+    expect_error([&] { nowhere->read("imgs/a.png"); },
+                 {"s3://dtune-dataset/imgs/a.png", "http://127.0.0.1:9", "aws_endpoint_url"});
 }
 
 TEST(S3Storage, ConfigKeysAreTypeCheckedWithoutShowingSecrets) {
