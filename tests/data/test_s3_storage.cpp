@@ -8,6 +8,7 @@
 #include "io/image.h"
 #include "io/image_info.h"
 #include "s3_test_server.h"
+#include "support/http_listener.h"
 
 #include <gtest/gtest.h>
 
@@ -150,6 +151,31 @@ TEST(S3Storage, MissingBucketAndWrongEndpointNameTheBucketAndTheFix) {
     auto nowhere = make_storage(parse_entry(e));
     expect_error([&] { nowhere->read("imgs/a.png"); },
                  {"s3://dtune-dataset/imgs/a.png", "http://127.0.0.1:9", "aws_endpoint_url"});
+}
+
+// A bucket in another region: AWS answers 301 PermanentRedirect (SeaweedFS and moto accept any
+// region, so a plain HTTP listener plays AWS here). The error names the bucket, key and the fix.
+TEST(S3Storage, WrongRegionNamesTheRegionKey) {
+    test::HttpListener aws;
+    aws.set_status(301);
+    const nlohmann::json e = {{"id", "s3-region"},
+                              {"type", "aws"},
+                              {"aws_bucket_name", "eu-bucket"},
+                              {"aws_region_name", "us-east-1"},
+                              {"aws_endpoint_url", "http://127.0.0.1:" + std::to_string(aws.port())},
+                              {"aws_access_key_id", "AKIDEXAMPLE"},
+                              {"aws_secret_access_key", "region-test-secret-never-shown"}};
+    auto storage = make_storage(parse_entry(e));
+    try {
+        storage->read("imgs/a.png");
+        FAIL() << "expected DataError";
+    } catch (const DataError& err) {
+        const std::string m = err.what();
+        EXPECT_NE(m.find("s3://eu-bucket/imgs/a.png"), std::string::npos) << m;
+        EXPECT_NE(m.find("HTTP 301"), std::string::npos) << m;
+        EXPECT_NE(m.find("aws_region_name"), std::string::npos) << m;
+        EXPECT_EQ(m.find("region-test-secret-never-shown"), std::string::npos) << m;
+    }
 }
 
 TEST(S3Storage, ConfigKeysAreTypeCheckedWithoutShowingSecrets) {
