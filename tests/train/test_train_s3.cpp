@@ -2,8 +2,7 @@
 // verifies signatures, and moto): `dtune train` on the tiny fixture model with
 //   1. images and a Parquet metadata table in the bucket (sizes and captions from the table),
 //      caches on local disk: the run trains, the bucket metadata files land under the prefix,
-//      nothing is mirrored locally; preserve_data_backend_cache then reuses the stored listing
-//      (an object added later is not seen; relisting when it is off is in test_prefetch.cpp);
+//      nothing is mirrored locally (preserve_data_backend_cache on a bucket: tests/data/test_s3_storage.cpp);
 //   2. images on local disk, text embeddings and latents in the bucket (aws text_embeds and
 //      image_embeds entries): the cache objects exist in the bucket, a second run reuses them all;
 //   3. a wrong secret: the run fails with an error naming the bucket, the key and the fix, and the
@@ -133,7 +132,7 @@ std::vector<json> fixture_rows() {
     return rows;
 }
 
-TEST_P(TrainS3, ImagesAndParquetInTheBucketCachesLocalThenPreservedListing) {
+TEST_P(TrainS3, ImagesAndParquetInTheBucketCachesLocal) {
     const auto rows = fixture_rows();
     ASSERT_EQ(rows.size(), 8u);
     for (size_t i = 0; i < rows.size(); ++i)
@@ -181,18 +180,8 @@ TEST_P(TrainS3, ImagesAndParquetInTheBucketCachesLocalThenPreservedListing) {
     EXPECT_TRUE(client_->head("ds/images/aspect_ratio_bucket_metadata_s3.json").has_value());
     EXPECT_EQ(first.find("stray.png"), std::string::npos);
 
-    // preserve_data_backend_cache: a new object is not seen, the stored listing is reused.
-    client_->put("ds/images/img_00009.jpg", png(64, 64, 9));
-    entry["preserve_data_backend_cache"] = true;
-    write_backends(json::array({entry, text}));
-    ASSERT_EQ(train("first", 1), 0) << log("first");  // same output_dir: its stored listing
-    const std::string preserved = log("first");
-    EXPECT_NE(preserved.find("preserve_data_backend_cache: 8 files"), std::string::npos) << preserved;
-    EXPECT_NE(preserved.find("8 entries: 0 built, 8 reused"), std::string::npos) << preserved;
-
     // The secret is in multidatabackend.json by construction; it must be in no output of the runs.
-    EXPECT_EQ((all_output(dir_ / "first") + first + preserved).find(S3TestServer::kSecretKey),
-              std::string::npos);
+    EXPECT_EQ((all_output(dir_ / "first") + first).find(S3TestServer::kSecretKey), std::string::npos);
 }
 
 TEST_P(TrainS3, LocalImagesWithTextAndLatentCachesInTheBucket) {
