@@ -6,7 +6,8 @@
 // Invariants: the stored listing is used only when the flag is on and it was written for the same
 // location (bucket and endpoint, or local), root folder and extension filter; otherwise the
 // dataset is relisted and the file rewritten. While the flag is on, objects added or removed since
-// the listing are not seen (removed ones are skipped as unreadable when decoded). Torch-free.
+// the listing are not seen (a removed image is still served from its cached latents, or skipped
+// as unreadable when it has to be decoded). Torch-free.
 #pragma once
 
 #include <memory>
