@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Starts a throwaway SeaweedFS (weed mini, S3 on loopback, signatures checked) and runs
-# bench_s3_get against it. Usage: bench/run_s3_bench.sh [build-dir] (default build/dev)
+# bench_s3_get (parallel GETs) and bench_s3_prefetch (read-ahead vs decoding) against it.
+# Usage: bench/run_s3_bench.sh [build-dir] (default build/dev)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build/dev}
-cmake --build "$build" --target bench_s3_get >/dev/null
+cmake --build "$build" --target bench_s3_get bench_s3_prefetch >/dev/null
 dir=$(mktemp -d)
 base=$((30000 + RANDOM % 10000))
 export AWS_ACCESS_KEY_ID=DTUNEBENCH AWS_SECRET_ACCESS_KEY=dtune-bench-secret
@@ -20,3 +21,4 @@ for _ in $(seq 1 100); do
     sleep 0.2
 done
 "$build/bench/bench_s3_get" "http://127.0.0.1:$((base + 3))" dtune-bench "${OBJECTS:-1000}" "${OBJECT_KB:-200}"
+"$build/bench/bench_s3_prefetch" "http://127.0.0.1:$((base + 3))" dtune-bench "${IMAGES:-200}" "${EDGE:-512}"

@@ -28,6 +28,7 @@
 #include "core/log.h"
 #include "core/thread_pool.h"
 #include "data/cache_builder.h"
+#include "data/cache_placement.h"
 #include "data/captions.h"
 #include "data/dataset_buckets.h"
 #include "data/sample_variants.h"
@@ -212,6 +213,7 @@ std::vector<data::CacheBuildReport> cache_text(const std::vector<const data::Dat
             f.settings.cache_dir = dir;
             f.settings.model_family = gargs.model_family;
             f.settings.encoder_identity = enc.text_identity;
+            f.settings.storage = data::text_cache_storage(entry);
             f.settings.compression = (entry ? entry->compress_cache : gargs.compress_disk_cache)
                                          ? data::CacheCompression::kZstd
                                          : data::CacheCompression::kNone;
@@ -240,16 +242,20 @@ std::vector<data::CacheBuildReport> cache_text(const std::vector<const data::Dat
 
 // Builds the latent cache of one image dataset.
 data::CacheBuildReport cache_latents(const data::DatasetConfig& d, const Requests& requests,
-                                     const train::DatasetEncoders& enc, int world, int rank,
-                                     ThreadPool& pool) {
+                                     const data::DataBackendConfig& datasets,
+                                     const data::GlobalDataArgs& gargs, const train::DatasetEncoders& enc,
+                                     int world, int rank, ThreadPool& pool) {
     data::CacheBuildOptions opt;
     opt.world_size = world;
     opt.rank = rank;
     opt.show_progress = true;
     opt.batch_size = d.vae_batch_size;
     opt.label = "latents " + d.id;
-    opt.report_path = (stdfs::path(d.cache_dir_vae) / str("skipped_images_rank", rank, ".json")).string();
-    const data::LatentCache cache(data::latent_cache_settings(d, enc.vae_identity));
+    const data::LatentCache cache(data::latent_cache_placement(d, datasets, gargs, enc.vae_identity));
+    const stdfs::path report_dir = cache.storage().remote()
+                                       ? stdfs::path(gargs.output_dir) / "cache" / "skipped" / d.id
+                                       : stdfs::path(d.cache_dir_vae);
+    opt.report_path = (report_dir / str("skipped_images_rank", rank, ".json")).string();
     const auto latents = data::build_latent_cache(cache, requests.latents, enc.vae, opt, pool);
     log::info() << "latents of '" << d.id << "': " << latents.summary();
     return latents;
@@ -284,9 +290,9 @@ int run_cache(const std::vector<std::string>& args) {
         }
     const auto text = cache_text(images, requests, datasets, gargs, enc, world, rank, pool);
     for (size_t i = 0; i < images.size(); ++i)
-        summary[images[i]->id] = {
-            {"latents", report_json(cache_latents(*images[i], requests[i], enc, world, rank, pool))},
-            {"text", report_json(text[i])}};
+        summary[images[i]->id] = {{"latents", report_json(cache_latents(*images[i], requests[i], datasets,
+                                                                        gargs, enc, world, rank, pool))},
+                                  {"text", report_json(text[i])}};
     summary["seconds"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     fs::write_file_atomic(stdfs::path(gargs.output_dir) / str("cache_report_rank", rank, ".json"),
                           summary.dump(2) + "\n");

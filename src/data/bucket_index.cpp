@@ -14,6 +14,7 @@
 #include "core/progress.h"
 #include "core/thread_pool.h"
 #include "data/captions.h"
+#include "data/prefetch.h"
 #include "data/storage.h"
 #include "io/image_info.h"
 
@@ -61,6 +62,42 @@ HeaderScan scan_image_headers(const std::vector<std::string>& paths, ThreadPool&
         else
             scan.failed.emplace_back(paths[i], slots[i].error);
     }
+    return scan;
+}
+
+HeaderScan scan_image_headers(const std::vector<std::string>& paths, const StorageBackend& storage,
+                              ThreadPool& pool, bool show_progress, const std::string& label) {
+    if (!storage.remote()) return scan_image_headers(paths, pool, show_progress, label);
+    constexpr size_t kHead = 64 * 1024;  // what read_image_info reads locally
+    ObjectPrefetcher ahead(
+        paths, [&](const std::string& p) { return storage.read_prefix(p, kHead); },
+        storage.max_parallel_reads());
+    ProgressOptions options;
+    options.label = label;
+    options.unit = "img";
+    options.quiet = !show_progress;
+    Progress progress(static_cast<int64_t>(paths.size()), options);
+    HeaderScan scan;
+    for (size_t i = 0; i < paths.size(); ++i) {
+        try {
+            std::string head = ahead.take(i);
+            io::ImageInfo info;
+            std::string error;
+            auto parse = [&](const std::string& bytes, bool whole) {
+                return io::parse_image_info(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(),
+                                            whole, info, error);
+            };
+            io::ParseStatus status = parse(head, head.size() < kHead);
+            if (status == io::ParseStatus::kNeedMore) status = parse(storage.read(paths[i]), true);
+            if (status != io::ParseStatus::kOk)
+                throw DataError(str(paths[i], ": ", error, "; the file is skipped (re-export or delete it)"));
+            scan.images.emplace_back(paths[i], Size{info.display_width(), info.display_height()});
+        } catch (const std::exception& e) {
+            scan.failed.emplace_back(paths[i], e.what());
+        }
+        progress.update();
+    }
+    progress.finish();
     return scan;
 }
 
@@ -155,7 +192,7 @@ HeaderScan sizes_of(const std::vector<std::string>& fresh, const StorageBackend&
     } else {
         to_scan = fresh;
     }
-    HeaderScan scan = scan_image_headers(to_scan, pool, show_progress, "discovery " + config.id);
+    HeaderScan scan = scan_image_headers(to_scan, storage, pool, show_progress, "discovery " + config.id);
     if (from_table.empty()) return scan;
     scan.images.insert(scan.images.end(), from_table.begin(), from_table.end());
     std::sort(scan.images.begin(), scan.images.end(),

@@ -38,6 +38,11 @@ struct HeaderScan {
 // Reads every header on `pool`; unreadable files land in `failed`, never abort the scan.
 HeaderScan scan_image_headers(const std::vector<std::string>& paths, ThreadPool& pool,
                               bool show_progress = true, const std::string& label = "scanning");
+// The same through `storage`: local folders as above; remote ones (S3) read each file's first
+// 64 KiB with storage.max_parallel_reads() requests in flight ahead of the parser.
+HeaderScan scan_image_headers(const std::vector<std::string>& paths, const StorageBackend& storage,
+                              ThreadPool& pool, bool show_progress = true,
+                              const std::string& label = "scanning");
 
 struct FilterStats {
     int64_t total_processed = 0;

@@ -21,6 +21,7 @@
 #include "core/progress.h"
 #include "core/thread_pool.h"
 #include "data/batch_plan.h"
+#include "data/prefetch.h"
 #include "data/sample_variants.h"
 #include "io/image_tensor.h"
 
@@ -55,10 +56,14 @@ std::vector<int64_t> rank_slice(int64_t n, int world_size, int rank) {
     return rank_indices(plan, world_size, rank, /*apply_padding=*/false);
 }
 
-// Decodes one image into `row` ([3, H, W] of a batch tensor); "" or why it is unreadable.
-std::string decode_into(const LatentRequest& r, at::Tensor row) {
+// Decodes one image into `row` ([3, H, W] of a batch tensor): from the local file, or from the
+// bytes the prefetcher fetched (index `fetched`). "" or why it is unreadable.
+std::string decode_into(const LatentRequest& r, at::Tensor row, ObjectPrefetcher* ahead, size_t fetched) {
     try {
-        row.copy_(io::prepare_image_tensor(r.path, prepare_spec(r)));  // [3, H, W]
+        if (!ahead)
+            row.copy_(io::prepare_image_tensor(r.path, prepare_spec(r)));  // [3, H, W]
+        else
+            row.copy_(io::prepare_image_tensor_bytes(ahead->take(fetched), r.path, prepare_spec(r)));
         return "";
     } catch (const std::exception& e) {
         return e.what();
@@ -123,15 +128,12 @@ std::map<std::pair<int, int>, std::vector<const LatentRequest*>> check_entries(
     std::map<const LatentRequest*, EntryStatus>& found, ThreadPool& pool, Progress& progress) {
     std::vector<EntryStatus> status(all.size());
     std::vector<std::string> reasons(all.size());
-    pool.parallel_for(all.size(), [&](size_t i) {
-        try {
-            EntryLookup found = cache.load(*all[i]);
-            status[i] = found.status;
-            reasons[i] = std::move(found.reason);
-        } catch (const DataError&) {
-            status[i] = EntryStatus::kMissing;  // the image is gone: the decode step reports it
-        }
-    });
+    // A gone image reads as kMissing: the decode step reports it.
+    std::vector<EntryLookup> lookups = cache.load_many(all, pool);
+    for (size_t i = 0; i < all.size(); ++i) {
+        status[i] = lookups[i].status;
+        reasons[i] = std::move(lookups[i].reason);
+    }
     std::map<std::pair<int, int>, std::vector<const LatentRequest*>> todo;
     for (size_t i = 0; i < all.size(); ++i) {
         if (status[i] == EntryStatus::kCorrupt)
@@ -207,7 +209,8 @@ class LatentPipeline {
   public:
     LatentPipeline(const LatentCache& cache, const LatentEncodeFn& encode, const CacheBuildOptions& options,
                    ThreadPool& pool, CacheBuildReport& report,
-                   std::map<const LatentRequest*, EntryStatus>& found, Progress& progress)
+                   std::map<const LatentRequest*, EntryStatus>& found, Progress& progress,
+                   ObjectPrefetcher* ahead)
         : cache_(cache),
           encode_(encode),
           options_(options),
@@ -215,6 +218,7 @@ class LatentPipeline {
           report_(report),
           found_(found),
           progress_(progress),
+          ahead_(ahead),
           pin_(options.pin_memory.value_or(at::hasCUDA())) {
         // Keep every pool thread decoding: about two images per thread in flight (at most 64
         // images of host memory), and never fewer than prefetch_batches batches.
@@ -264,12 +268,13 @@ class LatentPipeline {
         pending.images = at::empty({int64_t(requests.size()), 3, target.height, target.width},
                                    at::TensorOptions().dtype(at::kFloat).pinned_memory(pin_));
         for (size_t i = 0; i < requests.size(); ++i)
-            pending.decoded.push_back(pool_.submit([this, r = requests[i], row = pending.images[long(i)]] {
-                const auto t0 = Clock::now();
-                std::string error = decode_into(*r, row);
-                decode_ns_ += nanoseconds_since(t0);
-                return error;
-            }));
+            pending.decoded.push_back(
+                pool_.submit([this, r = requests[i], row = pending.images[long(i)], fetched = fetched_++] {
+                    const auto t0 = Clock::now();
+                    std::string error = decode_into(*r, row, ahead_, fetched);
+                    decode_ns_ += nanoseconds_since(t0);
+                    return error;
+                }));
         return pending;
     }
 
@@ -323,6 +328,8 @@ class LatentPipeline {
     CacheBuildReport& report_;
     std::map<const LatentRequest*, EntryStatus>& found_;
     Progress& progress_;
+    ObjectPrefetcher* ahead_;  // remote images, fetched in batch order; null: local files
+    size_t fetched_ = 0;       // the prefetcher's index of the next image to decode
     bool pin_;
     size_t depth_ = 1;
     std::deque<PendingBatch> queue_;
@@ -356,7 +363,20 @@ CacheBuildReport build_latent_cache(const LatentCache& cache,
             batches.emplace_back(
                 requests.begin() + long(i),
                 requests.begin() + long(std::min(requests.size(), i + size_t(options.batch_size))));
-    LatentPipeline(cache, encode, options, pool, report, found, progress).run(batches);
+    // Images in a remote store (S3) are fetched in batch order, max_parallel_reads() at a time,
+    // ahead of the decode tasks that take them. Declared before the pipeline, which waits for its
+    // decode tasks when it goes away, so no task outlives it.
+    std::unique_ptr<ObjectPrefetcher> ahead;
+    if (cache.images().remote()) {
+        std::vector<std::string> order;
+        for (const auto& b : batches)
+            for (const LatentRequest* r : b) order.push_back(r->path);
+        const StorageBackend& images = cache.images();
+        ahead = std::make_unique<ObjectPrefetcher>(
+            std::move(order), [&images](const std::string& p) { return images.read(p); },
+            images.max_parallel_reads());
+    }
+    LatentPipeline(cache, encode, options, pool, report, found, progress, ahead.get()).run(batches);
     progress.finish();
     report.skipped = static_cast<int64_t>(report.skipped_files.size());
     for (const auto& [file, why] : report.skipped_files) log::warn() << "skipped " << file << ": " << why;

@@ -128,8 +128,11 @@ enum class LatentMode {
 };
 LatentMode latent_mode_for(const DatasetConfig& config);
 
-// `cache` must outlive the source (ignored, may be null, for kEncodeOnly).
+// `cache` must outlive the source (ignored, may be null, for kEncodeOnly). Images are read from
+// `images` (null: the cache's image storage, else local files); on a remote store a batch's images
+// and entries are fetched in parallel.
 std::unique_ptr<LatentSource> make_latent_source(LatentMode mode, const LatentCache* cache,
-                                                 LatentEncodeFn encode, ThreadPool& pool);
+                                                 LatentEncodeFn encode, ThreadPool& pool,
+                                                 std::shared_ptr<StorageBackend> images = nullptr);
 
 }  // namespace dtune::data

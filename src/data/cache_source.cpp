@@ -38,8 +38,9 @@ io::PrepareSpec spec_of(const LatentRequest& r) {
 
 class CachedLatentSource final : public LatentSource {
   public:
-    CachedLatentSource(LatentMode mode, const LatentCache* cache, LatentEncodeFn encode, ThreadPool& pool)
-        : mode_(mode), cache_(cache), encode_(std::move(encode)), pool_(pool) {
+    CachedLatentSource(LatentMode mode, const LatentCache* cache, LatentEncodeFn encode, ThreadPool& pool,
+                       std::shared_ptr<StorageBackend> images)
+        : mode_(mode), cache_(cache), encode_(std::move(encode)), pool_(pool), images_(std::move(images)) {
         DTUNE_CHECK(mode_ == LatentMode::kEncodeOnly || cache_ != nullptr,
                     "a cached latent source needs a cache");
     }
@@ -47,11 +48,13 @@ class CachedLatentSource final : public LatentSource {
     at::Tensor get(const std::vector<LatentRequest>& batch) override {
         DTUNE_CHECK(!batch.empty(), "latents asked for an empty batch");
         std::vector<at::Tensor> out(batch.size());  // each [C, h, w]
-        if (mode_ == LatentMode::kCache)
-            pool_.parallel_for(batch.size(), [&](size_t i) {
-                EntryLookup found = cache_->load(batch[i]);
-                if (found.status == EntryStatus::kValid) out[i] = found.value;
-            });
+        if (mode_ == LatentMode::kCache) {
+            std::vector<const LatentRequest*> requests;
+            for (const auto& r : batch) requests.push_back(&r);
+            std::vector<EntryLookup> found = cache_->load_many(requests, pool_);
+            for (size_t i = 0; i < batch.size(); ++i)
+                if (found[i].status == EntryStatus::kValid) out[i] = found[i].value;
+        }
         std::vector<size_t> missing;
         for (size_t i = 0; i < batch.size(); ++i)
             if (!out[i].defined()) missing.push_back(i);
@@ -68,9 +71,21 @@ class CachedLatentSource final : public LatentSource {
         std::vector<at::Tensor> images(missing.size());  // each [3, H, W]
         std::vector<uint64_t> salts;
         for (size_t i : missing) salts.push_back(batch[i].noise_salt);
-        pool_.parallel_for(missing.size(), [&](size_t k) {
-            images[k] = io::prepare_image_tensor(batch[missing[k]].path, spec_of(batch[missing[k]]));
-        });
+        if (images_ && images_->remote()) {
+            std::vector<std::string> paths;
+            for (size_t k : missing) paths.push_back(batch[k].path);
+            const auto bytes = images_->read_many_if_exists(paths);
+            pool_.parallel_for(missing.size(), [&](size_t k) {
+                DTUNE_CHECK_AS(DataError, bytes[k].has_value(), paths[k], " is gone from ",
+                               images_->location(),
+                               "; restore it or let the next start-up refresh the bucket index");
+                images[k] = io::prepare_image_tensor_bytes(*bytes[k], paths[k], spec_of(batch[missing[k]]));
+            });
+        } else {
+            pool_.parallel_for(missing.size(), [&](size_t k) {
+                images[k] = io::prepare_image_tensor(batch[missing[k]].path, spec_of(batch[missing[k]]));
+            });
+        }
         const at::Tensor latents = encode_(at::stack(images), salts).detach().to(at::kCPU);  // [M, C, h, w]
         DTUNE_CHECK(latents.dim() == 4 && latents.size(0) == static_cast<int64_t>(missing.size()),
                     "the VAE encoder returned ", latents.sizes(), " for ", missing.size(), " images");
@@ -85,6 +100,7 @@ class CachedLatentSource final : public LatentSource {
     const LatentCache* cache_;
     LatentEncodeFn encode_;
     ThreadPool& pool_;
+    std::shared_ptr<StorageBackend> images_;
     int64_t encoded_ = 0;
 };
 
@@ -95,8 +111,10 @@ LatentMode latent_mode_for(const DatasetConfig& config) {
 }
 
 std::unique_ptr<LatentSource> make_latent_source(LatentMode mode, const LatentCache* cache,
-                                                 LatentEncodeFn encode, ThreadPool& pool) {
-    return std::make_unique<CachedLatentSource>(mode, cache, std::move(encode), pool);
+                                                 LatentEncodeFn encode, ThreadPool& pool,
+                                                 std::shared_ptr<StorageBackend> images) {
+    if (!images && cache) images = cache->settings().images;
+    return std::make_unique<CachedLatentSource>(mode, cache, std::move(encode), pool, std::move(images));
 }
 
 CacheBuildReport build_text_cache(const TextEmbedCache& cache, const std::vector<std::string>& captions,
@@ -117,11 +135,19 @@ CacheBuildReport build_text_cache(const TextEmbedCache& cache, const std::vector
     report.total = static_cast<int64_t>(mine.size());
     std::vector<EntryStatus> status(mine.size());
     std::vector<std::string> reasons(mine.size());
-    pool.parallel_for(mine.size(), [&](size_t i) {
-        EntryLookup found = cache.load(mine[i], nullptr);
-        status[i] = found.status;
-        reasons[i] = std::move(found.reason);
-    });
+    if (cache.storage().remote()) {
+        std::vector<EntryLookup> found = cache.load_many(mine, nullptr);  // parallel GETs
+        for (size_t i = 0; i < mine.size(); ++i) {
+            status[i] = found[i].status;
+            reasons[i] = std::move(found[i].reason);
+        }
+    } else {
+        pool.parallel_for(mine.size(), [&](size_t i) {
+            EntryLookup found = cache.load(mine[i], nullptr);
+            status[i] = found.status;
+            reasons[i] = std::move(found.reason);
+        });
+    }
     std::vector<std::string> todo;
     for (size_t i = 0; i < mine.size(); ++i) {
         if (status[i] == EntryStatus::kCorrupt)
@@ -160,11 +186,12 @@ CacheBuildReport build_text_cache(const TextEmbedCache& cache, const std::vector
 
 TextEmbeds text_embeds_for(const TextEmbedCache& cache, const std::vector<std::string>& captions,
                            const TextEncodeFn& encode, bool store) {
-    std::vector<TextEmbedEntry> entries(captions.size());
+    std::vector<TextEmbedEntry> entries;
+    const std::vector<EntryLookup> found = cache.load_many(captions, &entries);
     std::vector<std::string> missing;
     std::vector<size_t> where;
     for (size_t i = 0; i < captions.size(); ++i)
-        if (cache.load(captions[i], &entries[i]).status != EntryStatus::kValid) {
+        if (found[i].status != EntryStatus::kValid) {
             missing.push_back(captions[i]);
             where.push_back(i);
         }

@@ -3,13 +3,13 @@
 #include "data/cache_store.h"
 
 #include <ATen/ATen.h>
-#include <sys/stat.h>
 
 #include <cstring>
 #include <sstream>
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/thread_pool.h"
 #include "data/sample_variants.h"
 #include "io/safetensors.h"
 
@@ -22,19 +22,6 @@ std::string size_text(Size s) {
 
 std::string opt_text(const std::optional<double>& v) {
     return v ? python_float_str(*v) : "none";
-}
-
-struct SourceStamp {
-    uint64_t size = 0;
-    int64_t mtime_ns = 0;
-};
-
-SourceStamp stat_source(const std::string& path) {
-    struct stat st {};
-    if (::stat(path.c_str(), &st) != 0)
-        throw DataError(str(path, ": cannot stat the image (", std::strerror(errno),
-                            "); restore the file or refresh the bucket index"));
-    return {static_cast<uint64_t>(st.st_size), int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec};
 }
 
 // Compares an entry's metadata with the expected values: a different key means the inputs
@@ -59,24 +46,21 @@ EntryLookup verify_metadata(const std::map<std::string, std::string>& got,
     return {EntryStatus::kValid, "", {}};
 }
 
-// Reads an entry file; kMissing when absent, kCorrupt when it does not parse.
-EntryLookup read_entry(const std::filesystem::path& path,
-                       std::vector<std::pair<std::string, at::Tensor>>* tensors,
-                       std::map<std::string, std::string>* metadata) {
-    std::error_code ec;
-    if (!std::filesystem::exists(path, ec)) return {EntryStatus::kMissing, "", {}};
+// Parses fetched entry bytes; kMissing when absent, kCorrupt when they do not parse.
+EntryLookup parse_fetched(const std::optional<std::string>& bytes, const std::string& name,
+                          std::vector<std::pair<std::string, at::Tensor>>* tensors,
+                          std::map<std::string, std::string>* metadata) {
+    if (!bytes) return {EntryStatus::kMissing, "", {}};
     try {
-        const std::string bytes = decompress_cache_bytes(fs::read_file(path), path.string());
-        *tensors = parse_entry(bytes, path.string(), metadata);
+        *tensors = parse_entry(decompress_cache_bytes(*bytes, name), name, metadata);
     } catch (const DataError& e) {
         return {EntryStatus::kCorrupt, e.what(), {}};
     }
     return {EntryStatus::kValid, "", {}};
 }
 
-void write_entry(const std::filesystem::path& path, const std::string& raw, CacheCompression compression) {
-    std::filesystem::create_directories(path.parent_path());
-    fs::write_file_atomic(path, compress_cache_bytes(raw, compression));
+std::shared_ptr<StorageBackend> or_local(std::shared_ptr<StorageBackend> storage) {
+    return storage ? storage : std::make_shared<LocalStorage>();
 }
 
 }  // namespace
@@ -160,6 +144,16 @@ std::vector<std::pair<std::string, at::Tensor>> parse_entry(const std::string& b
 LatentCache::LatentCache(LatentCacheSettings settings) : settings_(std::move(settings)) {
     DTUNE_CHECK_AS(UsageError, !settings_.cache_dir.empty(),
                    "the latent cache needs a directory; set cache_dir_vae in the dataset entry");
+    settings_.storage = or_local(settings_.storage);
+    settings_.images = or_local(settings_.images);
+}
+
+ObjectStat LatentCache::stamp_of(const std::string& image_path) const {
+    std::optional<ObjectStat> st = settings_.images->stat(image_path);
+    if (!st)
+        throw DataError(str(image_path, ": the image is gone from ", settings_.images->location(),
+                            "; restore the file or refresh the bucket index"));
+    return *st;
 }
 
 std::filesystem::path LatentCache::entry_path(const std::string& image_path) const {
@@ -181,12 +175,15 @@ std::filesystem::path LatentCache::entry_path(const LatentRequest& request) cons
 }
 
 std::string LatentCache::key_text(const LatentRequest& r) const {
-    const SourceStamp stamp = stat_source(r.path);
+    return key_text(r, stamp_of(r.path));
+}
+
+std::string LatentCache::key_text(const LatentRequest& r, const ObjectStat& stamp) const {
     const SamplePlan& p = r.plan;
     std::ostringstream o;
     o << kLatentFormat << " v" << kCacheFormatVersion << "\nsource=" << r.path
-      << "\nsource_size=" << stamp.size << "\nsource_mtime_ns=" << stamp.mtime_ns
-      << "\nencoder=" << settings_.encoder_identity << "\n"
+      << "\nsource_size=" << stamp.size << "\n"
+      << stamp.version_name << "=" << stamp.version << "\nencoder=" << settings_.encoder_identity << "\n"
       << settings_.dataset_settings << "original=" << size_text(p.original)
       << "\nintermediary=" << size_text(p.intermediary) << "\nresize=" << size_text(p.resize_size)
       << "\ntarget=" << size_text(p.target) << "\ncrop=" << p.crop_top << "," << p.crop_left
@@ -195,13 +192,13 @@ std::string LatentCache::key_text(const LatentRequest& r) const {
 }
 
 std::map<std::string, std::string> LatentCache::expected_metadata(const LatentRequest& r) const {
-    const SourceStamp stamp = stat_source(r.path);
+    const ObjectStat stamp = stamp_of(r.path);
     return {{"format", kLatentFormat},
             {"format_version", std::to_string(kCacheFormatVersion)},
-            {"key", sha256_hex(key_text(r))},
+            {"key", sha256_hex(key_text(r, stamp))},
             {"source", r.path},
             {"source_size", std::to_string(stamp.size)},
-            {"source_mtime_ns", std::to_string(stamp.mtime_ns)},
+            {stamp.version_name, stamp.version},
             {"settings_sha256", sha256_hex(settings_.dataset_settings)},
             {"encoder", settings_.encoder_identity},
             {"original_size", size_text(r.plan.original)},
@@ -213,10 +210,48 @@ std::map<std::string, std::string> LatentCache::expected_metadata(const LatentRe
 }
 
 EntryLookup LatentCache::load(const LatentRequest& r) const {
+    return verify(r, settings_.storage->read_if_exists(entry_path(r).string()));
+}
+
+std::vector<EntryLookup> LatentCache::load_many(const std::vector<const LatentRequest*>& requests,
+                                                ThreadPool& pool) const {
+    std::vector<EntryLookup> out(requests.size());
+    auto one = [&](size_t i, const std::optional<std::string>& bytes) {
+        try {
+            out[i] = verify(*requests[i], bytes);
+        } catch (const DataError& e) {  // the image is gone: reported by whoever decodes it
+            out[i] = {EntryStatus::kMissing, e.what(), {}};
+        }
+    };
+    if (!settings_.storage->remote()) {
+        pool.parallel_for(requests.size(), [&](size_t i) {
+            std::optional<std::string> bytes;
+            try {
+                bytes = settings_.storage->read_if_exists(entry_path(*requests[i]).string());
+            } catch (const std::exception& e) {
+                out[i] = {EntryStatus::kCorrupt, e.what(), {}};
+                return;
+            }
+            one(i, bytes);
+        });
+        return out;
+    }
+    constexpr size_t kChunk = 256;  // bounds the fetched bytes held at once
+    for (size_t begin = 0; begin < requests.size(); begin += kChunk) {
+        const size_t end = std::min(requests.size(), begin + kChunk);
+        std::vector<std::string> paths;
+        for (size_t i = begin; i < end; ++i) paths.push_back(entry_path(*requests[i]).string());
+        const auto fetched = settings_.storage->read_many_if_exists(paths);
+        pool.parallel_for(end - begin, [&](size_t k) { one(begin + k, fetched[k]); });
+    }
+    return out;
+}
+
+EntryLookup LatentCache::verify(const LatentRequest& r, const std::optional<std::string>& bytes) const {
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     std::map<std::string, std::string> metadata;
     const auto path = entry_path(r);
-    EntryLookup result = read_entry(path, &tensors, &metadata);
+    EntryLookup result = parse_fetched(bytes, path.string(), &tensors, &metadata);
     if (result.status != EntryStatus::kValid) return result;
     result = verify_metadata(metadata, expected_metadata(r));
     if (result.status != EntryStatus::kValid) return result;
@@ -239,13 +274,16 @@ void LatentCache::store(const LatentRequest& r, const at::Tensor& latents) const
                 "]; check the VAE's latent_channels");
     auto metadata = expected_metadata(r);
     metadata["dtype"] = c10::toString(latents.scalar_type());
-    write_entry(entry_path(r), serialize_entry({{"latents", latents}}, std::move(metadata)),
-                settings_.compression);
+    settings_.storage->write(
+        entry_path(r).string(),
+        compress_cache_bytes(serialize_entry({{"latents", latents}}, std::move(metadata)),
+                             settings_.compression));
 }
 
 TextEmbedCache::TextEmbedCache(TextCacheSettings settings) : settings_(std::move(settings)) {
     DTUNE_CHECK_AS(UsageError, !settings_.cache_dir.empty(),
                    "the text embedding cache needs a directory; set cache_dir in the text_embeds entry");
+    settings_.storage = or_local(settings_.storage);
 }
 
 std::filesystem::path TextEmbedCache::entry_path(const std::string& caption) const {
@@ -262,10 +300,36 @@ std::map<std::string, std::string> TextEmbedCache::expected_metadata(const std::
 }
 
 EntryLookup TextEmbedCache::load(const std::string& caption, TextEmbedEntry* entry) const {
+    return verify(caption, settings_.storage->read_if_exists(entry_path(caption).string()), entry);
+}
+
+std::vector<EntryLookup> TextEmbedCache::load_many(const std::vector<std::string>& captions,
+                                                   std::vector<TextEmbedEntry>* entries) const {
+    std::vector<EntryLookup> out(captions.size());
+    if (entries) entries->assign(captions.size(), {});
+    if (!settings_.storage->remote()) {
+        for (size_t i = 0; i < captions.size(); ++i)
+            out[i] = load(captions[i], entries ? &(*entries)[i] : nullptr);
+        return out;
+    }
+    constexpr size_t kChunk = 256;  // bounds the fetched bytes held at once
+    for (size_t begin = 0; begin < captions.size(); begin += kChunk) {
+        const size_t end = std::min(captions.size(), begin + kChunk);
+        std::vector<std::string> paths;
+        for (size_t i = begin; i < end; ++i) paths.push_back(entry_path(captions[i]).string());
+        const auto fetched = settings_.storage->read_many_if_exists(paths);
+        for (size_t i = begin; i < end; ++i)
+            out[i] = verify(captions[i], fetched[i - begin], entries ? &(*entries)[i] : nullptr);
+    }
+    return out;
+}
+
+EntryLookup TextEmbedCache::verify(const std::string& caption, const std::optional<std::string>& bytes,
+                                   TextEmbedEntry* entry) const {
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     std::map<std::string, std::string> metadata;
     const auto path = entry_path(caption);
-    EntryLookup result = read_entry(path, &tensors, &metadata);
+    EntryLookup result = parse_fetched(bytes, path.string(), &tensors, &metadata);
     if (result.status != EntryStatus::kValid) return result;
     result = verify_metadata(metadata, expected_metadata(caption));
     if (result.status != EntryStatus::kValid) return result;
@@ -286,11 +350,12 @@ void TextEmbedCache::store(const std::string& caption, const TextEmbedEntry& ent
     DTUNE_CHECK(entry.prompt_embeds.dim() == 2 && entry.pooled_prompt_embeds.dim() == 1,
                 "text embeddings of one caption must be prompt_embeds [T, D] and pooled [P], got ",
                 entry.prompt_embeds.sizes(), " and ", entry.pooled_prompt_embeds.sizes());
-    write_entry(entry_path(caption),
-                serialize_entry({{"prompt_embeds", entry.prompt_embeds},
-                                 {"pooled_prompt_embeds", entry.pooled_prompt_embeds}},
-                                expected_metadata(caption)),
-                settings_.compression);
+    settings_.storage->write(
+        entry_path(caption).string(),
+        compress_cache_bytes(serialize_entry({{"prompt_embeds", entry.prompt_embeds},
+                                              {"pooled_prompt_embeds", entry.pooled_prompt_embeds}},
+                                             expected_metadata(caption)),
+                             settings_.compression));
 }
 
 }  // namespace dtune::data

@@ -13,6 +13,9 @@
 // value equals the expected one, the data CRC-32 matches and the shapes are the expected ones.
 // Anything else is reported as stale (inputs changed) or corrupt (damaged) and the entry is
 // rebuilt; writes go through AtomicFile, so a crash never leaves a half-written entry in place.
+// Entries live in a storage backend (local folders, or an S3 bucket for an `aws` image_embeds /
+// text_embeds entry, where cache_dir is a key prefix and a PUT is atomic too); images are stat'ed
+// (size and mtime locally, size and ETag on S3) through their dataset's backend.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -20,11 +23,18 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "data/buckets.h"
 #include "data/cache_codec.h"
+#include "data/storage.h"
+
+namespace dtune {
+class ThreadPool;
+}
 
 namespace dtune::data {
 
@@ -52,8 +62,10 @@ struct LatentCacheSettings {
     std::string dataset_settings;  // canonical text of the dataset's preparation settings
     CacheCompression compression = CacheCompression::kZstd;
     int64_t latent_channels = 4;
-    int downsample = 8;         // pixels per latent cell
-    bool size_in_name = false;  // crop_aspect random: one entry per geometry (see the layout)
+    int downsample = 8;                       // pixels per latent cell
+    bool size_in_name = false;                // crop_aspect random: one entry per geometry (see the layout)
+    std::shared_ptr<StorageBackend> storage;  // where entries live; null: local folders
+    std::shared_ptr<StorageBackend> images;   // where the images live; null: local folders
 };
 
 // The preparation settings of a dataset that decide its pixels: resolution, resolution_type,
@@ -84,11 +96,20 @@ class LatentCache {
     std::string key_text(const LatentRequest& request) const;
     // Reads and verifies the entry of `request`; `value` is [C, h, w].
     EntryLookup load(const LatentRequest& request) const;
+    // The same for many requests: on a remote store the entries are fetched in parallel first,
+    // then verified on `pool`. Results in input order.
+    std::vector<EntryLookup> load_many(const std::vector<const LatentRequest*>& requests,
+                                       ThreadPool& pool) const;
     // Writes latents [C, h, w] atomically (any device/dtype; stored in its dtype).
     void store(const LatentRequest& request, const at::Tensor& latents) const;
+    const StorageBackend& storage() const { return *settings_.storage; }
+    const StorageBackend& images() const { return *settings_.images; }
 
   private:
+    EntryLookup verify(const LatentRequest& request, const std::optional<std::string>& bytes) const;
     std::map<std::string, std::string> expected_metadata(const LatentRequest& request) const;
+    std::string key_text(const LatentRequest& request, const ObjectStat& stamp) const;
+    ObjectStat stamp_of(const std::string& image_path) const;
     LatentCacheSettings settings_;
 };
 
@@ -97,6 +118,7 @@ struct TextCacheSettings {
     std::string model_family = "sdxl";
     std::string encoder_identity;  // part of the key: another text encoder invalidates every entry
     CacheCompression compression = CacheCompression::kZstd;
+    std::shared_ptr<StorageBackend> storage;  // where entries live; null: local folders
 };
 
 // One caption's embeddings (no batch dimension).
@@ -113,9 +135,15 @@ class TextEmbedCache {
     std::filesystem::path entry_path(const std::string& caption) const;
     // `value` of the lookup is unused; `entry` receives the tensors when valid.
     EntryLookup load(const std::string& caption, TextEmbedEntry* entry) const;
+    // Many captions; on a remote store fetched in parallel. `entries` gets one slot per caption.
+    std::vector<EntryLookup> load_many(const std::vector<std::string>& captions,
+                                       std::vector<TextEmbedEntry>* entries) const;
     void store(const std::string& caption, const TextEmbedEntry& entry) const;
+    const StorageBackend& storage() const { return *settings_.storage; }
 
   private:
+    EntryLookup verify(const std::string& caption, const std::optional<std::string>& bytes,
+                       TextEmbedEntry* entry) const;
     std::map<std::string, std::string> expected_metadata(const std::string& caption) const;
     TextCacheSettings settings_;
 };

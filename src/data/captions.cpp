@@ -147,10 +147,11 @@ std::vector<std::string> resolve_captions(const DatasetConfig& c, const StorageB
         }
         case CaptionStrategy::kTextfile: {
             const std::string txt = (p.parent_path() / (p.stem().string() + ".txt")).string();
-            if (!storage.exists(txt))
+            const std::optional<std::string> found = storage.read_if_exists(txt);  // one request on S3
+            if (!found)
                 throw DataError(str(image_path, ": caption file ", txt,
                                     " is missing; add it or change caption_strategy"));
-            const std::string text = storage.read(txt);
+            const std::string& text = *found;
             if (c.disable_multiline_split) {
                 captions.push_back(trim(text));
             } else {

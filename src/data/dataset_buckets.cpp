@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "data/listing_cache.h"
 #include "data/sampler.h"
 #include "data/storage.h"
 
@@ -32,7 +33,11 @@ DatasetBuckets build_dataset_buckets(const DatasetConfig& config, const BucketBu
                                      ThreadPool& pool) {
     DTUNE_CHECK_AS(UsageError, config.is_image_like(), "dataset '", config.id, "' is a ",
                    to_string(config.dataset_type), " entry; only image datasets have buckets");
-    auto storage = make_storage(config);
+    std::shared_ptr<StorageBackend> storage = make_storage(config);
+    // Every listing is recorded in output_dir; preserve_data_backend_cache reuses it.
+    if (!options.output_dir.empty())
+        storage = std::make_shared<ListingCacheStorage>(
+            storage, listing_cache_path(options.output_dir, config.id), config.preserve_data_backend_cache);
     const BucketSettings settings = BucketSettings::from(config, options.math);
     DatasetBuckets out;
     // Bucket shapes are pinned per resolution in area mode only (the pixel calculator has no map).

@@ -29,6 +29,7 @@ const std::set<std::string> kPassthroughKeys = {"aws_bucket_name",
                                                 "aws_session_token",
                                                 "aws_data_prefix",
                                                 "aws_max_pool_connections",
+                                                "aws_prefetch_depth",  // dtune: objects read ahead
                                                 "caption_shuffle",
                                                 "conditioning_data",
                                                 "conditioning_type",
@@ -459,6 +460,11 @@ DatasetConfig parse_entry(const json& raw, size_t index, const GlobalDataArgs& a
                     str("dataset '", c.id, "': key '", key, "' is not supported by dtune yet; ignored"));
         }
     }
+    // SimpleTuner: an aws entry without instance_data_dir is rooted at aws_data_prefix (its bucket
+    // metadata files are written there too).
+    if (c.type == StorageType::kAws && c.instance_data_dir.empty() && entry.contains("aws_data_prefix") &&
+        entry.at("aws_data_prefix").is_string())
+        c.instance_data_dir = entry.at("aws_data_prefix").get<std::string>();
     validate_entry(r, c);
     auto unknown = r.unknown_keys();
     if (!unknown.empty()) {

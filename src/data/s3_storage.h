@@ -11,7 +11,9 @@
 #include "data/storage.h"
 #include "io/s3.h"
 
+#include <map>
 #include <memory>
+#include <mutex>
 
 namespace dtune::data {
 
@@ -21,10 +23,13 @@ namespace dtune::data {
 io::S3Config s3_config_for(const DatasetConfig& config);
 // aws_data_prefix of the entry, "" when absent; normalised to "dir/" form.
 std::string s3_data_prefix_for(const DatasetConfig& config);
+// aws_prefetch_depth (a dtune key): objects fetched ahead of the image decoder and the header
+// scan; default min(aws_max_pool_connections, 32).
+int s3_prefetch_depth_for(const DatasetConfig& config);
 
 class S3Storage final : public StorageBackend {
   public:
-    S3Storage(io::S3Config config, std::string data_prefix);
+    S3Storage(io::S3Config config, std::string data_prefix, int prefetch_depth = 16);
     std::string kind() const override { return "aws"; }
     std::string read(const std::string& path) const override;
     void write(const std::string& path, std::string_view bytes) override;
@@ -33,18 +38,32 @@ class S3Storage final : public StorageBackend {
     std::vector<std::string> list_files(const std::string& root,
                                         const std::vector<std::string>& extensions) const override;
     std::string join(const std::string& root, const std::string& path) const override;
+    std::optional<ObjectStat> stat(const std::string& path) const override;
+    std::optional<std::string> read_if_exists(const std::string& path) const override;
+    std::vector<std::optional<std::string>> read_many_if_exists(
+        const std::vector<std::string>& paths) const override;
+    std::string location() const override;
+    bool remote() const override { return true; }
+    int max_parallel_reads() const override { return prefetch_depth_; }
+    void remember_stats(const std::vector<std::pair<std::string, ObjectStat>>& stats) override;
+    std::vector<std::pair<std::string, ObjectStat>> listed_stats(
+        const std::vector<std::string>& paths) const override;
 
     // Parallel reads over the client's connection pool (aws_max_pool_connections), in input order.
     std::vector<std::string> read_many(const std::vector<std::string>& paths) const;
     // The first `length` bytes (image headers are enough for bucketing).
-    std::string read_prefix(const std::string& path, std::size_t length) const;
+    std::string read_prefix(const std::string& path, std::size_t length) const override;
     const io::S3Client& client() const { return client_; }
 
   private:
     io::S3Client client_;
     std::string data_prefix_;
+    int prefetch_depth_;
+    mutable std::mutex stats_mutex_;
+    mutable std::map<std::string, ObjectStat> stats_;  // key → size and ETag, from listings
 };
 
-std::unique_ptr<StorageBackend> make_s3_storage(const DatasetConfig& config);
+// One shared backend per distinct entry settings (bucket, endpoint, region, credentials, prefix).
+std::shared_ptr<StorageBackend> make_s3_storage(const DatasetConfig& config);
 
 }  // namespace dtune::data

@@ -1,8 +1,13 @@
 // The local-folder storage backend.
 #include "data/storage.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -62,9 +67,42 @@ std::string LocalStorage::join(const std::string& root, const std::string& path)
     return p.is_absolute() ? path : (stdfs::path(root) / p).lexically_normal().string();
 }
 
-std::unique_ptr<StorageBackend> make_storage(const DatasetConfig& config) {
+std::optional<ObjectStat> LocalStorage::stat(const std::string& path) const {
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0) {
+        if (errno == ENOENT || errno == ENOTDIR) return std::nullopt;
+        throw DataError(str(path, ": cannot stat (", std::strerror(errno), ")"));
+    }
+    return ObjectStat{static_cast<uint64_t>(st.st_size), "source_mtime_ns",
+                      std::to_string(int64_t(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec)};
+}
+
+std::optional<std::string> LocalStorage::read_if_exists(const std::string& path) const {
+    std::error_code ec;
+    if (!stdfs::exists(path, ec)) return std::nullopt;
+    return fs::read_file(path);
+}
+
+std::vector<std::optional<std::string>> StorageBackend::read_many_if_exists(
+    const std::vector<std::string>& paths) const {
+    std::vector<std::optional<std::string>> out;
+    out.reserve(paths.size());
+    for (const auto& p : paths) out.push_back(read_if_exists(p));
+    return out;
+}
+
+std::string StorageBackend::read_prefix(const std::string& path, std::size_t length) const {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return read(path);  // read() reports the failure with its own message
+    std::string out(length, '\0');
+    in.read(out.data(), static_cast<std::streamsize>(length));
+    out.resize(static_cast<size_t>(in.gcount()));
+    return out;
+}
+
+std::shared_ptr<StorageBackend> make_storage(const DatasetConfig& config) {
     if (config.type == StorageType::kAws) return make_s3_storage(config);
-    return std::make_unique<LocalStorage>();
+    return std::make_shared<LocalStorage>();
 }
 
 }  // namespace dtune::data

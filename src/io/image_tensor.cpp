@@ -24,11 +24,10 @@ RgbImage from_tensor(const at::Tensor& chw) {
     return out;
 }
 
-RgbImage prepare_image(const std::filesystem::path& path, const PrepareSpec& spec) {
-    DecodeOptions options;
-    options.min_width = spec.resize_width;
-    options.min_height = spec.resize_height;
-    RgbImage image = read_image(path, options);
+namespace {
+
+// Resize → crop → flip of a decoded (orientation-corrected) image; `name` goes into errors.
+RgbImage finish_preparation(RgbImage image, const std::string& name, const PrepareSpec& spec) {
     if (image.width != spec.resize_width || image.height != spec.resize_height)
         image = resize_lanczos(image, spec.resize_width, spec.resize_height);
     if (spec.crop_width != image.width || spec.crop_height != image.height || spec.crop_top ||
@@ -36,11 +35,33 @@ RgbImage prepare_image(const std::filesystem::path& path, const PrepareSpec& spe
         try {
             image = crop(image, spec.crop_top, spec.crop_left, spec.crop_width, spec.crop_height);
         } catch (const DataError& e) {
-            throw DataError(str(path.string(), ": ", e.what()));
+            throw DataError(str(name, ": ", e.what()));
         }
     }
     if (spec.flip) image = flip_horizontal(image);
     return image;
+}
+
+DecodeOptions decode_options(const PrepareSpec& spec) {
+    DecodeOptions options;
+    options.min_width = spec.resize_width;
+    options.min_height = spec.resize_height;
+    return options;
+}
+
+}  // namespace
+
+RgbImage prepare_image(const std::filesystem::path& path, const PrepareSpec& spec) {
+    return finish_preparation(read_image(path, decode_options(spec)), path.string(), spec);
+}
+
+RgbImage prepare_image_bytes(std::string_view bytes, const std::string& name, const PrepareSpec& spec) {
+    return finish_preparation(decode_image(bytes, name, decode_options(spec)), name, spec);
+}
+
+at::Tensor prepare_image_tensor_bytes(std::string_view bytes, const std::string& name,
+                                      const PrepareSpec& spec) {
+    return to_tensor(prepare_image_bytes(bytes, name, spec));
 }
 
 at::Tensor prepare_image_tensor(const std::filesystem::path& path, const PrepareSpec& spec) {

@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <filesystem>
+#include <string>
+#include <string_view>
 
 #include "io/image.h"
 
@@ -30,5 +32,9 @@ struct PrepareSpec {
 // the sample and list it in their report).
 RgbImage prepare_image(const std::filesystem::path& path, const PrepareSpec& spec);
 at::Tensor prepare_image_tensor(const std::filesystem::path& path, const PrepareSpec& spec);
+// The same from the encoded bytes of an image read elsewhere (an S3 object); `name` goes into errors.
+RgbImage prepare_image_bytes(std::string_view bytes, const std::string& name, const PrepareSpec& spec);
+at::Tensor prepare_image_tensor_bytes(std::string_view bytes, const std::string& name,
+                                      const PrepareSpec& spec);
 
 }  // namespace dtune::io

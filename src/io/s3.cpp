@@ -255,7 +255,8 @@ Response S3Client::Impl::execute(const Op& op) {
         std::this_thread::sleep_for(std::chrono::duration<double>(sleep_s));
     }
     if (r.transport_error.empty() && r.status >= 200 && r.status < 300) return r;
-    if (op.allow_404 && r.status == 404) return r;
+    // A missing bucket is never "the object is absent" (HEAD has no body to tell them apart).
+    if (op.allow_404 && r.status == 404 && s3xml::first(r.body, "Code") != "NoSuchBucket") return r;
     fail(op, r);
 }
 
@@ -336,6 +337,14 @@ std::vector<S3Object> S3Client::list(const std::string& prefix) const {
 
 std::string S3Client::get(const std::string& key) const {
     return impl_->execute(Op{"GET", key, {}, {}, {}}).body;
+}
+
+std::optional<std::string> S3Client::get_if_exists(const std::string& key) const {
+    Op op{"GET", key, {}, {}, {}};
+    op.allow_404 = true;
+    Response r = impl_->execute(op);
+    if (r.status == 404) return std::nullopt;
+    return std::move(r.body);
 }
 
 std::string S3Client::get_range(const std::string& key, std::uint64_t offset, std::uint64_t length) const {
@@ -422,6 +431,13 @@ void S3Client::put(const std::string& key, std::string_view bytes) const {
 std::vector<std::string> S3Client::get_many(const std::vector<std::string>& keys) const {
     std::vector<std::string> out(keys.size());
     impl_->thread_pool().parallel_for(keys.size(), [&](std::size_t i) { out[i] = get(keys[i]); });
+    return out;
+}
+
+std::vector<std::optional<std::string>> S3Client::get_many_if_exists(
+    const std::vector<std::string>& keys) const {
+    std::vector<std::optional<std::string>> out(keys.size());
+    impl_->thread_pool().parallel_for(keys.size(), [&](std::size_t i) { out[i] = get_if_exists(keys[i]); });
     return out;
 }
 

@@ -70,6 +70,8 @@ class S3Client {
     // Every object whose key starts with `prefix`, in key order (ListObjectsV2, all pages).
     std::vector<S3Object> list(const std::string& prefix = "") const;
     std::string get(const std::string& key) const;
+    // nullopt when the object does not exist (one request; other errors throw like get()).
+    std::optional<std::string> get_if_exists(const std::string& key) const;
     // `length` bytes from `offset` (fewer at the end of the object).
     std::string get_range(const std::string& key, std::uint64_t offset, std::uint64_t length) const;
     // nullopt when the object does not exist.
@@ -81,6 +83,7 @@ class S3Client {
     // Batches over a pool of max_connections threads; results in input order. The first error
     // (by index) is rethrown after every request has finished.
     std::vector<std::string> get_many(const std::vector<std::string>& keys) const;
+    std::vector<std::optional<std::string>> get_many_if_exists(const std::vector<std::string>& keys) const;
     void put_many(const std::vector<std::pair<std::string, std::string>>& objects) const;
 
     // Counters for tests and benchmarks.

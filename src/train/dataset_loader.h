@@ -48,7 +48,7 @@ struct EpochLayout {
 EpochLayout layout_for_epoch(const RebucketInputs& inputs, int64_t epoch);
 
 struct LoadedDataset {
-    data::DatasetConfig config;  // `type: aws` entries point at their local mirror
+    data::DatasetConfig config;  // `type: aws`: paths are object keys in the entry's bucket
     std::map<std::string, std::vector<std::string>> buckets;   // key → distinct samples (sorted)
     std::map<std::string, data::SamplePlan> plans;             // path → bucket metadata
     std::map<std::string, std::vector<std::string>> captions;  // path → candidate captions

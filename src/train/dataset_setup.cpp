@@ -3,16 +3,18 @@
 // index, the cache work is sharded, and the barrier separates the phases so every rank then sees
 // every file.
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
+#include "data/cache_placement.h"
 #include "data/captions.h"
 #include "data/dataset_buckets.h"
-#include "data/s3_storage.h"
 #include "data/storage.h"
 #include "train/dataset_loader.h"
 
@@ -21,59 +23,8 @@ namespace {
 
 namespace stdfs = std::filesystem;
 
-const std::vector<std::string> kImageExtensions = {".png", ".jpg", ".jpeg", ".webp"};
-
 void barrier(const DatasetSourceOptions& o) {
     if (o.barrier) o.barrier();
-}
-
-// `type: aws`: the dataset's images, caption files and metadata table are copied once into
-// <output_dir>/cache/s3/<id>/ (files already there are kept), and the entry is pointed at that
-// folder, so discovery, bucket metadata and the latent cache work on local files. Rank 0 copies.
-data::DatasetConfig mirror_s3_dataset(const data::DatasetConfig& config, const DatasetSourceOptions& o) {
-    data::DatasetConfig local = config;
-    const stdfs::path mirror = stdfs::path(o.global.output_dir) / "cache" / "s3" / config.id;
-    local.type = data::StorageType::kLocal;
-    local.instance_data_dir = mirror.string();
-    if (local.parquet && !local.parquet->path.empty())
-        local.parquet->path = (mirror / "_metadata" / stdfs::path(config.parquet->path).filename()).string();
-    if (o.rank != 0) return local;
-    auto storage = data::make_storage(config);
-    std::vector<std::string> keys = storage->list_files(config.instance_data_dir, {});
-    std::vector<std::pair<std::string, stdfs::path>> todo;
-    const std::string root =
-        config.instance_data_dir.empty() ? data::s3_data_prefix_for(config) : config.instance_data_dir;
-    for (const auto& key : keys) {
-        std::string ext = stdfs::path(key).extension().string();
-        std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return std::tolower(c); });
-        if (ext != ".txt" &&
-            std::find(kImageExtensions.begin(), kImageExtensions.end(), ext) == kImageExtensions.end())
-            continue;
-        std::string rel = key.rfind(root, 0) == 0 ? key.substr(root.size()) : key;
-        while (!rel.empty() && rel.front() == '/') rel.erase(0, 1);
-        const stdfs::path dest = mirror / rel;
-        if (!stdfs::exists(dest)) todo.emplace_back(key, dest);
-    }
-    if (local.parquet && !local.parquet->path.empty() && !stdfs::exists(local.parquet->path))
-        todo.emplace_back(config.parquet->path, local.parquet->path);
-    log::info() << "dataset '" << config.id << "' (aws): " << keys.size() << " objects listed, "
-                << todo.size() << " copied to " << mirror.string();
-    auto* s3 = dynamic_cast<data::S3Storage*>(storage.get());
-    for (size_t i = 0; i < todo.size(); i += 64) {
-        std::vector<std::string> chunk;
-        for (size_t k = i; k < std::min(todo.size(), i + 64); ++k) chunk.push_back(todo[k].first);
-        std::vector<std::string> bytes;
-        if (s3) {
-            bytes = s3->read_many(chunk);
-        } else {
-            for (const auto& key : chunk) bytes.push_back(storage->read(key));
-        }
-        for (size_t k = 0; k < chunk.size(); ++k) {
-            stdfs::create_directories(todo[i + k].second.parent_path());
-            fs::write_file_atomic(todo[i + k].second, bytes[k]);
-        }
-    }
-    return local;
 }
 
 // Every sample's candidate captions; samples without a usable caption are dropped with a warning
@@ -87,15 +38,39 @@ void resolve_all_captions(LoadedDataset& d) {
         table =
             data::MetadataTable::load(*storage, *d.config.parquet, false);  // captionless rows: skipped below
     }
+    // Caption files in a bucket are one GET each: resolve max_parallel_reads() at a time.
+    std::vector<const std::string*> all;
+    for (const auto& [key, paths] : d.buckets)
+        for (const auto& p : paths) all.push_back(&p);
+    std::vector<std::vector<std::string>> found(all.size());
+    std::vector<std::string> errors(all.size());
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+        for (size_t i = next++; i < all.size(); i = next++) {
+            try {
+                found[i] = data::resolve_captions(d.config, *storage, *all[i], table ? &*table : nullptr);
+            } catch (const DataError& e) {
+                errors[i] = e.what();
+            }
+        }
+    };
+    std::vector<std::thread> threads;
+    const size_t n = storage->remote() ? size_t(std::max(1, storage->max_parallel_reads())) : 1;
+    for (size_t t = 1; t < std::min(n, all.size()); ++t) threads.emplace_back(work);
+    work();
+    for (auto& t : threads) t.join();
+    std::map<std::string, size_t> index;
+    for (size_t i = 0; i < all.size(); ++i) index[*all[i]] = i;
     for (auto& [key, paths] : d.buckets) {
         std::vector<std::string> kept;
         for (const auto& p : paths) {
-            try {
-                d.captions[p] = data::resolve_captions(d.config, *storage, p, table ? &*table : nullptr);
-                kept.push_back(p);
-            } catch (const DataError& e) {
-                log::warn() << "dataset '" << d.config.id << "': skipping " << p << ": " << e.what();
+            const size_t i = index.at(p);
+            if (!errors[i].empty()) {
+                log::warn() << "dataset '" << d.config.id << "': skipping " << p << ": " << errors[i];
+                continue;
             }
+            d.captions[p] = std::move(found[i]);
+            kept.push_back(p);
         }
         paths = std::move(kept);
     }
@@ -167,6 +142,8 @@ std::shared_ptr<data::TextEmbedCache> text_cache_for(const data::DatasetConfig& 
     const auto* entry = all.find(d.text_embeds);
     data::TextCacheSettings ts;
     ts.cache_dir = entry && !entry->cache_dir.empty() ? entry->cache_dir : o.global.cache_dir_text;
+    // An `aws` text_embeds entry keeps the embeddings in its bucket (cache_dir is the key prefix).
+    ts.storage = data::text_cache_storage(entry);
     ts.model_family = o.global.model_family;
     ts.encoder_identity = enc.text_identity;
     ts.compression = (entry ? entry->compress_cache : o.global.compress_disk_cache)
@@ -175,16 +152,39 @@ std::shared_ptr<data::TextEmbedCache> text_cache_for(const data::DatasetConfig& 
     return std::make_shared<data::TextEmbedCache>(ts);
 }
 
-// Paths of every rank's skipped-image report of a dataset's latent cache.
-std::string skip_report_path(const data::DatasetConfig& d, int rank) {
-    return (stdfs::path(d.cache_dir_vae) / str("skipped_images_rank", rank, ".json")).string();
+bool latents_in_bucket(const LoadedDataset& d) {
+    return d.latent_cache && d.latent_cache->storage().remote();
+}
+
+// Paths of every rank's skipped-image report of a dataset's latent cache (in the shared
+// output_dir when the latents live in a bucket).
+std::string skip_report_path(const LoadedDataset& d, const DatasetSourceOptions& o, int rank) {
+    const stdfs::path dir = latents_in_bucket(d)
+                                ? stdfs::path(o.global.output_dir) / "cache" / "skipped" / d.config.id
+                                : stdfs::path(d.config.cache_dir_vae);
+    return (dir / str("skipped_images_rank", rank, ".json")).string();
+}
+
+// True when every path exists in `storage`: stat() per file locally, one listing of `dir` remotely.
+bool all_present(const data::StorageBackend& storage, const std::string& dir,
+                 const std::vector<std::string>& paths) {
+    if (!storage.remote()) {
+        for (const auto& p : paths)
+            if (!stdfs::exists(p)) return false;
+        return true;
+    }
+    const auto listed = storage.list_files(dir, {});
+    const std::set<std::string> have(listed.begin(), listed.end());
+    for (const auto& p : paths)
+        if (!have.count(storage.join("", p))) return false;
+    return true;
 }
 
 // After the barrier: drops images any rank could not decode (listed in its report) and replans.
 void drop_unreadable(LoadedDataset& d, const DatasetSourceOptions& o) {
     std::set<std::string> bad;
     for (int r = 0; r < o.world_size; ++r) {
-        const std::string path = skip_report_path(d.config, r);
+        const std::string path = skip_report_path(d, o, r);
         if (!stdfs::exists(path)) continue;
         const auto report = nlohmann::json::parse(fs::read_file(path));  // {path: reason}
         for (auto it = report.begin(); it != report.end(); ++it) bad.insert(it.key());
@@ -195,7 +195,7 @@ void drop_unreadable(LoadedDataset& d, const DatasetSourceOptions& o) {
             std::remove_if(paths.begin(), paths.end(), [&](const auto& p) { return bad.count(p) > 0; }),
             paths.end());
     log::warn() << "dataset '" << d.config.id << "': " << bad.size()
-                << " unreadable image(s) left out (listed in " << skip_report_path(d.config, 0) << " …)";
+                << " unreadable image(s) left out (listed in " << skip_report_path(d, o, 0) << " …)";
     plan_dataset(d, o);
 }
 
@@ -231,12 +231,12 @@ void build_text_caches(std::vector<LoadedDataset>& datasets, const DatasetSource
     }
 }
 
-void build_latent_caches(std::vector<LoadedDataset>& datasets, const DatasetSourceOptions& o,
-                         const DatasetEncoders& enc, ThreadPool& pool) {
+void build_latent_caches(std::vector<LoadedDataset>& datasets, const data::DataBackendConfig& all,
+                         const DatasetSourceOptions& o, const DatasetEncoders& enc, ThreadPool& pool) {
     for (auto& d : datasets) {
         if (d.config.vae_cache_disable) continue;
-        d.latent_cache =
-            std::make_unique<data::LatentCache>(data::latent_cache_settings(d.config, enc.vae_identity));
+        d.latent_cache = std::make_unique<data::LatentCache>(
+            data::latent_cache_placement(d.config, all, o.global, enc.vae_identity));
         if (d.config.vae_cache_ondemand) continue;
         const auto requests = data::prebuild_requests(d.config, d.buckets, d.plans, o.seed, d.pins, o.math);
         data::CacheBuildOptions opt;
@@ -245,7 +245,7 @@ void build_latent_caches(std::vector<LoadedDataset>& datasets, const DatasetSour
         opt.batch_size = std::max(1, d.config.vae_batch_size);
         opt.show_progress = o.show_progress && o.rank == 0;
         opt.label = "latents " + d.config.id;
-        opt.report_path = skip_report_path(d.config, o.rank);
+        opt.report_path = skip_report_path(d, o, o.rank);
         d.report.latents = data::build_latent_cache(*d.latent_cache, requests, enc.vae, opt, pool);
         log::info() << "latents of '" << d.config.id << "': " << d.report.latents.summary();
     }
@@ -256,10 +256,12 @@ void build_latent_caches(std::vector<LoadedDataset>& datasets, const DatasetSour
 bool latents_complete(const std::vector<LoadedDataset>& datasets, const DatasetSourceOptions& o) {
     for (const auto& d : datasets) {
         if (!d.latent_cache || d.config.vae_cache_ondemand || d.rebucket) return false;
+        std::vector<std::string> entries;
         for (const auto& [key, requests] :
              data::prebuild_requests(d.config, d.buckets, d.plans, o.seed, d.pins, o.math))
-            for (const auto& r : requests)
-                if (!stdfs::exists(d.latent_cache->entry_path(r))) return false;
+            for (const auto& r : requests) entries.push_back(d.latent_cache->entry_path(r).string());
+        if (!all_present(d.latent_cache->storage(), d.latent_cache->settings().cache_dir, entries))
+            return false;
     }
     return true;
 }
@@ -287,10 +289,10 @@ void prepare_rebucketing(LoadedDataset& d, const DatasetSourceOptions& o) {
 
 bool text_complete(const std::vector<LoadedDataset>& datasets) {
     for (const auto& d : datasets) {
-        if (!stdfs::exists(d.text_cache->entry_path(""))) return false;
+        std::vector<std::string> entries = {d.text_cache->entry_path("").string()};
         for (const auto& [path, captions] : d.captions)
-            for (const auto& c : captions)
-                if (!stdfs::exists(d.text_cache->entry_path(c))) return false;
+            for (const auto& c : captions) entries.push_back(d.text_cache->entry_path(c).string());
+        if (!all_present(d.text_cache->storage(), d.text_cache->settings().cache_dir, entries)) return false;
     }
     return true;
 }
@@ -339,7 +341,7 @@ SetupResult setup_datasets(const DatasetSourceOptions& o, DatasetEncoders enc, T
     std::vector<data::DatasetConfig> configs;
     for (const auto& d : all.datasets) {
         if (d.dataset_type == data::DatasetType::kImage)
-            configs.push_back(d.type == data::StorageType::kAws ? mirror_s3_dataset(d, o) : d);
+            configs.push_back(d);  // `type: aws` images stream from the bucket (no local copy)
         else if (d.is_image_like())
             log::info() << "dataset '" << d.id << "' (" << data::to_string(d.dataset_type)
                         << ") is not trained on; dtune trains on image datasets only";
@@ -348,7 +350,7 @@ SetupResult setup_datasets(const DatasetSourceOptions& o, DatasetEncoders enc, T
                    " has no enabled image dataset; add an entry with \"dataset_type\": \"image\" and "
                    "instance_data_dir");
     SetupResult out;
-    // Rank 0 scans and writes the bucket index (and the S3 mirror); the others read what it wrote.
+    // Rank 0 scans and writes the bucket index; the others read what it wrote.
     if (o.rank == 0)
         for (const auto& c : configs) out.datasets.push_back(bucket_dataset(c, o, true, pool));
     barrier(o);
@@ -364,7 +366,7 @@ SetupResult setup_datasets(const DatasetSourceOptions& o, DatasetEncoders enc, T
         d.text_batch_size = text_entry ? text_entry->text_encoder_batch_size : o.text_encoder_batch_size;
     }
     build_text_caches(out.datasets, o, enc, pool);
-    build_latent_caches(out.datasets, o, enc, pool);
+    build_latent_caches(out.datasets, all, o, enc, pool);
     barrier(o);  // every rank's share of both caches is on disk from here on
     for (auto& d : out.datasets) {
         drop_unreadable(d, o);
@@ -387,7 +389,8 @@ SetupResult setup_datasets(const DatasetSourceOptions& o, DatasetEncoders enc, T
         };
     for (auto& d : out.datasets) {
         const auto mode = data::latent_mode_for(d.config);
-        d.latents = data::make_latent_source(mode, d.latent_cache.get(), vae, pool);
+        d.latents =
+            data::make_latent_source(mode, d.latent_cache.get(), vae, pool, data::make_storage(d.config));
     }
     log::info() << "data: " << out.datasets.size() << " dataset(s); text encoders "
                 << (out.text_released ? "released after caching" : "kept") << ", VAE "

@@ -3,13 +3,20 @@
 // its prefix, reads images that decode to the pixels that were uploaded, reads just the header
 // bytes for bucketing, and writes/removes metadata files.
 #include "core/error.h"
+#include "core/fs.h"
+#include "core/thread_pool.h"
+#include "data/dataset_buckets.h"
 #include "data/dataset_config.h"
+#include "data/listing_cache.h"
 #include "data/s3_storage.h"
 #include "io/image.h"
 #include "io/image_info.h"
 #include "s3_test_server.h"
+#include "support/http_listener.h"
 
 #include <gtest/gtest.h>
+
+#include <functional>
 #include <nlohmann/json.hpp>
 
 namespace dtune::data {
@@ -109,6 +116,116 @@ TEST(S3Storage, ListsUnderThePrefixAndReadsImages) {
                   std::string::npos)
             << e.what();
     }
+}
+
+// What a user sees for a missing bucket and for an endpoint where no server listens: the bucket
+// (and key), the key of the entry to fix, never the secret.
+TEST(S3Storage, MissingBucketAndWrongEndpointNameTheBucketAndTheFix) {
+    auto server = S3TestServer::start(test::S3ServerKind::kSeaweed);
+    ASSERT_TRUE(server);
+    nlohmann::json e = {{"id", "s3-missing"},
+                        {"type", "aws"},
+                        {"aws_bucket_name", "no-such-bucket-here"},
+                        {"aws_region_name", "us-east-1"},
+                        {"aws_endpoint_url", server->endpoint()},
+                        {"aws_access_key_id", S3TestServer::kAccessKey},
+                        {"aws_secret_access_key", S3TestServer::kSecretKey},
+                        {"aws_data_prefix", "imgs"}};
+    auto expect_error = [](const std::function<void()>& fn, const std::vector<std::string>& parts) {
+        try {
+            fn();
+            ADD_FAILURE() << "expected DataError";
+        } catch (const DataError& err) {
+            const std::string m = err.what();
+            for (const auto& p : parts) EXPECT_NE(m.find(p), std::string::npos) << p << " not in: " << m;
+            EXPECT_EQ(m.find(S3TestServer::kSecretKey), std::string::npos) << m;
+        }
+    };
+    auto missing = make_storage(parse_entry(e));
+    expect_error([&] { missing->list_files("imgs", {".png"}); },
+                 {"s3://no-such-bucket-here/", "NoSuchBucket", "aws_bucket_name"});
+    // A GET that may miss (cache lookups) must not read a missing bucket as a missing object.
+    expect_error([&] { missing->read_if_exists("imgs/a.png"); },
+                 {"s3://no-such-bucket-here/imgs/a.png", "NoSuchBucket", "aws_bucket_name"});
+
+    // Nothing listens on loopback port 9 (discard): the connection is refused on every attempt.
+    e["aws_bucket_name"] = "dtune-dataset";
+    e["aws_endpoint_url"] = "http://127.0.0.1:9";
+    e["aws_max_pool_connections"] = 2;
+    auto nowhere = make_storage(parse_entry(e));
+    expect_error([&] { nowhere->read("imgs/a.png"); },
+                 {"s3://dtune-dataset/imgs/a.png", "http://127.0.0.1:9", "aws_endpoint_url"});
+}
+
+// A bucket in another region: AWS answers 301 PermanentRedirect (SeaweedFS and moto accept any
+// region, so a plain HTTP listener plays AWS here). The error names the bucket, key and the fix.
+TEST(S3Storage, WrongRegionNamesTheRegionKey) {
+    test::HttpListener aws;
+    aws.set_status(301);
+    const nlohmann::json e = {{"id", "s3-region"},
+                              {"type", "aws"},
+                              {"aws_bucket_name", "eu-bucket"},
+                              {"aws_region_name", "us-east-1"},
+                              {"aws_endpoint_url", "http://127.0.0.1:" + std::to_string(aws.port())},
+                              {"aws_access_key_id", "AKIDEXAMPLE"},
+                              {"aws_secret_access_key", "region-test-secret-never-shown"}};
+    auto storage = make_storage(parse_entry(e));
+    try {
+        storage->read("imgs/a.png");
+        FAIL() << "expected DataError";
+    } catch (const DataError& err) {
+        const std::string m = err.what();
+        EXPECT_NE(m.find("s3://eu-bucket/imgs/a.png"), std::string::npos) << m;
+        EXPECT_NE(m.find("HTTP 301"), std::string::npos) << m;
+        EXPECT_NE(m.find("aws_region_name"), std::string::npos) << m;
+        EXPECT_EQ(m.find("region-test-secret-never-shown"), std::string::npos) << m;
+    }
+}
+
+// preserve_data_backend_cache on a bucket: the first bucketing lists the prefix and stores the
+// listing (with sizes and ETags) in output_dir; with the flag on, an object uploaded afterwards is
+// not seen (no relisting) and the ETags come from the stored listing; with it off, it is.
+TEST(S3Storage, PreservedListingSkipsRelistingTheBucket) {
+    auto server = S3TestServer::start(test::S3ServerKind::kSeaweed);
+    ASSERT_TRUE(server);
+    nlohmann::json e = {{"id", "pres"},
+                        {"type", "aws"},
+                        {"aws_bucket_name", "dtune-preserve"},
+                        {"aws_region_name", "us-east-1"},
+                        {"aws_endpoint_url", server->endpoint()},
+                        {"aws_access_key_id", S3TestServer::kAccessKey},
+                        {"aws_secret_access_key", S3TestServer::kSecretKey},
+                        {"aws_data_prefix", "pres/img"},
+                        {"resolution", 64},
+                        {"resolution_type", "pixel"},
+                        {"caption_strategy", "filename"},
+                        {"train_batch_size", 1},
+                        {"preserve_data_backend_cache", true}};
+    io::S3Client(s3_config_for(parse_entry(e))).create_bucket();
+    auto storage = make_storage(parse_entry(e));
+    for (int i = 0; i < 3; ++i)
+        storage->write(str("pres/img/", i, ".png"), io::encode_png(gradient(64, 64, i)));
+    test::TempDir out;
+    ThreadPool pool(2);
+    BucketBuildOptions bo;
+    bo.output_dir = out.path().string();
+    auto bucketed = [&](const nlohmann::json& entry) {
+        return build_dataset_buckets(parse_entry(entry), bo, pool).index.sample_count();
+    };
+    EXPECT_EQ(bucketed(e), 3);  // nothing stored yet: listed
+    const auto stored = nlohmann::json::parse(fs::read_file(listing_cache_path(bo.output_dir, "pres")));
+    ASSERT_EQ(stored.at("files").size(), 3u);
+    EXPECT_EQ(stored.at("files").at(0).at("version_name"), "source_etag");
+    EXPECT_FALSE(stored.at("files").at(0).at("version").get<std::string>().empty());
+    EXPECT_TRUE(storage->exists("pres/img/aspect_ratio_bucket_indices_pres.json"));  // under the prefix
+
+    storage->write("pres/img/3.png", io::encode_png(gradient(64, 64, 3)));
+    EXPECT_EQ(bucketed(e), 3);  // the stored listing: 3.png is not seen
+    e["preserve_data_backend_cache"] = false;
+    EXPECT_EQ(bucketed(e), 4);  // relisted
+    e["preserve_data_backend_cache"] = true;
+    e["aws_data_prefix"] = "pres";  // another root: the stored listing does not apply
+    EXPECT_EQ(bucketed(e), 4);
 }
 
 TEST(S3Storage, ConfigKeysAreTypeCheckedWithoutShowingSecrets) {

@@ -1,0 +1,116 @@
+// ObjectPrefetcher (bounded parallel read-ahead) and ListingCacheStorage
+// (preserve_data_backend_cache) on local folders.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <thread>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "data/listing_cache.h"
+#include "data/prefetch.h"
+#include "support/test_support.h"
+
+namespace dtune::data {
+namespace {
+
+std::vector<std::string> names(int n) {
+    std::vector<std::string> out;
+    for (int i = 0; i < n; ++i) out.push_back("obj" + std::to_string(i));
+    return out;
+}
+
+TEST(ObjectPrefetcher, FetchesInParallelWithinTheWindowAndKeepsOrder) {
+    std::atomic<int> in_flight{0}, peak{0}, fetched{0};
+    auto fetch = [&](const std::string& p) {
+        const int now = ++in_flight;
+        for (int seen = peak.load(); now > seen && !peak.compare_exchange_weak(seen, now);) {
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));  // a slow GET
+        --in_flight;
+        ++fetched;
+        return "bytes of " + p;
+    };
+    ObjectPrefetcher ahead(names(40), fetch, 8);
+    // Before anything is taken, at most the window is fetched.
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    EXPECT_EQ(fetched.load(), 8);
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < 40; ++i) EXPECT_EQ(ahead.take(size_t(i)), "bytes of obj" + std::to_string(i));
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(peak.load(), 8);
+    EXPECT_LE(ahead.peak_in_flight(), 8);
+    // 32 remaining fetches of 20 ms, 8 at a time: ~80 ms; one at a time would be 640 ms.
+    EXPECT_LT(s, 0.4) << "fetches did not overlap";
+}
+
+TEST(ObjectPrefetcher, OutOfOrderTakesAndErrorsOfOneObjectOnly) {
+    auto fetch = [](const std::string& p) -> std::string {
+        if (p == "obj3") throw DataError("obj3: HTTP 503");
+        return p;
+    };
+    ObjectPrefetcher ahead(names(10), fetch, 2);
+    // Taking a later index first must not deadlock: the window follows the lowest untaken one.
+    std::thread late([&] { EXPECT_EQ(ahead.take(9), "obj9"); });
+    for (size_t i = 0; i < 9; ++i) {
+        if (i == 3) {
+            EXPECT_THROW(ahead.take(i), DataError);
+            continue;
+        }
+        EXPECT_EQ(ahead.take(i), "obj" + std::to_string(i));
+    }
+    late.join();
+    EXPECT_THROW(ahead.take(0), Error);  // once only
+}
+
+TEST(ObjectPrefetcher, DestroyedEarlyJoinsItsThreads) {
+    std::atomic<int> fetched{0};
+    {
+        ObjectPrefetcher ahead(
+            names(100), [&](const std::string& p) { return ++fetched, p; }, 4);
+        EXPECT_EQ(ahead.take(0), "obj0");
+    }
+    EXPECT_LE(fetched.load(), 5);  // the window, never the whole list
+}
+
+TEST(ListingCache, PreservedListingIsReusedUntilSwitchedOffOrInvalid) {
+    test::TempDir dir;
+    const auto images = dir / "images";
+    std::filesystem::create_directories(images);
+    fs::write_file_atomic(images / "a.png", "x");
+    fs::write_file_atomic(images / "b.png", "x");
+    const std::string listing = listing_cache_path((dir / "out").string(), "ds");
+    EXPECT_EQ(std::filesystem::path(listing).filename(), "all_image_files_ds.json");
+    auto local = std::make_shared<LocalStorage>();
+    const std::vector<std::string> ext = {".png"};
+
+    ListingCacheStorage first(local, listing, /*preserve=*/true);  // no listing stored yet
+    EXPECT_EQ(first.list_files(images.string(), ext).size(), 2u);
+    EXPECT_FALSE(first.reused());
+    ASSERT_TRUE(std::filesystem::exists(listing));
+
+    fs::write_file_atomic(images / "c.png", "x");
+    ListingCacheStorage preserved(local, listing, true);
+    EXPECT_EQ(preserved.list_files(images.string(), ext).size(), 2u);  // c.png not seen
+    EXPECT_TRUE(preserved.reused());
+    // Another folder or another filter: the stored listing does not apply.
+    EXPECT_EQ(preserved.list_files(images.string(), {".png", ".jpg"}).size(), 3u);
+    EXPECT_FALSE(preserved.reused());
+
+    ListingCacheStorage off(local, listing, false);
+    EXPECT_EQ(off.list_files(images.string(), ext).size(), 3u);
+    EXPECT_FALSE(off.reused());
+    ListingCacheStorage again(local, listing, true);  // the relisting was recorded
+    EXPECT_EQ(again.list_files(images.string(), ext).size(), 3u);
+    EXPECT_TRUE(again.reused());
+
+    fs::write_file_atomic(listing, "{not json");
+    ListingCacheStorage damaged(local, listing, true);
+    EXPECT_EQ(damaged.list_files(images.string(), ext).size(), 3u);
+    EXPECT_FALSE(damaged.reused());
+}
+
+}  // namespace
+}  // namespace dtune::data

@@ -1,0 +1,281 @@
+// The whole `type: aws` pipeline against real S3 servers started on 127.0.0.1 (SeaweedFS, which
+// verifies signatures, and moto): `dtune train` on the tiny fixture model with
+//   1. images and a Parquet metadata table in the bucket (sizes and captions from the table),
+//      caches on local disk: the run trains, the bucket metadata files land under the prefix,
+//      nothing is mirrored locally (preserve_data_backend_cache on a bucket: tests/data/test_s3_storage.cpp);
+//   2. images on local disk, text embeddings and latents in the bucket (aws text_embeds and
+//      image_embeds entries): the cache objects exist in the bucket, a second run reuses them all;
+//   3. a wrong secret: the run fails with an error naming the bucket, the key and the fix, and the
+//      secret appears in no output.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <fstream>
+
+#include <sys/wait.h>
+
+#include "core/fs.h"
+#include "io/image.h"
+#include "io/s3.h"
+#include "s3_test_server.h"
+#include "support/test_support.h"
+
+namespace dtune {
+namespace {
+
+namespace stdfs = std::filesystem;
+using test::S3ServerKind;
+using test::S3TestServer;
+using json = nlohmann::json;
+
+constexpr const char* kBucket = "dtune-train";
+
+int run(const std::string& cmd) {
+    const int status = std::system(cmd.c_str());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::string png(int w, int h, int seed) {
+    io::RgbImage img(w, h);
+    for (size_t p = 0; p < img.pixels.size(); ++p)
+        img.pixels[p] = static_cast<uint8_t>((p * 5 + seed * 37) % 256);
+    return io::encode_png(img);
+}
+
+int64_t count_local(const stdfs::path& dir) {
+    int64_t n = 0;
+    if (!stdfs::exists(dir)) return 0;
+    for (const auto& e : stdfs::recursive_directory_iterator(dir))
+        if (e.is_regular_file() && e.path().extension() == ".safetensors") ++n;
+    return n;
+}
+
+// Every file under `dir` (recursively) read into one string, for secret greps.
+std::string all_output(const stdfs::path& dir) {
+    std::string out;
+    for (const auto& e : stdfs::recursive_directory_iterator(dir))
+        if (e.is_regular_file()) out += fs::read_file(e.path());
+    return out;
+}
+
+class TrainS3 : public ::testing::TestWithParam<S3ServerKind> {
+  protected:
+    void SetUp() override {
+        server_ = S3TestServer::start(GetParam());
+        ASSERT_TRUE(server_) << "could not start the S3 server";
+        client_ = std::make_unique<io::S3Client>(client_config(S3TestServer::kSecretKey));
+        client_->create_bucket();
+        const json cfg = {{"--model_family", "sdxl"},
+                          {"--pretrained_model_name_or_path", (test::fixtures_dir() / "tiny-sdxl").string()},
+                          {"--data_backend_config", (dir_ / "multidatabackend.json").string()},
+                          {"--train_batch_size", 1},
+                          {"--learning_rate", 1e-4},
+                          {"--optimizer", "torch-adamw"},
+                          {"--mixed_precision", "no"},
+                          {"--seed", 3},
+                          {"--device", "cpu"}};
+        fs::write_file_atomic(dir_ / "config.json", cfg.dump(2));
+    }
+    io::S3Config client_config(const std::string& secret) const {
+        io::S3Config c;
+        c.bucket = kBucket;
+        c.endpoint = server_->endpoint();
+        c.region = "us-east-1";
+        c.credentials = {S3TestServer::kAccessKey, secret, ""};
+        return c;
+    }
+    // The aws_* keys of an entry on this server's bucket.
+    json aws_keys(const std::string& secret = S3TestServer::kSecretKey) const {
+        return {{"type", "aws"},
+                {"aws_bucket_name", kBucket},
+                {"aws_region_name", "us-east-1"},
+                {"aws_endpoint_url", server_->endpoint()},
+                {"aws_access_key_id", S3TestServer::kAccessKey},
+                {"aws_secret_access_key", secret},
+                {"aws_max_pool_connections", 8}};
+    }
+    std::vector<std::string> keys_under(const std::string& prefix) const {
+        std::vector<std::string> out;
+        for (const auto& o : client_->list(prefix)) out.push_back(o.key);
+        return out;
+    }
+    int64_t count_in_bucket(const std::string& prefix) const {
+        int64_t n = 0;
+        for (const auto& k : keys_under(prefix)) n += k.size() > 12 && k.ends_with(".safetensors");
+        return n;
+    }
+    // Runs `dtune train` for `steps` steps into output `out`; the log is dir_/<out>.log.
+    int train(const std::string& out, int steps = 2) const {
+        return run(std::string(DTUNE_BIN) + " train --config '" + (dir_ / "config.json").string() +
+                   "' --output_dir '" + (dir_ / out).string() + "' --max_train_steps " +
+                   std::to_string(steps) + " >'" + (dir_ / (out + ".log")).string() + "' 2>&1");
+    }
+    std::string log(const std::string& out) const { return fs::read_file(dir_ / (out + ".log")); }
+    void write_backends(const json& entries) const {
+        fs::write_file_atomic(dir_ / "multidatabackend.json", entries.dump(2));
+    }
+
+    test::TempDir dir_;
+    std::unique_ptr<S3TestServer> server_;
+    std::unique_ptr<io::S3Client> client_;
+};
+
+// Rows 1–8 of the fixture table (row 0 has no caption): the images are uploaded under their
+// `filename`; the table's width/height (not the 64×64 pixels) decide the buckets.
+std::vector<json> fixture_rows() {
+    std::ifstream in(test::fixtures_dir() / "parquet" / "expected_rows.jsonl");
+    std::vector<json> rows;
+    std::string line;
+    for (int i = 0; i < 9 && std::getline(in, line); ++i)
+        if (i > 0) rows.push_back(json::parse(line));
+    return rows;
+}
+
+TEST_P(TrainS3, ImagesAndParquetInTheBucketCachesLocal) {
+    const auto rows = fixture_rows();
+    ASSERT_EQ(rows.size(), 8u);
+    for (size_t i = 0; i < rows.size(); ++i)
+        client_->put("ds/images/" + rows[i].at("filename").get<std::string>(), png(64, 64, int(i)));
+    client_->put("ds/meta/table.parquet",
+                 fs::read_file(test::fixtures_dir() / "parquet" / "zstd_dict_v2.parquet"));
+    client_->put("ds/images-other/stray.png", png(64, 64, 99));  // outside the prefix: never listed
+    json entry = aws_keys();
+    entry.update({{"id", "s3"},
+                  {"aws_data_prefix", "ds/images"},
+                  {"resolution", 64},
+                  {"resolution_type", "pixel"},
+                  {"caption_strategy", "parquet"},
+                  {"metadata_backend", "parquet"},
+                  {"parquet",
+                   {{"path", "ds/meta/table.parquet"},
+                    {"filename_column", "filename"},
+                    {"caption_column", "caption"},
+                    {"width_column", "width"},
+                    {"height_column", "height"},
+                    {"identifier_includes_extension", true}}},
+                  {"cache_dir_vae", (dir_ / "vae").string()}});
+    const json text = {{"id", "text"},
+                       {"dataset_type", "text_embeds"},
+                       {"default", true},
+                       {"cache_dir", (dir_ / "text").string()}};
+    write_backends(json::array({entry, text}));
+
+    ASSERT_EQ(train("first", 1), 0) << log("first");
+    const std::string first = log("first");
+    EXPECT_NE(first.find("latents of 's3': 8 entries: 8 built, 0 reused"), std::string::npos) << first;
+    EXPECT_EQ(count_local(dir_ / "vae"), 8);
+    EXPECT_EQ(count_local(dir_ / "text"), 9);  // 8 captions + "" for caption dropout
+    EXPECT_FALSE(stdfs::exists(dir_ / "first" / "cache" / "s3")) << "the dataset was mirrored";
+    std::ifstream metrics(dir_ / "first" / "metrics.jsonl");
+    int lines = 0;
+    for (std::string line; std::getline(metrics, line); ++lines)
+        EXPECT_TRUE(std::isfinite(json::parse(line).at("loss").get<double>())) << line;
+    EXPECT_EQ(lines, 1);
+    // Bucket metadata is written through the backend, under the prefix, with the table's sizes.
+    const auto index = json::parse(client_->get("ds/images/aspect_ratio_bucket_indices_s3.json"));
+    std::set<std::string> buckets;
+    for (const auto& [key, paths] : index.at("aspect_ratio_bucket_indices").items()) buckets.insert(key);
+    EXPECT_GE(buckets.size(), 3u) << index.dump();  // 4:3, 1:1, 7:4 and 4:7 in the table
+    EXPECT_TRUE(client_->head("ds/images/aspect_ratio_bucket_metadata_s3.json").has_value());
+    EXPECT_EQ(first.find("stray.png"), std::string::npos);
+
+    // The secret is in multidatabackend.json by construction; it must be in no output of the runs.
+    EXPECT_EQ((all_output(dir_ / "first") + first).find(S3TestServer::kSecretKey), std::string::npos);
+}
+
+TEST_P(TrainS3, LocalImagesWithTextAndLatentCachesInTheBucket) {
+    const stdfs::path images = dir_ / "images";
+    stdfs::create_directories(images);
+    for (int i = 0; i < 4; ++i) {
+        fs::write_file_atomic(images / ("photo " + std::to_string(i) + ".png"), png(i % 2 ? 96 : 64, 64, i));
+        fs::write_file_atomic(images / ("photo " + std::to_string(i) + ".txt"),
+                              "a photo number " + std::to_string(i));
+    }
+    json text = aws_keys();
+    text.update({{"id", "text-s3"},
+                 {"dataset_type", "text_embeds"},
+                 {"default", true},
+                 {"cache_dir", "caches/text"}});
+    json vae = aws_keys();
+    vae.update({{"id", "vae-s3"}, {"dataset_type", "image_embeds"}, {"cache_dir", "caches/vae"}});
+    const json entry = {{"id", "local"},
+                        {"type", "local"},
+                        {"instance_data_dir", images.string()},
+                        {"resolution", 64},
+                        {"resolution_type", "pixel"},
+                        {"caption_strategy", "textfile"},
+                        {"image_embeds", "vae-s3"},
+                        {"text_embeds", "text-s3"}};
+    write_backends(json::array({entry, text, vae}));
+
+    ASSERT_EQ(train("first", 1), 0) << log("first");
+    const std::string first = log("first");
+    EXPECT_NE(first.find("latents of 'local': 4 entries: 4 built"), std::string::npos) << first;
+    EXPECT_EQ(count_in_bucket("caches/vae/local/"), 4);
+    EXPECT_EQ(count_in_bucket("caches/text/"), 5);  // 4 captions + ""
+    EXPECT_FALSE(stdfs::exists(dir_ / "first" / "cache" / "vae")) << "latents were written locally";
+    EXPECT_EQ(count_local(dir_ / "first" / "cache"), 0) << "a cache entry was written to local disk";
+
+    ASSERT_EQ(train("second", 1), 0) << log("second");
+    const std::string second = log("second");
+    EXPECT_NE(second.find("4 entries: 0 built, 4 reused"), std::string::npos) << second;
+    EXPECT_NE(second.find("5 entries: 0 built, 5 reused"), std::string::npos) << second;
+    EXPECT_NE(second.find("VAE released after caching"), std::string::npos) << second;
+}
+
+INSTANTIATE_TEST_SUITE_P(Servers, TrainS3, ::testing::Values(S3ServerKind::kSeaweed, S3ServerKind::kMoto));
+
+// SeaweedFS checks signatures: a wrong secret must stop the run with an error naming the bucket,
+// the object and the keys to fix, and the secret must appear in no output.
+TEST(TrainS3Auth, WrongSecretFailsWithAnActionableError) {
+    auto server = S3TestServer::start(S3ServerKind::kSeaweed);
+    ASSERT_TRUE(server);
+    io::S3Config good;
+    good.bucket = kBucket;
+    good.endpoint = server->endpoint();
+    good.region = "us-east-1";
+    good.credentials = {S3TestServer::kAccessKey, S3TestServer::kSecretKey, ""};
+    io::S3Client client(good);
+    client.create_bucket();
+    client.put("ds/a.png", png(64, 64, 1));
+    test::TempDir dir;
+    const std::string wrong = "WRONG-secret-that-must-not-leak-77";
+    const json backends = json::array({{{"id", "s3"},
+                                        {"type", "aws"},
+                                        {"aws_bucket_name", kBucket},
+                                        {"aws_endpoint_url", server->endpoint()},
+                                        {"aws_region_name", "us-east-1"},
+                                        {"aws_access_key_id", S3TestServer::kAccessKey},
+                                        {"aws_secret_access_key", wrong},
+                                        {"aws_data_prefix", "ds"},
+                                        {"resolution", 64},
+                                        {"resolution_type", "pixel"},
+                                        {"caption_strategy", "filename"}},
+                                       {{"id", "text"},
+                                        {"dataset_type", "text_embeds"},
+                                        {"default", true},
+                                        {"cache_dir", (dir / "text").string()}}});
+    fs::write_file_atomic(dir / "mdb.json", backends.dump());
+    const json cfg = {{"--model_family", "sdxl"},
+                      {"--pretrained_model_name_or_path", (test::fixtures_dir() / "tiny-sdxl").string()},
+                      {"--data_backend_config", (dir / "mdb.json").string()},
+                      {"--optimizer", "torch-adamw"},
+                      {"--mixed_precision", "no"},
+                      {"--device", "cpu"}};
+    fs::write_file_atomic(dir / "config.json", cfg.dump());
+    const int rc = run(std::string(DTUNE_BIN) + " train --config '" + (dir / "config.json").string() +
+                       "' --output_dir '" + (dir / "out").string() + "' --max_train_steps 1 >'" +
+                       (dir / "run.log").string() + "' 2>&1");
+    const std::string out = fs::read_file(dir / "run.log");
+    EXPECT_NE(rc, 0) << out;
+    EXPECT_NE(out.find("s3://dtune-train/ds/"), std::string::npos) << out;  // bucket and key
+    EXPECT_NE(out.find("HTTP 403"), std::string::npos) << out;
+    EXPECT_NE(out.find("aws_secret_access_key"), std::string::npos) << out;  // the fix
+    std::string everything = out;
+    if (stdfs::exists(dir / "out")) everything += all_output(dir / "out");
+    EXPECT_EQ(everything.find(wrong), std::string::npos) << "the secret leaked";
+}
+
+}  // namespace
+}  // namespace dtune
