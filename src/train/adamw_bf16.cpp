@@ -166,7 +166,7 @@ void AdamWBF16::prepare(size_t group) {
         scale.fill_(-g.lr * std::sqrt(1 - std::pow(options_.beta2, host[member].step)));
 }
 
-void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b) {
+void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale) {
     std::vector<at::Tensor> params, flat_grads, flat_params;
     for (size_t k : b.members) {
         params.push_back(g.params[k]);
@@ -175,7 +175,6 @@ void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b) {
     }
     const at::Tensor grad = at::cat(flat_grads);     // [n] bf16
     const at::Tensor before = at::cat(flat_params);  // [n] bf16
-    const at::Tensor& scale = plans_[static_cast<size_t>(&g - groups_.data())]->scales[b.scale].second;
     const double b1 = options_.beta1, b2 = options_.beta2;
     auto sr = [&](const at::Tensor& x32) {
         return round_stochastic(x32, draw_noise(b.numel, generator_, x32));
@@ -229,7 +228,8 @@ void AdamWBF16::step() {
             if (!plans_[gi] || plans_[gi]->active != active) pack(gi, active);
             prepare(gi);
         }
-        for (Bucket& b : plans_[gi]->buckets) update_bucket(groups_[gi], b);
+        Plan& plan = *plans_[gi];
+        for (Bucket& b : plan.buckets) update_bucket(groups_[gi], b, plan.scales[b.scale].second);
         if (!device_lr_) apply_decays(gi);
     }
 }

@@ -160,7 +160,7 @@ class AdamWBF16 : public Optimizer {
     std::vector<size_t> active_params(size_t group) const;
     void pack(size_t group, const std::vector<size_t>& active);
     void prepare(size_t group);  // host bookkeeping of one step and the device scalars it needs
-    void update_bucket(ParamGroup& g, Bucket& b);
+    void update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale);  // scale: [] float32
     void apply_decays(size_t group);
 
     at::Generator generator_;
