@@ -72,7 +72,8 @@ AdamWBF16::AdamWBF16(std::vector<ParamGroup> groups, at::Generator generator, Ad
         }
         host_.emplace_back(g.params.size());
     }
-    DTUNE_CHECK_AS(UsageError, options_.bucket_elements > 0, "adamw_bf16 bucket_elements must be positive");
+    DTUNE_CHECK_AS(UsageError, options_.bucket_elements >= 0,
+                   "adamw_bf16 bucket_elements must not be negative");
     plans_.resize(groups_.size());
 }
 
@@ -112,7 +113,10 @@ void AdamWBF16::pack(size_t group, const std::vector<size_t>& active) {
         auto [it, added] = scale_of.emplace(key, plan->scales.size());
         if (added) plan->scales.emplace_back(k, at::zeros({}, p.options().dtype(at::kFloat)));
         Bucket* b = plan->buckets.empty() ? nullptr : &plan->buckets.back();
-        if (!b || b->scale != it->second || b->numel + p.numel() > options_.bucket_elements) {
+        const int64_t cap = options_.bucket_elements > 0 ? options_.bucket_elements
+                            : p.is_cuda()                ? int64_t{1} << 26
+                                                         : int64_t{1} << 20;
+        if (!b || b->scale != it->second || b->numel + p.numel() > cap) {
             b = &plan->buckets.emplace_back();
             b->scale = it->second;
         }
