@@ -67,6 +67,12 @@ if ! $PY -c 'import tensorboard' 2>/dev/null; then
     echo "setup: installing tensorboard with pip (event-file test)"
     $PY -m pip install -q tensorboard || die "pip install tensorboard failed"
 fi
+# diffusers loads dtune's exports in an integration test (tools/ref/check_diffusers_exports.py).
+# load_lora_weights needs peft (which brings accelerate).
+if ! $PY -c 'import diffusers, transformers, peft' 2>/dev/null; then
+    echo "setup: installing diffusers, transformers and peft with pip (diffusers export test)"
+    $PY -m pip install -q diffusers transformers peft || die "pip install diffusers transformers peft failed"
+fi
 prefix=$($PY -c 'import torch; print(torch.utils.cmake_prefix_path)') \
     || die "torch is installed but torch.utils.cmake_prefix_path failed"
 [ -f "$prefix/Torch/TorchConfig.cmake" ] || die "no TorchConfig.cmake under $prefix: is this a full torch wheel?"

@@ -1,4 +1,4 @@
-// AdamW (fused or per-tensor) and SimpleTuner's bf16 AdamW with stochastic rounding (see optimizer.h).
+// AdamW, fused or per-tensor (see optimizer.h; adamw_bf16 is in adamw_bf16.cpp).
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
@@ -98,86 +98,6 @@ void AdamW::step_loop(ParamGroup& g) {
         const at::Tensor denom = (st["exp_avg_sq"].sqrt() / bc2_sqrt).add_(options_.eps);
         p.addcdiv_(st["exp_avg"], denom, -step_size);
     }
-}
-
-// ---- bf16 AdamW with stochastic rounding ---------------------------------------------------------
-
-void copy_stochastic_(at::Tensor& target, const at::Tensor& source, at::Generator& generator) {
-    DTUNE_CHECK(source.scalar_type() == at::kFloat, "stochastic rounding reads float32; got ",
-                source.scalar_type());
-    const at::Tensor src = source.contiguous();
-    at::Tensor bits = at::randint(0, 1 << 16, src.sizes(), generator, src.options().dtype(at::kInt));
-    bits.add_(src.view(at::kInt));  // random carry into the upper 16 bits
-    bits.bitwise_and_(-65536);      // keep sign, exponent and the bf16 mantissa: 0xFFFF0000
-    target.copy_(bits.view(at::kFloat));
-}
-
-namespace {
-
-constexpr double kDecayThreshold = 5e-3;  // SimpleTuner's AdamWBF16.decay_threshold
-
-}  // namespace
-
-AdamWBF16::AdamWBF16(std::vector<ParamGroup> groups, at::Generator generator, AdamWBF16Options options)
-    : Optimizer(std::move(groups)), generator_(std::move(generator)), options_(options) {
-    for (const auto& g : groups_) {
-        for (size_t i = 0; i < g.params.size(); ++i) {
-            DTUNE_CHECK_AS(UsageError, g.params[i].scalar_type() == at::kBFloat16,
-                           "optimizer adamw_bf16 needs bf16 ", "weights but \"", g.names[i], "\" is ",
-                           g.params[i].scalar_type(), "; use optimizer adamw for fp32 master weights");
-        }
-    }
-}
-
-void AdamWBF16::step() {
-    at::NoGradGuard no_grad;
-    for (auto& g : groups_) {
-        for (size_t i = 0; i < g.params.size(); ++i) {
-            at::Tensor& p = g.params[i];
-            if (p.grad().defined()) step_param(g.names[i], p, p.grad(), g.lr, g.weight_decay);
-        }
-    }
-}
-
-void AdamWBF16::step_param(const std::string& name, at::Tensor& p, const at::Tensor& grad, double lr,
-                           double wd) {
-    TensorMap& st = state_of(name);
-    if (!st.count("exp_avg")) {
-        st["exp_avg"] = at::zeros_like(p);
-        st["exp_avg_sq"] = at::zeros_like(p);
-        st["shift"] = at::zeros_like(p);  // the update bf16 could not represent: true weight = p + shift
-        st["step"] = at::zeros({}, at::kDouble);
-        // Each parameter starts its decay counter at a random point so decays do not all land together.
-        // Drawn where the generator lives (the weights' device), kept on the CPU like "step".
-        const auto where = at::TensorOptions().dtype(at::kDouble).device(generator_.device());
-        st["accumulated_decay"] = at::rand({}, generator_, where).cpu() * kDecayThreshold;
-    }
-    const double b1 = options_.beta1;
-    const double b2 = options_.beta2;
-    const double t = st["step"].add_(1).item<double>();
-    double accumulated = st["accumulated_decay"].item<double>() + wd * lr;
-    const double decay = accumulated > kDecayThreshold ? accumulated : 0.0;
-    st["accumulated_decay"].fill_(accumulated - decay);
-
-    at::Tensor& m = st["exp_avg"];
-    at::Tensor& v = st["exp_avg_sq"];
-    at::Tensor& shift = st["shift"];
-    const at::Tensor g32 = grad.to(at::kFloat);
-    m.mul_(b1);
-    const at::Tensor m_new =
-        options_.simpletuner_momentum ? g32 + (1 - b1) * m.to(at::kFloat) : m.to(at::kFloat) + (1 - b1) * g32;
-    copy_stochastic_(m, m_new, generator_);
-    v.mul_(b2).addcmul_(grad, grad, 1 - b2);
-    const double denom_correction = std::sqrt(1 - std::pow(b2, t));
-    const at::Tensor denom = v.sqrt().add_(options_.eps);  // bf16, as SimpleTuner computes it
-    copy_stochastic_(
-        shift, shift.to(at::kFloat).addcdiv_(m.to(at::kFloat), denom.to(at::kFloat), -lr * denom_correction),
-        generator_);
-    // Move the representable part of the shift into the weight; keep what rounding lost in the shift.
-    const at::Tensor before = p.clone();
-    copy_stochastic_(p, shift.to(at::kFloat) + p.to(at::kFloat), generator_);
-    copy_stochastic_(shift, (before - p).to(at::kFloat) + shift.to(at::kFloat), generator_);
-    if (decay > 0) shift.add_(p, -decay);
 }
 
 }  // namespace dtune::train

@@ -131,6 +131,9 @@ StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const Train
         try {
             on_side_stream(*e.stream, [&] {
                 e.graph = std::make_unique<at::cuda::CUDAGraph>();
+                // adamw_bf16's rounding noise: its generator's offset must advance on every replay.
+                for (const at::Generator& gen : optimizer.generators())
+                    if (gen.device().is_cuda()) e.graph->register_generator_state(gen);
                 e.graph->capture_begin();
                 try {
                     e.out = optimizer_step_async(unet, e.inputs, schedule, options, global_step, generator,

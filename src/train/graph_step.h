@@ -12,8 +12,9 @@
 //   is eager.
 // - The learning rate and max_grad_norm are baked into the capture: when either differs from the
 //   captured value, that shape's graph is dropped and recaptured after `warmup` eager steps. With
-//   set_lr_on_device(true) (AdamW::use_device_lr: the optimizer reads its lr from device memory)
-//   LR changes keep the graph.
+//   set_lr_on_device(true) (Optimizer::use_device_lr: AdamW and AdamWBF16 read their lr from device
+//   memory) LR changes keep the graph. The optimizer's own generators (adamw_bf16's rounding noise)
+//   are registered with each capture, so every replay draws fresh noise.
 // - The returned StepTensors are the graph's own output buffers: the next call overwrites them.
 #pragma once
 

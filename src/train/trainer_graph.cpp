@@ -2,11 +2,12 @@
 // through GraphedStep with the loss and gradient norm read back only at metrics_interval.
 //
 // What stays outside the graph: the batch (data loader, caption dropout from the CPU generator),
-// the LR (AdamW reads it from a device tensor refreshed before each replay, so schedules do not
-// recapture), the EMA update, metrics and checkpoints. Noise and timesteps come from the CUDA
-// default generator (StepOptions::device_rng), whose state every checkpoint already saves
-// (capture_rng_states), so a resumed run continues the same random streams at the exact step; it
-// is not bit-identical to an uninterrupted run because the GPU kernels are not deterministic.
+// the LR (AdamW and adamw_bf16 read it from device tensors refreshed before each replay, so
+// schedules do not recapture), adamw_bf16's rare weight-decay kernels, the EMA update, metrics and
+// checkpoints. Noise and timesteps come from the CUDA default generator (StepOptions::device_rng), whose
+// state every checkpoint already saves (capture_rng_states), so a resumed run continues the same random
+// streams at the exact step; it is not bit-identical to an uninterrupted run because the GPU kernels are not
+// deterministic.
 #include "train/trainer_graph.h"
 
 #include <ATen/Context.h>
@@ -36,9 +37,9 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
         return str("gradient_accumulation_steps is ", c.integer("gradient_accumulation_steps"),
                    " (set it to 1 and raise train_batch_size", fix, ")");
     const std::string opt = c.text("optimizer");
-    if (opt != "torch-adamw" && opt != "optimi-adamw")
-        return str("optimizer is ", opt, " (only fused AdamW is graph-safe: set optimizer torch-adamw", fix,
-                   ")");
+    if (opt != "torch-adamw" && opt != "optimi-adamw" && opt != "adamw_bf16")
+        return str("optimizer is ", opt,
+                   " (only fused AdamW and adamw_bf16 are graph-safe: set optimizer torch-adamw", fix, ")");
     if (c.flag("deterministic"))
         return "deterministic is true (its per-tensor AdamW reads the step count back to the host; set "
                "deterministic false" +
@@ -68,9 +69,7 @@ void Trainer::init_graph() {
         log::info() << "cuda_graph: training eagerly because " << blocker;
         return;
     }
-    auto* adamw = dynamic_cast<AdamW*>(optimizer_.get());
-    DTUNE_CHECK(adamw != nullptr, "internal: cuda_graph needs the AdamW optimizer");
-    adamw->use_device_lr();
+    optimizer_->use_device_lr();  // AdamW or AdamWBF16 (cuda_graph_blocker refuses the others)
     // DTUNE_CUDA_GRAPH_WARMUP: eager steps per batch shape before its capture (default 2); a value
     // above max_train_steps keeps every step eager with the graph's settings (device RNG and LR),
     // the reference a graph run is checked against.
@@ -97,7 +96,7 @@ double Trainer::train_graphed_step(double lr, double& grad_norm) {
     apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_,
                           dp_->rank(), dp_->world_size());
     optimizer_->set_lr(lr);
-    static_cast<AdamW&>(*optimizer_).upload_lr();  // before the replay, on the same stream
+    optimizer_->upload_lr();  // before the replay, on the same stream
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
     // Data parallel: the gradient average is part of the graph (NCCL collectives are captured).
@@ -105,6 +104,7 @@ double Trainer::train_graphed_step(double lr, double& grad_norm) {
     if (world_size() > 1) reduce = [this, &params] { dp_->all_reduce_gradients_capturable(params); };
     const StepTensors out = graph_->run(*unet_, batch, *schedule_, step_options_, global_step_, *generator_,
                                         *optimizer_, params, config_.real("max_grad_norm"), reduce);
+    optimizer_->after_step();  // adamw_bf16: the weight decays that came due (host-decided)
     const int64_t step = global_step_ + 1;
     const bool read =
         step % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0 || step == total_steps_;

@@ -321,7 +321,11 @@ nlohmann::json diffusers_metadata(const LoRAAdapters& adapters) {
                            {"unet.lora_alpha", first.alpha()},
                            {"unet.use_dora", first.use_dora()},
                            {"unet.use_rslora", c.use_rslora},
-                           {"unet.lora_dropout", c.dropout}};
+                           // 0, not the training value: diffusers + PEFT leave the Dropout they inject
+                           // in training mode after load_lora_weights, so a non-zero value would drop
+                           // adapter activations at random in every generation (found by
+                           // tools/ref/check_diffusers_exports.py). Dropout is training-only.
+                           {"unet.lora_dropout", 0.0}};
     if (!c.target_regex.empty())
         meta["unet.target_modules"] = c.target_regex;
     else

@@ -1,0 +1,293 @@
+// SimpleTuner's adamw_bf16 as whole-bucket kernels with no host synchronisation (see optimizer.h).
+//
+// Per element, one step (g the bf16 gradient, p the bf16 weight; SR = stochastic rounding to bf16,
+// "bf16" = ordinary bf16 arithmetic, c = -lr * sqrt(1 - beta2^t)):
+//   m <- bf16(beta1 m);  m <- SR(g + (1 - beta1) m)        (textbook: SR(m + (1 - beta1) g))
+//   v <- bf16(bf16(beta2 v) + (1 - beta2) g^2);  d <- bf16(bf16(sqrt v) + eps)
+//   shift <- SR(shift + c m / d)
+//   p' <- SR(p + shift);  shift <- SR(bf16(p - p') + shift)   (compensated: p' + shift ~ p + shift_old)
+//   when the parameter's decay is due: shift <- bf16(shift - decay p')
+// which is SimpleTuner's AdamWBF16._make_step with its add_stochastic_ / addcdiv_stochastic_.
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <utility>
+
+#include "core/error.h"
+#include "train/optimizer.h"
+
+namespace dtune::train {
+
+namespace {
+
+constexpr double kDecayThreshold = 5e-3;  // SimpleTuner's AdamWBF16.decay_threshold
+
+// bf16 from float32: the int32 `noise` in [0, 2^16) is added to the float's bit pattern and the low
+// 16 bits dropped, so the result is one of x's two bf16 neighbours, the one further from zero with
+// probability (|x| - |lower|) / ulp: E[result] = x. The final conversion is exact (low bits zero).
+at::Tensor round_stochastic(const at::Tensor& x32, const at::Tensor& noise) {
+    at::Tensor bits = noise.add(x32.contiguous().view(at::kInt));
+    bits.bitwise_and_(-65536);  // 0xFFFF0000: sign, exponent and the bf16 mantissa
+    return bits.view(at::kFloat).to(at::kBFloat16);
+}
+
+at::Tensor draw_noise(int64_t n, at::Generator& generator, const at::Tensor& like) {
+    return at::randint(0, 1 << 16, {n}, generator, like.options().dtype(at::kInt));  // [n]
+}
+
+}  // namespace
+
+void copy_stochastic_(at::Tensor& target, const at::Tensor& source, at::Generator& generator) {
+    DTUNE_CHECK(source.scalar_type() == at::kFloat, "stochastic rounding reads float32; got ",
+                source.scalar_type());
+    const at::Tensor flat = source.contiguous().view(-1);
+    target.copy_(round_stochastic(flat, draw_noise(flat.numel(), generator, flat)).view(source.sizes()));
+}
+
+struct AdamWBF16::Bucket {
+    std::vector<size_t> members;  // indices into the group's params, in order
+    int64_t numel = 0;
+    at::Tensor exp_avg, exp_avg_sq, shift;  // [numel] bf16; the members' state tensors are views
+    size_t scale = 0;                       // index into Plan::scales
+};
+
+struct AdamWBF16::Plan {
+    std::vector<size_t> active;  // the parameters packed (those with gradients)
+    std::vector<Bucket> buckets;
+    // (a member, [] float32 on the weights' device): -lr * sqrt(1 - beta2^t) for buckets whose
+    // members share that member's step count.
+    std::vector<std::pair<size_t, at::Tensor>> scales;
+    std::vector<std::pair<size_t, double>> due;  // (parameter, decay) to subtract after this step
+};
+
+AdamWBF16::AdamWBF16(std::vector<ParamGroup> groups, at::Generator generator, AdamWBF16Options options)
+    : Optimizer(std::move(groups)), generator_(std::move(generator)), options_(options) {
+    for (const auto& g : groups_) {
+        for (size_t i = 0; i < g.params.size(); ++i) {
+            DTUNE_CHECK_AS(UsageError, g.params[i].scalar_type() == at::kBFloat16,
+                           "optimizer adamw_bf16 needs bf16 ", "weights but \"", g.names[i], "\" is ",
+                           g.params[i].scalar_type(), "; use optimizer adamw for fp32 master weights");
+        }
+        host_.emplace_back(g.params.size());
+    }
+    DTUNE_CHECK_AS(UsageError, options_.bucket_elements >= 0,
+                   "adamw_bf16 bucket_elements must not be negative");
+    plans_.resize(groups_.size());
+}
+
+AdamWBF16::~AdamWBF16() = default;
+
+std::vector<size_t> AdamWBF16::active_params(size_t group) const {
+    std::vector<size_t> active;
+    const auto& params = groups_[group].params;
+    for (size_t i = 0; i < params.size(); ++i)
+        if (params[i].grad().defined()) active.push_back(i);
+    return active;
+}
+
+void AdamWBF16::pack(size_t group, const std::vector<size_t>& active) {
+    ParamGroup& g = groups_[group];
+    std::vector<Host>& host = host_[group];
+    // New parameters start their decay counters at random points (drawn together, read back once)
+    // so their decays do not all land on the same step.
+    std::vector<size_t> fresh;
+    for (size_t k : active)
+        if (!host[k].started) fresh.push_back(k);
+    if (!fresh.empty()) {
+        const auto where = at::TensorOptions().dtype(at::kDouble).device(generator_.device());
+        const at::Tensor starts = at::rand({static_cast<int64_t>(fresh.size())}, generator_, where).cpu();
+        for (size_t i = 0; i < fresh.size(); ++i)
+            host[fresh[i]] =
+                Host{true, 0.0, starts[static_cast<int64_t>(i)].item<double>() * kDecayThreshold};
+    }
+    auto plan = std::make_unique<Plan>();
+    plan->active = active;
+    // Buckets: consecutive parameters with one step count and device, at most bucket_elements each
+    // (a larger parameter gets a bucket of its own).
+    std::map<std::pair<double, std::string>, size_t> scale_of;
+    for (size_t k : active) {
+        const at::Tensor& p = g.params[k];
+        const auto key = std::make_pair(host[k].step, p.device().str());
+        auto [it, added] = scale_of.emplace(key, plan->scales.size());
+        if (added) plan->scales.emplace_back(k, at::zeros({}, p.options().dtype(at::kFloat)));
+        Bucket* b = plan->buckets.empty() ? nullptr : &plan->buckets.back();
+        const int64_t cap = options_.bucket_elements > 0 ? options_.bucket_elements
+                            : p.is_cuda()                ? int64_t{1} << 26
+                                                         : int64_t{1} << 20;
+        if (!b || b->scale != it->second || b->numel + p.numel() > cap) {
+            b = &plan->buckets.emplace_back();
+            b->scale = it->second;
+        }
+        b->members.push_back(k);
+        b->numel += p.numel();
+    }
+    // Flat state per bucket; existing state (earlier steps, a loaded checkpoint) is copied in and the
+    // per-parameter tensors become views, so state_dict() writes the same layout as before.
+    for (Bucket& b : plan->buckets) {
+        const std::pair<const char*, at::Tensor*> states[] = {
+            {"exp_avg", &b.exp_avg}, {"exp_avg_sq", &b.exp_avg_sq}, {"shift", &b.shift}};
+        for (const auto& [key, flat_out] : states) {
+            std::vector<at::Tensor> parts;
+            for (size_t k : b.members) {
+                const at::Tensor& p = g.params[k];
+                TensorMap& st = state_of(g.names[k]);
+                const auto it = st.find(key);
+                parts.push_back(it != st.end() ? it->second.to(p.device(), at::kBFloat16).reshape(-1)
+                                               : at::zeros({p.numel()}, p.options()));
+            }
+            at::Tensor flat = at::cat(parts);  // [numel] bf16
+            parts.clear();
+            int64_t offset = 0;
+            for (size_t k : b.members) {
+                const at::Tensor& p = g.params[k];
+                state_of(g.names[k])[key] = flat.narrow(0, offset, p.numel()).view(p.sizes());
+                offset += p.numel();
+            }
+            *flat_out = flat;
+        }
+    }
+    plans_[group] = std::move(plan);
+}
+
+void AdamWBF16::prepare(size_t group) {
+    Plan& plan = *plans_[group];
+    const ParamGroup& g = groups_[group];
+    std::vector<Host>& host = host_[group];
+    plan.due.clear();
+    for (size_t k : plan.active) {
+        Host& h = host[k];
+        h.step += 1;
+        h.accumulated_decay += g.weight_decay * g.lr;
+        if (h.accumulated_decay > kDecayThreshold) {
+            plan.due.emplace_back(k, h.accumulated_decay);
+            h.accumulated_decay = 0;  // SimpleTuner: acc -= (acc > threshold) * acc
+        }
+    }
+    // A fill is a kernel with the value as its argument: no synchronisation, and outside a capture.
+    for (auto& [member, scale] : plan.scales)
+        scale.fill_(-g.lr * std::sqrt(1 - std::pow(options_.beta2, host[member].step)));
+}
+
+void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale) {
+    std::vector<at::Tensor> params, flat_grads, flat_params;
+    for (size_t k : b.members) {
+        params.push_back(g.params[k]);
+        flat_grads.push_back(g.params[k].grad().reshape(-1));
+        flat_params.push_back(g.params[k].reshape(-1));
+    }
+    const at::Tensor grad = at::cat(flat_grads);     // [n] bf16
+    const at::Tensor before = at::cat(flat_params);  // [n] bf16
+    const double b1 = options_.beta1, b2 = options_.beta2;
+    auto sr = [&](const at::Tensor& x32) {
+        return round_stochastic(x32, draw_noise(b.numel, generator_, x32));
+    };
+
+    b.exp_avg.mul_(b1);
+    const at::Tensor g32 = grad.to(at::kFloat);
+    const at::Tensor m32 = options_.simpletuner_momentum ? g32.add(b.exp_avg.to(at::kFloat), 1 - b1)
+                                                         : b.exp_avg.to(at::kFloat).add_(g32, 1 - b1);
+    b.exp_avg.copy_(sr(m32));
+    b.exp_avg_sq.mul_(b2).addcmul_(grad, grad, 1 - b2);
+    const at::Tensor denom = b.exp_avg_sq.sqrt().add_(options_.eps);  // bf16, as SimpleTuner computes it
+    b.shift.copy_(
+        sr(b.exp_avg.to(at::kFloat).div_(denom.to(at::kFloat)).mul_(scale).add_(b.shift.to(at::kFloat))));
+    // Move the representable part of the shift into the weight; keep what rounding lost in the shift.
+    const at::Tensor after = sr(b.shift.to(at::kFloat).add_(before.to(at::kFloat)));  // [n] bf16
+    b.shift.copy_(sr(before.sub(after).to(at::kFloat).add_(b.shift.to(at::kFloat))));
+    std::vector<at::Tensor> views;
+    int64_t offset = 0;
+    for (const at::Tensor& p : params) {
+        views.push_back(after.narrow(0, offset, p.numel()).view(p.sizes()));
+        offset += p.numel();
+    }
+    at::_foreach_copy_(params, views);
+}
+
+void AdamWBF16::apply_decays(size_t group) {
+    Plan& plan = *plans_[group];
+    ParamGroup& g = groups_[group];
+    for (const auto& [k, decay] : plan.due) state_of(g.names[k])["shift"].add_(g.params[k], -decay);
+    plan.due.clear();
+}
+
+void AdamWBF16::step() {
+    at::NoGradGuard no_grad;
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+        const std::vector<size_t> active = active_params(gi);
+        if (device_lr_) {
+            DTUNE_CHECK(plans_[gi] != nullptr,
+                        "internal: adamw_bf16 under use_device_lr() needs upload_lr() "
+                        "before each step");
+            if (active != plans_[gi]->active) {
+                for (size_t k : plans_[gi]->active)
+                    DTUNE_CHECK(groups_[gi].params[k].grad().defined(), "adamw_bf16 with cuda_graph: \"",
+                                groups_[gi].names[k],
+                                "\" has no gradient this step, but a captured step updates a fixed set "
+                                "of parameters; set cuda_graph false");
+            }
+        } else {
+            if (active.empty()) continue;
+            if (!plans_[gi] || plans_[gi]->active != active) pack(gi, active);
+            prepare(gi);
+        }
+        Plan& plan = *plans_[gi];
+        for (Bucket& b : plan.buckets) update_bucket(groups_[gi], b, plan.scales[b.scale].second);
+        if (!device_lr_) apply_decays(gi);
+    }
+}
+
+void AdamWBF16::upload_lr() {
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+        if (!plans_[gi]) {  // before the first step: every parameter will have a gradient
+            std::vector<size_t> all(groups_[gi].params.size());
+            for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+            pack(gi, all);
+        }
+        prepare(gi);
+    }
+}
+
+void AdamWBF16::after_step() {
+    at::NoGradGuard no_grad;
+    for (size_t gi = 0; gi < groups_.size(); ++gi)
+        if (plans_[gi]) apply_decays(gi);
+}
+
+TensorMap AdamWBF16::state_dict() const {
+    TensorMap out = Optimizer::state_dict();
+    const auto cpu = at::TensorOptions().dtype(at::kDouble);
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+        for (size_t k = 0; k < host_[gi].size(); ++k) {
+            const Host& h = host_[gi][k];
+            if (!h.started) continue;
+            out[groups_[gi].names[k] + ".step"] = at::scalar_tensor(h.step, cpu);
+            out[groups_[gi].names[k] + ".accumulated_decay"] = at::scalar_tensor(h.accumulated_decay, cpu);
+        }
+    }
+    return out;
+}
+
+void AdamWBF16::load_state_dict(const TensorMap& state) {
+    Optimizer::load_state_dict(state);  // checks every key names a parameter and every shape fits
+    std::map<std::string, std::pair<size_t, size_t>> where;
+    for (size_t gi = 0; gi < groups_.size(); ++gi) {
+        for (size_t k = 0; k < groups_[gi].names.size(); ++k) where[groups_[gi].names[k]] = {gi, k};
+        host_[gi].assign(groups_[gi].params.size(), Host{});
+    }
+    for (auto& [name, entries] : state_) {
+        for (const char* key : {"exp_avg", "exp_avg_sq", "shift", "step", "accumulated_decay"})
+            DTUNE_CHECK_AS(DataError, entries.count(key), "optimizer state of \"", name, "\" has no ", key,
+                           "; the checkpoint was not written by adamw_bf16 (resume with the optimizer it "
+                           "was trained with)");
+        const auto [gi, k] = where.at(name);
+        host_[gi][k] =
+            Host{true, entries["step"].item<double>(), entries["accumulated_decay"].item<double>()};
+        entries.erase("step");
+        entries.erase("accumulated_decay");
+    }
+    for (auto& plan : plans_) plan.reset();  // repack (the loaded tensors are copied in) at the next step
+}
+
+}  // namespace dtune::train

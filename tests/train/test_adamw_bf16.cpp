@@ -1,0 +1,285 @@
+// adamw_bf16 (flat-bucket AdamWBF16): the true weight p + shift against a float64 per-element
+// reference of SimpleTuner's arithmetic, stochastic rounding through a whole step (unbiased, always
+// a neighbour), determinism, resume exactness, the checkpoint layout, the captured-step protocol
+// (use_device_lr / upload_lr / after_step) equal to plain steps, and repacking when the set of
+// parameters with gradients changes. Small bucket sizes force several buckets and a parameter
+// larger than a bucket.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <set>
+
+#include "core/error.h"
+#include "train/optimizer.h"
+
+namespace dtune::train {
+namespace {
+
+constexpr double kB1 = 0.9, kB2 = 0.999, kEps = 1e-6;
+
+struct Problem {
+    std::vector<std::string> names{"a.weight", "a.bias", "b.conv", "c.big"};
+    std::vector<std::vector<int64_t>> shapes{{6, 5}, {7}, {2, 3, 3, 3}, {97}};
+    std::vector<at::Tensor> init;                // float32 values, exactly representable in bf16
+    std::vector<std::vector<at::Tensor>> grads;  // [step][param], bf16
+    explicit Problem(int steps) {
+        at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1234);
+        for (const auto& s : shapes) init.push_back(at::randn(s, gen).to(at::kBFloat16).to(at::kFloat));
+        for (int t = 0; t < steps; ++t) {
+            grads.emplace_back();
+            for (const auto& s : shapes)
+                grads.back().push_back((at::randn(s, gen) * 1e-2).to(at::kBFloat16));  // varied magnitudes
+        }
+    }
+    std::vector<at::Tensor> params() const {
+        std::vector<at::Tensor> out;
+        for (const auto& t : init) out.push_back(t.to(at::kBFloat16).requires_grad_(true));
+        return out;
+    }
+};
+
+AdamWBF16Options small_buckets() {
+    AdamWBF16Options o;
+    o.bucket_elements = 40;  // a.weight (30) + a.bias (7) | b.conv (54) | c.big (97)
+    return o;
+}
+
+std::unique_ptr<AdamWBF16> make(const Problem& pr, std::vector<at::Tensor>& params, double lr, double wd,
+                                uint64_t seed, AdamWBF16Options o = small_buckets()) {
+    params = pr.params();
+    return std::make_unique<AdamWBF16>(std::vector<ParamGroup>{ParamGroup{pr.names, params, lr, wd}},
+                                       at::make_generator<at::CPUGeneratorImpl>(seed), o);
+}
+
+void run(AdamWBF16& opt, std::vector<at::Tensor>& params, const Problem& pr, int from, int to) {
+    for (int t = from; t < to; ++t) {
+        for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = pr.grads[t][i].clone();
+        opt.step();
+    }
+}
+
+double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
+    return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// Several steps of every parameter against a float64 mirror of SimpleTuner's update without any
+// rounding; parameter 0's decay accumulator is loaded just below the threshold, so it decays at
+// step 1 (by 4.95e-3 + lr wd), the others keep accumulating.
+TEST(AdamWBF16Flat, TrueWeightTracksFloat64Reference) {
+    for (bool quirk : {true, false}) {
+        SCOPED_TRACE(quirk ? "simpletuner momentum" : "textbook momentum");
+        const Problem pr(5);
+        const double lr = 1e-2, wd = 1e-2;
+        AdamWBF16Options o = small_buckets();
+        o.simpletuner_momentum = quirk;
+        std::vector<at::Tensor> params;
+        auto opt = make(pr, params, lr, wd, 3, o);
+        TensorMap start;
+        for (size_t i = 0; i < params.size(); ++i) {
+            for (const char* k : {"exp_avg", "exp_avg_sq", "shift"})
+                start[pr.names[i] + "." + k] = at::zeros(pr.shapes[i], at::kBFloat16);
+            start[pr.names[i] + ".step"] = at::scalar_tensor(0.0, at::kDouble);
+            start[pr.names[i] + ".accumulated_decay"] =
+                at::scalar_tensor(i == 0 ? 4.95e-3 : 0.0, at::kDouble);
+        }
+        opt->load_state_dict(start);
+        std::vector<at::Tensor> w, m, v;
+        for (const auto& t : pr.init) {
+            w.push_back(t.to(at::kDouble));
+            m.push_back(at::zeros_like(w.back()));
+            v.push_back(at::zeros_like(w.back()));
+        }
+        for (int t = 1; t <= 5; ++t) {
+            run(*opt, params, pr, t - 1, t);
+            for (size_t i = 0; i < w.size(); ++i) {
+                const at::Tensor g = pr.grads[t - 1][i].to(at::kDouble);
+                m[i] = quirk ? g + (1 - kB1) * kB1 * m[i] : kB1 * m[i] + (1 - kB1) * g;
+                v[i] = kB2 * v[i] + (1 - kB2) * g * g;
+                w[i] = w[i] - lr * std::sqrt(1 - std::pow(kB2, t)) * m[i] / (v[i].sqrt() + kEps);
+                if (i == 0 && t == 1) w[i] = w[i] * (1 - (4.95e-3 + lr * wd));
+            }
+        }
+        const TensorMap st = opt->state_dict();
+        for (size_t i = 0; i < w.size(); ++i) {
+            SCOPED_TRACE(pr.names[i]);
+            const at::Tensor true_w =
+                params[i].detach().to(at::kDouble) + st.at(pr.names[i] + ".shift").to(at::kDouble);
+            EXPECT_EQ(params[i].scalar_type(), at::kBFloat16);
+            // m, v and the denominator are bf16 (2^-8 relative each), so each update is off by ~1%
+            // at most; measured 0.4-0.8% of the largest movement (1-7e-2). Dropping the bias
+            // correction or the decay would be off by tens of percent.
+            const double moved = max_abs_diff(w[i], pr.init[i]);
+            EXPECT_GT(moved, 1e-2);
+            EXPECT_LE(max_abs_diff(true_w, w[i]), 0.02 * moved);
+            EXPECT_EQ(st.at(pr.names[i] + ".step").item<double>(), 5.0);
+        }
+        EXPECT_NEAR(st.at("a.weight.accumulated_decay").item<double>(), 4 * lr * wd, 1e-15);
+        EXPECT_NEAR(st.at("a.bias.accumulated_decay").item<double>(), 5 * lr * wd, 1e-15);
+    }
+}
+
+// One step in closed form: beta2 = 0.75, eps = 0, g = 1 gives m = 1, v = 0.25, d = 0.5 exactly and an
+// update of exactly -lr * sqrt(0.25) / 0.5 = -lr. From w = 1 with lr = 1e-3 the new bf16 weights
+// must each be 1 or its lower neighbour 1 - 2^-8, averaging 1 - 1e-3; the compensated sum p + shift
+// averages 1 - 1e-3 too.
+TEST(AdamWBF16Flat, StochasticRoundingThroughAStepIsUnbiased) {
+    const int64_t n = 1 << 16;
+    at::Tensor p = at::ones({n}, at::kBFloat16).requires_grad_(true);
+    AdamWBF16Options o;
+    o.beta2 = 0.75, o.eps = 0;
+    AdamWBF16 opt({ParamGroup{{"w"}, {p}, 1e-3, 0.0}}, at::make_generator<at::CPUGeneratorImpl>(9), o);
+    p.mutable_grad() = at::ones({n}, at::kBFloat16);
+    opt.step();
+    const at::Tensor w = p.detach().to(at::kDouble);
+    const double lower = 1.0 - std::ldexp(1.0, -8);
+    EXPECT_EQ(((w == 1.0) | (w == lower)).sum().item<int64_t>(), n);
+    // P(lower) = 1e-3 / 2^-8 = 0.256; sd of the mean = 2^-8 sqrt(.256 * .744 / n) = 6.7e-6
+    EXPECT_NEAR(w.mean().item<double>(), 1.0 - 1e-3, 3e-5);
+    EXPECT_GT((w == lower).sum().item<int64_t>(), n / 8);
+    const at::Tensor true_w = w + opt.state_dict().at("w.shift").to(at::kDouble);
+    EXPECT_NEAR(true_w.mean().item<double>(), 1.0 - 1e-3, 2e-6);
+    EXPECT_LE((true_w - (1.0 - 1e-3)).abs().max().item<double>(), 1e-5);  // shift: bf16 of < 2^-8
+}
+
+TEST(AdamWBF16Flat, SameSeedSameBitsOtherSeedOtherBits) {
+    const Problem pr(4);
+    std::array<std::vector<at::Tensor>, 3> out;
+    for (int r = 0; r < 3; ++r) {
+        std::vector<at::Tensor> params;
+        auto opt = make(pr, params, 1e-2, 1.0, r == 2 ? 8 : 7);  // wd 1: decays every step
+        run(*opt, params, pr, 0, 4);
+        for (auto& p : params) out[r].push_back(p.detach().clone());
+    }
+    bool all_equal = true, any_diff = false;
+    for (size_t i = 0; i < out[0].size(); ++i) {
+        all_equal = all_equal && at::equal(out[0][i], out[1][i]);
+        any_diff = any_diff || !at::equal(out[0][i], out[2][i]);
+    }
+    EXPECT_TRUE(all_equal);
+    EXPECT_TRUE(any_diff);
+}
+
+// 6 steps straight == 3 steps, state_dict + generator state into a new optimizer, 3 more; the state
+// keeps the per-parameter layout older checkpoints have.
+TEST(AdamWBF16Flat, ResumeIsBitExactAndKeepsTheCheckpointLayout) {
+    const Problem pr(6);
+    const double lr = 1e-2, wd = 0.3;  // lr wd = 3e-3: decays land on different steps per parameter
+    std::vector<at::Tensor> straight_params;
+    auto straight = make(pr, straight_params, lr, wd, 21);
+    run(*straight, straight_params, pr, 0, 6);
+
+    std::vector<at::Tensor> first_params = pr.params();
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(21);  // a handle: shares the state
+    auto first = std::make_unique<AdamWBF16>(
+        std::vector<ParamGroup>{ParamGroup{pr.names, first_params, lr, wd}}, gen, small_buckets());
+    run(*first, first_params, pr, 0, 3);
+    const TensorMap saved = first->state_dict();
+    std::set<std::string> keys;
+    for (const auto& [k, t] : saved) keys.insert(k);
+    for (size_t i = 0; i < pr.names.size(); ++i) {
+        const std::string& n = pr.names[i];
+        for (const char* k : {"exp_avg", "exp_avg_sq", "shift"}) {
+            const at::Tensor& t = saved.at(n + "." + k);
+            EXPECT_EQ(t.scalar_type(), at::kBFloat16) << n << "." << k;
+            EXPECT_EQ(t.sizes(), at::IntArrayRef(pr.shapes[i])) << n << "." << k;
+            keys.erase(n + "." + k);
+        }
+        for (const char* k : {"step", "accumulated_decay"}) {
+            const at::Tensor& t = saved.at(n + "." + k);
+            EXPECT_EQ(t.scalar_type(), at::kDouble);
+            EXPECT_EQ(t.dim(), 0);
+            EXPECT_TRUE(t.device().is_cpu());
+            keys.erase(n + "." + k);
+        }
+    }
+    EXPECT_TRUE(keys.empty()) << *keys.begin();
+    const auto gen_state = gen.get_state();
+
+    // A fresh process: new parameters holding the saved weights, state and generator.
+    std::vector<at::Tensor> resumed_params;
+    for (const auto& p : first_params) resumed_params.push_back(p.detach().clone().requires_grad_(true));
+    at::Generator gen2 = at::make_generator<at::CPUGeneratorImpl>(999);
+    gen2.set_state(gen_state);
+    AdamWBF16 resumed({ParamGroup{pr.names, resumed_params, lr, wd}}, gen2, small_buckets());
+    TensorMap copy;
+    for (const auto& [k, t] : saved) copy[k] = t.clone();  // separate tensors, as read from a file
+    resumed.load_state_dict(copy);
+    run(resumed, resumed_params, pr, 3, 6);
+
+    const TensorMap a = straight->state_dict(), b = resumed.state_dict();
+    ASSERT_EQ(a.size(), b.size());
+    for (const auto& [k, t] : a) EXPECT_TRUE(at::equal(t, b.at(k))) << k;
+    for (size_t i = 0; i < straight_params.size(); ++i)
+        EXPECT_TRUE(at::equal(straight_params[i], resumed_params[i])) << pr.names[i];
+}
+
+// The captured-step protocol on the CPU: set_lr, upload_lr, step, after_step under use_device_lr()
+// with a changing LR gives the same bits as plain steps (decays included).
+TEST(AdamWBF16Flat, DeviceLrProtocolEqualsPlainSteps) {
+    const Problem pr(5);
+    const std::vector<double> lrs{1e-2, 8e-3, 6e-3, 4e-3, 2e-3};
+    std::vector<at::Tensor> plain_params, graph_params;
+    auto plain = make(pr, plain_params, lrs[0], 0.5, 5);
+    auto graph = make(pr, graph_params, lrs[0], 0.5, 5);
+    graph->use_device_lr();
+    for (int t = 0; t < 5; ++t) {
+        plain->set_lr(lrs[t]);
+        run(*plain, plain_params, pr, t, t + 1);
+        graph->set_lr(lrs[t]);
+        graph->upload_lr();
+        run(*graph, graph_params, pr, t, t + 1);
+        graph->after_step();
+    }
+    const TensorMap a = plain->state_dict(), b = graph->state_dict();
+    for (const auto& [k, t] : a) EXPECT_TRUE(at::equal(t, b.at(k))) << k;
+    for (size_t i = 0; i < plain_params.size(); ++i) EXPECT_TRUE(at::equal(plain_params[i], graph_params[i]));
+    // A parameter without a gradient cannot be skipped by a captured step.
+    graph->upload_lr();
+    graph_params[1].mutable_grad().reset();
+    EXPECT_THROW(graph->step(), Error);
+}
+
+// A parameter without a gradient is skipped with its state untouched; the others repack and go on.
+TEST(AdamWBF16Flat, ParametersWithoutGradientKeepTheirState) {
+    const Problem pr(3);
+    std::vector<at::Tensor> params;
+    auto opt = make(pr, params, 1e-2, 0.0, 4);
+    run(*opt, params, pr, 0, 1);
+    const TensorMap before = opt->state_dict();
+    const at::Tensor bias_before = params[1].detach().clone();
+    for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = pr.grads[1][i].clone();
+    params[1].mutable_grad().reset();
+    opt->step();
+    const TensorMap after = opt->state_dict();
+    for (const char* k : {"exp_avg", "exp_avg_sq", "shift", "step", "accumulated_decay"})
+        EXPECT_TRUE(at::equal(before.at(std::string("a.bias.") + k), after.at(std::string("a.bias.") + k)))
+            << k;
+    EXPECT_TRUE(at::equal(bias_before, params[1]));
+    EXPECT_EQ(after.at("a.weight.step").item<double>(), 2.0);
+    EXPECT_FALSE(at::equal(before.at("a.weight.exp_avg_sq"), after.at("a.weight.exp_avg_sq")));
+    // Back to all four: a.bias (step 1) gets a bucket apart from its neighbours (step 2).
+    run(*opt, params, pr, 2, 3);
+    const TensorMap last = opt->state_dict();
+    EXPECT_EQ(last.at("a.bias.step").item<double>(), 2.0);
+    EXPECT_EQ(last.at("c.big.step").item<double>(), 3.0);
+}
+
+// Older checkpoints lacking a key are refused with the key named.
+TEST(AdamWBF16Flat, RefusesStateFromAnotherOptimizer) {
+    at::Tensor p = at::zeros({3}, at::kBFloat16).requires_grad_(true);
+    AdamWBF16 opt({ParamGroup{{"w"}, {p}, 1e-2, 0.0}}, at::make_generator<at::CPUGeneratorImpl>(1));
+    const TensorMap adamw_state{{"w.exp_avg", at::zeros({3}, at::kBFloat16)},
+                                {"w.exp_avg_sq", at::zeros({3}, at::kBFloat16)},
+                                {"w.step", at::scalar_tensor(1.0, at::kFloat)}};
+    try {
+        opt.load_state_dict(adamw_state);
+        FAIL() << "loaded AdamW state";
+    } catch (const DataError& e) {
+        EXPECT_NE(std::string(e.what()).find("has no shift"), std::string::npos) << e.what();
+    }
+}
+
+}  // namespace
+}  // namespace dtune::train
