@@ -1,28 +1,45 @@
 #!/usr/bin/env bash
-# GPU acceptance pass on the lent machine (see docs/DEVELOPING.md): builds the dev preset, runs the
-# gpu-labelled tests, then full-size dtune train runs (tools/gpu/train_full_size.sh): a full
-# fine-tune, a LoRA with CUDA graphs, and a 2-GPU LoRA when two GPUs are present (with stack
-# dumps if it has not finished in time). Logs go to $OUT (or ./gpu-logs).
+# GPU acceptance pass on the lent machine (see docs/DEVELOPING.md), one device call: builds what it
+# runs (dev preset), the gpu-labelled tests and the cache suite (its CUDA case),
+# then full-size `dtune train` runs (tools/gpu/train_full_size.sh): full fine-tune with adamw_bf16
+# eager and with cuda_graph, LoRA with cuda_graph; with two GPUs also dist-selftest over NCCL, the
+# 2-GPU LoRA with cuda_graph, a CUDA error injected on rank 1 (the fault channel must end the job
+# with exit 75 within seconds) and a ZeRO-2 full fine-tune. Each step has its own time limit and
+# prints one line; logs go to $OUT (or ./gpu-logs). STEPS_FULL / STEPS_LORA change the lengths.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-logs}; mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 DTUNE_FIXTURES=$PWD/shared/fixtures
+gpus=$(nvidia-smi -L | grep -c '^GPU')
 rm -rf .gpudeps
-tools/gpu/build.sh || exit 1
-tools/gpu/build.sh make_random_pipeline || exit 1
-ctest --test-dir build/dev -j8 -L gpu --output-on-failure >"$out/ctest_gpu.log" 2>&1; tail -4 "$out/ctest_gpu.log"
+tools/gpu/build.sh dtune make_random_pipeline test_trainer_graph_gpu test_models_gpu test_data_cache || exit 1
+echo "== build done at $SECONDS s"
+ctest --test-dir build/dev -j8 -L gpu --output-on-failure >"$out/ctest_gpu.log" 2>&1
+echo "== ctest -L gpu: $(grep -E 'tests passed|tests failed' "$out/ctest_gpu.log")"
+(cd build/dev && ctest -R 'CacheTest' --output-on-failure) >"$out/ctest_cuda_cases.log" 2>&1
+echo "== cache suite with CUDA (pinned async encoder): $(grep -E 'tests passed|tests failed' "$out/ctest_cuda_cases.log")"
 W=/tmp/w
-step() { echo "== $1: rc=$2"; tail -1 "$out/$1.log"; }
-timeout 150 tools/gpu/train_full_size.sh build/dev $W full ${FULL_STEPS:-150} >"$out/full1.log" 2>&1; step full1 $?
-timeout 120 tools/gpu/train_full_size.sh build/dev $W lora ${LORA_STEPS:-200} --cuda_graph true \
-  --grad_clip_method norm --max_grad_norm 1 --lora_dropout 0 --metrics_interval 10 >"$out/lora1cg.log" 2>&1
-step lora1cg $?
-if (( $(nvidia-smi -L | wc -l) >= 2 )); then
-  (NPROC=2 DTUNE_SHARED_DIR_WAIT_S=5 NCCL_DEBUG=WARN timeout 100 tools/gpu/train_full_size.sh build/dev $W lora 60 \
-     >"$out/lora2.log" 2>&1; echo "== lora2: rc=$?"; tail -1 "$out/lora2.log") &
-  sleep 75
-  for pid in $(pgrep -f "dtune train --model_family"); do
-    command -v gdb >/dev/null && gdb -p "$pid" -batch -ex "thread apply all bt 15" >"$out/bt_$pid.log" 2>&1
-  done
-  wait
+G=(--cuda_graph true --grad_clip_method norm --max_grad_norm 1 --metrics_interval 10)
+run() {  # name, time limit, then NPROC=.. tools/gpu/train_full_size.sh arguments
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" >"$out/$name.log" 2>&1
+  echo "== $name: rc=$? in $((SECONDS - t0)) s: $(tail -1 "$out/$name.log")"
+}
+FULL=${STEPS_FULL:-60} LORA=${STEPS_LORA:-100}
+run full1 120 tools/gpu/train_full_size.sh build/dev $W full "$FULL" --metrics_interval 10
+run full1cg 120 tools/gpu/train_full_size.sh build/dev $W full "$FULL" "${G[@]}"
+run lora1cg 100 tools/gpu/train_full_size.sh build/dev $W lora "$LORA" "${G[@]}" --lora_dropout 0
+if ((gpus >= 2)); then
+  timeout 120 build/dev/bin/dtune launch --nproc_per_node 2 -- dist-selftest --device cuda >"$out/selftest.log" 2>&1
+  echo "== dist-selftest nccl: rc=$? $(tail -1 "$out/selftest.log")"
+  export NPROC=2
+  run lora2cg 120 tools/gpu/train_full_size.sh build/dev $W lora "$LORA" "${G[@]}" --lora_dropout 0
+  t0=$SECONDS
+  DTUNE_INJECT_STEP_ERROR=cuda:1:5 DTUNE_COLLECTIVE_TIMEOUT_S=300 timeout 150 \
+    tools/gpu/train_full_size.sh build/dev $W lora 40 >"$out/fault2.log" 2>&1
+  echo "== fault2 (CUDA error on rank 1 at step 5): rc=$? after $((SECONDS - t0)) s"
+  grep -E "stops because|exited with|GPU fault|error:" "$out/fault2.log" | cut -c1-200 | head -4
+  run full2zero2 150 tools/gpu/train_full_size.sh build/dev $W full "$FULL" --zero_stage 2 --metrics_interval 10
 fi
+echo "== total $SECONDS s"
