@@ -163,10 +163,10 @@ class TimedEncoder {
   public:
     TimedEncoder(data::LatentEncodeFn fn, c10::Device device) : fn_(std::move(fn)), device_(device) {}
     data::LatentEncodeFn fn() {
-        return [this](const at::Tensor& images) {
+        return [this](const at::Tensor& images, const std::vector<uint64_t>& salts) {
             if (!device_.is_cuda()) {
                 const auto t0 = Clock::now();
-                at::Tensor out = fn_(images);
+                at::Tensor out = fn_(images, salts);
                 host_s_ += std::chrono::duration<double>(Clock::now() - t0).count();
                 return out;
             }
@@ -174,7 +174,7 @@ class TimedEncoder {
             auto& e = events_.emplace_back(c10::Event(c10::kCUDA, c10::EventFlag::BACKEND_DEFAULT),
                                            c10::Event(c10::kCUDA, c10::EventFlag::BACKEND_DEFAULT));
             e.first.record(stream);
-            at::Tensor out = fn_(images);
+            at::Tensor out = fn_(images, salts);
             e.second.record(stream);
             return out;
         };
@@ -314,7 +314,8 @@ int run(const Args& a) {
         const int64_t w = std::stoll(shape.substr(0, x)), h = std::stoll(shape.substr(x + 1));
         std::set<int64_t> sizes = {std::min<int64_t>(n, a.batch)};
         if (n % a.batch) sizes.insert(n % a.batch);
-        for (int64_t b : sizes) (void)encode(at::rand({b, 3, h, w}) * 2 - 1);
+        for (int64_t b : sizes)
+            (void)encode(at::rand({b, 3, h, w}) * 2 - 1, std::vector<uint64_t>(size_t(b)));
     }
     const double encode_only = encode_only_rate(*vae, a, device, dtype, cl);
     if (!a.profile_dir.empty() && device.is_cuda()) profile_encoder(*vae, a, dtype, cl);
