@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: installs what is missing, builds the dev preset and runs the suites
-# CI runs (every label but perf and gpu-only benchmarks), plus the formatting check.
+# CI runs (every label but perf and slow; gpu tests skip themselves without CUDA), plus the
+# formatting check. `scripts/test.sh -L slow` runs the slow suites (diffusers loading our exports).
 # Usage: scripts/test.sh [extra ctest args]      e.g. scripts/test.sh -L unit
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,6 @@ cmake --build build/dev -j "$jobs"
 built=$(date +%s)
 echo "test: build took $((built - start)) s"
 # OMP_NUM_THREADS=1 per test (set in tests/CMakeLists.txt): ctest runs $jobs tests at once.
-if [ $# -eq 0 ]; then set -- -LE perf; fi
+if [ $# -eq 0 ]; then set -- -LE "perf|slow"; fi
 ctest --test-dir build/dev -j "$jobs" --output-on-failure --timeout 900 "$@"
 echo "test: tests took $(( $(date +%s) - built )) s"
