@@ -1,8 +1,8 @@
 // The trainer's real data path: a BatchSource built from SimpleTuner's multidatabackend.json.
 //
 // At construction, for every enabled image dataset (local, or `type: aws` read straight from the
-// bucket with parallel read-ahead): aspect buckets from the stored/refreshed bucket index (rank 0 writes it, the others
-// wait at the barrier and read it), captions by the dataset's strategy (parquet / JSON-lines
+// bucket with parallel read-ahead): aspect buckets from the stored/refreshed bucket index (rank 0 writes it,
+// the others wait at the barrier and read it), captions by the dataset's strategy (parquet / JSON-lines
 // tables through io::read_table_file), the effective-batch-size check with SimpleTuner's error,
 // then the caches: text embeddings of every caption (and of "" for caption dropout) in the
 // `text_embeds` entry's cache_dir, VAE latents in each dataset's cache_dir_vae (unless
