@@ -11,7 +11,8 @@
 # default shared/fixtures/sdxl-base-configs or ../shared/fixtures/sdxl-base-configs), BASELINE (the
 # baseline script), OUT (where both write their JSON; default out/bench). --compile adds the
 # baseline under torch.compile as a second reference. --dtune-extra adds modes that only dtune runs
-# (suffixes cg: CUDA graph, cl: channels-last); each is compared with the baseline mode it extends.
+# (suffixes cg: CUDA graph, cl: channels-last, bf: bf16 weights + adamw_bf16); each is compared with
+# the baseline mode it extends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 modes=lora1,lora4,lora4gc,full1gc
@@ -65,7 +66,7 @@ for line in open(os.path.join(out, "dtune.jsonl")):
         r = json.loads(line)
         ours[r["mode"]] = r
 def base_mode(mode):  # lora4cg -> lora4: dtune-only suffixes dropped
-    while mode[-2:] in ("cg", "cl"):
+    while mode[-2:] in ("cg", "cl", "bf"):
         mode = mode[:-2]
     return mode
 def load(name):

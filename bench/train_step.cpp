@@ -3,13 +3,15 @@
 // fused AdamW), so what speeds this up speeds up `dtune train`. One JSON line per mode. Usage:
 //   bench_train_step <sdxl folder or unet/ folder> [--modes full1gc,lora1,lora4] [--res 1024]
 //       [--steps 10] [--warmup 3] [--rank 16] [--fwd-tflop 6.76] [--profile DIR] [--no-peak]
-//       [--no-cudnn-sdpa]
+//       [--no-cudnn-sdpa] [--no-fused-geglu]
 // A mode is (lora|full)<batch>[gc][cl]: LoRA rank r on to_q,to_k,to_v,to_out.0 (bf16 base weights,
 // float32 adapter weights) or a full fine-tune (float32 master weights); both under bf16 autocast,
 // AdamW (fused), clip at norm 1, as ../shared/bench/diffusers_sdxl_baseline.py does; gc = gradient
 // checkpointing, cl = channels-last convolutions, cg = the whole step as a CUDA graph (suffixes in
-// any order). Full modes run first (LoRA injection is one-way). --no-cudnn-sdpa turns SDPA's cuDNN
-// kernels off (flash/efficient then).
+// any order), bf = (full only) bf16 weights and SimpleTuner's default optimizer adamw_bf16 (stochastic
+// rounding, no float32 master copy) instead of float32 master weights and AdamW. Full float32 modes
+// run first, then full bf modes, then LoRA (each step of that order is one-way). --no-cudnn-sdpa
+// turns SDPA's cuDNN kernels off (flash/efficient then); --no-fused-geglu uses chunk + gelu + mul.
 // MFU = model FLOPs / step time / measured bf16 matmul peak of this GPU (8192³, same program).
 // Model FLOPs: fwd_tflop (the baseline's FLOP counter at 1024²: 6.76) × (res/1024)² × batch × 2
 // for LoRA (forward + input gradients) or × 3 for a full fine-tune; recomputation is not counted.
@@ -26,6 +28,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <optional>
 #include <set>
 #include <sstream>
@@ -36,6 +39,7 @@
 
 #include "diffusion/noise_schedule.h"
 #include "models/adapters/lora.h"
+#include "models/common/geglu.h"
 #include "models/unet/unet_2d_condition.h"
 #include "train/graph_step.h"
 #include "train/optimizer.h"
@@ -53,6 +57,7 @@ struct Args {
     std::filesystem::path profile_dir;
     bool measure_peak = true;
     bool cudnn_sdpa = true;
+    bool fused_geglu = true;
 };
 
 struct Mode {
@@ -61,7 +66,8 @@ struct Mode {
     int64_t batch = 1;
     bool checkpointing = false;
     bool channels_last = false;
-    bool graph = false;  // the whole step as one CUDA graph per shape (train::GraphedStep)
+    bool graph = false;         // the whole step as one CUDA graph per shape (train::GraphedStep)
+    bool bf16_weights = false;  // full only: bf16 weights + adamw_bf16
 };
 
 Args parse_args(int argc, char** argv) {
@@ -90,6 +96,8 @@ Args parse_args(int argc, char** argv) {
             a.measure_peak = false;
         else if (s == "--no-cudnn-sdpa")
             a.cudnn_sdpa = false;
+        else if (s == "--no-fused-geglu")
+            a.fused_geglu = false;
         else
             a.model = s;
     }
@@ -111,9 +119,11 @@ Mode parse_mode(const std::string& text) {
     if (digits == 0) throw std::invalid_argument("mode \"" + text + "\" needs a batch size, e.g. lora4");
     m.batch = std::stoll(rest.substr(0, digits));
     rest = rest.substr(digits);
-    for (; rest.size() >= 2; rest = rest.substr(2)) {  // suffixes in any order: gc, cl, cg
+    for (; rest.size() >= 2; rest = rest.substr(2)) {  // suffixes in any order: gc, cl, cg, bf
         const std::string sfx = rest.substr(0, 2);
-        if (sfx == "gc")
+        if (sfx == "bf" && !m.lora)
+            m.bf16_weights = true;
+        else if (sfx == "gc")
             m.checkpointing = true;
         else if (sfx == "cl")
             m.channels_last = true;
@@ -131,9 +141,11 @@ std::vector<Mode> parse_modes(const std::string& list) {
     std::stringstream ss(list);
     for (std::string item; std::getline(ss, item, ',');)
         if (!item.empty()) modes.push_back(parse_mode(item));
-    // Full fine-tunes first: LoRA turns the base weights to bf16 and injects adapters for good.
+    // Full float32 fine-tunes first, then bf16 ones, then LoRA: turning the weights to bf16 and
+    // injecting adapters are for good.
+    auto order = [](const Mode& m) { return m.lora ? 2 : (m.bf16_weights ? 1 : 0); };
     std::stable_sort(modes.begin(), modes.end(),
-                     [](const Mode& a, const Mode& b) { return !a.lora && b.lora; });
+                     [&](const Mode& a, const Mode& b) { return order(a) < order(b); });
     return modes;
 }
 
@@ -176,6 +188,10 @@ train::TrainBatch make_batch(const models::UNet2DConditionConfig& c, int64_t bat
     return b;
 }
 
+at::ScalarType weight_dtype(const Mode& mode) {
+    return mode.lora || mode.bf16_weights ? at::kBFloat16 : at::kFloat;
+}
+
 // Everything a mode's timed loop needs besides the model.
 struct Bench {
     const Args& args;
@@ -195,8 +211,7 @@ struct Timing {
 Timing time_steps(models::UNet2DConditionModel& unet, const Mode& mode, const Bench& bench,
                   train::Optimizer& optimizer, const std::vector<at::Tensor>& params) {
     const auto& cfg = unet->config();
-    const train::TrainBatch batch =
-        make_batch(cfg, mode.batch, bench.args.res, mode.lora ? at::kBFloat16 : at::kFloat);
+    const train::TrainBatch batch = make_batch(cfg, mode.batch, bench.args.res, weight_dtype(mode));
     train::StepOptions options;
     options.compute_dtype = at::kBFloat16;
     options.device_rng = mode.graph;
@@ -242,7 +257,7 @@ void profile_steps(models::UNet2DConditionModel& unet, const Mode& mode, const B
     const std::set<torch::profiler::impl::ActivityType> activities{torch::profiler::impl::ActivityType::CUDA};
     const prof::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
     const train::TrainBatch batch =
-        make_batch(unet->config(), mode.batch, bench.args.res, mode.lora ? at::kBFloat16 : at::kFloat);
+        make_batch(unet->config(), mode.batch, bench.args.res, weight_dtype(mode));
     train::StepOptions options;
     options.compute_dtype = at::kBFloat16;
     options.device_rng = mode.graph;
@@ -287,7 +302,9 @@ void report(const Mode& mode, const Bench& bench, const Timing& t, int64_t train
     std::cout << "{\"bench\": \"train_step\", \"mode\": \"" << mode.name << "\", \"batch\": " << mode.batch
               << ", \"res\": " << bench.args.res << ", \"lora_rank\": " << (mode.lora ? bench.args.rank : 0)
               << ", \"checkpointing\": " << (mode.checkpointing ? "true" : "false")
-              << ", \"channels_last\": " << (mode.channels_last ? "true" : "false")
+              << ", \"channels_last\": " << (mode.channels_last ? "true" : "false") << ", \"optimizer\": \""
+              << (mode.bf16_weights ? "adamw_bf16" : "adamw") << "\""
+              << ", \"fused_geglu\": " << (models::fused_geglu_enabled() ? "true" : "false")
               << ", \"cuda_graph_replays\": " << t.replays << ", \"params\": " << bench.total_params
               << ", \"trainable\": " << trainable << ", \"steps\": " << t.ms.size() << ", "
               << percentile_json(t.ms)
@@ -323,6 +340,7 @@ void run_mode(models::UNet2DConditionModel& unet, std::optional<models::LoRAAdap
         at::NoGradGuard no_grad;
         for (auto& p : adapters->parameters()) p.set_data(p.to(at::kFloat));  // float32 adapter weights
     }
+    if (mode.bf16_weights) unet->to(at::kBFloat16);
     unet->set_gradient_checkpointing(mode.checkpointing);
     unet->set_channels_last(mode.channels_last);
     std::vector<at::Tensor> params = mode.lora ? adapters->parameters() : unet->parameters();
@@ -335,11 +353,18 @@ void run_mode(models::UNet2DConditionModel& unet, std::optional<models::LoRAAdap
     }
     group.lr = mode.lora ? 1e-4 : 1e-5;
     group.weight_decay = 1e-2;  // torch.optim.AdamW's default, as the baseline
-    train::AdamW optimizer({group});
-    const Timing t = time_steps(unet, mode, bench, optimizer, params);
+    std::unique_ptr<train::Optimizer> optimizer;
+    if (mode.bf16_weights) {
+        at::Generator gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, 0)).clone();
+        gen.set_current_seed(7);
+        optimizer = std::make_unique<train::AdamWBF16>(std::vector<train::ParamGroup>{group}, gen);
+    } else {
+        optimizer = std::make_unique<train::AdamW>(std::vector<train::ParamGroup>{group});
+    }
+    const Timing t = time_steps(unet, mode, bench, *optimizer, params);
     report(mode, bench, t, trainable, sdpa_choice(unet->config(), mode.batch, bench.args.res));
-    if (!bench.args.profile_dir.empty()) profile_steps(unet, mode, bench, optimizer, params);
-    optimizer.zero_grad();
+    if (!bench.args.profile_dir.empty()) profile_steps(unet, mode, bench, *optimizer, params);
+    optimizer->zero_grad();
 }
 
 int run(const Args& args) {
@@ -357,6 +382,7 @@ int run(const Args& args) {
     at::globalContext().setAllowTF32CuBLAS(true);  // as the baseline (allow_tf32 for matmul and cuDNN)
     at::globalContext().setAllowTF32CuDNN(true);
     if (!args.cudnn_sdpa) at::globalContext().setSDPUseCuDNN(false);
+    models::set_fused_geglu(args.fused_geglu);
     Bench bench{args, schedule};
     if (args.measure_peak) bench.peak_tflops = measure_matmul_peak();
     models::UNet2DConditionModel unet(config);  // random init on the CPU in float32, then moved

@@ -1,10 +1,7 @@
 // Multi-process tests (label dist): run the real `dtune launch` with 2 to 4 CPU ranks over Gloo on
 // this machine. Correctness is judged inside `dist-selftest` against closed forms and a local
 // single-process reference; here we check exit codes, messages and that failures end in bounded time.
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,6 +11,7 @@
 #include <fstream>
 #include <string>
 
+#include "support/shell.h"
 #include "support/test_support.h"
 
 namespace {
@@ -24,18 +22,7 @@ struct LaunchRun {
     double seconds = 0;
 };
 
-// A TCP port that was free a moment ago (the kernel's pick), so parallel tests do not collide.
-int free_port() {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-    socklen_t len = sizeof addr;
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    ::close(fd);
-    return ntohs(addr.sin_port);
-}
+using dtune::test::free_port;
 
 LaunchRun launch(const std::string& args) {
     std::string cmd = std::string(DTUNE_BIN) + " launch --master_port " + std::to_string(free_port()) + " " +

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "model_test_util.h"
+#include "models/common/geglu.h"
 #include "models/unet/unet_2d_condition.h"
 #include "models/vae/autoencoder_kl.h"
 #include "support/test_support.h"
@@ -58,6 +59,38 @@ TEST(ModelsGpu, SdpaPicksAFusedKernel) {
     std::cout << "  SDPA self-attention: " << self << ", cross-attention: " << cross << std::endl;
     EXPECT_NE(self, "math");
     EXPECT_NE(cross, "math");
+}
+
+// The fused CUDA GEGLU (built where nvcc was found) against the composite path on the same GPU, in
+// the dtypes training uses, at an SDXL width (vectorised kernels) and an odd one (scalar kernels).
+TEST(ModelsGpu, FusedGegluMatchesComposite) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    ASSERT_TRUE(fused_geglu_available(cuda)) << "built without the CUDA kernels (no nvcc at configure time)";
+    torch::manual_seed(3);
+    for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+        for (int64_t d : {int64_t{2560}, int64_t{13}}) {
+            const at::Tensor proj = (at::randn({2, 33, 2 * d}) * 3).to(cuda, dtype);
+            const at::Tensor up = at::randn({2, 33, d}).to(cuda, dtype);
+            at::Tensor a = proj.clone().requires_grad_(true), b = proj.clone().requires_grad_(true);
+            const at::Tensor ya = geglu(a), yb = geglu_composite(b);
+            ya.backward(up);
+            yb.backward(up);
+            ASSERT_NE(ya.grad_fn(), nullptr);
+            // One extra rounding in the composite: relative to the largest value, about one unit in
+            // the last place of the dtype.
+            const double rel = dtype == at::kFloat ? 1e-5 : (dtype == at::kHalf ? 2e-3 : 1e-2);
+            auto close = [&](const at::Tensor& x, const at::Tensor& y) {
+                return test::max_abs_diff(x.cpu(), y.cpu()) <= rel * y.abs().max().item<double>() + 1e-6;
+            };
+            EXPECT_TRUE(close(ya, yb)) << dtype << " d=" << d;
+            EXPECT_TRUE(close(a.grad(), b.grad())) << dtype << " d=" << d;
+            // Against float64 on the CPU: the fused path is within bf16/fp16 rounding of the exact value.
+            const at::Tensor exact = geglu(proj.cpu().to(at::kDouble));
+            EXPECT_LE(test::max_abs_diff(ya.cpu(), exact), rel * exact.abs().max().item<double>() + 1e-6)
+                << dtype << " d=" << d;
+        }
+    }
 }
 
 }  // namespace

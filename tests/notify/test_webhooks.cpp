@@ -100,8 +100,12 @@ TEST(Webhooks, RawBackendReceivesEveryEventAsJson) {
             EXPECT_EQ(body["stage"]["key"], "init_vae_cache");
             EXPECT_DOUBLE_EQ(body["stage"]["progress"]["percent"].get<double>(), 40.0);
         }
-        if (body["type"] == "training.progress") EXPECT_EQ(body["progress"]["metrics"]["loss"], 0.25);
-        if (body["type"] == "training.checkpoint") EXPECT_EQ(body["checkpoint"]["label"], "checkpoint-10");
+        if (body["type"] == "training.progress") {
+            EXPECT_EQ(body["progress"]["metrics"]["loss"], 0.25);
+        }
+        if (body["type"] == "training.checkpoint") {
+            EXPECT_EQ(body["checkpoint"]["label"], "checkpoint-10");
+        }
         if (body["type"] == "validation.image") {
             const std::string uri = body["images"][0];
             EXPECT_EQ(uri, "data:image/png;base64," + base64_encode(events[5].images[0].png));

@@ -14,6 +14,7 @@
 #include "core/fs.h"
 #include "io/image.h"
 #include "io/safetensors.h"
+#include "support/shell.h"
 #include "support/test_support.h"
 
 namespace dtune {
@@ -21,10 +22,7 @@ namespace {
 
 namespace stdfs = std::filesystem;
 
-int run(const std::string& cmd) {
-    const int status = std::system(cmd.c_str());
-    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
+using test::run_status;
 
 // Two wide (128×64) and two tall (64×128) images with asymmetric content, 64 px buckets.
 struct Workspace {
@@ -83,9 +81,9 @@ struct Workspace {
 
     // `dtune train` into `out` for `steps` steps; the log goes to <out>.log (appended).
     int train(const stdfs::path& config, const std::string& out, int steps) const {
-        return run(std::string(DTUNE_BIN) + " train --config '" + config.string() + "' --output_dir '" +
-                   (dir / out).string() + "' --max_train_steps " + std::to_string(steps) + " 2>>'" +
-                   (dir / (out + ".log")).string() + "'");
+        return run_status(std::string(DTUNE_BIN) + " train --config '" + config.string() +
+                          "' --output_dir '" + (dir / out).string() + "' --max_train_steps " +
+                          std::to_string(steps) + " 2>>'" + (dir / (out + ".log")).string() + "'");
     }
     std::string log(const std::string& out) const { return fs::read_file(dir / (out + ".log")); }
 
@@ -169,8 +167,8 @@ TEST(TrainVariantsCli, TrainingAfterDtuneCacheReusesItAndTrainsIdentically) {
     const nlohmann::json dataset = {{"crop", true}, {"crop_style", "random"}, {"crop_aspect", "square"}};
     const auto cached = w.config("cached", dataset, {{"--random_flip", true}});
     const auto own = w.config("own", dataset, {{"--random_flip", true}});
-    ASSERT_EQ(run(std::string(DTUNE_BIN) + " cache --config '" + cached.string() + "' >'" +
-                  (w.dir / "cache.log").string() + "' 2>&1"),
+    ASSERT_EQ(run_status(std::string(DTUNE_BIN) + " cache --config '" + cached.string() + "' >'" +
+                         (w.dir / "cache.log").string() + "' 2>&1"),
               0)
         << fs::read_file(w.dir / "cache.log");
     EXPECT_EQ(entry_names(w.dir / "cached_vae").size(), 8u);  // 4 images × (plain, mirrored)

@@ -6,6 +6,7 @@
 
 #include "models/common/blocks.h"
 #include "models/common/checkpoint.h"
+#include "models/common/geglu.h"
 
 namespace dtune::models {
 
@@ -70,8 +71,7 @@ GEGLUImpl::GEGLUImpl(int64_t dim_in, int64_t dim_out) {
 }
 
 at::Tensor GEGLUImpl::forward(const at::Tensor& x) {
-    auto parts = proj_->forward(x).chunk(2, -1);
-    return parts[0] * at::gelu(parts[1]);
+    return geglu(proj_->forward(x));
 }
 
 FeedForwardImpl::FeedForwardImpl(int64_t dim) {
