@@ -3,8 +3,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "models/common/geglu.h"
 #include "model_test_util.h"
+#include "models/common/geglu.h"
 #include "support/test_support.h"
 
 namespace dtune::models {
@@ -73,7 +73,8 @@ TEST(Geglu, SwitchSelectsTheCompositePath) {
     // The composite path's graph ends in a multiplication; the fused one in the custom function.
     ASSERT_TRUE(y.grad_fn());
     EXPECT_NE(y.grad_fn()->name().find("Mul"), std::string::npos) << y.grad_fn()->name();
-    EXPECT_NE(geglu(proj).grad_fn()->name().find("Geglu"), std::string::npos) << geglu(proj).grad_fn()->name();
+    EXPECT_NE(geglu(proj).grad_fn()->name().find("Geglu"), std::string::npos)
+        << geglu(proj).grad_fn()->name();
 }
 
 TEST(Geglu, NonContiguousInputIsHandled) {

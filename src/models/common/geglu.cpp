@@ -3,8 +3,8 @@
 #include "models/common/geglu.h"
 
 #include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
 #include <torch/autograd.h>
 
 #include <atomic>
@@ -59,7 +59,8 @@ void cpu_backward(const at::Tensor& grad_out, const at::Tensor& proj, at::Tensor
                 for (int64_t c = 0; c < d; ++c) {
                     const opmath up = static_cast<opmath>(go[r * d + c]), gate = static_cast<opmath>(g[c]);
                     gh[c] = static_cast<scalar_t>(up * geglu_math::gelu(gate));
-                    gg[c] = static_cast<scalar_t>(up * static_cast<opmath>(h[c]) * geglu_math::gelu_grad(gate));
+                    gg[c] =
+                        static_cast<scalar_t>(up * static_cast<opmath>(h[c]) * geglu_math::gelu_grad(gate));
                 }
             }
         });
@@ -77,8 +78,9 @@ cuda::KernelDtype kernel_dtype(at::ScalarType t) {
 }
 
 void check_launch(int err, const char* what) {
-    if (err != 0) throw std::runtime_error(std::string("geglu: ") + what + " kernel launch failed (CUDA error " +
-                                           std::to_string(err) + ")");
+    if (err != 0)
+        throw std::runtime_error(std::string("geglu: ") + what + " kernel launch failed (CUDA error " +
+                                 std::to_string(err) + ")");
 }
 #endif
 
@@ -109,10 +111,11 @@ at::Tensor run_backward(const at::Tensor& grad_out, const at::Tensor& proj) {
 #ifdef DTUNE_WITH_CUDA_KERNELS
     if (proj.is_cuda()) {
         const c10::cuda::CUDAGuard guard(proj.device());
-        check_launch(cuda::geglu_backward(grad_out.const_data_ptr(), proj.const_data_ptr(),
-                                          grad_proj.mutable_data_ptr(), rows, d, kernel_dtype(proj.scalar_type()),
-                                          c10::cuda::getCurrentCUDAStream(proj.device().index()).stream()),
-                     "backward");
+        check_launch(
+            cuda::geglu_backward(grad_out.const_data_ptr(), proj.const_data_ptr(),
+                                 grad_proj.mutable_data_ptr(), rows, d, kernel_dtype(proj.scalar_type()),
+                                 c10::cuda::getCurrentCUDAStream(proj.device().index()).stream()),
+            "backward");
         return grad_proj;
     }
 #endif

@@ -14,10 +14,18 @@
 namespace dtune::models::geglu_math {
 
 // erf/exp picked by precision (the C functions exist on the host and in device code).
-DTUNE_HOST_DEVICE inline float erf_of(float x) { return erff(x); }
-DTUNE_HOST_DEVICE inline double erf_of(double x) { return erf(x); }
-DTUNE_HOST_DEVICE inline float exp_of(float x) { return expf(x); }
-DTUNE_HOST_DEVICE inline double exp_of(double x) { return exp(x); }
+DTUNE_HOST_DEVICE inline float erf_of(float x) {
+    return erff(x);
+}
+DTUNE_HOST_DEVICE inline double erf_of(double x) {
+    return erf(x);
+}
+DTUNE_HOST_DEVICE inline float exp_of(float x) {
+    return expf(x);
+}
+DTUNE_HOST_DEVICE inline double exp_of(double x) {
+    return exp(x);
+}
 
 // gelu(x) = x * Phi(x), Phi the standard normal CDF.
 template <typename T>

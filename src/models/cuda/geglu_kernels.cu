@@ -15,18 +15,30 @@
 namespace dtune::models::cuda {
 namespace {
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(float v) {
+    return v;
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
+__device__ __forceinline__ float to_float(__half v) {
+    return __half2float(v);
+}
 
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
+__device__ __forceinline__ float from_float<float>(float v) {
+    return v;
+}
 template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16(v); }
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
+    return __float2bfloat16(v);
+}
 template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half(v); }
+__device__ __forceinline__ __half from_float<__half>(float v) {
+    return __float2half(v);
+}
 
 // V consecutive elements moved as one load/store (V * sizeof(T) = 16 bytes when vectorised).
 template <typename T, int V>
@@ -35,7 +47,8 @@ struct alignas(sizeof(T) * V) Pack {
 };
 
 template <typename T, int V>
-__global__ void geglu_forward_kernel(const T* __restrict__ proj, T* __restrict__ out, int64_t rows, int64_t d) {
+__global__ void geglu_forward_kernel(const T* __restrict__ proj, T* __restrict__ out, int64_t rows,
+                                     int64_t d) {
     const int64_t packs_per_row = d / V, total = rows * packs_per_row;
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
          i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -45,7 +58,8 @@ __global__ void geglu_forward_kernel(const T* __restrict__ proj, T* __restrict__
         const Pack<T, V> g = *reinterpret_cast<const Pack<T, V>*>(row + d + c);
         Pack<T, V> o;
 #pragma unroll
-        for (int k = 0; k < V; ++k) o.v[k] = from_float<T>(to_float(h.v[k]) * geglu_math::gelu(to_float(g.v[k])));
+        for (int k = 0; k < V; ++k)
+            o.v[k] = from_float<T>(to_float(h.v[k]) * geglu_math::gelu(to_float(g.v[k])));
         *reinterpret_cast<Pack<T, V>*>(out + r * d + c) = o;
     }
 }
@@ -79,7 +93,9 @@ unsigned blocks_for(int64_t work, int threads) {
     return static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, 65535 * 8));
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+bool aligned16(const void* p) {
+    return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
 
 template <typename T>
 int launch_forward(const void* proj, void* out, int64_t rows, int64_t d, cudaStream_t s) {
@@ -87,7 +103,8 @@ int launch_forward(const void* proj, void* out, int64_t rows, int64_t d, cudaStr
     auto* p = static_cast<const T*>(proj);
     auto* o = static_cast<T*>(out);
     if (d % kVec == 0 && aligned16(proj) && aligned16(out))
-        geglu_forward_kernel<T, kVec><<<blocks_for(rows * d / kVec, kThreads), kThreads, 0, s>>>(p, o, rows, d);
+        geglu_forward_kernel<T, kVec>
+            <<<blocks_for(rows * d / kVec, kThreads), kThreads, 0, s>>>(p, o, rows, d);
     else
         geglu_forward_kernel<T, 1><<<blocks_for(rows * d, kThreads), kThreads, 0, s>>>(p, o, rows, d);
     return static_cast<int>(cudaGetLastError());
@@ -101,7 +118,8 @@ int launch_backward(const void* grad_out, const void* proj, void* grad_proj, int
     auto* p = static_cast<const T*>(proj);
     auto* gp = static_cast<T*>(grad_proj);
     if (d % kVec == 0 && aligned16(grad_out) && aligned16(proj) && aligned16(grad_proj))
-        geglu_backward_kernel<T, kVec><<<blocks_for(rows * d / kVec, kThreads), kThreads, 0, s>>>(go, p, gp, rows, d);
+        geglu_backward_kernel<T, kVec>
+            <<<blocks_for(rows * d / kVec, kThreads), kThreads, 0, s>>>(go, p, gp, rows, d);
     else
         geglu_backward_kernel<T, 1><<<blocks_for(rows * d, kThreads), kThreads, 0, s>>>(go, p, gp, rows, d);
     return static_cast<int>(cudaGetLastError());
@@ -124,7 +142,8 @@ int geglu_backward(const void* grad_out, const void* proj, void* grad_proj, int6
     auto s = static_cast<cudaStream_t>(stream);
     switch (dtype) {
         case KernelDtype::kFloat: return launch_backward<float>(grad_out, proj, grad_proj, rows, d, s);
-        case KernelDtype::kBFloat16: return launch_backward<__nv_bfloat16>(grad_out, proj, grad_proj, rows, d, s);
+        case KernelDtype::kBFloat16:
+            return launch_backward<__nv_bfloat16>(grad_out, proj, grad_proj, rows, d, s);
         case KernelDtype::kHalf: return launch_backward<__half>(grad_out, proj, grad_proj, rows, d, s);
     }
     return static_cast<int>(cudaErrorInvalidValue);
