@@ -3,7 +3,7 @@
 // fused AdamW), so what speeds this up speeds up `dtune train`. One JSON line per mode. Usage:
 //   bench_train_step <sdxl folder or unet/ folder> [--modes full1gc,lora1,lora4] [--res 1024]
 //       [--steps 10] [--warmup 3] [--rank 16] [--fwd-tflop 6.76] [--profile DIR] [--no-peak]
-//       [--no-cudnn-sdpa] [--no-fused-geglu]
+//       [--no-cudnn-sdpa] [--no-fused-geglu] [--no-fused-adamw]
 // A mode is (lora|full)<batch>[gc][cl]: LoRA rank r on to_q,to_k,to_v,to_out.0 (bf16 base weights,
 // float32 adapter weights) or a full fine-tune (float32 master weights); both under bf16 autocast,
 // AdamW (fused), clip at norm 1, as ../shared/bench/diffusers_sdxl_baseline.py does; gc = gradient
@@ -11,7 +11,8 @@
 // any order), bf = (full only) bf16 weights and SimpleTuner's default optimizer adamw_bf16 (stochastic
 // rounding, no float32 master copy) instead of float32 master weights and AdamW. Full float32 modes
 // run first, then full bf modes, then LoRA (each step of that order is one-way). --no-cudnn-sdpa
-// turns SDPA's cuDNN kernels off (flash/efficient then); --no-fused-geglu uses chunk + gelu + mul.
+// turns SDPA's cuDNN kernels off (flash/efficient then); --no-fused-geglu uses chunk + gelu + mul;
+// --no-fused-adamw runs adamw_bf16 as whole-bucket ATen ops instead of its fused CUDA kernel.
 // MFU = model FLOPs / step time / measured bf16 matmul peak of this GPU (8192³, same program).
 // Model FLOPs: fwd_tflop (the baseline's FLOP counter at 1024²: 6.76) × (res/1024)² × batch × 2
 // for LoRA (forward + input gradients) or × 3 for a full fine-tune; recomputation is not counted.
@@ -58,6 +59,7 @@ struct Args {
     bool measure_peak = true;
     bool cudnn_sdpa = true;
     bool fused_geglu = true;
+    bool fused_adamw = true;
 };
 
 struct Mode {
@@ -98,6 +100,8 @@ Args parse_args(int argc, char** argv) {
             a.cudnn_sdpa = false;
         else if (s == "--no-fused-geglu")
             a.fused_geglu = false;
+        else if (s == "--no-fused-adamw")
+            a.fused_adamw = false;
         else
             a.model = s;
     }
@@ -305,6 +309,7 @@ void report(const Mode& mode, const Bench& bench, const Timing& t, int64_t train
               << ", \"channels_last\": " << (mode.channels_last ? "true" : "false") << ", \"optimizer\": \""
               << (mode.bf16_weights ? "adamw_bf16" : "adamw") << "\""
               << ", \"fused_geglu\": " << (models::fused_geglu_enabled() ? "true" : "false")
+              << ", \"fused_adamw\": " << (mode.bf16_weights && bench.args.fused_adamw ? "true" : "false")
               << ", \"cuda_graph_replays\": " << t.replays << ", \"params\": " << bench.total_params
               << ", \"trainable\": " << trainable << ", \"steps\": " << t.ms.size() << ", "
               << percentile_json(t.ms)
@@ -357,7 +362,9 @@ void run_mode(models::UNet2DConditionModel& unet, std::optional<models::LoRAAdap
     if (mode.bf16_weights) {
         at::Generator gen = at::globalContext().defaultGenerator(c10::Device(c10::kCUDA, 0)).clone();
         gen.set_current_seed(7);
-        optimizer = std::make_unique<train::AdamWBF16>(std::vector<train::ParamGroup>{group}, gen);
+        train::AdamWBF16Options o;
+        o.fused_kernel = bench.args.fused_adamw;
+        optimizer = std::make_unique<train::AdamWBF16>(std::vector<train::ParamGroup>{group}, gen, o);
     } else {
         optimizer = std::make_unique<train::AdamW>(std::vector<train::ParamGroup>{group});
     }

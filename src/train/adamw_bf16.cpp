@@ -18,6 +18,16 @@
 #include "core/error.h"
 #include "train/optimizer.h"
 
+#ifdef DTUNE_WITH_CUDA_KERNELS
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <mutex>
+
+#include "train/cuda/adamw_bf16_kernel.h"
+#endif
+
 namespace dtune::train {
 
 namespace {
@@ -36,6 +46,27 @@ at::Tensor round_stochastic(const at::Tensor& x32, const at::Tensor& noise) {
 at::Tensor draw_noise(int64_t n, at::Generator& generator, const at::Tensor& like) {
     return at::randint(0, 1 << 16, {n}, generator, like.options().dtype(at::kInt));  // [n]
 }
+
+#ifdef DTUNE_WITH_CUDA_KERNELS
+// The Philox state for one fused-kernel call that consumes `increment` numbers per element, as
+// torch's own CUDA random kernels take it (graph-safe: inside a capture, pointers read at replay).
+cuda::PhiloxArgs philox_args(at::Generator& generator, uint64_t increment) {
+    auto* impl = at::check_generator<at::CUDAGeneratorImpl>(generator);
+    const std::lock_guard<std::mutex> lock(generator.mutex());
+    const at::PhiloxCudaState state = impl->philox_cuda_state(increment);
+    cuda::PhiloxArgs a;
+    a.captured = state.captured_;
+    if (state.captured_) {
+        a.seed_ptr = state.seed_.ptr;
+        a.offset_ptr = state.offset_.ptr;
+        a.offset_intragraph = state.offset_intragraph_;
+    } else {
+        a.seed = state.seed_.val;
+        a.offset = state.offset_.val;
+    }
+    return a;
+}
+#endif
 
 }  // namespace
 
@@ -180,6 +211,37 @@ void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale)
     const at::Tensor grad = at::cat(flat_grads);     // [n] bf16
     const at::Tensor before = at::cat(flat_params);  // [n] bf16
     const double b1 = options_.beta1, b2 = options_.beta2;
+    auto write_back = [&](const at::Tensor& after) {
+        std::vector<at::Tensor> views;
+        int64_t offset = 0;
+        for (const at::Tensor& p : params) {
+            views.push_back(after.narrow(0, offset, p.numel()).view(p.sizes()));
+            offset += p.numel();
+        }
+        at::_foreach_copy_(params, views);
+    };
+#ifdef DTUNE_WITH_CUDA_KERNELS
+    if (options_.fused_kernel && grad.is_cuda() && generator_.device().is_cuda()) {
+        cuda::AdamWBF16Args args;
+        args.beta1 = static_cast<float>(b1);
+        args.beta2 = static_cast<float>(b2);
+        args.one_minus_beta1 = static_cast<float>(1 - b1);
+        args.one_minus_beta2 = static_cast<float>(1 - b2);
+        args.eps = static_cast<float>(options_.eps);
+        args.simpletuner_momentum = options_.simpletuner_momentum;
+        args.scale = scale.const_data_ptr<float>();
+        const c10::cuda::CUDAGuard guard(grad.device());
+        const cuda::PhiloxArgs rng = philox_args(generator_, 4);
+        // `before` is this step's own copy of the weights: the kernel turns it into the new weights.
+        const int err = cuda::adamw_bf16_bucket_step(
+            grad.const_data_ptr(), before.mutable_data_ptr(), b.exp_avg.mutable_data_ptr(),
+            b.exp_avg_sq.mutable_data_ptr(), b.shift.mutable_data_ptr(), b.numel, args, rng,
+            c10::cuda::getCurrentCUDAStream(grad.device().index()).stream());
+        DTUNE_CHECK(err == 0, "adamw_bf16: fused CUDA kernel launch failed (CUDA error ", err, ")");
+        write_back(before);
+        return;
+    }
+#endif
     auto sr = [&](const at::Tensor& x32) {
         return round_stochastic(x32, draw_noise(b.numel, generator_, x32));
     };
@@ -196,13 +258,7 @@ void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale)
     // Move the representable part of the shift into the weight; keep what rounding lost in the shift.
     const at::Tensor after = sr(b.shift.to(at::kFloat).add_(before.to(at::kFloat)));  // [n] bf16
     b.shift.copy_(sr(before.sub(after).to(at::kFloat).add_(b.shift.to(at::kFloat))));
-    std::vector<at::Tensor> views;
-    int64_t offset = 0;
-    for (const at::Tensor& p : params) {
-        views.push_back(after.narrow(0, offset, p.numel()).view(p.sizes()));
-        offset += p.numel();
-    }
-    at::_foreach_copy_(params, views);
+    write_back(after);
 }
 
 void AdamWBF16::apply_decays(size_t group) {

@@ -116,6 +116,10 @@ struct AdamWBF16Options {
     // CPU: 2^20, where temporaries that stay in the allocator's and the caches' reach beat fewer ops
     // (bench_adamw_bf16: 1.28x the per-tensor loop's CPU time at 2^20, 0.96x at 2^26).
     int64_t bucket_elements = 0;
+    // CUDA: each bucket's update as one fused kernel (train/cuda/adamw_bf16_kernel.cu) where it was
+    // built; same formulas and rounding points, its own Philox numbers from the generator. false (or
+    // no kernel built, or CPU): the whole-bucket ATen ops below.
+    bool fused_kernel = true;
 };
 
 // SimpleTuner's AdamWBF16 on bf16 parameters: moments and a "shift" buffer (the part of the update

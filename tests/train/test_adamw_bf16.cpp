@@ -3,7 +3,8 @@
 // a neighbour), determinism, resume exactness, the checkpoint layout, the captured-step protocol
 // (use_device_lr / upload_lr / after_step) equal to plain steps, and repacking when the set of
 // parameters with gradients changes. Small bucket sizes force several buckets and a parameter
-// larger than a bucket.
+// larger than a bucket. Each test runs on the CPU (the ATen path) and, where a CUDA device is present,
+// on the GPU (the fused kernel when it was built, else the ATen path there).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -16,6 +17,23 @@
 
 namespace dtune::train {
 namespace {
+
+// The device a test runs on: GTest's parameter (see INSTANTIATE_TEST_SUITE_P at the end).
+class AdamWBF16Flat : public ::testing::TestWithParam<c10::DeviceType> {
+  protected:
+    void SetUp() override {
+        if (GetParam() == c10::kCUDA && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    }
+    at::Device device() const { return at::Device(GetParam(), 0); }
+};
+
+// A generator where the weights live, seeded.
+at::Generator make_gen(const at::Device& device, uint64_t seed) {
+    if (device.is_cpu()) return at::make_generator<at::CPUGeneratorImpl>(seed);
+    at::Generator gen = at::globalContext().defaultGenerator(device).clone();
+    gen.set_current_seed(seed);
+    return gen;
+}
 
 constexpr double kB1 = 0.9, kB2 = 0.999, kEps = 1e-6;
 
@@ -33,9 +51,9 @@ struct Problem {
                 grads.back().push_back((at::randn(s, gen) * 1e-2).to(at::kBFloat16));  // varied magnitudes
         }
     }
-    std::vector<at::Tensor> params() const {
+    std::vector<at::Tensor> params(const at::Device& device) const {
         std::vector<at::Tensor> out;
-        for (const auto& t : init) out.push_back(t.to(at::kBFloat16).requires_grad_(true));
+        for (const auto& t : init) out.push_back(t.to(device, at::kBFloat16).requires_grad_(true));
         return out;
     }
 };
@@ -46,28 +64,29 @@ AdamWBF16Options small_buckets() {
     return o;
 }
 
-std::unique_ptr<AdamWBF16> make(const Problem& pr, std::vector<at::Tensor>& params, double lr, double wd,
-                                uint64_t seed, AdamWBF16Options o = small_buckets()) {
-    params = pr.params();
+std::unique_ptr<AdamWBF16> make(const at::Device& device, const Problem& pr, std::vector<at::Tensor>& params,
+                                double lr, double wd, uint64_t seed, AdamWBF16Options o = small_buckets()) {
+    params = pr.params(device);
     return std::make_unique<AdamWBF16>(std::vector<ParamGroup>{ParamGroup{pr.names, params, lr, wd}},
-                                       at::make_generator<at::CPUGeneratorImpl>(seed), o);
+                                       make_gen(device, seed), o);
 }
 
 void run(AdamWBF16& opt, std::vector<at::Tensor>& params, const Problem& pr, int from, int to) {
     for (int t = from; t < to; ++t) {
-        for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = pr.grads[t][i].clone();
+        for (size_t i = 0; i < params.size(); ++i)
+            params[i].mutable_grad() = pr.grads[t][i].to(params[i].device());
         opt.step();
     }
 }
 
 double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
-    return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+    return (a.cpu().to(at::kDouble) - b.cpu().to(at::kDouble)).abs().max().item<double>();
 }
 
 // Several steps of every parameter against a float64 mirror of SimpleTuner's update without any
 // rounding; parameter 0's decay accumulator is loaded just below the threshold, so it decays at
 // step 1 (by 4.95e-3 + lr wd), the others keep accumulating.
-TEST(AdamWBF16Flat, TrueWeightTracksFloat64Reference) {
+TEST_P(AdamWBF16Flat, TrueWeightTracksFloat64Reference) {
     for (bool quirk : {true, false}) {
         SCOPED_TRACE(quirk ? "simpletuner momentum" : "textbook momentum");
         const Problem pr(5);
@@ -75,7 +94,7 @@ TEST(AdamWBF16Flat, TrueWeightTracksFloat64Reference) {
         AdamWBF16Options o = small_buckets();
         o.simpletuner_momentum = quirk;
         std::vector<at::Tensor> params;
-        auto opt = make(pr, params, lr, wd, 3, o);
+        auto opt = make(device(), pr, params, lr, wd, 3, o);
         TensorMap start;
         for (size_t i = 0; i < params.size(); ++i) {
             for (const char* k : {"exp_avg", "exp_avg_sq", "shift"})
@@ -104,8 +123,8 @@ TEST(AdamWBF16Flat, TrueWeightTracksFloat64Reference) {
         const TensorMap st = opt->state_dict();
         for (size_t i = 0; i < w.size(); ++i) {
             SCOPED_TRACE(pr.names[i]);
-            const at::Tensor true_w =
-                params[i].detach().to(at::kDouble) + st.at(pr.names[i] + ".shift").to(at::kDouble);
+            const at::Tensor true_w = params[i].detach().cpu().to(at::kDouble) +
+                                      st.at(pr.names[i] + ".shift").cpu().to(at::kDouble);
             EXPECT_EQ(params[i].scalar_type(), at::kBFloat16);
             // m, v and the denominator are bf16 (2^-8 relative each), so each update is off by ~1%
             // at most; measured 0.4-0.8% of the largest movement (1-7e-2). Dropping the bias
@@ -124,31 +143,31 @@ TEST(AdamWBF16Flat, TrueWeightTracksFloat64Reference) {
 // update of exactly -lr * sqrt(0.25) / 0.5 = -lr. From w = 1 with lr = 1e-3 the new bf16 weights
 // must each be 1 or its lower neighbour 1 - 2^-8, averaging 1 - 1e-3; the compensated sum p + shift
 // averages 1 - 1e-3 too.
-TEST(AdamWBF16Flat, StochasticRoundingThroughAStepIsUnbiased) {
+TEST_P(AdamWBF16Flat, StochasticRoundingThroughAStepIsUnbiased) {
     const int64_t n = 1 << 16;
-    at::Tensor p = at::ones({n}, at::kBFloat16).requires_grad_(true);
+    at::Tensor p = at::ones({n}, at::TensorOptions(device()).dtype(at::kBFloat16)).requires_grad_(true);
     AdamWBF16Options o;
     o.beta2 = 0.75, o.eps = 0;
-    AdamWBF16 opt({ParamGroup{{"w"}, {p}, 1e-3, 0.0}}, at::make_generator<at::CPUGeneratorImpl>(9), o);
-    p.mutable_grad() = at::ones({n}, at::kBFloat16);
+    AdamWBF16 opt({ParamGroup{{"w"}, {p}, 1e-3, 0.0}}, make_gen(device(), 9), o);
+    p.mutable_grad() = at::ones_like(p);
     opt.step();
-    const at::Tensor w = p.detach().to(at::kDouble);
+    const at::Tensor w = p.detach().cpu().to(at::kDouble);
     const double lower = 1.0 - std::ldexp(1.0, -8);
     EXPECT_EQ(((w == 1.0) | (w == lower)).sum().item<int64_t>(), n);
     // P(lower) = 1e-3 / 2^-8 = 0.256; sd of the mean = 2^-8 sqrt(.256 * .744 / n) = 6.7e-6
     EXPECT_NEAR(w.mean().item<double>(), 1.0 - 1e-3, 3e-5);
     EXPECT_GT((w == lower).sum().item<int64_t>(), n / 8);
-    const at::Tensor true_w = w + opt.state_dict().at("w.shift").to(at::kDouble);
+    const at::Tensor true_w = w + opt.state_dict().at("w.shift").cpu().to(at::kDouble);
     EXPECT_NEAR(true_w.mean().item<double>(), 1.0 - 1e-3, 2e-6);
     EXPECT_LE((true_w - (1.0 - 1e-3)).abs().max().item<double>(), 1e-5);  // shift: bf16 of < 2^-8
 }
 
-TEST(AdamWBF16Flat, SameSeedSameBitsOtherSeedOtherBits) {
+TEST_P(AdamWBF16Flat, SameSeedSameBitsOtherSeedOtherBits) {
     const Problem pr(4);
     std::array<std::vector<at::Tensor>, 3> out;
     for (int r = 0; r < 3; ++r) {
         std::vector<at::Tensor> params;
-        auto opt = make(pr, params, 1e-2, 1.0, r == 2 ? 8 : 7);  // wd 1: decays every step
+        auto opt = make(device(), pr, params, 1e-2, 1.0, r == 2 ? 8 : 7);  // wd 1: decays every step
         run(*opt, params, pr, 0, 4);
         for (auto& p : params) out[r].push_back(p.detach().clone());
     }
@@ -163,15 +182,15 @@ TEST(AdamWBF16Flat, SameSeedSameBitsOtherSeedOtherBits) {
 
 // 6 steps straight == 3 steps, state_dict + generator state into a new optimizer, 3 more; the state
 // keeps the per-parameter layout older checkpoints have.
-TEST(AdamWBF16Flat, ResumeIsBitExactAndKeepsTheCheckpointLayout) {
+TEST_P(AdamWBF16Flat, ResumeIsBitExactAndKeepsTheCheckpointLayout) {
     const Problem pr(6);
     const double lr = 1e-2, wd = 0.3;  // lr wd = 3e-3: decays land on different steps per parameter
     std::vector<at::Tensor> straight_params;
-    auto straight = make(pr, straight_params, lr, wd, 21);
+    auto straight = make(device(), pr, straight_params, lr, wd, 21);
     run(*straight, straight_params, pr, 0, 6);
 
-    std::vector<at::Tensor> first_params = pr.params();
-    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(21);  // a handle: shares the state
+    std::vector<at::Tensor> first_params = pr.params(device());
+    at::Generator gen = make_gen(device(), 21);  // a handle: shares the state
     auto first = std::make_unique<AdamWBF16>(
         std::vector<ParamGroup>{ParamGroup{pr.names, first_params, lr, wd}}, gen, small_buckets());
     run(*first, first_params, pr, 0, 3);
@@ -200,7 +219,7 @@ TEST(AdamWBF16Flat, ResumeIsBitExactAndKeepsTheCheckpointLayout) {
     // A fresh process: new parameters holding the saved weights, state and generator.
     std::vector<at::Tensor> resumed_params;
     for (const auto& p : first_params) resumed_params.push_back(p.detach().clone().requires_grad_(true));
-    at::Generator gen2 = at::make_generator<at::CPUGeneratorImpl>(999);
+    at::Generator gen2 = make_gen(device(), 999);
     gen2.set_state(gen_state);
     AdamWBF16 resumed({ParamGroup{pr.names, resumed_params, lr, wd}}, gen2, small_buckets());
     TensorMap copy;
@@ -217,12 +236,12 @@ TEST(AdamWBF16Flat, ResumeIsBitExactAndKeepsTheCheckpointLayout) {
 
 // The captured-step protocol on the CPU: set_lr, upload_lr, step, after_step under use_device_lr()
 // with a changing LR gives the same bits as plain steps (decays included).
-TEST(AdamWBF16Flat, DeviceLrProtocolEqualsPlainSteps) {
+TEST_P(AdamWBF16Flat, DeviceLrProtocolEqualsPlainSteps) {
     const Problem pr(5);
     const std::vector<double> lrs{1e-2, 8e-3, 6e-3, 4e-3, 2e-3};
     std::vector<at::Tensor> plain_params, graph_params;
-    auto plain = make(pr, plain_params, lrs[0], 0.5, 5);
-    auto graph = make(pr, graph_params, lrs[0], 0.5, 5);
+    auto plain = make(device(), pr, plain_params, lrs[0], 0.5, 5);
+    auto graph = make(device(), pr, graph_params, lrs[0], 0.5, 5);
     graph->use_device_lr();
     for (int t = 0; t < 5; ++t) {
         plain->set_lr(lrs[t]);
@@ -242,14 +261,14 @@ TEST(AdamWBF16Flat, DeviceLrProtocolEqualsPlainSteps) {
 }
 
 // A parameter without a gradient is skipped with its state untouched; the others repack and go on.
-TEST(AdamWBF16Flat, ParametersWithoutGradientKeepTheirState) {
+TEST_P(AdamWBF16Flat, ParametersWithoutGradientKeepTheirState) {
     const Problem pr(3);
     std::vector<at::Tensor> params;
-    auto opt = make(pr, params, 1e-2, 0.0, 4);
+    auto opt = make(device(), pr, params, 1e-2, 0.0, 4);
     run(*opt, params, pr, 0, 1);
     const TensorMap before = opt->state_dict();
     const at::Tensor bias_before = params[1].detach().clone();
-    for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = pr.grads[1][i].clone();
+    for (size_t i = 0; i < params.size(); ++i) params[i].mutable_grad() = pr.grads[1][i].to(device());
     params[1].mutable_grad().reset();
     opt->step();
     const TensorMap after = opt->state_dict();
@@ -266,8 +285,13 @@ TEST(AdamWBF16Flat, ParametersWithoutGradientKeepTheirState) {
     EXPECT_EQ(last.at("c.big.step").item<double>(), 3.0);
 }
 
+INSTANTIATE_TEST_SUITE_P(Devices, AdamWBF16Flat, ::testing::Values(c10::kCPU, c10::kCUDA),
+                         [](const ::testing::TestParamInfo<c10::DeviceType>& info) {
+                             return info.param == c10::kCPU ? std::string("Cpu") : std::string("Cuda");
+                         });
+
 // Older checkpoints lacking a key are refused with the key named.
-TEST(AdamWBF16Flat, RefusesStateFromAnotherOptimizer) {
+TEST(AdamWBF16State, RefusesStateFromAnotherOptimizer) {
     at::Tensor p = at::zeros({3}, at::kBFloat16).requires_grad_(true);
     AdamWBF16 opt({ParamGroup{{"w"}, {p}, 1e-2, 0.0}}, at::make_generator<at::CPUGeneratorImpl>(1));
     const TensorMap adamw_state{{"w.exp_avg", at::zeros({3}, at::kBFloat16)},
