@@ -3,7 +3,8 @@
 # diffusers mode it extends (the per-mode lines of diffusers.log: lora4cg -> lora4, full4bfgccg ->
 # full4gc, full4bfcg -> full4gc, i.e. dtune-only suffixes cg/cl/bf dropped and gc kept; a dtune
 # mode without gc is compared with the baseline's gc mode of that batch when the baseline ran no
-# plain one), and the unfused A/B rows (dtune_unfused.jsonl). Usage: perf_table.py OUT
+# plain one), the unfused A/B rows (dtune_unfused.jsonl) and the gradient_checkpointing_interval rows
+# (dtune_gc<N>.jsonl). Usage: perf_table.py OUT
 import json, os, sys
 
 out = sys.argv[1]
@@ -47,6 +48,16 @@ for mode, r in ours.items():
     else:
         line += f"{(b or '-'):10} {e.get('error', '-'):>7}"
     print(line)
+for name in sorted(os.listdir(out)):
+    if not (name.startswith("dtune_gc") and name.endswith(".jsonl")):
+        continue
+    n = name[len("dtune_gc"):-len(".jsonl")]
+    for mode, r in jsonl(name).items():
+        b = base_of(mode, base)
+        e = base.get(b, {}) if b else {}
+        ratio = f"{e['ms_step_median'] / r['ms_step_median']:.2f}x {b}" if "ms_step_median" in e else ""
+        print(f"{mode} gc interval {n}: {r['ms_step_median']:7.1f} ms {r['peak_gib']:5.1f} GiB "
+              f"({r.get('checkpointed_blocks', '?')} of {r.get('checkpointable_blocks', '?')} blocks) {ratio}")
 for mode, r in unfused.items():
     f = ours.get(mode)
     gain = f"{r['ms_step_median'] / f['ms_step_median']:.2f}x faster fused" if f else ""

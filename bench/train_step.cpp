@@ -3,7 +3,7 @@
 // fused AdamW), so what speeds this up speeds up `dtune train`. One JSON line per mode. Usage:
 //   bench_train_step <sdxl folder or unet/ folder> [--modes full1gc,lora1,lora4] [--res 1024]
 //       [--steps 10] [--warmup 3] [--rank 16] [--fwd-tflop 6.76] [--profile DIR] [--no-peak]
-//       [--no-cudnn-sdpa] [--no-fused-geglu] [--no-fused-adamw]
+//       [--no-cudnn-sdpa] [--no-fused-geglu] [--no-fused-adamw] [--gc-interval N]
 // A mode is (lora|full)<batch>[gc][cl]: LoRA rank r on to_q,to_k,to_v,to_out.0 (bf16 base weights,
 // float32 adapter weights) or a full fine-tune (float32 master weights); both under bf16 autocast,
 // AdamW (fused), clip at norm 1, as ../shared/bench/diffusers_sdxl_baseline.py does; gc = gradient
@@ -12,7 +12,9 @@
 // rounding, no float32 master copy) instead of float32 master weights and AdamW. Full float32 modes
 // run first, then full bf modes, then LoRA (each step of that order is one-way). --no-cudnn-sdpa
 // turns SDPA's cuDNN kernels off (flash/efficient then); --no-fused-geglu uses chunk + gelu + mul;
-// --no-fused-adamw runs adamw_bf16 as whole-bucket ATen ops instead of its fused CUDA kernel.
+// --no-fused-adamw runs adamw_bf16 as whole-bucket ATen ops instead of its fused CUDA kernel;
+// --gc-interval N checkpoints every N-th ResNet/transformer block in gc modes
+// (gradient_checkpointing_interval).
 // MFU = model FLOPs / step time / measured bf16 matmul peak of this GPU (8192³, same program).
 // Model FLOPs: fwd_tflop (the baseline's FLOP counter at 1024²: 6.76) × (res/1024)² × batch × 2
 // for LoRA (forward + input gradients) or × 3 for a full fine-tune; recomputation is not counted.
@@ -60,6 +62,7 @@ struct Args {
     bool cudnn_sdpa = true;
     bool fused_geglu = true;
     bool fused_adamw = true;
+    int64_t gc_interval = 1;
 };
 
 struct Mode {
@@ -102,6 +105,8 @@ Args parse_args(int argc, char** argv) {
             a.fused_geglu = false;
         else if (s == "--no-fused-adamw")
             a.fused_adamw = false;
+        else if (s == "--gc-interval")
+            a.gc_interval = std::stoll(next());
         else
             a.model = s;
     }
@@ -294,8 +299,8 @@ std::string percentile_json(std::vector<double> ms) {
     return o.str();
 }
 
-void report(const Mode& mode, const Bench& bench, const Timing& t, int64_t trainable,
-            const std::string& sdpa) {
+void report(const Mode& mode, const Bench& bench, const Timing& t, int64_t trainable, const std::string& sdpa,
+            std::pair<int64_t, int64_t> checkpointed) {
     std::vector<double> sorted = t.ms;
     std::sort(sorted.begin(), sorted.end());
     const double median = sorted[sorted.size() / 2];
@@ -306,6 +311,8 @@ void report(const Mode& mode, const Bench& bench, const Timing& t, int64_t train
     std::cout << "{\"bench\": \"train_step\", \"mode\": \"" << mode.name << "\", \"batch\": " << mode.batch
               << ", \"res\": " << bench.args.res << ", \"lora_rank\": " << (mode.lora ? bench.args.rank : 0)
               << ", \"checkpointing\": " << (mode.checkpointing ? "true" : "false")
+              << ", \"checkpointed_blocks\": " << checkpointed.first
+              << ", \"checkpointable_blocks\": " << checkpointed.second
               << ", \"channels_last\": " << (mode.channels_last ? "true" : "false") << ", \"optimizer\": \""
               << (mode.bf16_weights ? "adamw_bf16" : "adamw") << "\""
               << ", \"fused_geglu\": " << (models::fused_geglu_enabled() ? "true" : "false")
@@ -346,7 +353,7 @@ void run_mode(models::UNet2DConditionModel& unet, std::optional<models::LoRAAdap
         for (auto& p : adapters->parameters()) p.set_data(p.to(at::kFloat));  // float32 adapter weights
     }
     if (mode.bf16_weights) unet->to(at::kBFloat16);
-    unet->set_gradient_checkpointing(mode.checkpointing);
+    unet->set_gradient_checkpointing(mode.checkpointing, bench.args.gc_interval);
     unet->set_channels_last(mode.channels_last);
     std::vector<at::Tensor> params = mode.lora ? adapters->parameters() : unet->parameters();
     train::ParamGroup group;
@@ -369,7 +376,8 @@ void run_mode(models::UNet2DConditionModel& unet, std::optional<models::LoRAAdap
         optimizer = std::make_unique<train::AdamW>(std::vector<train::ParamGroup>{group});
     }
     const Timing t = time_steps(unet, mode, bench, *optimizer, params);
-    report(mode, bench, t, trainable, sdpa_choice(unet->config(), mode.batch, bench.args.res));
+    report(mode, bench, t, trainable, sdpa_choice(unet->config(), mode.batch, bench.args.res),
+           unet->checkpointed_blocks());
     if (!bench.args.profile_dir.empty()) profile_steps(unet, mode, bench, *optimizer, params);
     optimizer->zero_grad();
 }

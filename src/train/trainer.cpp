@@ -173,7 +173,20 @@ void Trainer::init_common() {
         optimizer_generator_ = at::detail::createCPUGenerator(seed ^ 0x9e3779b97f4a7c15ULL);
     }
     unet_->train();
-    unet_->set_gradient_checkpointing(config_.flag("gradient_checkpointing"));
+    const bool checkpointing = config_.flag("gradient_checkpointing");
+    const auto interval = config_.opt_integer("gradient_checkpointing_interval");
+    DTUNE_CHECK_AS(UsageError, !interval || *interval >= 1,
+                   "gradient_checkpointing_interval must be 1 or more (", *interval,
+                   " given); use null or 1 to checkpoint every block");
+    if (interval && *interval > 1 && !checkpointing)
+        log::warn() << "gradient_checkpointing_interval " << *interval
+                    << " has no effect: gradient_checkpointing is false";
+    unet_->set_gradient_checkpointing(checkpointing, interval.value_or(1));
+    if (checkpointing && interval && *interval > 1) {
+        const auto [taken, units] = unet_->checkpointed_blocks();
+        log::info() << "gradient checkpointing: " << taken << " of " << units
+                    << " ResNet/transformer blocks (gradient_checkpointing_interval " << *interval << ")";
+    }
 
     auto& s = step_options_;
     s.noise.offset_noise = config_.flag("offset_noise");

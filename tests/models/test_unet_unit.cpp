@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <set>
 
 #include "core/error.h"
 #include "io/safetensors.h"
@@ -163,6 +164,56 @@ TEST(UNetUnit, CheckpointingGivesTheSameGradients) {
                   1e-6 + 1e-5 * plain[i].abs().max().item<double>())
             << i;
     }
+}
+
+// Backward-graph nodes reachable from `out` whose name contains `what`.
+int64_t count_nodes(const at::Tensor& out, const std::string& what) {
+    std::vector<torch::autograd::Node*> todo{out.grad_fn().get()};
+    std::set<torch::autograd::Node*> seen;
+    int64_t found = 0;
+    while (!todo.empty()) {
+        torch::autograd::Node* n = todo.back();
+        todo.pop_back();
+        if (!n || !seen.insert(n).second) continue;
+        if (n->name().find(what) != std::string::npos) ++found;
+        for (const auto& e : n->next_edges()) todo.push_back(e.function.get());
+    }
+    return found;
+}
+
+// gradient_checkpointing_interval: every n-th ResNet/transformer block (forward order) gets one
+// recompute node in the backward graph, the rest none; gradients stay those of the plain model.
+TEST(UNetUnit, CheckpointingIntervalPicksEveryNthBlock) {
+    UNet2DConditionModel unet = build(sd1_config());
+    const Inputs in = inputs();
+    auto run = [&](bool enabled, int64_t interval, std::vector<at::Tensor>* grads) {
+        unet->set_gradient_checkpointing(enabled, interval);
+        unet->zero_grad();
+        const at::Tensor loss = unet->forward(in.sample, in.timestep, in.context).square().mean();
+        const int64_t nodes = count_nodes(loss, "Recompute");
+        loss.backward();
+        for (const auto& p : unet->parameters()) grads->push_back(p.grad().clone());
+        return nodes;
+    };
+    std::vector<at::Tensor> plain;
+    EXPECT_EQ(run(false, 1, &plain), 0);
+    std::vector<at::Tensor> all;
+    const int64_t units = run(true, 1, &all);
+    EXPECT_EQ(unet->checkpointed_blocks(), std::make_pair(units, units));
+    EXPECT_GE(units, 6);  // the tiny config's ResNets and transformer blocks
+    for (int64_t interval : {int64_t{2}, int64_t{3}, units + 1}) {
+        SCOPED_TRACE("interval " + std::to_string(interval));
+        std::vector<at::Tensor> grads;
+        const int64_t nodes = run(true, interval, &grads);
+        EXPECT_EQ(nodes, (units + interval - 1) / interval);
+        EXPECT_EQ(unet->checkpointed_blocks(), std::make_pair(nodes, units));
+        ASSERT_EQ(grads.size(), plain.size());
+        for (size_t i = 0; i < plain.size(); ++i)
+            EXPECT_LE(test::max_abs_diff(plain[i], grads[i]),
+                      1e-6 + 1e-5 * plain[i].abs().max().item<double>())
+                << i;
+    }
+    EXPECT_THROW(unet->set_gradient_checkpointing(true, 0), UsageError);
 }
 
 TEST(UNetUnit, CheckpointedFunctionRecomputesInBackward) {

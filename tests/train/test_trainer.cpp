@@ -173,6 +173,35 @@ TEST(TrainCheckpoint, LoRAResumeIsBitExact) {
     EXPECT_FALSE(std::filesystem::exists(straight / "checkpoint-2" / "unet"));  // adapters only
 }
 
+// gradient_checkpointing_interval only changes what is recomputed: the same weights as checkpointing
+// every block (SGD, whose update is linear in the gradient: the gradients' summation order differs
+// in the last bits, which Adam's first, sign-like steps would blow up to +-lr); 0 is refused with
+// the key named.
+TEST(TrainConfigKeys, GradientCheckpointingIntervalTrainsTheSameWeights) {
+    test::TempDir every, second;
+    const io::TensorList a = run_trainer(
+        config_with(every.path(), 2, R"({"gradient_checkpointing": true, "optimizer": "torch-sgd"})"));
+    const io::TensorList b = run_trainer(config_with(
+        second.path(), 2,
+        R"({"gradient_checkpointing": true, "gradient_checkpointing_interval": 2, "optimizer": "torch-sgd"})"));
+    ASSERT_EQ(a.size(), b.size());
+    const io::TensorList base = models::state_dict(*tiny_unet());
+    int64_t moved = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        EXPECT_TRUE(at::allclose(a[i].second, b[i].second, 1e-5, 1e-6)) << a[i].first;
+        moved += at::equal(a[i].second, base[i].second) ? 0 : 1;
+    }
+    EXPECT_GT(moved, static_cast<int64_t>(a.size()) / 2);  // the runs trained
+    test::TempDir bad;
+    try {
+        run_trainer(config_with(bad.path(), 1, R"({"gradient_checkpointing_interval": 0})"));
+        ADD_FAILURE() << "interval 0 accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("gradient_checkpointing_interval"), std::string::npos)
+            << e.what();
+    }
+}
+
 TEST(TrainMetrics, RowsEveryIntervalWithTheWindowsThroughput) {
     // metrics_interval 3 over 6 steps: rows at steps 3 and 6; img_per_s is the rate over the 3
     // steps since the previous row (images / summed step time): finite and positive.

@@ -5,7 +5,7 @@
 # ends inside the device's limit and keeps what finished (everything lands in $OUT).
 # Needs in the checkout: .gpudeps.tar.xz and shared/ (tools/gpu/prepare.sh), shared/bench/
 # diffusers_sdxl_baseline.py, and the diffusers wheel (DIFFUSERS_WHL, default ./diffusers-*.whl).
-#   tools/gpu/perf_pass.sh            (env: STEPS=8, DTUNE_MODES, BASE_MODES, AB_MODES)
+#   tools/gpu/perf_pass.sh   (env: STEPS=8, DTUNE_MODES, BASE_MODES, AB_MODES, GC_MODES, GC_INTERVALS)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0
@@ -14,6 +14,8 @@ STEPS=${STEPS:-8}
 DTUNE_MODES=${DTUNE_MODES:-full4gccg,full1gccg,full4bfgccg,full4bfcg,full1bfcg,lora4cg,lora1cg}
 BASE_MODES=${BASE_MODES:-lora4,full4gc,lora1,full1gc}
 AB_MODES=${AB_MODES:-full4bfcg}  # again with the ATen adamw_bf16 and the composite GEGLU
+GC_MODES=${GC_MODES:-full4bfgccg}  # again per gradient_checkpointing_interval in GC_INTERVALS
+GC_INTERVALS=${GC_INTERVALS:-2 3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 t0=$(date +%s)
 OUT=$OUT tools/gpu/build.sh bench_train_step test_models_gpu test_train_unit test_trainer_graph_gpu || exit 1
@@ -34,4 +36,10 @@ if [ -n "$AB_MODES" ]; then
         >"$OUT/dtune_unfused.jsonl" 2>>"$OUT/dtune.log"
     echo "dtune unfused A/B: rc $?"
 fi
+for n in $GC_INTERVALS; do
+    [ -n "$GC_MODES" ] || break
+    timeout 100 "$B" "$M" --modes "$GC_MODES" --steps "$STEPS" --no-peak --gc-interval "$n" \
+        >"$OUT/dtune_gc$n.jsonl" 2>>"$OUT/dtune.log"
+    echo "dtune gradient_checkpointing_interval $n: rc $?"
+done
 python3 bench/perf_table.py "$OUT"

@@ -108,6 +108,12 @@ at::Tensor BasicTransformerBlockImpl::forward(const at::Tensor& x, const at::Ten
     return h + ff_->forward(norm_forward(*norm3_, h));
 }
 
+void Transformer2DModelImpl::set_gradient_checkpointing(CheckpointSelector& selector) {
+    options_.checkpoint_blocks.assign(blocks_.size(), false);
+    for (size_t i = 0; i < blocks_.size(); ++i) options_.checkpoint_blocks[i] = selector.take();
+    options_.gradient_checkpointing = selector.enabled;
+}
+
 Transformer2DModelImpl::Transformer2DModelImpl(const Transformer2DOptions& o) : options_(o) {
     const int64_t inner = o.heads * o.head_dim;
     norm_ = register_module(
@@ -137,8 +143,11 @@ at::Tensor Transformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor
     const int64_t inner = t.size(1);
     t = t.permute({0, 2, 3, 1}).reshape({b, h * w, inner});  // [B, HW, C]
     if (proj_in_linear_) t = proj_in_linear_->forward(t);
-    const bool checkpoint = options_.gradient_checkpointing && at::GradMode::is_enabled();
-    for (auto& block : blocks_) {
+    const bool grad = at::GradMode::is_enabled();
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+        auto& block = blocks_[i];
+        const bool checkpoint = grad && (options_.checkpoint_blocks.empty() ? options_.gradient_checkpointing
+                                                                            : options_.checkpoint_blocks[i]);
         if (checkpoint) {
             auto fn = [impl = block.ptr()](const std::vector<at::Tensor>& in) {
                 return impl->forward(in[0], in[1]);

@@ -20,6 +20,19 @@ using CheckpointFn = std::function<at::Tensor(const std::vector<at::Tensor>&)>;
 
 // `inputs` may hold undefined tensors (passed through as undefined). `params` are the tensors fn
 // reads besides its inputs whose gradients are wanted (the module's parameters).
+// Which of a model's checkpointable units (ResNet blocks and transformer blocks, counted in forward
+// order) are checkpointed: every `interval`-th one starting with the first, none when disabled.
+// SimpleTuner's gradient_checkpointing_interval (1 = all, 2 = every other, ...).
+struct CheckpointSelector {
+    bool enabled = false;
+    int64_t interval = 1;
+    int64_t next = 0;  // units seen so far
+    bool take() {
+        const bool mine = next++ % interval == 0;
+        return enabled && mine;
+    }
+};
+
 at::Tensor checkpointed(CheckpointFn fn, const std::vector<at::Tensor>& inputs,
                         const std::vector<at::Tensor>& params);
 

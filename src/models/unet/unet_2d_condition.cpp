@@ -234,10 +234,16 @@ at::Tensor UNet2DConditionModelImpl::forward(const at::Tensor& sample, const at:
     return conv_out_->forward(at::silu(norm_forward(*conv_norm_out_, x)));
 }
 
-void UNet2DConditionModelImpl::set_gradient_checkpointing(bool enabled) {
-    for (auto& b : down_blocks_) b->set_gradient_checkpointing(enabled);
-    mid_block_->set_gradient_checkpointing(enabled);
-    for (auto& b : up_blocks_) b->set_gradient_checkpointing(enabled);
+void UNet2DConditionModelImpl::set_gradient_checkpointing(bool enabled, int64_t interval) {
+    DTUNE_CHECK_AS(UsageError, interval >= 1, "gradient_checkpointing_interval must be 1 or more; got ",
+                   interval);
+    CheckpointSelector selector{enabled, interval};
+    for (auto& b : down_blocks_) b->set_gradient_checkpointing(selector);
+    mid_block_->set_gradient_checkpointing(selector);
+    for (auto& b : up_blocks_) b->set_gradient_checkpointing(selector);
+    const int64_t units = selector.next;
+    const int64_t taken = enabled ? (units + interval - 1) / interval : 0;
+    checkpointed_blocks_ = {taken, units};
 }
 
 void UNet2DConditionModelImpl::set_channels_last(bool enabled) {

@@ -76,7 +76,11 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
 
     const UNet2DConditionConfig& config() const { return config_; }
     // Recompute each ResNet and transformer block in backward instead of storing activations.
-    void set_gradient_checkpointing(bool enabled);
+    // interval n > 1 checkpoints every n-th ResNet/transformer block in forward order (SimpleTuner's
+    // gradient_checkpointing_interval): less recomputation, more activation memory than n = 1.
+    void set_gradient_checkpointing(bool enabled, int64_t interval = 1);
+    // How many ResNet and transformer blocks the last set_gradient_checkpointing checkpoints, of all.
+    std::pair<int64_t, int64_t> checkpointed_blocks() const { return checkpointed_blocks_; }
     // Conv weights and the input sample in NHWC memory order (faster convolutions on tensor cores).
     void set_channels_last(bool enabled);
 
@@ -86,6 +90,7 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
 
     UNet2DConditionConfig config_;
     bool channels_last_ = false;
+    std::pair<int64_t, int64_t> checkpointed_blocks_{0, 0};
     AdaptableConv2d conv_in_{nullptr}, conv_out_{nullptr};
     TimestepEmbedding time_embedding_{nullptr}, add_embedding_{nullptr};
     std::vector<DownBlock> down_blocks_;

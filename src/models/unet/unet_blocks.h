@@ -41,6 +41,9 @@ struct UNetBlockOptions {
 class UNetBlockBase : public torch::nn::Module {
   public:
     void set_gradient_checkpointing(bool enabled);
+    // Units in forward order (ResNet i, then attention i's transformer blocks) take the selector's
+    // decisions: SimpleTuner's gradient_checkpointing_interval.
+    void set_gradient_checkpointing(CheckpointSelector& selector);
 
   protected:
     void build_transformer(const UNetBlockOptions& o, int64_t channels);
@@ -51,6 +54,7 @@ class UNetBlockBase : public torch::nn::Module {
     std::vector<ResnetBlock2D> resnets_;
     std::vector<Transformer2DModel> attentions_;
     bool checkpointing_ = false;
+    std::vector<bool> resnet_checkpointing_;  // per ResNet, when set by a CheckpointSelector
 };
 
 class DownBlockImpl : public UNetBlockBase {
