@@ -119,6 +119,12 @@ AccelerateConfig parse_accelerate_config(const std::string& text, const std::str
     c.mixed_precision = get_str(kv, "mixed_precision");
     c.distributed_type = get_str(kv, "distributed_type");
     c.zero_stage = get_int(kv, "deepspeed_config.zero_stage", path);
+    c.offload_optimizer_device = get_str(kv, "deepspeed_config.offload_optimizer_device");
+    if (c.offload_optimizer_device && *c.offload_optimizer_device != "none" &&
+        *c.offload_optimizer_device != "cpu")
+        throw DataError(str(path, ": deepspeed_config.offload_optimizer_device: '",
+                            *c.offload_optimizer_device,
+                            "' is not supported; dtune offloads optimizer state to the cpu (or none)"));
     c.gradient_accumulation_steps = get_int(kv, "deepspeed_config.gradient_accumulation_steps", path);
     if (!c.gradient_accumulation_steps)
         c.gradient_accumulation_steps = get_int(kv, "gradient_accumulation_steps", path);
@@ -247,6 +253,8 @@ LaunchConfig resolve_launch_config(const LaunchOptions& o, const std::optional<A
     if (acc) {
         if (acc->mixed_precision) c.extra_env["DTUNE_MIXED_PRECISION"] = *acc->mixed_precision;
         if (acc->zero_stage) c.extra_env["DTUNE_ZERO_STAGE"] = std::to_string(*acc->zero_stage);
+        if (acc->offload_optimizer_device)
+            c.extra_env["DTUNE_OFFLOAD_OPTIMIZER_DEVICE"] = *acc->offload_optimizer_device;
         if (acc->gradient_accumulation_steps)
             c.extra_env["DTUNE_GRADIENT_ACCUMULATION_STEPS"] =
                 std::to_string(*acc->gradient_accumulation_steps);

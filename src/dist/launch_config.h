@@ -25,9 +25,10 @@ struct AccelerateConfig {
     std::optional<int> num_processes;  // the TOTAL number of processes (GPUs) over all machines
     std::optional<std::string> main_process_ip;
     std::optional<int> main_process_port;
-    std::optional<std::string> mixed_precision;   // no / fp16 / bf16
-    std::optional<std::string> distributed_type;  // MULTI_GPU, DEEPSPEED, NO, ...
-    std::optional<int> zero_stage;                // deepspeed_config.zero_stage
+    std::optional<std::string> mixed_precision;           // no / fp16 / bf16
+    std::optional<std::string> distributed_type;          // MULTI_GPU, DEEPSPEED, NO, ...
+    std::optional<int> zero_stage;                        // deepspeed_config.zero_stage
+    std::optional<std::string> offload_optimizer_device;  // deepspeed_config.offload_optimizer_device
     std::optional<int> gradient_accumulation_steps;
     std::optional<double> gradient_clipping;
 };

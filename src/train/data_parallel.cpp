@@ -37,6 +37,23 @@ int resolve_zero_stage(const TrainConfig& config) {
     return static_cast<int>(*stage);
 }
 
+bool resolve_offload_optimizer(const TrainConfig& config) {
+    std::string origin = "offload_optimizer_device in the config";
+    std::string value;
+    if (!config.is_null("offload_optimizer_device")) {
+        value = config.text("offload_optimizer_device");
+    } else {
+        const char* env = std::getenv("DTUNE_OFFLOAD_OPTIMIZER_DEVICE");
+        if (!env || !*env) return false;
+        value = env;
+        origin = "DTUNE_OFFLOAD_OPTIMIZER_DEVICE (from deepspeed_config.offload_optimizer_device)";
+    }
+    DTUNE_CHECK_AS(UsageError, value == "none" || value == "cpu", origin, " is '", value,
+                   "'; use none (optimizer state on the training device) or cpu (in host memory; "
+                   "nvme offload is not implemented)");
+    return value == "cpu";
+}
+
 namespace {
 
 // A duration in seconds from the environment (e.g. "0.5"), else `fallback`.

@@ -48,6 +48,11 @@ struct StepAgreement {
 // from deepspeed_config.zero_stage), else 0. UsageError for a stage other than 0, 1 or 2.
 int resolve_zero_stage(const TrainConfig& config);
 
+// offload_optimizer_device from config.json, else DTUNE_OFFLOAD_OPTIMIZER_DEVICE (set by `dtune launch
+// --accelerate_config` from deepspeed_config.offload_optimizer_device), else none. true for "cpu"
+// (train::CpuOffloadOptimizer); UsageError naming the origin for anything but "none" or "cpu".
+bool resolve_offload_optimizer(const TrainConfig& config);
+
 class DataParallel {
   public:
     // Joins the job of `env` (a single process when env.world_size == 1). Tensors of collectives

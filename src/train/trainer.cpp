@@ -26,6 +26,7 @@
 #include "train/graph_step.h"
 #include "train/loss_scaler.h"
 #include "train/lr_schedule.h"
+#include "train/optimizer_offload.h"
 #include "train/sdxl_data_encoders.h"
 #include "train/signals.h"
 
@@ -165,8 +166,10 @@ void Trainer::init_common() {
     if (config_.flag("deterministic")) at::globalContext().setDeterministicAlgorithms(true, false);
     const uint64_t seed = static_cast<uint64_t>(config_.integer("seed"));
     generator_ = at::detail::createCPUGenerator(seed);
-    // adamw_bf16 draws its rounding noise where the weights are: a generator of that device.
-    if (device_.is_cuda()) {
+    // adamw_bf16 draws its rounding noise where its update runs: a generator of the weights' device,
+    // or the CPU's when the optimizer is offloaded there.
+    offload_optimizer_ = resolve_offload_optimizer(config_);
+    if (device_.is_cuda() && !offload_optimizer_) {
         optimizer_generator_ = at::globalContext().defaultGenerator(device_).clone();
         optimizer_generator_->set_current_seed(seed ^ 0x9e3779b97f4a7c15ULL);
     } else {
@@ -239,8 +242,22 @@ void Trainer::build_optimizer() {
     group.lr = config_.real("learning_rate");
     group.weight_decay = config_.real("adam_weight_decay");
     const std::string name = config_.text("optimizer");
-    const double b1 = config_.real("adam_beta1"), b2 = config_.real("adam_beta2");
     std::vector<ParamGroup> groups{std::move(group)};
+    if (offload_optimizer_) {
+        auto offloaded = std::make_unique<CpuOffloadOptimizer>(
+            std::move(groups), [&](std::vector<ParamGroup> host) { return make_optimizer(std::move(host)); });
+        log::info() << "optimizer " << name
+                    << ": state and update in host memory (offload_optimizer_device cpu; "
+                    << offloaded->host_copy_bytes() / (1 << 20) << " MiB of weight copies)";
+        optimizer_ = std::move(offloaded);
+    } else {
+        optimizer_ = make_optimizer(std::move(groups));
+    }
+}
+
+std::unique_ptr<Optimizer> Trainer::make_optimizer(std::vector<ParamGroup> groups) const {
+    const std::string name = config_.text("optimizer");
+    const double b1 = config_.real("adam_beta1"), b2 = config_.real("adam_beta2");
     if (name == "adamw_bf16") {
         for (const auto& p : trainable_)
             DTUNE_CHECK_AS(UsageError, p.tensor.scalar_type() == at::kBFloat16,
@@ -249,19 +266,18 @@ void Trainer::build_optimizer() {
                            "; choose optimizer torch-adamw for fp32 weights");
         AdamWBF16Options o;
         o.beta1 = b1, o.beta2 = b2;
-        optimizer_ = std::make_unique<AdamWBF16>(std::move(groups), *optimizer_generator_, o);
+        return std::make_unique<AdamWBF16>(std::move(groups), *optimizer_generator_, o);
     } else if (name == "torch-adamw" || name == "optimi-adamw") {
         AdamWOptions o;
         o.beta1 = b1, o.beta2 = b2, o.eps = config_.real("adam_epsilon");
         o.fused = !config_.flag("deterministic");  // the per-tensor loop has a fixed op order
-        optimizer_ = std::make_unique<AdamW>(std::move(groups), o);
+        return std::make_unique<AdamW>(std::move(groups), o);
     } else if (name == "optimi-lion") {
-        optimizer_ = std::make_unique<Lion>(std::move(groups), LionOptions{b1, b2});
+        return std::make_unique<Lion>(std::move(groups), LionOptions{b1, b2});
     } else if (name == "torch-sgd") {
-        optimizer_ = std::make_unique<SGD>(std::move(groups));
-    } else {
-        optimizer_ = std::make_unique<Adafactor>(std::move(groups));
+        return std::make_unique<SGD>(std::move(groups));
     }
+    return std::make_unique<Adafactor>(std::move(groups));
 }
 
 void Trainer::resume() {
@@ -293,7 +309,16 @@ void Trainer::resume() {
     if (auto it = ckpt.tensor_files.find(rank_rng_file(rank_)); rank_ > 0 && it != ckpt.tensor_files.end())
         rng = std::map<std::string, at::Tensor>(it->second.begin(), it->second.end());
     restore_rng_states(rng, *generator_);
-    if (auto it = rng.find("optimizer"); it != rng.end()) optimizer_generator_->set_state(it->second);
+    if (auto it = rng.find("optimizer"); it != rng.end()) {
+        try {
+            optimizer_generator_->set_state(it->second);
+        } catch (const c10::Error&) {
+            // A CPU generator's state (offloaded optimizer) does not fit a GPU generator or back.
+            log::warn()
+                << "the checkpoint's optimizer random state is for another device (was "
+                << "offload_optimizer_device changed?); adamw_bf16's rounding stream restarts from the seed";
+        }
+    }
     resumed_from_ = *dir;
     log::info() << "resumed from " << dir->string() << " at step " << global_step_;
 }

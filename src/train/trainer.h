@@ -104,6 +104,8 @@ class Trainer {
     TrainResult run_loop();
     void init_common();
     void build_optimizer();
+    // The configured optimizer over `groups` (on the training device, or the CPU copies when offloaded).
+    std::unique_ptr<Optimizer> make_optimizer(std::vector<ParamGroup> groups) const;
     void resume();
     double train_one_step(double& grad_norm);
     void save(const std::string& why);
@@ -133,6 +135,7 @@ class Trainer {
     std::unique_ptr<Optimizer> optimizer_;
     std::optional<at::Generator> generator_;            // every random draw of the step
     std::optional<at::Generator> optimizer_generator_;  // adamw_bf16's stochastic rounding
+    bool offload_optimizer_ = false;                    // offload_optimizer_device cpu
     StepOptions step_options_;
     PromptEmbedding empty_prompt_;
     int64_t global_step_ = 0;

@@ -33,6 +33,10 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
                    " ranks (the sharded optimizer step and the parameter exchange after it are not "
                    "captured; zero_stage 0 graphs the data-parallel step",
                    fix, ")");
+    if (resolve_offload_optimizer(c))
+        return "offload_optimizer_device is cpu (the optimizer step runs on the host between two waits for "
+               "the GPU; set it to none" +
+               fix + ")";
     if (c.integer("gradient_accumulation_steps") != 1)
         return str("gradient_accumulation_steps is ", c.integer("gradient_accumulation_steps"),
                    " (set it to 1 and raise train_batch_size", fix, ")");

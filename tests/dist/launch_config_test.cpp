@@ -87,6 +87,7 @@ TEST(AccelerateConfig, ParsesTheFieldsDtuneUses) {
     EXPECT_EQ(c.zero_stage, 2);
     EXPECT_EQ(c.gradient_accumulation_steps, 4);
     EXPECT_EQ(c.gradient_clipping, 1.0);
+    EXPECT_EQ(c.offload_optimizer_device, "none");
 }
 
 TEST(AccelerateConfig, FlattensNestedKeysAndStripsComments) {
@@ -107,6 +108,14 @@ TEST(AccelerateConfig, BadValuesNameTheFileAndKey) {
     EXPECT_THROW(parse_accelerate_config("distributed_type: FSDP\n", "c"), DataError);
     EXPECT_THROW(parse_accelerate_config("deepspeed_config:\n  zero_stage: 3\n", "c"), DataError);
     EXPECT_THROW(parse_accelerate_config("mixed_precision: fp8\n", "c"), DataError);
+    try {
+        parse_accelerate_config("deepspeed_config:\n  offload_optimizer_device: nvme\n", "acc.yaml");
+        FAIL() << "nvme offload accepted";
+    } catch (const DataError& e) {
+        EXPECT_NE(std::string(e.what()).find("acc.yaml: deepspeed_config.offload_optimizer_device: 'nvme'"),
+                  std::string::npos)
+            << e.what();
+    }
     EXPECT_THROW(parse_simple_yaml("a:\n\tb: 1\n", "c"), DataError);
     EXPECT_THROW(parse_simple_yaml("just text\n", "c"), DataError);
 }
@@ -123,6 +132,7 @@ TEST(LaunchConfig, AccelerateFileGivesTheTopology) {
     EXPECT_EQ(c.master_port, 29501);
     EXPECT_EQ(c.extra_env.at("DTUNE_ZERO_STAGE"), "2");
     EXPECT_EQ(c.extra_env.at("DTUNE_MIXED_PRECISION"), "bf16");
+    EXPECT_EQ(c.extra_env.at("DTUNE_OFFLOAD_OPTIMIZER_DEVICE"), "none");
     EXPECT_EQ(c.command, (std::vector<std::string>{"train", "--config", "c.json"}));
     // Flags win over the file.
     auto flagged = resolve_launch_config(

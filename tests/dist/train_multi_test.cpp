@@ -90,6 +90,21 @@ TEST(DistTrain, ZeroOneEqualsPlainDataParallelAndResumesOnOneRank) {
     const double diff = max_difference(final_weights(w.out("plain")), final_weights(w.out("zero")));
     std::printf("ZeRO-1 vs plain data parallel: max |dw| = %.3g\n", diff);
     EXPECT_LE(diff, 1e-6);
+    // Each rank's shard of the optimizer in host memory (offload_optimizer_device cpu, as
+    // accelerate's deepspeed_config sets it): the same run, the same shard files.
+    const auto offload = run_shell(
+        "DTUNE_OFFLOAD_OPTIMIZER_DEVICE=cpu " +
+        w.train(2, "zero_offload", adam + "--train_batch_size 1 --max_train_steps 4 --zero_stage 1"));
+    ASSERT_EQ(offload.exit_code, 0) << offload.output;
+    EXPECT_TRUE(contains(offload.output, "state offloaded to the CPU") ||
+                contains(offload.output, "state and update in host memory"))
+        << offload.output;
+    EXPECT_TRUE(
+        std::filesystem::exists(w.out("zero_offload") / "checkpoint-2/optimizer-shard-1-of-2.safetensors"));
+    const double offload_diff =
+        max_difference(final_weights(w.out("zero")), final_weights(w.out("zero_offload")));
+    std::printf("ZeRO-1 with the optimizer offloaded to the CPU vs ZeRO-1: max |dw| = %.3g\n", offload_diff);
+    EXPECT_EQ(offload_diff, 0.0);
 
     // Resume from the step-2 checkpoints. On 2 ranks without ZeRO, the ZeRO-1 shards (merged by
     // parameter name) must give exactly the run that never stopped.

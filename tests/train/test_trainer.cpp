@@ -202,6 +202,33 @@ TEST(TrainConfigKeys, GradientCheckpointingIntervalTrainsTheSameWeights) {
     }
 }
 
+// offload_optimizer_device cpu: the same weights as the optimizer on the training device (both on
+// the CPU here, so bit for bit), resume exact, and the logged offload; a bad value is refused.
+TEST(TrainConfigKeys, OffloadOptimizerTrainsTheSameWeightsAndResumes) {
+    const std::string off = R"({"offload_optimizer_device": "cpu", "checkpoint_step_interval": 1)";
+    test::TempDir plain, straight, split;
+    const io::TensorList a = run_trainer(config_with(plain.path(), 3, "{}"));
+    const io::TensorList b =
+        run_trainer(config_with(straight.path(), 3, off + R"(, "resume_from_checkpoint": "none"})"));
+    run_trainer(config_with(split.path(), 2, off + "}"));
+    TrainResult resumed;
+    const io::TensorList c = run_trainer(config_with(split.path(), 3, off + "}"), &resumed);
+    ASSERT_TRUE(resumed.resumed_from.has_value());
+    ASSERT_EQ(a.size(), b.size());
+    ASSERT_EQ(b.size(), c.size());
+    for (size_t i = 0; i < a.size(); ++i) {
+        EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+        EXPECT_TRUE(at::equal(b[i].second, c[i].second)) << b[i].first << " (resumed)";
+    }
+    test::TempDir bad;
+    try {
+        run_trainer(config_with(bad.path(), 1, R"({"offload_optimizer_device": "nvme"})"));
+        ADD_FAILURE() << "nvme accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("offload_optimizer_device"), std::string::npos) << e.what();
+    }
+}
+
 TEST(TrainMetrics, RowsEveryIntervalWithTheWindowsThroughput) {
     // metrics_interval 3 over 6 steps: rows at steps 3 and 6; img_per_s is the rate over the 3
     // steps since the previous row (images / summed step time): finite and positive.

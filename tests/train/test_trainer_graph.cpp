@@ -33,6 +33,7 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
             graph_friendly(dir.path(), {{"grad_clip_method", "value"}, {"max_grad_norm", 0.0}}), cuda, 1),
         "");  // no clipping at all: nothing to clip by value
     const std::vector<std::pair<nlohmann::json, std::string>> cases = {
+        {{{"offload_optimizer_device", "cpu"}}, "offload_optimizer_device is cpu"},
         {{{"gradient_accumulation_steps", 2}}, "gradient_accumulation_steps is 2"},
         {{{"optimizer", "optimi-lion"}}, "optimizer is optimi-lion"},
         {{{"deterministic", true}}, "deterministic is true"},
