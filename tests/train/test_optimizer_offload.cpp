@@ -17,7 +17,9 @@ class CpuOffload : public ::testing::TestWithParam<c10::DeviceType> {
     void SetUp() override {
         if (GetParam() == c10::kCUDA && !at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     }
-    at::Device device() const { return GetParam() == c10::kCPU ? at::Device(at::kCPU) : at::Device(at::kCUDA, 0); }
+    at::Device device() const {
+        return GetParam() == c10::kCPU ? at::Device(at::kCPU) : at::Device(at::kCUDA, 0);
+    }
 };
 
 const std::vector<std::string> kNames{"conv.weight", "conv.bias", "proj.weight"};
