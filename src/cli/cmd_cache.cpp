@@ -169,7 +169,9 @@ Requests collect_requests(const data::DatasetConfig& d, const data::GlobalDataAr
     auto storage = data::make_storage(d);
     std::optional<data::MetadataTable> table;
     if (d.caption_strategy == data::CaptionStrategy::kParquet && d.parquet)
-        table = data::MetadataTable::load(*storage, *d.parquet, true);
+        // As `dtune train`: rows without a caption skip their image (warned below) instead of
+        // failing the whole table.
+        table = data::MetadataTable::load(*storage, *d.parquet, false);
     Requests out;
     // The entries training prebuilds (flip variants, crop_aspect random's epoch-0 sizes).
     out.latents = data::prebuild_requests(d, buckets.index.buckets, buckets.index.metadata, seed,

@@ -14,6 +14,7 @@
 #include "data/captions.h"
 #include "data/dataset_config.h"
 #include "data/storage.h"
+#include "io/image.h"
 #include "io/image_tensor.h"
 #include "models/clip/sdxl_text_encoders.h"
 #include "models/common/pipeline_folder.h"
@@ -99,7 +100,10 @@ void EvalLossCallback::prepare(train::Trainer& trainer) {
         const int edge = eval_edge(d);
         for (const auto& path : files) {
             if (static_cast<int64_t>(samples_.size()) >= options_.num_images) break;
-            const io::RgbImage probe = io::read_image(path);
+            // Through the dataset's storage, so eval images in a bucket work as training images do;
+            // the one read serves the size probe and the preparation (EXIF orientation applied).
+            const std::string bytes = storage->read(path);
+            const io::RgbImage probe = io::decode_image(bytes, path);
             const double scale = static_cast<double>(edge) / std::min(probe.width, probe.height);
             io::PrepareSpec spec;
             spec.resize_width = std::max(edge, static_cast<int>(std::lround(probe.width * scale)));
@@ -107,7 +111,8 @@ void EvalLossCallback::prepare(train::Trainer& trainer) {
             spec.crop_top = (spec.resize_height - edge) / 2;
             spec.crop_left = (spec.resize_width - edge) / 2;
             spec.crop_width = spec.crop_height = edge;
-            const at::Tensor pixels = io::prepare_image_tensor(path, spec).unsqueeze(0);  // [1, 3, e, e]
+            const at::Tensor pixels =
+                io::prepare_image_tensor_bytes(bytes, path, spec).unsqueeze(0);  // [1, 3, e, e]
             EvalSample s;
             s.latents = vae->scale_latents(vae->encode(pixels).mean);  // [1, C, e/f, e/f]
             const auto caption = data::resolve_captions(d, *storage, path).front();
