@@ -142,6 +142,7 @@ class TrainS3 : public ::testing::TestWithParam<S3ServerKind> {
     void write_backends(const json& entries) const {
         fs::write_file_atomic(dir_ / "multidatabackend.json", entries.dump(2));
     }
+    std::vector<json> parquet_dataset_with_local_caches();
 
     test::TempDir dir_;
     std::unique_ptr<S3TestServer> server_;
@@ -159,14 +160,14 @@ std::vector<json> fixture_rows() {
     return rows;
 }
 
-TEST_P(TrainS3, ImagesAndParquetInTheBucketCachesLocal) {
+// Rows 1-8's images and the Parquet table (captions, sizes) in the bucket under ds/; the dataset
+// entry reads them from there, with latent and text caches on local disk. Returns the rows.
+std::vector<json> TrainS3::parquet_dataset_with_local_caches() {
     const auto rows = fixture_rows();
-    ASSERT_EQ(rows.size(), 8u);
     for (size_t i = 0; i < rows.size(); ++i)
         client_->put("ds/images/" + rows[i].at("filename").get<std::string>(), png(64, 64, int(i)));
     client_->put("ds/meta/table.parquet",
                  fs::read_file(test::fixtures_dir() / "parquet" / "zstd_dict_v2.parquet"));
-    client_->put("ds/images-other/stray.png", png(64, 64, 99));  // outside the prefix: never listed
     json entry = aws_keys();
     entry.update({{"id", "s3"},
                   {"aws_data_prefix", "ds/images"},
@@ -187,6 +188,13 @@ TEST_P(TrainS3, ImagesAndParquetInTheBucketCachesLocal) {
                        {"default", true},
                        {"cache_dir", (dir_ / "text").string()}};
     write_backends(json::array({entry, text}));
+    return rows;
+}
+
+TEST_P(TrainS3, ImagesAndParquetInTheBucketCachesLocal) {
+    const auto rows = parquet_dataset_with_local_caches();
+    ASSERT_EQ(rows.size(), 8u);
+    client_->put("ds/images-other/stray.png", png(64, 64, 99));  // outside the prefix: never listed
 
     ASSERT_EQ(train("first", 1), 0) << log("first");
     const std::string first = log("first");
@@ -379,31 +387,7 @@ TEST_P(TrainS3, DtuneCacheFillsBucketCachesThatTrainingReuses) {
 
 // Images and a Parquet table (captions and sizes) in the bucket, caches on local disk.
 TEST_P(TrainS3, DtuneCacheOnBucketImagesWithLocalCaches) {
-    const auto rows = fixture_rows();
-    for (size_t i = 0; i < rows.size(); ++i)
-        client_->put("ds/images/" + rows[i].at("filename").get<std::string>(), png(64, 64, int(i)));
-    client_->put("ds/meta/table.parquet",
-                 fs::read_file(test::fixtures_dir() / "parquet" / "zstd_dict_v2.parquet"));
-    json entry = aws_keys();
-    entry.update({{"id", "s3"},
-                  {"aws_data_prefix", "ds/images"},
-                  {"resolution", 64},
-                  {"resolution_type", "pixel"},
-                  {"caption_strategy", "parquet"},
-                  {"metadata_backend", "parquet"},
-                  {"parquet",
-                   {{"path", "ds/meta/table.parquet"},
-                    {"filename_column", "filename"},
-                    {"caption_column", "caption"},
-                    {"width_column", "width"},
-                    {"height_column", "height"},
-                    {"identifier_includes_extension", true}}},
-                  {"cache_dir_vae", (dir_ / "vae").string()}});
-    const json text = {{"id", "text"},
-                       {"dataset_type", "text_embeds"},
-                       {"default", true},
-                       {"cache_dir", (dir_ / "text").string()}};
-    write_backends(json::array({entry, text}));
+    parquet_dataset_with_local_caches();
 
     ASSERT_EQ(cache("cached"), 0) << log("cached");
     EXPECT_EQ(count_local(dir_ / "vae"), 8);
