@@ -143,6 +143,17 @@ class TrainS3 : public ::testing::TestWithParam<S3ServerKind> {
         fs::write_file_atomic(dir_ / "multidatabackend.json", entries.dump(2));
     }
     std::vector<json> parquet_dataset_with_local_caches();
+    // Entries for text embeddings ("text-s3", the default) and latents ("vae-s3") kept in the bucket.
+    std::pair<json, json> bucket_cache_entries() const {
+        json text = aws_keys();
+        text.update({{"id", "text-s3"},
+                     {"dataset_type", "text_embeds"},
+                     {"default", true},
+                     {"cache_dir", "caches/text"}});
+        json vae = aws_keys();
+        vae.update({{"id", "vae-s3"}, {"dataset_type", "image_embeds"}, {"cache_dir", "caches/vae"}});
+        return {text, vae};
+    }
 
     test::TempDir dir_;
     std::unique_ptr<S3TestServer> server_;
@@ -227,13 +238,7 @@ TEST_P(TrainS3, LocalImagesWithTextAndLatentCachesInTheBucket) {
         fs::write_file_atomic(images / ("photo " + std::to_string(i) + ".txt"),
                               "a photo number " + std::to_string(i));
     }
-    json text = aws_keys();
-    text.update({{"id", "text-s3"},
-                 {"dataset_type", "text_embeds"},
-                 {"default", true},
-                 {"cache_dir", "caches/text"}});
-    json vae = aws_keys();
-    vae.update({{"id", "vae-s3"}, {"dataset_type", "image_embeds"}, {"cache_dir", "caches/vae"}});
+    const auto [text, vae] = bucket_cache_entries();
     const json entry = {{"id", "local"},
                         {"type", "local"},
                         {"instance_data_dir", images.string()},
@@ -357,13 +362,7 @@ TEST_P(TrainS3, DtuneCacheFillsBucketCachesThatTrainingReuses) {
                    {"caption_strategy", "textfile"},
                    {"image_embeds", "vae-s3"},
                    {"text_embeds", "text-s3"}});
-    json text = aws_keys();
-    text.update({{"id", "text-s3"},
-                 {"dataset_type", "text_embeds"},
-                 {"default", true},
-                 {"cache_dir", "caches/text"}});
-    json vae = aws_keys();
-    vae.update({{"id", "vae-s3"}, {"dataset_type", "image_embeds"}, {"cache_dir", "caches/vae"}});
+    const auto [text, vae] = bucket_cache_entries();
     write_backends(json::array({images, text, vae}));
 
     ASSERT_EQ(cache("cached"), 0) << log("cached");
