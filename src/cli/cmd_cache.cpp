@@ -165,7 +165,9 @@ Requests collect_requests(const data::DatasetConfig& d, const data::GlobalDataAr
     bo.allow_dataset_oversubscription = true;  // caching needs no batch-size check
     bo.write_index = rank == 0;
     bo.show_progress = rank == 0;
-    const auto buckets = data::build_dataset_buckets(d, bo, pool);
+    // What training draws from (crop_aspect random: the images the aspect filter set aside too).
+    const data::RedrawCandidates buckets =
+        data::redraw_candidates(data::build_dataset_buckets(d, bo, pool).index, d);
     auto storage = data::make_storage(d);
     std::optional<data::MetadataTable> table;
     if (d.caption_strategy == data::CaptionStrategy::kParquet && d.parquet)
@@ -174,9 +176,9 @@ Requests collect_requests(const data::DatasetConfig& d, const data::GlobalDataAr
         table = data::MetadataTable::load(*storage, *d.parquet, false);
     Requests out;
     // The entries training prebuilds (flip variants, crop_aspect random's epoch-0 sizes).
-    out.latents = data::prebuild_requests(d, buckets.index.buckets, buckets.index.metadata, seed,
+    out.latents = data::prebuild_requests(d, buckets.buckets, buckets.plans, seed,
                                           data::load_aspect_pins(d, gargs.output_dir), {});
-    for (const auto& [key, paths] : buckets.index.buckets)
+    for (const auto& [key, paths] : buckets.buckets)
         for (const auto& p : paths) {
             try {
                 for (auto& c : data::resolve_captions(d, *storage, p, table ? &*table : nullptr))

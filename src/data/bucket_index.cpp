@@ -15,6 +15,7 @@
 #include "core/thread_pool.h"
 #include "data/captions.h"
 #include "data/prefetch.h"
+#include "data/sample_variants.h"
 #include "data/storage.h"
 #include "io/image_info.h"
 
@@ -133,6 +134,18 @@ Size size_from(const json& j) {
     return {j.at(0).get<int>(), j.at(1).get<int>()};
 }
 
+SamplePlan plan_from(const json& m) {
+    SamplePlan plan;
+    plan.original = size_from(m.at("original_size"));
+    plan.intermediary = size_from(m.at("intermediary_size"));
+    plan.target = size_from(m.at("target_size"));
+    plan.resize_size = m.contains("resize_size") ? size_from(m["resize_size"]) : plan.intermediary;
+    plan.crop_top = m.at("crop_coordinates").at(0).get<int>();
+    plan.crop_left = m.at("crop_coordinates").at(1).get<int>();
+    plan.aspect = m.at("aspect_ratio").get<double>();
+    return plan;
+}
+
 uint64_t path_seed(uint64_t seed, const std::string& path) {
     return seed ^ (std::hash<std::string>{}(path)*0x9E3779B97F4A7C15ull);
 }
@@ -167,8 +180,9 @@ void BucketIndex::remove_missing(const std::vector<std::string>& present) {
         stats.not_found += static_cast<int64_t>(before - list.size());
         it = list.empty() ? buckets.erase(it) : std::next(it);
     }
-    for (auto it = metadata.begin(); it != metadata.end();)
-        it = keep.count(it->first) ? std::next(it) : metadata.erase(it);
+    for (auto* plans : {&metadata, &out_of_range})
+        for (auto it = plans->begin(); it != plans->end();)
+            it = keep.count(it->first) ? std::next(it) : plans->erase(it);
 }
 
 namespace {
@@ -210,7 +224,7 @@ int64_t BucketIndex::refresh(StorageBackend& storage, const DatasetConfig& confi
     skipped.clear();
     std::vector<std::string> fresh;
     for (const auto& f : files)
-        if (!metadata.count(f)) fresh.push_back(f);
+        if (!metadata.count(f) && !out_of_range.count(f)) fresh.push_back(f);
     HeaderScan scan = sizes_of(fresh, storage, config, pool, show_progress);
     for (const auto& [path, reason] : scan.failed) {
         skipped.emplace_back(path, reason);
@@ -232,12 +246,18 @@ int64_t BucketIndex::refresh(StorageBackend& storage, const DatasetConfig& confi
             continue;
         }
         for (const auto& p : it->second) {
-            skipped.emplace_back(p, "bucket " + it->first + " is outside minimum/maximum_aspect_ratio");
+            out_of_range[p] = metadata.at(p);
             metadata.erase(p);
             ++stats.aspect_filtered;
         }
         it = buckets.erase(it);
     }
+    // crop_aspect random trains on a fresh draw every epoch, so for it this draw decides nothing.
+    const std::string redrawn =
+        rebuckets_per_epoch(config) ? " (crop_aspect random draws it again every epoch)" : "";
+    for (const auto& [path, plan] : out_of_range)
+        skipped.emplace_back(
+            path, "bucket " + bucket_key(plan.aspect) + " is outside minimum/maximum_aspect_ratio" + redrawn);
     if (!skipped.empty())
         log::warn() << "dataset '" << config.id << "': " << skipped.size()
                     << " file(s) not bucketed (first: " << skipped.front().second << "); all listed in "
@@ -258,15 +278,17 @@ void BucketIndex::save(StorageBackend& storage, const DatasetConfig& config) con
                     {"error", stats.error},
                     {"aspect_ratio", stats.aspect_filtered}}}}}};
     json meta = json::object();
-    for (const auto& [path, p] : metadata) {
-        json m = {{"original_size", size_json(p.original)},
-                  {"crop_coordinates", {p.crop_top, p.crop_left}},
-                  {"target_size", size_json(p.target)},
-                  {"intermediary_size", size_json(p.intermediary)},
-                  {"aspect_ratio", p.aspect}};
-        if (!(p.resize_size == p.intermediary))
-            m["resize_size"] = size_json(p.resize_size);  // dtune extension
-        meta[path] = std::move(m);
+    for (const auto* plans : {&metadata, &out_of_range}) {
+        for (const auto& [path, p] : *plans) {
+            json m = {{"original_size", size_json(p.original)},
+                      {"crop_coordinates", {p.crop_top, p.crop_left}},
+                      {"target_size", size_json(p.target)},
+                      {"intermediary_size", size_json(p.intermediary)},
+                      {"aspect_ratio", p.aspect}};
+            if (!(p.resize_size == p.intermediary))
+                m["resize_size"] = size_json(p.resize_size);  // dtune extension
+            meta[path] = std::move(m);
+        }
     }
     // Metadata first: an index is never on disk without the metadata it refers to.
     storage.write(metadata_path(config), meta.dump());
@@ -285,6 +307,7 @@ std::string BucketIndex::skipped_path(const DatasetConfig& c) {
 bool BucketIndex::load(const StorageBackend& storage, const DatasetConfig& config) {
     buckets.clear();
     metadata.clear();
+    out_of_range.clear();
     if (!storage.exists(indices_path(config)) || !storage.exists(metadata_path(config))) return false;
     try {
         const json doc = json::parse(storage.read(indices_path(config)));
@@ -294,27 +317,28 @@ bool BucketIndex::load(const StorageBackend& storage, const DatasetConfig& confi
             return false;
         }
         const json meta = json::parse(storage.read(metadata_path(config)));
-        for (const auto& [key, paths] : doc.at("aspect_ratio_bucket_indices").items()) {
+        for (const auto& [key, paths] : doc.at("aspect_ratio_bucket_indices").items())
             for (const auto& p : paths) {
                 const std::string path = p.get<std::string>();
-                const json& m = meta.at(path);
-                SamplePlan plan;
-                plan.original = size_from(m.at("original_size"));
-                plan.intermediary = size_from(m.at("intermediary_size"));
-                plan.target = size_from(m.at("target_size"));
-                plan.resize_size =
-                    m.contains("resize_size") ? size_from(m["resize_size"]) : plan.intermediary;
-                plan.crop_top = m.at("crop_coordinates").at(0).get<int>();
-                plan.crop_left = m.at("crop_coordinates").at(1).get<int>();
-                plan.aspect = m.at("aspect_ratio").get<double>();
-                add(path, plan);
+                add(path, plan_from(meta.at(path)));
             }
+        // The remaining entries are the images the aspect filter left out; anything else (a
+        // hand-edited file) is ignored and rescanned by the next refresh.
+        BucketSettings range;
+        range.minimum_aspect_ratio = config.minimum_aspect_ratio;
+        range.maximum_aspect_ratio = config.maximum_aspect_ratio;
+        for (const auto& [path, m] : meta.items()) {
+            if (metadata.count(path)) continue;
+            SamplePlan plan = plan_from(m);
+            if (!bucket_in_aspect_range(range, std::stod(bucket_key(plan.aspect))))
+                out_of_range.emplace(path, plan);
         }
     } catch (const json::exception& e) {
         log::warn() << "dataset '" << config.id << "': bucket files are unreadable (" << e.what()
                     << "); rebuilding them";
         buckets.clear();
         metadata.clear();
+        out_of_range.clear();
         return false;
     }
     return true;

@@ -7,7 +7,10 @@
 //   <instance_data_dir>/aspect_ratio_bucket_metadata_<suffix>.json
 // plus dtune's <instance_data_dir>/skipped_files_<suffix>.json listing every file left out and why.
 // refresh() lists the folder, drops samples whose file is gone, scans only new files, and rebuilds
-// everything when the bucketing settings changed since the files were written.
+// everything when the bucketing settings changed since the files were written. Images whose bucket
+// is outside minimum/maximum_aspect_ratio are left out of the buckets but keep their metadata (as
+// SimpleTuner's metadata file does), so a refresh does not rescan them and a crop_aspect random
+// dataset can draw them again every epoch (dataset_buckets.h, redraw_candidates).
 //
 // Invariants: every path in a bucket has metadata; a path is in exactly one bucket; per-image
 // plans are deterministic (the RNG is seeded from the dataset seed and the path), so rescans and
@@ -54,8 +57,11 @@ struct FilterStats {
 
 class BucketIndex {
   public:
-    std::map<std::string, std::vector<std::string>> buckets;   // key ("1.75") → sorted paths
-    std::map<std::string, SamplePlan> metadata;                // path → plan
+    std::map<std::string, std::vector<std::string>> buckets;  // key ("1.75") → sorted paths
+    std::map<std::string, SamplePlan> metadata;               // path → plan
+    // path → plan of the images whose bucket is outside minimum/maximum_aspect_ratio (not in
+    // `buckets` or `metadata`; listed in `skipped` too).
+    std::map<std::string, SamplePlan> out_of_range;
     std::vector<std::pair<std::string, std::string>> skipped;  // path → why it is not in a bucket
     FilterStats stats;
 

@@ -7,26 +7,51 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "data/listing_cache.h"
+#include "data/sample_variants.h"
 #include "data/sampler.h"
 #include "data/storage.h"
 
 namespace dtune::data {
 
 void limit_samples(BucketIndex& index, const DatasetConfig& config) {
-    if (!config.max_num_samples || index.sample_count() <= *config.max_num_samples) return;
+    if (!config.max_num_samples) return;
+    // crop_aspect random trains from the images the aspect filter set aside too (redraw_candidates).
+    const bool redraw = rebuckets_per_epoch(config);
     std::vector<std::string> all;
     for (const auto& [path, plan] : index.metadata) all.push_back(path);  // std::map: sorted
+    if (redraw) {
+        for (const auto& [path, plan] : index.out_of_range) all.push_back(path);
+        std::sort(all.begin(), all.end());
+    }
+    if (static_cast<int64_t>(all.size()) <= *config.max_num_samples) return;
     std::mt19937_64 rng(mix64(hash64(config.id)));
     for (size_t i = all.size(); i > 1; --i) std::swap(all[i - 1], all[rng() % i]);
     for (size_t i = static_cast<size_t>(*config.max_num_samples); i < all.size(); ++i) {
         const std::string& path = all[i];
-        auto& list = index.buckets[bucket_key(index.metadata.at(path).aspect)];
-        list.erase(std::remove(list.begin(), list.end(), path), list.end());
-        index.metadata.erase(path);
+        if (index.out_of_range.erase(path) == 0) {
+            auto& list = index.buckets[bucket_key(index.metadata.at(path).aspect)];
+            list.erase(std::remove(list.begin(), list.end(), path), list.end());
+            index.metadata.erase(path);
+        } else {  // its aspect-filter entry in `skipped` gives way to this reason
+            index.skipped.erase(std::remove_if(index.skipped.begin(), index.skipped.end(),
+                                               [&](const auto& s) { return s.first == path; }),
+                                index.skipped.end());
+        }
         index.skipped.emplace_back(path, "beyond max_num_samples " + std::to_string(*config.max_num_samples));
     }
     for (auto it = index.buckets.begin(); it != index.buckets.end();)
         it = it->second.empty() ? index.buckets.erase(it) : std::next(it);
+}
+
+RedrawCandidates redraw_candidates(BucketIndex index, const DatasetConfig& config) {
+    RedrawCandidates out{std::move(index.buckets), std::move(index.metadata)};
+    if (!rebuckets_per_epoch(config)) return out;
+    // Out-of-range keys are never keys of `buckets`, and the map is sorted, so lists stay sorted.
+    for (auto& [path, plan] : index.out_of_range) {
+        out.buckets[bucket_key(plan.aspect)].push_back(path);
+        out.plans.emplace(path, plan);
+    }
+    return out;
 }
 
 DatasetBuckets build_dataset_buckets(const DatasetConfig& config, const BucketBuildOptions& options,
@@ -57,6 +82,19 @@ DatasetBuckets build_dataset_buckets(const DatasetConfig& config, const BucketBu
                 "first rank before the others read it"));
     }
     limit_samples(out.index, config);
+    // What epoch 1 trains on: the index's buckets, or for crop_aspect random epoch 1's own draw.
+    std::map<std::string, std::vector<std::string>> served;
+    const bool redraw = rebuckets_per_epoch(config);
+    if (redraw) {
+        const RedrawCandidates c = redraw_candidates(out.index, config);
+        std::map<std::string, SamplePlan> indexed;
+        for (const auto& [key, paths] : c.buckets)
+            for (const auto& p : paths) indexed.emplace(p, c.plans.at(p));
+        served = rebucket_epoch(settings, indexed, options.seed, config.id, 0, map).buckets;
+    }
+    const auto& buckets = redraw ? served : out.index.buckets;
+    std::map<std::string, int64_t> sizes;
+    for (const auto& [key, paths] : buckets) sizes[key] = static_cast<int64_t>(paths.size());
     BatchCheckInput in;
     in.dataset_id = config.id;
     in.train_batch_size = config.train_batch_size;
@@ -67,8 +105,9 @@ DatasetBuckets build_dataset_buckets(const DatasetConfig& config, const BucketBu
     in.allow_oversubscription = options.allow_dataset_oversubscription;
     in.apply_padding = options.apply_padding;
     in.is_eval = config.dataset_type == DatasetType::kEval;
-    out.plan = plan_epoch(in, out.index.sizes());
+    out.plan = plan_epoch(in, sizes);
     for (const auto& [path, reason] : out.index.skipped) {
+        if (redraw && out.index.out_of_range.count(path)) continue;  // drawn again every epoch
         const char* kind = reason.rfind("too small", 0) == 0                ? "too small"
                            : reason.rfind("beyond max_num_samples", 0) == 0 ? "beyond max_num_samples"
                            : reason.find("aspect_ratio") != std::string::npos
@@ -76,9 +115,9 @@ DatasetBuckets build_dataset_buckets(const DatasetConfig& config, const BucketBu
                                : "unreadable (see skipped_files)";
         ++out.plan.excluded_before_bucketing[kind];
     }
-    out.local = rank_bucket_lists(out.index.buckets, out.plan, config.id, options.seed,
-                                  in.is_eval ? 1 : options.world_size, in.is_eval ? 0 : options.rank,
-                                  in.apply_padding);
+    out.local =
+        rank_bucket_lists(buckets, out.plan, config.id, options.seed, in.is_eval ? 1 : options.world_size,
+                          in.is_eval ? 0 : options.rank, in.apply_padding);
     log::info() << out.plan.report();
     return out;
 }

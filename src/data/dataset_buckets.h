@@ -2,6 +2,10 @@
 // refreshed: new files scanned, missing ones dropped) → aspect→resolution map pinning (persisted in
 // output_dir) → max_num_samples subset → effective-batch-size plan → rank shard.
 //
+// crop_aspect random datasets train every epoch on a fresh draw (sample_variants.h), never on the
+// index's own draw: they train from redraw_candidates() (every image that passed the per-image
+// filters, whichever bucket the index drew for it), and the plan checks and shards epoch 1's draw.
+//
 // Invariants: every rank given the same files and options computes the same plan and disjoint
 // contiguous shards (padding aside); the bucket JSON is written only when `write_index` (rank 0 of
 // a node in SimpleTuner's scheme), other ranks read what it wrote.
@@ -36,16 +40,26 @@ struct BucketBuildOptions {
 
 struct DatasetBuckets {
     BucketIndex index;
-    EpochPlan plan;
-    std::map<std::string, std::vector<std::string>> local;  // this rank's samples per bucket
+    EpochPlan plan;                                         // of epoch 1's buckets
+    std::map<std::string, std::vector<std::string>> local;  // this rank's samples per bucket (epoch 1)
     int64_t newly_scanned = 0;
 };
+
+// What a dataset trains from, grouped by the index's bucket key: the index's buckets, plus for a
+// crop_aspect random dataset the images whose index draw fell outside minimum/maximum_aspect_ratio
+// (under that draw's key), since every epoch draws them again. `plans`: path → index plan.
+struct RedrawCandidates {
+    std::map<std::string, std::vector<std::string>> buckets;
+    std::map<std::string, SamplePlan> plans;
+};
+RedrawCandidates redraw_candidates(BucketIndex index, const DatasetConfig& config);
 
 DatasetBuckets build_dataset_buckets(const DatasetConfig& config, const BucketBuildOptions& options,
                                      ThreadPool& pool);
 
 // SimpleTuner's max_num_samples: a deterministic subset (seeded by the dataset id) of the bucketed
-// samples; the rest are reported as skipped. No-op when the limit is unset or not exceeded.
+// samples (for crop_aspect random, of the redraw candidates); the rest are reported as skipped.
+// No-op when the limit is unset or not exceeded.
 void limit_samples(BucketIndex& index, const DatasetConfig& config);
 
 }  // namespace dtune::data

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -536,10 +537,31 @@ void validate_entry(EntryReader& r, const DatasetConfig& c) {
                str(*c.minimum_image_size, " must be < 5 (megapixels) when resolution_type is area"));
     if (c.minimum_aspect_ratio && c.maximum_aspect_ratio && *c.minimum_aspect_ratio > *c.maximum_aspect_ratio)
         r.fail("minimum_aspect_ratio", "is larger than maximum_aspect_ratio; no bucket could pass");
-    if (c.crop && (c.crop_aspect == CropAspect::kClosest || c.crop_aspect == CropAspect::kRandom) &&
-        c.crop_aspect_buckets.empty())
+    const bool aspect_list =
+        c.crop && (c.crop_aspect == CropAspect::kClosest || c.crop_aspect == CropAspect::kRandom);
+    if (aspect_list && c.crop_aspect_buckets.empty())
         r.fail("crop_aspect_buckets", str("required when crop_aspect is '", to_string(c.crop_aspect),
                                           "'; give a list such as [0.75, 1.0, 1.33]"));
+    if (aspect_list && (c.minimum_aspect_ratio || c.maximum_aspect_ratio)) {
+        // Every image lands in a bucket near a listed aspect; when all of them are outside the range,
+        // every bucket is dropped and nothing is ever trained.
+        const double lo = c.minimum_aspect_ratio.value_or(0);
+        const double hi = c.maximum_aspect_ratio.value_or(std::numeric_limits<double>::infinity());
+        std::string listed;
+        bool any_inside = false;
+        for (const auto& b : c.crop_aspect_buckets) {
+            any_inside |= b.aspect >= lo && b.aspect <= hi;
+            listed += str(listed.empty() ? "" : ", ", b.aspect);
+        }
+        if (!any_inside)
+            r.fail("crop_aspect_buckets",
+                   str("every aspect [", listed, "] lies outside minimum_aspect_ratio ",
+                       c.minimum_aspect_ratio ? str(*c.minimum_aspect_ratio) : std::string("(unset)"),
+                       " .. maximum_aspect_ratio ",
+                       c.maximum_aspect_ratio ? str(*c.maximum_aspect_ratio) : std::string("(unset)"),
+                       ", so every bucket would be dropped and no image trained; add an aspect within that "
+                       "range to crop_aspect_buckets or widen minimum_aspect_ratio/maximum_aspect_ratio"));
+    }
     if (c.caption_strategy == CaptionStrategy::kParquet &&
         c.metadata_backend != MetadataBackendKind::kParquet)
         r.fail("caption_strategy", "'parquet' needs \"metadata_backend\": \"parquet\" and a parquet block");

@@ -48,7 +48,13 @@ EpochBuckets rebucket_epoch(const BucketSettings& settings, const std::map<std::
     EpochBuckets out;
     for (const auto& [path, plan] : indexed) {  // std::map: sorted, so every list is sorted too
         SamplePlan p = epoch_plan(settings, plan, seed, dataset, path, epoch, pins);
-        out.buckets[bucket_key(p.aspect)].push_back(path);
+        const std::string key = bucket_key(p.aspect);
+        // The same test as the bucket index's on the key's text, so both passes drop the same keys.
+        if (!bucket_in_aspect_range(settings, std::stod(key))) {
+            out.dropped[key].push_back(path);
+            continue;
+        }
+        out.buckets[key].push_back(path);
         out.plans.emplace(path, p);
     }
     return out;

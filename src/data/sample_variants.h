@@ -14,7 +14,10 @@
 // offsets come from a generator seeded by (seed, dataset, path, geometry), the geometry being the
 // target and resize sizes the aspect leads to (two aspects can lead to one bucket with different
 // resize sizes), so one image in one geometry is always the same crop and its cached latent,
-// named by geometry_key, is reused across epochs.
+// named by geometry_key, is reused across epochs. An epoch's buckets pass the filters the bucket
+// index applies to its own draw: a bucket whose key is outside minimum/maximum_aspect_ratio is
+// dropped (SIMPLETUNER.md §3.3), so the images drawn into it sit that epoch out and draw again the
+// next; max_upscale_threshold already limits the draw itself (choose_crop_aspect).
 // Invariants: every function here is pure (same inputs, same output, on every rank and machine);
 // an image's epoch plan does not depend on which other images are in the dataset.
 #pragma once
@@ -50,10 +53,13 @@ SamplePlan epoch_plan(const BucketSettings& settings, const SamplePlan& indexed,
 
 struct EpochBuckets {
     std::map<std::string, std::vector<std::string>> buckets;  // bucket key → paths (sorted)
-    std::map<std::string, SamplePlan> plans;                  // path → this epoch's plan
+    std::map<std::string, SamplePlan> plans;                  // path → this epoch's plan (served paths)
+    // Bucket key → paths drawn into a bucket outside minimum/maximum_aspect_ratio this epoch.
+    std::map<std::string, std::vector<std::string>> dropped;
 };
 
-// Every image of `indexed` (path → index plan) planned for `epoch` and grouped by bucket.
+// Every image of `indexed` (path → index plan) planned for `epoch` and grouped by bucket, buckets
+// outside minimum/maximum_aspect_ratio moved to `dropped`.
 EpochBuckets rebucket_epoch(const BucketSettings& settings, const std::map<std::string, SamplePlan>& indexed,
                             uint64_t seed, const std::string& dataset, int64_t epoch,
                             const AspectResolutionMap& pins);

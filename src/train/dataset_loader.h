@@ -49,8 +49,10 @@ EpochLayout layout_for_epoch(const RebucketInputs& inputs, int64_t epoch);
 
 struct LoadedDataset {
     data::DatasetConfig config;  // `type: aws`: paths are object keys in the entry's bucket
-    std::map<std::string, std::vector<std::string>> buckets;   // key → distinct samples (sorted)
-    std::map<std::string, data::SamplePlan> plans;             // path → bucket metadata
+    // key → distinct samples (sorted). crop_aspect random: every candidate grouped by the index's
+    // draw (data::redraw_candidates), out-of-range keys included; each epoch draws them again.
+    std::map<std::string, std::vector<std::string>> buckets;
+    std::map<std::string, data::SamplePlan> plans;             // path → bucket metadata (index plan)
     std::map<std::string, std::vector<std::string>> captions;  // path → candidate captions
     data::EpochPlan plan;
     std::map<std::string, std::vector<std::string>> global;  // key → every rank's share, rank order

@@ -76,10 +76,25 @@ void resolve_all_captions(LoadedDataset& d) {
     }
 }
 
+// path → index plan of every sample in d.buckets (what crop_aspect random draws from each epoch).
+std::map<std::string, data::SamplePlan> indexed_plans(const LoadedDataset& d) {
+    std::map<std::string, data::SamplePlan> out;
+    for (const auto& [key, paths] : d.buckets)
+        for (const auto& p : paths) out.emplace(p, d.plans.at(p));
+    return out;
+}
+
 // The effective-batch-size plan and every rank's share of every bucket, concatenated in rank order.
+// For crop_aspect random the buckets are epoch 1's draw (what the planner serves first), so this
+// start-up check and the per-epoch re-bucketing judge the same buckets by the same rules.
 void plan_dataset(LoadedDataset& d, const DatasetSourceOptions& o) {
     for (auto it = d.buckets.begin(); it != d.buckets.end();)
         it = it->second.empty() ? d.buckets.erase(it) : std::next(it);
+    data::EpochBuckets first;
+    if (data::rebuckets_per_epoch(d.config))
+        first = data::rebucket_epoch(data::BucketSettings::from(d.config, o.math), indexed_plans(d), o.seed,
+                                     d.config.id, 0, d.pins);
+    const auto& buckets = data::rebuckets_per_epoch(d.config) ? first.buckets : d.buckets;
     data::BatchCheckInput in;
     in.dataset_id = d.config.id;
     in.train_batch_size = d.batch_size;
@@ -90,12 +105,12 @@ void plan_dataset(LoadedDataset& d, const DatasetSourceOptions& o) {
     in.allow_oversubscription = o.allow_dataset_oversubscription;
     in.apply_padding = o.apply_padding;
     std::map<std::string, int64_t> sizes;
-    for (const auto& [key, paths] : d.buckets) sizes[key] = static_cast<int64_t>(paths.size());
+    for (const auto& [key, paths] : buckets) sizes[key] = static_cast<int64_t>(paths.size());
     d.plan = data::plan_epoch(in, sizes);
     d.global.clear();
     for (int r = 0; r < o.world_size; ++r)
-        for (auto& [key, list] : data::rank_bucket_lists(d.buckets, d.plan, d.config.id, o.seed, o.world_size,
-                                                         r, o.apply_padding))
+        for (auto& [key, list] :
+             data::rank_bucket_lists(buckets, d.plan, d.config.id, o.seed, o.world_size, r, o.apply_padding))
             d.global[key].insert(d.global[key].end(), list.begin(), list.end());
     // SimpleTuner's later check (_handle_config_versioning): every bucket pruned or excluded.
     if (d.global.empty())
@@ -130,8 +145,9 @@ LoadedDataset bucket_dataset(const data::DatasetConfig& config, const DatasetSou
     bo.show_progress = o.show_progress && o.rank == 0;
     bo.math = o.math;
     data::DatasetBuckets built = data::build_dataset_buckets(config, bo, pool);  // EBS check included
-    d.buckets = std::move(built.index.buckets);
-    d.plans = std::move(built.index.metadata);
+    data::RedrawCandidates candidates = data::redraw_candidates(std::move(built.index), config);
+    d.buckets = std::move(candidates.buckets);
+    d.plans = std::move(candidates.plans);
     return d;
 }
 
@@ -271,8 +287,7 @@ void prepare_rebucketing(LoadedDataset& d, const DatasetSourceOptions& o) {
     if (!data::rebuckets_per_epoch(d.config)) return;
     auto in = std::make_shared<RebucketInputs>();
     in->settings = data::BucketSettings::from(d.config, o.math);
-    for (const auto& [key, paths] : d.buckets)
-        for (const auto& p : paths) in->indexed.emplace(p, d.plans.at(p));
+    in->indexed = indexed_plans(d);
     in->pins = d.pins;
     in->check.dataset_id = d.config.id;
     in->check.train_batch_size = d.batch_size;

@@ -13,17 +13,32 @@ namespace detail {
 // ---- planner ----------------------------------------------------------------------------------
 
 EpochLayout layout_for_epoch(const RebucketInputs& in, int64_t epoch) {
+    // The same rules as the start-up pass (plan_dataset judged epoch 1's draw with them):
+    // out-of-range buckets dropped by rebucket_epoch, then pruning and the batch-size check.
     const data::EpochBuckets eb =
         data::rebucket_epoch(in.settings, in.indexed, in.seed, in.check.dataset_id, epoch, in.pins);
+    if (!eb.dropped.empty()) {
+        size_t n = 0;
+        std::string keys;
+        for (const auto& [key, paths] : eb.dropped) {
+            n += paths.size();
+            keys += (keys.empty() ? "" : ", ") + key;
+        }
+        log::info()
+            << "dataset '" << in.check.dataset_id << "', epoch " << epoch + 1 << ": " << n
+            << " image(s) drawn into bucket(s) " << keys
+            << " outside minimum/maximum_aspect_ratio sit this epoch out (they draw again next epoch)";
+    }
     std::map<std::string, int64_t> sizes;
     for (const auto& [key, paths] : eb.buckets) sizes[key] = static_cast<int64_t>(paths.size());
     data::EpochPlan plan;
     try {
         plan = data::plan_epoch(in.check, sizes);
     } catch (const UsageError& e) {
-        // This epoch's random buckets fail the batch-size check: rather than stop a run that
-        // passed it at start, oversubscribe (automatic repeats) this epoch and say so.
-        if (in.check.allow_oversubscription) throw;
+        // This epoch's random buckets fail the batch-size check that epoch 1's passed at start:
+        // rather than stop the run, oversubscribe (automatic repeats) this epoch and say so. This
+        // holds whatever allow_dataset_oversubscription and a hand-set repeats say, which only
+        // decide what the start-up check accepts.
         log::warn() << "dataset '" << in.check.dataset_id << "', epoch " << epoch + 1
                     << ": the crop_aspect random buckets fail the batch-size check; this epoch "
                     << "repeats the short buckets (allow_dataset_oversubscription); "
@@ -39,6 +54,12 @@ EpochLayout layout_for_epoch(const RebucketInputs& in, int64_t epoch) {
                                                          in.world_size, r, in.check.apply_padding))
             out.global[key].insert(out.global[key].end(), list.begin(), list.end());
     for (const auto& [key, list] : out.global) out.samples += static_cast<int64_t>(list.size());
+    if (out.samples == 0)
+        log::warn() << "dataset '" << in.check.dataset_id << "', epoch " << epoch + 1
+                    << ": crop_aspect random left no usable bucket (every image drawn outside "
+                    << "minimum/maximum_aspect_ratio or into a bucket pruned below train_batch_size); "
+                    << "the dataset sits this epoch out\n"
+                    << plan.report();
     out.plans = eb.plans;
     return out;
 }
@@ -95,7 +116,9 @@ PlannedBatch Planner::next() {
         if (!pick) {
             DTUNE_CHECK_AS(UsageError, in_epoch_ > 0, "no dataset is active in epoch ", epoch_ + 1,
                            " at step ", served_,
-                           "; check the datasets' start_epoch/end_epoch/start_step/end_step and probability");
+                           "; check the datasets' start_epoch/end_epoch/start_step/end_step and probability",
+                           " (a crop_aspect random dataset whose draw left no usable bucket sits the epoch "
+                           "out, see the warning above: widen minimum/maximum_aspect_ratio or add images)");
             begin_epoch(epoch_ + 1);
             continue;
         }

@@ -1,7 +1,9 @@
 // Per-draw and per-epoch sample variants (data/sample_variants.h): the mirrored crop coordinate
 // checked on real pixels, plan_sample's split into choose + plan-for-aspect, and crop_aspect
 // random's epoch plans (deterministic, independent of other images, fixed crop per aspect,
-// weighted choice frequencies, different buckets across epochs).
+// weighted choice frequencies, different buckets across epochs, buckets outside the aspect range
+// dropped every epoch as the bucket index drops them, the config check of an aspect list that lies
+// wholly outside that range).
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -10,9 +12,14 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/thread_pool.h"
+#include "data/bucket_index.h"
+#include "data/dataset_buckets.h"
 #include "data/sample_variants.h"
 #include "data/sampler.h"
+#include "data/storage.h"
 #include "io/image.h"
+#include "support/test_support.h"
 
 namespace dtune::data {
 namespace {
@@ -181,6 +188,128 @@ TEST(SampleVariants, RandomFlipKeyFallsBackToConfigJson) {
     auto bad = entries;
     bad[0]["random_flip"] = "yes";
     EXPECT_THROW(parse_data_backend_config(bad, GlobalDataArgs{}), UsageError);
+}
+
+TEST(SampleVariants, EpochBucketsOutsideTheAspectRangeAreDropped) {
+    // Real files through the bucket index, then eight epochs of draws: no served bucket is ever
+    // outside [0.75, 1.5]; every image passing the per-image filters is a candidate each epoch,
+    // including those the index's own draw put out of range.
+    test::TempDir dir;
+    for (int i = 0; i < 12; ++i) {
+        io::RgbImage im(i % 2 ? 300 : 200, i % 2 ? 200 : 300);
+        io::write_image(dir / ("img" + std::to_string(i) + ".png"), im);
+    }
+    DatasetConfig c;
+    c.id = c.cache_file_suffix = "pics";
+    c.instance_data_dir = dir.path().string();
+    c.resolution_type = ResolutionType::kPixel;
+    c.resolution = 64;
+    c.crop = true;
+    c.crop_aspect = CropAspect::kRandom;
+    c.crop_aspect_buckets = {{0.5, {}}, {1.0, {}}, {2.0, {}}};
+    c.minimum_aspect_ratio = 0.75;
+    c.maximum_aspect_ratio = 1.5;
+    const BucketSettings s = BucketSettings::from(c);
+    LocalStorage storage;
+    ThreadPool pool(2);
+    BucketIndex index;
+    EXPECT_EQ(index.refresh(storage, c, s, pool, nullptr, 42), 12);
+    for (const auto& [key, paths] : index.buckets) EXPECT_EQ(key, "1.0");
+    ASSERT_FALSE(index.out_of_range.empty());  // the index's draw sent some images to 0.5 or 2.0
+    EXPECT_EQ(index.sample_count() + int64_t(index.out_of_range.size()), 12);
+    EXPECT_EQ(index.skipped.size(), index.out_of_range.size());
+    // Persisted with their metadata: a reload knows them and a refresh does not rescan them.
+    index.save(storage, c);
+    BucketIndex again;
+    ASSERT_TRUE(again.load(storage, c));
+    EXPECT_EQ(again.buckets, index.buckets);
+    EXPECT_EQ(again.out_of_range.size(), index.out_of_range.size());
+    EXPECT_EQ(again.refresh(storage, c, s, pool, nullptr, 42), 0);
+    EXPECT_EQ(again.skipped.size(), index.out_of_range.size());
+
+    const RedrawCandidates candidates = redraw_candidates(again, c);
+    EXPECT_EQ(candidates.plans.size(), 12u);
+    std::map<std::string, SamplePlan> indexed;
+    for (const auto& [key, paths] : candidates.buckets)
+        for (const auto& p : paths) indexed.emplace(p, candidates.plans.at(p));
+    std::set<std::string> trained;
+    for (int64_t epoch = 0; epoch < 8; ++epoch) {
+        const EpochBuckets e = rebucket_epoch(s, indexed, 42, "pics", epoch, AspectResolutionMap(0));
+        size_t n = 0;
+        for (const auto& [key, paths] : e.buckets) {
+            EXPECT_TRUE(bucket_in_aspect_range(s, std::stod(key))) << key << " epoch " << epoch;
+            for (const auto& p : paths) EXPECT_EQ(bucket_key(e.plans.at(p).aspect), key);
+            trained.insert(paths.begin(), paths.end());
+            n += paths.size();
+        }
+        for (const auto& [key, paths] : e.dropped) {
+            EXPECT_FALSE(bucket_in_aspect_range(s, std::stod(key))) << key;
+            for (const auto& p : paths) EXPECT_EQ(e.plans.count(p), 0u) << p;
+            n += paths.size();
+        }
+        EXPECT_EQ(n, 12u);  // every candidate drawn once, kept or dropped
+    }
+    int redrawn = 0;
+    for (const auto& [path, plan] : index.out_of_range) redrawn += trained.count(path);
+    EXPECT_GT(redrawn, 0);
+    // max_num_samples counts the candidates, set-aside images included; each file keeps one reason.
+    BucketIndex limited = again;
+    c.max_num_samples = 8;
+    limit_samples(limited, c);
+    EXPECT_EQ(redraw_candidates(limited, c).plans.size(), 8u);
+    std::map<std::string, std::string> reasons(limited.skipped.begin(), limited.skipped.end());
+    EXPECT_EQ(reasons.size(), limited.skipped.size());
+    int beyond = 0;
+    for (const auto& [path, reason] : reasons) beyond += reason.rfind("beyond max_num_samples", 0) == 0;
+    EXPECT_EQ(beyond, 4);
+    c.max_num_samples.reset();
+    // Without crop_aspect random the index's draw is final: the set-aside images stay out.
+    c.crop_aspect = CropAspect::kClosest;
+    EXPECT_EQ(redraw_candidates(again, c).plans.size(), size_t(again.sample_count()));
+}
+
+TEST(SampleVariants, AspectBucketsAllOutsideTheRangeAreAConfigError) {
+    auto load = [](nlohmann::json extra) {
+        nlohmann::json image = {
+            {"id", "pics"}, {"instance_data_dir", "/pics"}, {"crop", true}, {"crop_aspect", "random"}};
+        image.update(extra);
+        return parse_data_backend_config(
+            nlohmann::json::array(
+                {image,
+                 {{"id", "text"}, {"dataset_type", "text_embeds"}, {"default", true}, {"cache_dir", "/t"}}}),
+            GlobalDataArgs{});
+    };
+    auto error_of = [&](nlohmann::json extra) -> std::string {
+        try {
+            load(std::move(extra));
+        } catch (const UsageError& e) {
+            return e.what();
+        }
+        return "";
+    };
+    const std::string e = error_of(
+        {{"crop_aspect_buckets", {0.5, 2.0}}, {"minimum_aspect_ratio", 0.75}, {"maximum_aspect_ratio", 1.5}});
+    for (const char* part : {"dataset 'pics'", "crop_aspect_buckets", "minimum_aspect_ratio 0.75",
+                             "maximum_aspect_ratio 1.5", "add an aspect within"})
+        EXPECT_NE(e.find(part), std::string::npos) << part << " not in: " << e;
+    // One bound is enough; weighted lists and crop_aspect closest are checked alike.
+    EXPECT_NE(error_of({{"crop_aspect_buckets", {0.5, 0.6}}, {"minimum_aspect_ratio", 0.75}}), "");
+    EXPECT_NE(error_of({{"crop_aspect_buckets", {{{"aspect", 2.0}, {"weight", 1.0}}}},
+                        {"maximum_aspect_ratio", 1.5}}),
+              "");
+    EXPECT_NE(
+        error_of({{"crop_aspect", "closest"}, {"crop_aspect_buckets", {3.0}}, {"maximum_aspect_ratio", 2.0}}),
+        "");
+    // One aspect inside is enough, and without crop the list is not used.
+    EXPECT_EQ(error_of({{"crop_aspect_buckets", {0.5, 1.0, 2.0}},
+                        {"minimum_aspect_ratio", 0.75},
+                        {"maximum_aspect_ratio", 1.5}}),
+              "");
+    EXPECT_EQ(error_of({{"crop", false},
+                        {"crop_aspect_buckets", {0.5, 2.0}},
+                        {"minimum_aspect_ratio", 0.75},
+                        {"maximum_aspect_ratio", 1.5}}),
+              "");
 }
 
 TEST(SampleVariants, RebucketingFollowsTheDatasetSettings) {

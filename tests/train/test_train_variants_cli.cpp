@@ -2,10 +2,12 @@
 // crop_aspect random (re-bucketed per epoch) resume bit-exactly mid-epoch and across an epoch end,
 // and flips change what is trained; vae_cache_disable (a fresh posterior sample per draw) resumes
 // bit-exactly; a run after `dtune cache` reuses every latent entry and trains weights
-// bit-identical to a run that built its own caches.
+// bit-identical to a run that built its own caches, and with crop_aspect random inside an aspect
+// range `dtune cache` builds exactly the in-range entries training needs first.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <cstdio>
 #include <map>
 #include <set>
 
@@ -182,6 +184,38 @@ TEST(TrainVariantsCli, TrainingAfterDtuneCacheReusesItAndTrainsIdentically) {
     // The entries themselves are byte-identical, file for file.
     for (const auto& n : entry_names(w.dir / "cached_vae"))
         EXPECT_EQ(fs::read_file(w.dir / "cached_vae" / n), fs::read_file(w.dir / "own_vae" / n)) << n;
+}
+
+TEST(TrainVariantsCli, DtuneCacheBuildsWhatRandomAspectTrainsWithinTheAspectRange) {
+    // Wide images draw bucket 1.0 or 2.0, tall ones 0.5 or 1.0; [0.75, 1.5] keeps bucket 1.0 only.
+    // `dtune cache` must build exactly epoch 1's in-range entries, whichever images the bucket
+    // index's own draw set aside, and training must reuse all of them.
+    Workspace w;
+    const auto cfg = w.config("ranged", {{"crop", true},
+                                         {"crop_style", "random"},
+                                         {"crop_aspect", "random"},
+                                         {"crop_aspect_buckets", {0.5, 1.0, 2.0}},
+                                         {"minimum_aspect_ratio", 0.75},
+                                         {"maximum_aspect_ratio", 1.5}});
+    ASSERT_EQ(run_status(std::string(DTUNE_BIN) + " cache --config '" + cfg.string() + "' >'" +
+                         (w.dir / "cache.log").string() + "' 2>&1"),
+              0)
+        << fs::read_file(w.dir / "cache.log");
+    const auto cached = entry_names(w.dir / "ranged_vae");
+    EXPECT_FALSE(cached.empty());
+    for (const auto& n : cached) EXPECT_NE(n.find("-64x64_"), std::string::npos) << n;  // bucket 1.0 only
+    ASSERT_EQ(w.train(cfg, "after_cache", 2), 0) << w.log("after_cache");
+    const std::string log = w.log("after_cache");
+    const auto at = log.find("latents of 'tiny': ");
+    ASSERT_NE(at, std::string::npos) << log;
+    int entries = -1, built = -1, reused = -1;
+    ASSERT_EQ(std::sscanf(log.c_str() + at, "latents of 'tiny': %d entries: %d built, %d reused", &entries,
+                          &built, &reused),
+              3)
+        << log;
+    EXPECT_EQ(entries, int(cached.size()));
+    EXPECT_EQ(built, 0) << log;
+    EXPECT_EQ(reused, entries);
 }
 
 }  // namespace
