@@ -12,12 +12,15 @@ out=${OUT:-gpu-logs}; mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 DTUNE_FIXTURES=$PWD/shared/fixtures
 gpus=$(nvidia-smi -L | grep -c '^GPU')
 rm -rf .gpudeps
-tools/gpu/build.sh dtune make_random_pipeline test_trainer_graph_gpu test_models_gpu test_data_cache || exit 1
+tools/gpu/build.sh dtune make_random_pipeline test_trainer_graph_gpu test_models_gpu test_data_cache test_train_unit || exit 1
 echo "== build done at $SECONDS s"
 ctest --test-dir build/dev -j8 -L gpu --output-on-failure >"$out/ctest_gpu.log" 2>&1
 echo "== ctest -L gpu: $(grep -E 'tests passed|tests failed' "$out/ctest_gpu.log")"
 (cd build/dev && ctest -R 'CacheTest' --output-on-failure) >"$out/ctest_cuda_cases.log" 2>&1
 echo "== cache suite with CUDA (pinned async encoder): $(grep -E 'tests passed|tests failed' "$out/ctest_cuda_cases.log")"
+# Device-parameterised unit tests (adamw_bf16's fused kernel, optimizer offload): their /Cuda instances.
+(cd build/dev && ctest -R '/Cuda' --output-on-failure) >"$out/ctest_cuda_instances.log" 2>&1
+echo "== /Cuda instances of unit tests: $(grep -E 'tests passed|tests failed' "$out/ctest_cuda_instances.log")"
 W=/tmp/w
 G=(--cuda_graph true --grad_clip_method norm --max_grad_norm 1 --metrics_interval 10)
 run() {  # name, time limit, then NPROC=.. tools/gpu/train_full_size.sh arguments
