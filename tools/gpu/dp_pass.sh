@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One 2-GPU call for issue #8's remaining measurements (NCCL_NVLS_ENABLE=0): builds what it needs
+# (dev preset), runs the /Cuda instances of the unit tests (optimizer offload, adamw_bf16's kernel),
+# then full-size SDXL full fine-tunes (adamw_bf16, batch 1 per GPU, tools/gpu/train_full_size.sh)
+# on 2 GPUs with each ZeRO setting in ZERO_RUNS, and a LoRA run launched as two nodes of one GPU
+# each on this host (`dtune launch --nnodes 2 --node_rank 0|1`, CUDA_VISIBLE_DEVICES 0 and 1).
+# Each run has a time cap; results land in $OUT (dp_pass.jsonl: one line per run).
+#   tools/gpu/dp_pass.sh        env: STEPS=20, ZERO_RUNS="0 1 2 2+offload", TWO_NODE=1
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export NCCL_NVLS_ENABLE=0
+OUT=${OUT:-out/dp}; mkdir -p "$OUT"
+STEPS=${STEPS:-20} W=/tmp/dp_pass
+ZERO_RUNS=${ZERO_RUNS:-0 1 2 2+offload}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+OUT=$OUT tools/gpu/build.sh dtune make_random_pipeline test_train_unit || exit 1
+(cd build/dev && timeout 120 ctest -R '/Cuda' --output-on-failure) >"$OUT/ctest_cuda.txt" 2>&1
+grep -E "tests passed|tests failed" "$OUT/ctest_cuda.txt"
+summary() {  # <label> <metrics.jsonl> <exit code> <seconds>
+    python3 - "$@" <<'PY' | tee -a "$OUT/dp_pass.jsonl"
+import json, statistics, sys
+label, path, rc, secs = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+try:
+    rows = [json.loads(l) for l in open(path)]
+except OSError:
+    rows = []
+steady = [r for r in rows if r["step"] > 5] or rows[-1:]
+print(json.dumps({"run": label, "exit": rc, "seconds": secs, "steps": len(rows),
+                  "img_per_s": statistics.median(r["img_per_s"] for r in steady) if steady else None,
+                  "peak_gpu_gib_rank0": max((r.get("gpu_memory_gib", 0) for r in rows), default=None)}))
+PY
+}
+for z in $ZERO_RUNS; do
+    stage=${z%%+*} extra=()
+    [[ $z == *offload* ]] && extra=(--offload_optimizer_device cpu)
+    t0=$SECONDS
+    CUDA_VISIBLE_DEVICES=0,1 NPROC=2 timeout -k 20 240 tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" \
+        --zero_stage "$stage" "${extra[@]}" >"$OUT/full_zero$z.log" 2>&1
+    rc=$?
+    summary "full 2 GPUs zero_stage $z" "$W/out-full-2/metrics.jsonl" $rc $((SECONDS - t0))
+done
+if [[ ${TWO_NODE:-1} == 1 ]]; then
+    port=$((29000 + RANDOM % 1000)) t0=$SECONDS
+    common=(--nnodes 2 --nproc_per_node 1 --master_addr 127.0.0.1 --master_port $port)
+    args=(train --model_family sdxl --pretrained_model_name_or_path "$W/sdxl" --data_backend_config "$W/mdb.json"
+          --output_dir "$W/out-two-node" --max_train_steps "$STEPS" --mixed_precision bf16
+          --gradient_checkpointing false --model_type lora --lora_rank 16 --train_batch_size 4
+          --optimizer torch-adamw --learning_rate 1e-4 --seed 42 --device cuda --lr_scheduler constant)
+    CUDA_VISIBLE_DEVICES=1 timeout -k 20 240 build/dev/bin/dtune launch "${common[@]}" --node_rank 1 -- "${args[@]}" \
+        >"$OUT/two_node_1.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 timeout -k 20 240 build/dev/bin/dtune launch "${common[@]}" --node_rank 0 -- "${args[@]}" \
+        >"$OUT/two_node_0.log" 2>&1
+    rc0=$?
+    wait $!; rc1=$?
+    summary "lora two node_ranks x 1 GPU (node 1 exit $rc1)" "$W/out-two-node/metrics.jsonl" $rc0 $((SECONDS - t0))
+fi
