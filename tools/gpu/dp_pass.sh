@@ -5,7 +5,8 @@
 # on 2 GPUs with each ZeRO setting in ZERO_RUNS, and a LoRA run launched as two nodes of one GPU
 # each on this host (`dtune launch --nnodes 2 --node_rank 0|1`, CUDA_VISIBLE_DEVICES 0 and 1).
 # Each run has a time cap; results land in $OUT (dp_pass.jsonl: one line per run).
-#   tools/gpu/dp_pass.sh        env: STEPS=20, ZERO_RUNS="0 1 2 2+offload", TWO_NODE=1
+#   tools/gpu/dp_pass.sh        env: STEPS=20, OFFLOAD_STEPS=8, ZERO_RUNS="0 1 2 2+offload", TWO_NODE=1
+# (the offloaded run's adamw_bf16 update runs on the host's cores: seconds per step, hence fewer steps)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0
@@ -31,10 +32,10 @@ print(json.dumps({"run": label, "exit": rc, "seconds": secs, "steps": len(rows),
 PY
 }
 for z in $ZERO_RUNS; do
-    stage=${z%%+*} extra=()
-    [[ $z == *offload* ]] && extra=(--offload_optimizer_device cpu)
+    stage=${z%%+*} extra=() steps=$STEPS
+    [[ $z == *offload* ]] && extra=(--offload_optimizer_device cpu) steps=${OFFLOAD_STEPS:-8}
     t0=$SECONDS
-    CUDA_VISIBLE_DEVICES=0,1 NPROC=2 timeout -k 20 240 tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" \
+    CUDA_VISIBLE_DEVICES=0,1 NPROC=2 timeout -k 20 240 tools/gpu/train_full_size.sh build/dev "$W" full "$steps" \
         --zero_stage "$stage" "${extra[@]}" >"$OUT/full_zero$z.log" 2>&1
     rc=$?
     summary "full 2 GPUs zero_stage $z" "$W/out-full-2/metrics.jsonl" $rc $((SECONDS - t0))
