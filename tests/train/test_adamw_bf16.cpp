@@ -87,12 +87,15 @@ double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
 // rounding; parameter 0's decay accumulator is loaded just below the threshold, so it decays at
 // step 1 (by 4.95e-3 + lr wd), the others keep accumulating.
 TEST_P(AdamWBF16Flat, TrueWeightTracksFloat64Reference) {
-    for (bool quirk : {true, false}) {
-        SCOPED_TRACE(quirk ? "simpletuner momentum" : "textbook momentum");
+    for (const auto& [quirk, fused] :
+         {std::pair{true, true}, std::pair{false, true}, std::pair{true, false}}) {
+        SCOPED_TRACE(std::string(quirk ? "simpletuner momentum" : "textbook momentum") +
+                     (fused ? ", fused update" : ", ATen update"));
         const Problem pr(5);
         const double lr = 1e-2, wd = 1e-2;
         AdamWBF16Options o = small_buckets();
         o.simpletuner_momentum = quirk;
+        o.fused_kernel = fused;
         std::vector<at::Tensor> params;
         auto opt = make(device(), pr, params, lr, wd, 3, o);
         TensorMap start;
@@ -144,22 +147,26 @@ TEST_P(AdamWBF16Flat, TrueWeightTracksFloat64Reference) {
 // must each be 1 or its lower neighbour 1 - 2^-8, averaging 1 - 1e-3; the compensated sum p + shift
 // averages 1 - 1e-3 too.
 TEST_P(AdamWBF16Flat, StochasticRoundingThroughAStepIsUnbiased) {
-    const int64_t n = 1 << 16;
-    at::Tensor p = at::ones({n}, at::TensorOptions(device()).dtype(at::kBFloat16)).requires_grad_(true);
-    AdamWBF16Options o;
-    o.beta2 = 0.75, o.eps = 0;
-    AdamWBF16 opt({ParamGroup{{"w"}, {p}, 1e-3, 0.0}}, make_gen(device(), 9), o);
-    p.mutable_grad() = at::ones_like(p);
-    opt.step();
-    const at::Tensor w = p.detach().cpu().to(at::kDouble);
-    const double lower = 1.0 - std::ldexp(1.0, -8);
-    EXPECT_EQ(((w == 1.0) | (w == lower)).sum().item<int64_t>(), n);
-    // P(lower) = 1e-3 / 2^-8 = 0.256; sd of the mean = 2^-8 sqrt(.256 * .744 / n) = 6.7e-6
-    EXPECT_NEAR(w.mean().item<double>(), 1.0 - 1e-3, 3e-5);
-    EXPECT_GT((w == lower).sum().item<int64_t>(), n / 8);
-    const at::Tensor true_w = w + opt.state_dict().at("w.shift").cpu().to(at::kDouble);
-    EXPECT_NEAR(true_w.mean().item<double>(), 1.0 - 1e-3, 2e-6);
-    EXPECT_LE((true_w - (1.0 - 1e-3)).abs().max().item<double>(), 1e-5);  // shift: bf16 of < 2^-8
+    for (bool fused : {true, false}) {
+        SCOPED_TRACE(fused ? "fused update" : "ATen update");
+        const int64_t n = 1 << 16;
+        at::Tensor p = at::ones({n}, at::TensorOptions(device()).dtype(at::kBFloat16)).requires_grad_(true);
+        AdamWBF16Options o;
+        o.beta2 = 0.75, o.eps = 0;
+        o.fused_kernel = fused;
+        AdamWBF16 opt({ParamGroup{{"w"}, {p}, 1e-3, 0.0}}, make_gen(device(), 9), o);
+        p.mutable_grad() = at::ones_like(p);
+        opt.step();
+        const at::Tensor w = p.detach().cpu().to(at::kDouble);
+        const double lower = 1.0 - std::ldexp(1.0, -8);
+        EXPECT_EQ(((w == 1.0) | (w == lower)).sum().item<int64_t>(), n);
+        // P(lower) = 1e-3 / 2^-8 = 0.256; sd of the mean = 2^-8 sqrt(.256 * .744 / n) = 6.7e-6
+        EXPECT_NEAR(w.mean().item<double>(), 1.0 - 1e-3, 3e-5);
+        EXPECT_GT((w == lower).sum().item<int64_t>(), n / 8);
+        const at::Tensor true_w = w + opt.state_dict().at("w.shift").cpu().to(at::kDouble);
+        EXPECT_NEAR(true_w.mean().item<double>(), 1.0 - 1e-3, 2e-6);
+        EXPECT_LE((true_w - (1.0 - 1e-3)).abs().max().item<double>(), 1e-5);  // shift: bf16 of < 2^-8
+    }
 }
 
 TEST_P(AdamWBF16Flat, SameSeedSameBitsOtherSeedOtherBits) {
