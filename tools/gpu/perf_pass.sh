@@ -6,6 +6,10 @@
 # Needs in the checkout: .gpudeps.tar.xz and shared/ (tools/gpu/prepare.sh), shared/bench/
 # diffusers_sdxl_baseline.py, and the diffusers wheel (DIFFUSERS_WHL, default ./diffusers-*.whl).
 #   tools/gpu/perf_pass.sh   (env: STEPS=8, DTUNE_MODES, BASE_MODES, AB_MODES, GC_MODES, GC_INTERVALS)
+#   COMPILE_ONLY=1 tools/gpu/perf_pass.sh   only the diffusers baseline under torch.compile
+#       (COMPILE_MODES, default lora4), capped at 540 s, into $OUT/diffusers_compile.log: its
+#       compilation takes minutes, so it gets a call of its own; compare with a perf_pass run on the
+#       same kind of card.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0
@@ -17,6 +21,18 @@ AB_MODES=${AB_MODES:-full4bfcg}  # again with the ATen adamw_bf16 and the compos
 GC_MODES=${GC_MODES:-full4bfgccg}  # again per gradient_checkpointing_interval in GC_INTERVALS
 GC_INTERVALS=${GC_INTERVALS:-2 3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+unpack_diffusers() {
+    local whl=${DIFFUSERS_WHL:-$(ls diffusers-*.whl 2>/dev/null | head -1)}
+    rm -rf /tmp/diffusers_src && mkdir -p /tmp/diffusers_src && python3 -m zipfile -e "$whl" /tmp/diffusers_src
+}
+if [ "${COMPILE_ONLY:-0}" = 1 ]; then
+    unpack_diffusers
+    OUT=$OUT DIFFUSERS_SRC=/tmp/diffusers_src PYTHONUNBUFFERED=1 timeout 540 python3 shared/bench/diffusers_sdxl_baseline.py \
+        --modes "${COMPILE_MODES:-lora4}" --steps $((STEPS + 2)) --compile --tag _compile >"$OUT/diffusers_compile.log" 2>&1
+    echo "diffusers compile: rc $? (124: did not finish in 540 s)"
+    grep -E '^(lora|full)' "$OUT/diffusers_compile.log"
+    exit 0
+fi
 t0=$(date +%s)
 OUT=$OUT tools/gpu/build.sh bench_train_step test_models_gpu test_train_unit test_trainer_graph_gpu || exit 1
 echo "build: $(($(date +%s) - t0)) s"
@@ -26,8 +42,7 @@ grep -E "tests passed|Failed|FAILED" "$OUT/ctest_gpu.txt"
 B=build/dev/bench/bench_train_step M=shared/fixtures/sdxl-base-configs
 timeout 200 "$B" "$M" --modes "$DTUNE_MODES" --steps "$STEPS" >"$OUT/dtune.jsonl" 2>"$OUT/dtune.log"
 echo "dtune bench: rc $?"
-whl=${DIFFUSERS_WHL:-$(ls diffusers-*.whl 2>/dev/null | head -1)}
-rm -rf /tmp/diffusers_src && mkdir -p /tmp/diffusers_src && python3 -m zipfile -e "$whl" /tmp/diffusers_src
+unpack_diffusers
 OUT=$OUT DIFFUSERS_SRC=/tmp/diffusers_src PYTHONUNBUFFERED=1 timeout 240 python3 shared/bench/diffusers_sdxl_baseline.py \
     --modes "$BASE_MODES" --steps $((STEPS + 2)) >"$OUT/diffusers.log" 2>&1
 echo "diffusers: rc $?"
