@@ -102,11 +102,15 @@ void FaultChannel::watch() {
     }
 }
 
+FaultRecord publish_fault_record(c10d::Store& store, const FaultRecord& record) {
+    const auto now = store.compareSet(kRecordKey, {}, bytes(encode(record)));
+    if (auto current = decode(std::string(now.begin(), now.end()))) return *current;
+    return record;
+}
+
 FaultRecord FaultChannel::publish(const FaultRecord& record) {
     try {
-        const std::string mine = encode(record);
-        const auto now = store_->compareSet(kRecordKey, {}, bytes(mine));
-        if (auto current = decode(std::string(now.begin(), now.end()))) return *current;
+        return publish_fault_record(*store_, record);
     } catch (const std::exception& e) {
         log::warn() << "fault channel: could not publish rank " << record.rank << "'s failure: " << e.what();
     }

@@ -34,6 +34,11 @@ struct FaultChannelOptions {
     std::string store_address;  // "host:port", for the "lost" message
 };
 
+// Publishes `record` in the job's store unless a record is there already (the first one wins);
+// returns the record in the store now. Throws what the store throws. FaultChannel::publish and
+// `dtune launch` (for a rank that died without publishing, e.g. by SIGKILL) use it.
+FaultRecord publish_fault_record(c10d::Store& store, const FaultRecord& record);
+
 class FaultChannel {
   public:
     // `store`: the job's TCPStore; the channel talks through its own clones of it (one for the

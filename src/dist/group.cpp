@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <exception>
 #include <string_view>
+#include <thread>
 
 #include "core/error.h"
 #include "core/log.h"
@@ -30,6 +31,10 @@ void Group::all_reduce_mean_(at::Tensor& tensor) {
 }
 
 namespace {
+
+// How long a rank whose collective failed waits for a peer's fault record before reporting the
+// collective's own error (a launcher publishes for a killed rank after noticing its death).
+constexpr std::chrono::milliseconds kPeerReportWait{1500};
 
 // DTUNE_DIST_TRACE=1 logs every collective on entry and completion with the rank: the way to see
 // which collective a stuck job waits in (ranks that disagree on the sequence hang).
@@ -235,8 +240,18 @@ class C10dGroup final : public Group {
         } catch (const PeerFailure&) {
             throw;
         } catch (const std::exception&) {
-            if (channel_)
-                if (auto f = channel_->check_now()) throw PeerFailure(*f, rank());
+            // A collective that fails because a peer died (its socket closed) usually fails before
+            // anyone has published why: give the peer, or the launcher of a peer killed outright,
+            // a moment to say so, so this rank names the real cause.
+            if (channel_) {
+                const auto deadline =
+                    std::chrono::steady_clock::now() + std::max(2 * poll_interval_, kPeerReportWait);
+                for (;;) {
+                    if (auto f = channel_->check_now()) throw PeerFailure(*f, rank());
+                    if (std::chrono::steady_clock::now() >= deadline) break;
+                    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+                }
+            }
             throw;
         }
         throw_if_peer_failed();

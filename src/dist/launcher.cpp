@@ -19,10 +19,13 @@
 #include <deque>
 #include <map>
 
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
 #include "core/error.h"
 #include "core/log.h"
 #include "dist/env.h"
 #include "dist/fault.h"
+#include "dist/fault_channel.h"
 
 extern char** environ;
 
@@ -277,6 +280,41 @@ LaunchResult failure_result(const std::vector<Child>& children, const Child& c, 
     return result;
 }
 
+// A rank of a multi-node job died here without a chance to say so (SIGKILL, the OOM killer, a
+// crash): publish its failure in the job's fault channel on its behalf, so the ranks on the other
+// nodes, possibly blocked in a collective, stop within a poll interval instead of at the collective
+// timeout. Rank 0 hosts the store (its death is seen as a lost store) and a rank that published
+// its own record wins (the first record stays). Bounded: a store that does not answer within a few
+// seconds is logged and skipped.
+void publish_for_dead_rank(const LaunchConfig& config, const Child& c) {
+    if (config.nnodes < 2 || c.rank == 0) return;
+    FaultRecord record;
+    record.rank = c.rank;
+    record.exit_code = WIFEXITED(c.status) ? WEXITSTATUS(c.status) : 128 + WTERMSIG(c.status);
+    record.kind = "error";
+    char host[256] = {};
+    ::gethostname(host, sizeof host - 1);
+    record.node = host;
+    record.message =
+        str("rank ", c.rank, " (local rank ", c.local_rank, ", pid ", c.pid, ") ", describe_status(c.status),
+            " (reported by dtune launch on node ", config.node_rank, ")");
+    try {
+        c10d::TCPStoreOptions opts;
+        opts.port = static_cast<std::uint16_t>(config.master_port);
+        opts.isServer = false;
+        opts.waitWorkers = false;
+        opts.timeout = std::chrono::seconds(5);
+        auto store = c10::make_intrusive<c10d::TCPStore>(config.master_addr, opts);
+        const FaultRecord now = publish_fault_record(*store, record);
+        if (now.rank == record.rank)
+            log::info() << "dtune launch: told the other nodes that rank " << c.rank << " failed";
+    } catch (const std::exception& e) {
+        log::warn() << "dtune launch: could not tell the other nodes that rank " << c.rank
+                    << " failed (store at " << config.master_addr << ":" << config.master_port
+                    << " unreachable: " << e.what() << "); they stop at their collective timeout";
+    }
+}
+
 }  // namespace
 
 std::vector<std::string> child_argv(const std::vector<std::string>& command, const std::string& self_exe) {
@@ -341,6 +379,7 @@ LaunchResult run_local_ranks(const LaunchConfig& config, const std::string& self
             if (c.exited && failed(c.status) && (!first || died_before(c, *first))) first = &c;
         if (first) {
             drain_to_end(*first);  // the child is gone: its last lines are in the pipe
+            publish_for_dead_rank(config, *first);
             Child& c = origin_of(children, *first, config.grace_period_s);
             stop_all(children, SIGTERM, config.grace_period_s);
             return failure_result(children, c, config.node_rank);

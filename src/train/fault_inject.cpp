@@ -3,6 +3,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -21,11 +23,19 @@ void inject_step_error(int rank, int64_t step) {
     const long want_rank = a == b ? -1 : std::strtol(value.c_str() + a + 1, &end, 10);
     const bool rank_ok = a != b && end == value.c_str() + b;
     const long long want_step = b == std::string::npos ? -1 : std::strtoll(value.c_str() + b + 1, &end, 10);
-    DTUNE_CHECK_AS(UsageError,
-                   (kind == "cuda" || kind == "error") && rank_ok && *end == '\0' && want_step > 0,
-                   "DTUNE_INJECT_STEP_ERROR='", value,
-                   "' is not <kind>:<rank>:<step> with kind cuda or error, e.g. cuda:1:3");
+    DTUNE_CHECK_AS(
+        UsageError,
+        (kind == "cuda" || kind == "error" || kind == "kill") && rank_ok && *end == '\0' && want_step > 0,
+        "DTUNE_INJECT_STEP_ERROR='", value,
+        "' is not <kind>:<rank>:<step> with kind cuda, error or kill, e.g. cuda:1:3");
     if (want_rank != rank || want_step != step) return;
+    if (kind == "kill") {
+        // A death nothing in the process can report (as the OOM killer's): the launcher has to.
+        std::fprintf(stderr, "injected SIGKILL (DTUNE_INJECT_STEP_ERROR) on rank %d at step %lld\n", rank,
+                     static_cast<long long>(step));
+        std::fflush(stderr);
+        ::raise(SIGKILL);
+    }
     if (kind == "cuda")
         // The text and type libtorch raises for cudaErrorIllegalAddress (700).
         throw c10::AcceleratorError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, 700,

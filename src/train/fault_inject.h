@@ -2,7 +2,8 @@
 // training step (1-based), before its forward, so the other ranks are left waiting in the
 // gradient all-reduce, the case the fault channel exists for. Kinds: "cuda" throws what libtorch
 // throws for an illegal memory access (c10::AcceleratorError, classified as a GPU fault: exit
-// 75); "error" throws a plain std::runtime_error (exit 1). Unset: nothing happens.
+// 75); "error" throws a plain std::runtime_error (exit 1); "kill" prints one line and raises
+// SIGKILL on the process, a death it cannot report itself (`dtune launch` does). Unset: nothing.
 #pragma once
 
 #include <cstdint>

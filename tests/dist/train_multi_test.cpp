@@ -339,6 +339,27 @@ TEST(DistTrain, FatalErrorOnOneNodeEndsTheJobWithinSeconds) {
     EXPECT_FALSE(contains(both, "GPU fault")) << both;
 }
 
+// A rank SIGKILLed on node 1 (as by the OOM killer) cannot publish its failure; node 1's launcher does
+// it for it, so rank 0 on node 0, waiting in the gradient all-reduce, stops within seconds instead
+// of at the 300 s collective timeout.
+TEST(DistTrain, KilledRankOnOneNodeEndsTheJobWithinSeconds) {
+    Workspace w;
+    const auto [node0, node1] =
+        run_two_nodes(w, "DTUNE_COLLECTIVE_TIMEOUT_S=300 DTUNE_INJECT_STEP_ERROR=kill:1:3", "kill",
+                      "--train_batch_size 1 --max_train_steps 500", "injected SIGKILL");
+    const double after = job_end_after_mark(node0, node1);
+    std::printf("rank 1 SIGKILLed at step 3: both nodes ended %.2f s after it died\n", after);
+    const std::string both = node0.output + "\n---- node 1 ----\n" + node1.output;
+    ASSERT_GE(after, 0) << both;
+    EXPECT_LT(after, 20.0) << both;
+    EXPECT_EQ(node1.exit_code, 1) << both;
+    EXPECT_EQ(node0.exit_code, 1) << both;
+    EXPECT_TRUE(contains(node1.output, "killed by signal 9")) << both;
+    EXPECT_TRUE(contains(node1.output, "told the other nodes that rank 1 failed")) << both;
+    EXPECT_TRUE(line_with(node0.output, "[rank 0]", "rank 0 stops because rank 1 failed on node")) << both;
+    EXPECT_TRUE(contains(node0.output, "reported by dtune launch on node 1")) << both;
+}
+
 TEST(DistTrain, OutputDirNotSharedIsExplained) {
     Workspace w;
     // Each rank gets its own output_dir, as two nodes without a shared mount would.
