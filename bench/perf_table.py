@@ -4,7 +4,7 @@
 # full4gc, full4bfcg -> full4gc, i.e. dtune-only suffixes cg/cl/bf dropped and gc kept; a dtune
 # mode without gc is compared with the baseline's gc mode of that batch when the baseline ran no
 # plain one), the unfused A/B rows (dtune_unfused.jsonl) and the gradient_checkpointing_interval rows
-# (dtune_gc<N>.jsonl). Usage: perf_table.py OUT
+# (dtune_gc<N>.jsonl), the channels-last rows (dtune_cl.jsonl). Usage: perf_table.py OUT
 import json, os, sys
 
 out = sys.argv[1]
@@ -58,6 +58,10 @@ for name in sorted(os.listdir(out)):
         ratio = f"{e['ms_step_median'] / r['ms_step_median']:.2f}x {b}" if "ms_step_median" in e else ""
         print(f"{mode} gc interval {n}: {r['ms_step_median']:7.1f} ms {r['peak_gib']:5.1f} GiB "
               f"({r.get('checkpointed_blocks', '?')} of {r.get('checkpointable_blocks', '?')} blocks) {ratio}")
+for mode, r in jsonl("dtune_cl.jsonl").items():
+    plain = ours.get(mode.replace("cl", ""))
+    vs = f"vs {plain['ms_step_median']:.1f} ms NCHW" if plain else ""
+    print(f"channels-last + NHWC GroupNorm {mode}: {r['ms_step_median']:7.1f} ms {r['peak_gib']:5.1f} GiB {vs}")
 for mode, r in unfused.items():
     f = ours.get(mode)
     gain = f"{r['ms_step_median'] / f['ms_step_median']:.2f}x faster fused" if f else ""

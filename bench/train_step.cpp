@@ -3,7 +3,7 @@
 // fused AdamW), so what speeds this up speeds up `dtune train`. One JSON line per mode. Usage:
 //   bench_train_step <sdxl folder or unet/ folder> [--modes full1gc,lora1,lora4] [--res 1024]
 //       [--steps 10] [--warmup 3] [--rank 16] [--fwd-tflop 6.76] [--profile DIR] [--no-peak]
-//       [--no-cudnn-sdpa] [--no-fused-geglu] [--no-fused-adamw] [--gc-interval N]
+//       [--no-cudnn-sdpa] [--no-fused-geglu] [--no-fused-adamw] [--gc-interval N] [--nhwc-group-norm]
 // A mode is (lora|full)<batch>[gc][cl]: LoRA rank r on to_q,to_k,to_v,to_out.0 (bf16 base weights,
 // float32 adapter weights) or a full fine-tune (float32 master weights); both under bf16 autocast,
 // AdamW (fused), clip at norm 1, as ../shared/bench/diffusers_sdxl_baseline.py does; gc = gradient
@@ -14,7 +14,8 @@
 // turns SDPA's cuDNN kernels off (flash/efficient then); --no-fused-geglu uses chunk + gelu + mul;
 // --no-fused-adamw runs adamw_bf16 as whole-bucket ATen ops instead of its fused CUDA kernel;
 // --gc-interval N checkpoints every N-th ResNet/transformer block in gc modes
-// (gradient_checkpointing_interval).
+// (gradient_checkpointing_interval); --nhwc-group-norm keeps GroupNorm in NHWC for channels-last
+// (cl) modes (models::set_group_norm_nhwc) instead of ATen's, which makes its input NCHW first.
 // MFU = model FLOPs / step time / measured bf16 matmul peak of this GPU (8192³, same program).
 // Model FLOPs: fwd_tflop (the baseline's FLOP counter at 1024²: 6.76) × (res/1024)² × batch × 2
 // for LoRA (forward + input gradients) or × 3 for a full fine-tune; recomputation is not counted.
@@ -42,6 +43,7 @@
 
 #include "diffusion/noise_schedule.h"
 #include "models/adapters/lora.h"
+#include "models/common/blocks.h"
 #include "models/common/geglu.h"
 #include "models/unet/unet_2d_condition.h"
 #include "train/graph_step.h"
@@ -63,6 +65,7 @@ struct Args {
     bool fused_geglu = true;
     bool fused_adamw = true;
     int64_t gc_interval = 1;
+    bool nhwc_group_norm = false;
 };
 
 struct Mode {
@@ -107,6 +110,8 @@ Args parse_args(int argc, char** argv) {
             a.fused_adamw = false;
         else if (s == "--gc-interval")
             a.gc_interval = std::stoll(next());
+        else if (s == "--nhwc-group-norm")
+            a.nhwc_group_norm = true;
         else
             a.model = s;
     }
@@ -316,6 +321,7 @@ void report(const Mode& mode, const Bench& bench, const Timing& t, int64_t train
               << ", \"channels_last\": " << (mode.channels_last ? "true" : "false") << ", \"optimizer\": \""
               << (mode.bf16_weights ? "adamw_bf16" : "adamw") << "\""
               << ", \"fused_geglu\": " << (models::fused_geglu_enabled() ? "true" : "false")
+              << ", \"nhwc_group_norm\": " << (bench.args.nhwc_group_norm ? "true" : "false")
               << ", \"fused_adamw\": " << (mode.bf16_weights && bench.args.fused_adamw ? "true" : "false")
               << ", \"cuda_graph_replays\": " << t.replays << ", \"params\": " << bench.total_params
               << ", \"trainable\": " << trainable << ", \"steps\": " << t.ms.size() << ", "
@@ -398,6 +404,7 @@ int run(const Args& args) {
     at::globalContext().setAllowTF32CuDNN(true);
     if (!args.cudnn_sdpa) at::globalContext().setSDPUseCuDNN(false);
     models::set_fused_geglu(args.fused_geglu);
+    models::set_group_norm_nhwc(args.nhwc_group_norm);
     Bench bench{args, schedule};
     if (args.measure_peak) bench.peak_tflops = measure_matmul_peak();
     models::UNet2DConditionModel unet(config);  // random init on the CPU in float32, then moved

@@ -5,7 +5,8 @@
 # ends inside the device's limit and keeps what finished (everything lands in $OUT).
 # Needs in the checkout: .gpudeps.tar.xz and shared/ (tools/gpu/prepare.sh), shared/bench/
 # diffusers_sdxl_baseline.py, and the diffusers wheel (DIFFUSERS_WHL, default ./diffusers-*.whl).
-#   tools/gpu/perf_pass.sh   (env: STEPS=8, DTUNE_MODES, BASE_MODES, AB_MODES, GC_MODES, GC_INTERVALS)
+#   tools/gpu/perf_pass.sh   (env: STEPS=8, DTUNE_MODES, BASE_MODES, AB_MODES, GC_MODES, GC_INTERVALS,
+#                             CL_MODES)
 #   COMPILE_ONLY=1 tools/gpu/perf_pass.sh   only the diffusers baseline under torch.compile
 #       (COMPILE_MODES, default lora4), capped at 540 s, into $OUT/diffusers_compile.log: its
 #       compilation takes minutes, so it gets a call of its own; compare with a perf_pass run on the
@@ -20,6 +21,7 @@ BASE_MODES=${BASE_MODES:-lora4,full4gc,lora1,full1gc}
 AB_MODES=${AB_MODES:-full4bfcg}  # again with the ATen adamw_bf16 and the composite GEGLU
 GC_MODES=${GC_MODES:-full4bfgccg}  # again per gradient_checkpointing_interval in GC_INTERVALS
 GC_INTERVALS=${GC_INTERVALS:-2 3}
+CL_MODES=${CL_MODES:-lora4cgcl,full4bfcgcl}  # channels-last with dtune's NHWC GroupNorm
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 unpack_diffusers() {
     local whl=${DIFFUSERS_WHL:-$(ls diffusers-*.whl 2>/dev/null | head -1)}
@@ -57,4 +59,9 @@ for n in $GC_INTERVALS; do
         >"$OUT/dtune_gc$n.jsonl" 2>>"$OUT/dtune.log"
     echo "dtune gradient_checkpointing_interval $n: rc $?"
 done
+if [ -n "$CL_MODES" ]; then
+    timeout 100 "$B" "$M" --modes "$CL_MODES" --steps "$STEPS" --no-peak --nhwc-group-norm \
+        >"$OUT/dtune_cl.jsonl" 2>>"$OUT/dtune.log"
+    echo "dtune channels-last + NHWC GroupNorm: rc $?"
+fi
 python3 bench/perf_table.py "$OUT"
