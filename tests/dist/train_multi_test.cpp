@@ -268,6 +268,26 @@ double job_end_after_mark(const test::ShellRun& node0, const test::ShellRun& nod
     return std::chrono::duration<double>(end - *node1.marked_at).count();
 }
 
+// run_two_nodes with DTUNE_INJECT_STEP_ERROR=<injection> on a 300 s collective timeout, 500 steps
+// of batch 1 (+ `extra`): both launchers' runs, the seconds from node 1's `mark` to the job's end
+// (printed under `what`), and both outputs for failure messages.
+struct InjectedRun {
+    test::ShellRun node0, node1;
+    double after = -1;
+    std::string both;
+};
+InjectedRun run_injected(const Workspace& w, const std::string& injection, const std::string& out,
+                         const std::string& mark, const std::string& what, const std::string& extra = "") {
+    auto [node0, node1] =
+        run_two_nodes(w, "DTUNE_COLLECTIVE_TIMEOUT_S=300 DTUNE_INJECT_STEP_ERROR=" + injection, out,
+                      "--train_batch_size 1 --max_train_steps 500" + extra, mark);
+    InjectedRun r{std::move(node0), std::move(node1)};
+    r.after = job_end_after_mark(r.node0, r.node1);
+    std::printf("%s: both nodes ended %.2f s after it\n", what.c_str(), r.after);
+    r.both = r.node0.output + "\n---- node 1 ----\n" + r.node1.output;
+    return r;
+}
+
 // The fault channel: rank 1 (node 1) throws what libtorch throws for an illegal memory access from
 // inside step 3, before its backward, so rank 0 (node 0) is left in the gradient all-reduce. With
 // the collective timeout at 300 s, both launchers must still end within seconds of the failure,
@@ -277,13 +297,9 @@ TEST(DistTrain, CudaErrorOnOneNodeEndsTheJobWithinSecondsAndExits75) {
     Workspace w;
     test::HttpListener listener;
     const nlohmann::json hook = {{"webhook_type", "raw"}, {"callback_url", listener.url()}};
-    const auto [node0, node1] =
-        run_two_nodes(w, "DTUNE_COLLECTIVE_TIMEOUT_S=300 DTUNE_INJECT_STEP_ERROR=cuda:1:3", "cuda",
-                      "--train_batch_size 1 --max_train_steps 500 --webhook_config '" + hook.dump() + "'",
-                      "GPU fault on node");
-    const double after = job_end_after_mark(node0, node1);
-    std::printf("CUDA error on rank 1 at step 3: both nodes ended %.2f s after rank 1 reported it\n", after);
-    const std::string both = node0.output + "\n---- node 1 ----\n" + node1.output;
+    const auto [node0, node1, after, both] =
+        run_injected(w, "cuda:1:3", "cuda", "GPU fault on node", "CUDA error on rank 1 at step 3",
+                     " --webhook_config '" + hook.dump() + "'");
     EXPECT_EQ(node1.exit_code, 75) << both;
     EXPECT_EQ(node0.exit_code, 75) << both;
     ASSERT_GE(after, 0) << both;
@@ -319,12 +335,8 @@ TEST(DistTrain, CudaErrorOnOneNodeEndsTheJobWithinSecondsAndExits75) {
 // failed rank (1), node 0's naming rank 1 and its error.
 TEST(DistTrain, FatalErrorOnOneNodeEndsTheJobWithinSeconds) {
     Workspace w;
-    const auto [node0, node1] =
-        run_two_nodes(w, "DTUNE_COLLECTIVE_TIMEOUT_S=300 DTUNE_INJECT_STEP_ERROR=error:1:3", "error",
-                      "--train_batch_size 1 --max_train_steps 500", "injected failure");
-    const double after = job_end_after_mark(node0, node1);
-    std::printf("fatal error on rank 1 at step 3: both nodes ended %.2f s after rank 1 reported it\n", after);
-    const std::string both = node0.output + "\n---- node 1 ----\n" + node1.output;
+    const auto [node0, node1, after, both] =
+        run_injected(w, "error:1:3", "error", "injected failure", "fatal error on rank 1 at step 3");
     EXPECT_EQ(node1.exit_code, 1) << both;
     EXPECT_EQ(node0.exit_code, 1) << both;
     ASSERT_GE(after, 0) << both;
@@ -344,12 +356,8 @@ TEST(DistTrain, FatalErrorOnOneNodeEndsTheJobWithinSeconds) {
 // of at the 300 s collective timeout.
 TEST(DistTrain, KilledRankOnOneNodeEndsTheJobWithinSeconds) {
     Workspace w;
-    const auto [node0, node1] =
-        run_two_nodes(w, "DTUNE_COLLECTIVE_TIMEOUT_S=300 DTUNE_INJECT_STEP_ERROR=kill:1:3", "kill",
-                      "--train_batch_size 1 --max_train_steps 500", "injected SIGKILL");
-    const double after = job_end_after_mark(node0, node1);
-    std::printf("rank 1 SIGKILLed at step 3: both nodes ended %.2f s after it died\n", after);
-    const std::string both = node0.output + "\n---- node 1 ----\n" + node1.output;
+    const auto [node0, node1, after, both] =
+        run_injected(w, "kill:1:3", "kill", "injected SIGKILL", "rank 1 SIGKILLed at step 3");
     ASSERT_GE(after, 0) << both;
     EXPECT_LT(after, 20.0) << both;
     EXPECT_EQ(node1.exit_code, 1) << both;
