@@ -111,7 +111,6 @@ at::Tensor BasicTransformerBlockImpl::forward(const at::Tensor& x, const at::Ten
 void Transformer2DModelImpl::set_gradient_checkpointing(CheckpointSelector& selector) {
     options_.checkpoint_blocks.assign(blocks_.size(), false);
     for (size_t i = 0; i < blocks_.size(); ++i) options_.checkpoint_blocks[i] = selector.take();
-    options_.gradient_checkpointing = selector.enabled;
 }
 
 Transformer2DModelImpl::Transformer2DModelImpl(const Transformer2DOptions& o) : options_(o) {
@@ -146,8 +145,7 @@ at::Tensor Transformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor
     const bool grad = at::GradMode::is_enabled();
     for (size_t i = 0; i < blocks_.size(); ++i) {
         auto& block = blocks_[i];
-        const bool checkpoint = grad && (options_.checkpoint_blocks.empty() ? options_.gradient_checkpointing
-                                                                            : options_.checkpoint_blocks[i]);
+        const bool checkpoint = grad && !options_.checkpoint_blocks.empty() && options_.checkpoint_blocks[i];
         if (checkpoint) {
             auto fn = [impl = block.ptr()](const std::vector<at::Tensor>& in) {
                 return impl->forward(in[0], in[1]);

@@ -108,8 +108,7 @@ struct Transformer2DOptions {
     bool use_linear_projection = false;  // Linear proj_in/proj_out (SDXL, SD 2.x) vs 1x1 conv (SD 1.x)
     bool only_cross_attention = false;
     bool upcast_attention = false;
-    bool gradient_checkpointing = false;  // checkpoint each transformer block (unless checkpoint_blocks says)
-    std::vector<bool> checkpoint_blocks;  // per block, when set by a CheckpointSelector
+    std::vector<bool> checkpoint_blocks;  // per block: checkpointed (empty: none)
 };
 
 // [B, C, H, W] -> GroupNorm -> proj_in -> blocks over the H*W tokens -> proj_out -> + input.
@@ -117,10 +116,6 @@ class Transformer2DModelImpl : public torch::nn::Module {
   public:
     explicit Transformer2DModelImpl(const Transformer2DOptions& options);
     at::Tensor forward(const at::Tensor& x, const at::Tensor& context);
-    void set_gradient_checkpointing(bool enabled) {
-        options_.gradient_checkpointing = enabled;
-        options_.checkpoint_blocks.clear();
-    }
     // Each transformer block takes the selector's next decision (see CheckpointSelector).
     void set_gradient_checkpointing(CheckpointSelector& selector);
 

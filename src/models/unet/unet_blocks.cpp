@@ -8,14 +8,7 @@
 
 namespace dtune::models {
 
-void UNetBlockBase::set_gradient_checkpointing(bool enabled) {
-    checkpointing_ = enabled;
-    resnet_checkpointing_.clear();
-    for (auto& a : attentions_) a->set_gradient_checkpointing(enabled);
-}
-
 void UNetBlockBase::set_gradient_checkpointing(CheckpointSelector& selector) {
-    checkpointing_ = selector.enabled;
     resnet_checkpointing_.assign(resnets_.size(), false);
     for (size_t i = 0; i < resnets_.size(); ++i) {
         resnet_checkpointing_[i] = selector.take();
@@ -42,7 +35,7 @@ void UNetBlockBase::build_transformer(const UNetBlockOptions& o, int64_t channel
 
 at::Tensor UNetBlockBase::run_resnet(std::size_t i, const at::Tensor& x, const at::Tensor& temb) {
     ResnetBlock2D resnet = resnets_[i];
-    const bool checkpoint = resnet_checkpointing_.empty() ? checkpointing_ : resnet_checkpointing_[i];
+    const bool checkpoint = !resnet_checkpointing_.empty() && resnet_checkpointing_[i];
     if (checkpoint && at::GradMode::is_enabled()) {
         auto fn = [impl = resnet.ptr()](const std::vector<at::Tensor>& in) {
             return impl->forward(in[0], in[1]);

@@ -40,7 +40,6 @@ struct UNetBlockOptions {
 // checkpointed).
 class UNetBlockBase : public torch::nn::Module {
   public:
-    void set_gradient_checkpointing(bool enabled);
     // Units in forward order (ResNet i, then attention i's transformer blocks) take the selector's
     // decisions: SimpleTuner's gradient_checkpointing_interval.
     void set_gradient_checkpointing(CheckpointSelector& selector);
@@ -53,8 +52,7 @@ class UNetBlockBase : public torch::nn::Module {
     torch::nn::ModuleList resnet_list_{nullptr}, attention_list_{nullptr};
     std::vector<ResnetBlock2D> resnets_;
     std::vector<Transformer2DModel> attentions_;
-    bool checkpointing_ = false;
-    std::vector<bool> resnet_checkpointing_;  // per ResNet, when set by a CheckpointSelector
+    std::vector<bool> resnet_checkpointing_;  // per ResNet: checkpointed (empty: none)
 };
 
 class DownBlockImpl : public UNetBlockBase {
