@@ -5,11 +5,13 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
@@ -60,6 +62,13 @@ int g_deaths = 0;
 int g_reaped = 0;
 
 // Whether `a` failed before `b`, by SIGCHLD order where known, else by reap order.
+// The CPUs this process may run on (its affinity mask: a cgroup or taskset limit, not the host's count).
+int usable_cpus() {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    return ::sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
+}
+
 bool died_before(const Child& a, const Child& b) {
     int ka = a.death_order ? a.death_order : 1 << 30, kb = b.death_order ? b.death_order : 1 << 30;
     return ka != kb ? ka < kb : a.reap_order < b.reap_order;
@@ -317,6 +326,10 @@ void publish_for_dead_rank(const LaunchConfig& config, const Child& c) {
 
 }  // namespace
 
+int omp_threads_per_rank(int cpus, int nproc_per_node) {
+    return std::max(1, cpus / std::max(1, nproc_per_node));
+}
+
 std::vector<std::string> child_argv(const std::vector<std::string>& command, const std::string& self_exe) {
     if (!command.empty() && command[0].find('/') != std::string::npos) return command;
     std::vector<std::string> argv{self_exe};
@@ -352,8 +365,9 @@ LaunchResult run_local_ranks(const LaunchConfig& config, const std::string& self
         auto vars = dist_env_vars(env);
         vars["GROUP_RANK"] = vars["NODE_RANK"] = std::to_string(config.node_rank);
         vars.insert(config.extra_env.begin(), config.extra_env.end());
-        // Several ranks on one node would oversubscribe the cores with one OpenMP pool each.
-        if (!std::getenv("OMP_NUM_THREADS") && config.nproc_per_node > 1) vars["OMP_NUM_THREADS"] = "1";
+        // Several ranks on one node would oversubscribe the cores with one full OpenMP pool each.
+        if (!std::getenv("OMP_NUM_THREADS") && config.nproc_per_node > 1)
+            vars["OMP_NUM_THREADS"] = std::to_string(omp_threads_per_rank(usable_cpus(), config.nproc_per_node));
         int fds[2];
         if (::pipe2(fds, O_CLOEXEC) != 0) throw Error("pipe failed");
         Child& c = children[static_cast<std::size_t>(local)];

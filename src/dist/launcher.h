@@ -20,6 +20,11 @@ struct LaunchResult {
 // (tests, scripts); otherwise it is a dtune subcommand run by `self_exe`.
 std::vector<std::string> child_argv(const std::vector<std::string>& command, const std::string& self_exe);
 
+// OMP_NUM_THREADS for each of `nproc_per_node` ranks sharing `cpus` CPUs: an equal share, at least
+// one, so the ranks' OpenMP pools do not oversubscribe the node while host-side work (an offloaded
+// optimizer's update, CPU encoders) still gets every core between them.
+int omp_threads_per_rank(int cpus, int nproc_per_node);
+
 // Runs the job's local ranks to completion. `self_exe` is the dtune binary (for subcommands).
 LaunchResult run_local_ranks(const LaunchConfig& config, const std::string& self_exe);
 

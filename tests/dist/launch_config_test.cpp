@@ -184,5 +184,12 @@ TEST(Launcher, ChildArgvRunsSubcommandsWithDtune) {
     EXPECT_EQ(child_argv({"./prog", "a"}, "/bin/dtune"), (std::vector<std::string>{"./prog", "a"}));
 }
 
+TEST(Launcher, OmpThreadsShareTheNodesCpus) {
+    EXPECT_EQ(omp_threads_per_rank(32, 2), 16);
+    EXPECT_EQ(omp_threads_per_rank(16, 3), 5);  // rounded down: never more threads than cores
+    EXPECT_EQ(omp_threads_per_rank(2, 8), 1);   // at least one
+    EXPECT_EQ(omp_threads_per_rank(8, 0), 8);
+}
+
 }  // namespace
 }  // namespace dtune::dist

@@ -2,9 +2,11 @@
 // this machine. Correctness is judged inside `dist-selftest` against closed forms and a local
 // single-process reference; here we check exit codes, messages and that failures end in bounded time.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -137,6 +139,24 @@ TEST(DistLaunch, SigtermIsForwardedToTheRanks) {
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << r.output;
     EXPECT_LT(seconds, 30.0) << r.output;
     EXPECT_TRUE(contains(r.output, "interrupted by signal 15")) << r.output;
+}
+
+TEST(DistLaunch, RanksShareTheCpusThroughOmpNumThreads) {
+    // Unset here (ctest sets it to 1): the launcher gives each rank an equal share of the CPUs this
+    // process may use; a value the user set is passed through unchanged.
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    ASSERT_EQ(::sched_getaffinity(0, sizeof set, &set), 0);
+    const int share = std::max(1, CPU_COUNT(&set) / 2);
+    const std::string launch = std::string(DTUNE_BIN) + " launch --nproc_per_node 2 --master_port " +
+                               std::to_string(free_port()) +
+                               " -- /bin/sh -c 'echo \"rank $RANK omp=$OMP_NUM_THREADS\"' 2>&1";
+    const auto unset = dtune::test::run_shell("env -u OMP_NUM_THREADS " + launch);
+    EXPECT_EQ(unset.exit_code, 0) << unset.output;
+    EXPECT_TRUE(contains(unset.output, "rank 0 omp=" + std::to_string(share) + "\n")) << unset.output;
+    EXPECT_TRUE(contains(unset.output, "rank 1 omp=" + std::to_string(share) + "\n")) << unset.output;
+    const auto given = dtune::test::run_shell("OMP_NUM_THREADS=7 " + launch);
+    EXPECT_TRUE(contains(given.output, "rank 1 omp=7\n")) << given.output;
 }
 
 TEST(DistLaunch, ArgumentErrorsAreExplained) {
