@@ -16,10 +16,13 @@
 // Usage:
 //   bench_vae_cache --images DIR --model <sdxl folder or vae folder> [--make-images N]
 //       [--work DIR] [--device cuda|cpu] [--dtype bf16|fp32] [--batch 8] [--res 1024]
-//       [--threads T] [--variant base|cl|bm|cl+bm|cl+bm+gn] [--encode-steps 10] [--profile DIR]
+//       [--threads T] [--variant base|cl|bm|cl+bm|cl+bm+gn|cl+fu|cl+bm+fu] [--encode-steps 10] [--profile
+//       DIR]
 // --make-images N first writes N photo-like JPEGs (quality 90, mixed aspect ratios, 1–2.4 MP)
 // into DIR unless they exist. Variants: cl = channels-last convolutions, bm = cuDNN benchmark mode
-// (algorithm search per shape), gn = GroupNorm kept in NHWC (with cl); base = none.
+// (algorithm search per shape), gn = GroupNorm kept in NHWC (with cl), fu = the fused inference
+// kernels (models/common/group_norm_act.h: GroupNorm+SiLU, bias folding, wide-head attention; with
+// cl; what `dtune train` and `dtune cache` use on CUDA); base = none.
 #include <ATen/ATen.h>
 #include <ATen/DeviceAccelerator.h>
 #include <c10/core/Event.h>
@@ -47,6 +50,7 @@
 #include "io/image.h"
 #include "models/common/blocks.h"
 #include "models/common/config_json.h"
+#include "models/common/group_norm_act.h"
 #include "models/vae/autoencoder_kl.h"
 #include "train/sdxl_data_encoders.h"
 
@@ -275,6 +279,7 @@ int run(const Args& a) {
     const bool cl = a.variant.find("cl") != std::string::npos, bm = a.variant.find("bm") != std::string::npos;
     at::globalContext().setBenchmarkCuDNN(bm);
     models::set_group_norm_nhwc(a.variant.find("gn") != std::string::npos);
+    models::set_fused_inference(a.variant.find("fu") != std::string::npos);
     ThreadPool pool(size_t(std::max(0, a.threads)));
     if (a.make_images > 0) make_images(a.images, a.make_images, pool);
 

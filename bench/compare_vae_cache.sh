@@ -7,7 +7,7 @@
 # end-to-end rate >= 1.5 x diffusers' encode-only rate.
 #
 #   DIFFUSERS_SRC=<diffusers src/ or unpacked wheel> bench/compare_vae_cache.sh [--count 200]
-#       [--batch 8] [--res 1024] [--variants base,bm,cl,cl+bm,cl+bm+gn] [--threads 0] [--device cuda]
+#       [--batch 8] [--res 1024] [--variants base,cl+bm+gn,cl+fu,cl+bm+fu] [--threads 0] [--device cuda]
 #       [--dtype bf16] [--profile DIR]
 #
 # --profile DIR: a Kineto trace of 2 encode-only batches per variant (GPU), summarised into
@@ -18,7 +18,7 @@
 # IMAGES (the JPEG folder; default $SCRATCH/images).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-count=200 batch=8 res=1024 variants=base,bm,cl,cl+bm,cl+bm+gn threads=0 device=cuda dtype=bf16 steps=10 profile=()
+count=200 batch=8 res=1024 variants=base,cl+bm+gn,cl+fu,cl+bm+fu threads=0 device=cuda dtype=bf16 steps=10 profile=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --count) count=$2; shift 2 ;;

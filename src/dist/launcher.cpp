@@ -367,7 +367,8 @@ LaunchResult run_local_ranks(const LaunchConfig& config, const std::string& self
         vars.insert(config.extra_env.begin(), config.extra_env.end());
         // Several ranks on one node would oversubscribe the cores with one full OpenMP pool each.
         if (!std::getenv("OMP_NUM_THREADS") && config.nproc_per_node > 1)
-            vars["OMP_NUM_THREADS"] = std::to_string(omp_threads_per_rank(usable_cpus(), config.nproc_per_node));
+            vars["OMP_NUM_THREADS"] =
+                std::to_string(omp_threads_per_rank(usable_cpus(), config.nproc_per_node));
         int fds[2];
         if (::pipe2(fds, O_CLOEXEC) != 0) throw Error("pipe failed");
         Child& c = children[static_cast<std::size_t>(local)];

@@ -81,7 +81,8 @@ DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& o) {
     DatasetEncoders e;
     e.vae_identity = str("AutoencoderKL ", stdfs::weakly_canonical(folder.vae_path()).string(),
                          " scaling=", (*vae)->config().scaling_factor, " dtype=", dtype, " sample");
-    e.vae = make_vae_encode_fn(vae->ptr(), vo.device, vo.dtype);
+    // Channels-last on CUDA: the fused inference kernels (models/common/group_norm_act.h) need it.
+    e.vae = make_vae_encode_fn(vae->ptr(), vo.device, vo.dtype, {.channels_last = vo.device.is_cuda()});
     models::TextEncoderLoadOptions to;
     to.device = o.device;
     auto text = std::make_shared<models::SDXLTextEncoders>(models::SDXLTextEncoders::load(folder, to));

@@ -35,7 +35,9 @@ DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& options);
 
 struct VaeEncodeOptions {
     // NHWC convolutions (weights converted here, inputs per call); the latents come back in the
-    // standard layout. Off by default: a measured choice per card (bench/bench_vae_cache.cpp).
+    // standard layout. On CUDA this also enables the fused inference kernels (GroupNorm+SiLU, bias
+    // folding, wide-head attention: models/common/group_norm_act.h); load_sdxl_data_encoders turns
+    // it on for CUDA (bench/bench_vae_cache.cpp measures each variant).
     bool channels_last = false;
 };
 

@@ -5,7 +5,10 @@
 #include <torch/torch.h>
 
 #include "model_test_util.h"
+#include "models/common/attention.h"
+#include "models/common/blocks.h"
 #include "models/common/geglu.h"
+#include "models/common/group_norm_act.h"
 #include "models/unet/unet_2d_condition.h"
 #include "models/vae/autoencoder_kl.h"
 #include "support/test_support.h"
@@ -91,6 +94,140 @@ TEST(ModelsGpu, FusedGegluMatchesComposite) {
                 << dtype << " d=" << d;
         }
     }
+}
+
+// The fused channels-last GroupNorm kernels against float64 on the CPU: channel counts that take
+// the vectorised kernels with lanes dividing the block (64, 512), not dividing it (320, 1280), the
+// scalar kernels (12 channels in bf16), inputs with a large mean (E[x²] - mean² cancellation), an
+// input bias per channel and per sample, and enough pixels for many statistics blocks per sample.
+TEST(ModelsGpu, FusedGroupNormMatchesFloat64) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    ASSERT_TRUE(fused_inference_kernels_built())
+        << "built without the CUDA kernels (no nvcc at configure time)";
+    const at::Device cuda(at::kCUDA, 0);
+    torch::manual_seed(11);
+    torch::NoGradGuard no_grad;
+    struct Case {
+        int64_t c, groups, h, w;
+    };
+    for (const Case& cs : {Case{64, 32, 96, 80}, Case{320, 32, 17, 9}, Case{512, 32, 64, 64},
+                           Case{1280, 32, 8, 8}, Case{12, 4, 33, 31}}) {
+        torch::nn::GroupNorm norm(torch::nn::GroupNormOptions(cs.groups, cs.c).eps(1e-6));
+        torch::nn::init::normal_(norm->weight);
+        torch::nn::init::normal_(norm->bias);
+        const at::Tensor x64 = at::randn({2, cs.c, cs.h, cs.w}, at::kDouble) * 2 + 4;
+        for (auto dtype : {at::kFloat, at::kBFloat16}) {
+            norm->to(cuda, dtype);
+            const at::Tensor x = x64.to(cuda, dtype).contiguous(at::MemoryFormat::ChannelsLast);
+            ASSERT_TRUE(fused_inference_ready(x));
+            for (const at::Tensor& in_bias : {at::Tensor(), at::randn({cs.c}), at::randn({2, cs.c})}) {
+                for (bool silu : {false, true}) {
+                    const at::Tensor y =
+                        group_norm_act(*norm, x, in_bias.defined() ? in_bias.to(cuda) : in_bias, silu);
+                    // The fused kernels keep NHWC; float32 past 1024 channels takes the composite path.
+                    if (dtype != at::kFloat || cs.c <= 1024)
+                        ASSERT_TRUE(y.is_contiguous(at::MemoryFormat::ChannelsLast)) << cs.c << " " << dtype;
+                    // Reference from the same rounded input, in float64.
+                    at::Tensor in = x.cpu().to(at::kDouble);
+                    if (in_bias.defined())
+                        in = in +
+                             (in_bias.dim() == 1 ? in_bias.view({1, -1, 1, 1}) : in_bias.view({2, -1, 1, 1}))
+                                 .to(at::kDouble);
+                    at::Tensor ref = at::group_norm(in, cs.groups, norm->weight.cpu().to(at::kDouble),
+                                                    norm->bias.cpu().to(at::kDouble), 1e-6);
+                    if (silu) ref = at::silu(ref);
+                    const double tol = dtype == at::kFloat ? 1e-4 : 2e-2 * ref.abs().max().item<double>();
+                    EXPECT_LE(test::max_abs_diff(y.cpu().to(at::kDouble), ref), tol)
+                        << "c " << cs.c << " " << dtype << " in_bias dims " << in_bias.dim() << " silu "
+                        << silu;
+                }
+            }
+            norm->to(at::kCPU, at::kFloat);
+        }
+    }
+}
+
+TEST(ModelsGpu, FusedAddBiasResidualMatchesComposite) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    torch::NoGradGuard no_grad;
+    const auto cl = at::MemoryFormat::ChannelsLast;
+    for (int64_t c : {int64_t{128}, int64_t{3}}) {
+        const at::Tensor h = at::randn({2, c, 9, 11}), r = at::randn({2, c, 9, 11}), b = at::randn({c});
+        const at::Tensor expected = (h.to(at::kDouble) + b.view({1, c, 1, 1}) + r) * 0.5;
+        const at::Tensor out =
+            add_bias_residual(h.to(cuda).contiguous(cl), b.to(cuda), r.to(cuda).contiguous(cl), 0.5);
+        EXPECT_TRUE(out.is_contiguous(cl));
+        EXPECT_LE(test::max_abs_diff(out.cpu().to(at::kDouble), expected), 1e-5) << c;
+    }
+}
+
+// A whole ResNet block (time embedding, 1x1 shortcut) fused against the same block unfused, bf16.
+TEST(ModelsGpu, FusedResnetBlockMatchesUnfused) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    torch::manual_seed(12);
+    ResnetBlock2DOptions o;
+    o.in_channels = 64, o.out_channels = 128, o.temb_channels = 32, o.output_scale_factor = 2.0;
+    ResnetBlock2D block(o);
+    block->to(cuda, at::kBFloat16);
+    convert_to_channels_last(*block);
+    torch::NoGradGuard no_grad;
+    const at::Tensor x =
+        at::randn({2, 64, 24, 20}).to(cuda, at::kBFloat16).contiguous(at::MemoryFormat::ChannelsLast);
+    const at::Tensor temb = at::randn({2, 32}).to(cuda, at::kBFloat16);
+    const at::Tensor fused = block->forward(x, temb);
+    set_fused_inference(false);
+    const at::Tensor plain = block->forward(x, temb);
+    set_fused_inference(true);
+    EXPECT_LE(test::max_abs_diff(fused.cpu().to(at::kFloat), plain.cpu().to(at::kFloat)),
+              2e-2 * plain.abs().max().item<double>());
+    EXPECT_GT(test::max_abs_diff(fused.cpu().to(at::kFloat), plain.cpu().to(at::kFloat)), 0.0)
+        << "identical to the last bit: the fused path did not run";
+}
+
+// The tiny VAE's encoder through the fused path (channels-last, bf16, no grad) against the float32
+// CPU fixture, like the unfused bf16 path.
+TEST(ModelsGpu, TinyVAEEncodesThroughTheFusedPath) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    io::SafetensorsFile ref(test::fixtures_dir() / "reference" / "vae_io.safetensors");
+    ComponentLoadOptions o = cuda_bf16();
+    o.channels_last = true;
+    AutoencoderKL vae = load_autoencoder_kl(test::fixtures_dir() / "tiny-sdxl" / "vae", o);
+    torch::NoGradGuard no_grad;
+    const at::Tensor image = ref.get("image")
+                                 .to(c10::Device(c10::kCUDA, 0), at::kBFloat16)
+                                 .contiguous(at::MemoryFormat::ChannelsLast);
+    const at::Tensor mean = vae->encode(image).mean.cpu().to(at::kFloat);
+    const at::Tensor expected = ref.get("posterior_mean");
+    EXPECT_LE(test::max_abs_diff(mean, expected), 0.05 * expected.abs().max().item<double>());
+    const at::Tensor decoded = vae->decode(ref.get("latent")
+                                               .to(c10::Device(c10::kCUDA, 0), at::kBFloat16)
+                                               .contiguous(at::MemoryFormat::ChannelsLast))
+                                   .cpu()
+                                   .to(at::kFloat);
+    EXPECT_LE(test::max_abs_diff(decoded, ref.get("decoded")),
+              0.05 * ref.get("decoded").abs().max().item<double>());
+}
+
+// Float32-score attention at the SDXL VAE's mid-block shape (one 512-wide head, 128x128 tokens) in
+// bf16 against SDPA in float32 on the same GPU.
+TEST(ModelsGpu, WideHeadAttentionMatchesSdpa) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    torch::manual_seed(13);
+    torch::NoGradGuard no_grad;
+    auto opts = at::TensorOptions().device(at::kCUDA);
+    const at::Tensor q = at::randn({2, 1, 4096, 512}, opts) * 2, k = at::randn({2, 1, 4096, 512}, opts) * 2;
+    const at::Tensor v = at::randn({2, 1, 4096, 512}, opts);
+    const at::Tensor expected = at::scaled_dot_product_attention(q, k, v);
+    const at::Tensor out =
+        attention_float_scores(q.to(at::kBFloat16), k.to(at::kBFloat16), v.to(at::kBFloat16));
+    EXPECT_LE(test::max_abs_diff(out.to(at::kFloat).cpu(), expected.cpu()),
+              2e-2 * expected.abs().max().item<double>());
+    // Chunked into row blocks: the same result.
+    const at::Tensor chunked = attention_float_scores(q.to(at::kBFloat16), k.to(at::kBFloat16),
+                                                      v.to(at::kBFloat16), int64_t{1000} * 4096);
+    EXPECT_LE(test::max_abs_diff(chunked.to(at::kFloat).cpu(), out.to(at::kFloat).cpu()), 1e-2);
 }
 
 }  // namespace

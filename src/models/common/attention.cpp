@@ -4,9 +4,13 @@
 #include <torch/autograd.h>
 #include <torch/nn/modules/dropout.h>
 
+#include <algorithm>
+#include <cmath>
+
 #include "models/common/blocks.h"
 #include "models/common/checkpoint.h"
 #include "models/common/geglu.h"
+#include "models/common/group_norm_act.h"
 
 namespace dtune::models {
 
@@ -19,6 +23,40 @@ std::string sdpa_backend_name(const at::Tensor& q, const at::Tensor& k, const at
         case 4: return "overrideable";
         default: return "error";
     }
+}
+
+at::Tensor attention_float_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  int64_t max_score_elements) {
+    const int64_t b = q.size(0), h = q.size(1), n = q.size(2), d = q.size(3), m = k.size(2), bh = b * h;
+    const at::Tensor q3 = q.reshape({bh, n, d}), kt = k.reshape({bh, m, d}).transpose(1, 2);  // [BH, d, M]
+    const at::Tensor v3 = v.reshape({bh, m, d});
+    at::Tensor out = at::empty({bh, n, d}, q.options());
+    const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+    const bool low_precision = q.scalar_type() != at::kFloat;
+    // Whole rows for several (batch, head) pairs at a time, or row blocks of one pair: each chunk's
+    // output is then a contiguous slice of `out`.
+    const int64_t rows = std::clamp<int64_t>(max_score_elements / std::max<int64_t>(m, 1), 1, n);
+    const int64_t pairs =
+        rows == n ? std::max<int64_t>(1, max_score_elements / std::max<int64_t>(n * m, 1)) : 1;
+    for (int64_t i = 0; i < bh; i += pairs) {
+        const int64_t np = std::min(pairs, bh - i);
+        const at::Tensor kc = kt.narrow(0, i, np), vc = v3.narrow(0, i, np);
+        for (int64_t r = 0; r < n; r += rows) {
+            const int64_t nr = std::min(rows, n - r);
+            const at::Tensor qc = q3.narrow(0, i, np).narrow(1, r, nr);
+            at::Tensor s = at::empty({np, nr, m}, q.options().dtype(at::kFloat));
+            if (low_precision)
+                at::baddbmm_out(s, s, qc, kc, at::kFloat, /*beta=*/0, /*alpha=*/scale);
+            else
+                at::baddbmm_out(s, s, qc, kc, /*beta=*/0, /*alpha=*/scale);
+            at::Tensor p = at::_softmax(s, -1, /*half_to_float=*/false);
+            s.reset();
+            if (low_precision) p = p.to(q.scalar_type());
+            at::Tensor dst = out.narrow(0, i, np).narrow(1, r, nr);
+            at::bmm_out(dst, p, vc);
+        }
+    }
+    return out.view({b, h, n, d});
 }
 
 AttentionImpl::AttentionImpl(const AttentionOptions& o) : options_(o) {
@@ -52,7 +90,10 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
     if (upcast) {
         q = q.to(at::kFloat), k = k.to(at::kFloat), v = v.to(at::kFloat);
     }
-    at::Tensor o = at::scaled_dot_product_attention(q, k, v);  // [B, h, N, d]
+    const bool wide_inference =
+        d > 256 && q.is_cuda() && !at::GradMode::is_enabled() && fused_inference_enabled();
+    at::Tensor o = wide_inference ? attention_float_scores(q, k, v)
+                                  : at::scaled_dot_product_attention(q, k, v);  // [B, h, N, d]
     if (upcast) o = o.to(dtype);
     o = o.transpose(1, 2).reshape({b, -1, heads * d});  // [B, N, h*d]
     return out_proj_->forward(o);
@@ -60,7 +101,10 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
 
 at::Tensor AttentionImpl::forward_spatial(const at::Tensor& x) {
     const int64_t b = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
-    at::Tensor t = group_norm_ ? group_norm_->forward(x) : x;
+    at::Tensor t = x;
+    if (group_norm_)
+        t = fused_inference_ready(x) ? group_norm_act(*group_norm_, x, {}, /*silu=*/false)
+                                     : group_norm_->forward(x);
     t = t.view({b, c, h * w}).transpose(1, 2);             // [B, HW, C]
     t = forward(t).transpose(1, 2).reshape({b, c, h, w});  // [B, C, H, W]
     return t + x;

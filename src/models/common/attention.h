@@ -4,7 +4,8 @@
 // `transformer_blocks.N`, `proj_out`).
 //
 // Attention runs through at::scaled_dot_product_attention, so on CUDA it picks the flash /
-// cuDNN / memory-efficient kernels. Sequences are [B, N, C].
+// cuDNN / memory-efficient kernels, except for inference with heads wider than those kernels take
+// (attention_float_scores). Sequences are [B, N, C].
 #pragma once
 
 #include <torch/nn/module.h>
@@ -23,6 +24,15 @@ namespace dtune::models {
 // Which kernel at::scaled_dot_product_attention picks for q/k/v of these shapes, dtypes and
 // device: "math", "flash_attention", "efficient_attention", "cudnn_attention", ... (diagnostics).
 std::string sdpa_backend_name(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
+
+// Attention as two batched GEMMs around a float32 softmax, in chunks of at most
+// `max_score_elements` scores: q [B, h, N, d], k and v [B, h, M, d] -> [B, h, N, d]. The scores
+// q·kᵀ/√d come out of the GEMM in float32 even for bf16/fp16 inputs; the probabilities are rounded
+// to the input dtype for the product with v, as the flash kernels do. Used for inference on CUDA
+// when the head is wider than 256 (the SDXL VAE's single 512-wide head), where SDPA falls back to its
+// memory-efficient kernel at a fraction of the GEMMs' speed. No gradients.
+at::Tensor attention_float_scores(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  int64_t max_score_elements = int64_t{1} << 28);
 
 struct AttentionOptions {
     int64_t query_dim = 0;

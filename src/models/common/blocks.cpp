@@ -8,6 +8,8 @@
 #include <atomic>
 #include <cmath>
 
+#include "models/common/group_norm_act.h"
+
 namespace dtune::models {
 
 namespace F = torch::nn::functional;
@@ -119,7 +121,32 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options_(o
         conv_shortcut_ = register_module("conv_shortcut", conv(o.in_channels, o.out_channels, 1));
 }
 
+bool ResnetBlock2DImpl::can_fuse(const at::Tensor& x) const {
+    return fused_inference_ready(x) && !conv1_->adapter() && !conv2_->adapter() &&
+           !(conv_shortcut_ && conv_shortcut_->adapter()) && x.scalar_type() == conv1_->weight.scalar_type();
+}
+
+at::Tensor ResnetBlock2DImpl::forward_fused(const at::Tensor& x, const at::Tensor& temb) {
+    at::Tensor h = conv1_->forward_without_bias(group_norm_act(*norm1_, x, {}, /*silu=*/true));
+    at::Tensor in_bias = conv1_->bias;  // [C]
+    if (time_emb_proj_ && temb.defined()) {
+        const at::Tensor t = time_emb_proj_->forward(at::silu(temb)).to(at::kFloat);  // [B, C]
+        in_bias = in_bias.defined() ? t + in_bias.to(at::kFloat) : t;
+    }
+    h = conv2_->forward_without_bias(group_norm_act(*norm2_, h, in_bias, /*silu=*/true));
+    at::Tensor out_bias = conv2_->bias;
+    at::Tensor shortcut = x;
+    if (conv_shortcut_) {
+        shortcut = conv_shortcut_->forward_without_bias(x);
+        if (conv_shortcut_->bias.defined())
+            out_bias = out_bias.defined() ? out_bias.to(at::kFloat) + conv_shortcut_->bias.to(at::kFloat)
+                                          : conv_shortcut_->bias;
+    }
+    return add_bias_residual(h, out_bias, shortcut, 1.0 / options_.output_scale_factor);
+}
+
 at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
+    if (can_fuse(x)) return forward_fused(x, temb);
     at::Tensor h = conv1_->forward(at::silu(norm_forward(*norm1_, x)));
     if (time_emb_proj_ && temb.defined()) {
         h = h + time_emb_proj_->forward(at::silu(temb)).unsqueeze(-1).unsqueeze(-1);  // [B, C, 1, 1]

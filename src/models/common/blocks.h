@@ -69,6 +69,12 @@ class ResnetBlock2DImpl : public torch::nn::Module {
     at::Tensor forward(const at::Tensor& x, const at::Tensor& temb = {});
 
   private:
+    // Inference on channels-last CUDA input (group_norm_act.h): the convolutions run without bias,
+    // conv1's bias and the time embedding fold into norm2, conv2's (and the shortcut's) into the
+    // residual add. Same math; the roundings differ (fewer).
+    bool can_fuse(const at::Tensor& x) const;
+    at::Tensor forward_fused(const at::Tensor& x, const at::Tensor& temb);
+
     ResnetBlock2DOptions options_;
     torch::nn::GroupNorm norm1_{nullptr}, norm2_{nullptr};
     AdaptableConv2d conv1_{nullptr}, conv2_{nullptr}, conv_shortcut_{nullptr};

@@ -17,6 +17,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "models/common/cuda_launch.h"
 #include "models/cuda/geglu_kernels.h"
 #endif
 
@@ -67,23 +68,6 @@ void cpu_backward(const at::Tensor& grad_out, const at::Tensor& proj, at::Tensor
     });
 }
 
-#ifdef DTUNE_WITH_CUDA_KERNELS
-cuda::KernelDtype kernel_dtype(at::ScalarType t) {
-    switch (t) {
-        case at::kFloat: return cuda::KernelDtype::kFloat;
-        case at::kBFloat16: return cuda::KernelDtype::kBFloat16;
-        case at::kHalf: return cuda::KernelDtype::kHalf;
-        default: throw std::invalid_argument(std::string("geglu: no CUDA kernel for ") + c10::toString(t));
-    }
-}
-
-void check_launch(int err, const char* what) {
-    if (err != 0)
-        throw std::runtime_error(std::string("geglu: ") + what + " kernel launch failed (CUDA error " +
-                                 std::to_string(err) + ")");
-}
-#endif
-
 at::Tensor run_forward(const at::Tensor& proj) {
     const int64_t d = proj.size(-1) / 2, rows = proj.numel() / std::max<int64_t>(1, 2 * d);
     auto sizes = proj.sizes().vec();
@@ -94,9 +78,8 @@ at::Tensor run_forward(const at::Tensor& proj) {
     if (proj.is_cuda()) {
         const c10::cuda::CUDAGuard guard(proj.device());
         check_launch(cuda::geglu_forward(proj.const_data_ptr(), out.mutable_data_ptr(), rows, d,
-                                         kernel_dtype(proj.scalar_type()),
-                                         c10::cuda::getCurrentCUDAStream(proj.device().index()).stream()),
-                     "forward");
+                                         kernel_dtype(proj.scalar_type(), "geglu"), current_stream_of(proj)),
+                     "geglu", "forward");
         return out;
     }
 #endif
@@ -111,11 +94,10 @@ at::Tensor run_backward(const at::Tensor& grad_out, const at::Tensor& proj) {
 #ifdef DTUNE_WITH_CUDA_KERNELS
     if (proj.is_cuda()) {
         const c10::cuda::CUDAGuard guard(proj.device());
-        check_launch(
-            cuda::geglu_backward(grad_out.const_data_ptr(), proj.const_data_ptr(),
-                                 grad_proj.mutable_data_ptr(), rows, d, kernel_dtype(proj.scalar_type()),
-                                 c10::cuda::getCurrentCUDAStream(proj.device().index()).stream()),
-            "backward");
+        check_launch(cuda::geglu_backward(grad_out.const_data_ptr(), proj.const_data_ptr(),
+                                          grad_proj.mutable_data_ptr(), rows, d,
+                                          kernel_dtype(proj.scalar_type(), "geglu"), current_stream_of(proj)),
+                     "geglu", "backward");
         return grad_proj;
     }
 #endif

@@ -73,6 +73,11 @@ at::Tensor Conv2dImpl::forward(const at::Tensor& x) {
     return at::conv2d(x, weight, bias, *options.stride(), *padding, *options.dilation(), options.groups());
 }
 
+at::Tensor Conv2dImpl::forward_without_bias(const at::Tensor& x) {
+    const auto& padding = std::get<torch::ExpandingArray<2>>(options.padding());
+    return at::conv2d(x, weight, {}, *options.stride(), *padding, *options.dilation(), options.groups());
+}
+
 EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim) {
     auto [w, init] = allocate({num_embeddings, embedding_dim});
     weight = register_parameter("weight", w);

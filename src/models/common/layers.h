@@ -63,6 +63,8 @@ class Conv2dImpl : public torch::nn::Module {
   public:
     explicit Conv2dImpl(const torch::nn::Conv2dOptions& options);
     at::Tensor forward(const at::Tensor& x);  // [B, in, H, W] -> [B, out, H', W']
+    // The convolution alone, without adding `bias` (for callers that fold the bias into what follows).
+    at::Tensor forward_without_bias(const at::Tensor& x);
 
     torch::nn::Conv2dOptions options;
     at::Tensor weight;  // [out, in / groups, kh, kw]

@@ -2,49 +2,14 @@
 // instead of chunk + gelu + mul (forward) and mul/gelu backward + cat (backward). Arithmetic in
 // float, one rounding per output element. Loads and stores are 16-byte vectors when d and the
 // pointers allow it (d = 2560 / 5120 in SDXL), else one element per thread.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
-#include <algorithm>
 #include <cstdint>
 
 #include "models/common/geglu_math.h"
 #include "models/cuda/geglu_kernels.h"
+#include "models/cuda/kernel_utils.cuh"
 
 namespace dtune::models::cuda {
 namespace {
-
-__device__ __forceinline__ float to_float(float v) {
-    return v;
-}
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
-    return __bfloat162float(v);
-}
-__device__ __forceinline__ float to_float(__half v) {
-    return __half2float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-    return v;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-    return __float2bfloat16(v);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-    return __float2half(v);
-}
-
-// V consecutive elements moved as one load/store (V * sizeof(T) = 16 bytes when vectorised).
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Pack {
-    T v[V];
-};
 
 template <typename T, int V>
 __global__ void geglu_forward_kernel(const T* __restrict__ proj, T* __restrict__ out, int64_t rows,
@@ -86,15 +51,6 @@ __global__ void geglu_backward_kernel(const T* __restrict__ grad_out, const T* _
         *reinterpret_cast<Pack<T, V>*>(grow + c) = gh;
         *reinterpret_cast<Pack<T, V>*>(grow + d + c) = gg;
     }
-}
-
-unsigned blocks_for(int64_t work, int threads) {
-    const int64_t blocks = (work + threads - 1) / threads;
-    return static_cast<unsigned>(std::clamp<int64_t>(blocks, 1, 65535 * 8));
-}
-
-bool aligned16(const void* p) {
-    return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
 template <typename T>

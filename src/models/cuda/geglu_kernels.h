@@ -6,9 +6,9 @@
 
 #include <cstdint>
 
-namespace dtune::models::cuda {
+#include "models/cuda/kernel_dtype.h"
 
-enum class KernelDtype { kFloat, kBFloat16, kHalf };
+namespace dtune::models::cuda {
 
 // Both return the launch's cudaError_t as an int (0 = success).
 int geglu_forward(const void* proj, void* out, int64_t rows, int64_t d, KernelDtype dtype, void* stream);

@@ -3,6 +3,8 @@
 
 #include <torch/nn/modules/container/modulelist.h>
 
+#include "models/common/group_norm_act.h"
+
 namespace dtune::models {
 namespace {
 
@@ -95,6 +97,8 @@ at::Tensor VAEEncoderImpl::forward(const at::Tensor& x) {
     at::Tensor h = conv_in_->forward(x);
     for (auto& b : blocks_) h = b->forward(h);
     h = mid_block_->forward(h);
+    if (fused_inference_ready(h))
+        return conv_out_->forward(group_norm_act(*conv_norm_out_, h, {}, /*silu=*/true));
     return conv_out_->forward(at::silu(conv_norm_out_->forward(h)));
 }
 
@@ -122,6 +126,8 @@ at::Tensor VAEDecoderImpl::forward(const at::Tensor& z) {
     at::Tensor h = conv_in_->forward(z);
     h = mid_block_->forward(h);
     for (auto& b : blocks_) h = b->forward(h);
+    if (fused_inference_ready(h))
+        return conv_out_->forward(group_norm_act(*conv_norm_out_, h, {}, /*silu=*/true));
     return conv_out_->forward(at::silu(conv_norm_out_->forward(h)));
 }
 

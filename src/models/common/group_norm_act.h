@@ -1,0 +1,39 @@
+// Fused inference path of the convolutional blocks (VAE encoding and decoding; ResNet blocks in
+// sampling) on channels-last CUDA tensors:
+//   - GroupNorm with an optional input bias and SiLU in one kernel sequence (the bias of the
+//     convolution before it, plus a time embedding, folded in: the convolution runs without bias);
+//   - the bias + residual add that ends a ResNet block, in one pass.
+// ATen's GroupNorm makes a channels-last input NCHW first and back, and the convolution bias is a
+// broadcast add of its own: in the SDXL VAE encoder those cost more GPU time than the
+// convolutions. Gradients are not supported: the fused path runs only with grad mode off.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/normalization.h>
+
+namespace dtune::models {
+
+// Process-wide switch of the fused inference path (default on). For A/B benchmarks and tests.
+void set_fused_inference(bool enabled);
+bool fused_inference_enabled();
+// Whether this build has the kernels (CMake found nvcc; DTUNE_WITH_CUDA_KERNELS).
+bool fused_inference_kernels_built();
+
+// True when the fused kernels may run on x: they were built (nvcc), the switch is on, grad mode and
+// CUDA autocast are off, and x is a 4-D channels-last CUDA tensor (float32, bf16 or fp16) whose data
+// is 16-byte aligned.
+bool fused_inference_ready(const at::Tensor& x);
+
+// y = act(GroupNorm(x + in_bias)) with `norm`'s groups, eps and affine weights; in_bias undefined,
+// [C] or [N, C] (any float dtype), act = SiLU when `silu`. Fused when fused_inference_ready(x) and
+// the shape is supported; otherwise the composite ops (x + in_bias in x's dtype, norm_forward,
+// at::silu), so any caller may use it.
+at::Tensor group_norm_act(torch::nn::GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& in_bias,
+                          bool silu);
+
+// (h + bias + residual) * scale; bias [C] or undefined, residual like h or undefined. Fused (in
+// place into h, which the caller gives up) when fused_inference_ready(h) and residual has h's
+// layout and dtype; otherwise composite ops.
+at::Tensor add_bias_residual(at::Tensor h, const at::Tensor& bias, const at::Tensor& residual, double scale);
+
+}  // namespace dtune::models
