@@ -3,7 +3,8 @@
 // fused AdamW), so what speeds this up speeds up `dtune train`. One JSON line per mode. Usage:
 //   bench_train_step <sdxl folder or unet/ folder> [--modes full1gc,lora1,lora4] [--res 1024]
 //       [--steps 10] [--warmup 3] [--rank 16] [--fwd-tflop 6.76] [--profile DIR] [--no-peak]
-//       [--no-cudnn-sdpa] [--no-fused-geglu] [--no-fused-adamw] [--gc-interval N] [--nhwc-group-norm]
+//       [--no-cudnn-sdpa] [--no-fused-geglu] [--no-fused-lora] [--no-fused-adamw] [--gc-interval N]
+//       [--nhwc-group-norm]
 // A mode is (lora|full)<batch>[gc][cl]: LoRA rank r on to_q,to_k,to_v,to_out.0 (bf16 base weights,
 // float32 adapter weights) or a full fine-tune (float32 master weights); both under bf16 autocast,
 // AdamW (fused), clip at norm 1, as ../shared/bench/diffusers_sdxl_baseline.py does; gc = gradient
@@ -12,6 +13,7 @@
 // rounding, no float32 master copy) instead of float32 master weights and AdamW. Full float32 modes
 // run first, then full bf modes, then LoRA (each step of that order is one-way). --no-cudnn-sdpa
 // turns SDPA's cuDNN kernels off (flash/efficient then); --no-fused-geglu uses chunk + gelu + mul;
+// --no-fused-lora runs each adapted linear as base linear + adapter (models::set_fused_lora);
 // --no-fused-adamw runs adamw_bf16 as whole-bucket ATen ops instead of its fused CUDA kernel;
 // --gc-interval N checkpoints every N-th ResNet/transformer block in gc modes
 // (gradient_checkpointing_interval); --nhwc-group-norm keeps GroupNorm in NHWC for channels-last
@@ -63,6 +65,7 @@ struct Args {
     bool measure_peak = true;
     bool cudnn_sdpa = true;
     bool fused_geglu = true;
+    bool fused_lora = true;
     bool fused_adamw = true;
     int64_t gc_interval = 1;
     bool nhwc_group_norm = false;
@@ -106,6 +109,8 @@ Args parse_args(int argc, char** argv) {
             a.cudnn_sdpa = false;
         else if (s == "--no-fused-geglu")
             a.fused_geglu = false;
+        else if (s == "--no-fused-lora")
+            a.fused_lora = false;
         else if (s == "--no-fused-adamw")
             a.fused_adamw = false;
         else if (s == "--gc-interval")
@@ -321,6 +326,7 @@ void report(const Mode& mode, const Bench& bench, const Timing& t, int64_t train
               << ", \"channels_last\": " << (mode.channels_last ? "true" : "false") << ", \"optimizer\": \""
               << (mode.bf16_weights ? "adamw_bf16" : "adamw") << "\""
               << ", \"fused_geglu\": " << (models::fused_geglu_enabled() ? "true" : "false")
+              << ", \"fused_lora\": " << (models::fused_lora_enabled() ? "true" : "false")
               << ", \"nhwc_group_norm\": " << (bench.args.nhwc_group_norm ? "true" : "false")
               << ", \"fused_adamw\": " << (mode.bf16_weights && bench.args.fused_adamw ? "true" : "false")
               << ", \"cuda_graph_replays\": " << t.replays << ", \"params\": " << bench.total_params
@@ -404,6 +410,7 @@ int run(const Args& args) {
     at::globalContext().setAllowTF32CuDNN(true);
     if (!args.cudnn_sdpa) at::globalContext().setSDPUseCuDNN(false);
     models::set_fused_geglu(args.fused_geglu);
+    models::set_fused_lora(args.fused_lora);
     models::set_group_norm_nhwc(args.nhwc_group_norm);
     Bench bench{args, schedule};
     if (args.measure_peak) bench.peak_tflops = measure_matmul_peak();

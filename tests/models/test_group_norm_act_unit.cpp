@@ -6,6 +6,7 @@
 
 #include "model_test_util.h"
 #include "models/common/attention.h"
+#include "models/common/blocks.h"
 #include "models/common/group_norm_act.h"
 #include "support/test_support.h"
 
@@ -46,6 +47,33 @@ TEST(GroupNormAct, AddBiasResidualComposite) {
     EXPECT_LE(test::max_abs_diff(add_bias_residual(h.clone(), b, r, 0.5), expected), 1e-6);
     EXPECT_LE(test::max_abs_diff(add_bias_residual(h.clone(), {}, r, 1.0), h + r), 1e-6);
     EXPECT_LE(test::max_abs_diff(add_bias_residual(h.clone(), b, {}, 1.0), h + b.view({1, 16, 1, 1})), 1e-6);
+}
+
+// models::group_norm_nhwc (the channels-last GroupNorm behind set_group_norm_nhwc): values, NHWC
+// output, and, with gradients on, the same input and weight gradients as at::group_norm.
+TEST(GroupNormNhwc, MatchesAtenGroupNormWithAndWithoutGradients) {
+    torch::manual_seed(8);
+    const auto cl = at::MemoryFormat::ChannelsLast;
+    const at::Tensor x0 = (at::randn({2, 16, 5, 3}) + 1).contiguous(cl);
+    const at::Tensor w0 = at::randn({16}), b0 = at::randn({16});
+    {
+        torch::NoGradGuard no_grad;
+        const at::Tensor y = group_norm_nhwc(x0, 4, w0, b0, 1e-6);
+        EXPECT_TRUE(y.is_contiguous(cl));
+        EXPECT_LE(test::max_abs_diff(y, at::group_norm(x0, 4, w0, b0, 1e-6)), 1e-5);
+    }
+    const at::Tensor up = at::randn({2, 16, 5, 3});
+    auto grads = [&](bool nhwc) {
+        at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+        const at::Tensor y = nhwc ? group_norm_nhwc(x, 4, w, b0, 1e-6) : at::group_norm(x, 4, w, b0, 1e-6);
+        EXPECT_TRUE(!nhwc || y.is_contiguous(cl));
+        y.backward(up);
+        return std::pair{x.grad(), w.grad()};
+    };
+    const auto [dx, dw] = grads(true);
+    const auto [dx_ref, dw_ref] = grads(false);
+    EXPECT_LE(test::max_abs_diff(dx, dx_ref), 1e-4);
+    EXPECT_LE(test::max_abs_diff(dw, dw_ref), 1e-4);
 }
 
 // Chunked three ways (several pairs per chunk, one pair per chunk, row blocks of one pair): each

@@ -4,7 +4,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <ATen/autocast_mode.h>
+
 #include <cmath>
+#include <optional>
 
 #include "core/error.h"
 #include "model_test_util.h"
@@ -93,6 +96,92 @@ TEST(LoRAUnit, DefaultInitIsAnIdentityAndFreezesTheBase) {
         const bool adapter = item.key().find(".lora_") != std::string::npos;
         EXPECT_EQ(item.value().requires_grad(), adapter) << item.key();
     }
+}
+
+// Output and gradients (input, A, B) of an adapted linear after one backward, through the path the
+// switch selects. A and B are made non-zero so every term counts.
+struct LinearRun {
+    at::Tensor y, dx, da, db;
+};
+LinearRun run_adapted_linear(bool fused, at::ScalarType dtype, bool autocast_bf16, bool bias = true) {
+    torch::manual_seed(21);
+    auto layer = AdaptableLinear(torch::nn::LinearOptions(24, 20).bias(bias));
+    torch::nn::Module root;
+    root.register_module("to_q", layer);
+    LoRAAdapters a = inject_lora(root, config({"to_q"}, 4, 8));  // s = 2
+    root.to(dtype);
+    LoRALayer& lora = *a.find("to_q");
+    {
+        torch::NoGradGuard no_grad;
+        lora.down().normal_();
+        lora.up().normal_();
+    }
+    if (autocast_bf16) {  // the trainer's setting: bf16 base weights, float32 factors, autocast
+        layer->weight.set_data(layer->weight.to(at::kBFloat16));
+        if (bias) layer->bias.set_data(layer->bias.to(at::kBFloat16));
+    }
+    set_fused_lora(fused);
+    const at::Tensor x = at::randn({3, 5, 24}, at::TensorOptions().dtype(dtype)).requires_grad_(true);
+    const at::Tensor g = at::randn({3, 5, 20}, at::TensorOptions().dtype(dtype));
+    at::Tensor y;
+    {
+        if (autocast_bf16) {
+            at::autocast::set_autocast_enabled(at::kCPU, true);
+            at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+        }
+        y = layer->forward(x);
+        if (autocast_bf16) at::autocast::set_autocast_enabled(at::kCPU, false);
+    }
+    y.backward(g.to(y.scalar_type()));
+    set_fused_lora(true);
+    return {y.detach(), x.grad(), lora.down().grad(), lora.up().grad()};
+}
+
+TEST(LoRAUnit, FusedTrainingLinearMatchesTheCompositePath) {
+    for (bool bias : {true, false}) {  // SDXL's to_q/to_k/to_v have none, to_out.0 has one
+        const LinearRun fused = run_adapted_linear(true, at::kDouble, false, bias);
+        const LinearRun plain = run_adapted_linear(false, at::kDouble, false, bias);
+        EXPECT_LE(test::max_abs_diff(fused.y, plain.y), 1e-12) << bias;
+        EXPECT_LE(test::max_abs_diff(fused.dx, plain.dx), 1e-12) << bias;
+        EXPECT_LE(test::max_abs_diff(fused.da, plain.da), 1e-12) << bias;
+        EXPECT_LE(test::max_abs_diff(fused.db, plain.db), 1e-12) << bias;
+        EXPECT_GT(fused.da.abs().max().item<double>(), 0.1);
+        EXPECT_GT(fused.db.abs().max().item<double>(), 0.1);
+    }
+}
+
+// Under bf16 autocast with float32 factors (how dtune trains LoRA): same dtypes as the composite
+// path, values within bf16 rounding.
+TEST(LoRAUnit, FusedTrainingLinearUnderAutocastKeepsTheDtypes) {
+    const LinearRun fused = run_adapted_linear(true, at::kFloat, true);
+    const LinearRun plain = run_adapted_linear(false, at::kFloat, true);
+    EXPECT_EQ(fused.y.scalar_type(), plain.y.scalar_type());
+    EXPECT_EQ(fused.dx.scalar_type(), at::kFloat);
+    EXPECT_EQ(fused.da.scalar_type(), at::kFloat);
+    EXPECT_EQ(fused.db.scalar_type(), at::kFloat);
+    for (auto [f, p] :
+         {std::pair{fused.y, plain.y}, {fused.dx, plain.dx}, {fused.da, plain.da}, {fused.db, plain.db}})
+        EXPECT_LE(test::max_abs_diff(f.to(at::kFloat), p.to(at::kFloat)),
+                  2e-2 * p.abs().max().item<double>());
+}
+
+TEST(LoRAUnit, FusedPathOnlyWhereItApplies) {
+    auto layer = AdaptableLinear(6, 5);
+    torch::nn::Module root;
+    root.register_module("to_q", layer);
+    LoRAAdapters a = inject_lora(root, config({"to_q"}));
+    const LoRALayer& lora = *a.find("to_q");
+    const at::Tensor x = at::randn({2, 6});
+    EXPECT_TRUE(lora.takes_whole_forward(x));
+    {
+        torch::NoGradGuard no_grad;  // inference: the composite path
+        EXPECT_FALSE(lora.takes_whole_forward(x));
+    }
+    set_fused_lora(false);
+    EXPECT_FALSE(lora.takes_whole_forward(x));
+    set_fused_lora(true);
+    layer->weight.requires_grad_(true);  // a trainable base needs its own gradient
+    EXPECT_FALSE(lora.takes_whole_forward(x));
 }
 
 TEST(LoRAUnit, GaussianInitHasStdOneOverRank) {

@@ -5,8 +5,8 @@
 # ends inside the device's limit and keeps what finished (everything lands in $OUT).
 # Needs in the checkout: .gpudeps.tar.xz and shared/ (tools/gpu/prepare.sh), shared/bench/
 # diffusers_sdxl_baseline.py, and the diffusers wheel (DIFFUSERS_WHL, default ./diffusers-*.whl).
-#   tools/gpu/perf_pass.sh   (env: STEPS=8, DTUNE_MODES, BASE_MODES, AB_MODES, GC_MODES, GC_INTERVALS,
-#                             CL_MODES)
+#   tools/gpu/perf_pass.sh   (env: STEPS=8, DTUNE_MODES, BASE_MODES, AB_MODES + AB_FLAGS (the same
+#                             modes again with fused paths off), GC_MODES + GC_INTERVALS, CL_MODES)
 #   COMPILE_ONLY=1 tools/gpu/perf_pass.sh   only the diffusers baseline under torch.compile
 #       (COMPILE_MODES, default lora4), capped at 540 s, into $OUT/diffusers_compile.log: its
 #       compilation takes minutes, so it gets a call of its own; compare with a perf_pass run on the
@@ -16,12 +16,12 @@ cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0
 OUT=${OUT:-out/perf}; mkdir -p "$OUT"
 STEPS=${STEPS:-8}
-DTUNE_MODES=${DTUNE_MODES:-full4gccg,full1gccg,full4bfgccg,full4bfcg,full1bfcg,lora4cg,lora1cg}
+DTUNE_MODES=${DTUNE_MODES:-full4gccg,full1gccg,full4bfgccg,full1bfcg,lora4cg,lora1cg}
 BASE_MODES=${BASE_MODES:-lora4,full4gc,lora1,full1gc}
-AB_MODES=${AB_MODES:-full4bfcg}  # again with the ATen adamw_bf16 and the composite GEGLU
+AB_MODES=${AB_MODES:-lora4cg} AB_FLAGS=${AB_FLAGS:---no-fused-lora}  # again with a fused path off
 GC_MODES=${GC_MODES:-full4bfgccg}  # again per gradient_checkpointing_interval in GC_INTERVALS
-GC_INTERVALS=${GC_INTERVALS:-2 3}
-CL_MODES=${CL_MODES:-lora4cgcl,full4bfcgcl}  # channels-last with dtune's NHWC GroupNorm
+GC_INTERVALS=${GC_INTERVALS:-3 4}
+CL_MODES=${CL_MODES:-}  # e.g. lora4cgcl: channels-last with dtune's NHWC GroupNorm
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 unpack_diffusers() {
     local whl=${DIFFUSERS_WHL:-$(ls diffusers-*.whl 2>/dev/null | head -1)}
@@ -49,9 +49,10 @@ OUT=$OUT DIFFUSERS_SRC=/tmp/diffusers_src PYTHONUNBUFFERED=1 timeout 240 python3
     --modes "$BASE_MODES" --steps $((STEPS + 2)) >"$OUT/diffusers.log" 2>&1
 echo "diffusers: rc $?"
 if [ -n "$AB_MODES" ]; then
-    timeout 100 "$B" "$M" --modes "$AB_MODES" --steps "$STEPS" --no-peak --no-fused-adamw --no-fused-geglu \
+    # shellcheck disable=SC2086
+    timeout 100 "$B" "$M" --modes "$AB_MODES" --steps "$STEPS" --no-peak $AB_FLAGS \
         >"$OUT/dtune_unfused.jsonl" 2>>"$OUT/dtune.log"
-    echo "dtune unfused A/B: rc $?"
+    echo "dtune A/B ($AB_FLAGS): rc $?"
 fi
 for n in $GC_INTERVALS; do
     [ -n "$GC_MODES" ] || break

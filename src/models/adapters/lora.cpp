@@ -5,6 +5,10 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/torch.h>
 
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <atomic>
 #include <cmath>
 #include <mutex>
 #include <optional>
@@ -34,6 +38,68 @@ std::string joined(const std::vector<std::string>& items, std::size_t limit = 20
     if (items.size() > limit) out += str("\n    ... and ", items.size() - limit, " more");
     return out;
 }
+
+std::atomic<bool> g_fused_lora{true};
+
+// y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ for a frozen W (and b) and trainable A [r, in], B [out, r]. Computes
+// in the autocast dtype (else x's); saves x, W, the cast factors and h = x·Aᵀ. Autograd inputs:
+// x, A, B (edges 0, 1, 2 for needs_input_grad; backward returns one entry per forward argument).
+struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction> {
+    // The frozen base weight and bias ride outside autograd's inputs (an undefined bias cannot be an
+    // input, and neither needs a gradient).
+    struct Frozen {
+        at::Tensor weight, bias;
+    };
+    static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const Frozen& base,
+                              const at::Tensor& a, const at::Tensor& b, double scale) {
+        const at::Tensor &w = base.weight, &bias = base.bias;
+        const auto device = x.device().type();
+        const auto ct = at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device)
+                                                                  : x.scalar_type();
+        const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+        const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(ct), wc = w.to(ct), ac = a.to(ct), bc = b.to(ct);
+        at::Tensor y = bias.defined() ? at::addmm(bias.to(ct), x2, wc.t()) : at::mm(x2, wc.t());  // [N, out]
+        const at::Tensor h = at::mm(x2, ac.t());                                                  // [N, r]
+        y.addmm_(h, bc.t(), 1.0, scale);
+        ctx->save_for_backward({x2, wc, ac, bc, h});
+        ctx->saved_data["scale"] = scale;
+        ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+        ctx->saved_data["x_sizes"] = x.sizes().vec();
+        ctx->saved_data["a_dtype"] = static_cast<int64_t>(a.scalar_type());
+        ctx->saved_data["b_dtype"] = static_cast<int64_t>(b.scalar_type());
+        auto sizes = x.sizes().vec();
+        sizes.back() = w.size(0);
+        return y.view(sizes);
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const at::Tensor &x2 = saved[0], &wc = saved[1], &ac = saved[2], &bc = saved[3], &h = saved[4];
+        const double s = ctx->saved_data["scale"].toDouble();
+        auto dtype = [&](const char* key) {
+            return static_cast<at::ScalarType>(ctx->saved_data[key].toInt());
+        };
+        const at::Tensor g = grads[0].reshape({-1, wc.size(0)}).to(x2.scalar_type());  // [N, out]
+        const at::Tensor gh =
+            at::addmm(at::empty({g.size(0), h.size(1)}, g.options()), g, bc, 0.0, s);  // s·g·B
+        at::Tensor dx, da, db;
+        if (ctx->needs_input_grad(0)) {
+            dx = at::mm(g, wc);  // [N, in]
+            dx.addmm_(gh, ac);   // + s·g·B·A
+            dx = dx.to(dtype("x_dtype")).view(ctx->saved_data["x_sizes"].toIntVector());
+        }
+        // Factor gradients straight into their (float32) dtype where the GEMM can write it (CUDA).
+        const bool out_dtype = g.is_cuda() && g.scalar_type() != at::kFloat;
+        if (ctx->needs_input_grad(1))
+            da = out_dtype ? at::mm(gh.t(), x2, dtype("a_dtype")) : at::mm(gh.t(), x2).to(dtype("a_dtype"));
+        if (ctx->needs_input_grad(2))
+            db = out_dtype ? at::addmm(at::empty({g.size(1), h.size(1)}, g.options().dtype(dtype("b_dtype"))),
+                                       g.t(), h, dtype("b_dtype"), 0.0, s)
+                           : at::mm(g.t(), h).mul_(s).to(dtype("b_dtype"));
+        return {dx, at::Tensor(), da, db, at::Tensor()};
+    }
+};
 
 void check_config(const LoRAConfig& c) {
     DTUNE_CHECK_AS(UsageError, c.rank >= 1, "lora_rank must be >= 1 (got ", c.rank, ")");
@@ -122,6 +188,26 @@ void LoRALayer::create(torch::nn::Module& host, at::IntArrayRef down_shape, at::
         at::Tensor m = kind_ == Kind::kLinear ? norm.reshape({-1}) : norm.reshape({1, -1, 1, 1});
         magnitude_ = host.register_parameter("lora_magnitude_vector", m.clone());
     }
+}
+
+void set_fused_lora(bool enabled) {
+    g_fused_lora = enabled;
+}
+bool fused_lora_enabled() {
+    return g_fused_lora;
+}
+
+bool LoRALayer::takes_whole_forward(const at::Tensor& x) const {
+    const bool drop = dropout_ > 0.0 && host_->is_training();
+    return g_fused_lora && kind_ == Kind::kLinear && !merged_ && !magnitude_.defined() && !drop &&
+           at::GradMode::is_enabled() && (down_.requires_grad() || up_.requires_grad()) &&
+           !base_weight_->requires_grad() && !(base_bias_->defined() && base_bias_->requires_grad()) &&
+           x.numel() > 0 && x.dim() >= 2;
+}
+
+at::Tensor LoRALayer::forward_whole(const at::Tensor& x) {
+    return LoRALinearFunction::apply(x, LoRALinearFunction::Frozen{*base_weight_, *base_bias_}, down_, up_,
+                                     scale());
 }
 
 double LoRALayer::scale() const {

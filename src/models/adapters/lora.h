@@ -73,6 +73,12 @@ struct LoRAConfig {
     double effective_alpha() const { return alpha > 0 ? alpha : static_cast<double>(rank); }
 };
 
+// Process-wide switch of LoRALayer's fused training path (default on); off = the composite path
+// (base linear, then the adapter through addmm). For A/B benchmarks (bench_train_step
+// --no-fused-lora) and tests.
+void set_fused_lora(bool enabled);
+bool fused_lora_enabled();
+
 // One adapted layer. Owned by its host layer (through LayerAdapter) and by LoRAAdapters.
 class LoRALayer : public LayerAdapter {
   public:
@@ -85,6 +91,12 @@ class LoRALayer : public LayerAdapter {
               at::Generator* init_generator = nullptr);
 
     at::Tensor forward(const at::Tensor& x, const at::Tensor& base_out) override;
+    // Training a plain linear LoRA (no DoRA, no dropout, frozen base, grad mode on): the base and the
+    // adapter run as one autograd function (fused_lora_enabled()), whose backward computes the
+    // input's gradient as one GEMM plus one accumulating GEMM and the factors' gradients straight in
+    // their dtype: no separate gradient sum of the two branches and no casts of A and B's gradients.
+    bool takes_whole_forward(const at::Tensor& x) const override;
+    at::Tensor forward_whole(const at::Tensor& x) override;
 
     Kind kind() const { return kind_; }
     int64_t rank() const { return rank_; }

@@ -15,6 +15,10 @@ void check_free(const LayerAdapter* current) {
 
 }  // namespace
 
+at::Tensor LayerAdapter::forward_whole(const at::Tensor& /*x*/) {
+    throw Error("this adapter has no whole-layer forward (takes_whole_forward must be false)");
+}
+
 void AdaptableLinearImpl::set_adapter(std::shared_ptr<LayerAdapter> adapter) {
     check_free(adapter_.get());
     adapter_ = std::move(adapter);

@@ -23,12 +23,17 @@ class LayerAdapter {
     virtual ~LayerAdapter() = default;
     // x: the layer's input; base_out: the base layer's output for x (bias included).
     virtual at::Tensor forward(const at::Tensor& x, const at::Tensor& base_out) = 0;
+    // True when forward_whole(x) should compute the whole layer (base and adapter together) for this
+    // call instead of forward(x, base_out): a fused path that needs the base's inputs.
+    virtual bool takes_whole_forward(const at::Tensor& /*x*/) const { return false; }
+    virtual at::Tensor forward_whole(const at::Tensor& x);
 };
 
 class AdaptableLinearImpl : public LinearImpl {
   public:
     using LinearImpl::LinearImpl;
     at::Tensor forward(const at::Tensor& x) {
+        if (adapter_ && adapter_->takes_whole_forward(x)) return adapter_->forward_whole(x);
         at::Tensor out = LinearImpl::forward(x);
         return adapter_ ? adapter_->forward(x, out) : out;
     }

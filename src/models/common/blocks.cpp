@@ -69,14 +69,21 @@ at::Tensor group_norm_nhwc(const at::Tensor& x, int64_t groups, const at::Tensor
     const int64_t n = x.size(0), c = x.size(1), hw = x.size(2) * x.size(3), cg = c / groups;
     const at::Tensor v = x.permute({0, 2, 3, 1}).view({n, hw, groups, cg});     // [N, HW, G, Cg], NHWC memory
     const at::Tensor mean = at::mean(v, {1, 3}, /*keepdim=*/true, at::kFloat);  // [N, 1, G, 1]
-    const at::Tensor mean_sq = at::linalg_vector_norm(v, 2, at::IntArrayRef{1, 3}, true, at::kFloat)
-                                   .square_()
-                                   .div_(static_cast<double>(hw * cg));  // E[x²], [N, 1, G, 1]
-    const at::Tensor rstd = (mean_sq - mean * mean).clamp_min_(0).add_(eps).rsqrt_();
+    // Out-of-place on these tiny [N, 1, G, 1] tensors, so the whole function stays differentiable.
+    const at::Tensor mean_sq =
+        at::linalg_vector_norm(v, 2, at::IntArrayRef{1, 3}, true, at::kFloat).square() /
+        static_cast<double>(hw * cg);  // E[x²], [N, 1, G, 1]
+    const at::Tensor rstd = (mean_sq - mean * mean).clamp_min(0).add(eps).rsqrt();
     at::Tensor scale = weight.defined() ? rstd * weight.to(at::kFloat).view({1, 1, groups, cg})
                                         : rstd.expand({n, 1, groups, cg}).contiguous();  // [N, 1, G, Cg]
     at::Tensor shift = -mean * scale;
     if (bias.defined()) shift = shift + bias.to(at::kFloat).view({1, 1, groups, cg});
+    if (at::GradMode::is_enabled() && (x.requires_grad() || (weight.defined() && weight.requires_grad()) ||
+                                       (bias.defined() && bias.requires_grad()))) {
+        // Differentiable (out= is not): float32 result, then x's dtype; NHWC memory either way.
+        const at::Tensor y = at::addcmul(shift, v, scale).to(x.scalar_type());  // [N, HW, G, Cg]
+        return y.view({n, x.size(2), x.size(3), c}).permute({0, 3, 1, 2});
+    }
     at::Tensor out = at::empty_like(x, at::MemoryFormat::ChannelsLast);  // [N, C, H, W]
     at::Tensor out_view = out.permute({0, 2, 3, 1}).view({n, hw, groups, cg});
     at::addcmul_out(out_view, shift, v, scale);  // computed in float32, rounded once to x's dtype
