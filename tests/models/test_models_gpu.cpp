@@ -1,10 +1,12 @@
 // The tiny SDXL UNet and VAE on CUDA in bf16 (label gpu; skipped without a CUDA device):
 // outputs stay close to the float32 CPU reference, gradient checkpointing and channels-last run,
 // and SDPA picks a fused kernel for the UNet's attention shapes.
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "model_test_util.h"
+#include "models/adapters/lora.h"
 #include "models/common/attention.h"
 #include "models/common/blocks.h"
 #include "models/common/geglu.h"
@@ -228,6 +230,51 @@ TEST(ModelsGpu, WideHeadAttentionMatchesSdpa) {
     const at::Tensor chunked = attention_float_scores(q.to(at::kBFloat16), k.to(at::kBFloat16),
                                                       v.to(at::kBFloat16), int64_t{1000} * 4096);
     EXPECT_LE(test::max_abs_diff(chunked.to(at::kFloat).cpu(), out.to(at::kFloat).cpu()), 1e-2);
+}
+
+// The fused training LoRA linear on CUDA (its factor gradients come out of the GEMMs in float32)
+// against the composite path, the way dtune trains: bf16 base, float32 factors, bf16 autocast.
+TEST(ModelsGpu, FusedLoRALinearMatchesCompositeUnderAutocast) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    struct Run {
+        at::Tensor y, dx, da, db;
+    };
+    auto run = [&](bool fused) {
+        torch::manual_seed(31);
+        auto layer = AdaptableLinear(torch::nn::LinearOptions(640, 320).bias(false));
+        torch::nn::Module root;
+        root.register_module("to_q", layer);
+        LoRAConfig c;
+        c.rank = 16;
+        c.alpha = 16;
+        c.target_modules = {"to_q"};
+        LoRAAdapters adapters = inject_lora(root, c);
+        LoRALayer& lora = *adapters.find("to_q");
+        {
+            torch::NoGradGuard no_grad;
+            lora.up().normal_();
+        }
+        root.to(cuda);
+        layer->weight.set_data(layer->weight.to(at::kBFloat16));
+        const at::Tensor x = at::randn({4, 256, 640}).to(cuda).requires_grad_(true);
+        const at::Tensor g = at::randn({4, 256, 320}).to(cuda, at::kBFloat16);
+        set_fused_lora(fused);
+        at::autocast::set_autocast_enabled(at::kCUDA, true);
+        at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+        const at::Tensor y = layer->forward(x);
+        at::autocast::set_autocast_enabled(at::kCUDA, false);
+        y.backward(g);
+        set_fused_lora(true);
+        return Run{y.detach().cpu().to(at::kFloat), x.grad().cpu(), lora.down().grad().cpu(),
+                   lora.up().grad().cpu()};
+    };
+    const Run fused = run(true), plain = run(false);
+    EXPECT_EQ(fused.da.scalar_type(), at::kFloat);
+    EXPECT_EQ(fused.db.scalar_type(), at::kFloat);
+    for (auto [f, p] :
+         {std::pair{fused.y, plain.y}, {fused.dx, plain.dx}, {fused.da, plain.da}, {fused.db, plain.db}})
+        EXPECT_LE(test::max_abs_diff(f, p.to(at::kFloat)), 2e-2 * p.abs().max().item<double>());
 }
 
 }  // namespace
