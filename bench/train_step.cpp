@@ -3,7 +3,8 @@
 // fused AdamW), so what speeds this up speeds up `dtune train`. One JSON line per mode. Usage:
 //   bench_train_step <sdxl folder or unet/ folder> [--modes full1gc,lora1,lora4] [--res 1024]
 //       [--steps 10] [--warmup 3] [--rank 16] [--fwd-tflop 6.76] [--profile DIR] [--no-peak]
-//       [--no-cudnn-sdpa] [--no-fused-geglu] [--no-fused-lora] [--no-fused-adamw] [--gc-interval N]
+//       [--no-cudnn-sdpa] [--cudnn-benchmark] [--no-fused-geglu] [--no-fused-lora] [--no-fused-adamw]
+//       [--gc-interval N]
 //       [--nhwc-group-norm]
 // A mode is (lora|full)<batch>[gc][cl]: LoRA rank r on to_q,to_k,to_v,to_out.0 (bf16 base weights,
 // float32 adapter weights) or a full fine-tune (float32 master weights); both under bf16 autocast,
@@ -12,7 +13,8 @@
 // any order), bf = (full only) bf16 weights and SimpleTuner's default optimizer adamw_bf16 (stochastic
 // rounding, no float32 master copy) instead of float32 master weights and AdamW. Full float32 modes
 // run first, then full bf modes, then LoRA (each step of that order is one-way). --no-cudnn-sdpa
-// turns SDPA's cuDNN kernels off (flash/efficient then); --no-fused-geglu uses chunk + gelu + mul;
+// turns SDPA's cuDNN kernels off (flash/efficient then); --cudnn-benchmark lets cuDNN time its
+// convolution algorithms per shape (benchmark mode); --no-fused-geglu uses chunk + gelu + mul;
 // --no-fused-lora runs each adapted linear as base linear + adapter (models::set_fused_lora);
 // --no-fused-adamw runs adamw_bf16 as whole-bucket ATen ops instead of its fused CUDA kernel;
 // --gc-interval N checkpoints every N-th ResNet/transformer block in gc modes
@@ -64,6 +66,7 @@ struct Args {
     std::filesystem::path profile_dir;
     bool measure_peak = true;
     bool cudnn_sdpa = true;
+    bool cudnn_benchmark = false;
     bool fused_geglu = true;
     bool fused_lora = true;
     bool fused_adamw = true;
@@ -109,6 +112,8 @@ Args parse_args(int argc, char** argv) {
             a.cudnn_sdpa = false;
         else if (s == "--no-fused-geglu")
             a.fused_geglu = false;
+        else if (s == "--cudnn-benchmark")
+            a.cudnn_benchmark = true;
         else if (s == "--no-fused-lora")
             a.fused_lora = false;
         else if (s == "--no-fused-adamw")
@@ -409,6 +414,7 @@ int run(const Args& args) {
     at::globalContext().setAllowTF32CuBLAS(true);  // as the baseline (allow_tf32 for matmul and cuDNN)
     at::globalContext().setAllowTF32CuDNN(true);
     if (!args.cudnn_sdpa) at::globalContext().setSDPUseCuDNN(false);
+    at::globalContext().setBenchmarkCuDNN(args.cudnn_benchmark);
     models::set_fused_geglu(args.fused_geglu);
     models::set_fused_lora(args.fused_lora);
     models::set_group_norm_nhwc(args.nhwc_group_norm);
