@@ -2,12 +2,14 @@
 // an exit code (see core/error.h for the codes).
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <iostream>
 
 #include "cli/command.h"
 #include "cli/version.h"
 #include "core/error.h"
+#include "core/fused_env.h"
 #include "core/log.h"
 
 namespace dtune::cli {
@@ -92,6 +94,10 @@ int main(int argc, char** argv) {
         return 0;
     }
     try {
+        // Checked up front, so a bad value fails here rather than at the first fused kernel.
+        if (!fused_kernels_allowed())
+            log::info() << "DTUNE_FUSED_KERNELS=" << std::getenv("DTUNE_FUSED_KERNELS")
+                        << ": dtune's fused kernels are off (ATen's ops run instead)";
         return cmd->run(rest);
     } catch (const Error& e) {
         std::fprintf(stderr, "error: %s\n", e.what());

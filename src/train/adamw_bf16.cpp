@@ -16,6 +16,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "core/fused_env.h"
 #include "train/optimizer.h"
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
@@ -221,7 +222,7 @@ void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale)
         at::_foreach_copy_(params, views);
     };
 #ifdef DTUNE_WITH_CUDA_KERNELS
-    if (options_.fused_kernel && grad.is_cuda() && generator_.device().is_cuda()) {
+    if (options_.fused_kernel && fused_kernels_allowed() && grad.is_cuda() && generator_.device().is_cuda()) {
         cuda::AdamWBF16Args args;
         args.beta1 = static_cast<float>(b1);
         args.beta2 = static_cast<float>(b2);

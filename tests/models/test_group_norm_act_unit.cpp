@@ -2,11 +2,14 @@
 // scores, on the CPU against float64 references. The CUDA kernels are checked against the same
 // references in test_models_gpu.cpp.
 #include <gtest/gtest.h>
+#include <stdlib.h>
 #include <torch/torch.h>
 
 #include "model_test_util.h"
+#include "models/adapters/lora.h"
 #include "models/common/attention.h"
 #include "models/common/blocks.h"
+#include "models/common/geglu.h"
 #include "models/common/group_norm_act.h"
 #include "support/test_support.h"
 
@@ -74,6 +77,17 @@ TEST(GroupNormNhwc, MatchesAtenGroupNormWithAndWithoutGradients) {
     const auto [dx_ref, dw_ref] = grads(false);
     EXPECT_LE(test::max_abs_diff(dx, dx_ref), 1e-4);
     EXPECT_LE(test::max_abs_diff(dw, dw_ref), 1e-4);
+}
+
+TEST(FusedSwitches, DtuneFusedKernelsTurnsEveryPathOff) {
+    ::setenv("DTUNE_FUSED_KERNELS", "0", 1);
+    EXPECT_FALSE(fused_inference_enabled());
+    EXPECT_FALSE(fused_geglu_enabled());
+    EXPECT_FALSE(fused_lora_enabled());
+    ::unsetenv("DTUNE_FUSED_KERNELS");
+    EXPECT_TRUE(fused_inference_enabled());
+    EXPECT_TRUE(fused_geglu_enabled());
+    EXPECT_TRUE(fused_lora_enabled());
 }
 
 // Chunked three ways (several pairs per chunk, one pair per chunk, row blocks of one pair): each

@@ -174,6 +174,31 @@ TEST(TrainCli, SigtermSavesACheckpointAndExitsWith4) {
     EXPECT_TRUE(found);
 }
 
+// DTUNE_FUSED_KERNELS=0 runs the plain ATen ops (here: the LoRA training linear and GEGLU on the
+// CPU); the adapters it trains equal the fused run's to float rounding. A bad value is a usage error.
+TEST(TrainCli, FusedKernelsCanBeTurnedOffForTriage) {
+    Workspace w;
+    const std::string lora = "--model_type lora --lora_rank 4 --lora_alpha 4 --max_train_steps 2";
+    ASSERT_EQ(run_status(w.command("fused", lora)), 0) << fs::read_file(w.dir / "log.txt");
+    ASSERT_EQ(run_status("DTUNE_FUSED_KERNELS=0 " + w.command("plain", lora)), 0)
+        << fs::read_file(w.dir / "log.txt");
+    EXPECT_NE(fs::read_file(w.dir / "log.txt").find("DTUNE_FUSED_KERNELS=0: dtune's fused kernels are off"),
+              std::string::npos);
+    const auto fused = io::load_safetensors(w.dir / "fused" / "pytorch_lora_weights.safetensors");
+    const auto plain = io::load_safetensors(w.dir / "plain" / "pytorch_lora_weights.safetensors");
+    ASSERT_EQ(fused.size(), plain.size());
+    double max_diff = 0, max_abs = 0;
+    for (std::size_t i = 0; i < fused.size(); ++i) {
+        ASSERT_EQ(fused[i].first, plain[i].first);
+        max_diff = std::max(max_diff, (fused[i].second - plain[i].second).abs().max().item<double>());
+        max_abs = std::max(max_abs, fused[i].second.abs().max().item<double>());
+    }
+    EXPECT_LE(max_diff, 1e-5 * std::max(1.0, max_abs));
+    EXPECT_EQ(run_status("DTUNE_FUSED_KERNELS=maybe " + w.command("bad", lora)), 2);
+    EXPECT_NE(fs::read_file(w.dir / "log.txt").find("DTUNE_FUSED_KERNELS='maybe' is not understood"),
+              std::string::npos);
+}
+
 TEST(TrainCli, UnimplementedOptionExitsWithUsageError) {
     Workspace w;
     EXPECT_EQ(run_status(w.command("bad", "--base_model_precision int8-quanto")), 2);

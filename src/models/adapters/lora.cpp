@@ -16,6 +16,7 @@
 #include <variant>
 
 #include "core/error.h"
+#include "core/fused_env.h"
 #include "core/log.h"
 
 namespace dtune::models {
@@ -194,12 +195,12 @@ void set_fused_lora(bool enabled) {
     g_fused_lora = enabled;
 }
 bool fused_lora_enabled() {
-    return g_fused_lora;
+    return g_fused_lora && fused_kernels_allowed();
 }
 
 bool LoRALayer::takes_whole_forward(const at::Tensor& x) const {
     const bool drop = dropout_ > 0.0 && host_->is_training();
-    return g_fused_lora && kind_ == Kind::kLinear && !merged_ && !magnitude_.defined() && !drop &&
+    return fused_lora_enabled() && kind_ == Kind::kLinear && !merged_ && !magnitude_.defined() && !drop &&
            at::GradMode::is_enabled() && (down_.requires_grad() || up_.requires_grad()) &&
            !base_weight_->requires_grad() && !(base_bias_->defined() && base_bias_->requires_grad()) &&
            x.numel() > 0 && x.dim() >= 2;

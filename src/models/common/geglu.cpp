@@ -11,6 +11,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/fused_env.h"
 #include "models/common/geglu_math.h"
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
@@ -126,7 +127,7 @@ void set_fused_geglu(bool enabled) {
 }
 
 bool fused_geglu_enabled() {
-    return g_fused.load();
+    return g_fused.load() && fused_kernels_allowed();
 }
 
 bool fused_geglu_available(const at::Device& device) {
@@ -147,7 +148,7 @@ at::Tensor geglu(const at::Tensor& proj) {
     const auto dtype = proj.scalar_type();
     const bool floating = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf ||
                           (dtype == at::kDouble && proj.is_cpu());
-    if (!g_fused.load() || !floating || proj.dim() == 0 || proj.size(-1) % 2 != 0 ||
+    if (!fused_geglu_enabled() || !floating || proj.dim() == 0 || proj.size(-1) % 2 != 0 ||
         !fused_geglu_available(proj.device()))
         return geglu_composite(proj);
     return GegluFunction::apply(proj.contiguous());

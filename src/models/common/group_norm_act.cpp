@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "core/fused_env.h"
 #include "models/common/blocks.h"
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
@@ -37,7 +38,7 @@ void set_fused_inference(bool enabled) {
     g_fused = enabled;
 }
 bool fused_inference_enabled() {
-    return g_fused;
+    return g_fused && fused_kernels_allowed();
 }
 
 bool fused_inference_kernels_built() {
@@ -51,7 +52,7 @@ bool fused_inference_kernels_built() {
 bool fused_inference_ready(const at::Tensor& x) {
 #ifdef DTUNE_WITH_CUDA_KERNELS
     const auto t = x.scalar_type();
-    return g_fused && !at::GradMode::is_enabled() && x.is_cuda() && x.dim() == 4 &&
+    return fused_inference_enabled() && !at::GradMode::is_enabled() && x.is_cuda() && x.dim() == 4 &&
            (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) &&
            x.is_contiguous(at::MemoryFormat::ChannelsLast) && !at::autocast::is_autocast_enabled(at::kCUDA) &&
            reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 == 0;

@@ -1,0 +1,20 @@
+// DTUNE_FUSED_KERNELS: a process-wide way to turn off every fused path of dtune's own (the GEGLU
+// kernels, the LoRA training linear, the channels-last inference blocks, adamw_bf16's CUDA
+// kernel), so a suspected numerical or kernel problem can be checked against the plain ATen ops
+// without rebuilding. "0", "off" or "false" turns them off; unset, empty, "1", "on" or "true" leaves
+// them on. The per-path switches (models::set_fused_geglu, ...) still apply on top.
+#pragma once
+
+#include <optional>
+#include <string_view>
+
+namespace dtune {
+
+// The value's meaning: true = fused paths on, false = off; nullopt for anything else.
+std::optional<bool> parse_fused_kernels_value(std::string_view value);
+
+// Reads DTUNE_FUSED_KERNELS now (cheap: called on hot paths). Throws UsageError naming the variable
+// and the accepted values when it holds anything else.
+bool fused_kernels_allowed();
+
+}  // namespace dtune
