@@ -3,8 +3,6 @@
 // name, .json) holding every setting needed to reproduce it.
 #include <ATen/ATen.h>
 
-#include <sched.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -23,6 +21,7 @@
 #include "core/fs.h"
 #include "core/log.h"
 #include "core/progress.h"
+#include "core/thread_pool.h"
 #include "io/image.h"
 #include "validate/sdxl_pipeline.h"
 
@@ -155,10 +154,7 @@ SampleArgs parse_args(const std::vector<std::string>& args) {
 int cpu_threads(int requested) {
     if (requested > 0) return requested;
     if (std::getenv("OMP_NUM_THREADS")) return 0;  // 0 = leave libtorch's choice
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    const int available = sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-    return std::clamp(available, 1, 16);
+    return std::clamp(usable_cpus(), 1, 16);
 }
 
 c10::Device pick_device(const std::string& name) {

@@ -1,9 +1,18 @@
 // Thread pool implementation: one shared queue, workers sleep on a condition variable.
 #include "core/thread_pool.h"
 
+#include <sched.h>
+
+#include <algorithm>
 #include <exception>
 
 namespace dtune {
+
+int usable_cpus() {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    return ::sched_getaffinity(0, sizeof set, &set) == 0 ? std::max(1, CPU_COUNT(&set)) : 1;
+}
 
 ThreadPool::ThreadPool(std::size_t threads) {
     if (threads == 0) threads = std::max(1u, std::thread::hardware_concurrency());

@@ -16,6 +16,10 @@
 
 namespace dtune {
 
+// The CPUs this process may run on: its affinity mask (a cgroup cpuset or taskset limit), not the
+// host's count; at least 1.
+int usable_cpus();
+
 class ThreadPool {
   public:
     // threads == 0 means one per hardware thread.

@@ -5,7 +5,6 @@
 
 #include <fcntl.h>
 #include <poll.h>
-#include <sched.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
@@ -25,6 +24,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/thread_pool.h"
 #include "dist/env.h"
 #include "dist/fault.h"
 #include "dist/fault_channel.h"
@@ -62,13 +62,6 @@ int g_deaths = 0;
 int g_reaped = 0;
 
 // Whether `a` failed before `b`, by SIGCHLD order where known, else by reap order.
-// The CPUs this process may run on (its affinity mask: a cgroup or taskset limit, not the host's count).
-int usable_cpus() {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    return ::sched_getaffinity(0, sizeof set, &set) == 0 ? CPU_COUNT(&set) : 1;
-}
-
 bool died_before(const Child& a, const Child& b) {
     int ka = a.death_order ? a.death_order : 1 << 30, kb = b.death_order ? b.death_order : 1 << 30;
     return ka != kb ? ka < kb : a.reap_order < b.reap_order;
