@@ -175,10 +175,13 @@ TEST(TrainCli, SigtermSavesACheckpointAndExitsWith4) {
 }
 
 // DTUNE_FUSED_KERNELS=0 runs the plain ATen ops (here: the LoRA training linear and GEGLU on the
-// CPU); the adapters it trains equal the fused run's to float rounding. A bad value is a usage error.
+// CPU); the adapters it trains equal the fused run's to float rounding. SGD keeps the comparison a
+// comparison of gradients: Adam's first steps divide by |g|, so a gradient that is rounding noise
+// becomes a full learning-rate step of either sign. A bad value is a usage error.
 TEST(TrainCli, FusedKernelsCanBeTurnedOffForTriage) {
     Workspace w;
-    const std::string lora = "--model_type lora --lora_rank 4 --lora_alpha 4 --max_train_steps 2";
+    const std::string lora = "--model_type lora --lora_rank 4 --lora_alpha 4 --max_train_steps 2 "
+                             "--optimizer torch-sgd --learning_rate 0.05";
     ASSERT_EQ(run_status(w.command("fused", lora)), 0) << fs::read_file(w.dir / "log.txt");
     ASSERT_EQ(run_status("DTUNE_FUSED_KERNELS=0 " + w.command("plain", lora)), 0)
         << fs::read_file(w.dir / "log.txt");
@@ -187,13 +190,16 @@ TEST(TrainCli, FusedKernelsCanBeTurnedOffForTriage) {
     const auto fused = io::load_safetensors(w.dir / "fused" / "pytorch_lora_weights.safetensors");
     const auto plain = io::load_safetensors(w.dir / "plain" / "pytorch_lora_weights.safetensors");
     ASSERT_EQ(fused.size(), plain.size());
-    double max_diff = 0, max_abs = 0;
+    // The up factors start at zero, so their size is what training moved them.
+    double max_diff = 0, max_up = 0;
     for (std::size_t i = 0; i < fused.size(); ++i) {
         ASSERT_EQ(fused[i].first, plain[i].first);
         max_diff = std::max(max_diff, (fused[i].second - plain[i].second).abs().max().item<double>());
-        max_abs = std::max(max_abs, fused[i].second.abs().max().item<double>());
+        if (fused[i].first.find(".up.weight") != std::string::npos)
+            max_up = std::max(max_up, fused[i].second.abs().max().item<double>());
     }
-    EXPECT_LE(max_diff, 1e-5 * std::max(1.0, max_abs));
+    EXPECT_GT(max_up, 1e-5);
+    EXPECT_LE(max_diff, 1e-4 * max_up);
     EXPECT_EQ(run_status("DTUNE_FUSED_KERNELS=maybe " + w.command("bad", lora)), 2);
     EXPECT_NE(fs::read_file(w.dir / "log.txt").find("DTUNE_FUSED_KERNELS='maybe' is not understood"),
               std::string::npos);
