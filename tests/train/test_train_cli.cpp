@@ -180,8 +180,9 @@ TEST(TrainCli, SigtermSavesACheckpointAndExitsWith4) {
 // becomes a full learning-rate step of either sign. A bad value is a usage error.
 TEST(TrainCli, FusedKernelsCanBeTurnedOffForTriage) {
     Workspace w;
-    const std::string lora = "--model_type lora --lora_rank 4 --lora_alpha 4 --max_train_steps 2 "
-                             "--optimizer torch-sgd --learning_rate 0.05";
+    const std::string lora =
+        "--model_type lora --lora_rank 4 --lora_alpha 4 --max_train_steps 2 "
+        "--optimizer torch-sgd --learning_rate 0.05";
     ASSERT_EQ(run_status(w.command("fused", lora)), 0) << fs::read_file(w.dir / "log.txt");
     ASSERT_EQ(run_status("DTUNE_FUSED_KERNELS=0 " + w.command("plain", lora)), 0)
         << fs::read_file(w.dir / "log.txt");
