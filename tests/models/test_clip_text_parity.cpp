@@ -125,7 +125,9 @@ TEST(SDXLEncodePromptParity, ImagesPerPromptRepeatsRowsInOrder) {
 
 TEST(SDXLEncodePromptParity, ChunkedLongPromptFirstWindowEqualsTruncated) {
     // For a prompt longer than 75 tokens, chunk 0 is the truncated encoding, so the first 77
-    // positions must equal the ordinary output; a short prompt gives exactly one chunk.
+    // positions must equal the ordinary output; a short prompt gives exactly one chunk. The two
+    // runs encode batches of different sizes, so BLAS may block the GEMMs differently: the bound is
+    // float rounding (1e-6 failed on a CPU without AVX-512 kernels), far below a wrong window.
     std::string text = "a";
     for (int i = 0; i < 40; ++i) text += " very long prompt";
     SDXLEncodeOptions chunked;
@@ -138,9 +140,10 @@ TEST(SDXLEncodePromptParity, ChunkedLongPromptFirstWindowEqualsTruncated) {
     const SDXLPromptEmbeds p = encoders().encode_prompt({text}, plain);
     ASSERT_EQ(c.prompt_embeds.size(1), 77 * 2);  // 121 tokens -> 2 chunks
     EXPECT_EQ(c.negative_prompt_embeds.sizes(), c.prompt_embeds.sizes());
-    EXPECT_LE(max_abs(c.prompt_embeds.slice(1, 0, 77), p.prompt_embeds), 1e-6);
-    EXPECT_LE(max_abs(c.negative_prompt_embeds.slice(1, 0, 77), p.negative_prompt_embeds), 1e-6);
-    EXPECT_LE(max_abs(c.pooled_prompt_embeds, p.pooled_prompt_embeds), 1e-6);
+    constexpr double kRounding = 1e-5;
+    EXPECT_LE(max_abs(c.prompt_embeds.slice(1, 0, 77), p.prompt_embeds), kRounding);
+    EXPECT_LE(max_abs(c.negative_prompt_embeds.slice(1, 0, 77), p.negative_prompt_embeds), kRounding);
+    EXPECT_LE(max_abs(c.pooled_prompt_embeds, p.pooled_prompt_embeds), kRounding);
     chunked.max_chunks = 1;
     EXPECT_EQ(encoders().encode_prompt({text}, chunked).prompt_embeds.size(1), 77);
 }
