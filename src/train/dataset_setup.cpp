@@ -331,6 +331,16 @@ data::GlobalDataArgs data_args_from_config(const TrainConfig& c) {
     a.maximum_image_size = c.opt_real("maximum_image_size");
     a.target_downsample_size = c.opt_real("target_downsample_size");
     a.instance_prompt = c.text("instance_prompt");
+    const std::string cs = c.text("caption_strategy");  // one of the choices (validated)
+    a.caption_strategy = cs == "textfile"         ? data::CaptionStrategy::kTextfile
+                         : cs == "instanceprompt" ? data::CaptionStrategy::kInstancePrompt
+                         : cs == "parquet"        ? data::CaptionStrategy::kParquet
+                                                  : data::CaptionStrategy::kFilename;
+    a.prepend_instance_prompt = c.flag("prepend_instance_prompt");
+    a.only_instance_prompt = c.flag("only_instance_prompt");
+    a.skip_file_discovery = c.text("skip_file_discovery");
+    a.parquet_filename_column = c.text("parquet_filename_column");
+    a.parquet_caption_column = c.text("parquet_caption_column");
     a.train_batch_size = static_cast<int>(c.integer("train_batch_size"));
     a.cache_dir_vae = c.text("cache_dir_vae");
     a.cache_dir_text = c.text("cache_dir_text").empty()
