@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -48,6 +49,15 @@ const std::set<std::string> kPassthroughKeys = {"aws_bucket_name",
                                                 "memory_filesystem_size",
                                                 "memory_filesystem_sudo"};
 
+// "true"/"false" in any case (Python writes True/False), else nothing.
+std::optional<bool> bool_text(const json& v) {
+    if (!v.is_string()) return std::nullopt;
+    std::string t = v.get<std::string>();
+    for (char& ch : t) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (t == "true" || t == "false") return t == "true";
+    return std::nullopt;
+}
+
 // Reads one entry's keys with type checks; remembers which keys were read so the rest can be
 // reported as unknown.
 class EntryReader {
@@ -75,8 +85,8 @@ class EntryReader {
         if (!has(key)) return fallback;
         const json& v = at(key);
         if (v.is_boolean()) return v.get<bool>();
-        // SimpleTuner's configs are often hand-written with "true"/"false" strings.
-        if (v.is_string() && (v == "true" || v == "false")) return v == "true";
+        // SimpleTuner's configs are often hand-written with "true"/"false" (or Python's "True") strings.
+        if (const auto b = bool_text(v)) return *b;
         fail(key, str("expected true or false, got ", v.dump()));
     }
     std::optional<double> get_number(const std::string& key) {
@@ -492,8 +502,8 @@ bool entry_disabled(const json& raw, size_t index, const std::string& source) {
         if (it == raw.end() || it->is_null()) continue;
         if (it->is_boolean())
             disabled |= it->get<bool>();
-        else if (it->is_string() && (*it == "true" || *it == "false"))
-            disabled |= *it == "true";
+        else if (const auto b = bool_text(*it))
+            disabled |= *b;
         else
             throw UsageError(
                 str(source, ": entry ", index,

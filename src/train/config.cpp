@@ -268,6 +268,9 @@ json coerce(const OptionSpec& spec, const json& value, const std::string& source
     }
     switch (spec.type) {
         case OptionType::kString:
+            // Python's None for an option whose default is None (prediction_type, model_flavour...)
+            // means unset, not a value named "None".
+            if (value == "None" && std::string(spec.default_json) == "null") return json(nullptr);
             if (value.is_string()) return value;
             if (value.is_number() || value.is_boolean()) return json(value.dump());
             return fail();

@@ -161,12 +161,13 @@ TEST(DatasetConfig, DisabledWrittenAsTextIsHonoured) {
     // train the entry (nor fail on its missing folder).
     json j = minimal();
     j.push_back({{"id", "off"}, {"disabled", "true"}, {"instance_data_dir", "/missing"}});
-    j.push_back({{"id", "off2"}, {"disable", "true"}, {"instance_data_dir", "/missing"}});
+    j.push_back({{"id", "off2"}, {"disable", "True"}, {"instance_data_dir", "/missing"}});
     j.push_back({{"id", "on"}, {"disabled", "false"}, {"instance_data_dir", "/y"}});
     auto cfg = parse_data_backend_config(j, {});
     EXPECT_EQ(cfg.find("off"), nullptr);
     EXPECT_EQ(cfg.find("off2"), nullptr);
     EXPECT_NE(cfg.find("on"), nullptr);
+    EXPECT_TRUE(parse_data_backend_config(minimal({{"crop", "True"}}), {}).datasets[0].crop);
     j = minimal();
     j.push_back({{"id", "odd"}, {"disabled", "yes"}, {"instance_data_dir", "/y"}});
     const std::string e = usage_error(j);

@@ -167,6 +167,10 @@ TEST(TrainConfig, PythonSpellingsOfBooleansAndNone) {
     EXPECT_FALSE(c.flag("gradient_checkpointing"));
     EXPECT_TRUE(c.flag("offset_noise"));
     EXPECT_TRUE(c.is_null("seed"));
+    const TrainConfig n = load_text(dir, R"({"model_family": "sdxl", "prediction_type": "None"})",
+                                    {"--validation_noise_scheduler", "None"});
+    EXPECT_TRUE(n.is_null("prediction_type"));
+    EXPECT_TRUE(n.is_null("validation_noise_scheduler"));
     EXPECT_NE(usage_message([&] {
                   load_text(dir, R"({"model_family": "sdxl", "use_ema": "Yes"})");
               }).find("use_ema"),
