@@ -213,6 +213,15 @@ TEST(TrainCli, UnimplementedOptionExitsWithUsageError) {
               std::string::npos);
 }
 
+TEST(TrainCli, MissingDataBackendConfigNamesTheKey) {
+    Workspace w;
+    EXPECT_EQ(run_status(w.command("missing", "--data_backend_config nope.json")), 3);
+    EXPECT_NE(
+        fs::read_file(w.dir / "log.txt").find("data_backend_config \"nope.json\" is not a readable file"),
+        std::string::npos)
+        << fs::read_file(w.dir / "log.txt");
+}
+
 TEST(TrainCli, EvalDatasetUsesTheSameFallbacksAndDisableAsTraining) {
     Workspace w;
     const auto images = w.dir / "images";
