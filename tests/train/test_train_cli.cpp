@@ -222,6 +222,29 @@ TEST(TrainCli, MissingDataBackendConfigNamesTheKey) {
         << fs::read_file(w.dir / "log.txt");
 }
 
+TEST(TrainCli, CaptionlessSamplesAreLeftOutOfTheLoggedPlan) {
+    Workspace w;
+    for (int i = 1; i < 12; ++i)  // image 0 has no caption file
+        fs::write_file_atomic(w.dir / "images" / ("a photo number " + std::to_string(i) + ".txt"),
+                              "a caption\n");
+    const nlohmann::json backends =
+        nlohmann::json::array({{{"id", "tiny"},
+                                {"instance_data_dir", (w.dir / "images").string()},
+                                {"resolution", 64},
+                                {"resolution_type", "pixel"},
+                                {"caption_strategy", "textfile"}},
+                               {{"id", "text"},
+                                {"dataset_type", "text_embeds"},
+                                {"default", true},
+                                {"cache_dir", (w.dir / "cache_text").string()}}});
+    fs::write_file_atomic(w.dir / "multidatabackend.json", backends.dump(2));
+    ASSERT_EQ(run_status(w.command("out", "--max_train_steps 1")), 0) << fs::read_file(w.dir / "log.txt");
+    const std::string log = fs::read_file(w.dir / "log.txt");
+    EXPECT_NE(log.find("1 sample(s) without a usable caption left out; dataset 'tiny': 11 samples"),
+              std::string::npos)
+        << log;
+}
+
 TEST(TrainCli, EvalDatasetUsesTheSameFallbacksAndDisableAsTraining) {
     Workspace w;
     const auto images = w.dir / "images";
