@@ -468,6 +468,13 @@ DatasetConfig parse_entry(const json& raw, size_t index, const GlobalDataArgs& a
         parse_image_keys(r, c, args);
     } else {
         parse_embed_keys(r, c, args);
+        // Only where and when the embeddings are stored differs, not what is trained: a warning.
+        for (const auto& [key, on] : {std::pair{"text_cache_ondemand", c.text_cache_ondemand},
+                                      std::pair{"text_cache_disable", c.text_cache_disable}})
+            if (on)
+                warnings.push_back(str("dataset '", c.id, "': '", key,
+                                       "' is not implemented by dtune yet; every text embedding is built at "
+                                       "start and kept in cache_dir"));
     }
     for (const auto& key : kPassthroughKeys) {
         if (r.has(key)) {

@@ -184,6 +184,11 @@ TEST(DatasetConfig, KeysThatWouldChangeTrainingAreRefused) {
         EXPECT_NO_THROW(parse_data_backend_config(minimal({{key, false}}), {}));
     }
     json j = minimal();
+    j[1]["text_cache_disable"] = true;  // storage only: a warning, not an error
+    const auto cfg = parse_data_backend_config(j, {});
+    ASSERT_EQ(cfg.warnings.size(), 1u);
+    EXPECT_NE(cfg.warnings[0].find("'text_cache_disable' is not implemented"), std::string::npos);
+    j = minimal();
     j[1]["caption_filter_list"] = "config/caption_filter_list.txt";
     const std::string e = usage_error(j);
     EXPECT_NE(e.find("dataset 'text', key 'caption_filter_list'"), std::string::npos) << e;
