@@ -83,7 +83,7 @@ const std::vector<OptionSpec>& specs() {
     {"vae_batch_size", OptionType::kInt, "4", "images per VAE call when building the latent cache", nullptr},
     {"compress_disk_cache", OptionType::kBool, "true", "zstd-compress cache entries (datasets' compress_cache wins)", nullptr},
     {"cache_dir_vae", OptionType::kString, "\"\"", "latent cache folder fallback (default <output_dir>/cache/vae/<family>/<id>)", nullptr},
-    {"cache_dir_text", OptionType::kString, "\"\"", "text-embedding cache fallback without a text_embeds entry (default <output_dir>/cache/text)", nullptr},
+    {"cache_dir_text", OptionType::kString, "\"\"", "cache_dir of text_embeds entries that set none (default <output_dir>/cache/text)", nullptr},
     {"dataloader_prefetch", OptionType::kBool, "false", "prepare dataloader_prefetch_qlen batches ahead (else 2)", nullptr},
     {"dataloader_prefetch_qlen", OptionType::kInt, "10", "batches prepared ahead with dataloader_prefetch", nullptr},
     {"instance_prompt", OptionType::kString, "null", "caption fallback for datasets (caption_strategy instanceprompt)", nullptr},
