@@ -1,12 +1,11 @@
 // `dtune cache --config <config.json>`: builds the VAE latent and text-embedding caches of every
 // image dataset without training, with a progress bar and a final report.
 //
-// Reads the few config.json keys it needs (keys may carry SimpleTuner's leading "--"; numbers may
-// be written as strings): pretrained_model_name_or_path and data_backend_config (required),
-// output_dir, pretrained_vae_model_name_or_path, resolution, resolution_type, model_family, seed,
-// device, vae_batch_size, text_encoder_batch_size (via the text_embeds entry), compress_disk_cache,
-// random_flip, caption_strategy/instance_prompt fallbacks. Rank sharding: --world-size/--rank (or
-// WORLD_SIZE/RANK); rank 0 writes the bucket index, run it first.
+// Reads config.json or config.toml exactly as `dtune train` does (train::TrainConfig: the same
+// keys, defaults, errors and command-line overrides, and the same dataset fallbacks through
+// train::data_args_from_config); pretrained_model_name_or_path and data_backend_config are
+// required. Rank sharding: --world-size/--rank (or WORLD_SIZE/RANK); rank 0 writes the bucket
+// index, run it first.
 //
 // Invariant: the latent entries are exactly those `dtune train` prebuilds with the same config
 // (data::prebuild_requests) and hold the same values (the trainer's VAE callable, device and
@@ -34,7 +33,9 @@
 #include "data/sample_variants.h"
 #include "data/storage.h"
 #include "dist/env.h"
+#include "train/config.h"
 #include "train/data_parallel.h"
+#include "train/dataset_source.h"
 #include "train/sdxl_data_encoders.h"
 #include "train/trainer.h"
 
@@ -43,92 +44,17 @@ namespace {
 
 namespace stdfs = std::filesystem;
 
-// config.json with SimpleTuner's spellings: "--key" or "key", numbers possibly as strings.
-class TrainConfig {
-  public:
-    explicit TrainConfig(const stdfs::path& path) : path_(path) {
-        try {
-            json_ = nlohmann::json::parse(fs::read_file(path));
-        } catch (const nlohmann::json::exception& e) {
-            throw DataError(str(path.string(), ": not valid JSON (", e.what(), "); fix the file"));
-        }
-        DTUNE_CHECK_AS(UsageError, json_.is_object(), path.string(), ": expected a JSON object of settings");
-    }
-    const nlohmann::json* find(const std::string& key) const {
-        for (const auto& k : {key, "--" + key})
-            if (json_.contains(k) && !json_[k].is_null()) return &json_[k];
-        return nullptr;
-    }
-    std::string string(const std::string& key, const std::string& fallback) const {
-        const auto* v = find(key);
-        if (!v) return fallback;
-        return v->is_string() ? v->get<std::string>() : v->dump();
-    }
-    std::string required(const std::string& key) const {
-        DTUNE_CHECK_AS(UsageError, find(key), path_.string(), ": missing key '", key, "'; add it (see ",
-                       "SimpleTuner's config.json)");
-        return string(key, "");
-    }
-    double number(const std::string& key, double fallback) const {
-        const auto* v = find(key);
-        if (!v) return fallback;
-        if (v->is_number()) return v->get<double>();
-        try {
-            return std::stod(v->get<std::string>());
-        } catch (const std::exception&) {
-            throw UsageError(str(path_.string(), ": key '", key, "' must be a number, got ", v->dump()));
-        }
-    }
-    bool boolean(const std::string& key, bool fallback) const {
-        const auto* v = find(key);
-        if (!v) return fallback;
-        if (v->is_boolean()) return v->get<bool>();
-        const std::string s = string(key, "");
-        DTUNE_CHECK_AS(UsageError, s == "true" || s == "false", path_.string(), ": key '", key,
-                       "' must be true or false, got ", v->dump());
-        return s == "true";
-    }
-
-  private:
-    stdfs::path path_;
-    nlohmann::json json_;
-};
-
-data::GlobalDataArgs global_args(const TrainConfig& c) {
-    data::GlobalDataArgs a;
-    a.output_dir = c.string("output_dir", a.output_dir);
-    a.model_family = c.string("model_family", a.model_family);
-    a.resolution = c.number("resolution", a.resolution);
-    const std::string rt = c.string("resolution_type", "pixel_area");
-    a.resolution_type = rt == "pixel"  ? data::ResolutionType::kPixel
-                        : rt == "area" ? data::ResolutionType::kArea
-                                       : data::ResolutionType::kPixelArea;
-    a.instance_prompt = c.string("instance_prompt", "");
-    const std::string cs = c.string("caption_strategy", "filename");
-    a.caption_strategy = cs == "textfile"         ? data::CaptionStrategy::kTextfile
-                         : cs == "instanceprompt" ? data::CaptionStrategy::kInstancePrompt
-                         : cs == "parquet"        ? data::CaptionStrategy::kParquet
-                                                  : data::CaptionStrategy::kFilename;
-    // As `dtune train`: without cache_dir_text the text cache goes to <output_dir>/cache/text.
-    a.cache_dir_text = c.string("cache_dir_text", (stdfs::path(a.output_dir) / "cache" / "text").string());
-    a.cache_dir_vae = c.string("cache_dir_vae", a.cache_dir_vae);
-    a.compress_disk_cache = c.boolean("compress_disk_cache", a.compress_disk_cache);
-    a.random_flip = c.boolean("random_flip", a.random_flip);
-    a.vae_batch_size = static_cast<int>(c.number("vae_batch_size", a.vae_batch_size));
-    a.caption_dropout_probability = c.number("caption_dropout_probability", a.caption_dropout_probability);
-    return a;
-}
+using train::TrainConfig;
 
 // The trainer's own encoders, device and VAE dtype policy (bf16 on CUDA, fp32 on CPU, as
 // Trainer picks them), so the latents written here are the ones `dtune train` would write.
 train::DatasetEncoders load_encoders(const TrainConfig& c, const stdfs::path& model_root) {
     train::SdxlEncoderOptions o;
     o.model_dir = model_root;
-    if (auto vae = stdfs::path(c.string("pretrained_vae_model_name_or_path", ""));
+    if (auto vae = stdfs::path(c.text("pretrained_vae_model_name_or_path"));
         !vae.empty() && stdfs::exists(vae / "config.json"))
         o.vae_override = vae;
-    o.device = train::DataParallel::pick_device(c.string("device", "auto"), dist::read_dist_env(),
-                                                cuda_device_count());
+    o.device = train::DataParallel::pick_device(c.text("device"), dist::read_dist_env(), cuda_device_count());
     o.vae_dtype = o.device.is_cuda() ? at::kBFloat16 : at::kFloat;
     return train::load_sdxl_data_encoders(o);
 }
@@ -265,23 +191,43 @@ data::CacheBuildReport cache_latents(const data::DatasetConfig& d, const Request
     return latents;
 }
 
+// A required path option, which `dtune train` checks later on; here it is needed up front.
+std::string required(const TrainConfig& c, const char* key) {
+    DTUNE_CHECK_AS(UsageError, !c.text(key).empty(), "dtune cache needs option ", key,
+                   "; set it in config.json (as for dtune train)");
+    return c.text(key);
+}
+
 int run_cache(const std::vector<std::string>& args) {
+    // --config, --world-size and --rank are this command's own; every other word is an option
+    // override read exactly as `dtune train` reads it, so both commands see the same settings.
     stdfs::path config_path;
-    for (size_t i = 0; i + 1 < args.size(); ++i)
-        if (args[i] == "--config") config_path = args[i + 1];
+    std::vector<std::string> overrides;
+    for (size_t i = 0; i < args.size(); ++i) {
+        if ((args[i] == "--config" || args[i] == "--world-size" || args[i] == "--rank") &&
+            i + 1 < args.size()) {
+            if (args[i] == "--config") config_path = args[i + 1];
+            ++i;
+        } else if (args[i].rfind("--config=", 0) == 0) {
+            config_path = args[i].substr(9);
+        } else {
+            overrides.push_back(args[i]);
+        }
+    }
     DTUNE_CHECK_AS(UsageError, !config_path.empty(), "dtune cache needs --config <config.json>");
-    const TrainConfig config(config_path);
+    const TrainConfig config = TrainConfig::load(config_path, overrides);
     const int world = arg_int(args, "--world-size", "WORLD_SIZE", 1),
               rank = arg_int(args, "--rank", "RANK", 0);
     const auto start = std::chrono::steady_clock::now();
-    const data::GlobalDataArgs gargs = global_args(config);
-    stdfs::path backend = config.required("data_backend_config");
+    const data::GlobalDataArgs gargs = train::data_args_from_config(config);
+    stdfs::path backend = required(config, "data_backend_config");
     if (!stdfs::exists(backend) && stdfs::exists(config_path.parent_path() / backend))
         backend = config_path.parent_path() / backend;
     const auto datasets = data::load_data_backend_config(backend, gargs);
+    for (const auto& w : datasets.warnings) log::warn() << backend.string() << ": " << w;
     const train::DatasetEncoders enc =
-        load_encoders(config, config.required("pretrained_model_name_or_path"));
-    const auto seed = static_cast<uint64_t>(config.number("seed", 0));
+        load_encoders(config, required(config, "pretrained_model_name_or_path"));
+    const auto seed = static_cast<uint64_t>(config.opt_integer("seed").value_or(0));
 
     ThreadPool pool(0);
     nlohmann::json summary = nlohmann::json::object();
@@ -307,8 +253,11 @@ int run_cache(const std::vector<std::string>& args) {
 }  // namespace
 
 DTUNE_REGISTER_COMMAND(cache, "cache", "build the VAE latent and text-embedding caches without training",
-                       "usage: dtune cache --config <config.json> [--world-size N --rank R]\n\n"
-                       "Reads pretrained_model_name_or_path and data_backend_config from config.json,\n"
+                       "usage: dtune cache --config <config.json> [--world-size N --rank R]\n"
+                       "                   [--key value | --key=value | --set key=value ...]\n\n"
+                       "Reads config.json (or config.toml) and its option overrides exactly as\n"
+                       "`dtune train` does, so both see the same datasets and settings; it needs\n"
+                       "pretrained_model_name_or_path and data_backend_config. It\n"
                        "buckets every image dataset, then encodes what is missing or invalid: text\n"
                        "embeddings into the text_embeds entry's cache_dir, latents into cache_dir_vae.\n"
                        "Valid entries are reused; changed or damaged ones are rebuilt; unreadable\n"

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -12,7 +13,6 @@
 
 #include "core/error.h"
 #include "core/fs.h"
-#include "core/log.h"
 
 namespace dtune::data {
 
@@ -49,6 +49,15 @@ const std::set<std::string> kPassthroughKeys = {"aws_bucket_name",
                                                 "memory_filesystem_size",
                                                 "memory_filesystem_sudo"};
 
+// "true"/"false" in any case (Python writes True/False), else nothing.
+std::optional<bool> bool_text(const json& v) {
+    if (!v.is_string()) return std::nullopt;
+    std::string t = v.get<std::string>();
+    for (char& ch : t) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (t == "true" || t == "false") return t == "true";
+    return std::nullopt;
+}
+
 // Reads one entry's keys with type checks; remembers which keys were read so the rest can be
 // reported as unknown.
 class EntryReader {
@@ -76,8 +85,8 @@ class EntryReader {
         if (!has(key)) return fallback;
         const json& v = at(key);
         if (v.is_boolean()) return v.get<bool>();
-        // SimpleTuner's configs are often hand-written with "true"/"false" strings.
-        if (v.is_string() && (v == "true" || v == "false")) return v == "true";
+        // SimpleTuner's configs are often hand-written with "true"/"false" (or Python's "True") strings.
+        if (const auto b = bool_text(v)) return *b;
         fail(key, str("expected true or false, got ", v.dump()));
     }
     std::optional<double> get_number(const std::string& key) {
@@ -336,8 +345,11 @@ void parse_image_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArgs& ar
     c.max_workers = r.get_positive_int("max_workers", args.max_workers);
     c.metadata_update_interval =
         std::max(60, r.get_int("metadata_update_interval", args.metadata_update_interval));
-    c.is_regularisation_data =
-        r.get_bool("is_regularisation_data", false) || r.get_bool("is_regularization_data", false);
+    for (const char* key : {"is_regularisation_data", "is_regularization_data"})
+        if (r.get_bool(key, false))
+            r.fail(key,
+                   "parent-teacher regularisation is not implemented by dtune yet, and training this dataset "
+                   "as ordinary data would change the result; remove the key or set it to false");
     c.disable_validation = r.get_bool("disable_validation", false);
     c.cache_file_suffix = r.get_string("cache_file_suffix", c.id);
 }
@@ -351,6 +363,10 @@ void parse_embed_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArgs& ar
     c.text_cache_ondemand = r.get_bool("text_cache_ondemand", false);
     c.text_cache_disable = r.get_bool("text_cache_disable", false);
     c.caption_filter_list = r.get_string("caption_filter_list", "");
+    if (!c.caption_filter_list.empty())
+        r.fail("caption_filter_list",
+               "caption filters are not implemented by dtune yet, and the captions would be trained "
+               "unfiltered; remove the key and apply the filters to the captions themselves");
 }
 
 }  // namespace
@@ -452,6 +468,13 @@ DatasetConfig parse_entry(const json& raw, size_t index, const GlobalDataArgs& a
         parse_image_keys(r, c, args);
     } else {
         parse_embed_keys(r, c, args);
+        // Only where and when the embeddings are stored differs, not what is trained: a warning.
+        for (const auto& [key, on] : {std::pair{"text_cache_ondemand", c.text_cache_ondemand},
+                                      std::pair{"text_cache_disable", c.text_cache_disable}})
+            if (on)
+                warnings.push_back(str("dataset '", c.id, "': '", key,
+                                       "' is not implemented by dtune yet; every text embedding is built at "
+                                       "start and kept in cache_dir"));
     }
     for (const auto& key : kPassthroughKeys) {
         if (r.has(key)) {
@@ -477,6 +500,26 @@ DatasetConfig parse_entry(const json& raw, size_t index, const GlobalDataArgs& a
     return c;
 }
 
+// "disabled" / "disable", read like every other boolean (true, false, "true", "false"), so a
+// hand-written "true" string switches the entry off instead of being trained on.
+bool entry_disabled(const json& raw, size_t index, const std::string& source) {
+    bool disabled = false;
+    for (const char* key : {"disabled", "disable"}) {
+        auto it = raw.find(key);
+        if (it == raw.end() || it->is_null()) continue;
+        if (it->is_boolean())
+            disabled |= it->get<bool>();
+        else if (const auto b = bool_text(*it))
+            disabled |= *b;
+        else
+            throw UsageError(
+                str(source, ": entry ", index,
+                    raw.contains("id") ? str(" (dataset ", raw["id"].dump(), ")") : std::string(), ", key '",
+                    key, "': expected true or false, got ", it->dump()));
+    }
+    return disabled;
+}
+
 }  // namespace
 
 DataBackendConfig parse_data_backend_config(const json& root, const GlobalDataArgs& args,
@@ -486,16 +529,10 @@ DataBackendConfig parse_data_backend_config(const json& root, const GlobalDataAr
     DataBackendConfig config;
     for (size_t i = 0; i < root.size(); ++i) {
         const json& raw = root[i];
-        if (raw.is_object()) {
-            bool disabled = false;
-            for (const char* key : {"disabled", "disable"})
-                if (raw.contains(key) && raw[key].is_boolean() && raw[key].get<bool>()) disabled = true;
-            if (disabled) continue;
-        }
+        if (raw.is_object() && entry_disabled(raw, i, source)) continue;
         config.datasets.push_back(parse_entry(raw, i, args, source, config.warnings));
     }
     validate_references(config, source);
-    for (const auto& w : config.warnings) log::warn() << source << ": " << w;
     return config;
 }
 

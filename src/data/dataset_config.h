@@ -11,8 +11,8 @@
 //   exactly one text_embeds entry is the default when any exists;
 // - per-entry values fall back to GlobalDataArgs (SimpleTuner's `--arg` fallbacks) with
 //   SimpleTuner's defaults.
-// Unknown keys produce warnings (returned and logged), never silence; wrong types and contradictory
-// settings throw UsageError naming the entry id and the key.
+// Unknown keys produce warnings (returned; the caller logs them once), never silence; wrong types and
+// contradictory settings throw UsageError naming the entry id and the key.
 #pragma once
 
 #include <nlohmann/json_fwd.hpp>

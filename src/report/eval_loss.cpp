@@ -20,6 +20,7 @@
 #include "models/common/pipeline_folder.h"
 #include "models/unet/unet_2d_condition.h"
 #include "models/vae/autoencoder_kl.h"
+#include "train/dataset_source.h"
 #include "train/trainer.h"
 
 namespace dtune::report {
@@ -85,7 +86,8 @@ int eval_edge(const data::DatasetConfig& d) {
 // folder's VAE (posterior mean) and CLIP encoders, then frees the encoders.
 void EvalLossCallback::prepare(train::Trainer& trainer) {
     const auto& config = trainer.config();
-    data::GlobalDataArgs args;
+    // The same fallbacks as the training datasets (resolution, instance_prompt, caption_strategy...).
+    data::GlobalDataArgs args = train::data_args_from_config(config);
     args.output_dir = trainer.output_dir().string();
     const auto backends = data::load_data_backend_config(options_.data_backend_config, args);
     const auto pf = models::PipelineFolder::open(options_.model_dir);
@@ -173,12 +175,11 @@ std::shared_ptr<EvalLossCallback> make_eval_loss_callback(const train::TrainConf
     if (config.flag("eval_loss_disable") || config.is_null("data_backend_config")) return nullptr;
     const std::filesystem::path file = config.text("data_backend_config");
     if (!std::filesystem::exists(file)) return nullptr;
-    const auto root = nlohmann::json::parse(fs::read_file(file), nullptr, false);
+    // Parsed as training parses it, so "disable": true and "disabled": "true" entries do not count
+    // (a bad file stops here with the same message training would give).
+    const auto backends = data::load_data_backend_config(file, train::data_args_from_config(config));
     bool has_eval = false;
-    if (root.is_array())
-        for (const auto& d : root)
-            if (d.is_object() && d.value("dataset_type", "") == "eval" && !d.value("disabled", false))
-                has_eval = true;
+    for (const auto& d : backends.datasets) has_eval |= d.dataset_type == data::DatasetType::kEval;
     if (!has_eval) return nullptr;
     EvalLossCallback::Options o;
     o.model_dir = config.text("pretrained_model_name_or_path");

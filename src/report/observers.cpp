@@ -2,14 +2,18 @@
 #include "report/observers.h"
 
 #include <cctype>
+#include <optional>
+#include <set>
 
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
+#include "data/dataset_config.h"
 #include "io/image.h"
 #include "report/eval_loss.h"
 #include "report/html_report.h"
 #include "report/validation.h"
+#include "train/dataset_source.h"
 #include "train/trainer.h"
 
 namespace dtune::report {
@@ -45,9 +49,22 @@ nlohmann::json dataset_summary(const train::TrainConfig& config) {
     if (!std::filesystem::is_regular_file(file, ec)) return nullptr;
     const auto root = nlohmann::json::parse(fs::read_file(file), nullptr, false);
     if (!root.is_array()) return nullptr;
+    // Only the entries training reads: disabled ones are left out (when the file parses at all).
+    std::optional<std::set<std::string>> enabled;
+    try {
+        enabled.emplace();
+        for (const auto& d :
+             data::load_data_backend_config(file, train::data_args_from_config(config)).datasets)
+            enabled->insert(d.id);
+    } catch (const std::exception&) {
+        enabled.reset();
+    }
     nlohmann::json out = nlohmann::json::object();
     for (const auto& d : root) {
         if (!d.is_object()) continue;
+        if (enabled &&
+            !(d.contains("id") && d["id"].is_string() && enabled->count(d["id"].get<std::string>())))
+            continue;
         const std::string type = d.value("dataset_type", "image");
         std::string line = str(type, ", ", d.value("type", "local"));
         if (d.contains("instance_data_dir")) {

@@ -3,6 +3,7 @@
 #include "train/config_toml.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <map>
 
@@ -82,10 +83,16 @@ const std::vector<OptionSpec>& specs() {
     {"vae_batch_size", OptionType::kInt, "4", "images per VAE call when building the latent cache", nullptr},
     {"compress_disk_cache", OptionType::kBool, "true", "zstd-compress cache entries (datasets' compress_cache wins)", nullptr},
     {"cache_dir_vae", OptionType::kString, "\"\"", "latent cache folder fallback (default <output_dir>/cache/vae/<family>/<id>)", nullptr},
-    {"cache_dir_text", OptionType::kString, "\"\"", "text-embedding cache fallback without a text_embeds entry (default <output_dir>/cache/text)", nullptr},
+    {"cache_dir_text", OptionType::kString, "\"\"", "cache_dir of text_embeds entries that set none (default <output_dir>/cache/text)", nullptr},
     {"dataloader_prefetch", OptionType::kBool, "false", "prepare dataloader_prefetch_qlen batches ahead (else 2)", nullptr},
     {"dataloader_prefetch_qlen", OptionType::kInt, "10", "batches prepared ahead with dataloader_prefetch", nullptr},
     {"instance_prompt", OptionType::kString, "null", "caption fallback for datasets (caption_strategy instanceprompt)", nullptr},
+    {"caption_strategy", OptionType::kString, "\"filename\"", "dataset fallback: where captions come from", "filename,textfile,instanceprompt,parquet"},
+    {"prepend_instance_prompt", OptionType::kBool, "false", "dataset fallback: put instance_prompt before every caption", nullptr},
+    {"only_instance_prompt", OptionType::kBool, "false", "dataset fallback: train every image on instance_prompt alone", nullptr},
+    {"skip_file_discovery", OptionType::kString, "\"\"", "dataset fallback: scans to skip, from vae aspect text metadata", nullptr},
+    {"parquet_filename_column", OptionType::kString, "\"id\"", "dataset fallback for the parquet block's filename_column", nullptr},
+    {"parquet_caption_column", OptionType::kString, "\"description\"", "dataset fallback for the parquet block's caption_column", nullptr},
     {"minimum_image_size", OptionType::kFloat, "null", "dataset fallback: skip smaller images", nullptr},
     {"maximum_image_size", OptionType::kFloat, "null", "dataset fallback: downsample larger images first", nullptr},
     {"target_downsample_size", OptionType::kFloat, "null", "dataset fallback: size to downsample to", nullptr},
@@ -147,7 +154,8 @@ const std::vector<std::pair<const char*, const char*>> kNotImplemented = {
     {"attention_mechanism", "\"diffusers\""},
     {"aspect_bucket_worker_count", "12"}, {"enable_multiprocessing", "false"}, {"max_workers", "32"},
     {"aws_max_pool_connections", "128"}, {"torch_num_threads", "8"}, {"metadata_update_interval", "3600"},
-    {"disk_low_threshold", "null"}, {"disk_low_action", "\"stop\""}, {"lycoris_config", "null"},
+    {"disk_low_threshold", "null"}, {"disk_low_action", "\"stop\""},
+    {"lycoris_config", "\"config/lycoris_config.json\""},
     {"lr_scale", "false"}, {"lr_scale_sqrt", "false"}, {"push_to_hub", "false"}, {"hub_model_id", "null"},
     {"ignore_final_epochs", "false"},
     {"validation_torch_compile", "false"}, {"pretrained_unet_model_name_or_path", "null"},
@@ -156,6 +164,12 @@ const std::vector<std::pair<const char*, const char*>> kNotImplemented = {
     {"gradient_precision", "null"}, {"fused_qkv_projections", "false"}, {"max_grad_value", "null"},
     {"i_know_what_i_am_doing", "false"}, {"override_dataset_config", "false"},
     {"cache_dir", "\"\""}, {"logging_dir", "\"logs\""}, {"quantize_via", "\"accelerator\""},
+    {"eval_epoch_interval", "null"}, {"eval_dataset_id", "null"}, {"validation_preview_steps", "1"},
+    {"pretrained_evaluation_model_name_or_path", "\"openai/clip-vit-large-patch14-336\""},
+    {"dynamo_mode", "\"\""}, {"dynamo_fullgraph", "false"}, {"dynamo_dynamic", "false"},
+    {"dynamo_use_regional_compilation", "false"}, {"disable_bucket_pruning", "false"},
+    {"enable_nsfw_check", "false"}, {"fsdp_enable", "false"}, {"fuse_optimizer", "false"},
+    {"optimizer_release_gradients", "false"}, {"disable_multiprocessing", "false"},
 };
 // clang-format on
 
@@ -194,6 +208,37 @@ std::string closest_key(const std::string& key) {
     return best;
 }
 
+std::string lower(std::string s) {
+    for (char& ch : s) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    return s;
+}
+
+// Python's spellings reach us from SimpleTuner configs and shells: None, True, False.
+bool is_none_text(const std::string& text) {
+    return text == "None" || text == "null" || text.empty();
+}
+
+// Whether `value` (as written: JSON or command-line text) equals SimpleTuner's default `d`. Text
+// forms count ("None", "False", "64"); null also matches a default of "" or "none", which
+// SimpleTuner treats as unset as well.
+bool equals_default(const json& value, const json& d) {
+    json v = value;
+    if (v.is_string() && !d.is_string()) {
+        const std::string text = v.get<std::string>();
+        if (is_none_text(text)) {
+            v = nullptr;
+        } else if (lower(text) == "true" || lower(text) == "false") {
+            v = lower(text) == "true";
+        } else {
+            json parsed = json::parse(text, nullptr, false);
+            if (!parsed.is_discarded()) v = parsed;
+        }
+    }
+    if (v.is_string() && d.is_string() && v.get<std::string>() == "None") v = nullptr;
+    if (v == d) return true;
+    return v.is_null() && d.is_string() && (d == "" || d == "none");
+}
+
 const char* type_name(OptionType t) {
     switch (t) {
         case OptionType::kString: return "a string";
@@ -214,13 +259,18 @@ json coerce(const OptionSpec& spec, const json& value, const std::string& source
     if (value.is_null() || spec.type == OptionType::kAny) return value;
     if (value.is_string() && spec.type != OptionType::kString) {
         const std::string text = value.get<std::string>();
-        if (text == "None" || text == "null" || text.empty()) return json(nullptr);
+        if (is_none_text(text)) return json(nullptr);
+        if (spec.type == OptionType::kBool && (lower(text) == "true" || lower(text) == "false"))
+            return json(lower(text) == "true");
         json parsed = json::parse(text, nullptr, false);
         if (parsed.is_discarded() || parsed.is_string()) return fail();
         return coerce(spec, parsed, source);
     }
     switch (spec.type) {
         case OptionType::kString:
+            // Python's None for an option whose default is None (prediction_type, model_flavour...)
+            // means unset, not a value named "None".
+            if (value == "None" && std::string(spec.default_json) == "null") return json(nullptr);
             if (value.is_string()) return value;
             if (value.is_number() || value.is_boolean()) return json(value.dump());
             return fail();
@@ -285,11 +335,8 @@ void TrainConfig::set_value(const std::string& raw_key, json value, const std::s
         return;
     }
     if (const char* def = not_implemented_default(key)) {
-        const json d = json::parse(def);
         // A value equal to SimpleTuner's default changes nothing, so it is accepted.
-        if (value == d || (value.is_string() &&
-                           value.get<std::string>() == (d.is_string() ? d.get<std::string>() : d.dump())))
-            return;
+        if (equals_default(value, json::parse(def))) return;
         throw UsageError(str(source, ": option ", key, " is not implemented by dtune yet (value ",
                              value.dump(), "); remove it from the config or set it to SimpleTuner's default ",
                              def));
@@ -359,6 +406,16 @@ void TrainConfig::validate() const {
     if (!is_null("optimizer_config") && !text("optimizer_config").empty())
         throw UsageError(
             "option optimizer_config is not implemented by dtune yet; remove it (use adam_* options)");
+    // max_train_steps 0 or null means "use num_train_epochs"; with neither there is nothing to train,
+    // and a run would write an untrained model and report success.
+    const auto steps = opt_integer("max_train_steps");
+    if (steps && *steps < 0)
+        throw UsageError(str("option max_train_steps = ", *steps,
+                             " must be >= 1 (or 0/null to train num_train_epochs epochs)"));
+    if (!(steps && *steps > 0) && opt_integer("num_train_epochs").value_or(0) < 1)
+        throw UsageError(str("option num_train_epochs = ", raw("num_train_epochs").dump(),
+                             " with max_train_steps unset leaves nothing to train; set max_train_steps or "
+                             "num_train_epochs to at least 1"));
     const double p = real("caption_dropout_probability");
     if (p < 0 || p > 1) throw UsageError(str("caption_dropout_probability = ", p, " must be in [0, 1]"));
 }

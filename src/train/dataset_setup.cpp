@@ -28,8 +28,8 @@ void barrier(const DatasetSourceOptions& o) {
 }
 
 // Every sample's candidate captions; samples without a usable caption are dropped with a warning
-// (SimpleTuner would stop; dtune reports and continues).
-void resolve_all_captions(LoadedDataset& d) {
+// (SimpleTuner would stop; dtune reports and continues). Returns how many were dropped.
+size_t resolve_all_captions(LoadedDataset& d) {
     auto storage = data::make_storage(d.config);
     std::optional<data::MetadataTable> table;
     if (d.config.caption_strategy == data::CaptionStrategy::kParquet) {
@@ -61,12 +61,14 @@ void resolve_all_captions(LoadedDataset& d) {
     for (auto& t : threads) t.join();
     std::map<std::string, size_t> index;
     for (size_t i = 0; i < all.size(); ++i) index[*all[i]] = i;
+    size_t dropped = 0;
     for (auto& [key, paths] : d.buckets) {
         std::vector<std::string> kept;
         for (const auto& p : paths) {
             const size_t i = index.at(p);
             if (!errors[i].empty()) {
                 log::warn() << "dataset '" << d.config.id << "': skipping " << p << ": " << errors[i];
+                ++dropped;
                 continue;
             }
             d.captions[p] = std::move(found[i]);
@@ -74,6 +76,7 @@ void resolve_all_captions(LoadedDataset& d) {
         }
         paths = std::move(kept);
     }
+    return dropped;
 }
 
 // path → index plan of every sample in d.buckets (what crop_aspect random draws from each epoch).
@@ -331,6 +334,16 @@ data::GlobalDataArgs data_args_from_config(const TrainConfig& c) {
     a.maximum_image_size = c.opt_real("maximum_image_size");
     a.target_downsample_size = c.opt_real("target_downsample_size");
     a.instance_prompt = c.text("instance_prompt");
+    const std::string cs = c.text("caption_strategy");  // one of the choices (validated)
+    a.caption_strategy = cs == "textfile"         ? data::CaptionStrategy::kTextfile
+                         : cs == "instanceprompt" ? data::CaptionStrategy::kInstancePrompt
+                         : cs == "parquet"        ? data::CaptionStrategy::kParquet
+                                                  : data::CaptionStrategy::kFilename;
+    a.prepend_instance_prompt = c.flag("prepend_instance_prompt");
+    a.only_instance_prompt = c.flag("only_instance_prompt");
+    a.skip_file_discovery = c.text("skip_file_discovery");
+    a.parquet_filename_column = c.text("parquet_filename_column");
+    a.parquet_caption_column = c.text("parquet_caption_column");
     a.train_batch_size = static_cast<int>(c.integer("train_batch_size"));
     a.cache_dir_vae = c.text("cache_dir_vae");
     a.cache_dir_text = c.text("cache_dir_text").empty()
@@ -373,8 +386,11 @@ SetupResult setup_datasets(const DatasetSourceOptions& o, DatasetEncoders enc, T
         for (const auto& c : configs) out.datasets.push_back(bucket_dataset(c, o, false, pool));
     for (auto& d : out.datasets) {
         d.pins = data::load_aspect_pins(d.config, o.global.output_dir);
-        resolve_all_captions(d);
+        const size_t captionless = resolve_all_captions(d);
         plan_dataset(d, o);
+        // The plan logged while bucketing still counted them; this is the one training uses.
+        if (captionless > 0 && o.rank == 0)
+            log::info() << captionless << " sample(s) without a usable caption left out; " << d.plan.report();
         d.report.dataset = d.config.id;
         d.text_cache = text_cache_for(d.config, all, o, enc);
         const auto* text_entry = all.find(d.config.text_embeds);

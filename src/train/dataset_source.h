@@ -108,7 +108,8 @@ class DatasetBatchSource final : public BatchSource {
 };
 
 // The dataset fallbacks of config.json (output_dir, resolution, resolution_type, train_batch_size,
-// cache folders, compression, vae_cache_*, caption_dropout_probability, instance_prompt, size
+// cache folders, compression, vae_cache_*, caption_dropout_probability, instance_prompt,
+// caption_strategy, prepend/only_instance_prompt, skip_file_discovery, parquet_*_column, size
 // limits). Without cache_dir_text the text cache goes to <output_dir>/cache/text.
 data::GlobalDataArgs data_args_from_config(const TrainConfig& config);
 

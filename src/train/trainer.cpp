@@ -86,6 +86,11 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
                    "\" is not a local folder; dtune reads diffusers folders only (no hub downloads)");
     DTUNE_CHECK_AS(UsageError, !config_.is_null("data_backend_config"),
                    "data_backend_config is required; point it at your multidatabackend.json");
+    // Relative paths are taken from the working directory, as SimpleTuner does.
+    DTUNE_CHECK_AS(DataError, std::filesystem::is_regular_file(config_.text("data_backend_config")),
+                   "data_backend_config \"", config_.text("data_backend_config"),
+                   "\" is not a readable file (relative paths start at the working directory ",
+                   std::filesystem::current_path().string(), "); fix the path in config.json");
     const dist::DistEnv env = dist::read_dist_env();
     device_ = DataParallel::pick_device(config_.text("device"), env, cuda_device_count());
     init_data_parallel(env);

@@ -10,6 +10,9 @@
 #include <cstdlib>
 #include <fstream>
 
+#include <sys/wait.h>
+
+#include "core/error.h"
 #include "core/fs.h"
 #include "data/cache_codec.h"
 #include "io/image.h"
@@ -59,6 +62,7 @@ class CmdCache : public ::testing::Test {
                                                                 {"compress_cache", false}}});
         fs::write_file_atomic(dir_ / "multidatabackend.json", backends.dump(2));
         const nlohmann::json config = {
+            {"--model_family", "sdxl"},
             {"--pretrained_model_name_or_path", (test::fixtures_dir() / "tiny-sdxl").string()},
             {"--data_backend_config", (dir_ / "multidatabackend.json").string()},
             {"--output_dir", (dir_ / "out").string()},
@@ -131,6 +135,32 @@ TEST_F(CmdCache, BuildsReusesAndRepairsTheCaches) {
     std::tie(latents, text) = run();
     EXPECT_EQ(latents["rebuilt_stale"], 12);
     EXPECT_EQ(text["reused"], 14);
+}
+
+TEST_F(CmdCache, ReadsConfigAndOverridesLikeTrain) {
+    // config.toml, command-line overrides and config.json's dataset fallbacks (here
+    // minimum_image_size, which `dtune train` applies to every dataset) as `dtune train` reads them;
+    // a cache built from other settings than training's would not be reused.
+    fs::write_file_atomic(dir_ / "config.toml",
+                          str("\"--model_family\" = \"sdxl\"\n", "pretrained_model_name_or_path = \"",
+                              (test::fixtures_dir() / "tiny-sdxl").string(), "\"\n",
+                              "data_backend_config = \"", (dir_ / "multidatabackend.json").string(), "\"\n",
+                              "output_dir = \"", (dir_ / "out").string(), "\"\nseed = 42\n"));
+    const std::string cmd = std::string(DTUNE_BIN) + " cache --config " + (dir_ / "config.toml").string() +
+                            " --output_dir " + (dir_ / "other").string() + " --minimum_image_size 56 > " +
+                            (dir_ / "log.txt").string() + " 2>&1";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << fs::read_file(dir_ / "log.txt");
+    ASSERT_TRUE(stdfs::exists(dir_ / "other" / "cache_report_rank0.json")) << fs::read_file(dir_ / "log.txt");
+    EXPECT_FALSE(stdfs::exists(dir_ / "out" / "cache_report_rank0.json"));
+    const auto report = nlohmann::json::parse(fs::read_file(dir_ / "other" / "cache_report_rank0.json"));
+    // Both edges >= 56: 6 of the 12 images, plus the truncated 64x64 one (its header passes).
+    EXPECT_EQ(report.at("imgs").at("latents").at("total"), 7);
+    EXPECT_EQ(report.at("imgs").at("latents").at("built"), 6);
+    // An unknown key is the same error as in `dtune train`.
+    const std::string bad = std::string(DTUNE_BIN) + " cache --config " + (dir_ / "config.toml").string() +
+                            " --learning_rat 1 > " + (dir_ / "log.txt").string() + " 2>&1";
+    EXPECT_EQ(WEXITSTATUS(std::system(bad.c_str())), 2);
+    EXPECT_NE(fs::read_file(dir_ / "log.txt").find("did you mean \"learning_rate\""), std::string::npos);
 }
 
 }  // namespace

@@ -156,6 +156,44 @@ TEST(DatasetConfig, DisabledEntriesAreDropped) {
     EXPECT_EQ(cfg.find("off"), nullptr);
 }
 
+TEST(DatasetConfig, DisabledWrittenAsTextIsHonoured) {
+    // "true"/"false" strings are booleans everywhere else in an entry; "disabled": "true" must not
+    // train the entry (nor fail on its missing folder).
+    json j = minimal();
+    j.push_back({{"id", "off"}, {"disabled", "true"}, {"instance_data_dir", "/missing"}});
+    j.push_back({{"id", "off2"}, {"disable", "True"}, {"instance_data_dir", "/missing"}});
+    j.push_back({{"id", "on"}, {"disabled", "false"}, {"instance_data_dir", "/y"}});
+    auto cfg = parse_data_backend_config(j, {});
+    EXPECT_EQ(cfg.find("off"), nullptr);
+    EXPECT_EQ(cfg.find("off2"), nullptr);
+    EXPECT_NE(cfg.find("on"), nullptr);
+    EXPECT_TRUE(parse_data_backend_config(minimal({{"crop", "True"}}), {}).datasets[0].crop);
+    j = minimal();
+    j.push_back({{"id", "odd"}, {"disabled", "yes"}, {"instance_data_dir", "/y"}});
+    const std::string e = usage_error(j);
+    EXPECT_NE(e.find("\"odd\""), std::string::npos) << e;
+    EXPECT_NE(e.find("'disabled'"), std::string::npos) << e;
+}
+
+TEST(DatasetConfig, KeysThatWouldChangeTrainingAreRefused) {
+    // Read but not implemented: training without them would silently differ from SimpleTuner.
+    for (const char* key : {"is_regularisation_data", "is_regularization_data"}) {
+        const std::string e = usage_error(minimal({{key, true}}));
+        EXPECT_NE(e.find(str("'", key, "'")), std::string::npos) << e;
+        EXPECT_NE(e.find("set it to false"), std::string::npos) << e;
+        EXPECT_NO_THROW(parse_data_backend_config(minimal({{key, false}}), {}));
+    }
+    json j = minimal();
+    j[1]["text_cache_disable"] = true;  // storage only: a warning, not an error
+    const auto cfg = parse_data_backend_config(j, {});
+    ASSERT_EQ(cfg.warnings.size(), 1u);
+    EXPECT_NE(cfg.warnings[0].find("'text_cache_disable' is not implemented"), std::string::npos);
+    j = minimal();
+    j[1]["caption_filter_list"] = "config/caption_filter_list.txt";
+    const std::string e = usage_error(j);
+    EXPECT_NE(e.find("dataset 'text', key 'caption_filter_list'"), std::string::npos) << e;
+}
+
 TEST(DatasetConfig, ParquetBlockAndVariables) {
     json extra = {{"metadata_backend", "parquet"},
                   {"caption_strategy", "parquet"},

@@ -134,6 +134,25 @@ TEST(Validation, EpochIntervalValidatesAtEpochEnds) {
     EXPECT_EQ(steps, (std::set<int64_t>{4, 8, 9}));  // two epoch ends and the final step
 }
 
+TEST(Report, DatasetSummaryLeavesOutDisabledEntries) {
+    test::TempDir dir;
+    const nlohmann::json backends = nlohmann::json::array(
+        {{{"id", "pics"}, {"instance_data_dir", (dir / "pics").string()}},
+         {{"id", "old"}, {"instance_data_dir", (dir / "old").string()}, {"disabled", "true"}},
+         {{"id", "older"}, {"instance_data_dir", (dir / "older").string()}, {"disable", true}},
+         {{"id", "text"},
+          {"dataset_type", "text_embeds"},
+          {"default", true},
+          {"cache_dir", (dir / "t").string()}}});
+    fs::write_file_atomic(dir / "mdb.json", backends.dump());
+    const auto summary =
+        report::dataset_summary(config(dir / "out", {{"data_backend_config", (dir / "mdb.json").string()}}));
+    EXPECT_TRUE(summary.contains("pics")) << summary.dump();
+    EXPECT_TRUE(summary.contains("text")) << summary.dump();
+    EXPECT_FALSE(summary.contains("old")) << summary.dump();
+    EXPECT_FALSE(summary.contains("older")) << summary.dump();
+}
+
 TEST(EvalLoss, TrailingTimestepsMatchDiffusers) {
     // numpy: np.round(np.arange(1000, 0, -1000/28)).astype(int) - 1 (DDPMScheduler, trailing).
     const std::vector<int64_t> expected{999, 963, 928, 892, 856, 820, 785, 749, 713, 678, 642, 606, 570, 535,

@@ -111,6 +111,72 @@ TEST(TrainConfig, UnimplementedOptionIsAnErrorUnlessDefault) {
                                        "ema_update_interval": 2, "ema_warmup_steps": 3})"));
 }
 
+TEST(TrainConfig, SimpleTunerDatasetFallbacksAreOptions) {
+    // SimpleTuner's --caption_strategy & co. are the fallbacks of multidatabackend.json entries.
+    test::TempDir dir;
+    const TrainConfig d = load_text(dir, R"({"model_family": "sdxl"})");
+    EXPECT_EQ(d.text("caption_strategy"), "filename");
+    EXPECT_FALSE(d.flag("prepend_instance_prompt"));
+    EXPECT_FALSE(d.flag("only_instance_prompt"));
+    EXPECT_EQ(d.text("skip_file_discovery"), "");
+    EXPECT_EQ(d.text("parquet_filename_column"), "id");
+    EXPECT_EQ(d.text("parquet_caption_column"), "description");
+    const TrainConfig c = load_text(dir, R"({"model_family": "sdxl", "--caption_strategy": "textfile",
+        "--prepend_instance_prompt": true, "--parquet_caption_column": "tags"})",
+                                    {"--only_instance_prompt", "--skip_file_discovery", "vae aspect"});
+    EXPECT_EQ(c.text("caption_strategy"), "textfile");
+    EXPECT_TRUE(c.flag("prepend_instance_prompt"));
+    EXPECT_TRUE(c.flag("only_instance_prompt"));
+    EXPECT_EQ(c.text("skip_file_discovery"), "vae aspect");
+    EXPECT_EQ(c.text("parquet_caption_column"), "tags");
+    const std::string m =
+        usage_message([&] { load_text(dir, R"({"model_family": "sdxl", "caption_strategy": "csv"})"); });
+    EXPECT_NE(m.find("caption_strategy = \"csv\" is not supported"), std::string::npos) << m;
+}
+
+TEST(TrainConfig, SimpleTunerKeysAtTheirDefaultLoad) {
+    // Keys of SimpleTuner's table that dtune does not implement: a config that leaves them at
+    // SimpleTuner's default (as written by SimpleTuner's own examples) loads; another value is an
+    // error naming the key, never "unknown option".
+    test::TempDir dir;
+    EXPECT_NO_THROW(
+        load_text(dir, R"({"model_family": "sdxl", "--lycoris_config": "config/lycoris_config.json",
+        "--timestep_bias_strategy": null, "--eval_epoch_interval": null, "--eval_dataset_id": null,
+        "--validation_preview_steps": 1, "--dynamo_mode": "", "--dynamo_fullgraph": false,
+        "--dynamo_dynamic": false, "--dynamo_use_regional_compilation": false,
+        "--disable_bucket_pruning": false, "--enable_nsfw_check": false, "--fsdp_enable": false,
+        "--fuse_optimizer": false, "--optimizer_release_gradients": false,
+        "--disable_multiprocessing": false,
+        "--pretrained_evaluation_model_name_or_path": "openai/clip-vit-large-patch14-336"})"));
+    for (const char* key : {"eval_epoch_interval", "fuse_optimizer", "fsdp_enable", "dynamo_mode"}) {
+        const std::string m = usage_message([&] {
+            load_text(dir, R"({"model_family": "sdxl"})", {str("--", key), "2"});
+        });
+        EXPECT_NE(m.find(str("option ", key, " is not implemented by dtune yet")), std::string::npos) << m;
+    }
+}
+
+TEST(TrainConfig, PythonSpellingsOfBooleansAndNone) {
+    // SimpleTuner users write Python's True/False/None on command lines and in configs.
+    test::TempDir dir;
+    const TrainConfig c = load_text(dir, R"({"model_family": "sdxl", "use_ema": "True",
+        "gradient_checkpointing": "False", "seed": "None", "--use_soft_min_snr": "False",
+        "--timestep_bias_strategy": "None", "--lora_target_modules": "None"})",
+                                    {"--offset_noise", "TRUE", "--validation_on_startup", "False"});
+    EXPECT_TRUE(c.flag("use_ema"));
+    EXPECT_FALSE(c.flag("gradient_checkpointing"));
+    EXPECT_TRUE(c.flag("offset_noise"));
+    EXPECT_TRUE(c.is_null("seed"));
+    const TrainConfig n = load_text(dir, R"({"model_family": "sdxl", "prediction_type": "None"})",
+                                    {"--validation_noise_scheduler", "None"});
+    EXPECT_TRUE(n.is_null("prediction_type"));
+    EXPECT_TRUE(n.is_null("validation_noise_scheduler"));
+    EXPECT_NE(usage_message([&] {
+                  load_text(dir, R"({"model_family": "sdxl", "use_ema": "Yes"})");
+              }).find("use_ema"),
+              std::string::npos);
+}
+
 TEST(TrainConfig, BadValuesNameTheKey) {
     test::TempDir dir;
     EXPECT_NE(usage_message([&] {
@@ -127,6 +193,17 @@ TEST(TrainConfig, BadValuesNameTheKey) {
                   load_text(dir, R"({"model_family": "sdxl", "train_batch_size": 0})");
               }).find("train_batch_size"),
               std::string::npos);
+    // Nothing to train, or a negative step count, is an error rather than a run that "succeeds".
+    EXPECT_NE(usage_message([&] {
+                  load_text(dir, R"({"model_family": "sdxl", "max_train_steps": 0, "num_train_epochs": 0})");
+              }).find("leaves nothing to train"),
+              std::string::npos);
+    EXPECT_NE(usage_message([&] {
+                  load_text(dir, R"({"model_family": "sdxl"})", {"--max_train_steps", "-5"});
+              }).find("max_train_steps = -5"),
+              std::string::npos);
+    EXPECT_NO_THROW(
+        load_text(dir, R"({"model_family": "sdxl", "max_train_steps": 10, "num_train_epochs": 0})"));
 }
 
 TEST(TrainConfig, TomlReadsLikeTheSameJson) {

@@ -213,5 +213,68 @@ TEST(TrainCli, UnimplementedOptionExitsWithUsageError) {
               std::string::npos);
 }
 
+TEST(TrainCli, MissingDataBackendConfigNamesTheKey) {
+    Workspace w;
+    EXPECT_EQ(run_status(w.command("missing", "--data_backend_config nope.json")), 3);
+    EXPECT_NE(
+        fs::read_file(w.dir / "log.txt").find("data_backend_config \"nope.json\" is not a readable file"),
+        std::string::npos)
+        << fs::read_file(w.dir / "log.txt");
+}
+
+TEST(TrainCli, CaptionlessSamplesAreLeftOutOfTheLoggedPlan) {
+    Workspace w;
+    for (int i = 1; i < 12; ++i)  // image 0 has no caption file
+        fs::write_file_atomic(w.dir / "images" / ("a photo number " + std::to_string(i) + ".txt"),
+                              "a caption\n");
+    const nlohmann::json backends =
+        nlohmann::json::array({{{"id", "tiny"},
+                                {"instance_data_dir", (w.dir / "images").string()},
+                                {"resolution", 64},
+                                {"resolution_type", "pixel"},
+                                {"caption_strategy", "textfile"}},
+                               {{"id", "text"},
+                                {"dataset_type", "text_embeds"},
+                                {"default", true},
+                                {"cache_dir", (w.dir / "cache_text").string()}}});
+    fs::write_file_atomic(w.dir / "multidatabackend.json", backends.dump(2));
+    ASSERT_EQ(run_status(w.command("out", "--max_train_steps 1")), 0) << fs::read_file(w.dir / "log.txt");
+    const std::string log = fs::read_file(w.dir / "log.txt");
+    EXPECT_NE(log.find("1 sample(s) without a usable caption left out; dataset 'tiny': 11 samples"),
+              std::string::npos)
+        << log;
+}
+
+TEST(TrainCli, EvalDatasetUsesTheSameFallbacksAndDisableAsTraining) {
+    Workspace w;
+    const auto images = w.dir / "images";
+    // Neither image entry names caption_strategy, instance_prompt or resolution: config.json's
+    // SimpleTuner fallbacks (given on the command line here) apply to the eval dataset as well.
+    const auto write_backends = [&](const nlohmann::json& eval_entry) {
+        const nlohmann::json backends =
+            nlohmann::json::array({{{"id", "tiny"}, {"instance_data_dir", images.string()}},
+                                   eval_entry,
+                                   {{"id", "text"},
+                                    {"dataset_type", "text_embeds"},
+                                    {"default", true},
+                                    {"cache_dir", (w.dir / "cache_text").string()}}});
+        fs::write_file_atomic(w.dir / "multidatabackend.json", backends.dump(2));
+    };
+    const std::string fallbacks =
+        "--caption_strategy instanceprompt --instance_prompt 'a photo' --resolution 64 --resolution_type "
+        "pixel "
+        "--max_train_steps 1 --num_eval_images 1 --eval_timesteps 2 ";
+    write_backends({{"id", "ev"}, {"dataset_type", "eval"}, {"instance_data_dir", images.string()}});
+    ASSERT_EQ(run_status(w.command("eval", fallbacks)), 0) << fs::read_file(w.dir / "log.txt");
+    EXPECT_TRUE(std::filesystem::exists(w.dir / "eval" / "eval.jsonl"));
+    // An eval entry switched off (SimpleTuner's "disable" alias) means no eval loss, not a failed run.
+    write_backends({{"id", "ev"},
+                    {"dataset_type", "eval"},
+                    {"disable", true},
+                    {"instance_data_dir", (w.dir / "missing").string()}});
+    ASSERT_EQ(run_status(w.command("off", fallbacks)), 0) << fs::read_file(w.dir / "log.txt");
+    EXPECT_FALSE(std::filesystem::exists(w.dir / "off" / "eval.jsonl"));
+}
+
 }  // namespace
 }  // namespace dtune
