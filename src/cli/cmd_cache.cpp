@@ -275,6 +275,7 @@ int run_cache(const std::vector<std::string>& args) {
               rank = arg_int(args, "--rank", "RANK", 0);
     const auto start = std::chrono::steady_clock::now();
     const data::GlobalDataArgs gargs = global_args(config);
+    fs::require_writable_dir(gargs.output_dir, "output_dir");
     stdfs::path backend = config.required("data_backend_config");
     if (!stdfs::exists(backend) && stdfs::exists(config_path.parent_path() / backend))
         backend = config_path.parent_path() / backend;

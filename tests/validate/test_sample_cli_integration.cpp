@@ -66,6 +66,15 @@ TEST(SampleCli, BadOptionsExitWithUsageCode) {
     EXPECT_EQ(run(base + " --prompt x --format gif 2>/dev/null"), 2);
     EXPECT_EQ(run(base + " --prompt x --quality 0 2>/dev/null"), 2);
     EXPECT_EQ(run(base + " --prompt x --lora /no/such/lora.safetensors 2>/dev/null"), 2);
+    // A NaN guidance used to pass and write a noise image with "guidance": null in its sidecar.
+    test::TempDir tmp;
+    for (const char* bad : {"--guidance nan", "--guidance inf", "--guidance_rescale nan"}) {
+        EXPECT_EQ(run(base + " --prompt x --width 64 --height 64 --steps 1 " + bad + " --output_dir " +
+                      (tmp / "nan").string() + " 2>/dev/null >/dev/null"),
+                  2)
+            << bad;
+        EXPECT_FALSE(std::filesystem::exists(tmp / "nan" / "sample_0_0.png")) << bad;
+    }
     // A file that is not an SDXL base single file, without --config_folder: a data error (3).
     const auto file = test::fixtures_dir() / "tiny-sdxl" / "unet" / "diffusion_pytorch_model.safetensors";
     EXPECT_EQ(run(std::string(DTUNE_BIN) + " sample --model " + file.string() + " --prompt x 2>/dev/null"),
