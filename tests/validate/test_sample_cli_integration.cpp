@@ -7,10 +7,13 @@
 #include <cstdlib>
 #include <fstream>
 
+#include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
 #include "core/fs.h"
 #include "io/image.h"
+#include "io/safetensors.h"
+#include "support/shell.h"
 #include "support/test_support.h"
 #include "tiny_single_file.h"
 
@@ -112,6 +115,35 @@ TEST(SampleCli, LoRAScaleZeroIsTheBaseImage) {
     const auto j = nlohmann::json::parse(std::ifstream(tmp / "one" / "sample_5_0.json"));
     EXPECT_EQ(j.at("lora"), lora.string());
     EXPECT_DOUBLE_EQ(j.at("lora_scale").get<double>(), 1.0);
+}
+
+// A LoRA whose layers have other sizes than the model's (one made for another model): exit 3 with
+// advice that fits `dtune sample` (before: "set lora_rank / use_dora ... or drop init_lora", which
+// are training options).
+TEST(SampleCli, LoRAOfAnotherModelSaysSo) {
+    test::TempDir tmp;
+    const auto lora = test::fixtures_dir() / "reference" / "lora" / "pytorch_lora_weights.safetensors";
+    io::TensorList tensors = io::load_safetensors(lora);
+    bool widened = false;
+    for (auto& [name, t] : tensors)
+        if (!widened && name.find("lora.down.weight") != std::string::npos) {
+            t = at::zeros({t.size(0), t.size(1) + 8}, t.options());  // in_features of another model
+            widened = true;
+        } else {
+            t = t.clone();  // the loaded views die with the mapping
+        }
+    ASSERT_TRUE(widened);
+    io::save_safetensors(tmp / "other.safetensors", tensors);
+    const auto r = test::run_shell(
+        std::string(DTUNE_BIN) + " sample --model " + (test::fixtures_dir() / "tiny-sdxl").string() +
+        " --prompt x --width 64 --height 64 --steps 1 --device cpu --output_dir " + (tmp / "out").string() +
+        " --lora " + (tmp / "other.safetensors").string() + " 2>&1");
+    EXPECT_EQ(r.exit_code, 3) << r.output;
+    EXPECT_NE(r.output.find((tmp / "other.safetensors").string() + ": the LoRA does not fit"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("the LoRA was made for another model"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("init_lora"), std::string::npos) << r.output;
 }
 
 TEST(SampleCli, WebpAndJpegOutputsDecode) {
