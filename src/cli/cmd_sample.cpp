@@ -224,6 +224,8 @@ validate::GenerationRequest request_from(const SampleArgs& a) {
 
 int run_sample(const std::vector<std::string>& args) {
     const SampleArgs a = parse_args(args);
+    // Before the model loads and the images are sampled, not when the first image is written.
+    fs::require_writable_dir(a.output_dir, "--output_dir");
     const c10::Device device = pick_device(a.device);
     const c10::ScalarType dtype =
         a.dtype == "auto" ? (device.is_cuda() ? c10::kBFloat16 : c10::kFloat) : parse_dtype(a.dtype);

@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <fstream>
 
+#include <sys/wait.h>
+
 #include "core/fs.h"
 #include "data/cache_codec.h"
 #include "io/image.h"
@@ -131,6 +133,22 @@ TEST_F(CmdCache, BuildsReusesAndRepairsTheCaches) {
     std::tie(latents, text) = run();
     EXPECT_EQ(latents["rebuilt_stale"], 12);
     EXPECT_EQ(text["reused"], 14);
+}
+
+// Bad --rank / --world-size values: exit 2 naming them, before any model loads (before: exit 1
+// with "rank 5 is outside world size 2", or std::stoi's bare "stoi" for a non-number).
+TEST_F(CmdCache, BadRankOrWorldSizeIsAUsageError) {
+    for (const char* bad : {"--world-size 2 --rank 5", "--rank abc", "--world-size 0", "--rank -1"}) {
+        const std::string cmd = std::string(DTUNE_BIN) + " cache --config " +
+                                (dir_ / "config.json").string() + " " + bad + " > " +
+                                (dir_ / "log.txt").string() + " 2>&1";
+        const int rc = std::system(cmd.c_str());
+        EXPECT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) == 2) << bad << ": " << fs::read_file(dir_ / "log.txt");
+        const std::string log = fs::read_file(dir_ / "log.txt");
+        EXPECT_TRUE(log.find("--rank") != std::string::npos || log.find("--world-size") != std::string::npos)
+            << bad << ": " << log;
+        EXPECT_FALSE(stdfs::exists(dir_ / "out" / "cache")) << bad;
+    }
 }
 
 }  // namespace

@@ -78,6 +78,16 @@ TEST(SampleCli, BadOptionsExitWithUsageCode) {
             << bad;
         EXPECT_FALSE(std::filesystem::exists(tmp / "nan" / "sample_0_0.png")) << bad;
     }
+    // An --output_dir that cannot be made: exit 2 before sampling (before: exit 1 with a bare
+    // "filesystem error" after the images were sampled).
+    fs::write_file_atomic(tmp / "a_file", "x");
+    const auto r = test::run_shell(base + " --prompt x --width 64 --height 64 --steps 1 --output_dir " +
+                                   (tmp / "a_file" / "out").string() + " 2>&1");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("--output_dir '" + (tmp / "a_file" / "out").string() + "' cannot be created"),
+              std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("sampling"), std::string::npos) << r.output;
     // A file that is not an SDXL base single file, without --config_folder: a data error (3).
     const auto file = test::fixtures_dir() / "tiny-sdxl" / "unet" / "diffusion_pytorch_model.safetensors";
     EXPECT_EQ(run(std::string(DTUNE_BIN) + " sample --model " + file.string() + " --prompt x 2>/dev/null"),
