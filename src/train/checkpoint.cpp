@@ -112,6 +112,17 @@ std::optional<stdfs::path> resolve_resume_checkpoint(const stdfs::path& output_d
     if (spec != "latest") {
         const stdfs::path dir =
             stdfs::path(spec).is_absolute() || stdfs::exists(spec) ? stdfs::path(spec) : output_dir / spec;
+        std::error_code ec;
+        if (!stdfs::exists(dir, ec)) {
+            // A typo (checkpoint-30 for checkpoint-300) must not quietly resume an older checkpoint,
+            // whose later saves would then replace the newer checkpoints of the same steps.
+            std::string names;
+            for (const auto& [step, path] : all)
+                names += (names.empty() ? "" : ", ") + path.filename().string();
+            throw UsageError(str("resume_from_checkpoint ", spec, " does not exist (checkpoints in ",
+                                 output_dir.string(), ": ", names.empty() ? "none" : names,
+                                 "); pass one of them, \"latest\" or \"none\""));
+        }
         const std::string problem = checkpoint_problem(dir);
         if (problem.empty()) return dir;
         const auto step = checkpoint_step(dir);
