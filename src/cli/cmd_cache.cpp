@@ -60,9 +60,21 @@ train::DatasetEncoders load_encoders(const TrainConfig& c, const stdfs::path& mo
 }
 
 int arg_int(const std::vector<std::string>& args, const std::string& name, const char* env, int fallback) {
+    const auto parse = [&](const std::string& text, const std::string& source) {
+        size_t used = 0;
+        int v = 0;
+        try {
+            v = std::stoi(text, &used);
+        } catch (const std::exception&) {
+            used = 0;
+        }
+        DTUNE_CHECK_AS(UsageError, used > 0 && used == text.size(), source, " expects an integer, got '",
+                       text, "'");
+        return v;
+    };
     for (size_t i = 0; i + 1 < args.size(); ++i)
-        if (args[i] == name) return std::stoi(args[i + 1]);
-    if (const char* v = std::getenv(env)) return std::atoi(v);
+        if (args[i] == name) return parse(args[i + 1], name);
+    if (const char* v = std::getenv(env)) return parse(v, env);
     return fallback;
 }
 
@@ -218,8 +230,12 @@ int run_cache(const std::vector<std::string>& args) {
     const TrainConfig config = TrainConfig::load(config_path, overrides);
     const int world = arg_int(args, "--world-size", "WORLD_SIZE", 1),
               rank = arg_int(args, "--rank", "RANK", 0);
+    DTUNE_CHECK_AS(UsageError, world >= 1 && rank >= 0 && rank < world, "--rank ", rank,
+                   " with --world-size ", world,
+                   " is invalid: use a world size of 1 or more and a rank from 0 to world size - 1");
     const auto start = std::chrono::steady_clock::now();
     const data::GlobalDataArgs gargs = train::data_args_from_config(config);
+    fs::require_writable_dir(gargs.output_dir, "output_dir");
     stdfs::path backend = required(config, "data_backend_config");
     if (!stdfs::exists(backend) && stdfs::exists(config_path.parent_path() / backend))
         backend = config_path.parent_path() / backend;

@@ -112,6 +112,12 @@ void check_args(const SampleArgs& a) {
     if (a.threads < 0)
         throw UsageError(str("--threads ", a.threads, " is invalid: use 1 or more (0 = auto)"));
     if (!std::isfinite(a.lora_scale)) throw UsageError("--lora_scale must be a finite number");
+    // A NaN guidance would give a noise image and a sidecar with "guidance": null.
+    if (!std::isfinite(a.guidance))
+        throw UsageError(
+            str("--guidance ", a.guidance, " is invalid: use a finite number (e.g. 5.0; <= 1 disables CFG)"));
+    if (!std::isfinite(a.guidance_rescale))
+        throw UsageError(str("--guidance_rescale ", a.guidance_rescale, " is invalid: use 0..1 (0 = off)"));
     if (!a.lora.empty() && !std::filesystem::is_regular_file(a.lora))
         throw UsageError(str("--lora ", a.lora, " is not a file; pass a LoRA .safetensors file"));
     io::image_extension(a.format);  // throws UsageError for an unknown format
@@ -218,6 +224,8 @@ validate::GenerationRequest request_from(const SampleArgs& a) {
 
 int run_sample(const std::vector<std::string>& args) {
     const SampleArgs a = parse_args(args);
+    // Before the model loads and the images are sampled, not when the first image is written.
+    fs::require_writable_dir(a.output_dir, "--output_dir");
     const c10::Device device = pick_device(a.device);
     const c10::ScalarType dtype =
         a.dtype == "auto" ? (device.is_cuda() ? c10::kBFloat16 : c10::kFloat) : parse_dtype(a.dtype);

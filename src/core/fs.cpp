@@ -97,6 +97,21 @@ std::string read_file(const stdfs::path& path) {
     return out;
 }
 
+void require_writable_dir(const stdfs::path& dir, std::string_view key) {
+    std::error_code ec;
+    stdfs::create_directories(dir, ec);
+    std::string why;
+    if (ec)
+        why = ec.message();
+    else if (!stdfs::is_directory(dir, ec))
+        why = "it is not a folder";
+    else if (::access(dir.c_str(), W_OK | X_OK) != 0)
+        why = std::strerror(errno);  // e.g. a read-only mount, or another user's folder
+    if (!why.empty())
+        throw UsageError(str(key, " '", dir.string(), "' cannot be created or written (", why, "); set ", key,
+                             " to a folder this user can write"));
+}
+
 void sync_directory(const stdfs::path& dir) {
     int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return;  // best effort: some file systems do not allow opening directories

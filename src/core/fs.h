@@ -46,6 +46,10 @@ void write_file_atomic(const stdfs::path& path, std::string_view content);
 std::string read_file(const stdfs::path& path);
 // fsync of a directory, so a rename inside it survives a power cut.
 void sync_directory(const stdfs::path& dir);
+// Creates `dir` (and its parents) and checks that this process may write into it; throws UsageError
+// naming `key` (the config option that chose the folder) when it cannot. Called before any slow
+// work, so an unwritable folder fails at start rather than deep inside a cache or checkpoint writer.
+void require_writable_dir(const stdfs::path& dir, std::string_view key);
 
 // A read-only view of a whole file through mmap. Pages are private copy-on-write, so a tensor
 // that views this memory can be written to without touching the file.

@@ -220,6 +220,13 @@ int64_t BucketIndex::refresh(StorageBackend& storage, const DatasetConfig& confi
                              const BucketSettings& settings, ThreadPool& pool, AspectResolutionMap* map,
                              uint64_t seed, bool show_progress) {
     const std::vector<std::string> files = storage.list_files(config.instance_data_dir, kImageExtensions);
+    // SimpleTuner stops here too ("No images were discovered by the bucket manager"); without this
+    // the run stopped later with advice about batch sizes that does not fit an empty folder.
+    if (files.empty())
+        throw DataError(str("dataset '", config.id, "': no images were discovered in instance_data_dir '",
+                            config.instance_data_dir,
+                            "' (looked for .jpg, .jpeg, .png and .webp files, subfolders included); "
+                            "add images there or point instance_data_dir at the folder that holds them"));
     remove_missing(files);
     skipped.clear();
     std::vector<std::string> fresh;

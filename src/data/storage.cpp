@@ -8,9 +8,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
+#include <utility>
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/log.h"
 #include "data/dataset_config.h"
 #include "data/s3_storage.h"
 
@@ -46,8 +49,27 @@ std::vector<std::string> LocalStorage::list_files(const std::string& root,
     std::vector<std::string> out;
     const auto options =
         stdfs::directory_options::follow_directory_symlink | stdfs::directory_options::skip_permission_denied;
+    // Symlinked folders are followed, but each real folder is listed once: a link back up the tree
+    // (`images/loop -> .`) would otherwise list every image again at each depth until ELOOP, and
+    // two links to one folder would train its images twice.
+    std::set<std::pair<dev_t, ino_t>> seen_dirs;
+    const auto first_visit = [&](const stdfs::path& dir) {
+        struct stat st {};
+        if (::stat(dir.c_str(), &st) != 0) return true;  // the iterator reports what it cannot read
+        return seen_dirs.emplace(st.st_dev, st.st_ino).second;
+    };
+    first_visit(root);
     for (auto it = stdfs::recursive_directory_iterator(root, options, ec); !ec && it != stdfs::end(it);
          it.increment(ec)) {
+        if (it->is_directory(ec)) {
+            if (!first_visit(it->path())) {
+                it.disable_recursion_pending();
+                log::warn() << "not listing " << it->path().string() << " under " << root
+                            << ": it links to a folder already listed (a symlink loop or a second link to "
+                               "the same folder); its images are used once";
+            }
+            continue;
+        }
         if (!it->is_regular_file(ec)) continue;
         if (!extensions.empty()) {
             std::string ext = it->path().extension().string();

@@ -112,6 +112,17 @@ std::optional<stdfs::path> resolve_resume_checkpoint(const stdfs::path& output_d
     if (spec != "latest") {
         const stdfs::path dir =
             stdfs::path(spec).is_absolute() || stdfs::exists(spec) ? stdfs::path(spec) : output_dir / spec;
+        std::error_code ec;
+        if (!stdfs::exists(dir, ec)) {
+            // A typo (checkpoint-30 for checkpoint-300) must not quietly resume an older checkpoint,
+            // whose later saves would then replace the newer checkpoints of the same steps.
+            std::string names;
+            for (const auto& [step, path] : all)
+                names += (names.empty() ? "" : ", ") + path.filename().string();
+            throw UsageError(str("resume_from_checkpoint ", spec, " does not exist (checkpoints in ",
+                                 output_dir.string(), ": ", names.empty() ? "none" : names,
+                                 "); pass one of them, \"latest\" or \"none\""));
+        }
         const std::string problem = checkpoint_problem(dir);
         if (problem.empty()) return dir;
         const auto step = checkpoint_step(dir);
@@ -146,15 +157,24 @@ LoadedCheckpoint load_checkpoint(const stdfs::path& dir) {
     out.global_step = manifest.at("global_step").get<int64_t>();
     for (const auto& f : manifest.at("files")) {
         const std::string rel = f.get<std::string>();
-        if (rel == kRandomStates) {
-            // Clone: the mapped views die with the file.
-            for (auto& [name, t] : io::load_safetensors(dir / rel)) out.rng_states[name] = t.clone();
-        } else if (stdfs::path(rel).extension() == ".safetensors") {
-            io::TensorList list;
-            for (auto& [name, t] : io::load_safetensors(dir / rel)) list.emplace_back(name, t.clone());
-            out.tensor_files[rel] = std::move(list);
-        } else if (stdfs::path(rel).extension() == ".json") {
-            out.json_files[rel] = nlohmann::json::parse(fs::read_file(dir / rel));
+        try {
+            if (rel == kRandomStates) {
+                // Clone: the mapped views die with the file.
+                for (auto& [name, t] : io::load_safetensors(dir / rel)) out.rng_states[name] = t.clone();
+            } else if (stdfs::path(rel).extension() == ".safetensors") {
+                io::TensorList list;
+                for (auto& [name, t] : io::load_safetensors(dir / rel)) list.emplace_back(name, t.clone());
+                out.tensor_files[rel] = std::move(list);
+            } else if (stdfs::path(rel).extension() == ".json") {
+                out.json_files[rel] = nlohmann::json::parse(fs::read_file(dir / rel));
+            }
+        } catch (const std::exception& e) {
+            // The file's own message ("re-download or re-export it") does not fit a checkpoint:
+            // name the damaged checkpoint and how to resume from another one.
+            throw DataError(
+                str("checkpoint ", dir.string(), " is damaged: ", rel, ": ", e.what(),
+                    "; resume from an earlier checkpoint (resume_from_checkpoint=<its folder>) or "
+                    "move this one out of output_dir and resume from latest"));
         }
     }
     return out;

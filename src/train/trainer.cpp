@@ -81,9 +81,13 @@ c10::Device parse_train_device(const std::string& name) {
 
 Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     model_dir_ = config_.text("pretrained_model_name_or_path");
-    DTUNE_CHECK_AS(UsageError, !model_dir_.empty() && std::filesystem::is_directory(model_dir_),
-                   "pretrained_model_name_or_path \"", model_dir_.string(),
-                   "\" is not a local folder; dtune reads diffusers folders only (no hub downloads)");
+    DTUNE_CHECK_AS(UsageError, !model_dir_.empty(),
+                   "pretrained_model_name_or_path is required; point it at a diffusers SDXL folder");
+    // A missing model folder is a missing input file (exit 3), as for `dtune sample --model`.
+    DTUNE_CHECK_AS(DataError, std::filesystem::is_directory(model_dir_), "pretrained_model_name_or_path \"",
+                   model_dir_.string(),
+                   "\" is not a local folder; dtune reads diffusers folders only (no hub downloads): "
+                   "download the model (e.g. huggingface-cli download <repo> --local-dir DIR) and pass DIR");
     DTUNE_CHECK_AS(UsageError, !config_.is_null("data_backend_config"),
                    "data_backend_config is required; point it at your multidatabackend.json");
     // Relative paths are taken from the working directory, as SimpleTuner does.
@@ -91,6 +95,7 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
                    "data_backend_config \"", config_.text("data_backend_config"),
                    "\" is not a readable file (relative paths start at the working directory ",
                    std::filesystem::current_path().string(), "); fix the path in config.json");
+    fs::require_writable_dir(config_.text("output_dir"), "output_dir");
     const dist::DistEnv env = dist::read_dist_env();
     device_ = DataParallel::pick_device(config_.text("device"), env, cuda_device_count());
     init_data_parallel(env);

@@ -46,6 +46,32 @@ TEST(Captions, Strategies) {
     EXPECT_EQ(resolve_captions(ip, storage, img), std::vector<std::string>{"a photo of sks"});
 }
 
+// A caption that is not UTF-8 (a Latin-1 .txt, a Latin-1 file name) leaves its sample out with a
+// DataError naming the caption's source; before, the text encoder stopped the run later with "text
+// is not valid UTF-8 at byte 8" and no file name.
+TEST(Captions, NonUtf8CaptionNamesItsSource) {
+    test::TempDir dir;
+    LocalStorage storage;
+    const std::string img = (dir / "caf\xe9.png").string();
+    test::write_bytes(dir / "caf\xe9.txt", "a caf\xe9 at night\n");
+    const auto message = [&](CaptionStrategy strategy) {
+        try {
+            resolve_captions(captions_config(strategy), storage, img);
+        } catch (const DataError& e) {
+            return std::string(e.what());
+        }
+        return std::string("no DataError");
+    };
+    const std::string textfile = message(CaptionStrategy::kTextfile);
+    EXPECT_NE(textfile.find("caption file " + (dir / "caf\xe9.txt").string()), std::string::npos) << textfile;
+    EXPECT_NE(textfile.find("not valid UTF-8 (byte 5"), std::string::npos) << textfile;
+    const std::string filename = message(CaptionStrategy::kFilename);
+    EXPECT_NE(filename.find("file name is not valid UTF-8"), std::string::npos) << filename;
+    test::write_bytes(dir / "caf\xe9.txt", "a caf\xc3\xa9 at night\n");  // the same text in UTF-8
+    EXPECT_EQ(resolve_captions(captions_config(CaptionStrategy::kTextfile), storage, img),
+              std::vector<std::string>{"a caf\xc3\xa9 at night"});
+}
+
 TEST(Captions, JsonLinesTable) {
     test::TempDir dir;
     LocalStorage storage;

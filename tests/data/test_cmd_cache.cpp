@@ -163,5 +163,21 @@ TEST_F(CmdCache, ReadsConfigAndOverridesLikeTrain) {
     EXPECT_NE(fs::read_file(dir_ / "log.txt").find("did you mean \"learning_rate\""), std::string::npos);
 }
 
+// Bad --rank / --world-size values: exit 2 naming them, before any model loads (before: exit 1
+// with "rank 5 is outside world size 2", or std::stoi's bare "stoi" for a non-number).
+TEST_F(CmdCache, BadRankOrWorldSizeIsAUsageError) {
+    for (const char* bad : {"--world-size 2 --rank 5", "--rank abc", "--world-size 0", "--rank -1"}) {
+        const std::string cmd = std::string(DTUNE_BIN) + " cache --config " +
+                                (dir_ / "config.json").string() + " " + bad + " > " +
+                                (dir_ / "log.txt").string() + " 2>&1";
+        const int rc = std::system(cmd.c_str());
+        EXPECT_TRUE(WIFEXITED(rc) && WEXITSTATUS(rc) == 2) << bad << ": " << fs::read_file(dir_ / "log.txt");
+        const std::string log = fs::read_file(dir_ / "log.txt");
+        EXPECT_TRUE(log.find("--rank") != std::string::npos || log.find("--world-size") != std::string::npos)
+            << bad << ": " << log;
+        EXPECT_FALSE(stdfs::exists(dir_ / "out" / "cache")) << bad;
+    }
+}
+
 }  // namespace
 }  // namespace dtune

@@ -112,5 +112,27 @@ TEST(ListingCache, PreservedListingIsReusedUntilSwitchedOffOrInvalid) {
     EXPECT_FALSE(damaged.reused());
 }
 
+TEST(LocalStorage, SymlinkLoopsAndRepeatedFolderLinksListEachImageOnce) {
+    test::TempDir dir;
+    const auto images = dir / "images";
+    std::filesystem::create_directories(images / "sub");
+    std::filesystem::create_directories(dir / "elsewhere");
+    fs::write_file_atomic(images / "a.png", "x");
+    fs::write_file_atomic(images / "sub" / "b.png", "x");
+    fs::write_file_atomic(dir / "elsewhere" / "c.png", "x");
+    std::filesystem::create_directory_symlink(".", images / "loop");                  // back to the root
+    std::filesystem::create_directory_symlink("..", images / "sub" / "up");           // back up from below
+    std::filesystem::create_directory_symlink(dir / "elsewhere", images / "linked");  // followed
+    std::filesystem::create_directory_symlink(dir / "elsewhere", images / "linked_again");
+    const auto listed = LocalStorage().list_files(images.string(), {".png"});
+    // Before: a.png and sub/b.png at every depth of loop/loop/... until ELOOP (hundreds of paths).
+    ASSERT_EQ(listed.size(), 3u) << listed.size() << " paths, first " << listed.front();
+    EXPECT_EQ(std::filesystem::path(listed[0]).filename(), "a.png");
+    EXPECT_EQ(std::filesystem::path(listed[1]).filename(), "c.png");
+    const auto via = std::filesystem::path(listed[1]).parent_path().filename().string();
+    EXPECT_TRUE(via == "linked" || via == "linked_again") << listed[1];  // whichever link comes first
+    EXPECT_EQ(std::filesystem::path(listed[2]).filename(), "b.png");
+}
+
 }  // namespace
 }  // namespace dtune::data

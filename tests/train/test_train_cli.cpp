@@ -2,7 +2,8 @@
 // small PNGs (written with io::write_image): loss finite, outputs written (full: a pipeline folder
 // `dtune inspect` opens; LoRA: ComfyUI-keyed adapter files, EMA copy), resume equality through
 // the CLI (2 steps straight == 1 step, then resume, 1 step), SIGTERM -> checkpoint + exit code 4,
-// and an unimplemented option -> exit code 2 naming it.
+// an unimplemented option -> exit code 2 naming it, and bad inputs (an empty image folder, an
+// unwritable output_dir, a missing model, a damaged checkpoint) -> the README's exit codes.
 #include <gtest/gtest.h>
 
 #include <csignal>
@@ -274,6 +275,82 @@ TEST(TrainCli, EvalDatasetUsesTheSameFallbacksAndDisableAsTraining) {
                     {"instance_data_dir", (w.dir / "missing").string()}});
     ASSERT_EQ(run_status(w.command("off", fallbacks)), 0) << fs::read_file(w.dir / "log.txt");
     EXPECT_FALSE(std::filesystem::exists(w.dir / "off" / "eval.jsonl"));
+}
+
+// Bad inputs found by an audit: each stops before any training with the README's exit code and a
+// message naming the file or key at fault.
+std::string train_output(const std::string& command) {
+    const test::ShellRun r = test::run_shell(command);
+    return std::to_string(r.exit_code) + ": " + r.output;
+}
+
+TEST(TrainCli, EmptyImageFolderExitsWith3NamingTheFolder) {
+    Workspace w;
+    for (const auto& f : std::filesystem::directory_iterator(w.dir / "images"))
+        std::filesystem::remove(f.path());
+    const std::string cmd = std::string(DTUNE_BIN) + " train --config '" + w.config.string() +
+                            "' --output_dir '" + (w.dir / "out").string() + "' --max_train_steps 1 2>&1";
+    const std::string out = train_output(cmd);
+    // Before: exit 2 and "Dataset produced no usable samples ... Lower train_batch_size", no folder named.
+    EXPECT_EQ(out.rfind("3: ", 0), 0u) << out;
+    EXPECT_NE(
+        out.find("no images were discovered in instance_data_dir '" + (w.dir / "images").string() + "'"),
+        std::string::npos)
+        << out;
+}
+
+TEST(TrainCli, UnwritableOutputDirExitsWith2BeforeTheCachesAreBuilt) {
+    Workspace w;
+    fs::write_file_atomic(w.dir / "a_file",
+                          "x");  // a file where a folder is needed: unwritable even for root
+    const auto output_dir = w.dir / "a_file" / "out";
+    const std::string out =
+        train_output(std::string(DTUNE_BIN) + " train --config '" + w.config.string() + "' --output_dir '" +
+                     output_dir.string() + "' --max_train_steps 1 2>&1");
+    // Before: exit 1 with "filesystem error: cannot create directories" after the text cache was built.
+    EXPECT_EQ(out.rfind("2: ", 0), 0u) << out;
+    EXPECT_NE(out.find("output_dir '" + output_dir.string() + "' cannot be created or written"),
+              std::string::npos)
+        << out;
+    EXPECT_FALSE(std::filesystem::exists(w.dir / "cache_text"))
+        << "the text cache was built before the check";
+    // `dtune cache` reads output_dir from the config only.
+    auto cfg = nlohmann::json::parse(fs::read_file(w.config));
+    cfg["--output_dir"] = output_dir.string();
+    fs::write_file_atomic(w.dir / "cache_config.json", cfg.dump(2));
+    const std::string cache = train_output(std::string(DTUNE_BIN) + " cache --config '" +
+                                           (w.dir / "cache_config.json").string() + "' 2>&1");
+    EXPECT_EQ(cache.rfind("2: ", 0), 0u) << cache;
+    EXPECT_FALSE(std::filesystem::exists(w.dir / "cache_text")) << cache;
+}
+
+TEST(TrainCli, MissingModelFolderExitsWith3) {
+    Workspace w;
+    const std::string out =
+        train_output(std::string(DTUNE_BIN) + " train --config '" + w.config.string() + "' --output_dir '" +
+                     (w.dir / "out").string() + "' --pretrained_model_name_or_path '" +
+                     (w.dir / "no_model").string() + "' 2>&1");
+    // Before: exit 2, while `dtune sample --model <missing>` exits 3 (README: missing model files).
+    EXPECT_EQ(out.rfind("3: ", 0), 0u) << out;
+    EXPECT_NE(out.find((w.dir / "no_model").string()), std::string::npos) << out;
+}
+
+TEST(TrainCli, DamagedCheckpointNamesItselfAndTheWayOut) {
+    Workspace w;
+    ASSERT_EQ(run_status(w.command("out", "--max_train_steps 1")), 0) << fs::read_file(w.dir / "log.txt");
+    const auto optimizer = w.dir / "out" / "checkpoint-1" / "optimizer.safetensors";
+    std::filesystem::resize_file(optimizer,
+                                 std::filesystem::file_size(optimizer) / 2);  // bit rot, a bad copy
+    const std::string out =
+        train_output(std::string(DTUNE_BIN) + " train --config '" + w.config.string() + "' --output_dir '" +
+                     (w.dir / "out").string() + "' --max_train_steps 2 2>&1");
+    // Before: only the safetensors message, ending in "re-download or re-export it".
+    EXPECT_EQ(out.rfind("3: ", 0), 0u) << out;
+    EXPECT_NE(out.find("checkpoint " + (w.dir / "out" / "checkpoint-1").string() +
+                       " is damaged: optimizer.safetensors"),
+              std::string::npos)
+        << out;
+    EXPECT_NE(out.find("resume_from_checkpoint"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -117,6 +117,15 @@ TEST(TrainCheckpoint, LayoutGuardAndRotation) {
     EXPECT_EQ(*resolve_resume_checkpoint(dir.path(), "latest"), all[0].second);
     EXPECT_FALSE(resolve_resume_checkpoint(dir.path(), "none").has_value());
     EXPECT_THROW(load_checkpoint(dir / "checkpoint-8"), DataError);
+    // A checkpoint that does not exist at all (a typo) is refused, naming the ones there are;
+    // before, it fell back to the newest complete checkpoint below its step.
+    try {
+        resolve_resume_checkpoint(dir.path(), "checkpoint-60");
+        ADD_FAILURE() << "checkpoint-60 does not exist";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("checkpoint-60 does not exist"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("checkpoint-4, checkpoint-6"), std::string::npos) << e.what();
+    }
 }
 
 TEST(TrainCheckpoint, ResumeIsBitExact) {

@@ -7,10 +7,13 @@
 #include <cstdlib>
 #include <fstream>
 
+#include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
 #include "core/fs.h"
 #include "io/image.h"
+#include "io/safetensors.h"
+#include "support/shell.h"
 #include "support/test_support.h"
 #include "tiny_single_file.h"
 
@@ -66,6 +69,25 @@ TEST(SampleCli, BadOptionsExitWithUsageCode) {
     EXPECT_EQ(run(base + " --prompt x --format gif 2>/dev/null"), 2);
     EXPECT_EQ(run(base + " --prompt x --quality 0 2>/dev/null"), 2);
     EXPECT_EQ(run(base + " --prompt x --lora /no/such/lora.safetensors 2>/dev/null"), 2);
+    // A NaN guidance used to pass and write a noise image with "guidance": null in its sidecar.
+    test::TempDir tmp;
+    for (const char* bad : {"--guidance nan", "--guidance inf", "--guidance_rescale nan"}) {
+        EXPECT_EQ(run(base + " --prompt x --width 64 --height 64 --steps 1 " + bad + " --output_dir " +
+                      (tmp / "nan").string() + " 2>/dev/null >/dev/null"),
+                  2)
+            << bad;
+        EXPECT_FALSE(std::filesystem::exists(tmp / "nan" / "sample_0_0.png")) << bad;
+    }
+    // An --output_dir that cannot be made: exit 2 before sampling (before: exit 1 with a bare
+    // "filesystem error" after the images were sampled).
+    fs::write_file_atomic(tmp / "a_file", "x");
+    const auto r = test::run_shell(base + " --prompt x --width 64 --height 64 --steps 1 --output_dir " +
+                                   (tmp / "a_file" / "out").string() + " 2>&1");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("--output_dir '" + (tmp / "a_file" / "out").string() + "' cannot be created"),
+              std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("sampling"), std::string::npos) << r.output;
     // A file that is not an SDXL base single file, without --config_folder: a data error (3).
     const auto file = test::fixtures_dir() / "tiny-sdxl" / "unet" / "diffusion_pytorch_model.safetensors";
     EXPECT_EQ(run(std::string(DTUNE_BIN) + " sample --model " + file.string() + " --prompt x 2>/dev/null"),
@@ -103,6 +125,35 @@ TEST(SampleCli, LoRAScaleZeroIsTheBaseImage) {
     const auto j = nlohmann::json::parse(std::ifstream(tmp / "one" / "sample_5_0.json"));
     EXPECT_EQ(j.at("lora"), lora.string());
     EXPECT_DOUBLE_EQ(j.at("lora_scale").get<double>(), 1.0);
+}
+
+// A LoRA whose layers have other sizes than the model's (one made for another model): exit 3 with
+// advice that fits `dtune sample` (before: "set lora_rank / use_dora ... or drop init_lora", which
+// are training options).
+TEST(SampleCli, LoRAOfAnotherModelSaysSo) {
+    test::TempDir tmp;
+    const auto lora = test::fixtures_dir() / "reference" / "lora" / "pytorch_lora_weights.safetensors";
+    io::TensorList tensors = io::load_safetensors(lora);
+    bool widened = false;
+    for (auto& [name, t] : tensors)
+        if (!widened && name.find("lora.down.weight") != std::string::npos) {
+            t = at::zeros({t.size(0), t.size(1) + 8}, t.options());  // in_features of another model
+            widened = true;
+        } else {
+            t = t.clone();  // the loaded views die with the mapping
+        }
+    ASSERT_TRUE(widened);
+    io::save_safetensors(tmp / "other.safetensors", tensors);
+    const auto r = test::run_shell(
+        std::string(DTUNE_BIN) + " sample --model " + (test::fixtures_dir() / "tiny-sdxl").string() +
+        " --prompt x --width 64 --height 64 --steps 1 --device cpu --output_dir " + (tmp / "out").string() +
+        " --lora " + (tmp / "other.safetensors").string() + " 2>&1");
+    EXPECT_EQ(r.exit_code, 3) << r.output;
+    EXPECT_NE(r.output.find((tmp / "other.safetensors").string() + ": the LoRA does not fit"),
+              std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("the LoRA was made for another model"), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("init_lora"), std::string::npos) << r.output;
 }
 
 TEST(SampleCli, WebpAndJpegOutputsDecode) {

@@ -47,7 +47,12 @@ LoRAAdapters apply_lora_file(torch::nn::Module& unet, const std::filesystem::pat
         entries.push_back({m.module, std::move(layer)});
     }
     LoRAAdapters adapters(config, std::move(entries));
-    load_lora(adapters, file);
+    LoRALoadOptions load;
+    load.shape_fix =
+        "the adapters were built from the file's own ranks, so its layers have other sizes than this "
+        "model's: the LoRA was made for another model (e.g. SD 1.5 or another UNet size); pass a LoRA "
+        "trained on this model";
+    load_lora(adapters, file, load);
     for (const auto& e : adapters.entries()) e.layer->set_scale(e.layer->scale() * strength);
     log::info() << "LoRA " << file.string() << ": " << adapters.size() << " UNet layers at strength "
                 << strength;

@@ -229,8 +229,8 @@ LoRALoadReport load_lora(LoRAAdapters& adapters, const std::filesystem::path& fi
             check_module(e.module, *e.layer, it->second, errors);
     }
     if (!errors.empty())
-        throw DataError(str(where, ": the LoRA does not fit the injected adapters:", joined(errors),
-                            "\n  set lora_rank / use_dora to the file's values (or drop init_lora)"));
+        throw DataError(str(where, ": the LoRA does not fit the injected adapters:", joined(errors), "\n  ",
+                            options.shape_fix));
     if (options.strict && !missing.empty())
         throw DataError(str(where, ": ", missing.size(), " adapted module(s) have no weights in the file:",
                             joined(missing), "\n  restrict the LoRA target modules to the file's modules"));

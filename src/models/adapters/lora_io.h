@@ -32,6 +32,10 @@ LoRAFormat parse_lora_format(const std::string& value);
 
 struct LoRALoadOptions {
     bool strict = true;  // every adapted module must be covered by the file
+    // The fix named when the file's shapes do not fit the adapters. Training builds adapters from
+    // lora_rank / use_dora; adapters built from the file itself (dtune sample) can only mismatch
+    // when the LoRA belongs to another model.
+    std::string shape_fix = "set lora_rank / use_dora to the file's values (or drop init_lora)";
 };
 
 struct LoRALoadReport {
