@@ -420,6 +420,26 @@ const char* to_string(CaptionStrategy v) {
     return "?";
 }
 
+namespace {
+template <typename E>
+E parse_named(const std::vector<std::pair<std::string, E>>& table, const std::string& name,
+              const std::string& key) {
+    std::string choices;
+    for (const auto& [text, value] : table) {
+        if (text == name) return value;
+        choices += (choices.empty() ? "" : ", ") + text;
+    }
+    throw UsageError(str(key, " = '", name, "' is not one of ", choices));
+}
+}  // namespace
+
+ResolutionType parse_resolution_type(const std::string& name, const std::string& key) {
+    return parse_named(kResolutionTypes, name, key);
+}
+CaptionStrategy parse_caption_strategy(const std::string& name, const std::string& key) {
+    return parse_named(kCaptionStrategies, name, key);
+}
+
 const DatasetConfig* DataBackendConfig::find(const std::string& id) const {
     for (const auto& d : datasets)
         if (d.id == id) return &d;

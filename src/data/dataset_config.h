@@ -37,6 +37,10 @@ const char* to_string(ResolutionType value);
 const char* to_string(CropStyle value);
 const char* to_string(CropAspect value);
 const char* to_string(CaptionStrategy value);
+// The enum named by SimpleTuner's spelling (as to_string writes it); a UsageError naming `key` and
+// the choices otherwise.
+ResolutionType parse_resolution_type(const std::string& name, const std::string& key);
+CaptionStrategy parse_caption_strategy(const std::string& name, const std::string& key);
 
 // One candidate crop aspect; weight is set only when the list was given as {aspect, weight}.
 struct CropAspectBucket {

@@ -326,19 +326,12 @@ data::GlobalDataArgs data_args_from_config(const TrainConfig& c) {
     a.output_dir = c.text("output_dir");
     a.model_family = c.text("model_family");
     a.resolution = c.real("resolution");
-    const std::string rt = c.text("resolution_type");
-    a.resolution_type = rt == "pixel"  ? data::ResolutionType::kPixel
-                        : rt == "area" ? data::ResolutionType::kArea
-                                       : data::ResolutionType::kPixelArea;
+    a.resolution_type = data::parse_resolution_type(c.text("resolution_type"), "resolution_type");
     a.minimum_image_size = c.opt_real("minimum_image_size");
     a.maximum_image_size = c.opt_real("maximum_image_size");
     a.target_downsample_size = c.opt_real("target_downsample_size");
     a.instance_prompt = c.text("instance_prompt");
-    const std::string cs = c.text("caption_strategy");  // one of the choices (validated)
-    a.caption_strategy = cs == "textfile"         ? data::CaptionStrategy::kTextfile
-                         : cs == "instanceprompt" ? data::CaptionStrategy::kInstancePrompt
-                         : cs == "parquet"        ? data::CaptionStrategy::kParquet
-                                                  : data::CaptionStrategy::kFilename;
+    a.caption_strategy = data::parse_caption_strategy(c.text("caption_strategy"), "caption_strategy");
     a.prepend_instance_prompt = c.flag("prepend_instance_prompt");
     a.only_instance_prompt = c.flag("only_instance_prompt");
     a.skip_file_discovery = c.text("skip_file_discovery");
