@@ -10,6 +10,7 @@
 #include <variant>
 
 #include "core/error.h"
+#include "core/utf8.h"
 #include "data/storage.h"
 #include "io/parquet.h"
 
@@ -36,31 +37,6 @@ std::vector<std::string> caption_cell(const json& row, const std::string& column
             if (v.is_string() && !trim(v.get<std::string>()).empty())
                 out.push_back(trim(v.get<std::string>()));
     return out;
-}
-
-// Offset of the first byte that does not start or continue a valid UTF-8 sequence (overlong forms,
-// surrogates and values past U+10FFFF count as invalid, as the tokenizer's strict decoder says).
-std::optional<size_t> invalid_utf8_at(std::string_view text) {
-    const auto* s = reinterpret_cast<const unsigned char*>(text.data());
-    for (size_t i = 0; i < text.size();) {
-        const unsigned char b = s[i];
-        const size_t len = b < 0x80           ? 1
-                           : (b >> 5) == 0x6  ? 2
-                           : (b >> 4) == 0xE  ? 3
-                           : (b >> 3) == 0x1E ? 4
-                                              : 0;
-        if (len == 0 || i + len > text.size()) return i;
-        uint32_t c = len == 1 ? b : b & (0x7F >> len);
-        for (size_t k = 1; k < len; ++k) {
-            if ((s[i + k] & 0xC0) != 0x80) return i;
-            c = (c << 6) | (s[i + k] & 0x3F);
-        }
-        if ((len == 2 && c < 0x80) || (len == 3 && c < 0x800) ||
-            (len == 4 && (c < 0x10000 || c > 0x10FFFF)) || (c >= 0xD800 && c < 0xE000))
-            return i;
-        i += len;
-    }
-    return std::nullopt;
 }
 
 std::optional<int> int_cell(const json& row, const std::string& column) {
@@ -207,7 +183,7 @@ std::vector<std::string> resolve_captions(const DatasetConfig& c, const StorageB
     // Checked here, so that the sample is left out with a warning naming its caption's source
     // instead of the text encoder stopping the whole run later without naming it.
     for (const auto& cap : captions)
-        if (const auto at = invalid_utf8_at(cap)) {
+        if (const auto at = first_invalid_utf8(cap)) {
             const std::string source =
                 c.caption_strategy == CaptionStrategy::kTextfile
                     ? "caption file " + (p.parent_path() / (p.stem().string() + ".txt")).string()

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/utf8.h"
 
 namespace dtune::models::unicode {
 namespace {
@@ -45,7 +46,7 @@ IcuApi load_icu() {
         const std::string so = "libicuuc.so." + std::to_string(version);
         void* lib = dlopen(so.c_str(), RTLD_NOW | RTLD_LOCAL);
         if (lib == nullptr) continue;
-        for (const std::string suffix : {"_" + std::to_string(version), std::string()}) {
+        for (const std::string& suffix : {"_" + std::to_string(version), std::string()}) {
             IcuApi api;
             if (resolve(lib, "u_charType", suffix, api.char_type) &&
                 resolve(lib, "unorm2_getNFCInstance", suffix, api.nfc_instance) &&
@@ -101,34 +102,19 @@ std::vector<char32_t> from_utf16(const char16_t* s, int32_t n) {
     return out;
 }
 
-// Length of the UTF-8 sequence led by `b`, 0 for a byte that cannot lead one.
-int sequence_length(uint8_t b) {
-    if (b < 0x80) return 1;
-    if (b >= 0xC2 && b <= 0xDF) return 2;
-    if (b >= 0xE0 && b <= 0xEF) return 3;
-    if (b >= 0xF0 && b <= 0xF4) return 4;
-    return 0;
-}
-
 }  // namespace
 
 std::vector<char32_t> decode_utf8(std::string_view text) {
+    if (const auto at = first_invalid_utf8(text))
+        throw DataError(str("text is not valid UTF-8 at byte ", *at, "; re-save the prompt as UTF-8"));
     std::vector<char32_t> out;
     out.reserve(text.size());
     const auto* s = reinterpret_cast<const uint8_t*>(text.data());
-    const std::size_t n = text.size();
-    for (std::size_t i = 0; i < n;) {
-        const int len = sequence_length(s[i]);
-        bool ok = len > 0 && i + static_cast<std::size_t>(len) <= n;
+    for (std::size_t i = 0; i < text.size();) {
+        // Valid (checked above): the lead byte gives the length.
+        const int len = s[i] < 0x80 ? 1 : s[i] < 0xE0 ? 2 : s[i] < 0xF0 ? 3 : 4;
         char32_t c = len == 1 ? s[i] : (s[i] & (0x7F >> len));
-        for (int k = 1; ok && k < len; ++k) {
-            ok = (s[i + k] & 0xC0) == 0x80;
-            c = (c << 6) | (s[i + k] & 0x3F);
-        }
-        // Reject overlong forms, surrogates and values above U+10FFFF, as strict decoders do.
-        ok = ok && !(len == 3 && c < 0x800) && !(len == 4 && (c < 0x10000 || c > 0x10FFFF)) &&
-             !(c >= 0xD800 && c < 0xE000);
-        DTUNE_CHECK_AS(DataError, ok, "text is not valid UTF-8 at byte ", i, "; re-save the prompt as UTF-8");
+        for (int k = 1; k < len; ++k) c = (c << 6) | (s[i + k] & 0x3F);
         out.push_back(c);
         i += static_cast<std::size_t>(len);
     }
