@@ -13,6 +13,7 @@
 #include <png.h>
 #include <webp/decode.h>
 
+#include <cerrno>
 #include <csetjmp>
 #include <cstdio>
 #include <cstdlib>
@@ -158,12 +159,31 @@ RgbImage decode_webp(const uint8_t* data, size_t size, const std::string& name) 
 
 }  // namespace
 
+int64_t max_image_pixels() {
+    const char* env = std::getenv("DTUNE_MAX_IMAGE_PIXELS");
+    if (env == nullptr || *env == '\0') return kDefaultMaxImagePixels;
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(env, &end, 10);
+    if (errno != 0 || *end != '\0' || v < 0)
+        throw UsageError(
+            str("DTUNE_MAX_IMAGE_PIXELS='", env,
+                "' is not a pixel count; use a whole number such as 250000000, or 0 for no limit"));
+    return v;
+}
+
 RgbImage decode_image(std::string_view bytes, const std::string& name, const DecodeOptions& options) {
     const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
     ImageInfo info;
     std::string error;
     if (parse_image_info(data, bytes.size(), true, info, error) != ParseStatus::kOk)
         throw DataError(str(name, ": ", error, "; the image is skipped"));
+    const int64_t pixels = static_cast<int64_t>(info.width) * info.height, limit = max_image_pixels();
+    if (limit > 0 && pixels > limit)
+        throw DataError(str(
+            name, ": ", info.width, "x", info.height, " = ", pixels, " pixels is above the limit of ", limit,
+            " (a decompression bomb, or an image far larger than training needs); the image is "
+            "skipped. Downscale it, or raise DTUNE_MAX_IMAGE_PIXELS (0 = no limit)"));
     RgbImage out;
     if (info.format == ImageFormat::kJpeg) {
         int min_w = 0, min_h = 0;

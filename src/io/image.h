@@ -39,6 +39,14 @@ struct DecodeOptions {
     bool apply_exif_orientation = true;
 };
 
+// The most pixels (width·height, from the file's header) an image may have before it is decoded;
+// larger ones are refused as a DataError (the sample is skipped) instead of filling memory: a
+// 60000×60000 PNG of zeros is a 10 MB file but 10.8 GB of pixels. The default is Pillow's
+// decompression-bomb limit (2 × 89,478,485), so what SimpleTuner refuses, dtune refuses too.
+// DTUNE_MAX_IMAGE_PIXELS overrides it (0 = no limit); a value that is not a count is a UsageError.
+constexpr int64_t kDefaultMaxImagePixels = 2 * 89478485LL;
+int64_t max_image_pixels();
+
 // `name` is used in error messages (usually the path).
 RgbImage decode_image(std::string_view bytes, const std::string& name, const DecodeOptions& options = {});
 RgbImage read_image(const std::filesystem::path& path, const DecodeOptions& options = {});

@@ -48,6 +48,42 @@ TEST(Image, PngRoundTripIsExact) {
     EXPECT_EQ(back.pixels, im.pixels);
 }
 
+// An image whose header claims more pixels than the limit is refused before any pixel buffer is
+// allocated; the limit follows DTUNE_MAX_IMAGE_PIXELS.
+TEST(Image, TooManyPixelsAreRefusedBeforeDecoding) {
+    std::string png = encode_png(random_image(4, 4, 2));
+    // IHDR's width and height (big-endian) follow the 8-byte signature, the chunk length and "IHDR".
+    for (size_t offset : {16u, 20u}) png.replace(offset, 4, std::string("\x00\x00\xea\x60", 4));  // 60000
+    try {
+        decode_image(png, "bomb.png");
+        FAIL() << "a 60000x60000 PNG was decoded";
+    } catch (const DataError& e) {
+        EXPECT_NE(
+            std::string(e.what()).find("bomb.png: 60000x60000 = 3600000000 pixels is above the limit of " +
+                                       std::to_string(kDefaultMaxImagePixels)),
+            std::string::npos)
+            << e.what();
+    }
+    const std::string small = encode_png(random_image(4, 4, 2));
+    const auto with_limit = [&](const char* value) {
+        setenv("DTUNE_MAX_IMAGE_PIXELS", value, 1);
+        try {
+            decode_image(small, "small.png");
+            unsetenv("DTUNE_MAX_IMAGE_PIXELS");
+            return std::string("decoded");
+        } catch (const std::exception& e) {
+            unsetenv("DTUNE_MAX_IMAGE_PIXELS");
+            return std::string(dynamic_cast<const UsageError*>(&e) ? "usage: " : "data: ") + e.what();
+        }
+    };
+    EXPECT_EQ(with_limit("16"), "decoded");
+    EXPECT_EQ(with_limit("0"), "decoded");
+    EXPECT_NE(with_limit("15").find("data: small.png: 4x4 = 16 pixels is above the limit of 15"),
+              std::string::npos);
+    EXPECT_NE(with_limit("lots").find("usage: DTUNE_MAX_IMAGE_PIXELS='lots' is not a pixel count"),
+              std::string::npos);
+}
+
 TEST(Image, JpegRoundTripIsClose) {
     const RgbImage im = quadrants(64, 48);
     const RgbImage back = decode_image(encode_jpeg(im, 95), "mem.jpg");
