@@ -22,6 +22,7 @@
 #include "core/log.h"
 #include "core/progress.h"
 #include "core/thread_pool.h"
+#include "diffusion/scheduler_config.h"
 #include "io/image.h"
 #include "validate/sdxl_pipeline.h"
 
@@ -112,6 +113,7 @@ void check_args(const SampleArgs& a) {
     if (a.threads < 0)
         throw UsageError(str("--threads ", a.threads, " is invalid: use 1 or more (0 = auto)"));
     if (!std::isfinite(a.lora_scale)) throw UsageError("--lora_scale must be a finite number");
+    diffusion::parse_sampler_kind(a.sampler);  // an unknown --sampler stops before the model loads
     // A NaN guidance would give a noise image and a sidecar with "guidance": null.
     if (!std::isfinite(a.guidance))
         throw UsageError(

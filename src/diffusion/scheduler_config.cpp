@@ -14,11 +14,14 @@ SamplerKind parse_sampler_kind(const std::string& name) {
     if (name == "euler-a" || name == "euler_a" || name == "EulerAncestralDiscreteScheduler")
         return SamplerKind::kEulerAncestral;
     if (name == "ddim" || name == "DDIMScheduler") return SamplerKind::kDDIM;
-    if (name == "dpm++" || name == "dpmsolver++" || name == "DPMSolverMultistepScheduler")
+    // dpmpp_2m / dpmpp_2m_karras are dtune sample's names; the caller sets use_karras_sigmas.
+    if (name == "dpm++" || name == "dpmsolver++" || name == "dpmpp_2m" || name == "dpmpp_2m_karras" ||
+        name == "DPMSolverMultistepScheduler")
         return SamplerKind::kDPMSolverMultistep;
     if (name == "unipc" || name == "UniPCMultistepScheduler") return SamplerKind::kUniPC;
     throw UsageError(str("sampler \"", name,
-                         "\" is not implemented; use euler, euler-a, ddim, dpm++ or unipc (diffusers' "
+                         "\" is not implemented; use euler, euler_a (euler-a), ddim, dpmpp_2m (dpm++), "
+                         "dpmpp_2m_karras or unipc (diffusers' "
                          "EulerDiscreteScheduler, EulerAncestralDiscreteScheduler, DDIMScheduler, "
                          "DPMSolverMultistepScheduler, UniPCMultistepScheduler)"));
 }

@@ -88,6 +88,12 @@ TEST(SampleCli, BadOptionsExitWithUsageCode) {
               std::string::npos)
         << r.output;
     EXPECT_EQ(r.output.find("sampling"), std::string::npos) << r.output;
+    // An unknown --sampler stops before the model is opened (here it does not even exist, which
+    // would be exit 3), and the message lists dtune sample's own names.
+    const auto s = test::run_shell(std::string(DTUNE_BIN) + " sample --model " + (tmp / "no_model").string() +
+                                   " --prompt x --sampler foo 2>&1");
+    EXPECT_EQ(s.exit_code, 2) << s.output;
+    EXPECT_NE(s.output.find("dpmpp_2m_karras"), std::string::npos) << s.output;
     // A file that is not an SDXL base single file, without --config_folder: a data error (3).
     const auto file = test::fixtures_dir() / "tiny-sdxl" / "unet" / "diffusion_pytorch_model.safetensors";
     EXPECT_EQ(run(std::string(DTUNE_BIN) + " sample --model " + file.string() + " --prompt x 2>/dev/null"),
