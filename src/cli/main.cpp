@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/fused_env.h"
 #include "core/log.h"
+#include "io/image.h"
 
 namespace dtune::cli {
 
@@ -98,6 +99,7 @@ int main(int argc, char** argv) {
         if (!fused_kernels_allowed())
             log::info() << "DTUNE_FUSED_KERNELS=" << std::getenv("DTUNE_FUSED_KERNELS")
                         << ": dtune's fused kernels are off (ATen's ops run instead)";
+        io::max_image_pixels();  // DTUNE_MAX_IMAGE_PIXELS: a bad value stops here, not in a decode worker
         return cmd->run(rest);
     } catch (const Error& e) {
         std::fprintf(stderr, "error: %s\n", e.what());

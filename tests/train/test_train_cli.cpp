@@ -207,6 +207,15 @@ TEST(TrainCli, FusedKernelsCanBeTurnedOffForTriage) {
               std::string::npos);
 }
 
+// A bad DTUNE_MAX_IMAGE_PIXELS stops at start with exit 2, before any image is decoded.
+TEST(TrainCli, BadMaxImagePixelsIsAUsageErrorAtStart) {
+    Workspace w;
+    EXPECT_EQ(run_status("DTUNE_MAX_IMAGE_PIXELS=lots " + w.command("bad", "--max_train_steps 1")), 2);
+    EXPECT_NE(fs::read_file(w.dir / "log.txt").find("DTUNE_MAX_IMAGE_PIXELS='lots' is not a pixel count"),
+              std::string::npos);
+    EXPECT_FALSE(std::filesystem::exists(w.dir / "cache_text"));
+}
+
 TEST(TrainCli, UnimplementedOptionExitsWithUsageError) {
     Workspace w;
     EXPECT_EQ(run_status(w.command("bad", "--base_model_precision int8-quanto")), 2);
