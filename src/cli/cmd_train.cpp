@@ -13,12 +13,17 @@
 #include "train/config.h"
 #include "train/run_observers.h"
 #include "train/signals.h"
+#include "train/simpletuner_options.h"
 #include "train/trainer.h"
 
 namespace dtune::cli {
 namespace {
 
 int run_train(const std::vector<std::string>& args) {
+    if (args.size() == 1 && args[0] == "--list-options") {
+        std::fputs(train::options_markdown().c_str(), stdout);  // docs/simpletuner-options.md
+        return 0;
+    }
     std::filesystem::path config_file;
     std::vector<std::string> overrides;
     for (std::size_t i = 0; i < args.size(); ++i) {
@@ -70,9 +75,11 @@ int run_train(const std::vector<std::string>& args) {
 std::string train_usage() {
     return "usage: dtune train --config config.json [--key value | --key=value | --set key=value ...]\n\n"
            "Trains from SimpleTuner's config.json (keys with or without \"--\"); command-line options\n"
-           "override the file. Every option below uses SimpleTuner's name and default. A SimpleTuner\n"
-           "option dtune does not implement yet is an error unless it is left at its default; an unknown\n"
-           "key is an error naming the closest known one. config.toml with the same keys works too.\n\n"
+           "override the file. Every option below uses SimpleTuner's name and default. Every other\n"
+           "SimpleTuner option is accepted at SimpleTuner's default (or null) and is an error (\"not\n"
+           "implemented by dtune\") at another value; `dtune train --list-options` prints the whole table\n"
+           "(docs/simpletuner-options.md). An unknown key is an error naming the closest known one.\n"
+           "config.toml with the same keys works too.\n\n"
            "Writes to output_dir: config.resolved.json, metrics.jsonl (step, loss, lr, grad_norm,\n"
            "img_per_s, samples_seen, gpu_memory_gib), report.html (rewritten at each checkpoint),\n"
            "validation_images/ (with validation_prompt), eval.jsonl (with a dataset_type eval dataset),\n"

@@ -49,6 +49,27 @@ const std::set<std::string> kPassthroughKeys = {"aws_bucket_name",
                                                 "memory_filesystem_size",
                                                 "memory_filesystem_sudo"};
 
+// Passthrough keys that change what is trained (captions, conditioning inputs, the latents of each
+// epoch, slider grouping). Ignoring them would train something other than what the config asks, so
+// when switched on they are refused; at their "off" value they are accepted silently.
+const std::set<std::string> kChangesTraining = {
+    "caption_shuffle", "conditioning_data",          "conditioning_type", "source_dataset_id",
+    "conditioning",    "vae_cache_clear_each_epoch", "slider_strength"};
+
+// false, 0, "", "false", null, [], {}, or an object whose "enable" is off.
+bool is_off(const json& v) {
+    if (v.is_null()) return true;
+    if (v.is_boolean()) return !v.get<bool>();
+    if (v.is_number()) return v.get<double>() == 0;
+    if (v.is_string()) {
+        std::string t = v.get<std::string>();
+        for (char& ch : t) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+        return t.empty() || t == "false" || t == "none" || t == "0";
+    }
+    if (v.is_object() && v.contains("enable")) return is_off(v.at("enable"));
+    return v.empty();
+}
+
 // "true"/"false" in any case (Python writes True/False), else nothing.
 std::optional<bool> bool_text(const json& v) {
     if (!v.is_string()) return std::nullopt;
@@ -497,9 +518,14 @@ DatasetConfig parse_entry(const json& raw, size_t index, const GlobalDataArgs& a
                                        "start and kept in cache_dir"));
     }
     for (const auto& key : kPassthroughKeys) {
+        if (kChangesTraining.count(key) && entry.contains(key) && !is_off(entry.at(key)))
+            r.fail(key,
+                   str("= ", entry.at(key).dump(),
+                       " changes what is trained, and dtune does not implement it yet; it is refused "
+                       "rather than ignored. Remove the key (or set it to false/null) to train without it"));
         if (r.has(key)) {
             c.passthrough.emplace_back(key, entry.at(key).dump());
-            if (key.rfind("aws_", 0) != 0)
+            if (key.rfind("aws_", 0) != 0 && !kChangesTraining.count(key))  // those are off here
                 warnings.push_back(
                     str("dataset '", c.id, "': key '", key, "' is not supported by dtune yet; ignored"));
         }

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <functional>
 #include <map>
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "train/simpletuner_options.h"
 
 namespace dtune::train {
 namespace {
@@ -128,48 +130,11 @@ const std::vector<OptionSpec>& specs() {
     return kSpecs;
 }
 
-// Known SimpleTuner options dtune does not implement, with SimpleTuner's default where known (a
-// config that leaves them at that default is accepted).
-const std::vector<std::pair<const char*, const char*>> kNotImplemented = {
-    {"checkpoint_epoch_interval", "null"}, {"checkpointing_rolling_steps", "0"},
-    {"checkpoints_rolling_total_limit", "1"}, {"checkpointing_use_tempdir", "false"},
-    {"delete_invalid_checkpoints", "false"}, {"base_model_precision", "\"no_change\""},
-    {"text_encoder_1_precision", "\"no_change\""}, {"text_encoder_2_precision", "\"no_change\""},
-{"use_soft_min_snr", "false"}, {"snr_weight", "1.0"},
-    {"loss_type", "\"l2\""}, {"huber_schedule", "\"snr\""}, {"huber_c", "0.1"},
-    {"rescale_betas_zero_snr", "false"}, {"training_scheduler_timestep_spacing", "\"trailing\""},
-    {"inference_scheduler_timestep_spacing", "\"trailing\""}, {"timestep_bias_strategy", "\"none\""},
-    {"timestep_bias_begin", "0"}, {"timestep_bias_end", "1000"}, {"timestep_bias_multiplier", "1.0"},
-    {"timestep_bias_portion", "0.25"}, {"aspect_bucket_alignment", "64"}, {"aspect_bucket_rounding", "2"},
-    {"write_batch_size", "128"}, {"read_batch_size", "25"},
-    {"image_processing_batch_size", "32"},
-    {"data_backend_sampling", "\"auto-weighting\""}, {"seed_for_each_device", "true"},
-    {"tracker_project_name", "\"simpletuner\""}, {"tracker_run_name", "\"simpletuner-testing\""},
-    {"validation_prompt_library", "false"},
-    {"validation_on_startup", "false"}, {"validation_randomize", "false"},
-    {"validation_seed_source", "\"cpu\""}, {"validation_image_format", "\"png\""}, {"evaluation_type", "\"none\""},
-    {"validation_preview", "false"},
-    {"sdxl_validation_pipeline_mode", "\"trained-stage\""}, {"scheduled_sampling_max_step_offset", "0"},
-    {"diff2flow_enabled", "false"}, {"diff2flow_loss", "false"}, {"dynamo_backend", "\"no\""},
-    {"attention_mechanism", "\"diffusers\""},
-    {"aspect_bucket_worker_count", "12"}, {"enable_multiprocessing", "false"}, {"max_workers", "32"},
-    {"aws_max_pool_connections", "128"}, {"torch_num_threads", "8"}, {"metadata_update_interval", "3600"},
-    {"disk_low_threshold", "null"}, {"disk_low_action", "\"stop\""},
-    {"lycoris_config", "\"config/lycoris_config.json\""},
-    {"lr_scale", "false"}, {"lr_scale_sqrt", "false"}, {"push_to_hub", "false"}, {"hub_model_id", "null"},
-    {"ignore_final_epochs", "false"},
-    {"validation_torch_compile", "false"}, {"pretrained_unet_model_name_or_path", "null"},
-    {"revision", "null"}, {"variant", "null"}, {"train_text_encoder", "false"}, {"lora_target_modules", "null"},
-    {"peft_lora_mode", "\"standard\""}, {"slider_lora_target", "false"},
-    {"gradient_precision", "null"}, {"fused_qkv_projections", "false"}, {"max_grad_value", "null"},
-    {"i_know_what_i_am_doing", "false"}, {"override_dataset_config", "false"},
-    {"cache_dir", "\"\""}, {"logging_dir", "\"logs\""}, {"quantize_via", "\"accelerator\""},
-    {"eval_epoch_interval", "null"}, {"eval_dataset_id", "null"}, {"validation_preview_steps", "1"},
-    {"pretrained_evaluation_model_name_or_path", "\"openai/clip-vit-large-patch14-336\""},
-    {"dynamo_mode", "\"\""}, {"dynamo_fullgraph", "false"}, {"dynamo_dynamic", "false"},
-    {"dynamo_use_regional_compilation", "false"}, {"disable_bucket_pruning", "false"},
-    {"enable_nsfw_check", "false"}, {"fsdp_enable", "false"}, {"fuse_optimizer", "false"},
-    {"optimizer_release_gradients", "false"}, {"disable_multiprocessing", "false"},
+// Options of older SimpleTuner releases that its current parser no longer knows; configs written for
+// those releases still carry them, so they are accepted at their old default.
+const std::vector<std::pair<const char*, const char*>> kRetired = {
+    {"ignore_final_epochs", "false"}, {"validation_torch_compile", "false"}, {"lora_target_modules", "null"},
+    {"max_grad_value", "null"}, {"disable_multiprocessing", "false"},
 };
 // clang-format on
 
@@ -184,8 +149,8 @@ const OptionSpec* find_spec(const std::string& key) {
     return nullptr;
 }
 
-const char* not_implemented_default(const std::string& key) {
-    for (const auto& [name, def] : kNotImplemented)
+const char* retired_default(const std::string& key) {
+    for (const auto& [name, def] : kRetired)
         if (key == name) return def;
     return nullptr;
 }
@@ -195,16 +160,21 @@ std::string canonical_key(std::string key) {
     while (!key.empty() && key.front() == '-') key.erase(key.begin());
     std::replace(key.begin(), key.end(), '-', '_');
     auto alias = kAliases.find(key);
-    return alias == kAliases.end() ? key : alias->second;
+    if (alias != kAliases.end()) return alias->second;
+    // SimpleTuner's other spellings of an option (fused_qkv_projections -> fuse_qkv_projections).
+    const SimpleTunerOption* option = find_simpletuner_option(key);
+    return option ? std::string(option->name) : key;
 }
 
 std::string closest_key(const std::string& key) {
     std::string best;
     std::size_t best_d = std::string::npos;
-    for (const auto& s : specs()) {
-        const std::size_t d = edit_distance(key, s.name);
-        if (d < best_d) best_d = d, best = s.name;
-    }
+    const auto consider = [&](const char* name) {
+        const std::size_t d = edit_distance(key, name);
+        if (d < best_d) best_d = d, best = name;
+    };
+    for (const auto& s : specs()) consider(s.name);
+    for (const auto& o : simpletuner_options()) consider(o.name);
     return best;
 }
 
@@ -293,6 +263,47 @@ json coerce(const OptionSpec& spec, const json& value, const std::string& source
     return fail();
 }
 
+// Every configuration problem of one run, so a config with eight mistakes takes one run to fix, not
+// eight. A problem with model_family heads the list: the other checks depend on the family.
+class ConfigProblems : public UsageError {
+  public:
+    explicit ConfigProblems(std::vector<std::string> items)
+        : UsageError(format(items)), items_(std::move(items)) {}
+    const std::vector<std::string>& items() const { return items_; }
+
+  private:
+    static std::string format(const std::vector<std::string>& items) {
+        if (items.size() == 1) return items[0];
+        std::string out = str(items.size(), " configuration problems (each needs a fix):");
+        for (std::size_t i = 0; i < items.size(); ++i) out += str("\n  ", i + 1, ". ", items[i]);
+        return out;
+    }
+    std::vector<std::string> items_;
+};
+
+class Problems {
+  public:
+    void run(const std::function<void()>& fn) {
+        try {
+            fn();
+        } catch (const ConfigProblems& e) {
+            items_.insert(items_.end(), e.items().begin(), e.items().end());
+        } catch (const UsageError& e) {
+            items_.emplace_back(e.what());
+        }
+    }
+    void throw_if_any() {
+        if (items_.empty()) return;
+        std::stable_partition(items_.begin(), items_.end(), [](const std::string& m) {
+            return m.find("model_family") != std::string::npos;
+        });
+        throw ConfigProblems(items_);
+    }
+
+  private:
+    std::vector<std::string> items_;
+};
+
 }  // namespace
 
 std::size_t edit_distance(const std::string& a, const std::string& b) {
@@ -334,12 +345,20 @@ void TrainConfig::set_value(const std::string& raw_key, json value, const std::s
         values_[key] = coerce(*spec, value, source);
         return;
     }
-    if (const char* def = not_implemented_default(key)) {
-        // A value equal to SimpleTuner's default changes nothing, so it is accepted.
+    // A SimpleTuner option dtune does not implement: a value equal to SimpleTuner's default changes
+    // nothing, so it is accepted (docs/simpletuner-options.md lists them).
+    if (const SimpleTunerOption* option = find_simpletuner_option(key)) {
+        if (is_simpletuner_default(*option, value)) return;
+        throw UsageError(str(source, ": option ", key, " = ", value.dump(),
+                             " is not implemented by dtune; remove it from the config or set it to "
+                             "SimpleTuner's default ",
+                             option->default_json,
+                             " (docs/simpletuner-options.md lists what dtune implements)"));
+    }
+    if (const char* def = retired_default(key)) {
         if (equals_default(value, json::parse(def))) return;
-        throw UsageError(str(source, ": option ", key, " is not implemented by dtune yet (value ",
-                             value.dump(), "); remove it from the config or set it to SimpleTuner's default ",
-                             def));
+        throw UsageError(str(source, ": option ", key, " (from an older SimpleTuner) = ", value.dump(),
+                             " is not implemented by dtune; remove it from the config"));
     }
     throw UsageError(str(source, ": unknown option \"", raw_key, "\"; did you mean \"", closest_key(key),
                          "\"? (`dtune train --help` lists every option)"));
@@ -348,7 +367,9 @@ void TrainConfig::set_value(const std::string& raw_key, json value, const std::s
 void TrainConfig::merge_json(const json& object, const std::string& source) {
     if (!object.is_object())
         throw UsageError(str(source, ": the configuration must be a JSON object of option: value pairs"));
-    for (const auto& [key, value] : object.items()) set_value(key, value, source);
+    Problems problems;
+    for (const auto& [key, value] : object.items()) problems.run([&] { set_value(key, value, source); });
+    problems.throw_if_any();
 }
 
 void TrainConfig::set(const std::string& key, const std::string& value_text, const std::string& source) {
@@ -360,64 +381,81 @@ void TrainConfig::set(const std::string& key, const std::string& value_text, con
 
 void TrainConfig::apply_overrides(const std::vector<std::string>& words) {
     const std::string source = "command line";
-    for (std::size_t i = 0; i < words.size(); ++i) {
-        std::string w = words[i];
-        if (w == "--set") {
-            if (i + 1 >= words.size())
-                throw UsageError("command line: --set needs key=value, e.g. --set seed=42");
-            w = words[++i];
-            const auto eq = w.find('=');
-            if (eq == std::string::npos)
-                throw UsageError(
-                    str("command line: --set ", w, " is not key=value; write e.g. --set seed=42"));
-            set(w.substr(0, eq), w.substr(eq + 1), source);
-            continue;
-        }
-        if (w.rfind("--", 0) != 0)
-            throw UsageError(str("command line: unexpected argument \"", w, "\"; options are --key value"));
+    Problems problems;
+    for (std::size_t i = 0; i < words.size(); ++i) problems.run([&] { apply_override(words, i, source); });
+    problems.throw_if_any();
+}
+
+// One override starting at words[i]; advances i past the words it consumes.
+void TrainConfig::apply_override(const std::vector<std::string>& words, std::size_t& i,
+                                 const std::string& source) {
+    std::string w = words[i];
+    if (w == "--set") {
+        if (i + 1 >= words.size())
+            throw UsageError("command line: --set needs key=value, e.g. --set seed=42");
+        w = words[++i];
         const auto eq = w.find('=');
-        if (eq != std::string::npos) {
-            set(w.substr(0, eq), w.substr(eq + 1), source);
-        } else if (i + 1 < words.size() && words[i + 1].rfind("--", 0) != 0) {
-            set(w, words[++i], source);
-        } else {
-            set(w, "true", source);  // a bare flag: --use_dora
-        }
+        if (eq == std::string::npos)
+            throw UsageError(str("command line: --set ", w, " is not key=value; write e.g. --set seed=42"));
+        return set(w.substr(0, eq), w.substr(eq + 1), source);
+    }
+    if (w.rfind("--", 0) != 0)
+        throw UsageError(str("command line: unexpected argument \"", w, "\"; options are --key value"));
+    const auto eq = w.find('=');
+    if (eq != std::string::npos) {
+        set(w.substr(0, eq), w.substr(eq + 1), source);
+    } else if (i + 1 < words.size() && words[i + 1].rfind("--", 0) != 0) {
+        set(w, words[++i], source);
+    } else {
+        set(w, "true", source);  // a bare flag: --use_dora
     }
 }
 
 void TrainConfig::validate() const {
-    if (values_.at("model_family").is_null())
-        throw UsageError("model_family is required; set \"model_family\": \"sdxl\" in config.json");
+    Problems problems;  // each check on its own, so one run lists them all
+    problems.run([&] {
+        if (values_.at("model_family").is_null())
+            throw UsageError("model_family is required; set \"model_family\": \"sdxl\" in config.json");
+    });
     for (const auto& s : specs()) {
         if (!s.choices || values_.at(s.name).is_null()) continue;
-        const std::string v = values_.at(s.name).get<std::string>();
-        const std::string choices = str(",", s.choices, ",");
-        if (choices.find("," + v + ",") == std::string::npos)
-            throw UsageError(
-                str("option ", s.name, " = \"", v, "\" is not supported; choose one of: ", s.choices));
+        problems.run([&] {
+            const std::string v = values_.at(s.name).get<std::string>();
+            const std::string choices = str(",", s.choices, ",");
+            if (choices.find("," + v + ",") == std::string::npos)
+                throw UsageError(
+                    str("option ", s.name, " = \"", v, "\" is not supported; choose one of: ", s.choices));
+        });
     }
-    const auto positive = [&](const char* key) {
-        if (integer(key) < 1)
-            throw UsageError(str("option ", key, " = ", integer(key), " must be at least 1"));
-    };
-    positive("train_batch_size");
-    positive("gradient_accumulation_steps");
-    if (!is_null("optimizer_config") && !text("optimizer_config").empty())
-        throw UsageError(
-            "option optimizer_config is not implemented by dtune yet; remove it (use adam_* options)");
+    for (const char* key : {"train_batch_size", "gradient_accumulation_steps"}) {
+        problems.run([&] {
+            if (integer(key) < 1)
+                throw UsageError(str("option ", key, " = ", integer(key), " must be at least 1"));
+        });
+    }
+    problems.run([&] {
+        if (!is_null("optimizer_config") && !text("optimizer_config").empty())
+            throw UsageError(
+                "option optimizer_config is not implemented by dtune yet; remove it (use adam_* options)");
+    });
     // max_train_steps 0 or null means "use num_train_epochs"; with neither there is nothing to train,
     // and a run would write an untrained model and report success.
-    const auto steps = opt_integer("max_train_steps");
-    if (steps && *steps < 0)
-        throw UsageError(str("option max_train_steps = ", *steps,
-                             " must be >= 1 (or 0/null to train num_train_epochs epochs)"));
-    if (!(steps && *steps > 0) && opt_integer("num_train_epochs").value_or(0) < 1)
-        throw UsageError(str("option num_train_epochs = ", raw("num_train_epochs").dump(),
-                             " with max_train_steps unset leaves nothing to train; set max_train_steps or "
-                             "num_train_epochs to at least 1"));
-    const double p = real("caption_dropout_probability");
-    if (p < 0 || p > 1) throw UsageError(str("caption_dropout_probability = ", p, " must be in [0, 1]"));
+    problems.run([&] {
+        const auto steps = opt_integer("max_train_steps");
+        if (steps && *steps < 0)
+            throw UsageError(str("option max_train_steps = ", *steps,
+                                 " must be >= 1 (or 0/null to train num_train_epochs epochs)"));
+        if (!(steps && *steps > 0) && opt_integer("num_train_epochs").value_or(0) < 1)
+            throw UsageError(
+                str("option num_train_epochs = ", raw("num_train_epochs").dump(),
+                    " with max_train_steps unset leaves nothing to train; set max_train_steps or "
+                    "num_train_epochs to at least 1"));
+    });
+    problems.run([&] {
+        const double p = real("caption_dropout_probability");
+        if (p < 0 || p > 1) throw UsageError(str("caption_dropout_probability = ", p, " must be in [0, 1]"));
+    });
+    problems.throw_if_any();
 }
 
 TrainConfig TrainConfig::load(const std::filesystem::path& config_file,
@@ -430,9 +468,8 @@ TrainConfig TrainConfig::load(const std::filesystem::path& config_file,
         if (ext == ".toml") {
             DTUNE_CHECK_AS(DataError, std::filesystem::is_regular_file(config_file), config_file.string(),
                            ": no such file; check the --config path");
-            config.merge_json(read_toml_config(config_file), config_file.string());
-            config.apply_overrides(overrides);
-            config.finish();
+            const json parsed = read_toml_config(config_file);
+            config.load_stages(parsed, config_file.string(), overrides);
             return config;
         }
         const std::string text = fs::read_file(config_file);
@@ -440,11 +477,20 @@ TrainConfig TrainConfig::load(const std::filesystem::path& config_file,
         if (parsed.is_discarded())
             throw UsageError(
                 str(config_file.string(), ": not valid JSON; check for trailing commas or comments"));
-        config.merge_json(parsed, config_file.string());
+        config.load_stages(parsed, config_file.string(), overrides);
+        return config;
     }
-    config.apply_overrides(overrides);
-    config.finish();
+    config.load_stages(json::object(), "", overrides);
     return config;
+}
+
+void TrainConfig::load_stages(const json& file_options, const std::string& source,
+                              const std::vector<std::string>& overrides) {
+    Problems problems;
+    if (!source.empty()) problems.run([&] { merge_json(file_options, source); });
+    problems.run([&] { apply_overrides(overrides); });
+    problems.run([&] { finish(); });
+    problems.throw_if_any();
 }
 
 void TrainConfig::finish() {

@@ -71,6 +71,11 @@ class TrainConfig {
 
   private:
     void set_value(const std::string& key, nlohmann::json value, const std::string& source);
+    void apply_override(const std::vector<std::string>& words, std::size_t& i, const std::string& source);
+    // merge_json(file_options) unless source is empty, apply_overrides, finish: every problem of all
+    // three in one UsageError.
+    void load_stages(const nlohmann::json& file_options, const std::string& source,
+                     const std::vector<std::string>& overrides);
 
     nlohmann::json values_;
 };

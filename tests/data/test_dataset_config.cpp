@@ -194,6 +194,34 @@ TEST(DatasetConfig, KeysThatWouldChangeTrainingAreRefused) {
     EXPECT_NE(e.find("dataset 'text', key 'caption_filter_list'"), std::string::npos) << e;
 }
 
+TEST(DatasetConfig, PassthroughKeysThatChangeTrainingAreRefusedWhenOn) {
+    // These used to be read, warned about and ignored: the run then trained without them.
+    const std::vector<std::pair<std::string, json>> on = {
+        {"vae_cache_clear_each_epoch", true},
+        {"caption_shuffle", {{"enable", true}, {"count", 3}}},
+        {"conditioning", json::array({{{"type", "canny"}}})},
+        {"conditioning_data", "pics-canny"},
+        {"conditioning_type", "controlnet"},
+        {"source_dataset_id", "pics"},
+        {"slider_strength", 0.5},
+    };
+    for (const auto& [key, value] : on) {
+        const std::string e = usage_error(minimal({{key, value}}));
+        EXPECT_NE(e.find(str("dataset 'pics', key '", key, "'")), std::string::npos) << key << ": " << e;
+        EXPECT_NE(e.find("refused rather than ignored"), std::string::npos) << e;
+    }
+    // Off values are SimpleTuner's defaults: accepted, and nothing to warn about.
+    const json off = {{"vae_cache_clear_each_epoch", false}, {"caption_shuffle", {{"enable", false}}},
+                      {"conditioning", json::array()},       {"conditioning_data", ""},
+                      {"source_dataset_id", nullptr},        {"slider_strength", 0}};
+    const auto cfg = parse_data_backend_config(minimal(off), {});
+    EXPECT_TRUE(cfg.warnings.empty()) << cfg.warnings[0];
+    // Keys with no effect on what is trained still only warn.
+    const auto warned = parse_data_backend_config(minimal({{"scan_for_errors", true}}), {});
+    ASSERT_EQ(warned.warnings.size(), 1u);
+    EXPECT_NE(warned.warnings[0].find("'scan_for_errors'"), std::string::npos);
+}
+
 TEST(DatasetConfig, ParquetBlockAndVariables) {
     json extra = {{"metadata_backend", "parquet"},
                   {"caption_strategy", "parquet"},

@@ -8,6 +8,7 @@
 #include "core/fs.h"
 #include "support/test_support.h"
 #include "train/config.h"
+#include "train/simpletuner_options.h"
 
 namespace dtune::train {
 namespace {
@@ -99,12 +100,15 @@ TEST(TrainConfig, UnimplementedOptionIsAnErrorUnlessDefault) {
     test::TempDir dir;
     const std::string m = usage_message(
         [&] { load_text(dir, R"({"model_family": "sdxl", "--base_model_precision": "int8-quanto"})"); });
-    EXPECT_NE(m.find("option base_model_precision is not implemented by dtune yet"), std::string::npos) << m;
+    EXPECT_NE(m.find("option base_model_precision = \"int8-quanto\" is not implemented by dtune"),
+              std::string::npos)
+        << m;
+    EXPECT_EQ(m.find("unknown"), std::string::npos) << m;
     // SimpleTuner's default value changes nothing and is accepted.
     EXPECT_NO_THROW(load_text(dir, R"({"model_family": "sdxl", "base_model_precision": "no_change"})"));
     EXPECT_NE(usage_message([&] {
                   load_text(dir, R"({"model_family": "sdxl", "slider_lora_target": true})");
-              }).find("slider_lora_target is not implemented"),
+              }).find("slider_lora_target = true is not implemented"),
               std::string::npos);
     // EMA and its companions are implemented now.
     EXPECT_NO_THROW(load_text(dir, R"({"model_family": "sdxl", "use_ema": true, "ema_device": "accelerator",
@@ -152,8 +156,95 @@ TEST(TrainConfig, SimpleTunerKeysAtTheirDefaultLoad) {
         const std::string m = usage_message([&] {
             load_text(dir, R"({"model_family": "sdxl"})", {str("--", key), "2"});
         });
-        EXPECT_NE(m.find(str("option ", key, " is not implemented by dtune yet")), std::string::npos) << m;
+        EXPECT_NE(m.find(str("option ", key, " = 2 is not implemented by dtune")), std::string::npos) << m;
     }
+}
+
+TEST(TrainConfig, EverySimpleTunerOptionAtItsDefaultLoads) {
+    // SimpleTuner's defaults for all of its options, as its own parser yields them
+    // (tools/ref/simpletuner_options.py --defaults-json), written as a config.json.
+    test::TempDir dir;
+    nlohmann::json config =
+        nlohmann::json::parse(fs::read_file(DTUNE_TEST_DATA_DIR "/ref/simpletuner_defaults.json"));
+    ASSERT_GT(config.size(), 500u);
+    config["--model_family"] = "sdxl";  // required, as in SimpleTuner
+    const TrainConfig c = load_text(dir, config.dump());
+    EXPECT_EQ(c.text("model_family"), "sdxl");
+    EXPECT_EQ(c.integer("checkpoint_step_interval"), 500);
+}
+
+TEST(TrainConfig, EverySimpleTunerOptionAsNullLoads) {
+    // SimpleTuner drops None-valued keys, so each takes its default; dtune's own options likewise.
+    test::TempDir dir;
+    nlohmann::json config =
+        nlohmann::json::parse(fs::read_file(DTUNE_TEST_DATA_DIR "/ref/simpletuner_defaults.json"));
+    for (auto& [key, value] : config.items()) value = nullptr;
+    for (const auto& spec : option_specs()) config[spec.name] = nullptr;
+    config["--model_family"] = "sdxl";
+    const TrainConfig c = load_text(dir, config.dump());
+    const TrainConfig defaults = load_text(dir, R"({"model_family": "sdxl"})");
+    EXPECT_EQ(c.resolved(), defaults.resolved());
+    EXPECT_EQ(c.integer("train_batch_size"), 4);
+}
+
+TEST(TrainConfig, ExampleConfigKeysOfSimpleTunerAreAcceptedAtTheirDefault) {
+    // The keys SimpleTuner's own example configs carry most often, at the values they carry.
+    test::TempDir dir;
+    EXPECT_NO_THROW(load_text(dir, R"({"model_family": "sdxl", "push_checkpoints_to_hub": false,
+        "validation_disable_unconditional": false, "vae_enable_tiling": false, "vae_enable_slicing": false,
+        "strict_epoch_limit": false, "text_encoder_batch_size": 1, "--aspect_bucket_alignment": 64,
+        "fused_qkv_projections": "false", "--lr_scale": "no"})"));
+    // Another value is refused as not implemented (never "unknown"), naming the key and the default.
+    const std::string m =
+        usage_message([&] { load_text(dir, R"({"model_family": "sdxl", "vae_enable_tiling": true})"); });
+    EXPECT_NE(m.find("option vae_enable_tiling = true is not implemented by dtune"), std::string::npos) << m;
+    EXPECT_NE(m.find("SimpleTuner's default false"), std::string::npos) << m;
+    // Another spelling of an option resolves to its SimpleTuner name.
+    const std::string a =
+        usage_message([&] { load_text(dir, R"({"model_family": "sdxl", "fused_qkv_projections": true})"); });
+    EXPECT_NE(a.find("option fuse_qkv_projections = true is not implemented"), std::string::npos) << a;
+    // A typo of a SimpleTuner option dtune does not implement suggests that option.
+    const std::string t =
+        usage_message([&] { load_text(dir, R"({"model_family": "sdxl", "vae_enable_tilling": false})"); });
+    EXPECT_NE(t.find("did you mean \"vae_enable_tiling\""), std::string::npos) << t;
+}
+
+TEST(TrainConfig, EveryProblemIsReportedInOneRunModelFamilyFirst) {
+    test::TempDir dir;
+    const std::string m = usage_message([&] {
+        load_text(dir, R"({"learning_rat": 1, "train_batch_size": "four", "vae_enable_tiling": true,
+                           "lr_scheduler": "warp", "gradient_accumulation_steps": 0})",
+                  {"--seed", "x", "--lora_rank=abc"});
+    });
+    EXPECT_EQ(m.rfind("8 configuration problems", 0), 0u) << m;
+    EXPECT_NE(m.find("1. model_family is required"), std::string::npos) << m;
+    for (const char* part :
+         {"unknown option \"learning_rat\"", "train_batch_size = \"four\" is not an integer",
+          "vae_enable_tiling = true is not implemented", "lr_scheduler = \"warp\"",
+          "gradient_accumulation_steps = 0 must be at least 1", "option seed = \"x\"",
+          "option lora_rank = \"abc\""})
+        EXPECT_NE(m.find(part), std::string::npos) << part << "\n" << m;
+    // One problem keeps its plain message.
+    const std::string one =
+        usage_message([&] { load_text(dir, R"({"model_family": "sdxl", "learning_rat": 1})"); });
+    EXPECT_EQ(one.find("configuration problems"), std::string::npos) << one;
+}
+
+TEST(TrainConfig, OptionsPageIsGeneratedFromTheTable) {
+    // docs/simpletuner-options.md is `dtune train --list-options`; regenerate it when this fails:
+    // build/dev/bin/dtune train --list-options > docs/simpletuner-options.md
+    const std::string page = fs::read_file(DTUNE_SOURCE_DIR "/docs/simpletuner-options.md");
+    EXPECT_EQ(page, options_markdown());
+    EXPECT_NE(page.find("| `learning_rate` |  | `4e-07` | implemented |"), std::string::npos);
+    EXPECT_NE(page.find("| `vae_enable_tiling` |  | `false` | accepted at its default only |"),
+              std::string::npos);
+    std::size_t rows = 0;
+    for (std::size_t at = page.find("\n| `"); at != std::string::npos; at = page.find("\n| `", at + 1))
+        ++rows;
+    std::size_t own = 0;
+    for (const auto& spec : option_specs()) own += find_simpletuner_option(spec.name) == nullptr;
+    EXPECT_GT(own, 0u);
+    EXPECT_EQ(rows, simpletuner_options().size() + own) << "every SimpleTuner option and dtune's own";
 }
 
 TEST(TrainConfig, PythonSpellingsOfBooleansAndNone) {
