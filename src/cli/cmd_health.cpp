@@ -82,7 +82,7 @@ int run_health(const std::vector<std::string>& args) {
             const auto f = *breaker.trip_reason();
             notifier->send(notify::gpu_fault(health::fault_type_name(f.type), "critical", f.message,
                                              health::fault_json(f, host, -1)));
-            notifier->flush(std::chrono::seconds(10));
+            notifier->close(std::chrono::seconds(10));  // bounded, whatever the endpoint does
         }
         if (!watch || breaker.is_open()) break;
         std::this_thread::sleep_for(std::chrono::duration<double>(interval));

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/fused_env.h"
 #include "core/log.h"
+#include "core/redact.h"
 #include "io/image.h"
 
 namespace dtune::cli {
@@ -102,10 +103,10 @@ int main(int argc, char** argv) {
         io::max_image_pixels();  // DTUNE_MAX_IMAGE_PIXELS: a bad value stops here, not in a decode worker
         return cmd->run(rest);
     } catch (const Error& e) {
-        std::fprintf(stderr, "error: %s\n", e.what());
+        std::fprintf(stderr, "error: %s\n", redact_text(e.what()).c_str());
         return static_cast<int>(e.code());
     } catch (const std::exception& e) {
-        std::fprintf(stderr, "error: %s\n", e.what());
+        std::fprintf(stderr, "error: %s\n", redact_text(e.what()).c_str());
         return static_cast<int>(ExitCode::kError);
     }
 }

@@ -1,5 +1,6 @@
 // Logging implementation: one mutex around both sinks so lines never interleave.
 #include "core/log.h"
+#include "core/redact.h"
 
 #include <chrono>
 #include <cstdio>
@@ -103,7 +104,9 @@ std::string format_line(Level level, std::string_view message) {
 void write(Level level, std::string_view message) {
     State& s = state();
     if (level < s.level) return;
-    std::string line = format_line(level, message);
+    // No line carries a URL's password or query tokens, whoever formatted it (see redact.h).
+    std::string line = format_line(
+        level, message.find("://") == std::string_view::npos ? std::string(message) : redact_text(message));
     std::lock_guard lock(s.mutex);
     if (s.to_stderr) {
         std::fputs(line.c_str(), stderr);

@@ -14,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <mutex>
 #include <random>
@@ -79,6 +80,12 @@ void check_complete(const Op& op, Response& r) {
     const auto te = r.headers.find("transfer-encoding");
     if (!op.key.empty() && (te == r.headers.end() || te->second.find("chunked") == std::string::npos))
         r.transport_error = "response without Content-Length (connection cut?)";
+}
+
+std::string format_seconds(double s) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, s < 10 ? "%.2f s" : "%.0f s", s);
+    return buf;
 }
 
 bool retryable(const Response& r) {
@@ -148,7 +155,8 @@ struct S3Client::Impl {
     void set_transport_options(CURL* h, Response& r, curl_slist* connect_to);
     Response attempt(const Op& op);
     Response execute(const Op& op);
-    [[noreturn]] void fail(const Op& op, const Response& r) const;
+    [[noreturn]] void fail(const Op& op, const Response& r, double seconds) const;
+    std::string timeout_detail(CURL* h) const;
 };
 
 // The request's headers, signed now (each attempt gets a fresh x-amz-date).
@@ -230,6 +238,7 @@ Response S3Client::Impl::attempt(const Op& op) {
         check_complete(op, r);
     } else {
         r.transport_error = curl_easy_strerror(rc);
+        if (rc == CURLE_OPERATION_TIMEDOUT) r.transport_error += timeout_detail(h);
     }
     release(h);
     slots.release();
@@ -241,6 +250,7 @@ Response S3Client::Impl::attempt(const Op& op) {
 
 Response S3Client::Impl::execute(const Op& op) {
     thread_local std::mt19937_64 rng{std::random_device{}()};
+    const auto start = std::chrono::steady_clock::now();
     Response r;
     for (int attempt_no = 0;; ++attempt_no) {
         r = attempt(op);
@@ -249,22 +259,34 @@ Response S3Client::Impl::execute(const Op& op) {
         // Full jitter: spreads the retries of many parallel requests after a shared hiccup.
         const double cap = std::min(config.backoff_cap_s, config.backoff_base_s * std::pow(2.0, attempt_no));
         const double sleep_s = std::uniform_real_distribution<double>(0.0, cap)(rng);
-        log::debug() << "S3: retrying " << describe(op) << " after "
-                     << (r.transport_error.empty() ? str("HTTP ", r.status) : r.transport_error)
-                     << " (attempt " << attempt_no + 2 << "/" << config.max_attempts << ")";
+        // A warning, not a debug line: a server that does not answer must not look like a hang.
+        log::warn() << "S3: " << describe(op) << ": "
+                    << (r.transport_error.empty() ? str("HTTP ", r.status) : r.transport_error)
+                    << "; retrying in " << format_seconds(sleep_s) << " (attempt " << attempt_no + 2 << " of "
+                    << config.max_attempts << ")";
         std::this_thread::sleep_for(std::chrono::duration<double>(sleep_s));
     }
     if (r.transport_error.empty() && r.status >= 200 && r.status < 300) return r;
     // A missing bucket is never "the object is absent" (HEAD has no body to tell them apart).
     if (op.allow_404 && r.status == 404 && s3xml::first(r.body, "Code") != "NoSuchBucket") return r;
-    fail(op, r);
+    fail(op, r, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
 }
 
-void S3Client::Impl::fail(const Op& op, const Response& r) const {
+// Which of the two limits ended a timed-out request: the connect timeout or the stall limit.
+std::string S3Client::Impl::timeout_detail(CURL* h) const {
+    curl_off_t connected_us = 0;
+    curl_easy_getinfo(h, CURLINFO_CONNECT_TIME_T, &connected_us);
+    if (connected_us == 0)
+        return str(" (no connection within ", format_seconds(config.connect_timeout_s), ")");
+    return str(" (connected, but the server sent less than 1 KiB in ",
+               format_seconds(std::max(1.0, config.low_speed_timeout_s)), ")");
+}
+
+void S3Client::Impl::fail(const Op& op, const Response& r, double seconds) const {
     const std::string where = describe(op);
     if (!r.transport_error.empty())
-        throw DataError(str("S3: ", where, " failed after ", config.max_attempts,
-                            " attempts: ", r.transport_error,
+        throw DataError(str("S3: ", where, " failed after ", config.max_attempts, " attempts in ",
+                            format_seconds(seconds), ": ", r.transport_error,
                             "; check aws_endpoint_url (and that the server is reachable)"));
     const std::string code = s3xml::first(r.body, "Code");
     std::string message = s3xml::first(r.body, "Message");

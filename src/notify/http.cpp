@@ -2,6 +2,8 @@
 // calls are thread-safe (webhooks post from one background thread anyway).
 #include "notify/http.h"
 
+#include "core/redact.h"
+
 #include <curl/curl.h>
 
 #include <memory>
@@ -17,6 +19,11 @@ void global_init() {
 
 size_t discard(char*, size_t size, size_t n, void*) {
     return size * n;
+}
+
+// libcurl calls this about once a second even while nothing moves; non-zero aborts the transfer.
+int on_progress(void* cancel, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
+    return static_cast<const std::atomic<bool>*>(cancel)->load() ? 1 : 0;
 }
 
 struct Easy {
@@ -40,6 +47,11 @@ void common_setup(Easy& e, const std::string& url, const HttpOptions& options) {
     if (options.ssl_no_verify) {
         curl_easy_setopt(e.handle, CURLOPT_SSL_VERIFYPEER, 0L);
         curl_easy_setopt(e.handle, CURLOPT_SSL_VERIFYHOST, 0L);
+    }
+    if (options.cancel) {
+        curl_easy_setopt(e.handle, CURLOPT_XFERINFOFUNCTION, on_progress);
+        curl_easy_setopt(e.handle, CURLOPT_XFERINFODATA, options.cancel);
+        curl_easy_setopt(e.handle, CURLOPT_NOPROGRESS, 0L);
     }
     for (const auto& [k, v] : options.headers)
         e.headers = curl_slist_append(e.headers, (k + ": " + v).c_str());
@@ -95,11 +107,7 @@ HttpResult http_post_multipart(const std::string& url,
 }
 
 std::string redact_url(const std::string& url) {
-    const auto scheme = url.find("://");
-    if (scheme == std::string::npos) return "<url>";
-    const auto host_end = url.find('/', scheme + 3);
-    if (host_end == std::string::npos) return url;
-    return url.substr(0, host_end) + "/…";
+    return redact_url_to_host(url);
 }
 
 }  // namespace dtune::notify

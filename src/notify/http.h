@@ -1,7 +1,8 @@
 // Minimal HTTP POST over libcurl for webhooks: JSON bodies and multipart forms, a hard timeout,
-// optional TLS verification bypass. One call = one request; retries live in the caller.
+// optional TLS verification bypass, cancellation. One call = one request; retries live in the caller.
 #pragma once
 
+#include <atomic>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,6 +28,8 @@ struct HttpOptions {
     double timeout_s = 5.0;
     bool ssl_no_verify = false;
     std::vector<std::pair<std::string, std::string>> headers;  // extra headers
+    // When set and true, the request in flight is abandoned within about a second (shutdown).
+    const std::atomic<bool>* cancel = nullptr;
 };
 
 HttpResult http_post_json(const std::string& url, const std::string& json_body, const HttpOptions& options);
@@ -34,9 +37,9 @@ HttpResult http_post_multipart(const std::string& url,
                                const std::vector<std::pair<std::string, std::string>>& fields,
                                const std::vector<MultipartFile>& files, const HttpOptions& options);
 
-// "https://discord.com/api/webhooks/123/abc" -> "https://discord.com/api/webhooks/…": URLs of
-// webhooks are secrets (whoever has one can post), so logs show only the scheme, host and the
-// first path segments.
+// "https://user:pw@discord.com/api/webhooks/123/abc?token=x" -> "https://discord.com/…": URLs of
+// webhooks are secrets as a whole (whoever has one can post), so logs show only the scheme and
+// the host; userinfo, path and query never appear (core/redact.h's redact_url_to_host).
 std::string redact_url(const std::string& url);
 
 }  // namespace dtune::notify

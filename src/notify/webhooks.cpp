@@ -3,9 +3,11 @@
 
 #include <ctime>
 #include <filesystem>
+#include <set>
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/redact.h"
 #include "notify/http.h"
 
 namespace dtune::notify {
@@ -101,11 +103,12 @@ std::vector<WebhookTarget> parse_webhook_config(const std::string& value, const 
     const auto first = value.find_first_not_of(" \t\r\n");
     if (first != std::string::npos && (value[first] == '{' || value[first] == '[')) {
         root = json::parse(value, nullptr, false);
-        DTUNE_CHECK_AS(UsageError, !root.is_discarded(),
-                       "webhook_config is not valid JSON: ", value.substr(0, 80));
+        // The text is not echoed: it may hold a URL with a token or an auth_token.
+        DTUNE_CHECK_AS(UsageError, !root.is_discarded(), "webhook_config (inline, ", value.size(),
+                       " characters) is not valid JSON; check its quotes, commas and brackets");
     } else {
         DTUNE_CHECK_AS(
-            UsageError, std::filesystem::is_regular_file(value), "webhook_config '", value,
+            UsageError, std::filesystem::is_regular_file(value), "webhook_config '", redact_text(value),
             "' is neither inline JSON nor an existing file; pass a path to a JSON file or a JSON object");
         root = json::parse(fs::read_file(value), nullptr, false);
         DTUNE_CHECK_AS(UsageError, !root.is_discarded(), "webhook_config file '", value,
@@ -246,23 +249,25 @@ json raw_payload(const Event& event, const std::string& job_id) {
 // ---- notifier ---------------------------------------------------------------------------------
 
 Notifier::Notifier(std::vector<WebhookTarget> targets, std::string job_id, bool enabled)
-    : targets_(std::move(targets)), job_id_(std::move(job_id)), enabled_(enabled && !targets_.empty()) {
+    : targets_(std::move(targets)),
+      job_id_(std::move(job_id)),
+      enabled_(enabled && !targets_.empty()),
+      failing_(targets_.size(), 0),
+      last_error_(targets_.size()) {
     if (enabled_) thread_ = std::thread([this] { worker(); });
 }
 
 Notifier::~Notifier() {
-    if (!enabled_) return;
-    {
-        std::lock_guard lock(mutex_);
-        stopping_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
+    close(kCloseTimeout);
 }
 
 void Notifier::send(Event event) {
     if (!enabled_) return;
     std::lock_guard lock(mutex_);
+    if (closed_) {
+        ++stats_.dropped;  // after close(): nobody posts any more
+        return;
+    }
     for (std::size_t t = 0; t < targets_.size(); ++t) {
         if (event.level < targets_[t].log_level) continue;
         if (queue_.size() >= kMaxQueue) {
@@ -285,6 +290,50 @@ bool Notifier::flush(std::chrono::milliseconds timeout) {
     return idle_cv_.wait_for(lock, timeout, [this] { return queue_.empty() && !busy_; });
 }
 
+bool Notifier::close(std::chrono::milliseconds timeout, const std::function<bool()>& abandon) {
+    if (!enabled_) return true;
+    std::unique_lock lock(mutex_);
+    if (closed_) return close_result_;
+    closed_ = stopping_ = true;
+    cv_.notify_all();
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    bool abandoned = false;
+    auto idle = [this] { return queue_.empty() && !busy_; };
+    if (!idle()) {
+        const std::size_t pending = queue_.size() + (busy_ ? 1 : 0);
+        log::info() << "webhooks: delivering the last " << pending << " event" << (pending == 1 ? "" : "s")
+                    << " (" << timeout.count() / 1000.0 << " s at most)";
+    }
+    while (!idle() && std::chrono::steady_clock::now() < deadline) {
+        if (abandon && abandon()) {
+            abandoned = true;
+            break;
+        }
+        idle_cv_.wait_until(
+            lock, std::min(deadline, std::chrono::steady_clock::now() + std::chrono::milliseconds(50)));
+    }
+    const std::size_t left = queue_.size() + (busy_ ? 1 : 0);
+    if (left > 0) {
+        std::set<std::string> type_set;
+        for (const Job& j : queue_) type_set.insert(j.event.type);
+        std::string types;
+        for (const auto& type : type_set) types += (types.empty() ? "" : ", ") + type;
+        stats_.dropped += static_cast<int64_t>(queue_.size());
+        queue_.clear();
+        cancel_ = true;  // the post in flight gives up within about a second
+        log::warn() << "webhooks: " << left << " event" << (left == 1 ? "" : "s") << " not delivered "
+                    << (abandoned ? "(the wait was cut short)"
+                                  : str("within the ", timeout.count() / 1000.0, " s allowed at the end"))
+                    << " and dropped" << (types.empty() ? "" : " (" + types + ")")
+                    << "; check that the webhook endpoint answers";
+    }
+    close_result_ = left == 0;
+    cv_.notify_all();
+    lock.unlock();
+    thread_.join();
+    return close_result_;
+}
+
 Notifier::Stats Notifier::stats() const {
     std::lock_guard lock(mutex_);
     return stats_;
@@ -295,6 +344,9 @@ bool Notifier::deliver(const Job& job) {
     HttpOptions options;
     options.timeout_s = t.timeout_s;
     options.ssl_no_verify = t.ssl_no_verify;
+    options.cancel = &cancel_;
+    if (t.type == WebhookType::kRaw && !t.auth_token.empty())
+        options.headers.emplace_back("X-API-Key", t.auth_token);
     for (int attempt = 0; attempt <= t.max_retries; ++attempt) {
         if (attempt > 0) {
             // Exponential backoff with jitter: 0.5 s, 1 s, 2 s ... (+ up to 25%).
@@ -302,9 +354,8 @@ bool Notifier::deliver(const Job& job) {
             const double jitter = base * 0.25 * (std::rand() % 1000) / 1000.0;
             std::unique_lock lock(mutex_);
             if (cv_.wait_for(lock, std::chrono::duration<double>(base + jitter),
-                             [this] { return stopping_; }) &&
-                attempt > 1)
-                return false;  // shutting down: one retry at most
+                             [this] { return cancel_.load(); }))
+                return false;  // close() gave up on this event
         }
         HttpResult r;
         if (t.type == WebhookType::kDiscord) {
@@ -317,7 +368,6 @@ bool Notifier::deliver(const Job& job) {
                                  job.event.images[i].png});
             r = http_post_multipart(t.url, {{"content", content}}, files, options);
         } else {
-            if (!t.auth_token.empty()) options.headers.emplace_back("X-API-Key", t.auth_token);
             r = http_post_json(t.url, raw_payload(job.event, job_id_).dump(), options);
         }
         {
@@ -325,11 +375,30 @@ bool Notifier::deliver(const Job& job) {
             ++stats_.attempts;
         }
         if (r.ok()) return true;
+        last_error_[job.target] = r.error.empty() ? "HTTP " + std::to_string(r.status) : r.error;
         log::debug() << "webhook " << redact_url(t.url) << " " << job.event.type << " attempt " << attempt + 1
-                     << " failed: " << (r.error.empty() ? "HTTP " + std::to_string(r.status) : r.error);
-        if (!r.retryable()) return false;
+                     << " failed: " << last_error_[job.target];
+        if (!r.retryable() || cancel_) return false;
     }
     return false;
+}
+
+// One warning when a webhook starts failing and one line when it works again: a dead endpoint
+// does not fill the log with a warning per event.
+void Notifier::report_outcome(const Job& job, bool ok, const std::string& error) {
+    const std::string where = "webhook " + redact_url(targets_[job.target].url);
+    char& failing = failing_[job.target];
+    if (ok && failing) {
+        log::info() << where << ": delivering again";
+    } else if (!ok && cancel_) {
+        // close() gave up: its one warning covers this event.
+    } else if (!ok && !failing) {
+        log::warn() << where << ": could not deliver " << job.event.type << " (" << error
+                    << "); later failures of this webhook are logged at debug level until a post succeeds";
+    } else if (!ok) {
+        log::debug() << where << ": could not deliver " << job.event.type << " (" << error << ")";
+    }
+    failing = ok ? 0 : 1;
 }
 
 void Notifier::worker() {
@@ -344,14 +413,12 @@ void Notifier::worker() {
             busy_ = true;
         }
         const bool ok = deliver(job);
+        report_outcome(job, ok, last_error_[job.target]);
         {
             std::lock_guard lock(mutex_);
             busy_ = false;
             ++(ok ? stats_.delivered : stats_.failed);
         }
-        if (!ok)
-            log::warn() << "webhook " << redact_url(targets_[job.target].url) << ": could not deliver "
-                        << job.event.type << " (see --log_level debug)";
         idle_cv_.notify_all();
     }
 }

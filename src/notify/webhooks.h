@@ -3,14 +3,17 @@
 //
 // Invariants: send() never blocks on the network (a bounded queue; the oldest progress events are
 // dropped first when it is full); each post has a timeout and a bounded number of retries with
-// backoff; only the process created with `enabled=true` (rank 0, or the node reporting a GPU
-// fault) posts; URLs and tokens never reach a log line (see redact_url).
+// backoff; close() (and the destructor) never takes longer than its timeout: what is still queued
+// then, and the post in flight, are dropped with one warning; a failing webhook logs one warning,
+// not one per event; only the process created with `enabled=true` (rank 0, or the node reporting
+// a GPU fault) posts; URLs and tokens never reach a log line (see redact_url).
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -72,7 +75,7 @@ std::string base64_encode(const std::string& bytes);
 class Notifier {
   public:
     Notifier(std::vector<WebhookTarget> targets, std::string job_id, bool enabled);
-    ~Notifier();  // delivers what is queued, bounded by each post's timeout and retries
+    ~Notifier();  // close(kCloseTimeout) unless closed already
     Notifier(const Notifier&) = delete;
     Notifier& operator=(const Notifier&) = delete;
 
@@ -80,6 +83,11 @@ class Notifier {
     void send(Event event);
     // Waits until the queue is empty or `timeout` passes; true when everything was handled.
     bool flush(std::chrono::milliseconds timeout);
+    // The end of delivery: posts what is queued until the queue is empty, `timeout` passes or
+    // `abandon` (polled every 50 ms; e.g. "a signal arrived") returns true; then abandons the post
+    // in flight, drops the rest with one warning and stops the worker. Later sends are dropped.
+    // True when nothing was dropped. Idempotent: a second call returns at once.
+    bool close(std::chrono::milliseconds timeout, const std::function<bool()>& abandon = {});
 
     struct Stats {
         int64_t delivered = 0, failed = 0, dropped = 0, attempts = 0;
@@ -87,6 +95,7 @@ class Notifier {
     Stats stats() const;
 
     static constexpr std::size_t kMaxQueue = 256;
+    static constexpr std::chrono::seconds kCloseTimeout{15};
 
   private:
     struct Job {
@@ -95,6 +104,7 @@ class Notifier {
     };
     void worker();
     bool deliver(const Job& job);
+    void report_outcome(const Job& job, bool ok, const std::string& error);
 
     std::vector<WebhookTarget> targets_;
     std::string job_id_;
@@ -105,6 +115,11 @@ class Notifier {
     std::deque<Job> queue_;
     bool busy_ = false;
     bool stopping_ = false;
+    bool closed_ = false;
+    bool close_result_ = true;
+    std::atomic<bool> cancel_{false};      // close() gave up: abandon the post in flight
+    std::vector<char> failing_;            // per target: the last post failed (worker thread only)
+    std::vector<std::string> last_error_;  // per target: why it failed (worker thread only)
     Stats stats_;
     std::thread thread_;
 };

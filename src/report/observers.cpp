@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
+#include "core/redact.h"
 #include "data/dataset_config.h"
 #include "io/image.h"
 #include "report/eval_loss.h"
@@ -84,7 +85,7 @@ nlohmann::json dataset_summary(const train::TrainConfig& config) {
             line += ", resolution " + d.at("resolution").dump() + " " + d.value("resolution_type", "");
         if (d.contains("caption_strategy")) line += ", captions: " + d.value("caption_strategy", "");
         if (d.contains("cache_dir")) line += ", cache " + d.value("cache_dir", "");
-        out[d.value("id", str("entry ", out.size()))] = line;
+        out[d.value("id", str("entry ", out.size()))] = redact_text(line);  // report.html is shared
     }
     return out;
 }
@@ -115,7 +116,8 @@ void ReportCallback::on_train_end(train::Trainer& trainer, const train::TrainRes
 void ReportCallback::on_error(train::Trainer& trainer, const std::exception& error) {
     if (!trainer.is_main_process()) return;
     try {
-        write_report(trainer.output_dir(), str("failed at step ", trainer.global_step(), ": ", error.what()),
+        write_report(trainer.output_dir(),
+                     str("failed at step ", trainer.global_step(), ": ", redact_text(error.what())),
                      dataset(trainer));
     } catch (const std::exception& e) {
         log::warn() << "could not write report.html after the failure: " << e.what();

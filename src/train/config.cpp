@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/redact.h"
 #include "train/simpletuner_options.h"
 
 namespace dtune::train {
@@ -539,7 +540,9 @@ std::optional<double> TrainConfig::opt_real(const std::string& key) const {
 }
 
 void TrainConfig::write_resolved(const std::filesystem::path& path) const {
-    fs::write_file_atomic(path, values_.dump(2) + "\n");
+    // The file documents the run and is shared with it (report.html shows it): webhook URLs,
+    // tokens and passwords are left out (core/redact.h).
+    fs::write_file_atomic(path, redact_json(values_).dump(2) + "\n");
 }
 
 TrainConfig TrainConfig::from_resolved(const json& resolved) {

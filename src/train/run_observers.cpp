@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/redact.h"
 #include "dist/fault.h"
 #include "health/breaker.h"
 #include "notify/webhooks.h"
@@ -81,15 +82,34 @@ void WebhookObserver::on_train_end(Trainer& t, const TrainResult& result) {
                                                                {"fault_gpu", result.fault_gpu}}));
             break;
     }
-    notifier_->flush(kFlushTimeout);
 }
 
 void WebhookObserver::on_error(Trainer& t, const std::exception& error) {
     if (!t.is_main_process()) return;
-    notifier_->send(notify::error_event(error.what()));
+    notifier_->send(notify::error_event(redact_text(error.what())));
     notifier_->send(notify::training_status("failed", {{"global_step", t.global_step()}}));
-    notifier_->flush(kFlushTimeout);
 }
+
+// ---- the end of delivery ----------------------------------------------------------------------
+
+// Added after every observer that posts, so that the events of the end (and a gpu.fault found in
+// on_error) are queued before the notifier closes. The close is the one bounded wait of the run's
+// end: the webhooks get kFlushTimeout in total, and a signal cuts it short (the state is saved).
+namespace {
+class NotifierCloser final : public TrainCallback {
+  public:
+    explicit NotifierCloser(std::shared_ptr<notify::Notifier> notifier) : notifier_(std::move(notifier)) {}
+    void on_train_end(Trainer&, const TrainResult&) override { close(); }
+    void on_error(Trainer&, const std::exception&) override { close(); }
+
+  private:
+    void close() {
+        begin_shutdown();
+        notifier_->close(kFlushTimeout, [] { return shutdown_signal_received(); });
+    }
+    std::shared_ptr<notify::Notifier> notifier_;
+};
+}  // namespace
 
 // ---- GPU health -------------------------------------------------------------------------------
 
@@ -139,9 +159,8 @@ void GpuHealthObserver::on_step_end(Trainer&, const StepReport& report) {
     step_ = report.step;
 }
 
-void GpuHealthObserver::on_train_end(Trainer&, const TrainResult& result) {
-    monitor_.reset();  // joins the polling thread
-    if (result.outcome == TrainOutcome::kGpuFault && notifier_) notifier_->flush(kFlushTimeout);
+void GpuHealthObserver::on_train_end(Trainer&, const TrainResult&) {
+    monitor_.reset();  // joins the polling thread; NotifierCloser delivers what it reported
 }
 
 void GpuHealthObserver::on_error(Trainer& t, const std::exception& error) {
@@ -153,8 +172,7 @@ void GpuHealthObserver::on_error(Trainer& t, const std::exception& error) {
     if (auto finding = cuda_breaker_->record_cuda_error(torch_error ? torch_error->what_without_backtrace()
                                                                     : error.what())) {
         if (t.device().is_cuda()) finding->gpu_index = t.device().index();
-        report(*finding);
-        if (notifier_) notifier_->flush(kFlushTimeout);
+        report(*finding);  // NotifierCloser, next, delivers it
     }
 }
 
@@ -173,6 +191,7 @@ void add_run_observers(Trainer& trainer, const TrainConfig& config) {
         }
     }
     trainer.add_callback(std::make_shared<GpuHealthObserver>(notifier));
+    if (notifier) trainer.add_callback(std::make_shared<NotifierCloser>(notifier));
 }
 
 }  // namespace dtune::train

@@ -14,8 +14,9 @@
 // (thermal slowdown) post gpu.fault with severity warning once and training goes on.
 //
 // Invariants: no observer blocks the training thread on the network (notify::Notifier queues);
-// on_train_end and on_error flush the queue with a bounded wait so that the last events leave
-// before the process exits.
+// at the end (on_train_end or on_error) the notifier is closed once, after every observer that
+// posts: the last events get at most 15 s in total to leave, whatever the endpoints do, then what
+// is left is dropped with one warning; a SIGINT/SIGTERM during that wait ends it at once.
 #pragma once
 
 #include <atomic>

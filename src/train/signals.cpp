@@ -13,9 +13,19 @@ namespace {
 std::atomic<int> g_requests{0};
 std::atomic<int> g_signal{0};
 std::atomic<int> g_gpu_fault{0};  // faulty GPU index + 1 (unknown: 1), 0 when none
+std::atomic<int> g_shutdown{0};   // 1 after begin_shutdown(), +1 per signal received since
 static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free atomic");
 
 extern "C" void on_stop_signal(int signo) {
+    if (g_shutdown.load() > 0) {
+        // Nothing is left to save: stop waiting (webhooks); a second signal leaves at once.
+        if (g_shutdown.fetch_add(1) >= 2) _exit(128 + signo);
+        static const char kLeaving[] =
+            "\ndtune: stop requested; the run is over, leaving without waiting for webhooks\n";
+        const ssize_t ignored = write(STDERR_FILENO, kLeaving, sizeof kLeaving - 1);
+        (void)ignored;
+        return;
+    }
     if (g_requests.fetch_add(1) >= 1) _exit(128 + signo);  // second signal: leave now
     g_signal.store(signo);
     static const char kMessage[] =
@@ -52,6 +62,16 @@ void clear_stop_request() {
     g_requests.store(0);
     g_signal.store(0);
     g_gpu_fault.store(0);
+    g_shutdown.store(0);
+}
+
+void begin_shutdown() {
+    int expected = 0;
+    g_shutdown.compare_exchange_strong(expected, 1);
+}
+
+bool shutdown_signal_received() {
+    return g_shutdown.load() > 1;
 }
 
 void request_gpu_fault_stop(int gpu_index) {

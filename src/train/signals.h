@@ -1,6 +1,8 @@
 // Ctrl-C / SIGTERM handling for training: the first signal asks the loop to save a checkpoint and
 // stop at the next step boundary; a second one exits the process at once (exit code 128 + signal).
-// Async-signal-safe: the handler only touches a lock-free atomic and calls _exit.
+// Once the run has ended and its state is saved (begin_shutdown), a signal means "do not wait":
+// the webhook flush stops at once and the process exits with the run's own code.
+// Async-signal-safe: the handler only touches lock-free atomics and calls _exit.
 #pragma once
 
 namespace dtune::train {
@@ -14,6 +16,11 @@ int stop_signal();
 // Asks the loop to stop as a first signal would (tests, the GPU circuit breaker).
 void request_stop();
 void clear_stop_request();
+
+// The run is over and everything is saved: from now on a signal cuts the remaining waits short
+// (shutdown_signal_received) instead of asking for a checkpoint; a second one exits at once.
+void begin_shutdown();
+bool shutdown_signal_received();
 
 // The GPU circuit breaker's stop: training ends on every rank at the next step boundary without a
 // checkpoint, and the process exits with ExitCode::kGpuFault. `gpu_index` is the faulty GPU on

@@ -16,6 +16,7 @@
 #include "core/gpu_memory.h"
 #include "core/log.h"
 #include "core/progress.h"
+#include "core/redact.h"
 #include "models/common/weights.h"
 #include "models/vae/autoencoder_kl.h"
 #include "train/adapters.h"
@@ -413,7 +414,7 @@ void Trainer::save(const std::string& why) {
     c.json_files[kTrainingState] = {{"global_step", global_step_},      {"epoch", source_->epoch()},
                                     {"lr_schedule_step", global_step_}, {"world_size", world},
                                     {"zero_stage", dp_->zero_stage()},  {"batch_source", source_->state()}};
-    c.json_files[kResolvedConfig] = config_.resolved();
+    c.json_files[kResolvedConfig] = redact_json(config_.resolved());  // no webhook secrets on disk
     c.rng_states = rng_states();
     c.write_shards = [&](const std::filesystem::path& tmp) { dp_->write_shards(tmp, write_own); };
     for (int r = 1; r < world; ++r) c.shard_files.push_back(rank_rng_file(r));

@@ -1,16 +1,19 @@
 // The S3 client against real S3-compatible servers started on 127.0.0.1 by each test: SeaweedFS
 // (checks SigV4 signatures against its configured identity) and moto (an independent
 // implementation). Covers every operation, pagination, multipart, both addressing styles, the
-// errors users act on, retries through a fault-injecting proxy, and that no credential ever
-// reaches a log line or an error message.
+// errors users act on, retries through a fault-injecting proxy, an endpoint that never answers,
+// and that no credential ever reaches a log line or an error message.
 #include "core/error.h"
 #include "core/log.h"
 #include "fault_proxy.h"
 #include "io/s3.h"
 #include "s3_test_server.h"
+#include "support/http_listener.h"
+#include "support/test_support.h"
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -289,6 +292,51 @@ TEST(S3SeaweedAuth, WrongSecretIsRefusedAndNoCredentialIsEverWritten) {
         EXPECT_EQ(log_text.str().find(secret), std::string::npos) << "a credential reached the log";
         for (const auto& m : messages) EXPECT_EQ(m.find(secret), std::string::npos) << m;
     }
+}
+
+// Issue #20: an endpoint that accepts connections and never answers showed nothing for 363 s (six
+// attempts, each ended by the 60 s stall limit, retries logged at debug level only). Each retry is
+// now a warning that says what failed and how long it waits, and the failure comes within the
+// configured limits (here 1 s to connect, 1 s of silence, 3 attempts).
+TEST(S3Silent, EndpointThatNeverAnswersFailsInBoundedTimeAndLogsEachRetry) {
+    test::SilentListener silent;
+    test::TempDir dir;
+    log::set_file(dir / "run.log");  // the default level: info
+    S3Config c;
+    c.bucket = "dtune-silent";
+    c.endpoint = "http://127.0.0.1:" + std::to_string(silent.port());
+    c.region = "us-east-1";
+    c.credentials = {"AKIDSILENT", "silent-secret-value", ""};
+    c.max_attempts = 3;
+    c.connect_timeout_s = 1;
+    c.low_speed_timeout_s = 1;
+    c.backoff_base_s = 0.05;
+    std::string message;
+    const auto start = std::chrono::steady_clock::now();
+    try {
+        S3Client(c).get("images/a.png");
+        ADD_FAILURE() << "a server that never answers returned an object";
+    } catch (const DataError& e) {
+        message = e.what();
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    log::set_file({});
+    EXPECT_LT(seconds, 12) << message;  // 3 attempts of 1-2 s (curl checks the stall once a second)
+    EXPECT_GE(silent.connections(), 3);
+    EXPECT_NE(message.find("failed after 3 attempts"), std::string::npos) << message;
+    EXPECT_NE(message.find("aws_endpoint_url"), std::string::npos) << message;
+    std::ifstream in(dir / "run.log");
+    std::stringstream log_text;
+    log_text << in.rdbuf();
+    std::size_t retry_warnings = 0;
+    std::string line;
+    while (std::getline(log_text, line))
+        retry_warnings +=
+            line.find(" warn: ") != std::string::npos && line.find("retrying in ") != std::string::npos;
+    EXPECT_EQ(retry_warnings, 2u) << log_text.str();
+    EXPECT_NE(log_text.str().find("(attempt 3 of 3)"), std::string::npos) << log_text.str();
+    EXPECT_NE(log_text.str().find("s3://dtune-silent/images/a.png"), std::string::npos) << log_text.str();
+    EXPECT_EQ(log_text.str().find("silent-secret-value"), std::string::npos);
 }
 
 }  // namespace

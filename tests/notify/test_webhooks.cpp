@@ -3,8 +3,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <atomic>
+#include <thread>
+
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/log.h"
 #include "notify/http.h"
 #include "notify/webhooks.h"
 #include "support/http_listener.h"
@@ -218,6 +222,89 @@ TEST(Webhooks, FullQueueDropsProgressFirstAndDisabledSendsNothing) {
         EXPECT_TRUE(n.flush(1s));
     }
     EXPECT_TRUE(quiet.requests().empty());
+}
+
+// Issue #20: an endpoint that accepts the connection and never answers. close() ends within its
+// timeout (not after 20 events x (1 + 2 retries) x 5 s), drops the rest with one warning, and a
+// failing webhook logs one warning in all, not one per event.
+TEST(Webhooks, CloseIsBoundedWhenTheEndpointNeverAnswers) {
+    test::SilentListener silent;
+    test::TempDir dir;
+    log::set_file(dir / "log.txt");
+    WebhookTarget t;
+    t.type = WebhookType::kRaw;
+    t.url = silent.url();
+    t.timeout_s = 5;
+    t.max_retries = 2;
+    Notifier n({t}, "job", true);
+    for (int i = 0; i < 20; ++i) n.send(training_progress(i, 20, 0, 0.1, 1e-4, 1, 1));
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_FALSE(n.close(2s));
+    const auto took = std::chrono::steady_clock::now() - start;
+    log::set_file({});
+    EXPECT_GE(took, 1900ms);
+    EXPECT_LT(took, 4s) << "close() waited past its timeout";
+    EXPECT_GE(n.stats().dropped, 19);
+    EXPECT_GE(silent.connections(), 1);  // it really tried
+    const std::string log_text = fs::read_file(dir / "log.txt");
+    std::size_t warnings = 0;
+    for (auto p = log_text.find(" warn: "); p != std::string::npos; p = log_text.find(" warn: ", p + 1))
+        ++warnings;
+    EXPECT_EQ(warnings, 1u) << log_text;
+    EXPECT_NE(log_text.find("not delivered"), std::string::npos) << log_text;
+    n.send(error_event("after close"));  // dropped, no crash, no wait
+    EXPECT_FALSE(n.close(1s));           // idempotent: the first result, at once
+}
+
+// A signal (or any reason to stop waiting) ends close() long before its timeout.
+TEST(Webhooks, CloseStopsWaitingWhenAbandoned) {
+    test::SilentListener silent;
+    WebhookTarget t;
+    t.type = WebhookType::kDiscord;
+    t.url = silent.url();
+    t.timeout_s = 30;
+    Notifier n({t}, "job", true);
+    n.send(error_event("never answered"));
+    std::atomic<bool> stop{false};
+    std::thread signaller([&] {
+        std::this_thread::sleep_for(300ms);
+        stop = true;
+    });
+    const auto start = std::chrono::steady_clock::now();
+    EXPECT_FALSE(n.close(60s, [&] { return stop.load(); }));
+    signaller.join();
+    EXPECT_LT(std::chrono::steady_clock::now() - start, 3s);
+}
+
+// Issue #20: the "could not deliver" warning (default level) showed the URL's password; query
+// tokens showed through redact_url when the URL had no path.
+TEST(Webhooks, FailureWarningsShowNoPasswordOrToken) {
+    test::HttpListener listener;
+    listener.set_status(500);
+    test::TempDir dir;
+    log::set_file(dir / "log.txt");
+    WebhookTarget t = raw_target(listener);
+    const std::string host = "127.0.0.1:" + std::to_string(listener.port());
+    t.url = "http://hookuser:PW-in-url-31@" + host + "/raw?token=TOKEN-in-query-32";
+    t.max_retries = 0;
+    {
+        Notifier n({t}, "job", true);
+        for (int i = 0; i < 3; ++i) n.send(error_event("boom"));
+        EXPECT_TRUE(n.flush(10s));
+        EXPECT_EQ(n.stats().failed, 3);
+    }
+    log::set_file({});
+    ASSERT_EQ(listener.requests().size(), 3u);
+    const std::string log_text = fs::read_file(dir / "log.txt");
+    EXPECT_NE(log_text.find("could not deliver"), std::string::npos) << log_text;
+    EXPECT_EQ(log_text.find("could not deliver"), log_text.rfind("could not deliver"))
+        << "one warning, not 3";
+    for (const char* secret : {"PW-in-url-31", "TOKEN-in-query-32", "hookuser", "secret-token"})
+        EXPECT_EQ(log_text.find(secret), std::string::npos) << secret << " in\n" << log_text;
+    for (const std::string url :
+         {"https://u:PW-5@h.example/x/y", "https://h.example?token=TOK-6", "http://TOK-7@h.example"})
+        for (const char* secret : {"PW-5", "TOK-6", "TOK-7"})
+            EXPECT_EQ(redact_url(url).find(secret), std::string::npos) << redact_url(url);
 }
 
 TEST(Webhooks, UrlsAreRedactedForLogs) {

@@ -108,6 +108,31 @@ std::vector<HttpRequest> HttpListener::requests() {
     return requests_;
 }
 
+SilentListener::SilentListener() {
+    listen_fd_ = listen_on_loopback(64, port_, "SilentListener");
+    thread_ = std::thread([this] {
+        while (!stopping_) {
+            pollfd p{listen_fd_, POLLIN, 0};
+            if (::poll(&p, 1, 50) <= 0) continue;
+            const int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+            if (fd < 0) continue;
+            accepted_.push_back(fd);  // held open, never read
+            ++connections_;
+        }
+    });
+}
+
+SilentListener::~SilentListener() {
+    stopping_ = true;
+    thread_.join();
+    ::close(listen_fd_);
+    for (int fd : accepted_) ::close(fd);
+}
+
+std::string SilentListener::url(const std::string& path) const {
+    return "http://127.0.0.1:" + std::to_string(port_) + path;
+}
+
 std::map<std::string, FormPart> parse_multipart(const HttpRequest& request) {
     std::map<std::string, FormPart> parts;
     auto it = request.headers.find("content-type");

@@ -1,7 +1,7 @@
 // A real HTTP/1.1 server on 127.0.0.1 (an ephemeral port) for tests of code that posts to
 // webhooks. It accepts connections on its own thread, reads each request in full
 // (Content-Length bodies), records it, and answers with the configured status, optionally after
-// a delay (to play a slow or hung endpoint).
+// a delay (to play a slow or hung endpoint). SilentListener plays one that never answers at all.
 #pragma once
 
 #include <atomic>
@@ -50,6 +50,29 @@ class HttpListener {
     std::condition_variable cv_;
     std::vector<HttpRequest> requests_;
     std::vector<std::thread> handlers_;
+    std::thread thread_;
+};
+
+// A TCP endpoint on 127.0.0.1 that accepts every connection and then never reads from it nor
+// answers: a webhook or S3 server that hangs after the handshake (the client's request sits in
+// the socket buffers until the client gives up). Connections stay open until the listener goes.
+class SilentListener {
+  public:
+    SilentListener();
+    ~SilentListener();
+    SilentListener(const SilentListener&) = delete;
+    SilentListener& operator=(const SilentListener&) = delete;
+
+    int port() const { return port_; }
+    std::string url(const std::string& path = "/hook") const;
+    int connections() const { return connections_; }
+
+  private:
+    int listen_fd_ = -1;
+    int port_ = 0;
+    std::atomic<bool> stopping_{false};
+    std::atomic<int> connections_{0};
+    std::vector<int> accepted_;  // accept thread only, closed by the destructor after the join
     std::thread thread_;
 };
 

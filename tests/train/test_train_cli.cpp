@@ -3,7 +3,8 @@
 // `dtune inspect` opens; LoRA: ComfyUI-keyed adapter files, EMA copy), resume equality through
 // the CLI (2 steps straight == 1 step, then resume, 1 step), SIGTERM -> checkpoint + exit code 4,
 // an unimplemented option -> exit code 2 naming it, and bad inputs (an empty image folder, an
-// unwritable output_dir, a missing model, a damaged checkpoint) -> the README's exit codes.
+// unwritable output_dir, a missing model, a damaged checkpoint) -> the README's exit codes; a hung
+// webhook bounds the end of a run and a SIGTERM cuts it; planted secrets reach no output.
 #include <gtest/gtest.h>
 
 #include <csignal>
@@ -16,6 +17,7 @@
 #include "core/fs.h"
 #include "io/image.h"
 #include "io/safetensors.h"
+#include "support/http_listener.h"
 #include "support/shell.h"
 #include "support/test_support.h"
 
@@ -360,6 +362,142 @@ TEST(TrainCli, DamagedCheckpointNamesItselfAndTheWayOut) {
               std::string::npos)
         << out;
     EXPECT_NE(out.find("resume_from_checkpoint"), std::string::npos) << out;
+}
+
+// ---- webhooks and secrets (issue #20) ----------------------------------------------------------
+
+std::string train_command(const Workspace& w, const std::string& out, const std::string& extra) {
+    return std::string(DTUNE_BIN) + " train --config '" + w.config.string() + "' --output_dir '" +
+           (w.dir / out).string() + "' " + extra;
+}
+
+std::string hung_webhook_option(const test::SilentListener& hook) {
+    const nlohmann::json entry = {{"webhook_type", "raw"}, {"callback_url", hook.url()}};
+    return "--webhook_config '" + entry.dump() + "'";
+}
+
+std::size_t count_of(const std::string& text, const std::string& part) {
+    std::size_t n = 0;
+    for (auto p = text.find(part); p != std::string::npos; p = text.find(part, p + 1)) ++n;
+    return n;
+}
+
+// A webhook that accepts and never answers kept `dtune train` alive for minutes after training
+// (each queued event took ~10 s to fail); the end of a run now waits 15 s at most for webhooks and
+// says once what it dropped.
+TEST(TrainCli, HungWebhookDelaysTheEndByTheBoundedFlushAtMost) {
+    Workspace w;
+    test::SilentListener hook;
+    const auto r = test::run_shell(
+        "timeout -s KILL 150 " + train_command(w, "out", "--max_train_steps 2 " + hung_webhook_option(hook)),
+        "(end of training)");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    ASSERT_GE(r.seconds_after_mark, 0) << r.output;
+    // 15 s of flush, plus the final export and the teardown of a tiny model.
+    EXPECT_LT(r.seconds_after_mark, 25) << r.output;
+    EXPECT_GE(hook.connections(), 1) << "the webhook was never tried";
+    EXPECT_LE(count_of(r.output, "could not deliver"), 1u) << r.output;
+    EXPECT_EQ(count_of(r.output, "not delivered"), 1u) << r.output;
+    EXPECT_TRUE(std::filesystem::exists(w.dir / "out" / "pipeline" / "model_index.json"));
+}
+
+// The first SIGTERM during that flush was taken as "save a checkpoint at the next step" and
+// ignored; now it ends the wait at once and the process exits with the run's own code.
+TEST(TrainCli, SigtermDuringTheWebhookFlushEndsTheProcess) {
+    Workspace w;
+    test::SilentListener hook;
+    const auto log_path = w.dir / "log.txt";
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+        const std::string cmd = "exec " +
+                                train_command(w, "out", "--max_train_steps 2 " + hung_webhook_option(hook)) +
+                                " 2>>'" + log_path.string() + "'";
+        execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+        _exit(127);
+    }
+    auto log_has = [&](const std::string& text) {
+        return std::filesystem::exists(log_path) && test::contains(fs::read_file(log_path), text);
+    };
+    int status = 0;
+    bool exited = false;
+    for (int i = 0; i < 1500 && !log_has("webhooks: delivering the last"); ++i) {
+        if (waitpid(child, &status, WNOHANG) == child) {
+            exited = true;
+            break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    ASSERT_FALSE(exited) << "exited before the flush: " << fs::read_file(log_path);
+    if (!log_has("webhooks: delivering the last")) {
+        kill(child, SIGKILL);
+        waitpid(child, &status, 0);
+        FAIL() << "the webhook flush never started: " << fs::read_file(log_path);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    const auto signalled = std::chrono::steady_clock::now();
+    kill(child, SIGTERM);
+    for (int i = 0; i < 100 && !exited; ++i) {
+        exited = waitpid(child, &status, WNOHANG) == child;
+        if (!exited) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - signalled).count();
+    if (!exited) {
+        kill(child, SIGKILL);
+        waitpid(child, &status, 0);
+    }
+    ASSERT_TRUE(exited) << "SIGTERM during the webhook flush did not end the process:\n"
+                        << fs::read_file(log_path);
+    EXPECT_LT(seconds, 5) << fs::read_file(log_path);
+    ASSERT_TRUE(WIFEXITED(status)) << fs::read_file(log_path);
+    EXPECT_EQ(WEXITSTATUS(status), 0) << "training had completed: " << fs::read_file(log_path);
+    EXPECT_TRUE(std::filesystem::exists(w.dir / "out" / "pipeline" / "model_index.json"));
+}
+
+// Secrets planted in an inline webhook_config (a URL's password, a ?token= value, auth_token, a
+// Discord URL's path) and in multidatabackend.json (S3 keys) appear in no file under output_dir
+// (config.resolved.json, each checkpoint's copy, report.html, ...) and nowhere in the console.
+TEST(TrainCli, PlantedSecretsReachNoOutputFileNorTheConsole) {
+    Workspace w;
+    test::HttpListener hook;  // answers 200: the secrets are really used
+    const std::string host = "127.0.0.1:" + std::to_string(hook.port());
+    const std::vector<std::string> secrets = {"PLANTED-url-password-41", "PLANTED-query-token-42",
+                                              "PLANTED-auth-token-43",   "PLANTED-discord-path-44",
+                                              "PLANTED-aws-key-id-45",   "PLANTED-aws-secret-46",
+                                              "PLANTED-aws-session-47"};
+    const nlohmann::json hooks = nlohmann::json::array(
+        {{{"webhook_type", "raw"},
+          {"callback_url", "http://hookuser:" + secrets[0] + "@" + host + "/raw?token=" + secrets[1]},
+          {"auth_token", secrets[2]}},
+         {{"webhook_type", "discord"}, {"webhook_url", "http://" + host + "/api/webhooks/1/" + secrets[3]}}});
+    auto config = nlohmann::json::parse(fs::read_file(w.config));
+    config["--webhook_config"] = hooks.dump();  // inline JSON, as SimpleTuner's docs show it
+    fs::write_file_atomic(w.config, config.dump(2));
+    auto backends = nlohmann::json::parse(fs::read_file(w.dir / "multidatabackend.json"));
+    backends[0]["aws_access_key_id"] = secrets[4];
+    backends[0]["aws_secret_access_key"] = secrets[5];
+    backends[0]["aws_session_token"] = secrets[6];
+    fs::write_file_atomic(w.dir / "multidatabackend.json", backends.dump(2));
+
+    const auto r = test::run_shell(train_command(w, "out", "--max_train_steps 2 --log_level debug"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    bool token_used = false;
+    for (const auto& req : hook.requests())
+        token_used |= req.headers.count("x-api-key") && req.headers.at("x-api-key") == secrets[2];
+    EXPECT_TRUE(token_used) << "the raw webhook never received its auth_token";
+    int files = 0;
+    for (const auto& e : std::filesystem::recursive_directory_iterator(w.dir / "out")) {
+        if (!e.is_regular_file()) continue;
+        ++files;
+        const std::string bytes = fs::read_file(e.path());
+        for (const auto& secret : secrets)
+            EXPECT_EQ(bytes.find(secret), std::string::npos) << secret << " in " << e.path().string();
+    }
+    EXPECT_GT(files, 5);
+    EXPECT_TRUE(std::filesystem::exists(w.dir / "out" / "report.html"));
+    EXPECT_TRUE(std::filesystem::exists(w.dir / "out" / "checkpoint-1" / "config.resolved.json"));
+    for (const auto& secret : secrets) EXPECT_EQ(r.output.find(secret), std::string::npos) << secret;
 }
 
 }  // namespace
