@@ -106,7 +106,10 @@ namespace {
 
 const std::vector<std::string> kImageExtensions = {".jpg", ".jpeg", ".png", ".webp"};
 
-// The settings that decide every plan; a change invalidates the stored metadata.
+// The settings that decide every plan; a change invalidates the stored metadata. config_version
+// counts changes of the geometry itself: 3 is SimpleTuner bc8e6ab's (intermediaries keep the exact
+// aspect), so metadata written by version 2 (stretched resizes) is rebuilt, not trusted. Latent
+// cache entries need no bump: their key holds the plan's sizes, so they go stale with it.
 json settings_snapshot(const DatasetConfig& c) {
     json buckets = json::array();
     for (const auto& b : c.crop_aspect_buckets)
@@ -124,7 +127,7 @@ json settings_snapshot(const DatasetConfig& c) {
             {"minimum_aspect_ratio", opt(c.minimum_aspect_ratio)},
             {"maximum_aspect_ratio", opt(c.maximum_aspect_ratio)},
             {"max_upscale_threshold", opt(c.max_upscale_threshold)},
-            {"config_version", 2}};
+            {"config_version", 3}};
 }
 
 json size_json(Size s) {

@@ -1,5 +1,7 @@
-// Bucket math. The formulas follow SimpleTuner's MultiaspectImage / TrainingSample; the places
-// where dtune deliberately differs are marked "Deviation" with the reason.
+// Bucket math. The formulas follow SimpleTuner's MultiaspectImage / TrainingSample at commit
+// bc8e6ab (checked row by row against tests/data/ref/crop_geometry.json, written by
+// tools/ref/crop_geometry.py from SimpleTuner's own code); the places where dtune deliberately
+// differs are marked "Deviation" with the reason.
 #include "data/buckets.h"
 
 #include <nlohmann/json.hpp>
@@ -86,44 +88,49 @@ void AspectResolutionMap::save(const std::filesystem::path& dir) {
 }
 
 SizeResult size_by_pixel_edge(double aspect, int resolution, Size original, const BucketMath& math) {
-    int w_initial, h_initial;
+    int w_target, h_target;
     if (original.width < original.height) {
-        w_initial = resolution;
-        h_initial = static_cast<int>(w_initial / aspect);
+        w_target = resolution;
+        h_target = static_cast<int>(w_target / aspect);
     } else {
-        h_initial = resolution;
-        w_initial = static_cast<int>(h_initial * aspect);
+        h_target = resolution;
+        w_target = static_cast<int>(h_target * aspect);
     }
-    const int w_adjusted = round_to_multiple(w_initial, math.alignment);
-    const int h_adjusted = round_to_multiple(h_initial, math.alignment);
-    // Rounding up may leave the intermediary smaller than the target: grow both sides by the larger
-    // shortfall, as SimpleTuner does.
-    if (w_initial < w_adjusted || h_initial < h_adjusted) {
-        const int grow = std::max(w_adjusted - w_initial, h_adjusted - h_initial);
-        w_initial += grow;
-        h_initial += grow;
+    const Size target{round_to_multiple(w_target, math.alignment),
+                      round_to_multiple(h_target, math.alignment)};
+    // The intermediary keeps the image's exact (unrounded) aspect and covers the target: the side
+    // that follows the resolution first, the other one if that leaves it short.
+    const double raw = static_cast<double>(original.width) / original.height;
+    Size inter;
+    if (raw >= 1.0) {
+        inter.height = std::max(target.height, h_target);
+        inter.width = static_cast<int>(inter.height * raw);
+        if (inter.width < target.width) {
+            inter.width = target.width;
+            inter.height = static_cast<int>(inter.width / raw);
+        }
+    } else {
+        inter.width = std::max(target.width, w_target);
+        inter.height = static_cast<int>(inter.width / raw);
+        if (inter.height < target.height) {
+            inter.height = target.height;
+            inter.width = static_cast<int>(inter.height * raw);
+        }
     }
-    const Size target{w_adjusted, h_adjusted};
-    return {target, {w_initial, h_initial}, aspect_of(target, math.rounding)};
+    return {target, inter, aspect_of(target, math.rounding)};
 }
 
 SizeResult size_by_pixel_area(double aspect, double megapixels, Size original, const BucketMath& math,
                               AspectResolutionMap* map) {
     const int edge = round_to_multiple(static_cast<int>(std::sqrt(megapixels * 1e6)), math.alignment);
-    if (aspect == 1.0) {
-        // SimpleTuner returns the original size as the intermediary for a non-square image in the
-        // 1.0 bucket; the caller (plan_sample) decides what to resize to.
-        const Size square{edge, edge};
-        return {square, original.width == original.height ? square : original, 1.0};
-    }
+    if (aspect == 1.0 && original.width == original.height) return {{edge, edge}, {edge, edge}, 1.0};
     Size target{round_to_multiple(edge * std::sqrt(aspect), math.alignment),
                 round_to_multiple(edge / std::sqrt(aspect), math.alignment)};
-    Size inter;
-    if (target.width < target.height) {
-        inter = {target.width, static_cast<int>(target.width / aspect)};
-    } else {
-        inter = {static_cast<int>(target.height * aspect), target.height};
-    }
+    // The intermediary keeps the image's exact (unrounded) aspect, whatever aspect the target has
+    // (a crop_aspect bucket or 1.0 for square crops): the image is never stretched.
+    const double raw = static_cast<double>(original.width) / original.height;
+    Size inter = target.width < target.height ? Size{target.width, static_cast<int>(target.width / raw)}
+                                              : Size{static_cast<int>(target.height * raw), target.height};
     const double bucket = aspect_of(target, math.rounding);
     if (map) {
         if (auto pinned = map->get(bucket))
@@ -132,22 +139,19 @@ SizeResult size_by_pixel_area(double aspect, double megapixels, Size original, c
             map->set(bucket, target);
     }
     if (target.width > inter.width || target.height > inter.height) {
-        // SimpleTuner's growth: close the larger-side gap and grow the other side proportionally.
+        // SimpleTuner's growth: close the gap of the short side and grow the other one in proportion.
         int w_diff, h_diff;
         if (target.width > inter.width) {
             w_diff = target.width - inter.width;
-            h_diff = static_cast<int>(w_diff / aspect);
+            h_diff = static_cast<int>(w_diff / raw);
         } else {
             h_diff = target.height - inter.height;
-            w_diff = static_cast<int>(h_diff * aspect);
+            w_diff = static_cast<int>(h_diff * raw);
         }
         inter.width += w_diff;
         inter.height += h_diff;
     }
-    // Deviation: a pinned target from another image can still exceed the grown intermediary on one
-    // side, which would make SimpleTuner crop past the image edge; we grow just enough instead.
-    inter.width = std::max(inter.width, target.width);
-    inter.height = std::max(inter.height, target.height);
+    // A pinned target from another image can still be larger on one side; plan_sample covers it.
     return {target, inter, bucket};
 }
 
@@ -171,21 +175,21 @@ BucketSettings BucketSettings::from(const DatasetConfig& c, const BucketMath& ma
     return s;
 }
 
-int BucketSettings::pixel_resolution() const {
-    if (resolution_type == ResolutionType::kPixel) return static_cast<int>(resolution);
-    double area = resolution * 1e6;
+double BucketSettings::target_area() const {
+    if (resolution_type == ResolutionType::kPixel) return resolution;
     const std::pair<double, double> snaps[] = {{0.25, 512.0 * 512},
                                                {0.5, 768.0 * 768},
                                                {1.0, 1024.0 * 1024},
                                                {2.0, 1536.0 * 1536},
                                                {4.0, 2048.0 * 2048}};
-    for (const auto& [mp, pixels] : snaps) {
-        if (std::abs(resolution - mp) < 0.05) {
-            area = pixels;
-            break;
-        }
-    }
-    return round_to_multiple(std::sqrt(area), math.alignment);
+    for (const auto& [mp, pixels] : snaps)
+        if (std::abs(resolution - mp) < 0.05) return pixels;
+    return resolution * 1e6;
+}
+
+int BucketSettings::pixel_resolution() const {
+    if (resolution_type == ResolutionType::kPixel) return static_cast<int>(resolution);
+    return round_to_multiple(std::sqrt(target_area()), math.alignment);
 }
 
 namespace {
@@ -197,13 +201,13 @@ SizeResult run_calculator(const BucketSettings& s, double aspect, double resolut
     return size_by_pixel_area(aspect, resolution, original, s.math, map);
 }
 
-// Keeps the original aspect with the short side equal to `edge` (int truncation like Python).
-Size cover_short_side(Size original, int edge) {
-    if (original.width <= original.height)
-        return {edge, std::max(edge, static_cast<int>(static_cast<double>(edge) * original.height /
-                                                      original.width))};
-    return {std::max(edge, static_cast<int>(static_cast<double>(edge) * original.width / original.height)),
-            edge};
+// `size` scaled up, keeping its aspect, until `target` fits inside; unchanged when it already does.
+Size cover(Size size, Size target) {
+    if (size.width >= target.width && size.height >= target.height) return size;
+    const double w = size.width, h = size.height;
+    if (target.width / w >= target.height / h)
+        return {target.width, std::max(target.height, static_cast<int>(h * target.width / w))};
+    return {std::max(target.width, static_cast<int>(w * target.height / h)), target.height};
 }
 
 double select_crop_aspect(const BucketSettings& s, double image_aspect, Size original, std::mt19937_64& rng) {
@@ -245,8 +249,13 @@ std::pair<int, int> crop_offsets(CropStyle style, Size from, Size target, std::m
         case CropStyle::kCorner: return {0, 0};
         case CropStyle::kCenter: return {max_top / 2, max_left / 2};
         case CropStyle::kRandom: {
-            // Deviation: SimpleTuner's fast path records the centre offsets for random crops; we
-            // record the offsets actually used, so the SDXL crop time ids tell the truth.
+            // Deviation, kept on purpose: with crop=true SimpleTuner crops at a random place but
+            // records the centre offsets (its crop helper does not return the offset it drew; its
+            // comment calls the value an estimate), so SDXL's crop time id describes a crop that
+            // was not taken. We record the offsets actually used. Matching would not buy parity:
+            // SimpleTuner's random draw cannot be reproduced, so the pixels differ either way, and
+            // only the label would become wrong. (crop=false random crops record the true offsets
+            // in SimpleTuner too.) README "Dataset config" says so.
             const int left = max_left > 0 ? std::uniform_int_distribution<int>(0, max_left)(rng) : 0;
             const int top = max_top > 0 ? std::uniform_int_distribution<int>(0, max_top)(rng) : 0;
             return {top, left};
@@ -255,9 +264,22 @@ std::pair<int, int> crop_offsets(CropStyle style, Size from, Size target, std::m
     return {0, 0};
 }
 
-// The optional resize before the crop (maximum_image_size + target_downsample_size).
+// SimpleTuner's _should_resize_before_crop: with both keys set, every image whose size is not
+// already the target resolution is resized to the downsample size first.
+bool resizes_before_crop(const BucketSettings& s, Size original, Size target) {
+    if (!s.crop || !s.maximum_image_size || !s.target_downsample_size) return false;
+    if (s.resolution_type == ResolutionType::kPixel) {
+        const int res = s.pixel_resolution();
+        return original.width != res || original.height != res;
+    }
+    const double area = static_cast<double>(original.width) * original.height;
+    return area != s.target_area() || original.width < target.width || original.height < target.height;
+}
+
+// The optional resize before the crop (maximum_image_size + target_downsample_size): the
+// calculator's intermediary at target_downsample_size, raised on its short side to the target.
 std::optional<Size> downsample_size(const BucketSettings& s, Size original, Size target) {
-    if (!s.crop || !s.maximum_image_size || !s.target_downsample_size) return std::nullopt;
+    if (!resizes_before_crop(s, original, target)) return std::nullopt;
     const double image_aspect = aspect_of(original, s.math.rounding);
     Size d = run_calculator(s, image_aspect, *s.target_downsample_size, original, nullptr).intermediary;
     if (d.width < target.width) {
@@ -267,7 +289,7 @@ std::optional<Size> downsample_size(const BucketSettings& s, Size original, Size
         const double scale = static_cast<double>(target.height) / d.height;
         d = {static_cast<int>(d.width * scale), target.height};
     }
-    return Size{std::max(d.width, target.width), std::max(d.height, target.height)};
+    return d;
 }
 
 // The crop-aspect path of plan_sample for a chosen aspect, up to (not including) the tail.
@@ -275,29 +297,31 @@ SamplePlan plan_head_for_aspect(const BucketSettings& s, Size original, double a
                                 AspectResolutionMap* map) {
     SamplePlan plan;
     plan.original = original;
-    const int pixel_res = s.pixel_resolution();
     const SizeResult r = run_calculator(s, aspect, s.resolution, original, map);
     plan.target = r.target;
     plan.intermediary = r.intermediary;
     plan.aspect = aspect_of(plan.target, s.math.rounding);
-    if (!s.crop && aspect == 1.0 && original.width != original.height) {
-        // Deviation: without crop SimpleTuner would cut a target-sized window out of the
-        // full-size image in the 1.0 bucket; we resize the short side to the target first.
-        plan.intermediary = cover_short_side(original, pixel_res);
+    if (plan.aspect == 1.0) {
+        const int pixel_res = s.pixel_resolution();
+        plan.target = {pixel_res, pixel_res};
     }
-    if (plan.aspect == 1.0) plan.target = {pixel_res, pixel_res};
     return plan;
 }
 
 // The shared tail: square-intermediary correction, the optional downsample, the crop offsets.
 void finish_plan(const BucketSettings& s, SamplePlan& plan, std::mt19937_64& rng) {
     const int pixel_res = s.pixel_resolution();
-    // correct_intermediary_square_size: never crop a square from something smaller than it.
+    // SimpleTuner's correct_intermediary_square_size. Deviation: it resizes to pixel_res x pixel_res,
+    // which squashes a non-square image (0.5 and 2.0 MP, whose square edge is rounded up past the
+    // calculator's); we scale up keeping the aspect. Square images come out the same.
     if (plan.aspect == 1.0 && plan.intermediary.width < pixel_res)
-        plan.intermediary = cover_short_side(plan.original, pixel_res);
-    plan.intermediary.width = std::max(plan.intermediary.width, plan.target.width);
-    plan.intermediary.height = std::max(plan.intermediary.height, plan.target.height);
-    plan.resize_size = downsample_size(s, plan.original, plan.target).value_or(plan.intermediary);
+        plan.intermediary = cover(plan.intermediary, {pixel_res, pixel_res});
+    const std::optional<Size> downsampled = downsample_size(s, plan.original, plan.target);
+    // Deviation: where the resize size is smaller than the crop on one side (the cases above, a
+    // target_downsample_size below the resolution, a pinned bucket shape), SimpleTuner crops past
+    // the image edge; we scale up keeping the aspect instead.
+    plan.resize_size = cover(downsampled.value_or(plan.intermediary), plan.target);
+    if (!downsampled) plan.intermediary = plan.resize_size;
     std::tie(plan.crop_top, plan.crop_left) = crop_offsets(s.crop_style, plan.resize_size, plan.target, rng);
 }
 
@@ -326,12 +350,9 @@ SamplePlan plan_sample(const BucketSettings& s, Size original, std::mt19937_64& 
     if (s.crop && s.crop_aspect == CropAspect::kSquare) {
         plan.original = original;
         plan.target = {pixel_res, pixel_res};
+        // The calculator at aspect 1.0 keeps the image's aspect with its short side at the square's
+        // edge: 3000x2000 -> 1536x1024, then a 1024x1024 crop.
         plan.intermediary = run_calculator(s, 1.0, s.resolution, original, map).intermediary;
-        if (s.resolution_type == ResolutionType::kPixel && original.width != original.height) {
-            // Deviation: SimpleTuner's pixel calculator at aspect 1.0 squashes a non-square image to
-            // res×res; we keep its aspect and crop instead.
-            plan.intermediary = cover_short_side(original, pixel_res);
-        }
         plan.aspect = 1.0;
     } else {
         double aspect = image_aspect;

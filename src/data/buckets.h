@@ -3,10 +3,11 @@
 // coordinates, bucket), the first-seen aspect→resolution map, and the size filters.
 //
 // Invariants of a SamplePlan: target sides are multiples of the alignment (except when an
-// aspect→resolution map pinned a size from a different alignment); resize_size >= target_size on
-// both sides, so the crop never leaves the image; crop_top + target.height <= resize_size.height
-// and likewise for the width; bucket == round(target.w / target.h, rounding), forced 1.0 for square
-// crops.
+// aspect→resolution map pinned a size from a different alignment); intermediary and resize_size
+// keep the original's aspect (up to integer truncation): an image is resized, never stretched;
+// resize_size >= target_size on both sides, so the crop never leaves the image;
+// crop_top + target.height <= resize_size.height and likewise for the width;
+// bucket == round(target.w / target.h, rounding), forced 1.0 for square crops.
 //
 // Python semantics matter for exact shapes: round() is round-half-to-even and int() truncates;
 // both are reproduced here (python_round, round_to_multiple).
@@ -66,7 +67,7 @@ class AspectResolutionMap {
 
 struct SizeResult {
     Size target;        // what the image is cropped to
-    Size intermediary;  // what the image is resized to first (keeps the original aspect)
+    Size intermediary;  // what the image is resized to first (keeps the original's exact aspect)
     double aspect = 1;  // round(target.w / target.h)
 };
 
@@ -110,8 +111,11 @@ struct BucketSettings {
     BucketMath math;
 
     static BucketSettings from(const DatasetConfig& config, const BucketMath& math = {});
-    // The edge of square crops: int(resolution) for pixel; for area the MP value, with 0.25/0.5/
-    // 1/2/4 MP (±0.05) snapped to 512²/768²/1024²/1536²/2048², rounded to the alignment.
+    // The pixel count of the resolution: for area the MP value, with 0.25/0.5/1/2/4 MP (±0.05)
+    // snapped to 512²/768²/1024²/1536²/2048² (SimpleTuner's target_area); for pixel the edge.
+    double target_area() const;
+    // The edge of square crops: int(resolution) for pixel; for area sqrt(target_area()) rounded to
+    // the alignment.
     int pixel_resolution() const;
 };
 

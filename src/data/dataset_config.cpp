@@ -276,11 +276,11 @@ ParquetSettings parse_parquet(EntryReader& r, const GlobalDataArgs& args) {
     return p;
 }
 
-// Size limits in pixel_area mode are edges; SimpleTuner converts them to megapixels. For the
-// minimum, only values > 10 are edges (a small value was already meant as megapixels).
-std::optional<double> convert_limit(std::optional<double> v, bool is_minimum) {
-    if (!v) return v;
-    if (is_minimum && *v <= 10) return v;
+// Size limits in pixel_area mode are edges; SimpleTuner's _handle_resolution_conversion converts
+// every positive value to megapixels, a small minimum too (0.5 becomes 2.5e-7 MP, a filter that
+// keeps everything; parse_entry warns about it).
+std::optional<double> convert_limit(std::optional<double> v) {
+    if (!v || !(*v > 0)) return v;
     return pixel_edge_to_megapixels(*v);
 }
 
@@ -300,9 +300,9 @@ void parse_resolution_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArg
     if (c.resolution_type == ResolutionType::kPixelArea) {
         c.resolution = pixel_edge_to_megapixels(c.resolution_as_written);
         c.resolution_type = ResolutionType::kArea;
-        c.minimum_image_size = convert_limit(c.minimum_image_size, true);
-        c.maximum_image_size = convert_limit(c.maximum_image_size, false);
-        c.target_downsample_size = convert_limit(c.target_downsample_size, false);
+        c.minimum_image_size = convert_limit(c.minimum_image_size);
+        c.maximum_image_size = convert_limit(c.maximum_image_size);
+        c.target_downsample_size = convert_limit(c.target_downsample_size);
     }
 }
 
@@ -507,6 +507,18 @@ DatasetConfig parse_entry(const json& raw, size_t index, const GlobalDataArgs& a
         warnings.push_back(str("dataset '", c.id, "': 'ignore_epochs' is deprecated and does nothing"));
     if (c.is_image_like()) {
         parse_image_keys(r, c, args);
+        if (c.resolution_type_as_written == ResolutionType::kPixelArea && c.minimum_image_size &&
+            *c.minimum_image_size > 0 && *c.minimum_image_size <= pixel_edge_to_megapixels(10))
+            warnings.push_back(str(
+                "dataset '", c.id, "': minimum_image_size with resolution_type pixel_area is ",
+                "an edge in pixels (SimpleTuner reads it so too); ", std::sqrt(*c.minimum_image_size * 1e6),
+                " px lets every image through. Write the shortest edge to keep, e.g. 512"));
+        // SimpleTuner accepts it alone too (it only refuses maximum_image_size alone); the
+        // downsample needs both.
+        if (c.target_downsample_size && !c.maximum_image_size)
+            warnings.push_back(str("dataset '", c.id,
+                                   "': target_downsample_size does nothing without maximum_image_size; set "
+                                   "both to resize large images before the crop, or remove it"));
     } else {
         parse_embed_keys(r, c, args);
         // Only where and when the embeddings are stored differs, not what is trained: a warning.
@@ -605,8 +617,6 @@ void validate_entry(EntryReader& r, const DatasetConfig& c) {
                "required for a local image dataset; set it to the folder holding the images");
     if (c.maximum_image_size && !c.target_downsample_size)
         r.fail("maximum_image_size", "is set without target_downsample_size; set both or neither");
-    if (c.target_downsample_size && !c.maximum_image_size)
-        r.fail("target_downsample_size", "is set without maximum_image_size; set both or neither");
     for (const auto& [key, value] : {std::pair{"maximum_image_size", c.maximum_image_size},
                                      std::pair{"target_downsample_size", c.target_downsample_size}}) {
         if (!value) continue;

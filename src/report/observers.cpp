@@ -1,6 +1,7 @@
 // Run observers (see observers.h).
 #include "report/observers.h"
 
+#include <algorithm>
 #include <cctype>
 #include <optional>
 #include <set>
@@ -125,13 +126,21 @@ void ReportCallback::on_error(train::Trainer& trainer, const std::exception& err
 }
 
 bool reports_to_tensorboard(const train::TrainConfig& config) {
-    const std::string r = config.text("report_to");
-    return r == "tensorboard" || r == "all";
+    for (const std::string& r : config.report_to_list())
+        if (r == "tensorboard" || r == "wandb" || r == "all") return true;
+    return false;
 }
 
 void add_observers(train::Trainer& trainer) {
     const auto& config = trainer.config();
     std::shared_ptr<TensorBoardCallback> tb;
+    const auto trackers = config.report_to_list();
+    // A SimpleTuner config made for wandb trains the same here; dtune has no wandb client (and
+    // training machines often have no network), so the metrics go to TensorBoard's files instead.
+    if (trainer.is_main_process() && std::count(trackers.begin(), trackers.end(), "wandb"))
+        log::warn() << "report_to wandb: wandb is not available in dtune; writing TensorBoard logs to "
+                    << (trainer.output_dir() / "logs" / "dtune").string()
+                    << " instead (metrics.jsonl as always)";
     if (reports_to_tensorboard(config)) {
         tb = std::make_shared<TensorBoardCallback>();
         trainer.add_callback(tb);

@@ -47,7 +47,7 @@ class ReportCallback final : public train::TrainCallback {
 // local folders, the image count. null when there is no readable data_backend_config.
 nlohmann::json dataset_summary(const train::TrainConfig& config);
 
-// True when report_to names tensorboard (or "all").
+// True when report_to names tensorboard, wandb (written as TensorBoard files) or "all".
 bool reports_to_tensorboard(const train::TrainConfig& config);
 
 // Adds the observers the trainer's config asks for: TensorBoard, validation (when a validation

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/log.h"
 #include "core/redact.h"
 #include "train/simpletuner_options.h"
 
@@ -99,7 +100,7 @@ const std::vector<OptionSpec>& specs() {
     {"minimum_image_size", OptionType::kFloat, "null", "dataset fallback: skip smaller images", nullptr},
     {"maximum_image_size", OptionType::kFloat, "null", "dataset fallback: downsample larger images first", nullptr},
     {"target_downsample_size", OptionType::kFloat, "null", "dataset fallback: size to downsample to", nullptr},
-    {"report_to", OptionType::kString, "\"none\"", "trackers (metrics.jsonl is always written); tensorboard: output_dir/logs/dtune", "none,tensorboard"},
+    {"report_to", OptionType::kString, "\"none\"", "trackers, comma-separated (metrics.jsonl is always written): none, tensorboard (output_dir/logs/dtune), wandb (not available: TensorBoard logs instead), all", nullptr},
     {"webhook_config", OptionType::kAny, "null", "webhook JSON path or inline object", nullptr},
     {"validation_prompt", OptionType::kString, "\"\"", "validation prompt (shortname \"validation\" in file names)", nullptr},
     {"validation_step_interval", OptionType::kInt, "100", "validation every N steps (alias validation_steps)", nullptr},
@@ -138,6 +139,17 @@ const std::vector<std::pair<const char*, const char*>> kRetired = {
     {"max_grad_value", "null"}, {"disable_multiprocessing", "false"},
 };
 // clang-format on
+
+// Keys that only label things dtune does not do (publishing to the Hugging Face hub, which needs
+// push_to_hub, itself refused unless false; naming runs of trackers dtune lacks): any value is
+// accepted and changes nothing.
+const std::vector<std::string> kLabelsOnly = {"hub_model_id", "tracker_project_name", "tracker_run_name"};
+
+// Keys SimpleTuner's config loader (cli_utils.py's legacy handlers) drops before parsing: dataset
+// settings that belong in multidatabackend.json and the WebUI's bookkeeping.
+const std::vector<std::string> kDroppedBySimpleTuner = {
+    "aspect_ratio_bucketing", "aspect_ratio_bucket_min", "aspect_ratio_bucket_max", "repeats",
+    "ez_model_type",          "__disabled_fields__",     "__active_tab__"};
 
 const std::map<std::string, std::string> kAliases = {
     {"checkpointing_steps", "checkpoint_step_interval"},
@@ -305,7 +317,26 @@ class Problems {
     std::vector<std::string> items_;
 };
 
+bool contains(const std::vector<std::string>& names, const std::string& key) {
+    return std::find(names.begin(), names.end(), key) != names.end();
+}
+
+// Python's truthiness of a config value as SimpleTuner's loader judges it.
+bool truthy(const json& value) {
+    if (value.is_boolean()) return value.get<bool>();
+    if (value.is_number()) return value.get<double>() != 0;
+    if (value.is_string()) {
+        const std::string v = lower(value.get<std::string>());
+        return !(v.empty() || v == "0" || v == "false" || v == "no" || v == "off" || v == "none");
+    }
+    return !value.is_null();
+}
+
 }  // namespace
+
+bool option_only_labels(const std::string& name) {
+    return contains(kLabelsOnly, name);
+}
 
 std::size_t edit_distance(const std::string& a, const std::string& b) {
     std::vector<std::size_t> row(b.size() + 1);
@@ -340,8 +371,37 @@ TrainConfig::TrainConfig() : values_(json::object()) {
     for (const auto& s : specs()) values_[s.name] = json::parse(s.default_json);
 }
 
+// Legacy keys SimpleTuner translates or drops; false when `key` is none of them.
+bool TrainConfig::set_legacy(const std::string& key, const json& value, const std::string& source) {
+    if (key == "save_total_limit") {
+        // SimpleTuner forwards it to checkpoints_total_limit (an empty value is dropped).
+        if (!(value.is_string() && value.get<std::string>().empty()))
+            set_value("checkpoints_total_limit", value, source);
+        return true;
+    }
+    if (key == "vae_cache_preprocess") {
+        // "Don't pre-process" became vae_cache_ondemand; a true value is today's default.
+        if (!truthy(value)) set_value("vae_cache_ondemand", true, source);
+        return true;
+    }
+    if (contains(kDroppedBySimpleTuner, key)) {
+        if (key == "repeats")
+            log::warn() << source << ": a top-level \"repeats\" is ignored (SimpleTuner ignores it too); "
+                        << "set \"repeats\" per dataset in multidatabackend.json";
+        return true;
+    }
+    return false;
+}
+
 void TrainConfig::set_value(const std::string& raw_key, json value, const std::string& source) {
     const std::string key = canonical_key(raw_key);
+    // SimpleTuner's loader drops every key whose value is None before parsing, so the option keeps
+    // its default; the same here for every key, implemented or not.
+    if (value.is_null()) {
+        if (const OptionSpec* spec = find_spec(key)) values_[key] = json::parse(spec->default_json);
+        return;
+    }
+    if (set_legacy(key, value, source) || contains(kLabelsOnly, key)) return;
     if (const OptionSpec* spec = find_spec(key)) {
         values_[key] = coerce(*spec, value, source);
         return;
@@ -428,6 +488,12 @@ void TrainConfig::validate() const {
                     str("option ", s.name, " = \"", v, "\" is not supported; choose one of: ", s.choices));
         });
     }
+    problems.run([&] {
+        for (const std::string& tracker : report_to_list())
+            if (tracker != "none" && tracker != "tensorboard" && tracker != "wandb" && tracker != "all")
+                throw UsageError(str("option report_to = \"", text("report_to"), "\" names \"", tracker,
+                                     "\"; choose from none, tensorboard, wandb, all (comma-separated)"));
+    });
     for (const char* key : {"train_batch_size", "gradient_accumulation_steps"}) {
         problems.run([&] {
             if (integer(key) < 1)
@@ -497,6 +563,20 @@ void TrainConfig::load_stages(const json& file_options, const std::string& sourc
 void TrainConfig::finish() {
     if (is_null("model_flavour") && values_["model_family"] == "sdxl") values_["model_flavour"] = "base-1.0";
     validate();
+}
+
+std::vector<std::string> TrainConfig::report_to_list() const {
+    std::vector<std::string> out;
+    std::string item;
+    for (const char ch : text("report_to") + ",") {
+        if (ch != ',') {
+            if (!std::isspace(static_cast<unsigned char>(ch))) item += ch;
+            continue;
+        }
+        if (!item.empty()) out.push_back(lower(item));
+        item.clear();
+    }
+    return out;
 }
 
 bool TrainConfig::is_null(const std::string& key) const {

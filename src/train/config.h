@@ -5,7 +5,10 @@
 // Invariants after load: every key dtune implements has a value of its declared type (or null where
 // SimpleTuner's default is None); aliases (checkpointing_steps, validation_steps) are folded into
 // their canonical names; a known SimpleTuner option dtune does not implement is rejected unless it
-// holds SimpleTuner's default value; an unknown key is rejected with the closest known key.
+// holds SimpleTuner's default value; an unknown key is rejected with the closest known key. As in
+// SimpleTuner's loader, a null value means "not given" (the default) for every key, and legacy keys
+// are translated (save_total_limit, vae_cache_preprocess) or dropped (a top-level repeats,
+// aspect_ratio_bucketing); keys that only label hub uploads or tracker runs take any value.
 #pragma once
 
 #include <cstdint>
@@ -61,6 +64,8 @@ class TrainConfig {
     std::optional<int64_t> opt_integer(const std::string& key) const;
     std::optional<double> opt_real(const std::string& key) const;
     const nlohmann::json& raw(const std::string& key) const;
+    // report_to split at commas, lower-cased ("wandb,tensorboard" -> {"wandb", "tensorboard"}).
+    std::vector<std::string> report_to_list() const;
 
     // The resolved configuration (every implemented key, canonical names, no "--").
     const nlohmann::json& resolved() const { return values_; }
@@ -76,6 +81,7 @@ class TrainConfig {
     // three in one UsageError.
     void load_stages(const nlohmann::json& file_options, const std::string& source,
                      const std::vector<std::string>& overrides);
+    bool set_legacy(const std::string& key, const nlohmann::json& value, const std::string& source);
 
     nlohmann::json values_;
 };

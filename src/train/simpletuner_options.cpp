@@ -129,10 +129,14 @@ std::string options_markdown() {
     for (const auto& o : simpletuner_options()) {
         const bool is_done = implemented.count(o.name) > 0;
         done += is_done;
+        const char* status = is_done ? "implemented"
+                             : option_only_labels(o.name)
+                                 ? "any value accepted; it only names things dtune does not do"
+                                 : "accepted at its default only";
         std::string spellings = o.spellings;
         std::replace(spellings.begin(), spellings.end(), ',', ' ');
         rows += str("| `", o.name, "` | ", spellings.empty() ? "" : "`" + spellings + "`", " | `",
-                    o.default_json, "` | ", is_done ? "implemented" : "accepted at its default only", " |\n");
+                    o.default_json, "` | ", status, " |\n");
     }
     std::string own;
     for (const auto& s : option_specs())
@@ -146,7 +150,9 @@ std::string options_markdown() {
         "- **implemented**: the option means in dtune what it means in SimpleTuner.\n"
         "- **accepted at its default only**: a config may set it to SimpleTuner's default (or `null`); any\n"
         "  other value stops `dtune train` with exit code 2, saying that dtune does not implement it.\n"
-        "- A key that is in neither list is unknown: exit code 2, naming the closest known key.\n\n",
+        "- **any value accepted**: the option only names things dtune does not do (a hub repository, a\n"
+        "  tracker run); it is read and has no effect.\n"
+        "- A key that is in none of these is unknown: exit code 2, naming the closest known key.\n\n",
         "SimpleTuner's parser knows ", simpletuner_options().size(), " options; dtune implements ", done,
         " of them.\n\n| option | other spellings | SimpleTuner's default | in dtune |\n|---|---|---|---|\n",
         rows, "\n## dtune's own options\n\n| option | default | meaning |\n|---|---|---|\n", own);

@@ -30,6 +30,10 @@ const SimpleTunerOption* find_simpletuner_option(const std::string& key);
 // the option's default; null always is (SimpleTuner drops None-valued keys).
 bool is_simpletuner_default(const SimpleTunerOption& option, const nlohmann::json& value);
 
+// Options that only name things dtune does not do (hub_model_id, tracker names): any value is
+// accepted and ignored (defined with TrainConfig).
+bool option_only_labels(const std::string& name);
+
 // Markdown page listing every SimpleTuner option and what dtune does with it (implemented, or
 // accepted at its default only), plus dtune's own options: docs/simpletuner-options.md is this text
 // (`dtune train --list-options`), and a test keeps the two equal.

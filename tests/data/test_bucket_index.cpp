@@ -56,7 +56,7 @@ TEST(BucketIndex, DiscoverPersistRefresh) {
     EXPECT_EQ(index.stats.too_small, 1);
     const std::string wide = (dir / "wide.png").string();
     EXPECT_EQ(index.metadata.at(wide).target, (Size{1344, 768}));
-    EXPECT_EQ(index.metadata.at(wide).intermediary, (Size{1367, 768}));
+    EXPECT_EQ(index.metadata.at(wide).intermediary, (Size{1365, 768}));  // int(768·1920/1080)
 
     index.save(storage, c);
     const auto doc = nlohmann::json::parse(fs::read_file(dir / "aspect_ratio_bucket_indices_pics.json"));
@@ -64,8 +64,8 @@ TEST(BucketIndex, DiscoverPersistRefresh) {
     const auto meta = nlohmann::json::parse(fs::read_file(dir / "aspect_ratio_bucket_metadata_pics.json"));
     EXPECT_EQ(meta[wide]["original_size"], nlohmann::json({1920, 1080}));
     EXPECT_EQ(meta[wide]["target_size"], nlohmann::json({1344, 768}));
-    EXPECT_EQ(meta[wide]["intermediary_size"], nlohmann::json({1367, 768}));
-    EXPECT_EQ(meta[wide]["crop_coordinates"], nlohmann::json({0, 11}));  // centre: (1367-1344)/2
+    EXPECT_EQ(meta[wide]["intermediary_size"], nlohmann::json({1365, 768}));
+    EXPECT_EQ(meta[wide]["crop_coordinates"], nlohmann::json({0, 10}));  // centre: (1365-1344)/2
     EXPECT_DOUBLE_EQ(meta[wide]["aspect_ratio"].get<double>(), 1.75);
     const auto skipped = nlohmann::json::parse(fs::read_file(dir / "skipped_files_pics.json"));
     ASSERT_EQ(skipped.size(), 2u);
@@ -90,6 +90,29 @@ TEST(BucketIndex, DiscoverPersistRefresh) {
     BucketIndex stale;
     EXPECT_FALSE(stale.load(storage, cropped));
     EXPECT_TRUE(stale.load(storage, c));
+}
+
+// Metadata written with the old geometry (before SimpleTuner bc8e6ab's: stretched resizes, the
+// rounded aspect) carries config_version 2 and is rebuilt, not trusted.
+TEST(BucketIndex, MetadataOfTheOldGeometryIsRebuilt) {
+    test::TempDir dir;
+    write_png(dir / "wide.png", 1344, 768);
+    DatasetConfig c = config_for(dir.path());
+    c.crop = true;
+    c.crop_aspect = CropAspect::kSquare;
+    BucketSettings s = BucketSettings::from(c);
+    LocalStorage storage;
+    ThreadPool pool(2);
+    AspectResolutionMap map(c.resolution);
+    BucketIndex index;
+    index.refresh(storage, c, s, pool, &map, 42);
+    index.save(storage, c);
+    const auto path = dir / "aspect_ratio_bucket_indices_pics.json";
+    auto doc = nlohmann::json::parse(fs::read_file(path));
+    ASSERT_TRUE(BucketIndex().load(storage, c));
+    doc["config"]["config_version"] = 2;
+    fs::write_file_atomic(path, doc.dump());
+    EXPECT_FALSE(BucketIndex().load(storage, c));
 }
 
 TEST(BucketIndex, HeaderScanListsFailures) {

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <random>
+#include <set>
 
 #include "data/buckets.h"
 #include "support/test_support.h"
@@ -66,47 +67,57 @@ TEST(Buckets, WorkedExamplesPixel) {
     SamplePlan p = plan_sample(pixel_1024(), {1920, 1080}, rng);
     EXPECT_EQ(p.target, (Size{1792, 1024}));
     EXPECT_DOUBLE_EQ(p.aspect, 1.75);
-    // Hand-computed: H=1024, W=int(1024·1.78)=1822 (kept aspect, ≥ target).
-    EXPECT_EQ(p.intermediary, (Size{1822, 1024}));
+    // Hand-computed: H=1024, W=int(1024·1920/1080)=1820 (the exact aspect, not 1.78's 1822).
+    EXPECT_EQ(p.intermediary, (Size{1820, 1024}));
     p = plan_sample(pixel_1024(), {1500, 1000}, rng);
     EXPECT_EQ(p.target, (Size{1536, 1024}));
     EXPECT_DOUBLE_EQ(p.aspect, 1.5);
 }
 
-TEST(Buckets, IntermediaryAndCenterCropByHand) {
+// C: crop=false/preserve resize with the image's exact aspect, not the rounded one.
+TEST(Buckets, IntermediaryKeepsTheExactAspect) {
     std::mt19937_64 rng(1);
-    // 1920x1080 → aspect 1.78, target 1344x768; landscape: H_i = 768, W_i = int(768·1.78) = 1367.
+    // 1920x1080 → target 1344x768; landscape: H_i = 768, W_i = int(768·1920/1080) = 1365 (the
+    // rounded aspect 1.78 gave 1367, a 0.15% stretch).
     SamplePlan p = plan_sample(area_1024(), {1920, 1080}, rng);
-    EXPECT_EQ(p.intermediary, (Size{1367, 768}));
+    EXPECT_EQ(p.intermediary, (Size{1365, 768}));
     EXPECT_EQ(p.resize_size, p.intermediary);
     EXPECT_EQ(p.crop_top, 0);
-    EXPECT_EQ(p.crop_left, (1367 - 1344) / 2);
-    // 800x1200 → 0.67: target 832x1280; portrait: W_i = 832, H_i = int(832/0.67) = 1241 < 1280, so
-    // SimpleTuner grows: H_diff = 39, W_diff = int(39·0.67) = 26 → 858x1280.
+    EXPECT_EQ(p.crop_left, (1365 - 1344) / 2);
+    // 800x1200 → target 832x1280; portrait: W_i = 832, H_i = int(832·1.5) = 1248 < 1280, so
+    // SimpleTuner grows: H_diff = 32, W_diff = int(32·800/1200) = 21 → 853x1280.
     p = plan_sample(area_1024(), {800, 1200}, rng);
-    EXPECT_EQ(p.intermediary, (Size{858, 1280}));
+    EXPECT_EQ(p.intermediary, (Size{853, 1280}));
     EXPECT_EQ(p.crop_top, 0);
-    EXPECT_EQ(p.crop_left, 13);
+    EXPECT_EQ(p.crop_left, 10);
 }
 
-TEST(Buckets, SquareCrop) {
+// A: square crops resize with the aspect kept (short side to the square's edge), then crop.
+TEST(Buckets, SquareCropResizesKeepingTheAspect) {
     BucketSettings s = area_1024(true);
     s.crop_aspect = CropAspect::kSquare;
     s.crop_style = CropStyle::kCorner;
     std::mt19937_64 rng(1);
+    // SIMPLETUNER.md §3.2's table: 3000x2000 → 1536x1024, 1344x768 → 1792x1024, crop 1024x1024.
     SamplePlan p = plan_sample(s, {3000, 2000}, rng);
     EXPECT_EQ(p.target, (Size{1024, 1024}));
     EXPECT_DOUBLE_EQ(p.aspect, 1.0);
-    // Area mode crops the square out of the full-size image (SimpleTuner's intermediary is the
-    // original for a non-square image at aspect 1.0).
-    EXPECT_EQ(p.intermediary, (Size{3000, 2000}));
-    EXPECT_EQ(p.crop_top, 0);
-    EXPECT_EQ(p.crop_left, 0);
-    // A small image is brought up to cover the square.
+    EXPECT_EQ(p.intermediary, (Size{1536, 1024}));
+    EXPECT_EQ(p.resize_size, (Size{1536, 1024}));
+    p = plan_sample(s, {1344, 768}, rng);
+    EXPECT_EQ(p.resize_size, (Size{1792, 1024}));  // was 1344x1024: 1.75 stretched to 1.31
+    // A small image is brought up the same way; pixel resolution does the same.
     p = plan_sample(s, {600, 400}, rng);
     EXPECT_EQ(p.intermediary, (Size{1536, 1024}));
+    BucketSettings px = pixel_1024();
+    px.crop = true;
+    px.crop_aspect = CropAspect::kSquare;
+    p = plan_sample(px, {768, 1344}, rng);
+    EXPECT_EQ(p.resize_size, (Size{1024, 1792}));
 }
 
+// D: with the downsample keys the pixels are resized to the downsample size, and the recorded
+// intermediary (SDXL's original-size time id) is the calculator's, not the original size.
 TEST(Buckets, DownsampleBeforeCrop) {
     BucketSettings s = area_1024(true);
     s.crop_aspect = CropAspect::kSquare;
@@ -118,17 +129,54 @@ TEST(Buckets, DownsampleBeforeCrop) {
     // H_t = rm(1254.1) = 1280; landscape: H_i = 1280, W_i = int(1280·1.5) = 1920.
     EXPECT_EQ(p.resize_size, (Size{1920, 1280}));
     EXPECT_EQ(p.target, (Size{1024, 1024}));
+    EXPECT_EQ(p.intermediary, (Size{1536, 1024}));  // was 6000x4000
+    // The quickstart's dataset: area 1.0, square, both keys 1.0 (SIMPLETUNER.md §3.2).
+    BucketSettings q = area_1024(true);
+    q.resolution = 1.0;
+    q.crop_aspect = CropAspect::kSquare;
+    q.maximum_image_size = 1.0;
+    q.target_downsample_size = 1.0;
+    p = plan_sample(q, {3000, 2000}, rng);
+    EXPECT_EQ(p.intermediary, (Size{1536, 1024}));  // was 3000x2000
+    EXPECT_EQ(p.resize_size, (Size{1536, 1024}));
 }
 
-TEST(Buckets, ClosestCropAspect) {
+// B: closest/random crop aspects keep the image's aspect and crop the bucket's shape out of it.
+TEST(Buckets, ClosestCropAspectKeepsTheAspect) {
     BucketSettings s = area_1024(true);
     s.crop_aspect = CropAspect::kClosest;
     s.crop_aspect_buckets = {{0.75, {}}, {1.0, {}}, {1.5, {}}};
     std::mt19937_64 rng(1);
     SamplePlan p = plan_sample(s, {1920, 1080}, rng);  // 1.78 → closest 1.5
     EXPECT_EQ(p.target, (Size{1280, 832}));
-    p = plan_sample(s, {1000, 1100}, rng);  // 0.91 → closest 1.0 → square
+    EXPECT_EQ(p.resize_size, (Size{1479, 832}));  // int(832·1920/1080); was 1280x832 (stretched)
+    p = plan_sample(s, {1000, 1100}, rng);        // 0.91 → closest 1.0 → square
     EXPECT_EQ(p.target, (Size{1024, 1024}));
+    // pixel 1024: 2048x512 → closest 2.0 → 2048x1024; SimpleTuner resizes to 4096x1024.
+    BucketSettings px = pixel_1024();
+    px.crop = true;
+    px.crop_aspect = CropAspect::kClosest;
+    px.crop_aspect_buckets = {{1.0, {}}, {1.5, {}}, {2.0, {}}};
+    p = plan_sample(px, {2048, 512}, rng);
+    EXPECT_EQ(p.target, (Size{2048, 1024}));
+    EXPECT_EQ(p.resize_size, (Size{4096, 1024}));  // was 2048x1024
+}
+
+// F: random crops record the offsets actually used (SimpleTuner records the centre offsets).
+TEST(Buckets, RandomCropRecordsTheOffsetsUsed) {
+    BucketSettings s = area_1024(true);
+    s.crop_aspect = CropAspect::kSquare;
+    s.crop_style = CropStyle::kRandom;
+    std::set<int> lefts;
+    for (uint64_t seed = 0; seed < 20; ++seed) {
+        std::mt19937_64 rng(seed);
+        const SamplePlan p = plan_sample(s, {3000, 2000}, rng);
+        ASSERT_EQ(p.resize_size, (Size{1536, 1024}));
+        ASSERT_EQ(p.crop_top, 0);
+        ASSERT_LE(p.crop_left, 1536 - 1024);
+        lefts.insert(p.crop_left);
+    }
+    EXPECT_GT(lefts.size(), 10u);  // not the centre (256) every time
 }
 
 TEST(Buckets, ResolutionMapPinsFirstSeenSize) {

@@ -199,6 +199,24 @@ TEST_F(CacheTest, BuildReuseAndInvalidateExactlyTheAffectedEntries) {
     EXPECT_EQ(report.reused, 11);
 }
 
+// An entry built with the old crop geometry (the image stretched to cover the crop) is not trusted
+// once the plan resizes keeping the aspect: same path, target and offsets, another resize size.
+TEST_F(CacheTest, AnEntryOfAnotherResizeSizeIsRebuilt) {
+    CountingEncoder enc;
+    LatentCache cache(settings());
+    CacheBuildOptions opt;
+    std::map<std::string, std::vector<LatentRequest>> old_plan = requests();
+    LatentRequest& wide = old_plan.at("1.0")[3];  // 64x32
+    ASSERT_EQ(wide.plan.original, (Size{64, 32}));
+    wide.plan.intermediary = wide.plan.resize_size = {32, 32};  // stretched to the square
+    wide.plan.crop_left = wide.plan.crop_top = 0;
+    build_latent_cache(cache, old_plan, enc.fn(), opt, pool_);
+    LatentRequest kept = wide;
+    kept.plan.intermediary = kept.plan.resize_size = {64, 32};  // the aspect kept
+    EXPECT_EQ(cache.load(kept).status, EntryStatus::kStale);
+    EXPECT_EQ(cache.load(wide).status, EntryStatus::kValid);
+}
+
 TEST_F(CacheTest, TruncatedAndBitFlippedEntriesAreRebuilt) {
     CountingEncoder enc;
     LatentCache cache(settings(CacheCompression::kNone));

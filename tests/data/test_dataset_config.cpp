@@ -73,9 +73,26 @@ TEST(DatasetConfig, PixelAreaConvertsSizeLimits) {
     EXPECT_DOUBLE_EQ(*d.minimum_image_size, 0.589824);
     EXPECT_DOUBLE_EQ(*d.maximum_image_size, 4.194304);
     EXPECT_DOUBLE_EQ(*d.target_downsample_size, 2.359296);
-    // A small minimum is already in megapixels and stays.
-    auto cfg2 = parse_data_backend_config(minimal({{"minimum_image_size", 0.5}}), {});
-    EXPECT_DOUBLE_EQ(*cfg2.datasets[0].minimum_image_size, 0.5);
+    EXPECT_TRUE(cfg.warnings.empty());
+}
+
+TEST(DatasetConfig, PixelAreaSmallMinimumIsAnEdgeAsInSimpleTuner) {
+    // SimpleTuner's _handle_resolution_conversion squares every positive value: 0.5 is a 0.5 px
+    // edge (2.5e-7 MP), a filter that keeps every image. We read it the same way and say so.
+    auto cfg = parse_data_backend_config(minimal({{"minimum_image_size", 0.5}}), {});
+    EXPECT_DOUBLE_EQ(*cfg.datasets[0].minimum_image_size, pixel_edge_to_megapixels(0.5));
+    ASSERT_EQ(cfg.warnings.size(), 1u);
+    EXPECT_NE(cfg.warnings[0].find("minimum_image_size"), std::string::npos) << cfg.warnings[0];
+    EXPECT_NE(cfg.warnings[0].find("512"), std::string::npos) << cfg.warnings[0];
+}
+
+TEST(DatasetConfig, LoneTargetDownsampleSizeIsAcceptedWithAWarning) {
+    // SimpleTuner refuses maximum_image_size alone but accepts target_downsample_size alone.
+    auto cfg = parse_data_backend_config(minimal({{"target_downsample_size", 1536}, {"crop", true}}), {});
+    EXPECT_DOUBLE_EQ(*cfg.datasets[0].target_downsample_size, pixel_edge_to_megapixels(1536));
+    EXPECT_FALSE(cfg.datasets[0].maximum_image_size.has_value());
+    ASSERT_EQ(cfg.warnings.size(), 1u);
+    EXPECT_NE(cfg.warnings[0].find("maximum_image_size"), std::string::npos) << cfg.warnings[0];
 }
 
 TEST(DatasetConfig, PixelResolutionKeepsValues) {

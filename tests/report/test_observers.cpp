@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/log.h"
 #include "io/image.h"
 #include "models/common/weights.h"
 #include "report/eval_loss.h"
@@ -115,6 +116,35 @@ TEST(Validation, DoesNotChangeTrainingAndNamesFilesLikeSimpleTuner) {
     EXPECT_EQ(losses, 4);
     EXPECT_EQ(images, 3);
     EXPECT_TRUE(std::filesystem::exists(val_dir / "report.html"));
+}
+
+// A SimpleTuner config made for wandb trains; the metrics go to TensorBoard files, and the log says
+// once that wandb is not available.
+TEST(Report, ReportToWandbWritesTensorBoardAndSaysSoOnce) {
+    test::TempDir dir;
+    const auto c = config(dir.path(), {{"report_to", "wandb"},
+                                       {"tracker_project_name", "my-project"},
+                                       {"tracker_run_name", "run-1"},
+                                       {"max_train_steps", 2},
+                                       {"checkpoint_step_interval", 0}});
+    const auto log_file = dir / "run.log";
+    log::set_file(log_file);
+    auto trainer = make_trainer(c);
+    add_observers(*trainer);
+    trainer->run();
+    log::set_file({});
+    const std::string log_text = fs::read_file(log_file);
+    size_t said = 0;
+    for (size_t at = log_text.find("wandb is not available"); at != std::string::npos;
+         at = log_text.find("wandb is not available", at + 1))
+        ++said;
+    EXPECT_EQ(said, 1u) << log_text;
+    int64_t losses = 0;
+    ASSERT_TRUE(std::filesystem::is_directory(dir / "logs" / "dtune"));
+    for (const auto& f : std::filesystem::directory_iterator(dir / "logs" / "dtune"))
+        for (const auto& e : read_events(f.path()))
+            for (const auto& v : e.values) losses += v.tag == "train/loss";
+    EXPECT_EQ(losses, 2);
 }
 
 TEST(Validation, EpochIntervalValidatesAtEpochEnds) {

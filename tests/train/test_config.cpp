@@ -268,6 +268,63 @@ TEST(TrainConfig, PythonSpellingsOfBooleansAndNone) {
               std::string::npos);
 }
 
+TEST(TrainConfig, NullMeansTheDefaultForEveryKey) {
+    // SimpleTuner's loader drops keys whose value is None before parsing, so they keep their
+    // defaults: implemented options, options dtune does not implement, and keys it does not know.
+    test::TempDir dir;
+    const TrainConfig c = load_text(dir, R"({"model_family": "sdxl", "loss_type": null,
+        "train_batch_size": null, "learning_rate": null, "resume_from_checkpoint": null,
+        "--huber_c": null, "base_model_precision": null, "some_future_key": null})",
+                                    {"--lora_rank", "null"});
+    EXPECT_EQ(c.integer("train_batch_size"), 4);
+    EXPECT_DOUBLE_EQ(c.real("learning_rate"), 4e-7);
+    EXPECT_EQ(c.text("resume_from_checkpoint"), "latest");
+    EXPECT_EQ(c.integer("lora_rank"), 16);
+    // null after a value (a later file or the command line) restores the default too.
+    const TrainConfig o =
+        load_text(dir, R"({"model_family": "sdxl", "train_batch_size": 2})", {"--train_batch_size", "null"});
+    EXPECT_EQ(o.integer("train_batch_size"), 4);
+}
+
+TEST(TrainConfig, KeysThatOnlyLabelAreAccepted) {
+    // Without publishing (push_to_hub is refused unless false) hub_model_id does nothing; tracker
+    // names only label tracker runs.
+    test::TempDir dir;
+    EXPECT_NO_THROW(load_text(dir, R"({"model_family": "sdxl", "hub_model_id": "me/my-lora",
+        "push_to_hub": false, "push_checkpoints_to_hub": false, "tracker_project_name": "portraits",
+        "tracker_run_name": "run-7"})"));
+    EXPECT_NE(usage_message([&] {
+                  load_text(dir, R"({"model_family": "sdxl", "push_to_hub": true})");
+              }).find("push_to_hub is not implemented"),
+              std::string::npos);
+    EXPECT_NE(usage_message([&] {
+                  load_text(dir, R"({"model_family": "sdxl", "push_checkpoints_to_hub": true})");
+              }).find("push_checkpoints_to_hub is not implemented"),
+              std::string::npos);
+}
+
+TEST(TrainConfig, LegacyKeysAsSimpleTunerTranslatesThem) {
+    test::TempDir dir;
+    const TrainConfig c = load_text(dir, R"({"model_family": "sdxl", "save_total_limit": 3,
+        "vae_cache_preprocess": false, "repeats": 2, "aspect_ratio_bucketing": true,
+        "aspect_ratio_bucket_min": 0.5, "aspect_ratio_bucket_max": 2.0})");
+    EXPECT_EQ(c.integer("checkpoints_total_limit"), 3);
+    EXPECT_TRUE(c.flag("vae_cache_ondemand"));  // "don't pre-process" is on-demand encoding
+    const TrainConfig d = load_text(dir, R"({"model_family": "sdxl", "vae_cache_preprocess": true})");
+    EXPECT_FALSE(d.flag("vae_cache_ondemand"));
+    EXPECT_EQ(d.integer("checkpoints_total_limit"), 5);
+}
+
+TEST(TrainConfig, ReportToTakesWandbAndLists) {
+    test::TempDir dir;
+    const TrainConfig c = load_text(dir, R"({"model_family": "sdxl", "report_to": "wandb, TensorBoard"})");
+    EXPECT_EQ(c.report_to_list(), (std::vector<std::string>{"wandb", "tensorboard"}));
+    EXPECT_NE(usage_message([&] {
+                  load_text(dir, R"({"model_family": "sdxl", "report_to": "mlflow"})");
+              }).find("report_to"),
+              std::string::npos);
+}
+
 TEST(TrainConfig, BadValuesNameTheKey) {
     test::TempDir dir;
     EXPECT_NE(usage_message([&] {
