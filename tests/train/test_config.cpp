@@ -180,7 +180,8 @@ TEST(TrainConfig, EverySimpleTunerOptionAsNullLoads) {
         nlohmann::json::parse(fs::read_file(DTUNE_TEST_DATA_DIR "/ref/simpletuner_defaults.json"));
     for (auto& [key, value] : config.items()) value = nullptr;
     for (const auto& spec : option_specs()) config[spec.name] = nullptr;
-    config["--model_family"] = "sdxl";
+    config.erase("--model_family");  // one spelling per key
+    config["model_family"] = "sdxl";
     const TrainConfig c = load_text(dir, config.dump());
     const TrainConfig defaults = load_text(dir, R"({"model_family": "sdxl"})");
     EXPECT_EQ(c.resolved(), defaults.resolved());
@@ -295,11 +296,11 @@ TEST(TrainConfig, KeysThatOnlyLabelAreAccepted) {
         "tracker_run_name": "run-7"})"));
     EXPECT_NE(usage_message([&] {
                   load_text(dir, R"({"model_family": "sdxl", "push_to_hub": true})");
-              }).find("push_to_hub is not implemented"),
+              }).find("push_to_hub = true is not implemented"),
               std::string::npos);
     EXPECT_NE(usage_message([&] {
                   load_text(dir, R"({"model_family": "sdxl", "push_checkpoints_to_hub": true})");
-              }).find("push_checkpoints_to_hub is not implemented"),
+              }).find("push_checkpoints_to_hub = true is not implemented"),
               std::string::npos);
 }
 
