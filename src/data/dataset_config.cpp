@@ -11,8 +11,10 @@
 #include <map>
 #include <set>
 
+#include "core/config_json.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/resolution_range.h"
 
 namespace dtune::data {
 
@@ -288,7 +290,12 @@ std::optional<double> convert_limit(std::optional<double> v) {
 void parse_resolution_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArgs& args) {
     c.resolution_as_written = r.get_number("resolution", args.resolution);
     c.resolution_type_as_written = r.get_enum("resolution_type", args.resolution_type, kResolutionTypes);
-    if (!(c.resolution_as_written > 0)) r.fail("resolution", "must be > 0");
+    if (const std::string problem =
+            resolution_range_problem(c.resolution_as_written, to_string(c.resolution_type_as_written));
+        !problem.empty())
+        r.fail("resolution",
+               str(r.has("resolution") ? r.at("resolution").dump() : str(c.resolution_as_written), " ",
+                   problem));
     c.minimum_image_size =
         r.has("minimum_image_size") ? r.get_number("minimum_image_size") : args.minimum_image_size;
     c.maximum_image_size =
@@ -595,13 +602,7 @@ DataBackendConfig parse_data_backend_config(const json& root, const GlobalDataAr
 }
 
 DataBackendConfig load_data_backend_config(const std::filesystem::path& path, const GlobalDataArgs& args) {
-    const std::string text = fs::read_file(path);
-    json root;
-    try {
-        root = json::parse(text);
-    } catch (const json::parse_error& e) {
-        throw DataError(str(path.string(), ": not valid JSON (", e.what(), "); fix the syntax"));
-    }
+    const json root = parse_config_json(fs::read_file(path), path.string());
     return parse_data_backend_config(root, args, path.string());
 }
 

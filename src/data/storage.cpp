@@ -1,6 +1,7 @@
 // The local-folder storage backend.
 #include "data/storage.h"
 
+#include <dirent.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <set>
 #include <utility>
 
@@ -41,11 +43,40 @@ void LocalStorage::remove(const std::string& path) {
     stdfs::remove(path, ec);
 }
 
+namespace {
+
+// errno of opening `dir` for listing; 0 when it can be listed.
+int open_dir_error(const stdfs::path& dir) {
+    DIR* d = ::opendir(dir.c_str());
+    if (d == nullptr) return errno;
+    ::closedir(d);
+    return 0;
+}
+
+// A folder that cannot be listed (`lost+found` seen by a user, a chmod 000 folder) is left out
+// with one warning per folder per process, however many listings (discovery, the report) meet it.
+void warn_unlistable_once(const stdfs::path& dir, const std::string& root, int error) {
+    static std::mutex mutex;
+    static std::set<std::string> warned;
+    {
+        std::lock_guard<std::mutex> lock(mutex);
+        if (!warned.insert(dir.string()).second) return;
+    }
+    log::warn() << "not listing " << dir.string() << " under " << root << ": " << std::strerror(error)
+                << "; its images (if any) are left out. Make it readable (chmod a+rx) or move it out of "
+                   "the dataset folder to silence this";
+}
+
+}  // namespace
+
 std::vector<std::string> LocalStorage::list_files(const std::string& root,
                                                   const std::vector<std::string>& extensions) const {
     std::error_code ec;
     if (!stdfs::is_directory(root, ec))
         throw DataError(str("'", root, "' is not a readable folder; check instance_data_dir"));
+    if (const int error = open_dir_error(root))
+        throw DataError(str("'", root, "' cannot be listed (", std::strerror(error),
+                            "); make it readable for the user running dtune or check instance_data_dir"));
     std::vector<std::string> out;
     const auto options =
         stdfs::directory_options::follow_directory_symlink | stdfs::directory_options::skip_permission_denied;
@@ -62,6 +93,12 @@ std::vector<std::string> LocalStorage::list_files(const std::string& root,
     for (auto it = stdfs::recursive_directory_iterator(root, options, ec); !ec && it != stdfs::end(it);
          it.increment(ec)) {
         if (it->is_directory(ec)) {
+            // skip_permission_denied would leave such a folder out silently; say which one it is.
+            if (const int error = open_dir_error(it->path())) {
+                it.disable_recursion_pending();
+                warn_unlistable_once(it->path(), root, error);
+                continue;
+            }
             if (!first_visit(it->path())) {
                 it.disable_recursion_pending();
                 log::warn() << "not listing " << it->path().string() << " under " << root

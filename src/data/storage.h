@@ -37,7 +37,8 @@ class StorageBackend {
     virtual bool exists(const std::string& path) const = 0;
     virtual void remove(const std::string& path) = 0;
     // Every file under `root` (recursively) whose lower-case extension is in `extensions`
-    // (".jpg", ...); all files when `extensions` is empty. Sorted.
+    // (".jpg", ...); all files when `extensions` is empty. Sorted. Locally, a subfolder that cannot
+    // be listed is left out with one warning per folder per process; an unlistable root is a DataError.
     virtual std::vector<std::string> list_files(const std::string& root,
                                                 const std::vector<std::string>& extensions) const = 0;
     // `path` joined onto `root` when relative; as-is when absolute.

@@ -42,6 +42,20 @@ RgbImage finish_preparation(RgbImage image, const std::string& name, const Prepa
     return image;
 }
 
+// The pixel limit holds for the size the image is resized to as well as for the file itself: a
+// 669-byte 100000x2 PNG passes the header check but its bucket asks for 3200000x64 (2.4 GB as
+// floats). Checked before anything is read or decoded.
+void check_resize_pixels(const std::string& name, const PrepareSpec& spec) {
+    const int64_t pixels = static_cast<int64_t>(spec.resize_width) * spec.resize_height;
+    const int64_t limit = max_image_pixels();
+    if (limit > 0 && pixels > limit)
+        throw DataError(
+            str(name, ": its bucket resizes it to ", spec.resize_width, "x", spec.resize_height, " = ",
+                pixels, " pixels, above the limit of ", limit,
+                " (an extreme aspect ratio); the image is skipped. Crop it to a usual aspect "
+                "ratio, set maximum_aspect_ratio, or raise DTUNE_MAX_IMAGE_PIXELS (0 = no limit)"));
+}
+
 DecodeOptions decode_options(const PrepareSpec& spec) {
     DecodeOptions options;
     options.min_width = spec.resize_width;
@@ -52,10 +66,12 @@ DecodeOptions decode_options(const PrepareSpec& spec) {
 }  // namespace
 
 RgbImage prepare_image(const std::filesystem::path& path, const PrepareSpec& spec) {
+    check_resize_pixels(path.string(), spec);
     return finish_preparation(read_image(path, decode_options(spec)), path.string(), spec);
 }
 
 RgbImage prepare_image_bytes(std::string_view bytes, const std::string& name, const PrepareSpec& spec) {
+    check_resize_pixels(name, spec);
     return finish_preparation(decode_image(bytes, name, decode_options(spec)), name, spec);
 }
 

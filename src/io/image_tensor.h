@@ -28,8 +28,9 @@ struct PrepareSpec {
     bool flip = false;
 };
 
-// Decodes and prepares; DataError naming the file when it is corrupt or unreadable (callers skip
-// the sample and list it in their report).
+// Decodes and prepares; DataError naming the file when it is corrupt or unreadable, or when the
+// resize size is above max_image_pixels() (checked before reading; callers skip the sample and
+// list it in their report).
 RgbImage prepare_image(const std::filesystem::path& path, const PrepareSpec& spec);
 at::Tensor prepare_image_tensor(const std::filesystem::path& path, const PrepareSpec& spec);
 // The same from the encoded bytes of an image read elsewhere (an S3 object); `name` goes into errors.

@@ -11,6 +11,7 @@
 #include "core/log.h"
 #include "core/redact.h"
 #include "data/dataset_config.h"
+#include "data/storage.h"
 #include "io/image.h"
 #include "report/eval_loss.h"
 #include "report/html_report.h"
@@ -20,28 +21,44 @@
 
 namespace dtune::report {
 
+// TensorBoard only records the run: a writer that fails (output_dir/logs not writable, a full
+// disk) is dropped with one warning and training goes on; metrics.jsonl still has every row.
+template <typename F>
+void TensorBoardCallback::guarded(F&& write) {
+    try {
+        write();
+    } catch (const std::exception& e) {
+        writer_.reset();
+        log::warn() << "TensorBoard logging stopped: " << e.what()
+                    << "; training goes on (metrics.jsonl still has every step)";
+    }
+}
+
 void TensorBoardCallback::on_train_start(train::Trainer& trainer) {
     if (trainer.is_main_process() && !writer_)
-        writer_ = std::make_unique<EventWriter>(trainer.output_dir() / "logs" / "dtune");
+        guarded([&] { writer_ = std::make_unique<EventWriter>(trainer.output_dir() / "logs" / "dtune"); });
 }
 
 void TensorBoardCallback::on_step_end(train::Trainer&, const train::StepReport& r) {
     if (!writer_) return;
-    writer_->add_scalar("train/loss", r.loss, r.step);
-    writer_->add_scalar("train/lr", r.lr, r.step);
-    writer_->add_scalar("train/grad_norm", r.grad_norm, r.step);
-    writer_->add_scalar("train/img_per_s", r.img_per_s, r.step);
-    writer_->add_scalar("train/samples_seen", static_cast<double>(r.samples_seen), r.step);
-    if (r.gpu_memory_gib) writer_->add_scalar("train/gpu_memory_gib", *r.gpu_memory_gib, r.step);
+    guarded([&] {
+        writer_->add_scalar("train/loss", r.loss, r.step);
+        writer_->add_scalar("train/lr", r.lr, r.step);
+        writer_->add_scalar("train/grad_norm", r.grad_norm, r.step);
+        writer_->add_scalar("train/img_per_s", r.img_per_s, r.step);
+        writer_->add_scalar("train/samples_seen", static_cast<double>(r.samples_seen), r.step);
+        if (r.gpu_memory_gib) writer_->add_scalar("train/gpu_memory_gib", *r.gpu_memory_gib, r.step);
+    });
 }
 
 void TensorBoardCallback::add_scalar(const std::string& tag, double value, int64_t step) {
-    if (writer_) writer_->add_scalar(tag, value, step);
+    if (writer_) guarded([&] { writer_->add_scalar(tag, value, step); });
 }
 
 void TensorBoardCallback::add_png(const std::string& tag, int width, int height, std::string png,
                                   int64_t step) {
-    if (writer_) writer_->add_image(tag, ImageSummary{width, height, 3, std::move(png)}, step);
+    if (writer_)
+        guarded([&] { writer_->add_image(tag, ImageSummary{width, height, 3, std::move(png)}, step); });
 }
 
 nlohmann::json dataset_summary(const train::TrainConfig& config) {
@@ -73,13 +90,14 @@ nlohmann::json dataset_summary(const train::TrainConfig& config) {
             const std::string dir = d.value("instance_data_dir", "");
             line += ", " + dir;
             if (d.value("type", "local") == "local" && std::filesystem::is_directory(dir, ec)) {
-                int64_t n = 0;
-                for (const auto& e : std::filesystem::recursive_directory_iterator(dir, ec)) {
-                    auto ext = e.path().extension().string();
-                    for (auto& c : ext) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-                    n += ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".webp";
+                // Discovery's own listing: unreadable subfolders are left out with its warning.
+                try {
+                    const auto images =
+                        data::LocalStorage().list_files(dir, {".png", ".jpg", ".jpeg", ".webp"});
+                    line += str(", ", images.size(), " images");
+                } catch (const std::exception& e) {
+                    line += ", images not counted: " + std::string(e.what());
                 }
-                line += str(", ", n, " images");
             }
         }
         if (d.contains("resolution"))
@@ -96,33 +114,37 @@ const nlohmann::json& ReportCallback::dataset(train::Trainer& trainer) {
     return *dataset_;
 }
 
+std::optional<std::filesystem::path> ReportCallback::write(train::Trainer& trainer,
+                                                           const std::string& status) {
+    // The report only describes the run: whatever stops it from being written (an unreadable
+    // folder, a full disk, report.html being a folder) is a warning, never the end of training.
+    try {
+        return write_report(trainer.output_dir(), status, dataset(trainer));
+    } catch (const std::exception& e) {
+        log::warn() << "could not write " << (trainer.output_dir() / "report.html").string() << " (" << status
+                    << "): " << e.what() << "; training goes on, the report is tried again at the next "
+                    << "checkpoint and at the end";
+        return std::nullopt;
+    }
+}
+
 void ReportCallback::on_checkpoint(train::Trainer& trainer, const std::filesystem::path& dir) {
     if (trainer.is_main_process())
-        write_report(trainer.output_dir(),
-                     str("running (", dir.filename().string(), " saved at step ", trainer.global_step(),
-                         " of ", trainer.total_steps(), ")"),
-                     dataset(trainer));
+        write(trainer, str("running (", dir.filename().string(), " saved at step ", trainer.global_step(),
+                           " of ", trainer.total_steps(), ")"));
 }
 
 void ReportCallback::on_train_end(train::Trainer& trainer, const train::TrainResult& result) {
     if (!trainer.is_main_process()) return;
     const auto path =
-        write_report(trainer.output_dir(),
-                     str(result.outcome == train::TrainOutcome::kCompleted ? "finished" : "interrupted",
-                         " at step ", result.global_step, " of ", trainer.total_steps()),
-                     dataset(trainer));
-    log::info() << "report: " << path.string();
+        write(trainer, str(result.outcome == train::TrainOutcome::kCompleted ? "finished" : "interrupted",
+                           " at step ", result.global_step, " of ", trainer.total_steps()));
+    if (path) log::info() << "report: " << path->string();
 }
 
 void ReportCallback::on_error(train::Trainer& trainer, const std::exception& error) {
-    if (!trainer.is_main_process()) return;
-    try {
-        write_report(trainer.output_dir(),
-                     str("failed at step ", trainer.global_step(), ": ", redact_text(error.what())),
-                     dataset(trainer));
-    } catch (const std::exception& e) {
-        log::warn() << "could not write report.html after the failure: " << e.what();
-    }
+    if (trainer.is_main_process())
+        write(trainer, str("failed at step ", trainer.global_step(), ": ", redact_text(error.what())));
 }
 
 bool reports_to_tensorboard(const train::TrainConfig& config) {

@@ -18,7 +18,8 @@
 namespace dtune::report {
 
 // Writes train/loss, train/lr, train/grad_norm, train/img_per_s, train/samples_seen (and
-// train/gpu_memory_gib on CUDA) every step, to output_dir/logs/dtune/events.out.tfevents.*.
+// train/gpu_memory_gib on CUDA) every step, to output_dir/logs/dtune/events.out.tfevents.*. A write
+// that fails is a warning that ends TensorBoard logging, not the run.
 class TensorBoardCallback final : public train::TrainCallback {
   public:
     void on_train_start(train::Trainer& trainer) override;
@@ -28,10 +29,14 @@ class TensorBoardCallback final : public train::TrainCallback {
     void add_png(const std::string& tag, int width, int height, std::string png, int64_t step);
 
   private:
+    // Runs a write; a failure is a warning and ends TensorBoard logging, never the run.
+    template <typename F>
+    void guarded(F&& write);
     std::unique_ptr<EventWriter> writer_;
 };
 
-// Rewrites output_dir/report.html at each checkpoint and at the end (or failure) of the run.
+// Rewrites output_dir/report.html at each checkpoint and at the end (or failure) of the run. It
+// never ends a run: a report that cannot be written is a warning.
 class ReportCallback final : public train::TrainCallback {
   public:
     void on_checkpoint(train::Trainer& trainer, const std::filesystem::path& dir) override;
@@ -39,6 +44,8 @@ class ReportCallback final : public train::TrainCallback {
     void on_error(train::Trainer& trainer, const std::exception& error) override;
 
   private:
+    // Writes the report; a failure is logged as a warning (nullopt), never thrown.
+    std::optional<std::filesystem::path> write(train::Trainer& trainer, const std::string& status);
     const nlohmann::json& dataset(train::Trainer& trainer);
     std::optional<nlohmann::json> dataset_;  // computed once (it walks the image folders)
 };

@@ -6,12 +6,15 @@
 #include <cctype>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <map>
 
+#include "core/config_json.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
 #include "core/redact.h"
+#include "core/resolution_range.h"
 #include "train/simpletuner_options.h"
 
 namespace dtune::train {
@@ -150,6 +153,111 @@ const std::vector<std::string> kLabelsOnly = {"hub_model_id", "tracker_project_n
 const std::vector<std::string> kDroppedBySimpleTuner = {
     "aspect_ratio_bucketing", "aspect_ratio_bucket_min", "aspect_ratio_bucket_max", "repeats",
     "ez_model_type",          "__disabled_fields__",     "__active_tab__"};
+// The values a numeric option may take, where a sign or a range means something. Checked when the
+// value is typed (config.json, config.toml, the command line, a resolved file alike), so code that
+// reads an option never sees one outside its range. `min_open`/`max_open`: the bound itself is
+// refused. `note` says what the edge values mean.
+struct OptionRange {
+    const char* name;
+    double min;
+    double max;
+    bool min_open;
+    bool max_open;
+    const char* note;
+};
+constexpr double kInf = std::numeric_limits<double>::infinity();
+// SimpleTuner hands a positive seed to numpy, which takes 0 to 2**32 - 1; 0 and -1 ask for a fresh one.
+constexpr double kMaxSeed = 4294967295.0;
+
+// clang-format off
+const std::vector<OptionRange> kRanges = {
+    {"lora_rank", 1, kInf, false, false, ""},
+    {"lora_alpha", 0, kInf, true, false, ""},
+    {"lora_dropout", 0, 1, false, true, ""},
+    {"learning_rate", 0, kInf, true, false, ""},
+    {"lr_warmup_steps", 0, kInf, false, false, ""},
+    {"lr_end", 0, kInf, false, false, ""},
+    {"lr_power", 0, kInf, false, false, ""},
+    {"lr_num_cycles", 0, kInf, true, false, ""},
+    {"adam_beta1", 0, 1, false, true, ""},
+    {"adam_beta2", 0, 1, false, true, ""},
+    {"adam_weight_decay", 0, kInf, false, false, ""},
+    {"adam_epsilon", 0, kInf, false, false, ""},
+    {"max_grad_norm", 0, kInf, false, false, " (0: no clipping)"},
+    {"train_batch_size", 1, kInf, false, false, ""},
+    {"gradient_accumulation_steps", 1, kInf, false, false, ""},
+    {"max_train_steps", 0, kInf, false, false, " (0 or null: train num_train_epochs epochs)"},
+    {"num_train_epochs", 0, kInf, false, false, ""},
+    {"checkpoint_step_interval", 0, kInf, false, false, " (0: only the final save)"},
+    {"checkpoints_total_limit", 0, kInf, false, false, " (0: keep every checkpoint)"},
+    {"gradient_checkpointing_interval", 1, kInf, false, false, ""},
+    {"seed", -1, kMaxSeed, false, false, " (null, 0 or -1: a fresh seed, logged)"},
+    {"noise_offset", 0, kInf, false, false, ""},
+    {"noise_offset_probability", 0, 1, false, false, ""},
+    {"input_perturbation", 0, kInf, false, false, ""},
+    {"snr_gamma", 0, kInf, false, false, ""},
+    {"caption_dropout_probability", 0, 1, false, false, ""},
+    {"ema_decay", 0, 1, false, true, " (0.995 to 0.9999 are usual)"},
+    {"ema_update_interval", 1, kInf, false, false, " (null: every step)"},
+    {"ema_warmup_steps", 0, kInf, false, false, ""},
+    {"resolution", 0, kInf, true, false, ""},  // and the range of its resolution_type, in validate()
+    {"vae_batch_size", 1, kInf, false, false, ""},
+    {"dataloader_prefetch_qlen", 1, kInf, false, false, ""},
+    {"minimum_image_size", 0, kInf, false, false, ""},
+    {"maximum_image_size", 0, kInf, true, false, ""},
+    {"target_downsample_size", 0, kInf, true, false, ""},
+    {"validation_step_interval", 0, kInf, false, false, " (0: no step-interval validation)"},
+    {"validation_epoch_interval", 0, kInf, false, false, " (0 or null: none)"},
+    {"validation_guidance", 0, kInf, false, false, ""},
+    {"validation_guidance_rescale", 0, 1, false, false, ""},
+    {"validation_num_inference_steps", 1, kInf, false, false, ""},
+    {"validation_seed", 0, kMaxSeed, false, false, " (null: the training seed)"},
+    {"num_validation_images", 1, kInf, false, false, ""},
+    {"eval_steps_interval", 0, kInf, false, false, " (0: no eval loss by steps)"},
+    {"num_eval_images", 1, kInf, false, false, ""},
+    {"eval_timesteps", 1, kInf, false, false, ""},
+    {"metrics_interval", 1, kInf, false, false, ""},
+    {"zero_stage", 0, 2, false, false, ""},
+};
+// clang-format on
+
+const OptionRange* find_range(const std::string& key) {
+    for (const auto& r : kRanges)
+        if (key == r.name) return &r;
+    return nullptr;
+}
+
+// "at least 1", "0 to 4294967295", "> 0", "[0, 1)": the allowed values as a reader would say them.
+std::string range_text(const OptionSpec& spec, const OptionRange* r) {
+    const bool is_int = spec.type == OptionType::kInt;
+    const auto num = [&](double v) { return is_int ? std::to_string(static_cast<int64_t>(v)) : str(v); };
+    if (!r)
+        return is_int ? str(std::numeric_limits<int64_t>::min(), " to ", std::numeric_limits<int64_t>::max())
+                      : std::string("any number");
+    std::string out;
+    if (r->max == kInf)
+        out = r->min_open ? str("greater than ", num(r->min)) : str("at least ", num(r->min));
+    else if (is_int)
+        out = str(num(r->min), " to ", num(r->max));
+    else
+        out = str(r->min_open ? "(" : "[", num(r->min), ", ", num(r->max), r->max_open ? ")" : "]");
+    return out + r->note;
+}
+
+[[noreturn]] void fail_range(const OptionSpec& spec, const json& value, const std::string& source) {
+    throw UsageError(str(source, ": option ", spec.name, " = ", value.dump(),
+                         " is out of range; allowed: ", range_text(spec, find_range(spec.name))));
+}
+
+// `value` is typed already (coerce); null is always allowed (SimpleTuner's None).
+void check_range(const OptionSpec& spec, const json& value, const std::string& source) {
+    const OptionRange* r = find_range(spec.name);
+    if (!r || !value.is_number()) return;
+    const double v = value.get<double>();
+    const bool low_ok = r->min_open ? v > r->min : v >= r->min;
+    const bool high_ok = r->max_open ? v < r->max : v <= r->max;
+    if (!(low_ok && high_ok)) fail_range(spec, value, source);
+}
 
 const std::map<std::string, std::string> kAliases = {
     {"checkpointing_steps", "checkpoint_step_interval"},
@@ -258,10 +366,18 @@ json coerce(const OptionSpec& spec, const json& value, const std::string& source
             if (value.is_number() || value.is_boolean()) return json(value.dump());
             return fail();
         case OptionType::kInt:
-            if (value.is_number_integer()) return value;
+            // Beyond int64 (99999999999999999999 parses as 1e20, 2**63 as an unsigned): out of
+            // range, not a wrapped-around negative number.
+            if (value.is_number_unsigned() &&
+                value.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+                fail_range(spec, value, source);
+            if (value.is_number_integer()) return json(value.get<int64_t>());
             if (value.is_number_float()) {
                 const double d = value.get<double>();
-                if (std::floor(d) == d) return json(static_cast<int64_t>(d));
+                if (std::floor(d) != d) return fail();
+                if (!(d >= -9223372036854775808.0 && d < 9223372036854775808.0))
+                    fail_range(spec, value, source);
+                return json(static_cast<int64_t>(d));
             }
             return fail();
         case OptionType::kFloat:
@@ -403,7 +519,9 @@ void TrainConfig::set_value(const std::string& raw_key, json value, const std::s
     }
     if (set_legacy(key, value, source) || contains(kLabelsOnly, key)) return;
     if (const OptionSpec* spec = find_spec(key)) {
-        values_[key] = coerce(*spec, value, source);
+        json typed = coerce(*spec, value, source);
+        check_range(*spec, typed, source);
+        values_[key] = std::move(typed);
         return;
     }
     // A SimpleTuner option dtune does not implement: a value equal to SimpleTuner's default changes
@@ -429,7 +547,30 @@ void TrainConfig::merge_json(const json& object, const std::string& source) {
     if (!object.is_object())
         throw UsageError(str(source, ": the configuration must be a JSON object of option: value pairs"));
     Problems problems;
-    for (const auto& [key, value] : object.items()) problems.run([&] { set_value(key, value, source); });
+    // "learning_rate" and "--learning_rate" (or an alias and its canonical name) in one file: which
+    // one wins would depend on key order, so two different values are refused; the same value
+    // twice is only worth a warning.
+    std::map<std::string, std::string> spelling_of;  // canonical key -> the spelling seen first
+    for (const auto& [key, value] : object.items()) {
+        problems.run([&] {
+            const std::string canonical = canonical_key(key);
+            const auto [first, inserted] = spelling_of.emplace(canonical, key);
+            if (!inserted) {
+                const json& earlier = object.at(first->second);
+                const OptionSpec* spec = find_spec(canonical);
+                const bool same =
+                    spec ? coerce(*spec, earlier, source) == coerce(*spec, value, source) : earlier == value;
+                if (!same)
+                    throw UsageError(str(source, ": option ", canonical, " is given twice, as \"",
+                                         first->second, "\" = ", earlier.dump(), " and as \"", key,
+                                         "\" = ", value.dump(), "; keep one of them"));
+                log::warn() << source << ": option " << canonical << " is given twice, as \"" << first->second
+                            << "\" and as \"" << key << "\", with the same value " << value.dump()
+                            << "; keep one of them";
+            }
+            set_value(key, value, source);
+        });
+    }
     problems.throw_if_any();
 }
 
@@ -522,6 +663,13 @@ void TrainConfig::validate() const {
         const double p = real("caption_dropout_probability");
         if (p < 0 || p > 1) throw UsageError(str("caption_dropout_probability = ", p, " must be in [0, 1]"));
     });
+    // Single values are range-checked as they are set (kRanges); what is left needs two keys.
+    problems.run([&] {
+        const std::string problem = resolution_range_problem(real("resolution"), text("resolution_type"));
+        if (!problem.empty())
+            throw UsageError(str("option resolution = ", raw("resolution").dump(), " ", problem,
+                                 " (config.json's dataset fallback, used by every dataset that sets none)"));
+    });
     problems.throw_if_any();
 }
 
@@ -539,12 +687,8 @@ TrainConfig TrainConfig::load(const std::filesystem::path& config_file,
             config.load_stages(parsed, config_file.string(), overrides);
             return config;
         }
-        const std::string text = fs::read_file(config_file);
-        json parsed = json::parse(text, nullptr, false);
-        if (parsed.is_discarded())
-            throw UsageError(
-                str(config_file.string(), ": not valid JSON; check for trailing commas or comments"));
-        config.load_stages(parsed, config_file.string(), overrides);
+        config.load_stages(parse_config_json(fs::read_file(config_file), config_file.string()),
+                           config_file.string(), overrides);
         return config;
     }
     config.load_stages(json::object(), "", overrides);

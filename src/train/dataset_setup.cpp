@@ -171,6 +171,18 @@ std::shared_ptr<data::TextEmbedCache> text_cache_for(const data::DatasetConfig& 
     return std::make_shared<data::TextEmbedCache>(ts);
 }
 
+// The buckets training draws its latents from. A bucket plan_dataset pruned (fewer images than
+// one batch) is never served, so its images are not encoded: a lone 20000x10 image cost 50 s
+// of VAE time at 128000x64 for nothing. crop_aspect random draws its buckets again every epoch,
+// so it keeps them all.
+std::map<std::string, std::vector<std::string>> served_buckets(const LoadedDataset& d) {
+    if (data::rebuckets_per_epoch(d.config)) return d.buckets;
+    std::map<std::string, std::vector<std::string>> out;
+    for (const auto& [key, paths] : d.buckets)
+        if (d.global.count(key)) out.emplace(key, paths);
+    return out;
+}
+
 bool latents_in_bucket(const LoadedDataset& d) {
     return d.latent_cache && d.latent_cache->storage().remote();
 }
@@ -257,7 +269,8 @@ void build_latent_caches(std::vector<LoadedDataset>& datasets, const data::DataB
         d.latent_cache = std::make_unique<data::LatentCache>(
             data::latent_cache_placement(d.config, all, o.global, enc.vae_identity));
         if (d.config.vae_cache_ondemand) continue;
-        const auto requests = data::prebuild_requests(d.config, d.buckets, d.plans, o.seed, d.pins, o.math);
+        const auto requests =
+            data::prebuild_requests(d.config, served_buckets(d), d.plans, o.seed, d.pins, o.math);
         data::CacheBuildOptions opt;
         opt.world_size = o.world_size;
         opt.rank = o.rank;
@@ -277,7 +290,7 @@ bool latents_complete(const std::vector<LoadedDataset>& datasets, const DatasetS
         if (!d.latent_cache || d.config.vae_cache_ondemand || d.rebucket) return false;
         std::vector<std::string> entries;
         for (const auto& [key, requests] :
-             data::prebuild_requests(d.config, d.buckets, d.plans, o.seed, d.pins, o.math))
+             data::prebuild_requests(d.config, served_buckets(d), d.plans, o.seed, d.pins, o.math))
             for (const auto& r : requests) entries.push_back(d.latent_cache->entry_path(r).string());
         if (!all_present(d.latent_cache->storage(), d.latent_cache->settings().cache_dir, entries))
             return false;

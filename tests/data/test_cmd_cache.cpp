@@ -131,7 +131,7 @@ TEST_F(CmdCache, BuildsReusesAndRepairsTheCaches) {
     EXPECT_EQ(latents["rebuilt_corrupt"], 2);
     EXPECT_EQ(latents["reused"], 9);
 
-    write_config(48);
+    write_config(128);
     std::tie(latents, text) = run();
     EXPECT_EQ(latents["rebuilt_stale"], 12);
     EXPECT_EQ(text["reused"], 14);

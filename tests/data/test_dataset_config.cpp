@@ -3,7 +3,9 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/fs.h"
 #include "data/dataset_config.h"
+#include "support/test_support.h"
 
 namespace dtune::data {
 namespace {
@@ -122,6 +124,48 @@ TEST(DatasetConfig, WrongTypesNameIdAndKey) {
     EXPECT_NE(e.find("random, center, centre, corner"), std::string::npos) << e;
     e = usage_error(minimal({{"train_batch_size", 0}}));
     EXPECT_NE(e.find("'train_batch_size'"), std::string::npos) << e;
+}
+
+// A dataset's resolution outside its resolution_type's range is refused naming the dataset, the key,
+// the value and the range. Before: 1e9 gave a C++ backtrace from the bucket maths, 7 an error that
+// blamed the first image.
+TEST(DatasetConfig, ResolutionOutsideItsTypesRangeNamesDatasetKeyAndRange) {
+    std::string e = usage_error(minimal({{"resolution", 1e9}}));
+    EXPECT_NE(e.find("dataset 'pics', key 'resolution': 1000000000.0 is outside the range "
+                     "resolution_type=pixel_area allows: 64 to 8192 pixels"),
+              std::string::npos)
+        << e;
+    e = usage_error(minimal({{"resolution", 7}, {"resolution_type", "pixel"}}));
+    EXPECT_NE(e.find("dataset 'pics', key 'resolution': 7 is outside the range resolution_type=pixel allows"),
+              std::string::npos)
+        << e;
+    e = usage_error(minimal({{"resolution", 0}, {"resolution_type", "area"}}));
+    EXPECT_NE(e.find("resolution_type=area allows: 0.004096 to 67.108864 megapixels"), std::string::npos)
+        << e;
+    // A value inherited from config.json is named as the dataset's value too.
+    GlobalDataArgs args;
+    args.resolution = 7;
+    e = usage_error(minimal(), args);
+    EXPECT_NE(e.find("dataset 'pics', key 'resolution': 7 is outside"), std::string::npos) << e;
+    EXPECT_EQ(usage_error(minimal({{"resolution", 7}, {"resolution_type", "area"}})), "");
+    EXPECT_EQ(usage_error(minimal({{"resolution", 64}, {"resolution_type", "pixel"}})), "");
+}
+
+// A syntax error in multidatabackend.json is a configuration error (exit 2) naming the file, line
+// and column, as for config.json. Before: DataError (exit 3) with a byte offset.
+TEST(DatasetConfig, MalformedJsonIsAUsageErrorNamingLineAndColumn) {
+    test::TempDir dir;
+    const auto path = dir / "multidatabackend.json";
+    fs::write_file_atomic(path, "[\n  {\"id\": \"pics\", \"instance_data_dir\": \"/data\"},\n]\n");
+    try {
+        load_data_backend_config(path, {});
+        FAIL() << "a malformed multidatabackend.json loaded";
+    } catch (const UsageError& e) {
+        // The trailing comma leaves "]" (line 3, column 1) where an entry should be.
+        EXPECT_EQ(std::string(e.what()).rfind(path.string() + ":3:1: not valid JSON (", 0), 0u) << e.what();
+    } catch (const std::exception& e) {
+        FAIL() << "not a UsageError: " << e.what();
+    }
 }
 
 TEST(DatasetConfig, ContradictionsAreErrors) {

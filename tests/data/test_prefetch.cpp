@@ -3,14 +3,18 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <thread>
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/log.h"
 #include "data/listing_cache.h"
 #include "data/prefetch.h"
+#include "data/storage.h"
 #include "support/test_support.h"
 
 namespace dtune::data {
@@ -132,6 +136,46 @@ TEST(LocalStorage, SymlinkLoopsAndRepeatedFolderLinksListEachImageOnce) {
     const auto via = std::filesystem::path(listed[1]).parent_path().filename().string();
     EXPECT_TRUE(via == "linked" || via == "linked_again") << listed[1];  // whichever link comes first
     EXPECT_EQ(std::filesystem::path(listed[2]).filename(), "b.png");
+}
+
+// A folder the user cannot list (`lost+found`, a chmod 000 folder) is left out with one warning
+// naming it, however often the dataset is listed; the readable images around it are all listed.
+// Run as an unprivileged user: root lists a chmod 000 folder regardless.
+TEST(LocalStorage, UnreadableFolderIsSkippedWithOneWarningNamingIt) {
+    test::TempDir dir;
+    std::filesystem::permissions(dir.path(), std::filesystem::perms(0755));
+    const auto images = dir / "images";
+    const auto locked = images / "lost+found";
+    std::filesystem::create_directories(images / "sub");
+    std::filesystem::create_directories(locked);
+    fs::write_file_atomic(images / "a.png", "x");
+    fs::write_file_atomic(images / "sub" / "b.png", "x");
+    fs::write_file_atomic(locked / "c.png", "x");
+    std::filesystem::permissions(locked, std::filesystem::perms::none);
+    const auto log_file = dir / "child.log";  // written by the unprivileged child
+    fs::write_file_atomic(log_file, "");
+    std::filesystem::permissions(log_file, std::filesystem::perms(0666));
+    const test::ChildRun child = test::run_unprivileged([&] {
+        if (::access(locked.c_str(), R_OK) == 0) return 3;  // the folder must really be unreadable here
+        log::set_stderr(false);
+        log::set_file(log_file);
+        std::vector<std::string> listed;
+        for (int i = 0; i < 2; ++i) listed = LocalStorage().list_files(images.string(), {".png"});
+        log::set_file({});
+        if (listed.size() != 2) return 4;
+        if (std::filesystem::path(listed[0]).filename() != "a.png") return 5;
+        return 0;
+    });
+    std::filesystem::permissions(locked, std::filesystem::perms(0755));
+    if (!child.skip_reason.empty()) GTEST_SKIP() << child.skip_reason;
+    ASSERT_NE(child.exit_code, 3) << "the test could not make " << locked << " unreadable";
+    // Before: 0 with no warning (skip_permission_denied left the folder out silently).
+    ASSERT_EQ(child.exit_code, 0) << "see the child's stderr above";
+    const std::string log = fs::read_file(log_file);
+    const std::string warning = "not listing " + locked.string() + " under " + images.string();
+    const auto first = log.find(warning);
+    EXPECT_NE(first, std::string::npos) << log;
+    EXPECT_EQ(log.find(warning, first + 1), std::string::npos) << "warned more than once:\n" << log;
 }
 
 }  // namespace

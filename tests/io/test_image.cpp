@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cmath>
+#include <functional>
 #include <random>
 
 #include "core/error.h"
@@ -82,6 +83,46 @@ TEST(Image, TooManyPixelsAreRefusedBeforeDecoding) {
               std::string::npos);
     EXPECT_NE(with_limit("lots").find("usage: DTUNE_MAX_IMAGE_PIXELS='lots' is not a pixel count"),
               std::string::npos);
+}
+
+// The limit also holds for the size the bucket resizes an image to. A 100000x2 PNG (a few hundred
+// bytes; 200,000 pixels pass the header check) lands in a bucket with a 64-pixel short side, so
+// it is resized to 3200000x64: 204,800,000 pixels, 2.4 GB as floats. It is refused by name before
+// the file is decoded, on the local and the in-memory (S3) path alike.
+TEST(Image, ResizeAboveThePixelLimitIsRefusedBeforeDecoding) {
+    test::TempDir dir;
+    const int w = 100000, h = 2;
+    const std::string png =
+        test::png_bytes(w, h, PNG_COLOR_TYPE_GRAY, 8, std::vector<uint16_t>(size_t(w) * h, 0));
+    EXPECT_LT(png.size(), 2000u);
+    test::write_bytes(dir / "strip.png", png);
+    PrepareSpec spec;
+    spec.resize_height = 64;
+    spec.resize_width = w / h * spec.resize_height;
+    spec.crop_width = spec.crop_height = 64;
+    const std::string expected =
+        str("strip.png: its bucket resizes it to ", spec.resize_width, "x", spec.resize_height, " = ",
+            int64_t(spec.resize_width) * spec.resize_height, " pixels, above the limit of ",
+            kDefaultMaxImagePixels);
+    const auto message = [&](const std::function<void()>& prepare) {
+        try {
+            prepare();
+        } catch (const DataError& e) {
+            return std::string(e.what());
+        }
+        return std::string("<prepared>");
+    };
+    // Before: both returned the 64x64 crop after a 614 MB resize.
+    EXPECT_NE(message([&] { prepare_image(dir / "strip.png", spec); }).find(expected), std::string::npos)
+        << message([&] { prepare_image(dir / "strip.png", spec); });
+    EXPECT_NE(message([&] { prepare_image_bytes(png, "s3://b/strip.png", spec); }).find(expected),
+              std::string::npos);
+    // Within the limit the same strip is prepared.
+    spec.resize_width = w;
+    spec.resize_height = h;
+    spec.crop_width = 64;
+    spec.crop_height = 2;
+    EXPECT_EQ(prepare_image(dir / "strip.png", spec).width, 64);
 }
 
 TEST(Image, JpegRoundTripIsClose) {

@@ -4,6 +4,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <cstdio>
 #include <fstream>
 #include <set>
 
@@ -181,6 +184,68 @@ TEST(Report, DatasetSummaryLeavesOutDisabledEntries) {
     EXPECT_TRUE(summary.contains("text")) << summary.dump();
     EXPECT_FALSE(summary.contains("old")) << summary.dump();
     EXPECT_FALSE(summary.contains("older")) << summary.dump();
+}
+
+// An instance_data_dir with a subfolder the user cannot list (lost+found, chmod 000): the report's
+// image count leaves it out like discovery does. Before: the walk threw "Permission denied" and,
+// from the first checkpoint's report, ended the run. Run as an unprivileged user (root lists
+// anything).
+TEST(Report, DatasetSummaryCountsAroundAnUnreadableFolder) {
+    test::TempDir dir;
+    std::filesystem::permissions(dir.path(), std::filesystem::perms(0755));
+    const auto pics = dir / "pics", locked = dir / "pics" / "lost+found";
+    std::filesystem::create_directories(locked);
+    for (const char* name : {"a.png", "b.jpg"}) fs::write_file_atomic(pics / name, "x");
+    fs::write_file_atomic(locked / "c.png", "x");
+    std::filesystem::permissions(locked, std::filesystem::perms::none);
+    const nlohmann::json backends =
+        nlohmann::json::array({{{"id", "pics"}, {"instance_data_dir", pics.string()}},
+                               {{"id", "text"},
+                                {"dataset_type", "text_embeds"},
+                                {"default", true},
+                                {"cache_dir", (dir / "t").string()}}});
+    fs::write_file_atomic(dir / "mdb.json", backends.dump());
+    const auto c = config(dir / "out", {{"data_backend_config", (dir / "mdb.json").string()}});
+    const test::ChildRun child = test::run_unprivileged([&] {
+        if (::access(locked.c_str(), R_OK) == 0) return 3;  // the folder must really be unreadable here
+        const auto summary = dataset_summary(c);
+        std::fprintf(stderr, "summary: %s\n", summary.dump().c_str());
+        const std::string line = summary.value("pics", "");
+        return line.find(", 2 images") != std::string::npos ? 0 : 4;
+    });
+    std::filesystem::permissions(locked, std::filesystem::perms(0755));
+    if (!child.skip_reason.empty()) GTEST_SKIP() << child.skip_reason;
+    ASSERT_NE(child.exit_code, 3) << "the test could not make " << locked << " unreadable";
+    // Before: 125, the child threw a filesystem_error (Permission denied).
+    EXPECT_EQ(child.exit_code, 0) << "see the child's stderr above";
+}
+
+// Writing report.html only describes the run: when it fails (here report.html is a folder, which
+// stops the atomic rename even for root) training goes on to the end, with a warning.
+TEST(Report, AReportThatCannotBeWrittenDoesNotStopTraining) {
+    test::TempDir dir;
+    std::filesystem::create_directories(dir / "report.html" / "in the way");
+    auto trainer = make_trainer(config(dir.path()));
+    trainer->add_callback(std::make_shared<ReportCallback>());
+    train::TrainResult result;
+    // Before: the first checkpoint's report threw "cannot rename ... report.html" out of run().
+    ASSERT_NO_THROW(result = trainer->run());
+    EXPECT_EQ(result.outcome, train::TrainOutcome::kCompleted);
+    EXPECT_EQ(result.global_step, trainer->total_steps());
+    EXPECT_TRUE(std::filesystem::exists(dir / "checkpoint-2"));
+}
+
+// Likewise TensorBoard's event file: when it cannot be written (output_dir/logs is a file here)
+// TensorBoard logging stops with a warning and the run completes.
+TEST(Report, TensorBoardThatCannotBeWrittenDoesNotStopTraining) {
+    test::TempDir dir;
+    fs::write_file_atomic(dir / "logs", "a file where the logs folder goes");
+    auto trainer = make_trainer(config(dir.path(), {{"report_to", "tensorboard"}}));
+    trainer->add_callback(std::make_shared<TensorBoardCallback>());
+    train::TrainResult result;
+    // Before: "cannot create directories ... logs/dtune" out of run(), before the first step.
+    ASSERT_NO_THROW(result = trainer->run());
+    EXPECT_EQ(result.global_step, trainer->total_steps());
 }
 
 TEST(EvalLoss, TrailingTimestepsMatchDiffusers) {

@@ -1,11 +1,17 @@
 // Test helpers implementation.
 #include "support/test_support.h"
 
+#include <grp.h>
 #include <gtest/gtest.h>
+#include <pwd.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 
 namespace dtune::test {
@@ -31,6 +37,43 @@ TempDir::TempDir() {
 TempDir::~TempDir() {
     std::error_code ec;
     std::filesystem::remove_all(path_, ec);
+}
+
+ChildRun run_unprivileged(const std::function<int()>& body) {
+    uid_t uid = ::getuid();
+    gid_t gid = ::getgid();
+    if (::geteuid() == 0) {
+        const struct passwd* nobody = ::getpwnam("nobody");
+        if (nobody == nullptr) return {-1, "running as root and there is no user 'nobody' to drop to"};
+        uid = nobody->pw_uid;
+        gid = nobody->pw_gid;
+    }
+    std::fflush(stdout);
+    std::fflush(stderr);
+    const pid_t pid = ::fork();
+    if (pid < 0) return {-1, std::string("fork failed: ") + std::strerror(errno)};
+    if (pid == 0) {
+        if (::geteuid() == 0 && (::setgroups(0, nullptr) != 0 || ::setgid(gid) != 0 || ::setuid(uid) != 0)) {
+            std::fprintf(stderr, "dropping root failed: %s\n", std::strerror(errno));
+            ::_exit(126);
+        }
+        if (::geteuid() == 0) ::_exit(126);
+        int code = 125;
+        try {
+            code = body();
+        } catch (const std::exception& e) {
+            std::fprintf(stderr, "the unprivileged child threw: %s\n", e.what());
+        }
+        std::fflush(stdout);
+        std::fflush(stderr);
+        ::_exit(code);
+    }
+    int status = 0;
+    while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+    }
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 126)
+        return {-1, "could not drop root privileges to user 'nobody' in the child"};
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), ""};
 }
 
 void write_bytes(const std::filesystem::path& path, const std::string& bytes) {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <filesystem>
+#include <functional>
 #include <string>
 
 namespace dtune::test {
@@ -23,6 +24,17 @@ class TempDir {
   private:
     std::filesystem::path path_;
 };
+
+// Runs `body` in a forked child as an unprivileged user, so permission bits deny access as they
+// do for a real user (root reads a chmod 000 folder regardless). As root the child first drops to
+// `nobody`; otherwise it keeps the current user. `exit_code` is what body returned (125 when it
+// threw); `skip_reason` is set instead when no unprivileged child could be made. The child ends
+// with _exit: gtest assertions there are lost, so body reports through its return value and stderr.
+struct ChildRun {
+    int exit_code = -1;
+    std::string skip_reason;
+};
+ChildRun run_unprivileged(const std::function<int()>& body);
 
 // Writes bytes to a file (not atomically: tests use this to build malformed inputs).
 void write_bytes(const std::filesystem::path& path, const std::string& bytes);

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/log.h"
 #include "support/test_support.h"
 #include "train/config.h"
 #include "train/simpletuner_options.h"
@@ -222,7 +223,7 @@ TEST(TrainConfig, EveryProblemIsReportedInOneRunModelFamilyFirst) {
     for (const char* part :
          {"unknown option \"learning_rat\"", "train_batch_size = \"four\" is not an integer",
           "vae_enable_tiling = true is not implemented", "lr_scheduler = \"warp\"",
-          "gradient_accumulation_steps = 0 must be at least 1", "option seed = \"x\"",
+          "gradient_accumulation_steps = 0", "option seed = \"x\"",
           "option lora_rank = \"abc\""})
         EXPECT_NE(m.find(part), std::string::npos) << part << "\n" << m;
     // One problem keeps its plain message.
@@ -353,6 +354,120 @@ TEST(TrainConfig, BadValuesNameTheKey) {
               std::string::npos);
     EXPECT_NO_THROW(
         load_text(dir, R"({"model_family": "sdxl", "max_train_steps": 10, "num_train_epochs": 0})"));
+}
+
+// Integer and float options are checked against their range when they are read, wherever they
+// come from. Before: 99999999999999999999 steps became a negative count, seed -5 wrapped around to
+// a huge unsigned seed, and a negative learning rate trained.
+TEST(TrainConfig, OutOfRangeNumbersNameTheKeyAndTheAllowedRange) {
+    test::TempDir dir;
+    const std::string base = R"({"model_family": "sdxl"})";
+    const auto with = [&](std::vector<std::string> overrides) {
+        return usage_message([&] { load_text(dir, base, overrides); });
+    };
+    std::string m = with({"--max_train_steps", "99999999999999999999"});
+    EXPECT_NE(m.find("option max_train_steps = 1e+20 is out of range; allowed: at least 0"),
+              std::string::npos)
+        << m;
+    m = with({"--max_train_steps", "9223372036854775808"});  // 2**63, parsed as an unsigned integer
+    EXPECT_NE(m.find("option max_train_steps = 9223372036854775808 is out of range"), std::string::npos) << m;
+    m = with({"--seed", "-5"});
+    EXPECT_NE(m.find("option seed = -5 is out of range; allowed: -1 to 4294967295"), std::string::npos) << m;
+    m = with({"--seed", "4294967296"});
+    EXPECT_NE(m.find("option seed = 4294967296 is out of range"), std::string::npos) << m;
+    m = usage_message([&] { load_text(dir, R"({"model_family": "sdxl", "learning_rate": -1})"); });
+    EXPECT_NE(m.find("option learning_rate = -1.0 is out of range; allowed: greater than 0"),
+              std::string::npos)
+        << m;
+    m = with({"--adam_beta2", "1"});
+    EXPECT_NE(m.find("option adam_beta2 = 1.0 is out of range; allowed: [0, 1)"), std::string::npos) << m;
+    m = with({"--lr_warmup_steps", "-1"});
+    EXPECT_NE(m.find("option lr_warmup_steps = -1 is out of range; allowed: at least 0"), std::string::npos)
+        << m;
+    m = with({"--lora_rank", "0"});
+    EXPECT_NE(m.find("option lora_rank = 0 is out of range; allowed: at least 1"), std::string::npos) << m;
+    m = with({"--zero_stage", "3"});
+    EXPECT_NE(m.find("option zero_stage = 3 is out of range; allowed: 0 to 2"), std::string::npos) << m;
+    // The edges of a range, and null (SimpleTuner's None), are accepted.
+    for (const auto& ok :
+         std::vector<std::vector<std::string>>{{"--seed", "-1"},
+                                               {"--seed", "4294967295"},
+                                               {"--seed", "None"},
+                                               {"--max_train_steps", "0", "--num_train_epochs", "1"},
+                                               {"--learning_rate", "1e-6"},
+                                               {"--caption_dropout_probability", "1"},
+                                               {"--validation_seed", "0"}})
+        EXPECT_NO_THROW(load_text(dir, base, ok)) << ok[0] << " " << ok[1];
+    // The file is checked as the command line is, and a config.toml too.
+    m = usage_message([&] { load_text(dir, R"({"model_family": "sdxl", "--train_batch_size": -2})"); });
+    EXPECT_NE(m.find("config.json: option train_batch_size = -2 is out of range"), std::string::npos) << m;
+}
+
+// The global `resolution` fallback is checked against its resolution_type's range when the config
+// is read. Before: 1e9 ended in a C++ backtrace deep in bucketing, and 7 in an error blaming the
+// first image.
+TEST(TrainConfig, ResolutionOutsideItsTypesRangeIsRefused) {
+    test::TempDir dir;
+    const auto message = [&](const std::string& resolution, const std::string& type) {
+        return usage_message([&] {
+            load_text(dir, R"({"model_family": "sdxl"})",
+                      {"--resolution", resolution, "--resolution_type", type});
+        });
+    };
+    std::string m = message("1e9", "pixel_area");
+    EXPECT_NE(
+        m.find("option resolution = 1000000000.0 is outside the range resolution_type=pixel_area allows: "
+               "64 to 8192 pixels"),
+        std::string::npos)
+        << m;
+    m = message("7", "pixel");
+    EXPECT_NE(m.find("option resolution = 7.0 is outside the range resolution_type=pixel allows: 64 to 8192"),
+              std::string::npos)
+        << m;
+    m = message("100", "area");
+    EXPECT_NE(m.find("resolution_type=area allows: 0.004096 to 67.108864 megapixels"), std::string::npos)
+        << m;
+    EXPECT_EQ(message("7", "area"), "<no UsageError>");  // 7 megapixels
+    EXPECT_EQ(message("1024", "pixel_area"), "<no UsageError>");
+    EXPECT_EQ(message("64", "pixel"), "<no UsageError>");
+}
+
+// A syntax error in config.json names the file, line and column (exit 2 like every configuration
+// problem). Before: "not valid JSON; check for trailing commas or comments", no position.
+TEST(TrainConfig, MalformedJsonNamesTheLineAndColumn) {
+    test::TempDir dir;
+    const std::string m = usage_message(
+        [&] { load_text(dir, "{\n  \"model_family\": \"sdxl\",\n  \"learning_rate\": 1e-4,\n}\n"); });
+    EXPECT_EQ(m.rfind((dir / "config.json").string() + ":4:1: not valid JSON (", 0), 0u) << m;
+}
+
+// The same option written twice in one file ("learning_rate" and "--learning_rate", or an alias
+// and its name): two values are refused naming both spellings; one value twice is a warning.
+// Before: whichever spelling sorted last silently won.
+TEST(TrainConfig, AKeyGivenTwiceWithDifferentSpellingsIsRefused) {
+    test::TempDir dir;
+    std::string m = usage_message([&] {
+        load_text(dir, R"({"model_family": "sdxl", "learning_rate": 1e-4, "--learning_rate": 2e-4})");
+    });
+    EXPECT_NE(m.find("option learning_rate is given twice, as \"--learning_rate\" = 0.0002 and as "
+                     "\"learning_rate\" = 0.0001; keep one of them"),
+              std::string::npos)
+        << m;
+    m = usage_message([&] {
+        load_text(dir,
+                  R"({"model_family": "sdxl", "checkpointing_steps": 10, "checkpoint_step_interval": 20})");
+    });
+    EXPECT_NE(m.find("option checkpoint_step_interval is given twice"), std::string::npos) << m;
+    const auto log_file = dir / "log.txt";
+    log::set_file(log_file);
+    TrainConfig c;
+    EXPECT_NO_THROW(c = load_text(dir, R"({"model_family": "sdxl", "seed": 3, "--seed": "3"})"));
+    log::set_file({});
+    EXPECT_EQ(c.integer("seed"), 3);
+    EXPECT_NE(fs::read_file(log_file).find("option seed is given twice, as \"--seed\" and as \"seed\", with "
+                                           "the same value"),
+              std::string::npos)
+        << fs::read_file(log_file);
 }
 
 TEST(TrainConfig, TomlReadsLikeTheSameJson) {

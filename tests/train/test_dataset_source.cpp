@@ -66,6 +66,20 @@ TEST(DatasetSource, BucketsOfSeveralShapesAndCachesReusedOnTheSecondRun) {
     EXPECT_EQ(c2->vae_calls, 0);
 }
 
+// A bucket with fewer images than one batch is pruned and never served, so its images are never
+// encoded. Before: a lone 20000x10 image (a 2000:1 bucket of its own) was resized to 128000x64 and
+// sent through the VAE. The VAE is still released after caching (every served latent is on disk).
+TEST(DatasetSource, PrunedBucketIsNeverEncoded) {
+    Workspace s(4, 0);  // four 256x128 images: one bucket, two batches of 2
+    write_png(s.dir / "images" / "strip.png", 20000, 10, 1);
+    auto c = std::make_shared<Counters>();
+    DatasetBatchSource src(s.options(), fake_encoders(c));
+    EXPECT_EQ(src.batches_per_epoch(), 2);
+    EXPECT_EQ(c->vae_images, 4);
+    EXPECT_EQ(count_files(s.dir / "vae"), 4);
+    EXPECT_TRUE(src.vae_released());
+}
+
 TEST(DatasetSource, CorruptedLatentEntryIsRebuiltWithAWarningNamingIt) {
     Workspace s;
     { DatasetBatchSource src(s.options(), fake_encoders(std::make_shared<Counters>())); }

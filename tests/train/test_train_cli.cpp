@@ -296,6 +296,40 @@ std::string train_output(const std::string& command) {
     return std::to_string(r.exit_code) + ": " + r.output;
 }
 
+// Configuration mistakes found by an adversarial run (issue #20): each exits 2 with a message
+// naming the file or key, the value and what is allowed, before any training.
+TEST(TrainCli, ConfigurationMistakesExitWith2NamingTheKey) {
+    Workspace w;
+    const auto run = [&](const std::string& extra) {
+        return train_output(std::string(DTUNE_BIN) + " train --config '" + w.config.string() +
+                            "' --output_dir '" + (w.dir / "out").string() + "' --max_train_steps 1 " + extra +
+                            " 2>&1");
+    };
+    // Before: printed as a negative step count.
+    std::string out = run("--max_train_steps 99999999999999999999");
+    EXPECT_EQ(out.rfind("2: ", 0), 0u) << out;
+    EXPECT_NE(out.find("option max_train_steps = 1e+20 is out of range"), std::string::npos) << out;
+    // Before: accepted, and trained with a negative learning rate.
+    out = run("--learning_rate -1");
+    EXPECT_EQ(out.rfind("2: ", 0), 0u) << out;
+    EXPECT_NE(out.find("option learning_rate = -1.0 is out of range; allowed: greater than 0"),
+              std::string::npos)
+        << out;
+    // Before: a C++ backtrace from the bucket maths.
+    out = run("--resolution 1e9");
+    EXPECT_EQ(out.rfind("2: ", 0), 0u) << out;
+    EXPECT_NE(out.find("option resolution = 1000000000.0 is outside the range resolution_type=pixel_area"),
+              std::string::npos)
+        << out;
+    // Before: exit 3 (a data error) for a syntax error in multidatabackend.json, 2 in config.json.
+    fs::write_file_atomic(w.dir / "multidatabackend.json", "[\n  {\"id\": \"tiny\"},\n]\n");
+    out = run("");
+    EXPECT_EQ(out.rfind("2: ", 0), 0u) << out;
+    EXPECT_NE(out.find((w.dir / "multidatabackend.json").string() + ":3:1: not valid JSON"),
+              std::string::npos)
+        << out;
+}
+
 TEST(TrainCli, EmptyImageFolderExitsWith3NamingTheFolder) {
     Workspace w;
     for (const auto& f : std::filesystem::directory_iterator(w.dir / "images"))
