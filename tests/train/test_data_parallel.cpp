@@ -84,8 +84,10 @@ TEST(DataParallelConfig, ZeroStageFromConfigOrLauncher) {
     EXPECT_THROW(resolve_zero_stage(c), UsageError);
     c.set("zero_stage", "0", "test");  // the config wins over the launcher's variable
     EXPECT_EQ(resolve_zero_stage(c), 0);
-    c.set("zero_stage", "3", "test");
-    EXPECT_THROW(resolve_zero_stage(c), UsageError);
+    EXPECT_THROW(c.set("zero_stage", "3", "test"), UsageError);  // refused as the config is read
+    ::setenv("DTUNE_ZERO_STAGE", "3", 1);
+    c.set("zero_stage", "null", "test");
+    EXPECT_THROW(resolve_zero_stage(c), UsageError);  // and from the launcher's variable
     ::unsetenv("DTUNE_ZERO_STAGE");
 }
 
