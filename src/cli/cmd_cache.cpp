@@ -107,11 +107,9 @@ Requests collect_requests(const data::DatasetConfig& d, const data::GlobalDataAr
     const data::RedrawCandidates buckets =
         data::redraw_candidates(data::build_dataset_buckets(d, bo, pool).index, d);
     auto storage = data::make_storage(d);
-    std::optional<data::MetadataTable> table;
-    if (d.caption_strategy == data::CaptionStrategy::kParquet && d.parquet)
-        // As `dtune train`: rows without a caption skip their image (warned below) instead of
-        // failing the whole table.
-        table = data::MetadataTable::load(*storage, *d.parquet, false);
+    // As `dtune train`: rows without a caption skip their image (warned below) instead of failing
+    // the whole table.
+    const std::optional<data::MetadataTable> table = data::caption_table_for(d, *storage);
     Requests out;
     // The entries training prebuilds (flip variants, crop_aspect random's epoch-0 sizes).
     out.latents = data::prebuild_requests(d, buckets.buckets, buckets.plans, seed,

@@ -14,6 +14,7 @@
 #include "core/progress.h"
 #include "core/thread_pool.h"
 #include "data/captions.h"
+#include "data/csv_dataset.h"
 #include "data/prefetch.h"
 #include "data/sample_variants.h"
 #include "data/storage.h"
@@ -222,7 +223,8 @@ HeaderScan sizes_of(const std::vector<std::string>& fresh, const StorageBackend&
 int64_t BucketIndex::refresh(StorageBackend& storage, const DatasetConfig& config,
                              const BucketSettings& settings, ThreadPool& pool, AspectResolutionMap* map,
                              uint64_t seed, bool show_progress) {
-    const std::vector<std::string> files = storage.list_files(config.instance_data_dir, kImageExtensions);
+    std::vector<std::string> files = storage.list_files(config.instance_data_dir, kImageExtensions);
+    if (config.type == StorageType::kCsv) files = csv_rows_only(config, files);  // not stray files
     // SimpleTuner stops here too ("No images were discovered by the bucket manager"); without this
     // the run stopped later with advice about batch sizes that does not fit an empty folder.
     if (files.empty())

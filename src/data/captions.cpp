@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/utf8.h"
+#include "data/csv_dataset.h"
 #include "data/storage.h"
 #include "io/parquet.h"
 
@@ -24,6 +25,13 @@ std::string trim(const std::string& s) {
     const auto b = s.find_first_not_of(" \t\r\n");
     if (b == std::string::npos) return {};
     return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
+}
+
+// Where a table strategy's captions come from, for messages.
+std::string table_name(const DatasetConfig& c) {
+    if (c.caption_strategy == CaptionStrategy::kCsv && c.csv)
+        return c.csv->file + " (column '" + c.csv->caption_column + "')";
+    return c.parquet ? c.parquet->path : std::string("the table");
 }
 
 // A caption cell: a string, or a list of strings (multi-caption); anything else yields nothing.
@@ -164,12 +172,12 @@ std::vector<std::string> resolve_captions(const DatasetConfig& c, const StorageB
             break;
         }
         case CaptionStrategy::kInstancePrompt: captions.push_back(c.instance_prompt); break;
-        case CaptionStrategy::kParquet: {
-            DTUNE_CHECK_AS(UsageError, table != nullptr, "dataset '", c.id,
-                           "': caption_strategy parquet needs the metadata table");
+        case CaptionStrategy::kParquet:
+        case CaptionStrategy::kCsv: {
+            DTUNE_CHECK_AS(UsageError, table != nullptr, "dataset '", c.id, "': caption_strategy ",
+                           to_string(c.caption_strategy), " needs the caption table");
             const MetadataRow* row = table->find_for_path(image_path);
-            if (!row)
-                throw DataError(str(image_path, ": no row in ", c.parquet ? c.parquet->path : "the table"));
+            if (!row) throw DataError(str(image_path, ": no row in ", table_name(c)));
             captions = row->captions;
             break;
         }
@@ -188,8 +196,9 @@ std::vector<std::string> resolve_captions(const DatasetConfig& c, const StorageB
                 c.caption_strategy == CaptionStrategy::kTextfile
                     ? "caption file " + (p.parent_path() / (p.stem().string() + ".txt")).string()
                 : c.caption_strategy == CaptionStrategy::kFilename ? "file name"
-                : c.caption_strategy == CaptionStrategy::kParquet
-                    ? "caption in " + (c.parquet ? c.parquet->path : "the table")
+                : c.caption_strategy == CaptionStrategy::kParquet ||
+                        c.caption_strategy == CaptionStrategy::kCsv
+                    ? "caption in " + table_name(c)
                     : "instance_prompt";
             throw DataError(str(image_path, ": the ", source, " is not valid UTF-8 (byte ", *at,
                                 " of the caption); re-save it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"));
@@ -198,6 +207,14 @@ std::vector<std::string> resolve_captions(const DatasetConfig& c, const StorageB
         throw DataError(str(image_path, ": the caption is empty (strategy ", to_string(c.caption_strategy),
                             "); give it a caption or set instance_prompt"));
     return captions;
+}
+
+std::optional<MetadataTable> caption_table_for(const DatasetConfig& c, const StorageBackend& storage) {
+    if (c.caption_strategy == CaptionStrategy::kCsv) return csv_caption_table(c);
+    if (c.caption_strategy != CaptionStrategy::kParquet) return std::nullopt;
+    DTUNE_CHECK_AS(UsageError, c.parquet.has_value(), "dataset '", c.id,
+                   "': caption_strategy parquet needs a \"parquet\" block with the table's path");
+    return MetadataTable::load(storage, *c.parquet, false);
 }
 
 const std::string& pick_caption(const std::vector<std::string>& captions, std::mt19937_64& rng) {

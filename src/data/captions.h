@@ -51,6 +51,11 @@ class MetadataTable {
     std::map<std::string, MetadataRow> rows_;
 };
 
+// The table a dataset's caption strategy reads: the `parquet` block's file for parquet, the
+// csv_file for csv (data/csv_dataset.h); nullopt for the other strategies. Rows without a caption
+// are kept, so that only their samples are skipped (with a warning naming them).
+std::optional<MetadataTable> caption_table_for(const DatasetConfig& config, const StorageBackend& storage);
+
 // All candidate captions of one sample, prefixed/replaced by the instance prompt as configured.
 // `table` is required for the parquet strategy and ignored otherwise.
 std::vector<std::string> resolve_captions(const DatasetConfig& config, const StorageBackend& storage,

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "data/csv_dataset.h"
 #include "data/listing_cache.h"
 #include "data/sample_variants.h"
 #include "data/sampler.h"
@@ -58,6 +59,13 @@ DatasetBuckets build_dataset_buckets(const DatasetConfig& config, const BucketBu
                                      ThreadPool& pool) {
     DTUNE_CHECK_AS(UsageError, config.is_image_like(), "dataset '", config.id, "' is a ",
                    to_string(config.dataset_type), " entry; only image datasets have buckets");
+    // A csv dataset's images are fetched into csv_cache_dir by the process that scans them.
+    if (config.type == StorageType::kCsv && options.write_index) {
+        const CsvFetchReport r = fetch_csv_images(config);
+        log::info() << "dataset '" << config.id << "': " << r.rows << " image(s) listed in "
+                    << config.csv->file << ": " << r.fetched << " fetched, " << r.reused << " already in "
+                    << config.csv->cache_dir;
+    }
     std::shared_ptr<StorageBackend> storage = make_storage(config);
     // Every listing is recorded in output_dir; preserve_data_backend_cache reuses it.
     if (!options.output_dir.empty())

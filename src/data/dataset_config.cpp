@@ -167,7 +167,8 @@ const std::vector<std::pair<std::string, CaptionStrategy>> kCaptionStrategies = 
     {"filename", CaptionStrategy::kFilename},
     {"textfile", CaptionStrategy::kTextfile},
     {"instanceprompt", CaptionStrategy::kInstancePrompt},
-    {"parquet", CaptionStrategy::kParquet}};
+    {"parquet", CaptionStrategy::kParquet},
+    {"csv", CaptionStrategy::kCsv}};
 
 // Replaces {output_dir}, {model_family} and {id} in every string, recursively.
 json substitute_variables(const json& value, const std::map<std::string, std::string>& vars) {
@@ -313,6 +314,46 @@ void parse_resolution_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArg
     }
 }
 
+// SimpleTuner's CSV builder: csv_file, csv_cache_dir and csv_caption_column are required,
+// csv_url_column defaults to "url", and the captions come from the file (caption_strategy csv,
+// also when the entry leaves caption_strategy out). The cache folder is the dataset's image folder.
+void parse_csv_keys(EntryReader& r, DatasetConfig& c) {
+    const char* keys[] = {"csv_file", "csv_cache_dir", "csv_caption_column", "csv_url_column"};
+    if (c.type != StorageType::kCsv) {
+        for (const char* key : keys)
+            if (r.has(key)) r.fail(key, "only \"type\": \"csv\" datasets read it; remove it or set the type");
+        if (c.caption_strategy == CaptionStrategy::kCsv)
+            r.fail("caption_strategy", "'csv' needs \"type\": \"csv\" (captions come from its csv_file)");
+        return;
+    }
+    const bool strategy_written = r.has("caption_strategy");
+    if (!strategy_written) c.caption_strategy = CaptionStrategy::kCsv;
+    if (c.caption_strategy != CaptionStrategy::kCsv)
+        r.fail("caption_strategy",
+               str("must be 'csv' for a csv dataset (got '", to_string(c.caption_strategy),
+                   "'); the captions come from csv_caption_column"));
+    CsvSettings csv;
+    csv.file = r.get_string("csv_file", "");
+    csv.cache_dir = r.get_string("csv_cache_dir", "");
+    csv.caption_column = r.get_string("csv_caption_column", "");
+    csv.url_column = r.get_string("csv_url_column", "url");
+    if (csv.url_column.empty()) csv.url_column = "url";
+    for (const auto& [key, value] :
+         {std::pair{"csv_file", &csv.file}, std::pair{"csv_cache_dir", &csv.cache_dir},
+          std::pair{"csv_caption_column", &csv.caption_column}})
+        if (value->empty())
+            r.fail(key,
+                   std::string("required for a csv dataset: ") +
+                       (key == std::string("csv_file")        ? "the CSV listing the image URLs or paths"
+                        : key == std::string("csv_cache_dir") ? "the folder the images are downloaded into"
+                                                              : "the CSV column holding the captions"));
+    if (r.has("instance_data_dir") && c.instance_data_dir != csv.cache_dir)
+        r.fail("instance_data_dir",
+               "a csv dataset's images live in csv_cache_dir; remove instance_data_dir or set it equal");
+    c.instance_data_dir = csv.cache_dir;
+    c.csv = std::move(csv);
+}
+
 void parse_image_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArgs& args) {
     c.instance_data_dir = r.get_string("instance_data_dir", "");
     parse_resolution_keys(r, c, args);
@@ -347,6 +388,7 @@ void parse_image_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArgs& ar
                                      {"filesystem", MetadataBackendKind::kDiscovery},
                                      {"parquet", MetadataBackendKind::kParquet}});
     if (r.has("parquet")) c.parquet = parse_parquet(r, args);
+    parse_csv_keys(r, c);
     c.cache_dir_vae = r.get_string("cache_dir_vae", args.cache_dir_vae);
     if (c.cache_dir_vae.empty())
         c.cache_dir_vae =
@@ -373,11 +415,9 @@ void parse_image_keys(EntryReader& r, DatasetConfig& c, const GlobalDataArgs& ar
     c.max_workers = r.get_positive_int("max_workers", args.max_workers);
     c.metadata_update_interval =
         std::max(60, r.get_int("metadata_update_interval", args.metadata_update_interval));
-    for (const char* key : {"is_regularisation_data", "is_regularization_data"})
-        if (r.get_bool(key, false))
-            r.fail(key,
-                   "parent-teacher regularisation is not implemented by dtune yet, and training this dataset "
-                   "as ordinary data would change the result; remove the key or set it to false");
+    // Either spelling switches it on, as in SimpleTuner (each key falls back to the other).
+    const bool british = r.get_bool("is_regularisation_data", false);
+    c.is_regularisation_data = r.get_bool("is_regularization_data", false) || british;
     c.disable_validation = r.get_bool("disable_validation", false);
     c.cache_file_suffix = r.get_string("cache_file_suffix", c.id);
 }
@@ -444,6 +484,7 @@ const char* to_string(CaptionStrategy v) {
         case CaptionStrategy::kTextfile: return "textfile";
         case CaptionStrategy::kInstancePrompt: return "instanceprompt";
         case CaptionStrategy::kParquet: return "parquet";
+        case CaptionStrategy::kCsv: return "csv";
     }
     return "?";
 }
@@ -497,7 +538,8 @@ DatasetConfig parse_entry(const json& raw, size_t index, const GlobalDataArgs& a
     r.has("disabled");
     r.has("disable");
     c.type =
-        r.get_enum("type", StorageType::kLocal, {{"local", StorageType::kLocal}, {"aws", StorageType::kAws}});
+        r.get_enum("type", StorageType::kLocal,
+                   {{"local", StorageType::kLocal}, {"aws", StorageType::kAws}, {"csv", StorageType::kCsv}});
     c.dataset_type = r.get_enum("dataset_type", DatasetType::kImage,
                                 {{"image", DatasetType::kImage},
                                  {"conditioning", DatasetType::kConditioning},
@@ -611,6 +653,9 @@ namespace {
 void validate_entry(EntryReader& r, const DatasetConfig& c) {
     if (c.type == StorageType::kAws && !r.has("aws_bucket_name"))
         r.fail("aws_bucket_name", "required when \"type\" is \"aws\"");
+    if (c.type == StorageType::kCsv && !c.is_image_like())
+        r.fail("type", str("'csv' lists images to train on; a ", to_string(c.dataset_type),
+                           " entry stores a cache and takes \"local\" or \"aws\""));
     if (!c.is_image_like()) return;
     const bool area = c.resolution_type == ResolutionType::kArea;
     if (c.instance_data_dir.empty() && c.type == StorageType::kLocal)

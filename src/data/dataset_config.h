@@ -24,12 +24,12 @@
 
 namespace dtune::data {
 
-enum class StorageType { kLocal, kAws };
+enum class StorageType { kLocal, kAws, kCsv };
 enum class DatasetType { kImage, kConditioning, kEval, kTextEmbeds, kImageEmbeds };
 enum class ResolutionType { kPixel, kArea, kPixelArea };
 enum class CropStyle { kRandom, kCenter, kCorner };
 enum class CropAspect { kSquare, kPreserve, kClosest, kRandom };
-enum class CaptionStrategy { kFilename, kTextfile, kInstancePrompt, kParquet };
+enum class CaptionStrategy { kFilename, kTextfile, kInstancePrompt, kParquet, kCsv };
 enum class MetadataBackendKind { kDiscovery, kParquet };
 
 const char* to_string(DatasetType value);
@@ -91,6 +91,15 @@ struct GlobalDataArgs {
     int metadata_update_interval = 3600;
 };
 
+// `type: csv` (SimpleTuner's CSV backend): images listed by URL or local path in a CSV file,
+// fetched once into csv_cache_dir (data/csv_dataset.h), captions from a column of the same file.
+struct CsvSettings {
+    std::string file;                // csv_file
+    std::string cache_dir;           // csv_cache_dir (also the dataset's instance_data_dir)
+    std::string caption_column;      // csv_caption_column
+    std::string url_column = "url";  // csv_url_column
+};
+
 struct DatasetConfig {
     // Common keys.
     std::string id;
@@ -127,6 +136,7 @@ struct DatasetConfig {
     double caption_dropout_probability = 0.1;
     MetadataBackendKind metadata_backend = MetadataBackendKind::kDiscovery;
     std::optional<ParquetSettings> parquet;
+    std::optional<CsvSettings> csv;  // type csv only
     std::string cache_dir_vae;
     std::string image_embeds;  // id of an image_embeds entry; empty: this dataset's storage
     std::string text_embeds;   // id of a text_embeds entry; filled with the default one
@@ -149,6 +159,8 @@ struct DatasetConfig {
     int image_processing_batch_size = 32;
     int max_workers = 32;
     int metadata_update_interval = 3600;
+    // is_regularisation_data / is_regularization_data: a LoRA run trains this dataset's batches
+    // toward the base model's prediction (train/step.h); a full fine-tune as ordinary data.
     bool is_regularisation_data = false;
     bool disable_validation = false;
     std::string cache_file_suffix;  // defaults to id

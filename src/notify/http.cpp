@@ -1,4 +1,4 @@
-// libcurl-backed HTTP POST. curl_global_init runs once; each request uses its own easy handle so
+// libcurl-backed HTTP POST and GET. curl_global_init runs once; each request uses its own easy handle so
 // calls are thread-safe (webhooks post from one background thread anyway).
 #include "notify/http.h"
 
@@ -69,7 +69,42 @@ HttpResult perform(Easy& e) {
     return result;
 }
 
+// Appends to the body until it would pass the limit; returning less than given aborts the transfer.
+struct BoundedBody {
+    std::string* out;
+    std::size_t max_bytes;
+    bool overflow = false;
+};
+
+size_t append_bounded(char* data, size_t size, size_t n, void* user) {
+    auto* b = static_cast<BoundedBody*>(user);
+    if (b->out->size() + size * n > b->max_bytes) {
+        b->overflow = true;
+        return 0;
+    }
+    b->out->append(data, size * n);
+    return size * n;
+}
+
 }  // namespace
+
+HttpResult http_get(const std::string& url, std::string& body, const HttpOptions& options,
+                    std::size_t max_bytes) {
+    global_init();
+    body.clear();
+    Easy e;
+    if (!e.handle) return {0, "curl_easy_init failed"};
+    common_setup(e, url, options);
+    BoundedBody sink{&body, max_bytes};
+    curl_easy_setopt(e.handle, CURLOPT_WRITEFUNCTION, append_bounded);
+    curl_easy_setopt(e.handle, CURLOPT_WRITEDATA, &sink);
+    curl_easy_setopt(e.handle, CURLOPT_FOLLOWLOCATION, 1L);
+    curl_easy_setopt(e.handle, CURLOPT_MAXREDIRS, 5L);
+    curl_easy_setopt(e.handle, CURLOPT_USERAGENT, "dtune/1");
+    HttpResult result = perform(e);
+    if (sink.overflow) result.error = "the response is larger than " + std::to_string(max_bytes) + " bytes";
+    return result;
+}
 
 HttpResult http_post_json(const std::string& url, const std::string& json_body, const HttpOptions& options) {
     global_init();

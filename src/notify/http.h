@@ -1,8 +1,10 @@
-// Minimal HTTP POST over libcurl for webhooks: JSON bodies and multipart forms, a hard timeout,
-// optional TLS verification bypass, cancellation. One call = one request; retries live in the caller.
+// Minimal HTTP over libcurl: POST for webhooks (JSON bodies and multipart forms) and GET for
+// downloads (the images of `type: csv` datasets); a hard timeout, optional TLS verification bypass,
+// cancellation. One call = one request (redirects followed); retries live in the caller.
 #pragma once
 
 #include <atomic>
+#include <cstddef>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,6 +38,10 @@ HttpResult http_post_json(const std::string& url, const std::string& json_body, 
 HttpResult http_post_multipart(const std::string& url,
                                const std::vector<std::pair<std::string, std::string>>& fields,
                                const std::vector<MultipartFile>& files, const HttpOptions& options);
+// GET into `body` (replaced; holds the error page on a non-2xx answer). A body larger than
+// `max_bytes`, or shorter than its Content-Length (a cut connection), is a transport error.
+HttpResult http_get(const std::string& url, std::string& body, const HttpOptions& options,
+                    std::size_t max_bytes);
 
 // "https://user:pw@discord.com/api/webhooks/123/abc?token=x" -> "https://discord.com/…": URLs of
 // webhooks are secrets as a whole (whoever has one can post), so logs show only the scheme and

@@ -48,6 +48,9 @@ void TensorBoardCallback::on_step_end(train::Trainer&, const train::StepReport& 
         writer_->add_scalar("train/img_per_s", r.img_per_s, r.step);
         writer_->add_scalar("train/samples_seen", static_cast<double>(r.samples_seen), r.step);
         if (r.gpu_memory_gib) writer_->add_scalar("train/gpu_memory_gib", *r.gpu_memory_gib, r.step);
+        if (r.regularisation_loss)
+            writer_->add_scalar("train/regularisation_loss", *r.regularisation_loss, r.step);
+        if (r.regularisation_step) writer_->add_scalar("train/regularisation_grad_norm", r.grad_norm, r.step);
     });
 }
 

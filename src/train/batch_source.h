@@ -27,6 +27,9 @@ struct TrainBatch {
     at::Tensor time_ids;                // [B, 6] orig_h, orig_w, crop_top, crop_left, target_h, target_w
     std::vector<std::string> paths;     // the samples' files (for error messages)
     std::vector<std::string> captions;  // the captions before dropout
+    // From a dataset with is_regularisation_data: a LoRA run trains it toward the base model's
+    // prediction (step.h); a full fine-tune trains it as ordinary data. Its loss is logged apart.
+    bool regularisation = false;
 };
 
 // One caption's text embedding.
@@ -48,6 +51,8 @@ class BatchSource {
     virtual nlohmann::json state() const = 0;
     // UsageError when the state does not fit this source (a changed dataset or batch size).
     virtual void load_state(const nlohmann::json& state) = 0;
+    // Whether any batch can come from a regularisation dataset.
+    virtual bool has_regularisation_data() const { return false; }
 };
 
 // Data parallelism: every source's options carry `rank`, `world_size` and `barrier`. Rank r of

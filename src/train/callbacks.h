@@ -29,6 +29,12 @@ struct StepReport {
     int64_t samples_seen = 0;  // images trained on so far, all ranks
     double step_seconds = 0;
     std::optional<double> gpu_memory_gib;  // peak allocated on this rank's device, when CUDA
+    // Mean loss of the step's micro-batches from is_regularisation_data datasets (this rank's),
+    // when there were any and the loss was read back; SimpleTuner's regularisation_loss.
+    std::optional<double> regularisation_loss;
+    // The step's last micro-batch was regularisation data: SimpleTuner logs the gradient norm as
+    // regularisation_grad_norm for such steps.
+    bool regularisation_step = false;
 };
 
 class TrainCallback {

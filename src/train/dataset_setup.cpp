@@ -31,13 +31,8 @@ void barrier(const DatasetSourceOptions& o) {
 // (SimpleTuner would stop; dtune reports and continues). Returns how many were dropped.
 size_t resolve_all_captions(LoadedDataset& d) {
     auto storage = data::make_storage(d.config);
-    std::optional<data::MetadataTable> table;
-    if (d.config.caption_strategy == data::CaptionStrategy::kParquet) {
-        DTUNE_CHECK_AS(UsageError, d.config.parquet.has_value(), "dataset '", d.config.id,
-                       "': caption_strategy parquet needs a \"parquet\" block with the table's path");
-        table =
-            data::MetadataTable::load(*storage, *d.config.parquet, false);  // captionless rows: skipped below
-    }
+    // parquet or csv: captionless rows are kept in the table, their samples skipped below.
+    const std::optional<data::MetadataTable> table = data::caption_table_for(d.config, *storage);
     // Caption files in a bucket are one GET each: resolve max_parallel_reads() at a time.
     std::vector<const std::string*> all;
     for (const auto& [key, paths] : d.buckets)

@@ -243,6 +243,7 @@ detail::PreparedBatch DatasetBatchSource::Impl::prepare(const detail::PlannedBat
         for (double v : sdxl_time_ids(plan, flip)) ids.push_back(v);
         b.paths.push_back(path);
     }
+    b.regularisation = d.config.is_regularisation_data;
     b.latents = d.latents->get(requests).to(at::kFloat);  // [B, C, h, w]
     data::TextEncodeFn encode = text;
     if (!encode)
@@ -391,6 +392,12 @@ const std::vector<DatasetCacheReport>& DatasetBatchSource::cache_reports() const
 
 bool DatasetBatchSource::vae_released() const {
     return impl_->vae_released;
+}
+
+bool DatasetBatchSource::has_regularisation_data() const {
+    for (const auto& d : impl_->datasets)
+        if (d.config.is_regularisation_data) return true;
+    return false;
 }
 
 bool DatasetBatchSource::text_encoder_released() const {

@@ -95,6 +95,7 @@ class DatasetBatchSource final : public BatchSource {
     PromptEmbedding empty_prompt() override;
     nlohmann::json state() const override;
     void load_state(const nlohmann::json& state) override;
+    bool has_regularisation_data() const override;
 
     const std::vector<DatasetCacheReport>& cache_reports() const;
     // Whether the encoders were dropped after caching (everything they could make is on disk).

@@ -2,6 +2,7 @@
 #include "train/step.h"
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/GradMode.h>
 
 #include "core/error.h"
 #include "models/unet/unet_2d_condition.h"
@@ -111,24 +112,50 @@ Draws draw(const at::Tensor& latents, const diffusion::NoiseSchedule& schedule, 
 
 }  // namespace
 
+namespace {
+
+// Turns the adapters off for its lifetime (back on even when the forward throws).
+class AdaptersOff {
+  public:
+    explicit AdaptersOff(const AdapterSwitch& adapters) : adapters_(adapters) { adapters_(false); }
+    ~AdaptersOff() { adapters_(true); }
+    AdaptersOff(const AdaptersOff&) = delete;
+    AdaptersOff& operator=(const AdaptersOff&) = delete;
+
+  private:
+    const AdapterSwitch& adapters_;
+};
+
+at::Tensor predict(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch, const at::Tensor& noisy,
+                   const at::Tensor& t, const StepOptions& options) {
+    AutocastGuard autocast(noisy.device().type(), options.compute_dtype);
+    models::UNetAddedCond added{batch.pooled_embeds, batch.time_ids};
+    return unet.forward(noisy, t, batch.prompt_embeds, added);  // [B, C, h, w]
+}
+
+}  // namespace
+
 MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
                      const diffusion::NoiseSchedule& schedule, const StepOptions& options,
-                     int64_t global_step, at::Generator& generator) {
+                     int64_t global_step, at::Generator& generator, const AdapterSwitch& adapters) {
     const at::Tensor latents = batch.latents.to(at::kFloat);  // [B, C, h, w]
     const Draws d = draw(latents, schedule, options, global_step, generator);
     const at::Tensor& t_dev = d.t_dev;
     const at::Tensor noisy = schedule.add_noise(latents, d.noise.input_noise, t_dev);  // [B, C, h, w]
-    const at::Tensor target = schedule.target(options.prediction, latents, d.noise.noise, t_dev);
-    at::Tensor pred;
-    {
-        AutocastGuard autocast(latents.device().type(), options.compute_dtype);
-        models::UNetAddedCond added{batch.pooled_embeds, batch.time_ids};
-        pred = unet.forward(noisy, t_dev, batch.prompt_embeds, added);  // [B, C, h, w]
+    at::Tensor target;
+    if (batch.regularisation && adapters) {
+        c10::NoGradGuard no_grad;
+        AdaptersOff off(adapters);
+        target = predict(unet, batch, noisy, t_dev, options).to(at::kFloat).detach();  // [B, C, h, w]
+    } else {
+        target = schedule.target(options.prediction, latents, d.noise.noise, t_dev);
     }
+    const at::Tensor pred = predict(unet, batch, noisy, t_dev, options);  // [B, C, h, w]
     MicroStep out;
     out.loss = diffusion::diffusion_loss(pred.to(at::kFloat), target, t_dev, options.prediction, &schedule,
                                          options.loss);
     out.timesteps = d.t;
+    out.target = target;
     return out;
 }
 

@@ -54,12 +54,21 @@ int64_t apply_caption_dropout(TrainBatch& batch, const PromptEmbedding& empty, d
 struct MicroStep {
     at::Tensor loss;       // scalar float32 with the graph attached
     at::Tensor timesteps;  // [B] int64 (CPU; on the latents' device with device_rng)
+    at::Tensor target;     // [B, C, h, w] float32, what the prediction was compared with (no graph)
 };
 
-// Forward of one micro-batch: loss = per-sample loss averaged over the batch.
+// Switches a LoRA run's adapters off (false) and back on (true); empty for a full fine-tune.
+using AdapterSwitch = std::function<void(bool enabled)>;
+
+// Forward of one micro-batch: loss = per-sample loss averaged over the batch. A regularisation
+// batch (TrainBatch::regularisation) with `adapters` set trains toward the base model's prediction
+// (SimpleTuner's parent-teacher target): the same noisy latents, timesteps and conditioning through
+// the UNet with the adapters off and no graph, in place of the noise/v target; the loss (min-SNR
+// weighting included) is then computed as for any batch. Without `adapters` (a full fine-tune) a
+// regularisation batch trains like any other, as in SimpleTuner.
 MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
                      const diffusion::NoiseSchedule& schedule, const StepOptions& options,
-                     int64_t global_step, at::Generator& generator);
+                     int64_t global_step, at::Generator& generator, const AdapterSwitch& adapters = {});
 
 // What one optimizer step leaves on the device. Nothing is read back: call .item() only when
 // logging, since each read waits for the GPU to drain its queue.

@@ -337,14 +337,24 @@ void Trainer::resume() {
 double Trainer::train_one_step(double& grad_norm) {
     const int64_t accum = config_.integer("gradient_accumulation_steps");
     inject_step_error(dp_->rank(), global_step_ + 1);  // DTUNE_INJECT_STEP_ERROR (tests)
-    double loss_sum = 0;
+    double loss_sum = 0, regularisation_sum = 0;
+    int64_t regularisation_batches = 0;
+    // Regularisation batches of a LoRA run take the base model's prediction as target (step.h).
+    AdapterSwitch adapters;
+    if (lora_) adapters = [this](bool on) { lora_->adapters().set_enabled(on); };
     for (int64_t micro = 0; micro < accum; ++micro) {
         TrainBatch batch = source_->next(*generator_);
         apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_,
                               dp_->rank(), dp_->world_size());
         if (lora_) lora_->begin_forward(*generator_);  // the LoRA dropout seed of this forward
-        MicroStep m = micro_step(*unet_, batch, *schedule_, step_options_, global_step_, *generator_);
+        MicroStep m =
+            micro_step(*unet_, batch, *schedule_, step_options_, global_step_, *generator_, adapters);
         const double value = m.loss.item<double>();
+        if (batch.regularisation) {
+            regularisation_sum += value;
+            ++regularisation_batches;
+        }
+        step_ended_on_regularisation_ = batch.regularisation;
         if (!std::isfinite(value)) {
             std::string files;
             for (const auto& p : batch.paths) files += (files.empty() ? "" : ", ") + p;
@@ -357,6 +367,9 @@ double Trainer::train_one_step(double& grad_norm) {
         (scaler_ ? scaler_->scale_loss(loss) : loss).backward();
         loss_sum += value;
     }
+    step_regularisation_loss_.reset();
+    if (regularisation_batches > 0)
+        step_regularisation_loss_ = regularisation_sum / static_cast<double>(regularisation_batches);
     dp_->reduce_gradients();  // average over the ranks once, after the last micro-step
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
@@ -464,6 +477,8 @@ void Trainer::append_metrics(const StepReport& r) {
                        {"img_per_s", r.img_per_s},
                        {"samples_seen", r.samples_seen}};
     if (r.gpu_memory_gib) row["gpu_memory_gib"] = *r.gpu_memory_gib;
+    if (r.regularisation_loss) row["regularisation_loss"] = *r.regularisation_loss;
+    if (r.regularisation_step) row["regularisation_grad_norm"] = r.grad_norm;
     std::ofstream out(output_dir_ / "metrics.jsonl", std::ios::app);
     out << row.dump() << "\n";
 }
@@ -560,6 +575,8 @@ TrainResult Trainer::run_loop() {
         report.samples_seen = global_step_ * images_per_step;
         report.step_seconds = dt;
         report.gpu_memory_gib = peak_gpu_memory_gib(device_);
+        report.regularisation_loss = step_regularisation_loss_;
+        report.regularisation_step = step_ended_on_regularisation_;
         if (global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0) {
             append_metrics(report);
             window_seconds = 0;

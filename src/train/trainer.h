@@ -148,6 +148,10 @@ class Trainer {
     std::unique_ptr<EMAModel> ema_;
     std::unique_ptr<LossScaler> scaler_;  // mixed_precision fp16
     bool step_overflowed_ = false;        // fp16: inf/NaN gradients, the optimizer step is skipped
+    // The step's regularisation micro-batches: their mean loss (unset when none or not read back)
+    // and whether the last micro-batch was one (SimpleTuner then logs regularisation_grad_norm).
+    std::optional<double> step_regularisation_loss_;
+    bool step_ended_on_regularisation_ = false;
     std::unique_ptr<GraphedStep> graph_;  // cuda_graph, when the run allows it
 };
 

@@ -68,7 +68,11 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
 
 void Trainer::init_graph() {
     if (!config_.flag("cuda_graph")) return;
-    const std::string blocker = cuda_graph_blocker(config_, device_, world_size(), dp_->zero_stage());
+    std::string blocker = cuda_graph_blocker(config_, device_, world_size(), dp_->zero_stage());
+    if (blocker.empty() && lora_ && source_->has_regularisation_data())
+        blocker =
+            "a dataset has is_regularisation_data (its batches need a second forward with the adapters "
+            "off, which the graph does not capture); the run trains without CUDA graphs";
     if (!blocker.empty()) {
         log::info() << "cuda_graph: training eagerly because " << blocker;
         return;
@@ -113,11 +117,15 @@ double Trainer::train_graphed_step(double lr, double& grad_norm) {
     const bool read =
         step % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0 || step == total_steps_;
     constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+    // A full fine-tune trains regularisation batches as ordinary data; only the log tells them apart.
+    step_ended_on_regularisation_ = batch.regularisation;
+    step_regularisation_loss_.reset();
     if (!read) {
         grad_norm = kNaN;  // StepReport: NaN when not read back
         return kNaN;
     }
     const double loss = out.loss.item<double>();  // waits for the step: once per metrics_interval
+    if (batch.regularisation) step_regularisation_loss_ = loss;
     grad_norm = out.grad_norm.defined() ? out.grad_norm.item<double>() : 0.0;
     if (!std::isfinite(loss))
         throw Error(

@@ -28,6 +28,11 @@ HttpListener::~HttpListener() {
     for (auto& t : handlers_) t.join();
 }
 
+void HttpListener::set_route(const std::string& path, Route route) {
+    std::lock_guard lock(mutex_);
+    routes_[path] = std::move(route);
+}
+
 std::string HttpListener::url(const std::string& path) const {
     return "http://127.0.0.1:" + std::to_string(port_) + path;
 }
@@ -90,8 +95,23 @@ void HttpListener::handle(int fd) {
         const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(delay_ms_.load());
         while (!stopping_ && std::chrono::steady_clock::now() < until)
             std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        std::string reply = "HTTP/1.1 " + std::to_string(status_.load()) +
-                            " X\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}";
+        int status = status_.load();
+        std::string body = "{}";
+        long cut_after = -1;
+        {
+            std::lock_guard lock(mutex_);
+            if (auto it = routes_.find(req.path); it != routes_.end()) {
+                const Route& r = it->second;
+                const bool fail = served_[req.path]++ < r.fail_first;
+                status = fail ? r.fail_status : r.status;
+                body = fail ? std::string() : r.body;
+                cut_after = fail ? -1 : r.cut_after;
+            }
+        }
+        std::string reply = "HTTP/1.1 " + std::to_string(status) +
+                            " X\r\nContent-Length: " + std::to_string(body.size()) +
+                            "\r\nConnection: close\r\n\r\n";
+        reply += cut_after >= 0 ? body.substr(0, static_cast<std::size_t>(cut_after)) : body;
         send_all(fd, reply.data(), reply.size());
     }
     ::close(fd);

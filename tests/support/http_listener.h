@@ -1,7 +1,8 @@
 // A real HTTP/1.1 server on 127.0.0.1 (an ephemeral port) for tests of code that posts to
-// webhooks. It accepts connections on its own thread, reads each request in full
+// webhooks or downloads files. It accepts connections on its own thread, reads each request in full
 // (Content-Length bodies), records it, and answers with the configured status, optionally after
-// a delay (to play a slow or hung endpoint). SilentListener plays one that never answers at all.
+// a delay (to play a slow or hung endpoint); paths given a Route get their own answer and body.
+// SilentListener plays an endpoint that never answers at all.
 #pragma once
 
 #include <atomic>
@@ -21,6 +22,17 @@ struct HttpRequest {
     std::string body;
 };
 
+// The answer for one path: `status` and `body`, after `fail_first` requests answered with
+// `fail_status` (a flaky server). `cut_after` >= 0 announces the whole body but sends only that
+// many bytes before closing (a connection cut mid-transfer).
+struct Route {
+    int status = 200;
+    std::string body;
+    int fail_first = 0;
+    int fail_status = 503;
+    long cut_after = -1;
+};
+
 class HttpListener {
   public:
     HttpListener();
@@ -32,6 +44,7 @@ class HttpListener {
     std::string url(const std::string& path = "/hook") const;
     void set_status(int status) { status_ = status; }
     void set_delay(std::chrono::milliseconds delay) { delay_ms_ = delay.count(); }
+    void set_route(const std::string& path, Route route);
 
     // Waits until at least `n` requests arrived or `timeout` passes; returns what arrived.
     std::vector<HttpRequest> wait_for(std::size_t n, std::chrono::milliseconds timeout);
@@ -49,6 +62,8 @@ class HttpListener {
     std::mutex mutex_;
     std::condition_variable cv_;
     std::vector<HttpRequest> requests_;
+    std::map<std::string, Route> routes_;
+    std::map<std::string, int> served_;  // requests per routed path
     std::vector<std::thread> handlers_;
     std::thread thread_;
 };

@@ -200,8 +200,8 @@ bool fused_lora_enabled() {
 
 bool LoRALayer::takes_whole_forward(const at::Tensor& x) const {
     const bool drop = dropout_ > 0.0 && host_->is_training();
-    return fused_lora_enabled() && kind_ == Kind::kLinear && !merged_ && !magnitude_.defined() && !drop &&
-           at::GradMode::is_enabled() && (down_.requires_grad() || up_.requires_grad()) &&
+    return fused_lora_enabled() && enabled_ && kind_ == Kind::kLinear && !merged_ && !magnitude_.defined() &&
+           !drop && at::GradMode::is_enabled() && (down_.requires_grad() || up_.requires_grad()) &&
            !base_weight_->requires_grad() && !(base_bias_->defined() && base_bias_->requires_grad()) &&
            x.numel() > 0 && x.dim() >= 2;
 }
@@ -259,7 +259,7 @@ at::Tensor LoRALayer::weight_norm(const at::Tensor& delta) const {
 }
 
 at::Tensor LoRALayer::forward(const at::Tensor& x, const at::Tensor& base_out) {
-    if (merged_) return base_out;
+    if (merged_ || !enabled_) return base_out;
     const bool drop = dropout_ > 0.0 && host_->is_training();
     const at::Tensor xd = drop ? dropout(x) : x;
     const double s = scale();
@@ -318,6 +318,11 @@ void LoRALayer::unmerge() {
     merged_ = false;
 }
 
+void LoRALayer::set_enabled(bool enabled) {
+    DTUNE_CHECK(!merged_ || enabled, "a merged LoRA layer cannot be switched off; unmerge it first");
+    enabled_ = enabled;
+}
+
 LoRAAdapters::LoRAAdapters(LoRAConfig config, std::vector<Entry> entries)
     : config_(std::move(config)), entries_(std::move(entries)) {}
 
@@ -359,6 +364,10 @@ void LoRAAdapters::merge() {
 
 void LoRAAdapters::unmerge() {
     for (auto& e : entries_) e.layer->unmerge();
+}
+
+void LoRAAdapters::set_enabled(bool enabled) {
+    for (auto& e : entries_) e.layer->set_enabled(enabled);
 }
 
 LoRAAdapters inject_lora(torch::nn::Module& root, const LoRAConfig& config) {

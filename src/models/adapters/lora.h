@@ -126,6 +126,11 @@ class LoRALayer : public LayerAdapter {
     void merge();
     void unmerge();
 
+    // Switched off, the layer returns the base layer's output unchanged (PEFT's disable_adapters):
+    // the base model's prediction, for the targets of regularisation batches. Not while merged.
+    void set_enabled(bool enabled);
+    bool enabled() const { return enabled_; }
+
   private:
     void create(torch::nn::Module& host, at::IntArrayRef down_shape, at::IntArrayRef up_shape,
                 const LoRAConfig& config, at::Generator* init_generator);
@@ -145,6 +150,7 @@ class LoRALayer : public LayerAdapter {
     at::Tensor down_, up_, magnitude_;
     at::Tensor merged_factor_;  // DoRA: m/‖W'‖ used by merge(), needed by unmerge()
     bool merged_ = false;
+    bool enabled_ = true;
     std::optional<uint64_t> dropout_seed_;
     std::optional<at::Generator> dropout_generator_;  // on the input's device, reseeded per forward
 };
@@ -173,6 +179,8 @@ class LoRAAdapters {
 
     void merge();
     void unmerge();
+    // Every layer on or off (LoRALayer::set_enabled).
+    void set_enabled(bool enabled);
 
     // Gives every layer its own dropout seed derived from `seed` and its index (call once per
     // training forward with a fresh seed; see LoRALayer::set_dropout_seed).
