@@ -1,6 +1,8 @@
 // Ctrl-C / SIGTERM handling for training: the first signal asks the loop to save a checkpoint and
 // stop at the next step boundary; a second one exits the process at once (exit code 128 + signal).
-// Async-signal-safe: the handler only touches a lock-free atomic and calls _exit.
+// A SIGTERM that `dtune launch` sends because another rank failed carries that rank (sigqueue):
+// the handler then says "rank R failed … nothing is saved" instead of announcing a checkpoint.
+// Async-signal-safe: the handler only touches a lock-free atomic, write() and _exit.
 #pragma once
 
 namespace dtune::train {
