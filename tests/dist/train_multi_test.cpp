@@ -99,8 +99,11 @@ TEST(DistTrain, LoRAWithDefaultDropoutTwoRanksEqualOneProcessWithTheGlobalBatch)
     const double diff = max_difference(a, adapters("lora_dp"));
     std::printf("LoRA, lora_dropout 0.1: 2 ranks x batch 1 vs 1 x batch 2: max |dw| = %.3g\n", diff);
     EXPECT_LE(diff, 1e-6);
-    // Dropout is on in these runs: without it the adapters train differently.
-    EXPECT_GT(max_difference(a, adapters("lora_nodrop")), 1e-4);
+    // Dropout is on in these runs: without it the adapters train measurably differently.
+    const double dropout_effect = max_difference(a, adapters("lora_nodrop"));
+    std::printf("LoRA, lora_dropout 0.1 vs 0: max |dw| = %.3g\n", dropout_effect);
+    EXPECT_GT(dropout_effect, 1e-6);
+    EXPECT_GT(dropout_effect, 100 * diff);
 }
 
 TEST(DistTrain, ZeroOneEqualsPlainDataParallelAndResumesOnOneRank) {
