@@ -6,12 +6,17 @@
 #include "cli/command.h"
 #include "core/error.h"
 #include "health/breaker.h"
+#include "health/gpu_source.h"
 #include "notify/webhooks.h"
 
 #include <unistd.h>
 
 namespace dtune::cli {
 namespace {
+
+// The check cannot run here (sysexits' EX_UNAVAILABLE): not an unexpected error (1), not a fault
+// (75). README "Exit codes".
+constexpr int kCheckUnavailableExit = 69;
 
 std::string or_dash(int v, const char* unit) {
     return v < 0 ? "-" : std::to_string(v) + unit;
@@ -62,11 +67,17 @@ int run_health(const std::vector<std::string>& args) {
         else
             throw UsageError(str("unknown option '", args[i], "' for health; see dtune health --help"));
     }
+    // The training monitor's source: NVML, or with DTUNE_INJECT_GPU_FAULT and no NVML one
+    // simulated GPU, so the injected fault path runs here as it does in `dtune train`.
     std::string why;
-    auto source = health::maybe_inject_faults(health::open_nvml(&why));
+    auto source = health::open_monitor_source(&why);
     if (!source) {
-        std::fprintf(stderr, "health: NVML is not available: %s\n", why.c_str());
-        return static_cast<int>(ExitCode::kError);
+        std::fprintf(stderr,
+                     "health: cannot check GPU health on this machine: NVML is not available (%s). "
+                     "dtune health needs the NVIDIA driver's libnvidia-ml.so.1; to try the fault path "
+                     "without it, set DTUNE_INJECT_GPU_FAULT=ecc (a simulated GPU is checked then).\n",
+                     why.c_str());
+        return kCheckUnavailableExit;
     }
     std::unique_ptr<notify::Notifier> notifier;
     if (!webhook_config.empty())
@@ -100,9 +111,11 @@ DTUNE_REGISTER_COMMAND(health, "health", "show the GPU health readings the circu
                        "utilisation, uncorrectable ECC errors and clock-throttle reasons, and the\n"
                        "circuit breaker's verdict. --watch repeats every --interval seconds (default 5)\n"
                        "until a GPU faults; with --webhook_config a fault is posted as gpu.fault.\n"
-                       "Exit code 75 when a GPU is faulty, 1 when NVML is unavailable.\n\n"
+                       "Exit code 0 when every GPU is healthy, 75 when a GPU is faulty, 69 when the check\n"
+                       "cannot run (NVML unavailable: no NVIDIA driver).\n\n"
                        "DTUNE_INJECT_GPU_FAULT=ecc|temperature|hw_slowdown|power_brake|thermal makes GPU 0\n"
-                       "report that fault after its first reading, to test the fault path end to end.\n",
+                       "report that fault after its first reading, to test the fault path end to end; on a\n"
+                       "machine without NVML one simulated GPU is read instead, as in dtune train.\n",
                        run_health);
 
 }  // namespace dtune::cli

@@ -23,11 +23,12 @@ std::string format_duration(double seconds) {
     return buf;
 }
 
-std::string format_rate(double per_second, const std::string& unit) {
+std::string format_rate(double per_second, const std::string& unit, const std::string& units) {
     char buf[64];
-    if (per_second <= 0 || !std::isfinite(per_second)) return "? " + unit + "/s";
+    const std::string& many = units.empty() ? unit : units;
+    if (per_second <= 0 || !std::isfinite(per_second)) return "? " + many + "/s";
     if (per_second >= 1.0)
-        std::snprintf(buf, sizeof buf, "%.1f %s/s", per_second, unit.c_str());
+        std::snprintf(buf, sizeof buf, "%.1f %s/s", per_second, many.c_str());
     else
         std::snprintf(buf, sizeof buf, "%.2f s/%s", 1.0 / per_second, unit.c_str());
     return buf;
@@ -60,10 +61,10 @@ std::string Progress::render(double elapsed_s, bool with_bar) const {
         }
         const double eta = rate > 0 ? (total_ - count_) / rate : -1.0;
         line += str(" ", count_, "/", total_, " [", format_duration(elapsed_s), "<", format_duration(eta),
-                    ", ", format_rate(rate, options_.unit), "]");
+                    ", ", format_rate(rate, options_.unit, options_.units), "]");
     } else {
         line += str(count_, " ", options_.unit, " [", format_duration(elapsed_s), ", ",
-                    format_rate(rate, options_.unit), "]");
+                    format_rate(rate, options_.unit, options_.units), "]");
     }
     if (!postfix_.empty()) line += " " + postfix_;
     return line;

@@ -13,6 +13,7 @@ namespace dtune {
 struct ProgressOptions {
     std::string label;
     std::string unit = "it";
+    std::string units;  // plural for rates ("prompts/s"); empty: `unit`
     // nullptr means stderr; tests pass a tmpfile.
     std::FILE* out = nullptr;
     // -1 = detect with isatty(out), 0 = plain log lines, 1 = redraw in place.
@@ -54,7 +55,8 @@ class Progress {
 
 // "01:02:03" for >= 1 h, else "02:03".
 std::string format_duration(double seconds);
-// "41.2 img/s", or "3.10 s/img" when slower than one per second.
-std::string format_rate(double per_second, const std::string& unit);
+// "41.2 img/s", or "3.10 s/img" when slower than one per second. `units` (the plural, e.g.
+// "prompts") is used in the first form when given.
+std::string format_rate(double per_second, const std::string& unit, const std::string& units = "");
 
 }  // namespace dtune

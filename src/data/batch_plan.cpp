@@ -64,17 +64,18 @@ void fill_split(BucketEpochPlan& b, int world, int batch_size, bool padding) {
             for (auto& c : b.per_rank) c = base + 1;
         }
     }
-    int64_t total = 0;
+    // Oversubscribed indices already hold the duplicates, so they make one pass; otherwise the
+    // sampler makes repeats+1 passes, each ceil(n / batch) batches, and fills the short last batch
+    // of a pass with already-seen samples of the bucket (§3.5). Those fills are not samples of the
+    // epoch: they are counted apart.
+    const int64_t passes = b.oversubscribed ? 1 : b.repeats + 1;
+    int64_t scheduled = 0;
     for (int64_t n : b.per_rank) {
-        // Oversubscribed indices already hold the duplicates, so they make one pass; otherwise
-        // the iterator makes repeats+1 passes and the sampler fills a short last batch from the
-        // bucket's seen samples (§3.5).
-        const int64_t passes = b.oversubscribed ? 1 : b.repeats + 1;
-        const int64_t batches = n == 0 ? 0 : ceil_div(n * passes, batch_size);
-        b.batches_per_rank = std::max(b.batches_per_rank, batches);
-        total += batches * batch_size;
+        b.batches_per_rank = std::max(b.batches_per_rank, n == 0 ? 0 : passes * ceil_div(n, batch_size));
+        scheduled += n * passes;
     }
-    b.samples_per_epoch = total;
+    b.samples_per_epoch = scheduled;
+    b.filled = b.batches_per_rank * batch_size * world - scheduled;
     const int64_t empty_ranks = std::count(b.per_rank.begin(), b.per_rank.end(), 0);
     if (empty_ranks > 0 && b.excluded_reason.empty())
         b.excluded_reason = std::to_string(empty_ranks) + " rank(s) hold no sample of this bucket";
@@ -107,6 +108,7 @@ EpochPlan plan_epoch(const BatchCheckInput& in, const std::map<std::string, int6
     plan.effective_batch_size =
         static_cast<int64_t>(in.train_batch_size) * world * in.gradient_accumulation_steps;
     const int64_t ebs = plan.effective_batch_size;
+    const bool oversubscribe_allowed = in.allow_oversubscription && !in.repeats_set_by_user;
     std::map<std::string, int64_t> kept, failing;
     for (const auto& [key, n] : bucket_sizes) {
         plan.total_samples += n;
@@ -115,8 +117,10 @@ EpochPlan plan_epoch(const BatchCheckInput& in, const std::map<std::string, int6
         b.samples = n;
         b.repeats = in.repeats;
         if (n == 0) continue;
-        // §3.3 pruning runs before the split: buckets that cannot fill one micro-batch go.
-        if (!in.disable_bucket_pruning && n * (in.repeats + 1) < in.train_batch_size) {
+        // §3.3 pruning runs before the split: buckets that cannot fill one micro-batch go, unless
+        // oversubscription will repeat them up to the effective batch size (which it checks first).
+        if (!in.disable_bucket_pruning && !oversubscribe_allowed &&
+            n * (in.repeats + 1) < in.train_batch_size) {
             b.excluded = n;
             b.excluded_reason = "pruned: " + std::to_string(n) + " samples × " +
                                 std::to_string(in.repeats + 1) + " < train_batch_size " +
@@ -128,7 +132,7 @@ EpochPlan plan_epoch(const BatchCheckInput& in, const std::map<std::string, int6
         if (n * (in.repeats + 1) < ebs) failing[key] = n;
         plan.buckets.push_back(b);
     }
-    const bool oversubscribe = !failing.empty() && in.allow_oversubscription && !in.repeats_set_by_user;
+    const bool oversubscribe = !failing.empty() && oversubscribe_allowed;
     if (!failing.empty() && !oversubscribe)
         throw UsageError(zero_batches_message(in, ebs, world, plan.total_samples, failing));
     for (auto& b : plan.buckets) {
@@ -178,8 +182,11 @@ std::string EpochPlan::report() const {
     for (const auto& b : buckets) {
         m << "  bucket " << b.key << ": " << b.samples << " samples, repeats " << b.repeats
           << (b.oversubscribed ? " (auto)" : "") << ", " << b.samples_per_epoch << " per epoch";
-        if (!b.per_rank.empty())
-            m << " (" << b.per_rank.front() << " per rank, " << b.batches_per_rank << " batches)";
+        if (!b.per_rank.empty()) {
+            m << " (" << b.per_rank.front() << " per rank, " << b.batches_per_rank << " batches";
+            if (b.filled > 0) m << "; " << b.filled << " batch slot(s) filled with already-seen samples";
+            m << ")";
+        }
         if (b.padded > 0) m << ", " << b.padded << " padded";
         if (!b.excluded_reason.empty()) m << "; excluded " << b.excluded << ": " << b.excluded_reason;
         m << "\n";

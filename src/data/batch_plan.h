@@ -42,7 +42,8 @@ struct BucketEpochPlan {
     int64_t scheduled = 0;          // oversubscribed: indices scheduled over all ranks
     std::vector<int64_t> per_rank;  // indices each rank holds (padding and duplicates included)
     int64_t batches_per_rank = 0;   // batches each rank draws from this bucket per epoch (max)
-    int64_t samples_per_epoch = 0;  // over all ranks, duplicates included
+    int64_t samples_per_epoch = 0;  // over all ranks: per-rank indices × passes (duplicates included)
+    int64_t filled = 0;             // batch slots the sampler fills with already-seen samples
     int64_t padded = 0;             // duplicates added so ranks hold equal counts
     int64_t excluded = 0;           // samples that never reach training
     std::string excluded_reason;    // empty when excluded == 0

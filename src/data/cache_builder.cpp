@@ -159,7 +159,7 @@ std::string CacheBuildReport::summary() const {
       << " skipped (unreadable); " << encoder_calls << " encoder calls, " << format_duration(seconds) << " ("
       << seconds << " s)";
     const int64_t encoded = built + rebuilt_stale + rebuilt_corrupt;
-    if (seconds > 0 && encoded > 0) o << ", " << format_rate(double(encoded) / seconds, "img");
+    if (seconds > 0 && encoded > 0) o << ", " << format_rate(double(encoded) / seconds, unit, units);
     return o.str();
 }
 

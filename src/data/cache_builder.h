@@ -78,6 +78,7 @@ struct CacheBuildReport {
     struct Stages {
         double decode = 0, write = 0, wait_decode = 0, encode_call = 0, wait_device = 0;
     } stages;
+    std::string unit = "img", units = "img";  // what an entry is made from: "prompt"/"prompts" for text
     std::vector<std::pair<std::string, std::string>> skipped_files;  // path → reason
     std::string summary() const;                                     // one line for logs and `dtune cache`
 };

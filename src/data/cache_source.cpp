@@ -132,6 +132,8 @@ CacheBuildReport build_text_cache(const TextEmbedCache& cache, const std::vector
         mine.push_back(sorted[static_cast<size_t>(i)]);
 
     CacheBuildReport report;
+    report.unit = "prompt";
+    report.units = "prompts";
     report.total = static_cast<int64_t>(mine.size());
     std::vector<EntryStatus> status(mine.size());
     std::vector<std::string> reasons(mine.size());
@@ -161,8 +163,9 @@ CacheBuildReport build_text_cache(const TextEmbedCache& cache, const std::vector
         }
         todo.push_back(mine[i]);
     }
-    Progress progress(static_cast<int64_t>(todo.size()),
-                      {.label = options.label, .unit = "caption", .quiet = !options.show_progress});
+    Progress progress(
+        static_cast<int64_t>(todo.size()),
+        {.label = options.label, .unit = "prompt", .units = "prompts", .quiet = !options.show_progress});
     std::vector<std::future<void>> writes;
     for (size_t i = 0; i < todo.size(); i += size_t(options.batch_size)) {
         const std::vector<std::string> chunk(

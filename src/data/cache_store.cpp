@@ -287,8 +287,11 @@ TextEmbedCache::TextEmbedCache(TextCacheSettings settings) : settings_(std::move
 }
 
 std::filesystem::path TextEmbedCache::entry_path(const std::string& caption) const {
+    // The encoders' identity is in the name, not only in the key: two models caching into one
+    // folder keep separate entries instead of rebuilding (and overwriting) each other's.
     return std::filesystem::path(settings_.cache_dir) /
-           (sha256_hex(caption).substr(0, 32) + "-" + settings_.model_family + ".safetensors");
+           (sha256_hex(caption).substr(0, 32) + "-" + settings_.model_family + "-" +
+            sha256_hex(settings_.encoder_identity).substr(0, 12) + ".safetensors");
 }
 
 std::map<std::string, std::string> TextEmbedCache::expected_metadata(const std::string& caption) const {

@@ -4,7 +4,7 @@
 //   <cache_dir_vae>/<image subdirs below instance_data_dir>/<sha256(image stem)><variant>.safetensors
 //     tensor "latents" [C, H/8, W/8]; <variant> is "" for the planned crop, "-flip" for its mirror
 //     image, and crop_aspect-random datasets add "-<target WxH>_<resize WxH>" before it
-//   <text cache_dir>/<sha256(caption)[:32]>-<model_family>.safetensors
+//   <text cache_dir>/<sha256(caption)[:32]>-<model_family>-<sha256(encoder identity)[:12]>.safetensors
 //     tensors "prompt_embeds" [T, D], "pooled_prompt_embeds" [P]
 //
 // Invariants: an entry is trusted only when it parses, its format/version match, its recorded

@@ -55,6 +55,16 @@ RedrawCandidates redraw_candidates(BucketIndex index, const DatasetConfig& confi
     return out;
 }
 
+std::string skip_kind(const DatasetConfig& config, const std::string& reason) {
+    // Named after the setting that removed them, so the fix is findable in the config.
+    if (reason.rfind("too small", 0) == 0)
+        return str("removed by minimum_image_size ", config.minimum_image_size.value_or(0));
+    if (reason.rfind("beyond max_num_samples", 0) == 0)
+        return str("removed by max_num_samples ", config.max_num_samples.value_or(0));
+    if (reason.find("aspect_ratio") != std::string::npos) return "removed by minimum/maximum_aspect_ratio";
+    return "unreadable (see skipped_files)";
+}
+
 DatasetBuckets build_dataset_buckets(const DatasetConfig& config, const BucketBuildOptions& options,
                                      ThreadPool& pool) {
     DTUNE_CHECK_AS(UsageError, config.is_image_like(), "dataset '", config.id, "' is a ",
@@ -116,12 +126,7 @@ DatasetBuckets build_dataset_buckets(const DatasetConfig& config, const BucketBu
     out.plan = plan_epoch(in, sizes);
     for (const auto& [path, reason] : out.index.skipped) {
         if (redraw && out.index.out_of_range.count(path)) continue;  // drawn again every epoch
-        const char* kind = reason.rfind("too small", 0) == 0                ? "too small"
-                           : reason.rfind("beyond max_num_samples", 0) == 0 ? "beyond max_num_samples"
-                           : reason.find("aspect_ratio") != std::string::npos
-                               ? "outside the aspect range"
-                               : "unreadable (see skipped_files)";
-        ++out.plan.excluded_before_bucketing[kind];
+        ++out.plan.excluded_before_bucketing[skip_kind(config, reason)];
     }
     out.local =
         rank_bucket_lists(buckets, out.plan, config.id, options.seed, in.is_eval ? 1 : options.world_size,

@@ -57,6 +57,10 @@ RedrawCandidates redraw_candidates(BucketIndex index, const DatasetConfig& confi
 DatasetBuckets build_dataset_buckets(const DatasetConfig& config, const BucketBuildOptions& options,
                                      ThreadPool& pool);
 
+// The excluded_before_bucketing label of a bucket index `skipped` reason, naming the setting
+// that removed the file ("removed by minimum_image_size 768"), or "unreadable (see skipped_files)".
+std::string skip_kind(const DatasetConfig& config, const std::string& reason);
+
 // SimpleTuner's max_num_samples: a deterministic subset (seeded by the dataset id) of the bucketed
 // samples (for crop_aspect random, of the redraw candidates); the rest are reported as skipped.
 // No-op when the limit is unset or not exceeded.

@@ -137,9 +137,19 @@ void drain(Child& c) {
     }
 }
 
-void signal_all(std::vector<Child>& children, int sig) {
-    for (auto& c : children)
-        if (!c.exited) ::kill(c.pid, sig);
+// With `failed_rank` >= 0 the signal carries failed_rank + 1 (sigqueue), so a rank told to stop
+// because another one failed can say so (train/signals.cpp) instead of reporting a stop request.
+void signal_all(std::vector<Child>& children, int sig, int failed_rank = -1) {
+    for (auto& c : children) {
+        if (c.exited) continue;
+        if (failed_rank >= 0 && sig != SIGKILL) {
+            sigval value{};
+            value.sival_int = failed_rank + 1;
+            ::sigqueue(c.pid, sig, value);
+        } else {
+            ::kill(c.pid, sig);
+        }
+    }
 }
 
 // Polls stderr pipes and the signal pipe for up to `ms`, reaps exited children.
@@ -184,8 +194,9 @@ bool all_exited(const std::vector<Child>& children) {
 }
 
 // SIGTERM (or `first_signal`) to the survivors, SIGKILL after the grace period; drains stderr.
-void stop_all(std::vector<Child>& children, int first_signal, double grace_s) {
-    signal_all(children, first_signal);
+// `failed_rank`: the rank whose failure ends the job (-1: a signal to the launcher).
+void stop_all(std::vector<Child>& children, int first_signal, double grace_s, int failed_rank = -1) {
+    signal_all(children, first_signal, failed_rank);
     auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(grace_s);
     while (!all_exited(children) && std::chrono::steady_clock::now() < deadline) pump(children, 50);
     if (!all_exited(children)) {
@@ -389,7 +400,7 @@ LaunchResult run_local_ranks(const LaunchConfig& config, const std::string& self
             drain_to_end(*first);  // the child is gone: its last lines are in the pipe
             publish_for_dead_rank(config, *first);
             Child& c = origin_of(children, *first, config.grace_period_s);
-            stop_all(children, SIGTERM, config.grace_period_s);
+            stop_all(children, SIGTERM, config.grace_period_s, c.rank);
             return failure_result(children, c, config.node_rank);
         }
     }

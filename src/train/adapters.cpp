@@ -80,14 +80,14 @@ LoRATraining::LoRATraining(torch::nn::Module& unet, const TrainConfig& config)
                 << report.format << " keys)";
 }
 
-void LoRATraining::begin_forward(at::Generator& generator) {
+void LoRATraining::begin_forward(at::Generator& generator, int rank, int world_size) {
     if (!dropout_) return;
     uint64_t seed = 0;
     {
         std::lock_guard<std::mutex> lock(generator.mutex());
         seed = generator.get<at::CPUGeneratorImpl>()->random64();
     }
-    adapters_.set_dropout_seed(seed);
+    adapters_.set_dropout_seed(seed, rank, world_size);
 }
 
 void LoRATraining::save(const std::filesystem::path& file) const {

@@ -50,8 +50,10 @@ class LoRATraining {
 
     // The trainable adapter tensors under PEFT's names ("<module>.lora_A.weight", ...).
     io::TensorList trainable() const { return adapters_.named_parameters(); }
-    // Before each training forward: a fresh dropout seed from `generator` (no draw without dropout).
-    void begin_forward(at::Generator& generator);
+    // Before each training forward: a fresh dropout seed from `generator` (no draw without dropout;
+    // the generator is in the same state on every rank), masks drawn for the global batch of which
+    // this rank keeps its rows (see LoRALayer::set_dropout_seed).
+    void begin_forward(at::Generator& generator, int rank = 0, int world_size = 1);
 
     // Writes the adapters in the configured lora_format, in their own dtype (lossless).
     void save(const std::filesystem::path& file) const;

@@ -55,6 +55,9 @@ struct LoadedDataset {
     std::map<std::string, data::SamplePlan> plans;             // path → bucket metadata (index plan)
     std::map<std::string, std::vector<std::string>> captions;  // path → candidate captions
     data::EpochPlan plan;
+    // Files that never reached a bucket, by the setting that removed them (the bucketing plan's
+    // count, plus captionless samples): carried into every later plan so the reports agree.
+    std::map<std::string, int64_t> excluded_before_bucketing;
     std::map<std::string, std::vector<std::string>> global;  // key → every rank's share, rank order
     int batch_size = 1;                                      // per rank
     std::unique_ptr<data::LatentCache> latent_cache;

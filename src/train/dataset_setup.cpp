@@ -105,12 +105,23 @@ void plan_dataset(LoadedDataset& d, const DatasetSourceOptions& o) {
     std::map<std::string, int64_t> sizes;
     for (const auto& [key, paths] : buckets) sizes[key] = static_cast<int64_t>(paths.size());
     d.plan = data::plan_epoch(in, sizes);
+    d.plan.excluded_before_bucketing = d.excluded_before_bucketing;
     d.global.clear();
     for (int r = 0; r < o.world_size; ++r)
         for (auto& [key, list] :
              data::rank_bucket_lists(buckets, d.plan, d.config.id, o.seed, o.world_size, r, o.apply_padding))
             d.global[key].insert(d.global[key].end(), list.begin(), list.end());
     // SimpleTuner's later check (_handle_config_versioning): every bucket pruned or excluded.
+    if (d.global.empty() && d.plan.total_samples == 0 && !d.excluded_before_bucketing.empty()) {
+        // Nothing reached a bucket: the batch size is not the cause, the filters are.
+        std::string filters;
+        for (const auto& [reason, count] : d.excluded_before_bucketing)
+            filters += str(filters.empty() ? "" : ", ", count, " ", reason);
+        throw UsageError(
+            str("(id=", d.config.id, ") Dataset produced no usable samples: every image was left ",
+                "out before bucketing (", filters, "). Relax that setting in ",
+                o.data_backend_config.string(), " or add images that pass it.\n", d.plan.report()));
+    }
     if (d.global.empty())
         throw UsageError(
             str("(id=", d.config.id, ") Dataset produced no usable samples. This typically happens ",
@@ -143,6 +154,7 @@ LoadedDataset bucket_dataset(const data::DatasetConfig& config, const DatasetSou
     bo.show_progress = o.show_progress && o.rank == 0;
     bo.math = o.math;
     data::DatasetBuckets built = data::build_dataset_buckets(config, bo, pool);  // EBS check included
+    d.excluded_before_bucketing = built.plan.excluded_before_bucketing;
     data::RedrawCandidates candidates = data::redraw_candidates(std::move(built.index), config);
     d.buckets = std::move(candidates.buckets);
     d.plans = std::move(candidates.plans);
@@ -222,6 +234,7 @@ void drop_unreadable(LoadedDataset& d, const DatasetSourceOptions& o) {
             paths.end());
     log::warn() << "dataset '" << d.config.id << "': " << bad.size()
                 << " unreadable image(s) left out (listed in " << skip_report_path(d, o, 0) << " …)";
+    d.excluded_before_bucketing["unreadable when encoded (see skipped_images)"] += int64_t(bad.size());
     plan_dataset(d, o);
 }
 
@@ -388,6 +401,7 @@ SetupResult setup_datasets(const DatasetSourceOptions& o, DatasetEncoders enc, T
     for (auto& d : out.datasets) {
         d.pins = data::load_aspect_pins(d.config, o.global.output_dir);
         const size_t captionless = resolve_all_captions(d);
+        if (captionless > 0) d.excluded_before_bucketing["without a usable caption"] += int64_t(captionless);
         plan_dataset(d, o);
         // The plan logged while bucketing still counted them; this is the one training uses.
         if (captionless > 0 && o.rank == 0)

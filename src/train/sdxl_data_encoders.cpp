@@ -3,10 +3,13 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
+#include <fstream>
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "data/cache_codec.h"
 #include "data/sampler.h"
 #include "models/clip/sdxl_text_encoders.h"
 #include "models/common/component.h"
@@ -68,6 +71,36 @@ data::LatentEncodeFn make_vae_encode_fn(std::shared_ptr<models::AutoencoderKLImp
     };
 }
 
+std::string text_encoder_identity(const std::filesystem::path& model_dir) {
+    namespace stdfs = std::filesystem;
+    constexpr std::streamoff kSpan = 1 << 20;  // head and tail hashed: weights differ everywhere
+    std::string fingerprint;
+    for (const char* part : {"text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"}) {
+        const stdfs::path dir = model_dir / part;
+        if (!stdfs::is_directory(dir)) continue;
+        std::vector<stdfs::path> files;
+        for (const auto& e : stdfs::recursive_directory_iterator(dir))
+            if (e.is_regular_file()) files.push_back(e.path());
+        std::sort(files.begin(), files.end());
+        for (const auto& f : files) {
+            const auto size = static_cast<std::streamoff>(stdfs::file_size(f));
+            std::ifstream in(f, std::ios::binary);
+            std::string bytes(static_cast<size_t>(std::min(size, 2 * kSpan)), '\0');
+            if (size <= 2 * kSpan) {
+                in.read(bytes.data(), size);
+            } else {
+                in.read(bytes.data(), kSpan);
+                in.seekg(size - kSpan);
+                in.read(bytes.data() + kSpan, kSpan);
+            }
+            DTUNE_CHECK_AS(DataError, in.good() || in.eof(), "cannot read ", f.string());
+            fingerprint += str(stdfs::relative(f, model_dir).generic_string(), " ", size, " ",
+                               data::sha256_hex(bytes), "\n");
+        }
+    }
+    return "SDXLTextEncoders " + data::sha256_hex(fingerprint);
+}
+
 DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& o) {
     namespace stdfs = std::filesystem;
     auto folder = models::PipelineFolder::open(o.model_dir);
@@ -86,7 +119,7 @@ DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& o) {
     models::TextEncoderLoadOptions to;
     to.device = o.device;
     auto text = std::make_shared<models::SDXLTextEncoders>(models::SDXLTextEncoders::load(folder, to));
-    e.text_identity = str("SDXLTextEncoders ", stdfs::weakly_canonical(o.model_dir).string());
+    e.text_identity = text_encoder_identity(o.model_dir);
     e.text = [text](const std::vector<std::string>& captions) {
         models::SDXLEncodeOptions opt;
         opt.do_classifier_free_guidance = false;  // "" is encoded, as SimpleTuner's dropout embedding

@@ -33,6 +33,12 @@ struct SdxlEncoderOptions {
 
 DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& options);
 
+// What the text cache is keyed by: a fingerprint of the files of the model folder's
+// text_encoder/, text_encoder_2/, tokenizer/ and tokenizer_2/ (relative name, size, and the
+// SHA-256 of each file's first and last MiB). The same files anywhere give the same identity (a
+// moved or copied model keeps its cache); another model's encoders or tokenizer give another.
+std::string text_encoder_identity(const std::filesystem::path& model_dir);
+
 struct VaeEncodeOptions {
     // NHWC convolutions (weights converted here, inputs per call); the latents come back in the
     // standard layout. On CUDA this also enables the fused inference kernels (GroupNorm+SiLU, bias

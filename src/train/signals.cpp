@@ -16,23 +16,48 @@ std::atomic<int> g_gpu_fault{0};  // faulty GPU index + 1 (unknown: 1), 0 when n
 std::atomic<int> g_shutdown{0};   // 1 after begin_shutdown(), +1 per signal received since
 static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free atomic");
 
-extern "C" void on_stop_signal(int signo) {
+void write_stderr(const char* text, size_t n) {
+    const ssize_t ignored = write(STDERR_FILENO, text, n);
+    (void)ignored;
+}
+
+// `dtune launch` stopping this rank because rank `failed` failed (a SIGTERM from the parent that
+// carries failed + 1): there is nothing to save, since the job cannot finish a step without that
+// rank. Async-signal-safe: the number is formatted by hand.
+void report_peer_failure(int failed) {
+    char digits[16];
+    int n = 0;
+    do digits[n++] = static_cast<char>('0' + failed % 10);
+    while ((failed /= 10) > 0 && n < 15);
+    char line[160] = "\ndtune: rank ";
+    size_t len = sizeof "\ndtune: rank " - 1;
+    while (n > 0) line[len++] = digits[--n];
+    static const char kRest[] =
+        " failed, so dtune launch is stopping this rank; nothing is saved (the last complete "
+        "checkpoint, if any, is intact)\n";
+    for (const char* p = kRest; *p && len < sizeof line; ++p) line[len++] = *p;
+    write_stderr(line, len);
+}
+
+extern "C" void on_stop_signal(int signo, siginfo_t* info, void*) {
     if (g_shutdown.load() > 0) {
         // Nothing is left to save: stop waiting (webhooks); a second signal leaves at once.
         if (g_shutdown.fetch_add(1) >= 2) _exit(128 + signo);
         static const char kLeaving[] =
             "\ndtune: stop requested; the run is over, leaving without waiting for webhooks\n";
-        const ssize_t ignored = write(STDERR_FILENO, kLeaving, sizeof kLeaving - 1);
-        (void)ignored;
+        write_stderr(kLeaving, sizeof kLeaving - 1);
         return;
     }
     if (g_requests.fetch_add(1) >= 1) _exit(128 + signo);  // second signal: leave now
     g_signal.store(signo);
+    if (info && info->si_code == SI_QUEUE && info->si_pid == getppid() && info->si_value.sival_int > 0) {
+        report_peer_failure(info->si_value.sival_int - 1);
+        return;
+    }
     static const char kMessage[] =
         "\ndtune: stop requested; saving a checkpoint at the end of this step (press again to exit at "
         "once)\n";
-    const ssize_t ignored = write(STDERR_FILENO, kMessage, sizeof kMessage - 1);
-    (void)ignored;
+    write_stderr(kMessage, sizeof kMessage - 1);
 }
 
 }  // namespace
@@ -40,7 +65,8 @@ extern "C" void on_stop_signal(int signo) {
 void install_stop_signal_handlers() {
     clear_stop_request();
     struct sigaction action {};
-    action.sa_handler = on_stop_signal;
+    action.sa_sigaction = on_stop_signal;
+    action.sa_flags = SA_SIGINFO;
     sigemptyset(&action.sa_mask);
     sigaction(SIGINT, &action, nullptr);
     sigaction(SIGTERM, &action, nullptr);

@@ -2,7 +2,9 @@
 // stop at the next step boundary; a second one exits the process at once (exit code 128 + signal).
 // Once the run has ended and its state is saved (begin_shutdown), a signal means "do not wait":
 // the webhook flush stops at once and the process exits with the run's own code.
-// Async-signal-safe: the handler only touches lock-free atomics and calls _exit.
+// A SIGTERM that `dtune launch` sends because another rank failed carries that rank (sigqueue):
+// the handler then says "rank R failed … nothing is saved" instead of announcing a checkpoint.
+// Async-signal-safe: the handler only touches lock-free atomics, write() and _exit.
 #pragma once
 
 namespace dtune::train {

@@ -50,6 +50,14 @@ uint64_t resolve_seed(const TrainConfig& config) {
 std::filesystem::path vae_dir(const TrainConfig& config, const std::filesystem::path& model_dir) {
     const std::filesystem::path vae = config.text("pretrained_vae_model_name_or_path");
     if (!vae.empty() && std::filesystem::exists(vae / "config.json")) return vae;
+    // The fallback is the model folder's vae/: say so when it lacks one (the path would otherwise
+    // reach the VAE resolver, which takes "sdxl-base/vae" for a hub id).
+    DTUNE_CHECK_AS(
+        DataError, std::filesystem::is_directory(model_dir / "vae"), "the model folder ", model_dir.string(),
+        " has no vae/ folder, and pretrained_vae_model_name_or_path \"", vae.string(),
+        "\" is not a local VAE folder (dtune downloads nothing), so there is no VAE to use; copy a "
+        "diffusers vae/ into the model folder or set pretrained_vae_model_name_or_path to a local "
+        "VAE folder (e.g. a download of madebyollin/sdxl-vae-fp16-fix)");
     log::info() << "pretrained_vae_model_name_or_path " << vae.string()
                 << " is not a local folder; using the model's own VAE " << (model_dir / "vae").string();
     return model_dir / "vae";
@@ -86,9 +94,15 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
                    "pretrained_model_name_or_path is required; point it at a diffusers SDXL folder");
     // A missing model folder is a missing input file (exit 3), as for `dtune sample --model`.
     DTUNE_CHECK_AS(DataError, std::filesystem::is_directory(model_dir_), "pretrained_model_name_or_path \"",
-                   model_dir_.string(),
-                   "\" is not a local folder; dtune reads diffusers folders only (no hub downloads): "
-                   "download the model (e.g. huggingface-cli download <repo> --local-dir DIR) and pass DIR");
+                   model_dir_.string(), "\" is not a local folder",
+                   model_dir_.is_relative() ? str(" (a relative path starts at the working directory ",
+                                                  std::filesystem::current_path().string(),
+                                                  ": run dtune from the folder that holds it, "
+                                                  "or give an absolute path)")
+                                            : std::string(),
+                   "; dtune reads diffusers folders only (no hub downloads): download the model (e.g. "
+                   "huggingface-cli download <repo> --local-dir DIR) and pass DIR, or try `dtune demo`'s "
+                   "dtune-demo/model first");
     DTUNE_CHECK_AS(UsageError, !config_.is_null("data_backend_config"),
                    "data_backend_config is required; point it at your multidatabackend.json");
     // Relative paths are taken from the working directory, as SimpleTuner does.
@@ -97,6 +111,7 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
                    "\" is not a readable file (relative paths start at the working directory ",
                    std::filesystem::current_path().string(), "); fix the path in config.json");
     fs::require_writable_dir(config_.text("output_dir"), "output_dir");
+    const std::filesystem::path vae_folder = vae_dir(config_, model_dir_);  // before any model loads
     const dist::DistEnv env = dist::read_dist_env();
     device_ = DataParallel::pick_device(config_.text("device"), env, cuda_device_count());
     init_data_parallel(env);
@@ -116,7 +131,7 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     // The data path: SDXL's encoders as callables, buckets and caches from multidatabackend.json.
     SdxlEncoderOptions eo;
     eo.model_dir = model_dir_;
-    eo.vae_override = vae_dir(config_, model_dir_);
+    eo.vae_override = vae_folder;
     eo.device = device_;
     eo.vae_dtype = device_.is_cuda() ? at::kBFloat16 : at::kFloat;  // SimpleTuner's vae_dtype default
     DatasetSourceOptions ds;
@@ -346,7 +361,8 @@ double Trainer::train_one_step(double& grad_norm) {
         TrainBatch batch = source_->next(*generator_);
         apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_,
                               dp_->rank(), dp_->world_size());
-        if (lora_) lora_->begin_forward(*generator_);  // the LoRA dropout seed of this forward
+        if (lora_)  // the LoRA dropout seed of this forward; masks of the global batch
+            lora_->begin_forward(*generator_, dp_->rank(), dp_->world_size());
         MicroStep m =
             micro_step(*unet_, batch, *schedule_, step_options_, global_step_, *generator_, adapters);
         const double value = m.loss.item<double>();

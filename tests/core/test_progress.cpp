@@ -27,6 +27,8 @@ TEST(Progress, FormatsDurationsAndRates) {
     EXPECT_EQ(format_duration(-1), "??:??");
     EXPECT_EQ(format_rate(41.25, "img"), "41.2 img/s");
     EXPECT_EQ(format_rate(0.25, "step"), "4.00 s/step");
+    EXPECT_EQ(format_rate(12.5, "prompt", "prompts"), "12.5 prompts/s");
+    EXPECT_EQ(format_rate(0.5, "prompt", "prompts"), "2.00 s/prompt");
 }
 
 TEST(Progress, RenderShowsPercentCountEtaAndRate) {

@@ -168,8 +168,8 @@ TEST(DatasetBuckets, ConfigToRankShards) {
     const DatasetBuckets limited = build_dataset_buckets(c, o, pool);
     EXPECT_EQ(limited.index.sample_count(), 10);
     EXPECT_EQ(limited.plan.total_samples, 10);
-    EXPECT_EQ(limited.plan.excluded_before_bucketing.at("beyond max_num_samples"), 3);
-    EXPECT_NE(limited.plan.report().find("not bucketed: 3 file(s) beyond max_num_samples"),
+    EXPECT_EQ(limited.plan.excluded_before_bucketing.at("removed by max_num_samples 10"), 3);
+    EXPECT_NE(limited.plan.report().find("not bucketed: 3 file(s) removed by max_num_samples 10"),
               std::string::npos);
 }
 

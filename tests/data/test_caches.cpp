@@ -442,15 +442,24 @@ TEST_F(CacheTest, TextEmbeddingCache) {
     EXPECT_TRUE(at::equal(got.prompt_embeds, want.prompt_embeds));
     EXPECT_TRUE(at::equal(got.pooled_prompt_embeds, want.pooled_prompt_embeds));
     EXPECT_EQ(encoded, 5);
-    EXPECT_EQ(cache.entry_path("a cat").filename().string(),
-              sha256_hex("a cat").substr(0, 32) + "-sdxl.safetensors");
+    EXPECT_EQ(cache.entry_path("a cat").filename().string(), sha256_hex("a cat").substr(0, 32) + "-sdxl-" +
+                                                                 sha256_hex("tiny_text v1").substr(0, 12) +
+                                                                 ".safetensors");
     // A damaged entry is rebuilt; another encoder invalidates them all.
     const auto p = cache.entry_path("a cat");
     test::write_bytes(p, fs::read_file(p).substr(0, 40));
     report = build_text_cache(cache, captions, fn, opt, pool_);
     EXPECT_EQ(report.rebuilt_corrupt, 1);
+    // Another encoder (issue #25: another model) gets entries of its own, leaving these alone:
+    // switching back reuses every one.
     ts.encoder_identity = "tiny_text v2";
-    EXPECT_EQ(build_text_cache(TextEmbedCache(ts), captions, fn, opt, pool_).rebuilt_stale, 5);
+    const auto other = build_text_cache(TextEmbedCache(ts), captions, fn, opt, pool_);
+    EXPECT_EQ(other.built, 5);
+    EXPECT_EQ(other.rebuilt_stale, 0);
+    EXPECT_NE(TextEmbedCache(ts).entry_path("a cat"), cache.entry_path("a cat"));
+    EXPECT_EQ(build_text_cache(cache, captions, fn, opt, pool_).reused, 5);
+    EXPECT_NE(report.summary().find("prompts/s"), std::string::npos) << report.summary();
+    EXPECT_EQ(report.summary().find("img"), std::string::npos) << report.summary();
     // Rank shares of the distinct captions are disjoint and complete.
     ts.cache_dir = (dir_ / "text2").string();
     int64_t built = 0;

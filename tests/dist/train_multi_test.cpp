@@ -1,7 +1,8 @@
 // `dtune train` as a data-parallel job (label dist): the real `dtune launch` with 2 CPU ranks over
 // Gloo, the tiny SDXL fixture and a generated image folder. Judged against runs of the same binary
 // in one process: N ranks x batch b must train the weights one process trains with batch N*b on the
-// same samples (the tolerance covers only float summation order), ZeRO-1 must equal plain data
+// same samples (the tolerance covers only float summation order; LoRA with its default dropout
+// too), ZeRO-1 must equal plain data
 // parallelism, a checkpoint written by 2 ranks must resume in 1; and the failure paths: a killed
 // rank, an injected GPU fault (gpu.fault posted to a real HTTP listener, exit 75), a CUDA error or
 // a fatal error on one rank while the other waits in the gradient all-reduce (the fault channel
@@ -74,6 +75,35 @@ TEST(DistTrain, TwoRanksEqualOneProcessWithTheGlobalBatchAndOnlyRankZeroWrites) 
     const double resume_diff = max_difference(a, final_weights(w.out("resumed")));
     std::printf("2 ranks to step 2, then 1 process to step 3 vs 1 process: max |dw| = %.3g\n", resume_diff);
     EXPECT_LE(resume_diff, 1e-6);
+}
+
+TEST(DistTrain, LoRAWithDefaultDropoutTwoRanksEqualOneProcessWithTheGlobalBatch) {
+    // Issue #25: with lora_dropout at its default (0.1) each rank drew masks for its own rows, so
+    // 2 ranks x batch 1 differed from 1 x batch 2 by ~1e-3; the masks now come from the global batch.
+    Workspace w;
+    const std::string lora = "--model_type lora --lora_rank 4 --max_train_steps 3 ";
+    const auto single = run_shell(w.train(0, "lora_single", lora + "--train_batch_size 2"));
+    ASSERT_EQ(single.exit_code, 0) << single.output;
+    const auto dp = run_shell(w.train(2, "lora_dp", lora + "--train_batch_size 1"));
+    ASSERT_EQ(dp.exit_code, 0) << dp.output;
+    const auto undropped =
+        run_shell(w.train(0, "lora_nodrop", lora + "--train_batch_size 2 --lora_dropout 0"));
+    ASSERT_EQ(undropped.exit_code, 0) << undropped.output;
+    auto adapters = [&](const std::string& name) {
+        std::map<std::string, at::Tensor> m;
+        for (auto& [k, v] : io::load_safetensors(w.out(name) / "pytorch_lora_weights.safetensors"))
+            m[k] = v.clone();
+        return m;
+    };
+    const auto a = adapters("lora_single");
+    const double diff = max_difference(a, adapters("lora_dp"));
+    std::printf("LoRA, lora_dropout 0.1: 2 ranks x batch 1 vs 1 x batch 2: max |dw| = %.3g\n", diff);
+    EXPECT_LE(diff, 1e-6);
+    // Dropout is on in these runs: without it the adapters train measurably differently.
+    const double dropout_effect = max_difference(a, adapters("lora_nodrop"));
+    std::printf("LoRA, lora_dropout 0.1 vs 0: max |dw| = %.3g\n", dropout_effect);
+    EXPECT_GT(dropout_effect, 1e-6);
+    EXPECT_GT(dropout_effect, 100 * diff);
 }
 
 TEST(DistTrain, ZeroOneEqualsPlainDataParallelAndResumesOnOneRank) {
@@ -201,6 +231,22 @@ TEST(DistTrain, KilledRankStopsTheOthersAndIsNamed) {
     EXPECT_TRUE(contains(output, "rank 1 (local rank 1")) << output;
     EXPECT_TRUE(contains(output, "killed by signal 9")) << output;
     EXPECT_EQ(child_with_rank(launcher, 0), -1);  // rank 0 is gone too
+}
+
+TEST(DistTrain, RankZeroFailingInDataSetupIsWhatTheOtherRankReports) {
+    // Issue #25: rank 0 failed while scanning the data (no images) and rank 1, stopped by the
+    // launcher before any step, printed "stop requested; saving a checkpoint at the end of this step".
+    Workspace w;
+    for (const auto& f : std::filesystem::directory_iterator(w.dir / "images"))
+        std::filesystem::remove(f.path());
+    const auto r = run_shell(w.train(2, "nodata", "--train_batch_size 1 --max_train_steps 2"));
+    EXPECT_NE(r.exit_code, 0) << r.output;
+    EXPECT_TRUE(contains(r.output, "no images were discovered")) << r.output;
+    EXPECT_FALSE(contains(r.output, "saving a checkpoint")) << r.output;
+    // Rank 1 learns it through the fault channel ("rank 1 stops because rank 0 failed …") or from
+    // the launcher's SIGTERM ("rank 0 failed, so dtune launch is stopping this rank"), whichever
+    // comes first; either way it names rank 0 and announces no checkpoint.
+    EXPECT_TRUE(line_with(r.output, "[rank 1]", "rank 0 failed")) << r.output;
 }
 
 TEST(DistTrain, InjectedGpuFaultPostsGpuFaultStopsEveryRankAndExits75) {

@@ -76,4 +76,18 @@ TEST(PipelineFolderUnit, VaeOverrideResolution) {
     EXPECT_EQ(p.vae_path(), dir / "fixvae");
 }
 
+TEST(PipelineFolderUnit, ModelFolderWithoutVaeIsNotCalledAHubId) {
+    // Issue #25: a relative "sdxl-base/vae" whose sdxl-base/ exists but has no vae/ was called a
+    // Hugging Face hub id with a download suggestion.
+    test::TempDir dir;
+    std::filesystem::create_directories(dir / "sdxl-base" / "unet");
+    const auto cwd = std::filesystem::current_path();
+    std::filesystem::current_path(dir.path());
+    const std::string m = error_of<DataError>([] { resolve_vae_path("sdxl-base/vae"); });
+    std::filesystem::current_path(cwd);
+    EXPECT_NE(m.find("the folder sdxl-base has no vae/ folder"), std::string::npos) << m;
+    EXPECT_EQ(m.find("hub id"), std::string::npos) << m;
+    EXPECT_EQ(m.find("huggingface-cli"), std::string::npos) << m;
+}
+
 }  // namespace dtune::models

@@ -259,6 +259,40 @@ TEST(DatasetSource, EffectiveBatchSizeErrorUsesSimpleTunersText) {
     }
 }
 
+TEST(DatasetSource, OversubscriptionFillsADatasetSmallerThanOneBatchOnOneProcess) {
+    // Issue #25 (README "Training data", quickstart §4): 3 images, train_batch_size 4, one process.
+    Workspace s(3, 0);
+    auto o = s.options(4);
+    o.allow_dataset_oversubscription = true;
+    DatasetBatchSource src(o, fake_encoders(std::make_shared<Counters>()));
+    EXPECT_EQ(src.batches_per_epoch(), 2);  // repeats 1 (auto) → 6 → 8 scheduled → 2 batches of 4
+    auto g = unused_generator();
+    std::multiset<std::string> seen;
+    for (int i = 0; i < 2; ++i) {
+        const TrainBatch b = src.next(g);
+        ASSERT_EQ(b.latents.size(0), 4);
+        seen.insert(b.paths.begin(), b.paths.end());
+    }
+    EXPECT_EQ(std::set<std::string>(seen.begin(), seen.end()).size(), 3u);
+}
+
+TEST(DatasetSource, ImagesRemovedByAFilterAreNamedAndCountedInTheError) {
+    // Issue #25: every image under minimum_image_size gave the batch-size advice and a summary
+    // saying "0 excluded".
+    Workspace s(3, 0);  // 256×128
+    s.entry["minimum_image_size"] = 300;
+    try {
+        DatasetBatchSource src(s.options(2), fake_encoders(std::make_shared<Counters>()));
+        FAIL() << "expected the no-usable-samples error";
+    } catch (const UsageError& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find("(id=pics) Dataset produced no usable samples"), std::string::npos) << m;
+        EXPECT_NE(m.find("3 removed by minimum_image_size 300"), std::string::npos) << m;
+        EXPECT_EQ(m.find("Lower train_batch_size"), std::string::npos) << m;
+        EXPECT_NE(m.find("3 excluded"), std::string::npos) << m;  // the summary agrees
+    }
+}
+
 TEST(DatasetSource, TwoRanksServeDisjointSlicesOfTheSameGlobalBatch) {
     Workspace s;
     auto c0 = std::make_shared<Counters>(), c1 = std::make_shared<Counters>();

@@ -176,5 +176,40 @@ TEST(LoRATrain, SeededDropoutReplaysUnderGradientCheckpointing) {
     EXPECT_GT(seed_effect, 1e-6);  // and the masks do depend on the seed
 }
 
+TEST(LoRATrain, DropoutMasksOfTwoRanksAreTheGlobalBatchsRows) {
+    // Issue #25: each rank drew its masks for its own rows, so N ranks × b differed from one
+    // process × N·b with dropout on. Both ranks' outputs must be rows of the one-process output.
+    auto unet = tiny_unet();
+    models::LoRAConfig lc;
+    lc.rank = 4;
+    lc.dropout = 0.5;
+    models::LoRAAdapters adapters = models::inject_lora(*unet, lc);
+    {
+        at::NoGradGuard no_grad;
+        auto gen = at::detail::createCPUGenerator(99);
+        for (auto& t : adapters.parameters()) t.copy_(at::randn(t.sizes(), gen) * 0.1);  // non-zero B
+    }
+    unet->train();
+    const UNetInputs in;
+    const int64_t batch = in.get("sample").size(0);
+    ASSERT_GE(batch, 2);
+    auto forward = [&](int rank, int world, uint64_t seed = 5) {
+        adapters.set_dropout_seed(seed, rank, world);
+        at::NoGradGuard no_grad;
+        const int64_t n = batch / world, lo = rank * n;
+        auto rows = [&](const char* name) {
+            const at::Tensor t = in.get(name);
+            return t.dim() == 0 ? t : t.narrow(0, lo, n);
+        };
+        return unet->forward(rows("sample"), rows("timestep"), rows("encoder_hidden_states"),
+                             {rows("text_embeds"), rows("time_ids")});
+    };
+    const at::Tensor whole = forward(0, 1);  // [B, C, H, W]
+    const at::Tensor split = at::cat({forward(0, 2), forward(1, 2)});
+    const at::Tensor other = forward(0, 1, 6);
+    EXPECT_LE(max_diff(whole, split), 1e-5);
+    EXPECT_GT(max_diff(whole, other), 1e-4);  // the masks matter at this scale
+}
+
 }  // namespace
 }  // namespace dtune::train

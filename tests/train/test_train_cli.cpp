@@ -381,6 +381,49 @@ TEST(TrainCli, MissingModelFolderExitsWith3) {
     EXPECT_NE(out.find((w.dir / "no_model").string()), std::string::npos) << out;
 }
 
+TEST(TrainCli, RelativeModelPathNamesTheWorkingDirectory) {
+    // Issue #25: relative paths resolve against the working directory; the error must say which.
+    Workspace w;
+    std::filesystem::create_directories(w.dir / "elsewhere");
+    const std::string out =
+        train_output("cd '" + (w.dir / "elsewhere").string() + "' && " + std::string(DTUNE_BIN) +
+                     " train --config '" + w.config.string() + "' --output_dir '" + (w.dir / "out").string() +
+                     "' --pretrained_model_name_or_path sdxl-base 2>&1");
+    EXPECT_EQ(out.rfind("3: ", 0), 0u) << out;
+    EXPECT_NE(out.find("pretrained_model_name_or_path \"sdxl-base\" is not a local folder (a relative path "
+                       "starts at the working directory " +
+                       std::filesystem::weakly_canonical(w.dir / "elsewhere").string()),
+              std::string::npos)
+        << out;
+}
+
+TEST(TrainCli, ModelFolderWithoutVaeSaysSoInsteadOfHubAdvice) {
+    // Issue #25: "using the model's own VAE …/vae", then that path called a hub id to download.
+    Workspace w;
+    const auto model = w.dir / "sdxl-base";
+    std::filesystem::copy(test::fixtures_dir() / "tiny-sdxl", model,
+                          std::filesystem::copy_options::recursive);
+    std::filesystem::remove_all(model / "vae");
+    const std::string out =
+        train_output("cd '" + w.dir.path().string() + "' && " + std::string(DTUNE_BIN) + " train --config '" +
+                     w.config.string() + "' --output_dir '" + (w.dir / "out").string() +
+                     "' --pretrained_model_name_or_path sdxl-base 2>&1");
+    EXPECT_EQ(out.rfind("3: ", 0), 0u) << out;
+    EXPECT_NE(out.find("the model folder sdxl-base has no vae/ folder"), std::string::npos) << out;
+    EXPECT_EQ(out.find("hub id"), std::string::npos) << out;
+}
+
+TEST(TrainCli, HelpSaysAwsDatasetsStreamWithoutALocalCopy) {
+    // Issue #25: the help said aws datasets were "mirrored to output_dir/cache/s3/<id>"; they are
+    // read from the bucket (TrainS3.ImagesAndParquetInTheBucketCachesLocal checks no mirror exists).
+    const std::string help = train_output(std::string(DTUNE_BIN) + " train --help 2>&1");
+    EXPECT_EQ(help.rfind("0: ", 0), 0u) << help;
+    EXPECT_EQ(help.find("cache/s3"), std::string::npos) << help;
+    EXPECT_EQ(help.find("mirrored"), std::string::npos) << help;
+    EXPECT_NE(help.find("nothing is copied to local disk first"), std::string::npos) << help;
+    EXPECT_NE(help.find("Relative paths"), std::string::npos) << help;
+}
+
 TEST(TrainCli, DamagedCheckpointNamesItselfAndTheWayOut) {
     Workspace w;
     ASSERT_EQ(run_status(w.command("out", "--max_train_steps 1")), 0) << fs::read_file(w.dir / "log.txt");

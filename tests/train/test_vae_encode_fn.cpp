@@ -4,7 +4,10 @@
 // variant gives the same latents in the standard layout; so does the NHWC GroupNorm.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
 #include <torch/torch.h>
+#include <filesystem>
+#include <fstream>
 
 #include "models/common/blocks.h"
 #include "models/vae/autoencoder_kl.h"
@@ -85,6 +88,28 @@ TEST_F(VaeEncodeFnTest, NhwcGroupNormMatchesGroupNorm) {
                                                {.channels_last = true})(images, salts);
     models::set_group_norm_nhwc(false);
     EXPECT_TRUE(at::allclose(nhwc, plain, 1e-4, 1e-5)) << (nhwc - plain).abs().max().item<double>();
+}
+
+TEST(TextEncoderIdentity, FollowsTheEncoderFilesNotTheFolder) {
+    // Issue #25: the text cache is keyed by the encoders; a copy of the same files elsewhere keeps
+    // the identity, another tokenizer or encoder gets another.
+    namespace stdfs = std::filesystem;
+    test::TempDir dir;
+    for (const char* model : {"a", "b"})
+        for (const char* part : {"text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "unet"})
+            stdfs::copy(test::fixtures_dir() / "tiny-sdxl" / part, dir / model / part,
+                        stdfs::copy_options::recursive);
+    const std::string a = text_encoder_identity(dir / "a");
+    EXPECT_EQ(a, text_encoder_identity(dir / "b"));
+    // The UNet is not part of it.
+    stdfs::remove_all(dir / "b" / "unet");
+    EXPECT_EQ(a, text_encoder_identity(dir / "b"));
+    stdfs::path vocab;
+    for (const auto& e : stdfs::directory_iterator(dir / "b" / "tokenizer_2"))
+        if (e.is_regular_file()) vocab = e.path();
+    ASSERT_FALSE(vocab.empty());
+    std::ofstream(vocab, std::ios::app) << " ";
+    EXPECT_NE(a, text_encoder_identity(dir / "b"));
 }
 
 }  // namespace

@@ -242,7 +242,13 @@ at::Tensor LoRALayer::dropout(const at::Tensor& x) {
         dropout_generator_->set_current_seed(*dropout_seed_);
     }
     // Inverted dropout as at::dropout computes it: keep with probability 1 - p, scale by 1 / (1 - p).
-    const at::Tensor keep = at::empty_like(x).bernoulli_(1.0 - dropout_, *dropout_generator_);  // like x
+    // The mask is drawn for the global batch ([world·n, ...], the same draws on every rank and in
+    // one process of batch world·n) and this rank's rows are kept; clone() frees the rest.
+    std::vector<int64_t> global = x.sizes().vec();
+    global[0] *= dropout_world_;
+    at::Tensor keep = at::empty(global, x.options().memory_format(x.suggest_memory_format()))
+                          .bernoulli_(1.0 - dropout_, *dropout_generator_);  // [world·n, ...]
+    if (dropout_world_ > 1) keep = keep.narrow(0, dropout_rank_ * x.size(0), x.size(0)).clone();  // like x
     return x * keep.div_(1.0 - dropout_);
 }
 
@@ -348,13 +354,13 @@ std::vector<at::Tensor> LoRAAdapters::parameters() const {
     return out;
 }
 
-void LoRAAdapters::set_dropout_seed(uint64_t seed) {
+void LoRAAdapters::set_dropout_seed(uint64_t seed, int rank, int world_size) {
     for (std::size_t i = 0; i < entries_.size(); ++i) {
         // splitmix64 of (seed, index): independent streams per layer from one draw.
         uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (i + 1);
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
         z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-        entries_[i].layer->set_dropout_seed(z ^ (z >> 31));
+        entries_[i].layer->set_dropout_seed(z ^ (z >> 31), rank, world_size);
     }
 }
 

@@ -110,7 +110,14 @@ class LoRALayer : public LayerAdapter {
     // Seeds this layer's dropout masks: with a seed set, every training forward draws its mask from a
     // generator reset to `seed`, so a gradient-checkpointed block that recomputes its forward in
     // backward sees the same mask. Without one, masks come from the global generator (at::dropout).
-    void set_dropout_seed(uint64_t seed) { dropout_seed_ = seed; }
+    // Data parallel: with `world_size` > 1 the mask is drawn for the global batch (input rows ×
+    // world_size, every rank from the same seed) and this rank keeps rows [rank·n, (rank+1)·n), so
+    // N ranks × batch b draw the masks one process draws for batch N·b.
+    void set_dropout_seed(uint64_t seed, int rank = 0, int world_size = 1) {
+        dropout_seed_ = seed;
+        dropout_rank_ = rank;
+        dropout_world_ = world_size;
+    }
 
     at::Tensor& down() { return down_; }            // lora_A.weight
     at::Tensor& up() { return up_; }                // lora_B.weight
@@ -152,6 +159,7 @@ class LoRALayer : public LayerAdapter {
     bool merged_ = false;
     bool enabled_ = true;
     std::optional<uint64_t> dropout_seed_;
+    int dropout_rank_ = 0, dropout_world_ = 1;        // this rank's rows of the global-batch mask
     std::optional<at::Generator> dropout_generator_;  // on the input's device, reseeded per forward
 };
 
@@ -183,8 +191,8 @@ class LoRAAdapters {
     void set_enabled(bool enabled);
 
     // Gives every layer its own dropout seed derived from `seed` and its index (call once per
-    // training forward with a fresh seed; see LoRALayer::set_dropout_seed).
-    void set_dropout_seed(uint64_t seed);
+    // training forward with a fresh seed, the same on every rank; see LoRALayer::set_dropout_seed).
+    void set_dropout_seed(uint64_t seed, int rank = 0, int world_size = 1);
 
   private:
     LoRAConfig config_;

@@ -86,6 +86,12 @@ stdfs::path resolve_vae_path(const stdfs::path& path) {
                 " has neither config.json nor vae/config.json; pass a diffusers AutoencoderKL folder"));
     }
     const std::string s = path.string();
+    // "sdxl-base/vae" is shaped like a hub id; when sdxl-base is a local folder it is a model
+    // folder that lacks its vae/.
+    if (path.has_parent_path() && stdfs::is_directory(path.parent_path()))
+        throw DataError(str("pretrained_vae_model_name_or_path ", s, ": the folder ",
+                            path.parent_path().string(), " has no ", path.filename().string(),
+                            "/ folder; copy a diffusers VAE there or pass a local VAE folder or file"));
     const bool looks_like_hub_id =
         !s.empty() && s[0] != '/' && s[0] != '.' && std::count(s.begin(), s.end(), '/') == 1;
     if (looks_like_hub_id)
