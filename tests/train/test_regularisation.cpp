@@ -73,7 +73,9 @@ TEST(Regularisation, LoRABatchTrainsTowardTheBaseModelsPrediction) {
     auto base = tiny_unet();
     const at::Tensor base_pred = forward(*base, batch, d);
     EXPECT_TRUE(at::equal(m.timesteps, d.t));
-    EXPECT_LE(max_diff(m.target, base_pred), 1e-6);
+    // Same weights, another module path (a disabled LoRA layer vs a plain one): float rounding only,
+    // which differs between CPU kernels (1e-6 was exceeded on a machine with other SIMD kernels).
+    EXPECT_LE(max_diff(m.target, base_pred), 2e-5);
     EXPECT_FALSE(m.target.requires_grad());
     EXPECT_GT(max_diff(m.target, d.noise), 0.1) << "the target is still the noise";
 

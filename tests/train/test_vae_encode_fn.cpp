@@ -95,10 +95,12 @@ TEST(TextEncoderIdentity, FollowsTheEncoderFilesNotTheFolder) {
     // the identity, another tokenizer or encoder gets another.
     namespace stdfs = std::filesystem;
     test::TempDir dir;
-    for (const char* model : {"a", "b"})
+    for (const char* model : {"a", "b"}) {
+        stdfs::create_directories(dir / model);
         for (const char* part : {"text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "unet"})
             stdfs::copy(test::fixtures_dir() / "tiny-sdxl" / part, dir / model / part,
                         stdfs::copy_options::recursive);
+    }
     const std::string a = text_encoder_identity(dir / "a");
     EXPECT_EQ(a, text_encoder_identity(dir / "b"));
     // The UNet is not part of it.
