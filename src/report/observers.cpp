@@ -31,15 +31,45 @@ void TensorBoardCallback::on_step_end(train::Trainer&, const train::StepReport& 
     writer_->add_scalar("train/img_per_s", r.img_per_s, r.step);
     writer_->add_scalar("train/samples_seen", static_cast<double>(r.samples_seen), r.step);
     if (r.gpu_memory_gib) writer_->add_scalar("train/gpu_memory_gib", *r.gpu_memory_gib, r.step);
+    check_writes();
 }
 
 void TensorBoardCallback::add_scalar(const std::string& tag, double value, int64_t step) {
-    if (writer_) writer_->add_scalar(tag, value, step);
+    if (!writer_) return;
+    writer_->add_scalar(tag, value, step);
+    check_writes();
 }
 
 void TensorBoardCallback::add_png(const std::string& tag, int width, int height, std::string png,
                                   int64_t step) {
-    if (writer_) writer_->add_image(tag, ImageSummary{width, height, 3, std::move(png)}, step);
+    if (!writer_) return;
+    writer_->add_image(tag, ImageSummary{width, height, 3, std::move(png)}, step);
+    check_writes();
+}
+
+void TensorBoardCallback::check_writes() {
+    const bool holding = writer_->held() > 0;
+    if (holding && !holding_)
+        log::warn() << "writing " << writer_->path().string() << " failed (" << writer_->error()
+                    << "): TensorBoard records are kept in memory and written when the disk has space "
+                    << "again; free space on " << writer_->path().parent_path().string();
+    else if (!holding && holding_)
+        log::info() << "the held TensorBoard records were written to " << writer_->path().string();
+    holding_ = holding;
+}
+
+void TensorBoardCallback::on_train_end(train::Trainer&, const train::TrainResult&) {
+    if (!writer_ || writer_->retry()) return;
+    throw DataError(str(writer_->held(), " TensorBoard record(s) could not be written to ",
+                        writer_->path().string(), " (", writer_->error(),
+                        "); the records before them are whole. Free space on that disk: the checkpoints "
+                        "saved so far are intact"));
+}
+
+void TensorBoardCallback::on_error(train::Trainer&, const std::exception&) {
+    if (writer_ && !writer_->retry())
+        log::warn() << writer_->held() << " TensorBoard record(s) could not be written to "
+                    << writer_->path().string() << " (" << writer_->error() << ")";
 }
 
 nlohmann::json dataset_summary(const train::TrainConfig& config) {
