@@ -4,9 +4,11 @@
 #include <c10/util/Exception.h>
 
 #include <cstdio>
+#include <memory>
 
 #include "cli/command.h"
 #include "core/error.h"
+#include "core/interrupted.h"
 #include "core/log.h"
 #include "health/breaker.h"
 #include "report/observers.h"
@@ -40,7 +42,14 @@ int run_train(const std::vector<std::string>& args) {
             "see `dtune train --help`");
     train::TrainConfig config = train::TrainConfig::load(config_file, overrides);
     train::install_stop_signal_handlers();
-    train::Trainer trainer(std::move(config));
+    std::unique_ptr<train::Trainer> built;
+    try {
+        built = std::make_unique<train::Trainer>(std::move(config));
+    } catch (const Interrupted& e) {  // a signal during the cache build: no step ran, nothing to save
+        log::info() << e.what();
+        return static_cast<int>(ExitCode::kInterrupted);
+    }
+    train::Trainer& trainer = *built;
     train::add_run_observers(trainer, trainer.config());
     report::add_observers(trainer);  // TensorBoard, validation, eval loss, report.html
     train::TrainResult result;
@@ -95,14 +104,15 @@ std::string train_usage() {
            "    components) and, with export_single_file, sdxl_checkpoint.safetensors (single-file SDXL\n"
            "    for ComfyUI/A1111 models/checkpoints/); with use_ema the EMA weights are exported.\n"
            "A run resumes from the newest complete checkpoint (resume_from_checkpoint latest);\n"
-           "incomplete ones are skipped. Ctrl-C or SIGTERM saves a checkpoint and exits with code 4; a\n"
+           "incomplete ones are skipped. Ctrl-C or SIGTERM saves a checkpoint and exits with code 4 (during\n"
+           "the cache build: stops within one encoder batch, keeps the entries, saves no checkpoint); a\n"
            "second signal exits at once. At the end, webhooks get 15 s at most to deliver the last events\n"
            "(what is left is dropped with one warning); a signal during that wait ends it at once, with the\n"
-           "run's exit code. config.resolved.json and report.html never hold secrets: webhook URLs keep "
-           "only\n"
-           "their host, URL passwords and query values, auth_token and aws_* keys read <redacted>.\n"
-           "mixed_precision fp16 uses dynamic loss scaling; on the CPU\n"
-           "there is no autocast (bf16/fp16 compute in float32).\n"
+           "run's exit code. output_dir is locked while a run uses it (output_dir/dtune.lock): a second run\n"
+           "on it exits 2 naming the first. config.resolved.json and report.html never hold secrets:\n"
+           "webhook URLs keep only their host, URL passwords and query values, auth_token and aws_* keys\n"
+           "read <redacted>. mixed_precision fp16 uses dynamic loss scaling; on the CPU there is no\n"
+           "autocast (bf16/fp16 compute in float32).\n"
            "Data: every enabled image dataset of data_backend_config (multidatabackend.json; type local,\n"
            "aws (read straight from the bucket: nothing is copied to local disk first), or csv: images\n"
            "listed by URL or path in csv_file, downloaded once into csv_cache_dir, captions from\n"

@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/interrupted.h"
 #include "core/log.h"
 #include "core/progress.h"
 #include "core/thread_pool.h"
@@ -237,10 +238,16 @@ class LatentPipeline {
         report_.stages.write = 1e-9 * double(write_ns_.load());
     }
 
-    void run(const std::vector<std::vector<const LatentRequest*>>& batches) {
+    // False when options.should_stop ended it early (the batches encoded by then are written).
+    bool run(const std::vector<std::vector<const LatentRequest*>>& batches) {
         size_t next = 0;
         std::optional<EncodedBatch> in_flight;
+        bool stopped = false;
         while (next < batches.size() || !queue_.empty()) {
+            if (options_.should_stop && options_.should_stop()) {
+                stopped = true;
+                break;
+            }
             while (next < batches.size() && queue_.size() < depth_ + 1)
                 queue_.push_back(start_decode(batches[next++]));
             PendingBatch batch = std::move(queue_.front());
@@ -258,6 +265,7 @@ class LatentPipeline {
         if (in_flight) finish(*in_flight);
         for (auto& w : writes_) w.get();
         writes_.clear();
+        return !stopped;
     }
 
   private:
@@ -376,8 +384,13 @@ CacheBuildReport build_latent_cache(const LatentCache& cache,
             std::move(order), [&images](const std::string& p) { return images.read(p); },
             images.max_parallel_reads());
     }
-    LatentPipeline(cache, encode, options, pool, report, found, progress, ahead.get()).run(batches);
+    const bool done =
+        LatentPipeline(cache, encode, options, pool, report, found, progress, ahead.get()).run(batches);
     progress.finish();
+    if (!done)
+        throw Interrupted(str("stopped by a signal while building the cache (", options.label,
+                              "): ", progress.count(), " of ", report.total, " entries are done and kept in ",
+                              cache.settings().cache_dir, "; run the same command again to continue"));
     report.skipped = static_cast<int64_t>(report.skipped_files.size());
     for (const auto& [file, why] : report.skipped_files) log::warn() << "skipped " << file << ": " << why;
     write_report(options.report_path, report.skipped_files);

@@ -61,6 +61,9 @@ struct CacheBuildOptions {
     std::string label = "caching";
     // Where unreadable images are listed ({path: reason} JSON); empty: no file.
     std::string report_path;
+    // Polled between encoder batches: true stops the build once the batches already encoded are
+    // written (they stay valid entries), and it throws Interrupted. Null: never stops.
+    std::function<bool()> should_stop;
 };
 
 struct CacheBuildReport {

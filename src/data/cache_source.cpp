@@ -7,6 +7,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/interrupted.h"
 #include "core/log.h"
 #include "core/progress.h"
 #include "core/thread_pool.h"
@@ -48,17 +49,30 @@ class CachedLatentSource final : public LatentSource {
     at::Tensor get(const std::vector<LatentRequest>& batch) override {
         DTUNE_CHECK(!batch.empty(), "latents asked for an empty batch");
         std::vector<at::Tensor> out(batch.size());  // each [C, h, w]
+        std::vector<EntryLookup> found;
         if (mode_ == LatentMode::kCache) {
             std::vector<const LatentRequest*> requests;
             for (const auto& r : batch) requests.push_back(&r);
-            std::vector<EntryLookup> found = cache_->load_many(requests, pool_);
+            found = cache_->load_many(requests, pool_);
             for (size_t i = 0; i < batch.size(); ++i)
                 if (found[i].status == EntryStatus::kValid) out[i] = found[i].value;
         }
         std::vector<size_t> missing;
         for (size_t i = 0; i < batch.size(); ++i)
             if (!out[i].defined()) missing.push_back(i);
-        if (!missing.empty()) encode_missing(batch, missing, out);
+        if (missing.empty()) return at::stack(out);  // [B, C, h, w]
+        try {
+            encode_missing(batch, missing, out);
+        } catch (const DataError& e) {
+            if (found.empty()) throw;  // vae_cache_disable: the image's own error names it
+            // Name the entries that sent this batch to the encoder, and why they were unusable.
+            std::string entries;
+            for (size_t i : missing)
+                entries +=
+                    str(entries.empty() ? "" : "; ", cache_->entry_path(batch[i]).string(), " (latents of ",
+                        batch[i].path, ": ", found[i].reason.empty() ? "missing" : found[i].reason, ")");
+            throw DataError(str("latent cache entry ", entries, ": ", e.what()));
+        }
         return at::stack(out);  // [B, C, h, w]
     }
 
@@ -168,6 +182,13 @@ CacheBuildReport build_text_cache(const TextEmbedCache& cache, const std::vector
         {.label = options.label, .unit = "prompt", .units = "prompts", .quiet = !options.show_progress});
     std::vector<std::future<void>> writes;
     for (size_t i = 0; i < todo.size(); i += size_t(options.batch_size)) {
+        if (options.should_stop && options.should_stop()) {
+            for (auto& w : writes) w.get();  // the embeddings encoded so far stay valid entries
+            progress.finish();
+            throw Interrupted(str("stopped by a signal while building the cache (", options.label, "): ", i,
+                                  " of ", todo.size(), " captions encoded and kept in ",
+                                  cache.settings().cache_dir, "; run the same command again to continue"));
+        }
         const std::vector<std::string> chunk(
             todo.begin() + long(i),
             todo.begin() + long(std::min(todo.size(), i + size_t(options.batch_size))));

@@ -6,7 +6,6 @@
 #include <c10/core/InferenceMode.h>
 
 #include <cmath>
-#include <fstream>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -148,16 +147,19 @@ double EvalLossCallback::evaluate(train::Trainer& trainer, int64_t step) {
     if (samples_.empty()) prepare(trainer);
     const auto ts = trailing_timesteps(schedule_->num_train_timesteps(), options_.num_timesteps);
     const double loss = eval_loss(*trainer.unet(), *schedule_, prediction_, samples_, ts);
-    std::ofstream out(trainer.output_dir() / "eval.jsonl", std::ios::app);
-    out << nlohmann::json{{"step", step},
-                          {"eval_loss", loss},
-                          {"images", samples_.size()},
-                          {"timesteps", options_.num_timesteps}}
-               .dump()
-        << "\n";
+    if (!log_) log_ = std::make_unique<train::RunLog>(trainer.output_dir() / "eval.jsonl");
+    log_->append({{"step", step},
+                  {"eval_loss", loss},
+                  {"images", samples_.size()},
+                  {"timesteps", options_.num_timesteps}});
     if (sink_) sink_(step, loss);
     log::info() << "eval loss at step " << step << ": " << loss;
     return loss;
+}
+
+void EvalLossCallback::on_train_start(train::Trainer& trainer) {
+    if (trainer.is_main_process())
+        train::cut_log_after_step(trainer.output_dir() / "eval.jsonl", trainer.global_step());
 }
 
 void EvalLossCallback::on_step_end(train::Trainer& trainer, const train::StepReport& report) {
@@ -169,6 +171,11 @@ void EvalLossCallback::on_train_end(train::Trainer& trainer, const train::TrainR
     if (trainer.is_main_process() && result.outcome == train::TrainOutcome::kCompleted &&
         last_step_ != result.global_step)
         evaluate(trainer, result.global_step);
+    if (log_) log_->finish();
+}
+
+void EvalLossCallback::on_error(train::Trainer&, const std::exception&) {
+    if (log_) log_->finish_quietly();
 }
 
 std::shared_ptr<EvalLossCallback> make_eval_loss_callback(const train::TrainConfig& config) {

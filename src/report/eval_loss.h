@@ -21,6 +21,7 @@
 #include "diffusion/noise_schedule.h"
 #include "train/callbacks.h"
 #include "train/config.h"
+#include "train/run_logs.h"
 
 namespace dtune::models {
 class UNet2DConditionModelImpl;
@@ -57,8 +58,11 @@ class EvalLossCallback final : public train::TrainCallback {
     ~EvalLossCallback() override;
 
     void set_scalar_sink(std::function<void(int64_t, double)> sink) { sink_ = std::move(sink); }
+    // Drops eval.jsonl rows after the step the run starts from (they are computed again).
+    void on_train_start(train::Trainer& trainer) override;
     void on_step_end(train::Trainer& trainer, const train::StepReport& report) override;
     void on_train_end(train::Trainer& trainer, const train::TrainResult& result) override;
+    void on_error(train::Trainer& trainer, const std::exception& error) override;
     // Scores the current weights and appends to eval.jsonl; returns the loss.
     double evaluate(train::Trainer& trainer, int64_t step);
 
@@ -71,6 +75,7 @@ class EvalLossCallback final : public train::TrainCallback {
     diffusion::PredictionType prediction_ = diffusion::PredictionType::kEpsilon;
     std::function<void(int64_t, double)> sink_;
     int64_t last_step_ = -1;
+    std::unique_ptr<train::RunLog> log_;  // eval.jsonl, opened at the first row
 };
 
 // The callback when the config's data_backend_config has an eval dataset and eval_loss_disable is

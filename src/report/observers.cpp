@@ -51,17 +51,51 @@ void TensorBoardCallback::on_step_end(train::Trainer&, const train::StepReport& 
         if (r.regularisation_loss)
             writer_->add_scalar("train/regularisation_loss", *r.regularisation_loss, r.step);
         if (r.regularisation_step) writer_->add_scalar("train/regularisation_grad_norm", r.grad_norm, r.step);
+        check_writes();
     });
 }
 
 void TensorBoardCallback::add_scalar(const std::string& tag, double value, int64_t step) {
-    if (writer_) guarded([&] { writer_->add_scalar(tag, value, step); });
+    if (writer_)
+        guarded([&] {
+            writer_->add_scalar(tag, value, step);
+            check_writes();
+        });
 }
 
 void TensorBoardCallback::add_png(const std::string& tag, int width, int height, std::string png,
                                   int64_t step) {
     if (writer_)
-        guarded([&] { writer_->add_image(tag, ImageSummary{width, height, 3, std::move(png)}, step); });
+        guarded([&] {
+            writer_->add_image(tag, ImageSummary{width, height, 3, std::move(png)}, step);
+            check_writes();
+        });
+}
+
+void TensorBoardCallback::check_writes() {
+    const bool holding = writer_->held() > 0;
+    if (holding && !holding_)
+        log::warn() << "writing " << writer_->path().string() << " failed (" << writer_->error()
+                    << "): TensorBoard records are kept in memory and written when the disk has space "
+                    << "again; free space on " << writer_->path().parent_path().string();
+    else if (!holding && holding_)
+        log::info() << "the held TensorBoard records were written to " << writer_->path().string();
+    holding_ = holding;
+}
+
+// Records still held at the end are lost: a warning, since TensorBoard only mirrors metrics.jsonl
+// (whose own rows are never dropped silently) and must not fail a finished run.
+void TensorBoardCallback::on_train_end(train::Trainer&, const train::TrainResult&) {
+    if (!writer_ || writer_->retry()) return;
+    log::warn() << writer_->held() << " TensorBoard record(s) could not be written to "
+                << writer_->path().string() << " (" << writer_->error()
+                << "); the records before them are whole, and metrics.jsonl holds every step";
+}
+
+void TensorBoardCallback::on_error(train::Trainer&, const std::exception&) {
+    if (writer_ && !writer_->retry())
+        log::warn() << writer_->held() << " TensorBoard record(s) could not be written to "
+                    << writer_->path().string() << " (" << writer_->error() << ")";
 }
 
 nlohmann::json dataset_summary(const train::TrainConfig& config) {

@@ -28,11 +28,18 @@ class TensorBoardCallback final : public train::TrainCallback {
     void add_scalar(const std::string& tag, double value, int64_t step);
     void add_png(const std::string& tag, int width, int height, std::string png, int64_t step);
 
+    void on_train_end(train::Trainer& trainer, const train::TrainResult& result) override;
+    void on_error(train::Trainer& trainer, const std::exception& error) override;
+
   private:
     // Runs a write; a failure is a warning and ends TensorBoard logging, never the run.
     template <typename F>
     void guarded(F&& write);
+    // Says once when records start being held (disk full) and when they are written again.
+    void check_writes();
+
     std::unique_ptr<EventWriter> writer_;
+    bool holding_ = false;
 };
 
 // Rewrites output_dir/report.html at each checkpoint and at the end (or failure) of the run. It

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/append_log.h"
 #include "core/error.h"
 
 namespace dtune::report {
@@ -234,25 +235,29 @@ EventWriter::EventWriter(const std::filesystem::path& dir) {
     gethostname(host, sizeof(host) - 1);
     const auto t = static_cast<int64_t>(now_seconds());
     path_ = dir / str("events.out.tfevents.", t, ".", host, ".", getpid(), ".dtune");
-    file_ = std::fopen(path_.c_str(), "ab");
-    if (!file_)
-        throw DataError(str("cannot open ", path_.string(), " for writing: ", std::strerror(errno),
-                            "; check that output_dir is writable"));
+    log_ = std::make_unique<fs::AppendLog>(path_);
     Event first;
     first.wall_time = now_seconds();
     first.file_version = "brain.Event:2";
     write(first);
 }
 
-EventWriter::~EventWriter() {
-    if (file_) std::fclose(file_);
-}
+EventWriter::~EventWriter() = default;
 
 void EventWriter::write(const Event& event) {
-    const std::string rec = frame_record(encode_event(event));
-    if (std::fwrite(rec.data(), 1, rec.size(), file_) != rec.size() || std::fflush(file_) != 0)
-        throw DataError(
-            str("writing ", path_.string(), " failed: ", std::strerror(errno), "; is the disk full?"));
+    log_->append(frame_record(encode_event(event)));
+}
+
+std::size_t EventWriter::held() const {
+    return log_->held();
+}
+
+const std::string& EventWriter::error() const {
+    return log_->error();
+}
+
+bool EventWriter::retry() {
+    return log_->retry();
 }
 
 void EventWriter::add_scalar(const std::string& tag, double value, int64_t step) {

@@ -6,16 +6,21 @@
 // first record is the `file_version: "brain.Event:2"` event TensorBoard expects; field numbers
 // follow tensorflow/core/util/event.proto and summary.proto (Event: wall_time 1, step 2,
 // file_version 3, summary 5; Summary.value 1; Value: tag 1, simple_value 2, image 4; Image:
-// height 1, width 2, colorspace 3, encoded_image_string 4). Torch-free.
+// height 1, width 2, colorspace 3, encoded_image_string 4). Needs no TensorFlow or torch code.
 #pragma once
 
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
+
+namespace dtune::fs {
+class AppendLog;
+}
 
 namespace dtune::report {
 
@@ -52,7 +57,8 @@ std::string encode_event(const Event& event);
 Event decode_event(std::string_view bytes, const std::string& where);
 
 // Appends events to `<dir>/events.out.tfevents.<unix time>.<host>.<pid>.dtune` (TensorBoard
-// matches the "tfevents" part). Each add_* writes and flushes one record.
+// matches the "tfevents" part). Each add_* writes one whole record (fs::AppendLog): when the disk is
+// full the record is held, the file still ends with a whole record, and later writes retry it.
 class EventWriter {
   public:
     explicit EventWriter(const std::filesystem::path& dir);
@@ -63,12 +69,16 @@ class EventWriter {
     void add_scalar(const std::string& tag, double value, int64_t step);
     void add_image(const std::string& tag, const ImageSummary& image, int64_t step);
     const std::filesystem::path& path() const { return path_; }
+    // Records not written yet (disk full), why the last write failed, and one more try.
+    std::size_t held() const;
+    const std::string& error() const;
+    bool retry();
 
   private:
     void write(const Event& event);
 
     std::filesystem::path path_;
-    std::FILE* file_ = nullptr;
+    std::unique_ptr<fs::AppendLog> log_;
 };
 
 // Reads every complete record of an event file; DataError naming the file and offset on a bad

@@ -30,6 +30,15 @@ void write_json(const stdfs::path& path, const nlohmann::json& j) {
     fs::write_file_atomic(path, j.dump(2) + "\n");
 }
 
+// Deletes a checkpoint directory guard first: a removal cut short (a kill, a power cut) leaves a
+// directory without a guard, which resume skips and the next rotation deletes, never one whose
+// guard says complete while its weights are gone.
+void remove_checkpoint_dir(const stdfs::path& dir) {
+    std::error_code ec;
+    if (stdfs::remove(dir / kGuard, ec)) fs::sync_directory(dir);
+    stdfs::remove_all(dir);
+}
+
 }  // namespace
 
 stdfs::path checkpoint_tmp_dir(const stdfs::path& output_dir, int64_t global_step) {
@@ -73,7 +82,7 @@ stdfs::path save_checkpoint(const stdfs::path& output_dir, const CheckpointConte
                                  {"metadata", c.metadata}});
     fs::sync_directory(tmp);
     // Replace an older copy of the same step (e.g. an interrupted save, or the final save).
-    stdfs::remove_all(final_dir);
+    remove_checkpoint_dir(final_dir);
     stdfs::rename(tmp, final_dir);
     fs::sync_directory(output_dir);
     fs::write_file_atomic(final_dir / kGuard, "complete");
@@ -181,16 +190,39 @@ LoadedCheckpoint load_checkpoint(const stdfs::path& dir) {
 }
 
 void rotate_checkpoints(const stdfs::path& output_dir, int64_t limit) {
-    if (limit <= 0) return;
     const auto all = list_checkpoints(output_dir);
     std::vector<stdfs::path> complete;
-    for (const auto& [step, dir] : all)
-        if (checkpoint_problem(dir).empty()) complete.push_back(dir);
+    std::vector<std::pair<int64_t, stdfs::path>> incomplete;
+    for (const auto& [step, dir] : all) {
+        if (checkpoint_problem(dir).empty())
+            complete.push_back(dir);
+        else
+            incomplete.emplace_back(step, dir);
+    }
+    // Leftovers of saves or removals that were cut short: incomplete checkpoints older than the
+    // newest complete one (resume never picks them) and assembly folders (checkpoint-<N>-tmp; this
+    // process's own save is renamed by now, and only rank 0 calls this).
+    std::optional<int64_t> newest;
+    if (!complete.empty()) newest = checkpoint_step(complete.back());
+    for (const auto& [step, dir] : incomplete) {
+        if (!newest || step >= *newest) continue;
+        log::info() << "removing incomplete checkpoint " << dir.string() << " (" << checkpoint_problem(dir)
+                    << "; " << complete.back().filename().string() << " is newer and complete)";
+        remove_checkpoint_dir(dir);
+    }
+    static const std::regex tmp_pattern("checkpoint-[0-9]+-tmp");
+    std::error_code ec;
+    for (const auto& entry : stdfs::directory_iterator(output_dir, ec))
+        if (entry.is_directory() && std::regex_match(entry.path().filename().string(), tmp_pattern)) {
+            log::info() << "removing " << entry.path().string() << " (an interrupted checkpoint save)";
+            stdfs::remove_all(entry.path());
+        }
+    if (limit <= 0) return;
     const int64_t excess = static_cast<int64_t>(complete.size()) - limit;
     for (int64_t i = 0; i < excess; ++i) {
         log::info() << "removing old checkpoint " << complete[static_cast<size_t>(i)].string()
                     << " (checkpoints_total_limit " << limit << ")";
-        stdfs::remove_all(complete[static_cast<size_t>(i)]);
+        remove_checkpoint_dir(complete[static_cast<size_t>(i)]);
     }
 }
 

@@ -3,8 +3,10 @@
 //
 // Invariants: a checkpoint is written into `checkpoint-<step>-tmp`, renamed into place, and only then
 // gets its `.guard` file (content "complete", written atomically): a directory without a guard, or
-// missing a file its manifest lists, is incomplete and never resumed from. Rotation deletes the
-// oldest complete checkpoints beyond the limit, and incomplete ones older than the newest complete.
+// missing a file its manifest lists, is incomplete and never resumed from. Deleting a checkpoint
+// removes its guard first (then the rest), so a deletion cut short leaves an incomplete directory,
+// never a "complete" one without its weights. Rotation deletes the oldest complete checkpoints
+// beyond the limit, and incomplete ones older than the newest complete (and stale -tmp folders).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -72,7 +74,9 @@ std::optional<stdfs::path> resolve_resume_checkpoint(const stdfs::path& output_d
 
 LoadedCheckpoint load_checkpoint(const stdfs::path& dir);
 
-// Keeps the newest `limit` complete checkpoints (limit <= 0: keep all).
+// Keeps the newest `limit` complete checkpoints (limit <= 0: keep all), and deletes leftovers of
+// interrupted saves and removals: incomplete checkpoints older than the newest complete one and
+// `checkpoint-<N>-tmp` folders. Every removal deletes the guard first. Rank 0 only, after a save.
 void rotate_checkpoints(const stdfs::path& output_dir, int64_t limit);
 
 // The CPU generator's state as a tensor and back (CUDA generators when present: "cuda:N").

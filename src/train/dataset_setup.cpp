@@ -263,6 +263,7 @@ void build_text_caches(std::vector<LoadedDataset>& datasets, const DatasetSource
         opt.batch_size = std::max(1, batch_of.at(dir));
         opt.show_progress = o.show_progress && o.rank == 0;
         opt.label = "text embeds";
+        opt.should_stop = o.should_stop;
         const auto report = data::build_text_cache(*slot.first, slot.second, enc.text, opt, pool);
         log::info() << "text embeddings in " << dir << ": " << report.summary();
         for (auto& d : datasets)
@@ -286,6 +287,7 @@ void build_latent_caches(std::vector<LoadedDataset>& datasets, const data::DataB
         opt.show_progress = o.show_progress && o.rank == 0;
         opt.label = "latents " + d.config.id;
         opt.report_path = skip_report_path(d, o, o.rank);
+        opt.should_stop = o.should_stop;
         d.report.latents = data::build_latent_cache(*d.latent_cache, requests, enc.vae, opt, pool);
         log::info() << "latents of '" << d.config.id << "': " << d.report.latents.summary();
     }

@@ -73,6 +73,8 @@ struct DatasetSourceOptions {
     int rank = 0;
     int world_size = 1;
     std::function<void()> barrier;
+    // Polled between encoder batches of the cache builds; true stops them (Interrupted).
+    std::function<bool()> should_stop;
 };
 
 // What construction did with one dataset's caches (for logs and tests).

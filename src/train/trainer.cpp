@@ -6,10 +6,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
 #include <random>
 #include <set>
 
+#include "core/dir_lock.h"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/fs.h"
@@ -28,6 +28,7 @@
 #include "train/loss_scaler.h"
 #include "train/lr_schedule.h"
 #include "train/optimizer_offload.h"
+#include "train/run_logs.h"
 #include "train/sdxl_data_encoders.h"
 #include "train/signals.h"
 
@@ -113,6 +114,9 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     fs::require_writable_dir(config_.text("output_dir"), "output_dir");
     const std::filesystem::path vae_folder = vae_dir(config_, model_dir_);  // before any model loads
     const dist::DistEnv env = dist::read_dist_env();
+    // Before any cache or checkpoint work: a second run on this output_dir stops here (exit 2).
+    // Rank 0 holds the lock for the whole job; the other ranks, on this node or others, share it.
+    if (env.is_main()) output_lock_ = fs::DirLock::acquire(config_.text("output_dir"), "output_dir");
     device_ = DataParallel::pick_device(config_.text("device"), env, cuda_device_count());
     init_data_parallel(env);
     models::ComponentLoadOptions load;
@@ -148,6 +152,7 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     ds.rank = dp_->rank();
     ds.world_size = dp_->world_size();
     ds.barrier = dp_->barrier_function();
+    ds.should_stop = stop_requested;  // SIGINT/SIGTERM during the cache build stops it
     source_ = std::make_unique<DatasetBatchSource>(ds, load_sdxl_data_encoders(eo));
     const uint64_t resolved_seed = ds.seed;
     config_.set("seed", std::to_string(resolved_seed), "resolved seed");
@@ -358,7 +363,7 @@ double Trainer::train_one_step(double& grad_norm) {
     AdapterSwitch adapters;
     if (lora_) adapters = [this](bool on) { lora_->adapters().set_enabled(on); };
     for (int64_t micro = 0; micro < accum; ++micro) {
-        TrainBatch batch = source_->next(*generator_);
+        TrainBatch batch = next_batch(micro);
         apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_,
                               dp_->rank(), dp_->world_size());
         if (lora_)  // the LoRA dropout seed of this forward; masks of the global batch
@@ -398,6 +403,39 @@ double Trainer::train_one_step(double& grad_norm) {
     grad_norm = norm.defined() ? norm.item<double>() : 0.0;
     if (max_grad > 0 && !by_norm) clip_grad_value(params, max_grad);
     return loss_sum / static_cast<double>(accum);
+}
+
+TrainBatch Trainer::next_batch(int64_t micro) {
+    try {
+        return source_->next(*generator_);
+    } catch (const DataError&) {
+        failed_fetch_micro_ = micro;
+        throw;
+    }
+}
+
+void Trainer::save_after_fetch_error() noexcept {
+    if (failed_fetch_micro_ < 0 || !is_main_process()) return;
+    const int64_t step = global_step_ + 1;
+    const auto skip = [&](const std::string& why) {
+        log::warn() << "no checkpoint saved after the data error at step " << step << ": " << why;
+    };
+    try {
+        if (global_step_ == start_step_) return;  // nothing trained since the start or the resume
+        // Gradients of earlier micro-batches and the sampler position are mid-step then.
+        if (failed_fetch_micro_ > 0)
+            return skip(str("it came at micro-batch ", failed_fetch_micro_ + 1,
+                            " of the gradient accumulation; the last checkpoint is intact"));
+        if (dp_->world_size() > 1)
+            return skip("the other ranks are not at a point where they can save with this one");
+        for (const auto& p : trainable_)
+            if (!at::isfinite(p.tensor).all().item<bool>())
+                return skip(str("weight ", p.name, " is not finite; the last checkpoint is intact"));
+        save("the next batch could not be read");
+        log::info() << "fix the data and run the same command again to continue from step " << global_step_;
+    } catch (const std::exception& e) {
+        skip(str("saving failed too: ", e.what()));
+    }
 }
 
 void Trainer::save(const std::string& why) {
@@ -495,8 +533,8 @@ void Trainer::append_metrics(const StepReport& r) {
     if (r.gpu_memory_gib) row["gpu_memory_gib"] = *r.gpu_memory_gib;
     if (r.regularisation_loss) row["regularisation_loss"] = *r.regularisation_loss;
     if (r.regularisation_step) row["regularisation_grad_norm"] = r.grad_norm;
-    std::ofstream out(output_dir_ / "metrics.jsonl", std::ios::app);
-    out << row.dump() << "\n";
+    if (!metrics_log_) metrics_log_ = std::make_unique<RunLog>(output_dir_ / "metrics.jsonl");
+    metrics_log_->append(row);
 }
 
 void Trainer::write_final_outputs() {
@@ -508,6 +546,8 @@ TrainResult Trainer::run() {
     try {
         return run_loop();
     } catch (const std::exception& e) {
+        save_after_fetch_error();
+        if (metrics_log_) metrics_log_->finish_quietly();
         dp_->report_failure(e);  // first: the other ranks stop now, not at the collective timeout
         for (auto& cb : callbacks_) cb->on_error(*this, e);
         throw;
@@ -519,6 +559,9 @@ TrainResult Trainer::run_loop() {
     build_optimizer();
     start_ema();
     resume();
+    start_step_ = global_step_;
+    // Rows of steps after the resumed one (or all, when starting afresh) are written again.
+    if (is_main_process()) cut_log_after_step(output_dir_ / "metrics.jsonl", global_step_);
     init_graph();  // cuda_graph (trainer_graph.cpp)
     LRScheduleOptions lr_options;
     lr_options.type = parse_lr_schedule(config_.text("lr_scheduler"), config_.integer("lr_warmup_steps"));
@@ -558,7 +601,12 @@ TrainResult Trainer::run_loop() {
             break;
         }
         if (agreed.stop) {
-            save("stop requested");
+            // Stopped before this run trained a step (e.g. during the cache build): the last
+            // checkpoint, if any, already holds this state.
+            if (global_step_ > start_step_)
+                save("stop requested");
+            else
+                log::info() << "stop requested before the first step of this run: no checkpoint to save";
             result.outcome = TrainOutcome::kInterrupted;
             break;
         }
@@ -611,6 +659,7 @@ TrainResult Trainer::run_loop() {
         save("end of training");
         write_final_outputs();
     }
+    if (metrics_log_) metrics_log_->finish();  // rows held while the disk was full, or DataError
     result.global_step = global_step_;
     for (auto& cb : callbacks_) cb->on_train_end(*this, result);
     return result;

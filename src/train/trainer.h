@@ -32,6 +32,9 @@
 namespace dtune::dist {
 struct DistEnv;
 }
+namespace dtune::fs {
+class DirLock;
+}
 
 namespace dtune::train {
 
@@ -41,6 +44,7 @@ class LoRATraining;
 class LossScaler;
 struct CheckpointContents;
 struct LoadedCheckpoint;
+class RunLog;
 
 struct NamedTensor {
     std::string name;
@@ -108,6 +112,12 @@ class Trainer {
     std::unique_ptr<Optimizer> make_optimizer(std::vector<ParamGroup> groups) const;
     void resume();
     double train_one_step(double& grad_norm);
+    // The next micro-batch; a failure to fetch it is remembered for save_after_fetch_error.
+    TrainBatch next_batch(int64_t micro);
+    // After a batch could not be fetched (a deleted image, an unreadable cache entry) at a step
+    // boundary, nothing of the step has run yet: saves a checkpoint when the weights are finite
+    // and there is something new to save. Never throws (the data error is what the run reports).
+    void save_after_fetch_error() noexcept;
     void save(const std::string& why);
     void append_metrics(const StepReport& report);
     void write_final_outputs();
@@ -124,6 +134,8 @@ class Trainer {
     void init_graph();
     double train_graphed_step(double lr, double& grad_norm);
 
+    // Declared first, released last: output_dir is this run's until everything else is torn down.
+    std::unique_ptr<fs::DirLock> output_lock_;  // rank 0 of `dtune train` (see fs::DirLock)
     TrainConfig config_;
     std::filesystem::path output_dir_;
     std::filesystem::path model_dir_;
@@ -139,7 +151,10 @@ class Trainer {
     StepOptions step_options_;
     PromptEmbedding empty_prompt_;
     int64_t global_step_ = 0;
+    int64_t start_step_ = 0;  // global_step_ when this run's loop began (0, or the resumed step)
     int64_t total_steps_ = 0;
+    int64_t failed_fetch_micro_ = -1;      // micro-step whose batch could not be fetched (-1: none)
+    std::unique_ptr<RunLog> metrics_log_;  // metrics.jsonl (rank 0)
     std::optional<std::filesystem::path> resumed_from_;
     std::vector<std::shared_ptr<TrainCallback>> callbacks_;
     int rank_ = 0;

@@ -100,7 +100,7 @@ void Trainer::init_graph() {
 }
 
 double Trainer::train_graphed_step(double lr, double& grad_norm) {
-    TrainBatch batch = source_->next(*generator_);
+    TrainBatch batch = next_batch(0);
     apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_,
                           dp_->rank(), dp_->world_size());
     optimizer_->set_lr(lr);

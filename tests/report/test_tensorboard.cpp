@@ -130,5 +130,28 @@ TEST(TensorBoard, TensorBoardPackageReadsOurFile) {
     EXPECT_NE(text.find("img 1 3 1 1 69"), std::string::npos) << text;
 }
 
+// A full disk between records (issue #20): every record is whole, none is lost, the order holds.
+// Before: the failed write threw out of the training loop and left a partial record buffered.
+TEST(TensorBoard, FullDiskHoldsRecordsAndWritesThemWholeOnceThereIsSpace) {
+    test::SmallTmpfs disk(256 * 1024);
+    if (!disk.mounted()) GTEST_SKIP() << disk.why();
+    EventWriter w(disk / "logs");
+    const auto filler = disk / "filler";
+    ASSERT_GT(disk.fill(filler), 0u);
+    // About 40 bytes a record: 300 of them cross several pages of the full file system.
+    int step = 0;
+    for (; step < 300; ++step) w.add_scalar("train/loss", 1.0 / (step + 1), step + 1);
+    std::filesystem::remove(filler);
+    ++step;
+    w.add_scalar("train/loss", 1.0 / step, step);
+    const auto events = read_events(w.path());
+    ASSERT_EQ(events.size(), static_cast<size_t>(step) + 1);
+    for (int s = 1; s <= step; ++s) {
+        EXPECT_EQ(events[static_cast<size_t>(s)].step, s);
+        EXPECT_FLOAT_EQ(*events[static_cast<size_t>(s)].values.at(0).simple_value,
+                        static_cast<float>(1.0 / s));
+    }
+}
+
 }  // namespace
 }  // namespace dtune::report

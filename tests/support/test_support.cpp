@@ -1,9 +1,11 @@
 // Test helpers implementation.
 #include "support/test_support.h"
 
+#include <fcntl.h>
 #include <grp.h>
 #include <gtest/gtest.h>
 #include <pwd.h>
+#include <sys/mount.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -74,6 +76,41 @@ ChildRun run_unprivileged(const std::function<int()>& body) {
     if (WIFEXITED(status) && WEXITSTATUS(status) == 126)
         return {-1, "could not drop root privileges to user 'nobody' in the child"};
     return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), ""};
+}
+
+SmallTmpfs::SmallTmpfs(std::size_t bytes) {
+    if (::geteuid() != 0) {
+        why_ = "needs root to mount a small tmpfs (a real file system that fills up)";
+        return;
+    }
+    const std::string options = "size=" + std::to_string(bytes);
+    if (::mount("tmpfs", dir_.path().c_str(), "tmpfs", 0, options.c_str()) != 0) {
+        why_ = std::string("mounting a tmpfs failed: ") + std::strerror(errno) + " (no CAP_SYS_ADMIN?)";
+        return;
+    }
+    mounted_ = true;
+}
+
+SmallTmpfs::~SmallTmpfs() {
+    if (mounted_) ::umount2(dir_.path().c_str(), MNT_DETACH);
+}
+
+std::size_t SmallTmpfs::fill(const std::filesystem::path& file) const {
+    const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+    if (fd < 0) return 0;
+    const std::string block(4096, 'x');
+    std::size_t total = 0;
+    for (std::size_t chunk = block.size(); chunk > 0;) {
+        const ssize_t n = ::write(fd, block.data(), chunk);
+        if (n > 0) {
+            total += static_cast<std::size_t>(n);
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        chunk /= 2;  // the last partial page, if any
+    }
+    ::close(fd);
+    return total;
 }
 
 void write_bytes(const std::filesystem::path& path, const std::string& bytes) {

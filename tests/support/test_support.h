@@ -1,6 +1,7 @@
 // Helpers shared by the test suites: fixture paths and scratch directories.
 #pragma once
 
+#include <cstddef>
 #include <filesystem>
 #include <functional>
 #include <string>
@@ -35,6 +36,28 @@ struct ChildRun {
     std::string skip_reason;
 };
 ChildRun run_unprivileged(const std::function<int()>& body);
+
+// A tmpfs of `bytes` mounted on a fresh folder for the life of the object: a real file system
+// that fills up. Needs root (CAP_SYS_ADMIN); otherwise `why` says why it is not mounted and the
+// test skips itself (GTEST_SKIP() << m.why).
+class SmallTmpfs {
+  public:
+    explicit SmallTmpfs(std::size_t bytes);
+    ~SmallTmpfs();
+    SmallTmpfs(const SmallTmpfs&) = delete;
+    SmallTmpfs& operator=(const SmallTmpfs&) = delete;
+    bool mounted() const { return mounted_; }
+    const std::string& why() const { return why_; }
+    const std::filesystem::path& path() const { return dir_.path(); }
+    std::filesystem::path operator/(const std::string& name) const { return dir_ / name; }
+    // Writes `file` until the file system is full (ENOSPC); returns the bytes written.
+    std::size_t fill(const std::filesystem::path& file) const;
+
+  private:
+    TempDir dir_;
+    bool mounted_ = false;
+    std::string why_;
+};
 
 // Writes bytes to a file (not atomically: tests use this to build malformed inputs).
 void write_bytes(const std::filesystem::path& path, const std::string& bytes);
