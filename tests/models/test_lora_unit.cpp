@@ -363,7 +363,7 @@ TEST(LoRAUnit, KohyaNamesAndAlphaAreRead) {
 // a NaN alpha used to be replaced silently (by the rank on resume, or NaN images when sampling).
 TEST(LoRAUnit, BadAlphasAreRefusedByKey) {
     test::TempDir tmp;
-    for (const double alpha : {std::nan(""), INFINITY, 0.0, -2.0}) {
+    for (const double alpha : {std::nan(""), HUGE_VAL, 0.0, -2.0}) {
         Tiny tiny;
         LoRAAdapters a = inject_lora(*tiny, config({"to_q"}, 2, 2));
         io::save_safetensors(tmp / "k.safetensors",

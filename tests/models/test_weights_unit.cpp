@@ -77,7 +77,7 @@ TEST(Weights, MismatchesAreListed) {
 // with exit code 0): loading refuses it, naming the component, the file and the tensor.
 TEST(Weights, NonFiniteTensorsAreRefusedByName) {
     test::TempDir dir;
-    for (const double bad : {std::nan(""), INFINITY, -INFINITY}) {
+    for (const double bad : {std::nan(""), HUGE_VAL, -HUGE_VAL}) {
         Tiny a, b;
         auto sd = state_dict(*a);
         sd[2].second = sd[2].second.clone();  // norm.weight (the order of state_dict)
