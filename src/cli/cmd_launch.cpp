@@ -4,6 +4,7 @@
 
 #include <climits>
 #include <cstdio>
+#include <filesystem>
 
 #include "cli/command.h"
 #include "core/dtype.h"
@@ -25,6 +26,9 @@ std::string self_executable() {
 int run_launch(const std::vector<std::string>& args) {
     auto options = dist::parse_launch_args(args);
     std::optional<dist::AccelerateConfig> accelerate;
+    if (options.accelerate_config && !std::filesystem::is_regular_file(*options.accelerate_config))
+        throw UsageError(str("--accelerate_config ", *options.accelerate_config,
+                             " is not a file; pass accelerate's default_config.yaml"));
     if (options.accelerate_config)
         accelerate = dist::parse_accelerate_config(fs::read_file(*options.accelerate_config),
                                                    *options.accelerate_config);
@@ -44,8 +48,11 @@ DTUNE_REGISTER_COMMAND(
     "Starts one process per GPU on this node with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,\n"
     "MASTER_ADDR and MASTER_PORT set (the variables torchrun sets), relays their stderr prefixed\n"
     "with the rank, forwards SIGINT/SIGTERM, and when one process fails stops the others (SIGTERM,\n"
-    "then SIGKILL after the grace period) and exits 1 naming the rank and its last stderr lines.\n"
-    "When a rank exits with 75 (GPU fault), the launcher exits 75 too, naming the node, rank and GPU.\n"
+    "then SIGKILL after the grace period) and exits with the code of the rank that failed first when\n"
+    "it is 2 (configuration), 3 (input data) or 4 (stopped after saving), else 1, naming the rank and\n"
+    "its last stderr lines. When any rank exits with 75 (GPU fault), the launcher exits 75, naming the\n"
+    "node, rank and GPU. After forwarding SIGINT/SIGTERM it exits 4 when every rank saved and exited\n"
+    "4, else 128 + the signal.\n"
     "Run it once per node, with the same options except --node_rank.\n\n"
     "options:\n"
     "  --nproc_per_node N     processes on this node (default: visible CUDA devices, at least 1)\n"

@@ -224,6 +224,21 @@ validate::GenerationRequest request_from(const SampleArgs& a) {
     return r;
 }
 
+// NaN or infinite latents or pixels would be written as a black (or noise) image with exit code 0.
+// The weights were checked at load time, so such an output comes from finite weights that overflow
+// at this precision (e.g. an fp16 VAE without force_upcast) or from extreme settings.
+void check_finite_output(const SampleArgs& a, const validate::GenerationResult& out, c10::ScalarType dtype) {
+    for (const auto& [what, t] :
+         {std::pair<const char*, const at::Tensor*>{"the denoised latents", &out.latents},
+          {"the decoded image", &out.images}})
+        if (t->defined() && !at::isfinite(*t).all().item<bool>())
+            throw DataError(str(what, " from ", a.model, a.lora.empty() ? "" : " with LoRA " + a.lora,
+                                " hold NaN or infinite values, so no image was written to ", a.output_dir,
+                                "; the weights are finite but overflow in ", dtype_name(dtype),
+                                ": try --dtype fp32 (or bf16), a lower --guidance or --lora_scale, or "
+                                "another VAE"));
+}
+
 int run_sample(const std::vector<std::string>& args) {
     const SampleArgs a = parse_args(args);
     // Before the model loads and the images are sampled, not when the first image is written.
@@ -244,6 +259,7 @@ int run_sample(const std::vector<std::string>& args) {
     const auto t0 = std::chrono::steady_clock::now();
     const auto out = pipe.generate(request_from(a), [&](int64_t, int64_t) { bar.update(); });
     bar.finish();
+    check_finite_output(a, out, dtype);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
     std::filesystem::create_directories(a.output_dir);

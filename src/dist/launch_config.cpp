@@ -63,14 +63,14 @@ std::map<std::string, std::string> parse_simple_yaml(const std::string& text, co
         if (trim(line).empty() || trim(line) == "---") continue;
         std::size_t indent = line.find_first_not_of(' ');
         if (line[indent] == '\t')
-            throw DataError(
+            throw UsageError(
                 str(origin, ":", line_no, ": tab indentation; YAML needs spaces, replace the tabs"));
         std::string body = trim(line);
         while (!parents.empty() && parents.back().first >= indent) parents.pop_back();
         if (body.front() == '-') continue;  // list items (e.g. gpu_ids lists, dynamo options): unused
         auto colon = body.find(':');
         if (colon == std::string::npos || colon == 0)
-            throw DataError(str(origin, ":", line_no, ": '", body, "' is not a `key: value` line; ",
+            throw UsageError(str(origin, ":", line_no, ": '", body, "' is not a `key: value` line; ",
                                 "dtune reads accelerate's flat config file (keys, nested mappings)"));
         std::string key = trim(body.substr(0, colon));
         std::string value = trim(body.substr(colon + 1));
@@ -95,7 +95,7 @@ std::optional<int> get_int(const std::map<std::string, std::string>& kv, const s
     if (it == kv.end() || it->second == "null" || it->second == "~") return std::nullopt;
     auto v = to_long(it->second);
     if (!v || *v < 0 || *v > 1 << 30)
-        throw DataError(
+        throw UsageError(
             str(path, ": ", key, ": '", it->second, "' is not a non-negative integer; fix the value"));
     return static_cast<int>(*v);
 }
@@ -122,7 +122,7 @@ AccelerateConfig parse_accelerate_config(const std::string& text, const std::str
     c.offload_optimizer_device = get_str(kv, "deepspeed_config.offload_optimizer_device");
     if (c.offload_optimizer_device && *c.offload_optimizer_device != "none" &&
         *c.offload_optimizer_device != "cpu")
-        throw DataError(str(path, ": deepspeed_config.offload_optimizer_device: '",
+        throw UsageError(str(path, ": deepspeed_config.offload_optimizer_device: '",
                             *c.offload_optimizer_device,
                             "' is not supported; dtune offloads optimizer state to the cpu (or none)"));
     c.gradient_accumulation_steps = get_int(kv, "deepspeed_config.gradient_accumulation_steps", path);
@@ -134,22 +134,22 @@ AccelerateConfig parse_accelerate_config(const std::string& text, const std::str
         char* end = nullptr;
         double v = std::strtod(clip->c_str(), &end);
         if (end == clip->c_str() || *end != '\0' || v < 0)
-            throw DataError(str(path, ": gradient_clipping: '", *clip, "' is not a non-negative number"));
+            throw UsageError(str(path, ": gradient_clipping: '", *clip, "' is not a non-negative number"));
         c.gradient_clipping = v;
     }
     if (c.mixed_precision && *c.mixed_precision != "no" && *c.mixed_precision != "fp16" &&
         *c.mixed_precision != "bf16")
-        throw DataError(
+        throw UsageError(
             str(path, ": mixed_precision: '", *c.mixed_precision, "' is not one of no, fp16, bf16"));
     if (c.distributed_type) {
         const std::string& t = *c.distributed_type;
         if (t != "NO" && t != "MULTI_GPU" && t != "DEEPSPEED" && t != "MULTI_CPU")
-            throw DataError(
+            throw UsageError(
                 str(path, ": distributed_type: '", t, "' is not supported; dtune runs NO, MULTI_GPU, ",
                     "MULTI_CPU and DEEPSPEED (ZeRO stage 1/2 on its own reducer) - set one of these"));
     }
     if (c.zero_stage && *c.zero_stage > 2)
-        throw DataError(
+        throw UsageError(
             str(path, ": deepspeed_config.zero_stage: ", *c.zero_stage,
                 " is not supported; dtune shards optimizer state (1) and gradients (2): use 1 or 2"));
     return c;

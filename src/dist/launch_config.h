@@ -15,7 +15,7 @@ namespace dtune::dist {
 
 // A tiny YAML subset: `key: value` lines, nested mappings by indentation, `#` comments, quoted
 // scalars. Returns flattened keys ("deepspeed_config.zero_stage" -> "2"). Lists and multi-line
-// scalars are skipped. Throws DataError naming `origin`:line for a line it cannot read.
+// scalars are skipped. Throws UsageError naming `origin`:line for a line it cannot read.
 std::map<std::string, std::string> parse_simple_yaml(const std::string& text, const std::string& origin);
 
 // The fields of accelerate's config file that dtune uses (all optional).
@@ -33,8 +33,9 @@ struct AccelerateConfig {
     std::optional<double> gradient_clipping;
 };
 
-// Parses accelerate's YAML (text of `path`). Throws DataError naming the file and key when a value
-// has the wrong type, or distributed_type is one dtune does not run (FSDP, TPU...).
+// Parses accelerate's YAML (text of `path`). Throws UsageError (a configuration error, exit code 2) naming
+// the file and key when a value has the wrong type, or distributed_type is one dtune does not run (FSDP,
+// TPU...).
 AccelerateConfig parse_accelerate_config(const std::string& text, const std::string& path);
 
 // The command line of `dtune launch` before resolution (unset = not given).

@@ -269,9 +269,39 @@ std::string failure_message(const Child& c) {
     return msg;
 }
 
-// The launcher's result after child `c` failed (the others are stopped).
+// The code a rank's exit passes on to the launcher's: dtune's meaningful codes (2 configuration,
+// 3 input data, 4 stopped after saving, 75 GPU fault) as they are, anything else (1, a crash, a
+// signal, 127 for a missing program) as 1.
+int passed_on(int status) {
+    if (!WIFEXITED(status)) return 1;
+    const int code = WEXITSTATUS(status);
+    return code == 2 || code == 3 || code == 4 || code == kGpuFaultExit ? code : 1;
+}
+
+// A rank that exited with 75: a GPU fault anywhere in the job decides the launcher's code.
+const Child* gpu_fault_child(const std::vector<Child>& children, const Child* first) {
+    if (first && WIFEXITED(first->status) && WEXITSTATUS(first->status) == kGpuFaultExit) return first;
+    for (const auto& c : children)
+        if (c.exited && WIFEXITED(c.status) && WEXITSTATUS(c.status) == kGpuFaultExit) return &c;
+    return nullptr;
+}
+
+// Exit 75 naming the node, rank and GPU of the fault that child `c` reported.
+LaunchResult gpu_fault_result(const std::vector<Child>& children, const Child& c, int node_rank) {
+    const int origin = origin_rank(c);
+    bool origin_here = false;
+    for (const auto& other : children) origin_here = origin_here || other.rank == origin;
+    // Keep the orchestrator's signal (75: replace this machine) and say which GPU.
+    const std::string where = origin >= 0 && origin != c.rank && !origin_here
+                                  ? str("GPU fault on rank ", origin, " (another node): ")
+                                  : str("GPU fault on node ", node_rank, ": ");
+    return {kGpuFaultExit, where + fault_line(children) + "\n" + failure_message(c)};
+}
+
+// The launcher's result after child `c` failed first (the others are stopped): 75 when any rank
+// reported a GPU fault, else what `c`'s exit passes on (passed_on).
 LaunchResult failure_result(const std::vector<Child>& children, const Child& c, int node_rank) {
-    LaunchResult result;
+    if (const Child* gpu = gpu_fault_child(children, &c)) return gpu_fault_result(children, *gpu, node_rank);
     // A rank the fault channel stopped names the rank that failed first; when that one
     // does not run here (another node), say so before this rank's report.
     const int origin = origin_rank(c);
@@ -280,27 +310,40 @@ LaunchResult failure_result(const std::vector<Child>& children, const Child& c, 
     std::string cause;
     if (origin >= 0 && origin != c.rank)
         cause = str("rank ", origin, origin_here ? " failed first" : " failed (on another node)", "; ");
-    result.exit_code = 1;
-    result.message = cause + failure_message(c);
-    if (WIFEXITED(c.status) && WEXITSTATUS(c.status) == kGpuFaultExit) {
-        // Keep the orchestrator's signal (75: replace this machine) and say which GPU.
-        result.exit_code = kGpuFaultExit;
-        const std::string where = origin >= 0 && origin != c.rank && !origin_here
-                                      ? str("GPU fault on rank ", origin, " (another node): ")
-                                      : str("GPU fault on node ", node_rank, ": ");
-        result.message = where + fault_line(children) + "\n" + failure_message(c);
-    }
-    return result;
+    return {passed_on(c.status), cause + failure_message(c)};
 }
 
-// A rank of a multi-node job died here without a chance to say so (SIGKILL, the OOM killer, a
-// crash): publish its failure in the job's fault channel on its behalf, so the ranks on the other
-// nodes, possibly blocked in a collective, stop within a poll interval instead of at the collective
-// timeout. Rank 0 hosts the store (its death is seen as a lost store) and a rank that published
-// its own record wins (the first record stays). Bounded: a store that does not answer within a few
-// seconds is logged and skipped.
+// The launcher's result after it forwarded signal `sig` and every rank has ended: 4 when the ranks
+// stopped cleanly after saving (each exited 4, or 0 having finished anyway), 75 when one reported
+// a GPU fault, else 128 + sig naming a rank that did not stop cleanly.
+LaunchResult interrupted_result(const std::vector<Child>& children, int sig, int node_rank) {
+    if (const Child* gpu = gpu_fault_child(children, nullptr))
+        return gpu_fault_result(children, *gpu, node_rank);
+    const Child* unclean = nullptr;
+    bool saved = false;
+    for (const auto& c : children) {
+        const int code = WIFEXITED(c.status) ? WEXITSTATUS(c.status) : -1;
+        saved = saved || code == static_cast<int>(ExitCode::kInterrupted);
+        if (code != 0 && code != static_cast<int>(ExitCode::kInterrupted) && !unclean) unclean = &c;
+    }
+    if (!unclean && saved)
+        return {static_cast<int>(ExitCode::kInterrupted),
+                str("interrupted by signal ", sig, "; every rank saved its state and stopped (exit code 4)")};
+    if (!unclean) return {};  // the ranks had finished: the job is complete
+    return {128 + sig, str("interrupted by signal ", sig, "; all ranks stopped (rank ", unclean->rank, " ",
+                           describe_status(unclean->status), ")")};
+}
+
+// A rank died here without a chance to say so (SIGKILL, the OOM killer, a crash): publish its
+// failure in the job's fault channel on its behalf, so that the other ranks, possibly blocked in a
+// collective, stop within a poll interval naming it, instead of reporting the backend's bare error
+// ("Connection closed by peer") or, on other nodes, waiting for the collective timeout. On one node
+// only deaths by a signal need it: a rank that exits with a code published its own record, or had
+// not joined the group yet. Rank 0 hosts the store (its death is seen as a lost store) and a rank
+// that published its own record wins (the first record stays). Bounded: a store that does not
+// answer within a few seconds is logged and skipped.
 void publish_for_dead_rank(const LaunchConfig& config, const Child& c) {
-    if (config.nnodes < 2 || c.rank == 0) return;
+    if (c.rank == 0 || (config.nnodes < 2 && !WIFSIGNALED(c.status))) return;
     FaultRecord record;
     record.rank = c.rank;
     record.exit_code = WIFEXITED(c.status) ? WEXITSTATUS(c.status) : 128 + WTERMSIG(c.status);
@@ -320,11 +363,12 @@ void publish_for_dead_rank(const LaunchConfig& config, const Child& c) {
         auto store = c10::make_intrusive<c10d::TCPStore>(config.master_addr, opts);
         const FaultRecord now = publish_fault_record(*store, record);
         if (now.rank == record.rank)
-            log::info() << "dtune launch: told the other nodes that rank " << c.rank << " failed";
+            log::info() << "dtune launch: told the other " << (config.nnodes > 1 ? "nodes" : "ranks")
+                        << " that rank " << c.rank << " failed";
     } catch (const std::exception& e) {
-        log::warn() << "dtune launch: could not tell the other nodes that rank " << c.rank
+        log::warn() << "dtune launch: could not tell the other ranks that rank " << c.rank
                     << " failed (store at " << config.master_addr << ":" << config.master_port
-                    << " unreachable: " << e.what() << "); they stop at their collective timeout";
+                    << " unreachable: " << e.what() << ")";
     }
 }
 
@@ -389,9 +433,7 @@ LaunchResult run_local_ranks(const LaunchConfig& config, const std::string& self
         if (int sig = pump(children, 200)) {
             log::warn() << "dtune launch: got signal " << sig << "; forwarding it to the ranks";
             stop_all(children, sig, config.grace_period_s);
-            result.exit_code = 128 + sig;
-            result.message = str("interrupted by signal ", sig, "; all ranks stopped");
-            return result;
+            return interrupted_result(children, sig, config.node_rank);
         }
         Child* first = nullptr;
         for (auto& c : children)

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <regex>
+#include <set>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
@@ -37,6 +39,36 @@ void remove_checkpoint_dir(const stdfs::path& dir) {
     std::error_code ec;
     if (stdfs::remove(dir / kGuard, ec)) fs::sync_directory(dir);
     stdfs::remove_all(dir);
+}
+
+// The tensor names of every .safetensors file of the checkpoint, read back from the files just
+// written (this rank's, the other ranks' shards, the adapter files): the manifest's record of what
+// a complete checkpoint holds, so that a resume finds a tensor that went missing afterwards.
+nlohmann::json tensor_names(const stdfs::path& dir, const std::vector<std::string>& files) {
+    nlohmann::json out = nlohmann::json::object();
+    for (const auto& rel : files)
+        if (stdfs::path(rel).extension() == ".safetensors") out[rel] = io::SafetensorsFile(dir / rel).keys();
+    return out;
+}
+
+// Every tensor the manifest lists for `rel` is in `loaded` (checkpoints written before the manifest
+// listed tensors have no list and pass).
+void check_listed_tensors(const stdfs::path& dir, const nlohmann::json& manifest, const std::string& rel,
+                          const io::TensorList& loaded) {
+    if (!manifest.contains("tensors") || !manifest["tensors"].is_object() ||
+        !manifest["tensors"].contains(rel))
+        return;
+    const nlohmann::json& names = manifest["tensors"][rel];
+    if (!names.is_array()) return;
+    std::set<std::string> have;
+    for (const auto& [name, _] : loaded) have.insert(name);
+    for (const auto& name : names)
+        if (name.is_string() && !have.count(name.get<std::string>()))
+            throw DataError(str("checkpoint ", dir.string(), ": ", rel, " has no tensor '",
+                                name.get<std::string>(), "' although the save wrote it (", names.size(),
+                                " tensors, ", have.size(),
+                                " left): the file was altered or damaged after the save; resume from an ",
+                                "earlier checkpoint (resume_from_checkpoint=<its folder>)"));
 }
 
 }  // namespace
@@ -79,6 +111,7 @@ stdfs::path save_checkpoint(const stdfs::path& output_dir, const CheckpointConte
                                  {"checkpoint", final_dir.filename().string()},
                                  {"global_step", c.global_step},
                                  {"files", files},
+                                 {"tensors", tensor_names(tmp, files)},
                                  {"metadata", c.metadata}});
     fs::sync_directory(tmp);
     // Replace an older copy of the same step (e.g. an interrupted save, or the final save).
@@ -163,17 +196,15 @@ LoadedCheckpoint load_checkpoint(const stdfs::path& dir) {
     LoadedCheckpoint out;
     out.dir = dir;
     const auto manifest = nlohmann::json::parse(fs::read_file(dir / kManifest));
-    out.global_step = manifest.at("global_step").get<int64_t>();
+    out.global_step = json_integer(manifest, "global_step", dir / kManifest);
     for (const auto& f : manifest.at("files")) {
         const std::string rel = f.get<std::string>();
+        const bool tensors = stdfs::path(rel).extension() == ".safetensors";
+        io::TensorList list;
         try {
-            if (rel == kRandomStates) {
-                // Clone: the mapped views die with the file.
-                for (auto& [name, t] : io::load_safetensors(dir / rel)) out.rng_states[name] = t.clone();
-            } else if (stdfs::path(rel).extension() == ".safetensors") {
-                io::TensorList list;
+            if (tensors) {
+                // Cloned: the mapped views die with the file.
                 for (auto& [name, t] : io::load_safetensors(dir / rel)) list.emplace_back(name, t.clone());
-                out.tensor_files[rel] = std::move(list);
             } else if (stdfs::path(rel).extension() == ".json") {
                 out.json_files[rel] = nlohmann::json::parse(fs::read_file(dir / rel));
             }
@@ -185,8 +216,42 @@ LoadedCheckpoint load_checkpoint(const stdfs::path& dir) {
                     "; resume from an earlier checkpoint (resume_from_checkpoint=<its folder>) or "
                     "move this one out of output_dir and resume from latest"));
         }
+        if (!tensors) continue;
+        check_listed_tensors(dir, manifest, rel, list);
+        if (rel == kRandomStates)
+            out.rng_states.insert(list.begin(), list.end());
+        else
+            out.tensor_files[rel] = std::move(list);
     }
     return out;
+}
+
+const nlohmann::json& json_field(const nlohmann::json& j, const std::string& field, const stdfs::path& file) {
+    if (!j.is_object() || !j.contains(field))
+        throw DataError(
+            str(file.string(), " has no field \"", field,
+                "\"; the file is damaged or from another program: resume from an earlier checkpoint"));
+    return j.at(field);
+}
+
+int64_t json_integer(const nlohmann::json& j, const std::string& field, const stdfs::path& file) {
+    const nlohmann::json& v = json_field(j, field, file);
+    if (!v.is_number_integer())
+        throw DataError(str(file.string(), ": field \"", field, "\" is ", v.dump(), " (a ", v.type_name(),
+                            "), not an integer; the file is damaged: restore it or resume from an earlier "
+                            "checkpoint"));
+    return v.get<int64_t>();
+}
+
+void check_resumed_tensor(const stdfs::path& file, const std::string& name, const at::Tensor& saved,
+                          const at::Tensor& model) {
+    if (saved.sizes() == model.sizes() && saved.scalar_type() == model.scalar_type()) return;
+    throw DataError(str(file.string(), ": tensor '", name, "' is ", saved.sizes(), " ",
+                        dtype_name(saved.scalar_type()), " but the model's is ", model.sizes(), " ",
+                        dtype_name(model.scalar_type()),
+                        "; the checkpoint was written for another model, model config or precision "
+                        "(resume with the settings it was saved with) or the file was altered: resume "
+                        "from an earlier checkpoint"));
 }
 
 void rotate_checkpoints(const stdfs::path& output_dir, int64_t limit) {

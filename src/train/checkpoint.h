@@ -72,7 +72,20 @@ std::vector<std::pair<int64_t, stdfs::path>> list_checkpoints(const stdfs::path&
 // if complete, else a warning and the newest complete checkpoint older than it, else UsageError.
 std::optional<stdfs::path> resolve_resume_checkpoint(const stdfs::path& output_dir, const std::string& spec);
 
+// Loads every file the manifest lists. Since the manifest also lists each .safetensors file's
+// tensor names, a tensor missing from a file is a DataError naming the file and the tensor.
 LoadedCheckpoint load_checkpoint(const stdfs::path& dir);
+
+// A field of a checkpoint's JSON file `file` (training_state.json, ...), or a DataError naming the
+// file and the field (missing, or not an integer) instead of the JSON library's bare type error.
+const nlohmann::json& json_field(const nlohmann::json& j, const std::string& field, const stdfs::path& file);
+int64_t json_integer(const nlohmann::json& j, const std::string& field, const stdfs::path& file);
+
+// A saved tensor about to replace the model's `model` in a resume: DataError naming `file` and
+// `name` unless its shape and dtype are the model's (a different shape would broadcast into the
+// weight, a different dtype would round it: neither resumes the run that was saved).
+void check_resumed_tensor(const stdfs::path& file, const std::string& name, const at::Tensor& saved,
+                          const at::Tensor& model);
 
 // Keeps the newest `limit` complete checkpoints (limit <= 0: keep all), and deletes leftovers of
 // interrupted saves and removals: incomplete checkpoints older than the newest complete one and

@@ -315,24 +315,23 @@ void Trainer::resume() {
     const auto dir = resolve_resume_checkpoint(output_dir_, config_.text("resume_from_checkpoint"));
     if (!dir) return;
     const LoadedCheckpoint ckpt = load_checkpoint(*dir);
-    if (!load_lora_weights(ckpt)) {
-        const auto it_w = ckpt.tensor_files.find(kUNetWeights);
-        DTUNE_CHECK_AS(DataError, it_w != ckpt.tensor_files.end(), "checkpoint ", dir->string(), " has no ",
-                       kUNetWeights, "; it was written by a different model_type");
-        std::map<std::string, at::Tensor> by_name(it_w->second.begin(), it_w->second.end());
-        at::NoGradGuard no_grad;
-        for (auto& p : trainable_) {
-            auto it = by_name.find(p.name);
-            DTUNE_CHECK_AS(DataError, it != by_name.end(), "checkpoint ", dir->string(), " has no weight ",
-                           p.name, "; it was written by a different model or model_type");
-            p.tensor.copy_(it->second);
-        }
-    }
+    if (!load_lora_weights(ckpt)) load_full_weights(ckpt);
     load_extras(ckpt);  // EMA shadows, loss scaler
     load_optimizer_state(ckpt);
-    const auto& state = ckpt.json_files.at(kTrainingState);
-    source_->load_state(state.at("batch_source"));
-    global_step_ = state.at("global_step").get<int64_t>();
+    const auto it_state = ckpt.json_files.find(kTrainingState);
+    DTUNE_CHECK_AS(DataError, it_state != ckpt.json_files.end(), "checkpoint ", dir->string(), " has no ",
+                   kTrainingState, "; resume from another checkpoint");
+    const auto& state = it_state->second;
+    const auto state_file = *dir / kTrainingState;
+    const auto& batch_state = json_field(state, "batch_source", state_file);
+    try {
+        source_->load_state(batch_state);
+    } catch (const nlohmann::json::exception& e) {
+        throw DataError(str(state_file.string(), ": field \"batch_source\" is malformed (", e.what(),
+                            "): ", batch_state.dump().substr(0, 300),
+                            "; the file is damaged: restore it or resume from an earlier checkpoint"));
+    }
+    global_step_ = json_integer(state, "global_step", state_file);
     // Each rank's own RNG states when the checkpoint has them (same world size), else rank 0's:
     // the step's generator is the same on every rank by design, so only the optimizer's
     // stochastic-rounding stream under ZeRO differs (see README, multi-GPU).
@@ -495,6 +494,28 @@ void Trainer::save(const std::string& why) {
     log::info() << "saved " << dir.string() << " (" << why << ")";
     rotate_checkpoints(output_dir_, config_.integer("checkpoints_total_limit"));
     for (auto& cb : callbacks_) cb->on_checkpoint(*this, dir);
+}
+
+void Trainer::load_full_weights(const LoadedCheckpoint& ckpt) {
+    const auto it_w = ckpt.tensor_files.find(kUNetWeights);
+    DTUNE_CHECK_AS(DataError, it_w != ckpt.tensor_files.end(), "checkpoint ", ckpt.dir.string(), " has no ",
+                   kUNetWeights, "; it was written by a different model_type");
+    const auto file = ckpt.dir / kUNetWeights;
+    std::map<std::string, at::Tensor> by_name(it_w->second.begin(), it_w->second.end());
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> copied;
+    for (auto& p : trainable_) {
+        auto it = by_name.find(p.name);
+        DTUNE_CHECK_AS(DataError, it != by_name.end(), "checkpoint ", ckpt.dir.string(), " has no weight ",
+                       p.name, "; it was written by a different model or model_type");
+        check_resumed_tensor(file, p.name, it->second, p.tensor);
+        p.tensor.copy_(it->second);
+        copied.push_back(p.tensor);
+    }
+    if (const int64_t bad = models::first_non_finite(copied); bad >= 0)
+        throw DataError(str(file.string(), ": tensor '", trainable_[static_cast<std::size_t>(bad)].name,
+                            "' holds NaN or infinite values (the run had diverged when it was saved, or the "
+                            "file is damaged); resume from an earlier checkpoint"));
 }
 
 void Trainer::load_optimizer_state(const LoadedCheckpoint& ckpt) {

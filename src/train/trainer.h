@@ -122,6 +122,9 @@ class Trainer {
     void append_metrics(const StepReport& report);
     void write_final_outputs();
     void init_data_parallel(const dist::DistEnv& env);
+    // A full fine-tune's weights from a checkpoint: every trainable tensor present, with the model's
+    // shape and dtype, and finite (DataError naming the file and the tensor otherwise).
+    void load_full_weights(const LoadedCheckpoint& ckpt);
     void load_optimizer_state(const LoadedCheckpoint& ckpt);
     // trainer_extras.cpp: LoRA adapters, EMA, fp16 loss scaling and the exports.
     void init_extras();

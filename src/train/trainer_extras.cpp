@@ -117,12 +117,30 @@ bool Trainer::load_lora_weights(const LoadedCheckpoint& ckpt) {
     return true;
 }
 
+namespace {
+
+// Runs `load` on the JSON file `rel` of the checkpoint; the JSON library's type errors (a field of
+// the wrong type) become a DataError naming the file.
+template <typename Load>
+void load_json_state(const LoadedCheckpoint& ckpt, const std::string& rel, Load load) {
+    try {
+        load(ckpt.json_files.at(rel));
+    } catch (const nlohmann::json::exception& e) {
+        throw DataError(str((ckpt.dir / rel).string(), " is malformed (", e.what(),
+                            "): ", ckpt.json_files.at(rel).dump().substr(0, 300),
+                            "; the file is damaged: restore it or resume from an earlier checkpoint"));
+    }
+}
+
+}  // namespace
+
 void Trainer::load_extras(const LoadedCheckpoint& ckpt) {
     if (ema_) {
         const auto shadows = ckpt.tensor_files.find(lora_ ? kEMALoRAShadows : kEMAUNetShadows);
-        const auto state = ckpt.json_files.find(kEMAState);
-        if (shadows != ckpt.tensor_files.end() && state != ckpt.json_files.end()) {
-            ema_->load(shadows->second, state->second, ckpt.dir.string());
+        if (shadows != ckpt.tensor_files.end() && ckpt.json_files.count(kEMAState)) {
+            load_json_state(ckpt, kEMAState, [&](const nlohmann::json& state) {
+                ema_->load(shadows->second, state, ckpt.dir.string());
+            });
         } else {
             log::warn() << "checkpoint " << ckpt.dir.string() << " has no EMA state (use_ema was off): the "
                         << "EMA starts from the resumed weights";
@@ -130,9 +148,9 @@ void Trainer::load_extras(const LoadedCheckpoint& ckpt) {
         }
     }
     if (scaler_) {
-        const auto state = ckpt.json_files.find(kLossScalerState);
-        if (state != ckpt.json_files.end())
-            scaler_->load_state(state->second);
+        if (ckpt.json_files.count(kLossScalerState))
+            load_json_state(ckpt, kLossScalerState,
+                            [&](const nlohmann::json& state) { scaler_->load_state(state); });
         else
             log::warn() << "checkpoint " << ckpt.dir.string()
                         << " has no loss-scaler state: fp16 loss scaling "

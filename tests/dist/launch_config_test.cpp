@@ -98,26 +98,28 @@ TEST(AccelerateConfig, FlattensNestedKeysAndStripsComments) {
     EXPECT_EQ(kv.size(), 3u);
 }
 
+// A bad accelerate config is a configuration error (exit code 2), like a bad flag: FSDP, ZeRO-3,
+// fp8 and bad values used to be DataErrors (exit code 3, "bad input data").
 TEST(AccelerateConfig, BadValuesNameTheFileAndKey) {
     try {
         parse_accelerate_config("num_machines: two\n", "cfg.yaml");
         FAIL() << "no error";
-    } catch (const DataError& e) {
+    } catch (const UsageError& e) {
         EXPECT_NE(std::string(e.what()).find("cfg.yaml: num_machines"), std::string::npos) << e.what();
     }
-    EXPECT_THROW(parse_accelerate_config("distributed_type: FSDP\n", "c"), DataError);
-    EXPECT_THROW(parse_accelerate_config("deepspeed_config:\n  zero_stage: 3\n", "c"), DataError);
-    EXPECT_THROW(parse_accelerate_config("mixed_precision: fp8\n", "c"), DataError);
+    EXPECT_THROW(parse_accelerate_config("distributed_type: FSDP\n", "c"), UsageError);
+    EXPECT_THROW(parse_accelerate_config("deepspeed_config:\n  zero_stage: 3\n", "c"), UsageError);
+    EXPECT_THROW(parse_accelerate_config("mixed_precision: fp8\n", "c"), UsageError);
     try {
         parse_accelerate_config("deepspeed_config:\n  offload_optimizer_device: nvme\n", "acc.yaml");
         FAIL() << "nvme offload accepted";
-    } catch (const DataError& e) {
+    } catch (const UsageError& e) {
         EXPECT_NE(std::string(e.what()).find("acc.yaml: deepspeed_config.offload_optimizer_device: 'nvme'"),
                   std::string::npos)
             << e.what();
     }
-    EXPECT_THROW(parse_simple_yaml("a:\n\tb: 1\n", "c"), DataError);
-    EXPECT_THROW(parse_simple_yaml("just text\n", "c"), DataError);
+    EXPECT_THROW(parse_simple_yaml("a:\n\tb: 1\n", "c"), UsageError);
+    EXPECT_THROW(parse_simple_yaml("just text\n", "c"), UsageError);
 }
 
 TEST(LaunchConfig, AccelerateFileGivesTheTopology) {

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -26,9 +27,9 @@ struct LaunchRun {
 
 using dtune::test::free_port;
 
-LaunchRun launch(const std::string& args) {
-    std::string cmd = std::string(DTUNE_BIN) + " launch --master_port " + std::to_string(free_port()) + " " +
-                      args + " 2>&1";
+LaunchRun launch(const std::string& args, const std::string& env = "") {
+    std::string cmd = env + " " + std::string(DTUNE_BIN) + " launch --master_port " +
+                      std::to_string(free_port()) + " " + args + " 2>&1";
     auto start = std::chrono::steady_clock::now();
     LaunchRun r;
     FILE* pipe = ::popen(cmd.c_str(), "r");
@@ -103,13 +104,73 @@ TEST(DistLaunch, KilledRankEndsTheJobNamingIt) {
 }
 
 TEST(DistLaunch, FailingRankExitCodeAndStderrAreReported) {
+    // The rank exits 3 (bad input data): the launcher passes the code on (it used to exit 1).
     auto r = launch(
         "--nproc_per_node 3 --grace_period 3 -- dist-selftest --check fail --fail_rank 2 --fail_how exit");
-    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_EQ(r.exit_code, 3) << r.output;
     EXPECT_LT(r.seconds, 30.0) << r.output;
     EXPECT_TRUE(contains(r.output, "error: dtune launch: rank 2 (local rank 2")) << r.output;
     EXPECT_TRUE(contains(r.output, "exited with code 3")) << r.output;
     EXPECT_TRUE(contains(r.output, "| dist-selftest: rank 2 failing on purpose (exit)")) << r.output;
+}
+
+// Every rank runs this script: rank $FAIL_RANK exits $CODE after $DELAY s; the others wait, and on
+// SIGTERM (the launcher stopping them, or forwarding its own) exit $ON_TERM.
+std::filesystem::path rank_script(const dtune::test::TempDir& dir) {
+    const auto path = dir.path() / "rank.sh";
+    std::ofstream(path)
+        << "#!/bin/sh\n"
+           "sleep 30 >/dev/null 2>&1 &\n"
+           "trap 'kill $!; echo \"rank $RANK stops\" >&2; exit $ON_TERM' TERM\n"
+           "if [ \"$RANK\" = \"$FAIL_RANK\" ]; then sleep $DELAY; echo \"rank $RANK fails\" >&2; "
+           "kill $!; exit $CODE; fi\n"
+           "wait\n";
+    std::filesystem::permissions(path, std::filesystem::perms::owner_all);
+    return path;
+}
+
+// The launcher exits with the code of the rank that failed first when it means something to a
+// script (2 configuration, 3 input data, 4 stopped after saving), 75 when any rank reported a GPU
+// fault, else 1. It used to exit 1 for all of them.
+TEST(DistLaunch, RanksExitCodesArePassedOn) {
+    dtune::test::TempDir dir;
+    const std::string script = rank_script(dir).string();
+    auto run = [&](int fail_rank, int code, int on_term) {
+        return launch("--nproc_per_node 2 --grace_period 5 -- " + script,
+                      "FAIL_RANK=" + std::to_string(fail_rank) + " CODE=" + std::to_string(code) +
+                          " DELAY=1 ON_TERM=" + std::to_string(on_term));
+    };
+    for (int code : {2, 3, 4, 75}) {
+        auto r = run(1, code, 0);
+        EXPECT_EQ(r.exit_code, code) << r.output;
+        EXPECT_TRUE(contains(r.output, "rank 1 (local rank 1")) << r.output;
+        EXPECT_TRUE(contains(r.output, "exited with code " + std::to_string(code))) << r.output;
+    }
+    auto other = run(1, 5, 0);  // no meaning to pass on
+    EXPECT_EQ(other.exit_code, 1) << other.output;
+    // Ranks disagree: the first failure decides (rank 0's 3, not rank 1's 2 when it is stopped)...
+    auto first = run(0, 3, 2);
+    EXPECT_EQ(first.exit_code, 3) << first.output;
+    EXPECT_TRUE(contains(first.output, "error: dtune launch: rank 0 (local rank 0")) << first.output;
+    // ...unless a rank reports a GPU fault: 75 wins, whichever rank was first.
+    auto gpu = run(0, 2, 75);
+    EXPECT_EQ(gpu.exit_code, 75) << gpu.output;
+    EXPECT_TRUE(contains(gpu.output, "error: dtune launch: GPU fault on node 0")) << gpu.output;
+}
+
+// SIGTERM to the launcher is forwarded; ranks that save and exit 4 make the launcher exit 4 (it
+// exited 143 although every rank had stopped cleanly).
+TEST(DistLaunch, SigtermWithCleanStopsExits4) {
+    dtune::test::TempDir dir;
+    const std::string cmd = "FAIL_RANK=-1 CODE=0 DELAY=0 ON_TERM=4 " + std::string(DTUNE_BIN) +
+                            " launch --nproc_per_node 2 --grace_period 5 --master_port " +
+                            std::to_string(free_port()) + " -- " + rank_script(dir).string() +
+                            " 2>&1 & pid=$!; sleep 2; kill -TERM $pid; wait $pid";
+    const auto r = dtune::test::run_shell(cmd);
+    EXPECT_EQ(r.exit_code, 4) << r.output;
+    EXPECT_TRUE(contains(r.output, "rank 0 stops")) << r.output;
+    EXPECT_TRUE(contains(r.output, "rank 1 stops")) << r.output;
+    EXPECT_TRUE(contains(r.output, "interrupted by signal 15; every rank saved its state")) << r.output;
 }
 
 TEST(DistLaunch, HungRankTimesOutInsteadOfHanging) {
@@ -169,6 +230,13 @@ TEST(DistLaunch, ArgumentErrorsAreExplained) {
     r = launch("--accelerate_config " + yaml.string() + " -- version");
     EXPECT_EQ(r.exit_code, 2) << r.output;
     EXPECT_TRUE(contains(r.output, "not a multiple of num_machines=2")) << r.output;
+    // distributed_type FSDP is a configuration dtune does not run: exit 2, not 3 (bad input data).
+    std::ofstream(yaml) << "distributed_type: FSDP\nnum_processes: 2\n";
+    r = launch("--accelerate_config " + yaml.string() + " -- version");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_TRUE(contains(r.output, "distributed_type: 'FSDP' is not supported")) << r.output;
+    r = launch("--accelerate_config " + (dir.path() / "missing.yaml").string() + " -- version");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
     r = launch("--nproc_per_node 2 -- /nonexistent/program");
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_TRUE(contains(r.output, "exited with code 127")) << r.output;

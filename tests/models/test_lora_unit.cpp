@@ -359,5 +359,59 @@ TEST(LoRAUnit, KohyaNamesAndAlphaAreRead) {
     EXPECT_LE(test::max_abs_diff(tiny->to_q->forward(x), base + 3.0), 1e-5);
 }
 
+// A kohya `.alpha` (or a metadata alpha) that is NaN, infinite, zero or negative is refused by key:
+// a NaN alpha used to be replaced silently (by the rank on resume, or NaN images when sampling).
+TEST(LoRAUnit, BadAlphasAreRefusedByKey) {
+    test::TempDir tmp;
+    for (const double alpha : {std::nan(""), HUGE_VAL, 0.0, -2.0}) {
+        Tiny tiny;
+        LoRAAdapters a = inject_lora(*tiny, config({"to_q"}, 2, 2));
+        io::save_safetensors(tmp / "k.safetensors",
+                             {{"lora_unet_attn_to_q.lora_down.weight", at::ones({2, 3})},
+                              {"lora_unet_attn_to_q.lora_up.weight", at::ones({2, 2})},
+                              {"lora_unet_attn_to_q.alpha", at::scalar_tensor(alpha)}});
+        try {
+            load_lora(a, tmp / "k.safetensors");
+            ADD_FAILURE() << "alpha " << alpha << " was accepted (scale " << a.find("attn.to_q")->scale()
+                          << ")";
+        } catch (const DataError& e) {
+            const std::string msg = e.what();
+            EXPECT_NE(msg.find((tmp / "k.safetensors").string()), std::string::npos) << msg;
+            EXPECT_NE(msg.find("lora_unet_attn_to_q.alpha"), std::string::npos) << msg;
+            // NaN and infinity are caught with the file's other non-finite tensors.
+            EXPECT_NE(msg.find(std::isfinite(alpha) ? "positive finite" : "NaN or infinite"),
+                      std::string::npos)
+                << msg;
+        }
+    }
+    Tiny tiny;
+    LoRAAdapters a = inject_lora(*tiny, config({"to_q"}, 2, 2));
+    io::save_safetensors(tmp / "m.safetensors",
+                         {{"unet.attn.to_q.lora.down.weight", at::ones({2, 3})},
+                          {"unet.attn.to_q.lora.up.weight", at::ones({2, 2})}},
+                         {{"lora_adapter_metadata", R"({"r": 2, "lora_alpha": -4})"}});
+    EXPECT_THROW(load_lora(a, tmp / "m.safetensors"), DataError);
+}
+
+// A NaN or infinite factor is refused naming the file and the key (a damaged LoRA gave a black image).
+TEST(LoRAUnit, NonFiniteFactorsAreRefusedByKey) {
+    test::TempDir tmp;
+    Tiny tiny;
+    LoRAAdapters a = inject_lora(*tiny, config({"to_q"}, 2, 2));
+    at::Tensor up = at::ones({2, 2});
+    up[1][0] = std::nan("");
+    io::save_safetensors(tmp / "n.safetensors", {{"unet.attn.to_q.lora.down.weight", at::ones({2, 3})},
+                                                 {"unet.attn.to_q.lora.up.weight", up}});
+    try {
+        load_lora(a, tmp / "n.safetensors");
+        ADD_FAILURE() << "a NaN factor was loaded";
+    } catch (const DataError& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find((tmp / "n.safetensors").string() + ": tensor 'unet.attn.to_q.lora.up.weight'"),
+                  std::string::npos)
+            << msg;
+    }
+}
+
 }  // namespace
 }  // namespace dtune::models

@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
+
 #include "core/error.h"
 #include "models/common/weights.h"
 #include "support/test_support.h"
@@ -69,6 +71,28 @@ TEST(Weights, MismatchesAreListed) {
     io::save_safetensors(dir / "shape.safetensors", {{"proj.weight", at::ones({5, 5})}});
     EXPECT_THROW(load_weights(*b, io::WeightSource::open(dir / "shape.safetensors"), lenient, "Tiny"),
                  DataError);
+}
+
+// A NaN or an infinity in a weight only ever gives NaN outputs (`dtune sample` wrote a black PNG
+// with exit code 0): loading refuses it, naming the component, the file and the tensor.
+TEST(Weights, NonFiniteTensorsAreRefusedByName) {
+    test::TempDir dir;
+    for (const double bad : {std::nan(""), HUGE_VAL, -HUGE_VAL}) {
+        Tiny a, b;
+        auto sd = state_dict(*a);
+        sd[2].second = sd[2].second.clone();  // norm.weight (the order of state_dict)
+        sd[2].second.view(-1)[1] = bad;
+        io::save_safetensors(dir / "nan.safetensors", sd);
+        try {
+            load_weights(*b, io::WeightSource::open(dir / "nan.safetensors"), {}, "Tiny from test");
+            ADD_FAILURE() << "a weight holding " << bad << " was loaded";
+        } catch (const DataError& e) {
+            const std::string msg = e.what();
+            EXPECT_NE(msg.find("Tiny from test: tensor '" + sd[2].first + "'"), std::string::npos) << msg;
+            EXPECT_NE(msg.find((dir / "nan.safetensors").string()), std::string::npos) << msg;
+            EXPECT_NE(msg.find("NaN or infinite"), std::string::npos) << msg;
+        }
+    }
 }
 
 }  // namespace dtune::models

@@ -4,8 +4,10 @@
 // image's bytes and at scale 1 other ones; --format webp/jpeg write decodable files.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -173,6 +175,53 @@ TEST(SampleCli, WebpAndJpegOutputsDecode) {
     const auto jpeg = io::decode_image(sample_bytes(tiny, tmp / "jpg", "--format jpeg", ".jpg"), "jpg");
     EXPECT_EQ(jpeg.width, 64);
     EXPECT_EQ(jpeg.height, 64);
+}
+
+// A copy of the tiny model with one tensor of `component`'s weights changed by `edit`.
+std::filesystem::path altered_model(const test::TempDir& tmp, const std::string& component,
+                                    const std::string& key, const std::function<void(at::Tensor&)>& edit) {
+    const auto model = tmp / "model";
+    std::filesystem::copy(test::fixtures_dir() / "tiny-sdxl", model,
+                          std::filesystem::copy_options::recursive);
+    const auto file = model / component / "diffusion_pytorch_model.safetensors";
+    io::TensorList tensors;
+    bool found = false;
+    for (auto& [k, v] : io::load_safetensors(file)) {
+        tensors.emplace_back(k, v.clone());
+        if (k == key) edit(tensors.back().second), found = true;
+    }
+    EXPECT_TRUE(found) << key << " is not in " << file;
+    io::save_safetensors(file, tensors);
+    return model;
+}
+
+// NaN weights used to give a black PNG with exit code 0: the load refuses them (exit 3 naming the
+// file and the tensor), and an output that is not finite although the weights are (here a VAE
+// weight so large that the decoder overflows) writes no image and exits 3 saying why.
+TEST(SampleCli, NonFiniteWeightsOrOutputExit3) {
+    const std::string args = " --prompt x --width 64 --height 64 --steps 1 --device cpu --dtype fp32 2>&1";
+    {
+        test::TempDir tmp;
+        const auto model = altered_model(tmp, "unet", "conv_in.bias", [](at::Tensor& t) { t[0] = NAN; });
+        const auto r = test::run_shell(std::string(DTUNE_BIN) + " sample --model " + model.string() +
+                                       " --output_dir " + (tmp / "out").string() + args);
+        EXPECT_EQ(r.exit_code, 3) << r.output;
+        EXPECT_NE(r.output.find("tensor 'conv_in.bias'"), std::string::npos) << r.output;
+        EXPECT_NE(r.output.find((model / "unet").string()), std::string::npos) << r.output;
+        EXPECT_FALSE(std::filesystem::exists(tmp / "out" / "sample_0_0.png"));
+    }
+    {
+        test::TempDir tmp;
+        const auto model =
+            altered_model(tmp, "vae", "post_quant_conv.weight", [](at::Tensor& t) { t.fill_(3e38); });
+        const auto r = test::run_shell(std::string(DTUNE_BIN) + " sample --model " + model.string() +
+                                       " --output_dir " + (tmp / "out").string() + args);
+        EXPECT_EQ(r.exit_code, 3) << r.output;
+        EXPECT_NE(r.output.find("the decoded image from " + model.string()), std::string::npos) << r.output;
+        EXPECT_NE(r.output.find("NaN or infinite values, so no image was written"), std::string::npos)
+            << r.output;
+        EXPECT_FALSE(std::filesystem::exists(tmp / "out" / "sample_0_0.png"));
+    }
 }
 
 }  // namespace

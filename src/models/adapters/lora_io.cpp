@@ -3,6 +3,7 @@
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -12,6 +13,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "models/common/weights.h"
 
 namespace dtune::models {
 namespace {
@@ -206,6 +208,37 @@ void check_module(const std::string& module, LoRALayer& layer, const ModuleTenso
         errors.push_back(str(module, ": the adapter is DoRA but the file has no lora_magnitude_vector"));
 }
 
+// kohya's `.alpha` tensors and the metadata's alphas: a positive finite number. NaN or infinity
+// would make every output NaN; zero would silently switch the adapter off, and a negative alpha
+// inverts it (kohya's own trainer never writes either; a weaker or inverted LoRA is --lora_scale's
+// job). DataError naming the file and the key.
+double checked_alpha(double alpha, const std::string& where, const std::string& key) {
+    if (std::isfinite(alpha) && alpha > 0) return alpha;
+    throw DataError(str(where, ": ", key, " is ", alpha,
+                        "; a LoRA alpha must be a positive finite number (kohya files store the rank or "
+                        "the training's network_alpha there): fix or re-export the file"));
+}
+
+// Every factor, magnitude and alpha tensor of the file that will be loaded must be finite.
+void check_finite(const std::map<std::string, ModuleTensors>& grouped, const std::string& where) {
+    std::vector<at::Tensor> tensors;
+    std::vector<std::string> keys;
+    for (const auto& [module, m] : grouped)
+        for (const std::string& key : m.keys) {
+            const Part part = parse_key(key)->part;  // grouped keys parsed before
+            tensors.push_back(part == Part::kDown    ? m.down
+                              : part == Part::kUp    ? m.up
+                              : part == Part::kAlpha ? m.alpha
+                                                     : m.magnitude);
+            keys.push_back(key);
+        }
+    const int64_t bad = first_non_finite(tensors);
+    if (bad < 0) return;
+    throw DataError(str(where, ": tensor '", keys[static_cast<std::size_t>(bad)],
+                        "' holds NaN or infinite values; the LoRA is damaged (its training diverged, or a "
+                        "conversion broke it): use another copy or an earlier checkpoint of it"));
+}
+
 }  // namespace
 
 LoRALoadReport load_lora(LoRAAdapters& adapters, const std::filesystem::path& file,
@@ -235,6 +268,7 @@ LoRALoadReport load_lora(LoRAAdapters& adapters, const std::filesystem::path& fi
         throw DataError(str(where, ": ", missing.size(), " adapted module(s) have no weights in the file:",
                             joined(missing), "\n  restrict the LoRA target modules to the file's modules"));
 
+    check_finite(grouped, where);
     const nlohmann::json meta = adapter_metadata(f.metadata(), file);
     torch::NoGradGuard no_grad;
     for (auto& [module, m] : grouped) {
@@ -244,11 +278,18 @@ LoRALoadReport load_lora(LoRAAdapters& adapters, const std::filesystem::path& fi
         layer.up().copy_(m.up);
         if (m.magnitude.defined()) layer.magnitude().copy_(m.magnitude.reshape(layer.magnitude().sizes()));
         if (m.alpha.defined()) {
-            layer.set_scale(m.alpha.item<double>() / static_cast<double>(layer.rank()));  // kohya: alpha / r
+            std::string key;
+            for (const auto& k : m.keys)
+                if (ends_with(k, ".alpha")) key = k;
+            DTUNE_CHECK_AS(DataError, m.alpha.numel() == 1, where, ": ", key, " has ", m.alpha.numel(),
+                           " values; a LoRA alpha is one number: fix or re-export the file");
+            const double alpha = checked_alpha(m.alpha.item<double>(), where, key);
+            layer.set_scale(alpha / static_cast<double>(layer.rank()));  // kohya: alpha / r
         } else if (auto a = pattern_alpha(meta, module)) {
-            layer.set_alpha(*a);
+            layer.set_alpha(checked_alpha(*a, where, "lora_adapter_metadata alpha_pattern for " + module));
         } else if (meta.contains("lora_alpha") && meta["lora_alpha"].is_number()) {
-            layer.set_alpha(meta["lora_alpha"].get<double>());
+            layer.set_alpha(
+                checked_alpha(meta["lora_alpha"].get<double>(), where, "lora_adapter_metadata lora_alpha"));
         }
         ++report.modules_loaded;
     }

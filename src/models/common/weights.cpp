@@ -30,6 +30,7 @@ LoadReport load_named(torch::nn::Module& module, const std::vector<std::string>&
     LoadReport report;
     std::set<std::string> seen;
     std::vector<std::string> shape_errors;
+    std::vector<std::pair<std::string, at::Tensor>> loaded;  // checkpoint key -> the module's copy
     torch::NoGradGuard no_grad;
     for (const std::string& key : keys) {
         if (key.rfind(options.prefix, 0) != 0) continue;
@@ -49,6 +50,7 @@ LoadReport load_named(torch::nn::Module& module, const std::vector<std::string>&
         }
         dst.copy_(src);  // converts dtype and device in one step
         if (backing) backing->release(src);
+        loaded.emplace_back(key, dst);
         seen.insert(name);
         ++report.loaded;
     }
@@ -66,6 +68,12 @@ LoadReport load_named(torch::nn::Module& module, const std::vector<std::string>&
                             report.missing.empty() ? "" : "\n  missing:", listing(report.missing),
                             report.unexpected.empty() ? "" : "\n  unexpected:", listing(report.unexpected),
                             "\n  check that config.json and the weights come from the same model"));
+    std::vector<at::Tensor> copies;
+    for (const auto& [_, t] : loaded) copies.push_back(t);
+    if (const int64_t bad = first_non_finite(copies); bad >= 0)
+        throw DataError(str(what, ": tensor '", loaded[static_cast<std::size_t>(bad)].first, "' in '", from,
+                            "' holds NaN or infinite values; the weights are damaged (a diverged training "
+                            "run or a broken conversion): use another copy of the model"));
     if (options.dtype || options.device) {
         module.to(options.device.value_or(module.parameters().empty() ? c10::Device(c10::kCPU)
                                                                       : module.parameters()[0].device()),
@@ -91,6 +99,25 @@ LoadReport load_weights(torch::nn::Module& module, const io::TensorList& tensors
     for (const auto& [k, _] : by_name) keys.push_back(k);
     return load_named(
         module, keys, [&](const std::string& key) { return by_name.at(key); }, options, what, from, backing);
+}
+
+int64_t first_non_finite(const std::vector<at::Tensor>& tensors) {
+    std::vector<at::Tensor> flags;  // per tensor: all finite (one bool on the tensor's device)
+    std::vector<std::size_t> index;
+    for (std::size_t i = 0; i < tensors.size(); ++i) {
+        const at::Tensor& t = tensors[i];
+        if (!t.defined() || !at::isFloatingType(t.scalar_type()) || t.numel() == 0) continue;
+        at::Tensor flag = at::isfinite(t).all();
+        if (!flags.empty()) flag = flag.to(flags[0].device());  // no-op when on the same device
+        flags.push_back(flag);
+        index.push_back(i);
+    }
+    if (flags.empty()) return -1;
+    const at::Tensor ok = at::stack(flags).cpu();  // [n] bool, the one read-back
+    const bool* all_finite = ok.const_data_ptr<bool>();
+    for (std::size_t i = 0; i < index.size(); ++i)
+        if (!all_finite[i]) return static_cast<int64_t>(index[i]);
+    return -1;
 }
 
 io::TensorList state_dict(const torch::nn::Module& module) {

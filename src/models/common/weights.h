@@ -3,8 +3,9 @@
 // Module trees mirror diffusers' naming, so a checkpoint key like
 // "down_blocks.1.attentions.0.proj_in.weight" is the module's own parameter name and loading is
 // a name-for-name copy. Loading is strict by default: missing or unexpected keys, or a shape
-// mismatch, throw DataError listing (up to 20 of) them. Tensors are converted to the requested
-// dtype/device straight from the memory-mapped file into the module's tensors (one copy), and the
+// mismatch, throw DataError listing (up to 20 of) them; so does a tensor holding a NaN or an
+// infinity (such weights only ever produce NaN outputs, e.g. a black image). Tensors are converted to the
+// requested dtype/device straight from the memory-mapped file into the module's tensors (one copy), and the
 // file's pages are released from this process as soon as a tensor is copied (the page cache keeps
 // them), so peak resident memory is the model plus one tensor, not the model plus the file.
 // Modules built inside an UninitializedParameters scope (layers.h) already have their large
@@ -51,6 +52,10 @@ LoadReport load_weights(torch::nn::Module& module, const io::WeightSource& sourc
 LoadReport load_weights(torch::nn::Module& module, const io::TensorList& tensors, const LoadOptions& options,
                         const std::string& what, const std::string& from,
                         const io::WeightSource* backing = nullptr);
+
+// The index of the first floating tensor of `tensors` that holds a NaN or an infinity, or -1: one
+// isfinite reduction per tensor on its own device and a single read-back for all of them.
+int64_t first_non_finite(const std::vector<at::Tensor>& tensors);
 
 // All parameters and buffers by their full names, for saving.
 io::TensorList state_dict(const torch::nn::Module& module);
