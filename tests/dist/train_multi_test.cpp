@@ -451,7 +451,7 @@ TEST(DistTrain, OutputDirNotSharedIsExplained) {
                             " train --config '" + w.config.string() + "' --output_dir '" +
                             w.out("node").string() + "'\\$RANK --train_batch_size 1 --max_train_steps 1\"";
     const auto r = run_shell("DTUNE_SHARED_DIR_WAIT_S=2 " + cmd);
-    EXPECT_EQ(r.exit_code, 1) << r.output;  // the launcher reports the first rank that failed
+    EXPECT_EQ(r.exit_code, 2) << r.output;  // the first failing rank's configuration error, passed on
     EXPECT_TRUE(contains(r.output, "is not shared by every rank")) << r.output;
     EXPECT_TRUE(contains(r.output, "output_dir " + w.out("node").string())) << r.output;
     EXPECT_TRUE(contains(r.output, "docs/multi-node.md")) << r.output;
