@@ -71,7 +71,7 @@ std::map<std::string, std::string> parse_simple_yaml(const std::string& text, co
         auto colon = body.find(':');
         if (colon == std::string::npos || colon == 0)
             throw UsageError(str(origin, ":", line_no, ": '", body, "' is not a `key: value` line; ",
-                                "dtune reads accelerate's flat config file (keys, nested mappings)"));
+                                 "dtune reads accelerate's flat config file (keys, nested mappings)"));
         std::string key = trim(body.substr(0, colon));
         std::string value = trim(body.substr(colon + 1));
         std::string full;
@@ -123,8 +123,8 @@ AccelerateConfig parse_accelerate_config(const std::string& text, const std::str
     if (c.offload_optimizer_device && *c.offload_optimizer_device != "none" &&
         *c.offload_optimizer_device != "cpu")
         throw UsageError(str(path, ": deepspeed_config.offload_optimizer_device: '",
-                            *c.offload_optimizer_device,
-                            "' is not supported; dtune offloads optimizer state to the cpu (or none)"));
+                             *c.offload_optimizer_device,
+                             "' is not supported; dtune offloads optimizer state to the cpu (or none)"));
     c.gradient_accumulation_steps = get_int(kv, "deepspeed_config.gradient_accumulation_steps", path);
     if (!c.gradient_accumulation_steps)
         c.gradient_accumulation_steps = get_int(kv, "gradient_accumulation_steps", path);

@@ -223,8 +223,7 @@ TEST(TrainConfig, EveryProblemIsReportedInOneRunModelFamilyFirst) {
     for (const char* part :
          {"unknown option \"learning_rat\"", "train_batch_size = \"four\" is not an integer",
           "vae_enable_tiling = true is not implemented", "lr_scheduler = \"warp\"",
-          "gradient_accumulation_steps = 0", "option seed = \"x\"",
-          "option lora_rank = \"abc\""})
+          "gradient_accumulation_steps = 0", "option seed = \"x\"", "option lora_rank = \"abc\""})
         EXPECT_NE(m.find(part), std::string::npos) << part << "\n" << m;
     // One problem keeps its plain message.
     const std::string one =
