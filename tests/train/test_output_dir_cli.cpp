@@ -22,6 +22,7 @@
 #include "io/image.h"
 #include "support/shell.h"
 #include "support/test_support.h"
+#include "train_cli_util.h"
 
 namespace dtune {
 namespace {
@@ -52,19 +53,7 @@ struct Workspace {
                                 {"cache_dir_vae", (dir / "cache_vae").string()}};
         image.update(entry);
         write_backends(nlohmann::json::array({image}));
-        const nlohmann::json cfg = {
-            {"--model_family", "sdxl"},
-            {"--pretrained_model_name_or_path", (test::fixtures_dir() / "tiny-sdxl").string()},
-            {"--data_backend_config", (dir / "multidatabackend.json").string()},
-            {"--train_batch_size", 2},
-            {"--checkpointing_steps", 1},
-            {"--learning_rate", 1e-4},
-            {"--optimizer", "torch-adamw"},
-            {"--mixed_precision", "no"},
-            {"--gradient_checkpointing", false},
-            {"--seed", 7},
-            {"--deterministic", true},
-            {"--device", "cpu"}};
+        const nlohmann::json cfg = testutil::tiny_cli_config(dir / "multidatabackend.json");
         config = dir / "config.json";
         fs::write_file_atomic(config, cfg.dump(2));
     }

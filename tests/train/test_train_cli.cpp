@@ -20,6 +20,7 @@
 #include "support/http_listener.h"
 #include "support/shell.h"
 #include "support/test_support.h"
+#include "train_cli_util.h"
 
 namespace dtune {
 namespace {
@@ -50,19 +51,7 @@ struct Workspace {
                                     {"default", true},
                                     {"cache_dir", (dir / "cache_text").string()}}});
         fs::write_file_atomic(dir / "multidatabackend.json", backends.dump(2));
-        const nlohmann::json cfg = {
-            {"--model_family", "sdxl"},
-            {"--pretrained_model_name_or_path", (test::fixtures_dir() / "tiny-sdxl").string()},
-            {"--data_backend_config", (dir / "multidatabackend.json").string()},
-            {"--train_batch_size", 2},
-            {"--checkpointing_steps", 1},
-            {"--learning_rate", 1e-4},
-            {"--optimizer", "torch-adamw"},
-            {"--mixed_precision", "no"},
-            {"--gradient_checkpointing", false},
-            {"--seed", 7},
-            {"--deterministic", true},
-            {"--device", "cpu"}};
+        const nlohmann::json cfg = testutil::tiny_cli_config(dir / "multidatabackend.json");
         config = dir / "config.json";
         fs::write_file_atomic(config, cfg.dump(2));
     }
