@@ -242,6 +242,14 @@ std::string throughput_table(const std::vector<nlohmann::json>& metrics) {
     if (last.contains("samples_seen")) t["samples seen"] = last.at("samples_seen");
     t["mean images/s"] = n ? fmt(rate_sum / static_cast<double>(n)) : "-";
     t["peak GPU memory (GiB)"] = mem >= 0 ? fmt(mem) : "- (CPU run)";
+    // cuda_graph (metrics.jsonl's graph_replays / eager_steps / cuda_graph_fallback): how the steps
+    // ran, and why not as graphs when they could not.
+    if (last.contains("graph_replays") && last.contains("eager_steps"))
+        t["CUDA graph"] = str(last.at("graph_replays").dump(), " steps replayed, ",
+                              last.at("eager_steps").dump(), " eager (this run)");
+    for (const auto& r : metrics)
+        if (r.contains("cuda_graph_fallback") && r.at("cuda_graph_fallback").is_string())
+            t["CUDA graph off because"] = r.at("cuda_graph_fallback").get<std::string>();
     return kv_table(t);
 }
 

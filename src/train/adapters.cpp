@@ -80,8 +80,12 @@ LoRATraining::LoRATraining(torch::nn::Module& unet, const TrainConfig& config)
                 << report.format << " keys)";
 }
 
-void LoRATraining::begin_forward(at::Generator& generator, int rank, int world_size) {
+void LoRATraining::begin_forward(at::Generator& generator, bool on_device, int rank, int world_size) {
     if (!dropout_) return;
+    if (on_device) {
+        adapters_.draw_dropout_seed(rank, world_size);
+        return;
+    }
     uint64_t seed = 0;
     {
         std::lock_guard<std::mutex> lock(generator.mutex());

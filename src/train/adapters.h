@@ -10,8 +10,8 @@
 //
 // Invariants: only the adapter tensors are trainable (the base UNet is frozen); the adapter file
 // round-trips bit-exactly (a resumed run continues from exactly the saved factors, with the layers'
-// alphas as this run set them); dropout draws one seed per forward from the trainer's generator,
-// and only when lora_dropout > 0.
+// alphas as this run set them); dropout draws one seed per forward (trainer's generator, or the
+// device's with CUDA graphs), and only when lora_dropout > 0.
 #pragma once
 
 #include <ATen/core/Generator.h>
@@ -50,10 +50,12 @@ class LoRATraining {
 
     // The trainable adapter tensors under PEFT's names ("<module>.lora_A.weight", ...).
     io::TensorList trainable() const { return adapters_.named_parameters(); }
-    // Before each training forward: a fresh dropout seed from `generator` (no draw without dropout;
-    // the generator is in the same state on every rank), masks drawn for the global batch of which
-    // this rank keeps its rows (see LoRALayer::set_dropout_seed).
-    void begin_forward(at::Generator& generator, int rank = 0, int world_size = 1);
+    // Before each training forward: a fresh dropout seed (no draw without dropout), masks for the
+    // global batch of which this rank keeps its rows (see LoRALayer::set_dropout_seed). The seed is
+    // drawn from `generator` (the trainer's CPU generator, the same state on every rank), or with
+    // `on_device` from the adapters' device's default generator with no host work (the CUDA-graph
+    // step: StepOptions::device_rng), so a captured step draws a new seed on every replay.
+    void begin_forward(at::Generator& generator, bool on_device, int rank = 0, int world_size = 1);
 
     // Writes the adapters in the configured lora_format, in their own dtype (lossless).
     void save(const std::filesystem::path& file) const;

@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+#include <chrono>
 #include <exception>
 #include <optional>
 #include <string>
@@ -41,6 +42,7 @@ std::vector<int64_t> shape_key(const TrainBatch& b) {
         if (t->defined())
             for (int64_t s : t->sizes()) key.push_back(s);
     }
+    key.push_back(b.regularisation ? 1 : 0);
     return key;
 }
 
@@ -73,6 +75,7 @@ TrainBatch static_copy(const TrainBatch& b) {
     s.prompt_embeds = b.prompt_embeds.clone();
     s.pooled_embeds = b.pooled_embeds.defined() ? b.pooled_embeds.clone() : at::Tensor();
     s.time_ids = b.time_ids.defined() ? b.time_ids.clone() : at::Tensor();
+    s.regularisation = b.regularisation;
     return s;
 }
 
@@ -94,11 +97,11 @@ StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const Train
                              const diffusion::NoiseSchedule& schedule, const StepOptions& options,
                              int64_t global_step, at::Generator& generator, Optimizer& optimizer,
                              const std::vector<at::Tensor>& params, double max_grad_norm,
-                             const std::function<void()>& after_backward) {
+                             const StepHooks& hooks) {
     auto eager = [&] {
         ++eager_;
         return optimizer_step_async(unet, batch, schedule, options, global_step, generator, optimizer, params,
-                                    max_grad_norm, after_backward);
+                                    max_grad_norm, hooks);
     };
 #ifndef DTUNE_WITH_CUDA
     return eager();
@@ -128,16 +131,17 @@ StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const Train
         // The graph's private pool cannot reuse blocks the eager steps left cached; hand them back
         // first, or a large step fails its capture for want of memory that is only fragmented.
         c10::cuda::CUDACachingAllocator::emptyCache();
+        const auto t0 = std::chrono::steady_clock::now();
         try {
             on_side_stream(*e.stream, [&] {
                 e.graph = std::make_unique<at::cuda::CUDAGraph>();
                 // adamw_bf16's rounding noise: its generator's offset must advance on every replay.
                 for (const at::Generator& gen : optimizer.generators())
                     if (gen.device().is_cuda()) e.graph->register_generator_state(gen);
-                e.graph->capture_begin();
+                e.graph->capture_begin(c10::MempoolId_t{pool_.first, pool_.second});
                 try {
                     e.out = optimizer_step_async(unet, e.inputs, schedule, options, global_step, generator,
-                                                 optimizer, params, max_grad_norm, after_backward);
+                                                 optimizer, params, max_grad_norm, hooks);
                 } catch (...) {
                     try {
                         e.graph->capture_end();
@@ -147,6 +151,15 @@ StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const Train
                 }
                 e.graph->capture_end();
             });
+            const c10::MempoolId_t pool = e.graph->pool();
+            const bool shared = pool_.first != 0 || pool_.second != 0;
+            pool_ = {pool.first, pool.second};
+            log::info() << "cuda_graph: captured the step for batch shape " << batch.latents.sizes()
+                        << (batch.regularisation ? " (regularisation batch)" : "") << " in "
+                        << static_cast<int64_t>(std::chrono::duration<double, std::milli>(
+                                                    std::chrono::steady_clock::now() - t0)
+                                                    .count())
+                        << " ms" << (shared ? ", sharing the first graph's memory pool" : "");
         } catch (const std::exception& err) {
             const std::string what = err.what();
             log::warn() << "CUDA graph capture failed for batch shape " << batch.latents.sizes()

@@ -4,6 +4,8 @@
 // LoRA batch-1 step).
 //
 // Invariants and fallbacks:
+// - Entries are keyed by the batch's shapes and whether it is a regularisation batch (whose LoRA
+//   step adds the teacher forward with the adapters off, StepHooks::adapters): one graph each.
 // - A shape is first run eagerly `warmup` times (lazy allocations, cuBLAS/cuDNN plans, optimizer
 //   state), then captured; from then on each call copies the batch into the graph's static inputs
 //   and replays. A shape whose capture fails runs eagerly for good (logged once), so training goes on.
@@ -16,6 +18,10 @@
 //   memory) LR changes keep the graph. The optimizer's own generators (adamw_bf16's rounding noise)
 //   are registered with each capture, so every replay draws fresh noise.
 // - The returned StepTensors are the graph's own output buffers: the next call overwrites them.
+// - Every shape's graph draws from one shared memory pool (the first capture's): graphs replay one
+//   at a time on one stream and keep nothing alive between replays but their inputs and outputs, so
+//   a dataset with several aspect buckets pays the largest step's memory once, not once per
+//   bucket. Each capture is logged with its shape and how long it took.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -40,7 +46,7 @@ class GraphedStep {
     StepTensors run(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
                     const diffusion::NoiseSchedule& schedule, const StepOptions& options, int64_t global_step,
                     at::Generator& generator, Optimizer& optimizer, const std::vector<at::Tensor>& params,
-                    double max_grad_norm, const std::function<void()>& after_backward = {});
+                    double max_grad_norm, const StepHooks& hooks = {});
 
     // The optimizer reads its learning rate from a device tensor refreshed before each call, so an
     // LR change needs no recapture.
@@ -55,6 +61,7 @@ class GraphedStep {
     int warmup_;
     bool lr_on_device_ = false;
     int64_t replays_ = 0, eager_ = 0;
+    std::pair<unsigned long long, unsigned long long> pool_{0, 0};    // shared graph pool ({0, 0}: none yet)
     std::map<std::vector<int64_t>, std::unique_ptr<Entry>> entries_;  // key: the batch's shapes
 };
 

@@ -231,9 +231,13 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, do
 
 void clip_grad_value(const std::vector<at::Tensor>& params, double clip) {
     at::NoGradGuard no_grad;
-    for (const auto& p : params) {
-        if (p.grad().defined()) p.grad().clamp_(-clip, clip);
-    }
+    std::vector<at::Tensor> grads;
+    for (const auto& p : params)
+        if (p.grad().defined()) grads.push_back(p.grad());
+    if (grads.empty()) return;
+    // Two multi-tensor launches, no host synchronisation: a CUDA graph captures them.
+    at::_foreach_clamp_max_(grads, at::Scalar(clip));
+    at::_foreach_clamp_min_(grads, at::Scalar(-clip));
 }
 
 }  // namespace dtune::train

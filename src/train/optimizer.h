@@ -250,7 +250,7 @@ double clip_grad_norm(const std::vector<at::Tensor>& params, double max_norm, do
 // multi-tensor kernel.
 at::Tensor clip_grad_norm_async(const std::vector<at::Tensor>& params, double max_norm,
                                 double norm_type = 2.0);
-// torch.nn.utils.clip_grad_value_: clamps every gradient element to [-clip, clip].
+// torch.nn.utils.clip_grad_value_: clamps every gradient element to [-clip, clip] (no host sync).
 void clip_grad_value(const std::vector<at::Tensor>& params, double clip);
 
 }  // namespace dtune::train

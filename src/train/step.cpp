@@ -137,7 +137,9 @@ at::Tensor predict(models::UNet2DConditionModelImpl& unet, const TrainBatch& bat
 
 MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
                      const diffusion::NoiseSchedule& schedule, const StepOptions& options,
-                     int64_t global_step, at::Generator& generator, const AdapterSwitch& adapters) {
+                     int64_t global_step, at::Generator& generator, const StepHooks& hooks) {
+    if (hooks.before_forward) hooks.before_forward();
+    const AdapterSwitch& adapters = hooks.adapters;
     const at::Tensor latents = batch.latents.to(at::kFloat);  // [B, C, h, w]
     const Draws d = draw(latents, schedule, options, global_step, generator);
     const at::Tensor& t_dev = d.t_dev;
@@ -159,17 +161,25 @@ MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& b
     return out;
 }
 
+at::Tensor clip_gradients(const std::vector<at::Tensor>& params, double max_grad_norm, bool by_value,
+                          const NormClipFn& norm_fn) {
+    const double norm_clip = by_value ? 0.0 : max_grad_norm;
+    const at::Tensor norm = norm_fn ? norm_fn(params, norm_clip) : clip_grad_norm_async(params, norm_clip);
+    if (by_value && max_grad_norm > 0) clip_grad_value(params, max_grad_norm);
+    return norm;
+}
+
 StepTensors optimizer_step_async(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
                                  const diffusion::NoiseSchedule& schedule, const StepOptions& options,
                                  int64_t global_step, at::Generator& generator, Optimizer& optimizer,
                                  const std::vector<at::Tensor>& params, double max_grad_norm,
-                                 const std::function<void()>& after_backward) {
-    MicroStep m = micro_step(unet, batch, schedule, options, global_step, generator);
+                                 const StepHooks& hooks) {
+    MicroStep m = micro_step(unet, batch, schedule, options, global_step, generator, hooks);
     m.loss.backward();
-    if (after_backward) after_backward();
+    if (hooks.after_backward) hooks.after_backward();
     StepTensors out;
     out.loss = m.loss.detach();
-    out.grad_norm = clip_grad_norm_async(params, max_grad_norm);
+    out.grad_norm = clip_gradients(params, max_grad_norm, options.clip_by_value);
     optimizer.step();
     optimizer.zero_grad();
     return out;

@@ -42,6 +42,9 @@ struct StepOptions {
     // generator instead of the CPU generator passed in: no host work or copies, so a CUDA graph can
     // capture the step. Plain noise only (no offset noise, input perturbation or timestep bias).
     bool device_rng = false;
+    // grad_clip_method value: max_grad_norm clamps each gradient element instead of scaling by
+    // the global norm (the norm is still measured and reported).
+    bool clip_by_value = false;
 };
 
 // SimpleTuner's caption dropout for SDXL: each sample with probability p trains on the empty
@@ -60,15 +63,24 @@ struct MicroStep {
 // Switches a LoRA run's adapters off (false) and back on (true); empty for a full fine-tune.
 using AdapterSwitch = std::function<void(bool enabled)>;
 
+// What the trainer plugs into a step; every member is optional. The eager step and the CUDA-graph
+// step call the same hooks at the same points, so a graph captures them with the rest.
+struct StepHooks {
+    AdapterSwitch adapters;                // regularisation batches: the teacher forward, adapters off
+    std::function<void()> before_forward;  // LoRA dropout: this forward's seed (LoRATraining::begin_forward)
+    std::function<void()> after_backward;  // data parallel: the gradient average
+};
+
 // Forward of one micro-batch: loss = per-sample loss averaged over the batch. A regularisation
 // batch (TrainBatch::regularisation) with `adapters` set trains toward the base model's prediction
 // (SimpleTuner's parent-teacher target): the same noisy latents, timesteps and conditioning through
 // the UNet with the adapters off and no graph, in place of the noise/v target; the loss (min-SNR
 // weighting included) is then computed as for any batch. Without `adapters` (a full fine-tune) a
 // regularisation batch trains like any other, as in SimpleTuner.
+// hooks.before_forward runs first, before any draw.
 MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
                      const diffusion::NoiseSchedule& schedule, const StepOptions& options,
-                     int64_t global_step, at::Generator& generator, const AdapterSwitch& adapters = {});
+                     int64_t global_step, at::Generator& generator, const StepHooks& hooks = {});
 
 // What one optimizer step leaves on the device. Nothing is read back: call .item() only when
 // logging, since each read waits for the GPU to drain its queue.
@@ -77,14 +89,21 @@ struct StepTensors {
     at::Tensor grad_norm;  // scalar float32 before clipping (undefined when no gradient)
 };
 
+// The gradient norm of `params` (float32 scalar on their device, undefined without gradients), then
+// the clip: by that norm, or with `by_value` each element clamped to ±max_grad_norm; max_grad_norm
+// <= 0 measures only. No host synchronisation. `norm_fn` replaces the plain norm-and-clip (ZeRO-2:
+// the norm over every rank's shard); it receives the max norm to clip to (0 with by_value).
+using NormClipFn = std::function<at::Tensor(const std::vector<at::Tensor>& params, double max_norm)>;
+at::Tensor clip_gradients(const std::vector<at::Tensor>& params, double max_grad_norm, bool by_value,
+                          const NormClipFn& norm_fn = {});
+
 // One whole optimizer step on one micro-batch with no host synchronisation: micro_step, backward,
-// clipping by total norm (max_grad_norm <= 0: measured only), the optimizer's update and
-// zero_grad. `params` are the optimizer's parameters (what is clipped). `after_backward`, when set,
-// runs between backward and clipping: the data-parallel gradient average of a graphed step.
+// hooks.after_backward, clip_gradients (options.clip_by_value), the optimizer's update and
+// zero_grad. `params` are the optimizer's parameters (what is clipped).
 StepTensors optimizer_step_async(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
                                  const diffusion::NoiseSchedule& schedule, const StepOptions& options,
                                  int64_t global_step, at::Generator& generator, Optimizer& optimizer,
                                  const std::vector<at::Tensor>& params, double max_grad_norm,
-                                 const std::function<void()>& after_backward = {});
+                                 const StepHooks& hooks = {});
 
 }  // namespace dtune::train

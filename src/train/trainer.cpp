@@ -232,6 +232,7 @@ void Trainer::init_common() {
                        ? schedule_->config().prediction_type
                        : diffusion::parse_prediction_type(config_.text("prediction_type"), "prediction_type");
     s.caption_dropout_probability = config_.real("caption_dropout_probability");
+    s.clip_by_value = config_.text("grad_clip_method") != "norm";
     const std::string mp = config_.text("mixed_precision");
     // On the CPU autocast is not used: bf16/fp16 there run in float32 (fp16 keeps its loss scaler).
     s.compute_dtype = !device_.is_cuda() ? at::kFloat
@@ -358,17 +359,18 @@ double Trainer::train_one_step(double& grad_norm) {
     inject_step_error(dp_->rank(), global_step_ + 1);  // DTUNE_INJECT_STEP_ERROR (tests)
     double loss_sum = 0, regularisation_sum = 0;
     int64_t regularisation_batches = 0;
-    // Regularisation batches of a LoRA run take the base model's prediction as target (step.h).
-    AdapterSwitch adapters;
-    if (lora_) adapters = [this](bool on) { lora_->adapters().set_enabled(on); };
+    // LoRA: this forward's dropout seed; regularisation batches train toward the base model's
+    // prediction (step.h). The graphed step runs the same hooks.
+    const StepHooks hooks = step_hooks();
     for (int64_t micro = 0; micro < accum; ++micro) {
         TrainBatch batch = next_batch(micro);
         apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_,
                               dp_->rank(), dp_->world_size());
-        if (lora_)  // the LoRA dropout seed of this forward; masks of the global batch
-            lora_->begin_forward(*generator_, dp_->rank(), dp_->world_size());
-        MicroStep m =
-            micro_step(*unet_, batch, *schedule_, step_options_, global_step_, *generator_, adapters);
+        MicroStep m = micro_step(*unet_, batch, *schedule_, step_options_, global_step_, *generator_, hooks);
+        if (micro == accum - 1) dp_->arm_reduction();  // reduce during the last backward
+        const at::Tensor loss = m.loss / static_cast<double>(accum);
+        (scaler_ ? scaler_->scale_loss(loss) : loss).backward();
+        // Read after backward is queued, so the GPU is never idle waiting for the host's check.
         const double value = m.loss.item<double>();
         if (batch.regularisation) {
             regularisation_sum += value;
@@ -382,9 +384,6 @@ double Trainer::train_one_step(double& grad_norm) {
                             "); lower learning_rate, set max_grad_norm, use mixed_precision bf16 or no, ",
                             "or check those images; resume from the last checkpoint"));
         }
-        if (micro == accum - 1) dp_->arm_reduction();  // reduce during the last backward
-        const at::Tensor loss = m.loss / static_cast<double>(accum);
-        (scaler_ ? scaler_->scale_loss(loss) : loss).backward();
         loss_sum += value;
     }
     step_regularisation_loss_.reset();
@@ -395,12 +394,13 @@ double Trainer::train_one_step(double& grad_norm) {
     for (const auto& p : trainable_) params.push_back(p.tensor);
     step_overflowed_ = scaler_ && !scaler_->unscale(params);  // fp16: gradients / scale, inf check
     if (scaler_) step_overflowed_ = dp_->gradients_overflowed(step_overflowed_);  // ZeRO-2: any shard
-    // One multi-tensor norm and one read-back per step (not one per parameter).
-    const double max_grad = config_.real("max_grad_norm");
-    const bool by_norm = max_grad > 0 && config_.text("grad_clip_method") == "norm";
-    const at::Tensor norm = dp_->clip_grad_norm_async(params, by_norm ? max_grad : 0.0);  // ZeRO-2: global
+    // One multi-tensor norm and one read-back per step (not one per parameter); the same clip as
+    // the graphed step's (clip_gradients), with the norm over every shard under ZeRO-2.
+    const at::Tensor norm = clip_gradients(params, config_.real("max_grad_norm"), step_options_.clip_by_value,
+                                           [this](const std::vector<at::Tensor>& p, double max_norm) {
+                                               return dp_->clip_grad_norm_async(p, max_norm);
+                                           });
     grad_norm = norm.defined() ? norm.item<double>() : 0.0;
-    if (max_grad > 0 && !by_norm) clip_grad_value(params, max_grad);
     return loss_sum / static_cast<double>(accum);
 }
 
@@ -554,6 +554,7 @@ void Trainer::append_metrics(const StepReport& r) {
     if (r.gpu_memory_gib) row["gpu_memory_gib"] = *r.gpu_memory_gib;
     if (r.regularisation_loss) row["regularisation_loss"] = *r.regularisation_loss;
     if (r.regularisation_step) row["regularisation_grad_norm"] = r.grad_norm;
+    add_graph_fields(row);
     if (!metrics_log_) metrics_log_ = std::make_unique<RunLog>(output_dir_ / "metrics.jsonl");
     metrics_log_->append(row);
 }

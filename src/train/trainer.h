@@ -103,6 +103,13 @@ class Trainer {
     LoRATraining* lora() { return lora_.get(); }
     // cuda_graph: the graphed step when the run allows it (nullptr: eager; trainer_graph.cpp).
     const GraphedStep* graphed_step() const { return graph_.get(); }
+    // cuda_graph's setting (auto | true | false) and, when a run that could have used graphs trains
+    // eagerly, why (empty otherwise). metrics.jsonl and report.html carry both.
+    struct GraphStatus {
+        std::string requested;
+        std::string fallback;
+    };
+    const GraphStatus& graph_status() const { return graph_status_; }
 
   private:
     TrainResult run_loop();
@@ -136,6 +143,10 @@ class Trainer {
     // trainer_graph.cpp: cuda_graph (the whole optimizer step as one CUDA graph per batch shape).
     void init_graph();
     double train_graphed_step(double lr, double& grad_norm);
+    // The hooks both step paths run (step.h): LoRA's dropout seed and the regularisation switch.
+    StepHooks step_hooks();
+    // metrics.jsonl's CUDA-graph fields for this row (none for a CPU run or cuda_graph false).
+    void add_graph_fields(nlohmann::json& row);
 
     // Declared first, released last: output_dir is this run's until everything else is torn down.
     std::unique_ptr<fs::DirLock> output_lock_;  // rank 0 of `dtune train` (see fs::DirLock)
@@ -171,6 +182,8 @@ class Trainer {
     std::optional<double> step_regularisation_loss_;
     bool step_ended_on_regularisation_ = false;
     std::unique_ptr<GraphedStep> graph_;  // cuda_graph, when the run allows it
+    GraphStatus graph_status_;
+    bool graph_fallback_written_ = false;  // the fallback reason went into metrics.jsonl
 };
 
 // Parses "cpu", "cuda", "cuda:N" or "auto" (CUDA when available).

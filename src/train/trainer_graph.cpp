@@ -4,7 +4,8 @@
 // What stays outside the graph: the batch (data loader, caption dropout from the CPU generator),
 // the LR (AdamW and adamw_bf16 read it from device tensors refreshed before each replay, so
 // schedules do not recapture), adamw_bf16's rare weight-decay kernels, the EMA update, metrics and
-// checkpoints. Noise and timesteps come from the CUDA default generator (StepOptions::device_rng), whose
+// checkpoints. Noise, timesteps and the LoRA dropout seed come from the CUDA default generator
+// (StepOptions::device_rng), whose
 // state every checkpoint already saves (capture_rng_states), so a resumed run continues the same random
 // streams at the exact step; it is not bit-identical to an uninterrupted run because the GPU kernels are not
 // deterministic.
@@ -19,6 +20,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "train/adapters.h"
 #include "train/data_parallel.h"
 #include "train/graph_step.h"
 #include "train/trainer.h"
@@ -56,25 +58,25 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
         return "input_perturbation is not 0 (the graph draws plain noise; set it to 0" + fix + ")";
     if (c.opt_real("snr_gamma").value_or(0) > 0)
         return "snr_gamma is set (min-SNR weights read the timesteps on the host; unset it" + fix + ")";
-    if (c.real("max_grad_norm") > 0 && c.text("grad_clip_method") != "norm")
-        return "grad_clip_method is value (the graph clips by global norm: set grad_clip_method norm or "
-               "max_grad_norm 0" +
-               fix + ")";
-    if (c.text("model_type") == "lora" && c.real("lora_dropout") > 0)
-        return str("lora_dropout is ", c.real("lora_dropout"),
-                   " (its per-step seed is drawn on the host; set lora_dropout 0", fix, ")");
     return {};
 }
 
 void Trainer::init_graph() {
-    if (!config_.flag("cuda_graph")) return;
-    std::string blocker = cuda_graph_blocker(config_, device_, world_size(), dp_->zero_stage());
-    if (blocker.empty() && lora_ && source_->has_regularisation_data())
-        blocker =
-            "a dataset has is_regularisation_data (its batches need a second forward with the adapters "
-            "off, which the graph does not capture); the run trains without CUDA graphs";
+    const std::string mode = config_.text("cuda_graph");  // auto | true | false
+    graph_status_ = {};
+    graph_status_.requested = mode;
+    if (mode == "false") return;
+    const std::string blocker = cuda_graph_blocker(config_, device_, world_size(), dp_->zero_stage());
     if (!blocker.empty()) {
-        log::info() << "cuda_graph: training eagerly because " << blocker;
+        graph_status_.fallback = blocker;
+        // Asked for explicitly: a warning (and a metrics.jsonl / report.html entry). Left at auto
+        // on a GPU: an info line, since the user asked for nothing. auto on the CPU: silent.
+        if (mode == "true")
+            log::warn() << "cuda_graph: training eagerly because " << blocker;
+        else if (device_.is_cuda())
+            log::info() << "cuda_graph auto: training eagerly because " << blocker;
+        else
+            graph_status_.fallback.clear();
         return;
     }
     optimizer_->use_device_lr();  // AdamW or AdamWBF16 (cuda_graph_blocker refuses the others)
@@ -99,6 +101,27 @@ void Trainer::init_graph() {
                 << config_.integer("metrics_interval") << ") steps";
 }
 
+StepHooks Trainer::step_hooks() {
+    StepHooks hooks;
+    if (!lora_) return hooks;
+    hooks.adapters = [this](bool on) { lora_->adapters().set_enabled(on); };
+    hooks.before_forward = [this] {
+        lora_->begin_forward(*generator_, step_options_.device_rng, dp_->rank(), dp_->world_size());
+    };
+    return hooks;
+}
+
+void Trainer::add_graph_fields(nlohmann::json& row) {
+    if (!device_.is_cuda() || graph_status_.requested == "false") return;
+    const int64_t trained = global_step_ - start_step_;  // this run's steps
+    row["graph_replays"] = graph_ ? graph_->replays() : 0;
+    row["eager_steps"] = graph_ ? graph_->eager_steps() : trained;
+    if (!graph_status_.fallback.empty() && !graph_fallback_written_) {
+        row["cuda_graph_fallback"] = graph_status_.fallback;
+        graph_fallback_written_ = true;
+    }
+}
+
 double Trainer::train_graphed_step(double lr, double& grad_norm) {
     TrainBatch batch = next_batch(0);
     apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_,
@@ -108,16 +131,18 @@ double Trainer::train_graphed_step(double lr, double& grad_norm) {
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
     // Data parallel: the gradient average is part of the graph (NCCL collectives are captured).
-    std::function<void()> reduce;
-    if (world_size() > 1) reduce = [this, &params] { dp_->all_reduce_gradients_capturable(params); };
+    StepHooks hooks = step_hooks();
+    if (world_size() > 1)
+        hooks.after_backward = [this, &params] { dp_->all_reduce_gradients_capturable(params); };
     const StepTensors out = graph_->run(*unet_, batch, *schedule_, step_options_, global_step_, *generator_,
-                                        *optimizer_, params, config_.real("max_grad_norm"), reduce);
+                                        *optimizer_, params, config_.real("max_grad_norm"), hooks);
     optimizer_->after_step();  // adamw_bf16: the weight decays that came due (host-decided)
     const int64_t step = global_step_ + 1;
     const bool read =
         step % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0 || step == total_steps_;
     constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-    // A full fine-tune trains regularisation batches as ordinary data; only the log tells them apart.
+    // A LoRA regularisation batch is its own graph (graph_step.h); a full fine-tune trains them as
+    // ordinary data, and only the log tells them apart.
     step_ended_on_regularisation_ = batch.regularisation;
     step_regularisation_loss_.reset();
     if (!read) {

@@ -11,9 +11,16 @@
 #include "models/common/blocks.h"
 #include "models/common/geglu.h"
 #include "models/common/group_norm_act.h"
+#include "models/common/hash_dropout.h"
 #include "models/unet/unet_2d_condition.h"
 #include "models/vae/autoencoder_kl.h"
 #include "support/test_support.h"
+
+#ifdef DTUNE_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace dtune::models {
 namespace {
@@ -275,6 +282,52 @@ TEST(ModelsGpu, FusedLoRALinearMatchesCompositeUnderAutocast) {
     for (auto [f, p] :
          {std::pair{fused.y, plain.y}, {fused.dx, plain.dx}, {fused.da, plain.da}, {fused.db, plain.db}})
         EXPECT_LE(test::max_abs_diff(f, p.to(at::kFloat)), 2e-2 * p.abs().max().item<double>());
+}
+
+// The CUDA kernel of hash_dropout keeps exactly the elements the CPU loop keeps (float, bf16; with a
+// rank offset), and a CUDA graph that refreshes the seed tensor inside the capture gets new masks
+// on every replay while its backward still applies each replay's own forward mask.
+TEST(ModelsGpu, HashDropoutKernelMatchesTheCpuAndReplaysInAGraph) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    const at::Tensor x = at::rand({3, 1000, 37}) + 0.5;
+    for (auto dtype : {at::kFloat, at::kBFloat16}) {
+        const at::Tensor cpu = hash_dropout(x.to(dtype), at::full({1}, 77, at::kLong), 12, 0.1, 5000);
+        const at::Tensor gpu =
+            hash_dropout(x.to(cuda, dtype), at::full({1}, 77, at::kLong).to(cuda), 12, 0.1, 5000).cpu();
+        EXPECT_TRUE(at::equal(gpu, cpu)) << c10::toString(dtype);
+    }
+#ifdef DTUNE_WITH_CUDA
+    const at::Tensor seed = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(cuda));
+    const at::Tensor in = x.to(cuda).requires_grad_(true);
+    at::Tensor out, grad;
+    auto step = [&] {
+        seed.random_();  // the device generator: advances on every replay
+        if (in.grad().defined()) in.mutable_grad().zero_();
+        out = hash_dropout(in, seed, 1, 0.5);
+        out.backward(at::ones_like(out));
+        grad = in.grad();
+    };
+    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, 0);
+    {
+        const c10::cuda::CUDAStreamGuard guard(side);
+        step();  // warm-up: the gradient buffer exists before the capture
+        at::cuda::CUDAGraph graph;
+        graph.capture_begin();
+        step();
+        graph.capture_end();
+        std::vector<at::Tensor> masks;
+        for (int i = 0; i < 3; ++i) {
+            graph.replay();
+            side.synchronize();
+            masks.push_back((out != 0).cpu());
+            EXPECT_TRUE(at::equal((grad != 0).cpu(), masks.back())) << "replay " << i;
+            EXPECT_NEAR(masks.back().to(at::kDouble).mean().item<double>(), 0.5, 0.01);
+        }
+        EXPECT_FALSE(at::equal(masks[0], masks[1]));
+        EXPECT_FALSE(at::equal(masks[1], masks[2]));
+    }
+#endif
 }
 
 }  // namespace

@@ -71,6 +71,24 @@ TEST(HtmlReport, PageFromOutputDir) {
     EXPECT_NE(html.find("samples seen"), std::string::npos);
 }
 
+// cuda_graph's metrics.jsonl fields: the replay / eager counts of the last row, and the reason a run
+// that could have used graphs trained eagerly (written once, on the first row).
+TEST(HtmlReport, ShowsHowTheStepsRanOnTheGpu) {
+    ReportInput in;
+    in.metrics = {nlohmann::json{{"step", 1},
+                                 {"img_per_s", 2.0},
+                                 {"graph_replays", 0},
+                                 {"eager_steps", 1},
+                                 {"cuda_graph_fallback", "optimizer is optimi-lion (only fused AdamW...)"}},
+                  nlohmann::json{{"step", 2}, {"img_per_s", 2.0}, {"graph_replays", 0}, {"eager_steps", 2}}};
+    const std::string page = render_report(in);
+    EXPECT_NE(page.find("0 steps replayed, 2 eager"), std::string::npos);
+    EXPECT_NE(page.find("CUDA graph off because"), std::string::npos);
+    EXPECT_NE(page.find("optimizer is optimi-lion"), std::string::npos);
+    in.metrics = {nlohmann::json{{"step", 1}, {"img_per_s", 2.0}}};  // a CPU run: no such rows
+    EXPECT_EQ(render_report(in).find("CUDA graph"), std::string::npos);
+}
+
 TEST(HtmlReport, ChartScalesPointsIntoThePlotArea) {
     const std::string svg = svg_line_chart("c", "t", {{0, 0}, {10, 1}}, 560, 220);
     // left 60, right 12, top 24, bottom 28: (0,0) -> (60, 192), (10,1) -> (548, 24).

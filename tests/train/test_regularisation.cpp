@@ -64,7 +64,8 @@ TEST(Regularisation, LoRABatchTrainsTowardTheBaseModelsPrediction) {
     const auto schedule = tiny_schedule();
     TrainBatch batch = synthetic_batch();
     batch.regularisation = true;
-    const AdapterSwitch toggle = [&](bool on) { adapters.set_enabled(on); };
+    StepHooks toggle;
+    toggle.adapters = [&](bool on) { adapters.set_enabled(on); };
     auto gen = at::detail::createCPUGenerator(11);
     MicroStep m = micro_step(*unet, batch, schedule, StepOptions{}, 0, gen, toggle);
 

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "models/adapters/lora.h"
 #include "models/common/weights.h"
 #include "support/test_support.h"
 #include "train/checkpoint.h"
@@ -80,6 +81,78 @@ TEST(TrainStep, LossFallsOnAFixedBatch) {
     }
     EXPECT_TRUE(std::isfinite(first));
     EXPECT_LT(last, first * 0.9);
+}
+
+// The graphed step's body (optimizer_step_async, what a CUDA graph captures and what runs uncaptured
+// on the CPU) with SimpleTuner's defaults: LoRA dropout seeded by the before_forward hook ahead of
+// the noise draws, and grad_clip_method value clamping each gradient element. It must equal the
+// same step written out by hand (seed, forward, backward, clamp, AdamW), and both options must act.
+TEST(TrainStep, GraphedStepBodyClipsByValueAndSeedsLoRADropout) {
+    const SyntheticBatchOptions so;
+    SyntheticBatchSource source(so);
+    auto data_gen = at::detail::createCPUGenerator(5);
+    const TrainBatch batch = source.next(data_gen);
+    const auto schedule = tiny_schedule();
+    constexpr double kClip = 1e-5;
+    struct Lora {
+        models::UNet2DConditionModel unet = tiny_unet();
+        std::optional<models::LoRAAdapters> adapters_;
+        models::LoRAAdapters& adapters() { return *adapters_; }
+        std::unique_ptr<AdamW> opt;
+        std::vector<at::Tensor> params;
+    };
+    auto make = [&] {
+        auto l = std::make_unique<Lora>();
+        models::LoRAConfig lc;
+        lc.rank = 4;
+        lc.dropout = 0.1;
+        lc.init_seed = 3;
+        l->adapters_ = models::inject_lora(*l->unet, lc);
+        {
+            at::NoGradGuard no_grad;
+            auto gen = at::detail::createCPUGenerator(99);
+            for (auto& t : l->adapters().parameters())
+                t.copy_(at::randn(t.sizes(), gen) * 0.1);  // non-zero B
+        }
+        l->unet->train();
+        ParamGroup g;
+        for (const auto& [name, t] : l->adapters().named_parameters())
+            g.names.push_back(name), g.params.push_back(t);
+        g.lr = 1e-3;
+        l->params = g.params;
+        l->opt = std::make_unique<AdamW>(std::vector<ParamGroup>{g});
+        return l;
+    };
+    auto graphed = [&](bool by_value, uint64_t seed) {
+        auto l = make();
+        StepOptions o;
+        o.clip_by_value = by_value;
+        StepHooks hooks;
+        hooks.before_forward = [&] { l->adapters().set_dropout_seed(seed); };
+        auto gen = at::detail::createCPUGenerator(11);
+        optimizer_step_async(*l->unet, batch, schedule, o, 0, gen, *l->opt, l->params, kClip, hooks);
+        return l;
+    };
+    auto by_hand = [&] {
+        auto l = make();
+        l->adapters().set_dropout_seed(7);
+        auto gen = at::detail::createCPUGenerator(11);
+        micro_step(*l->unet, batch, schedule, StepOptions{}, 0, gen).loss.backward();
+        for (auto& p : l->params) p.grad().clamp_(-kClip, kClip);
+        l->opt->step();
+        return l;
+    };
+    const auto a = graphed(true, 7), hand = by_hand(), unclipped = graphed(false, 7),
+               other = graphed(true, 8);
+    double diff = 0, clip_effect = 0, seed_effect = 0;
+    for (std::size_t i = 0; i < a->params.size(); ++i) {
+        diff = std::max(diff, (a->params[i] - hand->params[i]).abs().max().item<double>());
+        clip_effect = std::max(clip_effect, (a->params[i] - unclipped->params[i]).abs().max().item<double>());
+        seed_effect = std::max(seed_effect, (a->params[i] - other->params[i]).abs().max().item<double>());
+    }
+    EXPECT_EQ(diff, 0.0);
+    EXPECT_GT(clip_effect, 0.0);
+    EXPECT_GT(seed_effect, 0.0);
 }
 
 TEST(TrainCheckpoint, LayoutGuardAndRotation) {

@@ -1,12 +1,15 @@
 // cuda_graph on a CUDA device (tiny SDXL fixture, LoRA): the trainer replays CUDA graphs, keeps
 // them across a changing LR (linear schedule: the LR is read from device memory), and its per-step
 // losses and final weights match the same run kept eager with the graph's settings (device RNG and
-// LR, DTUNE_CUDA_GRAPH_WARMUP above the step count) within float32 reordering tolerance. The loss
-// is read back only every metrics_interval steps (NaN in the reports between). Skipped without CUDA.
+// LR, DTUNE_CUDA_GRAPH_WARMUP above the step count) within float32 reordering tolerance, for
+// SimpleTuner's defaults (clip by value at 2, lora_dropout 0.1: masks from the device seed) and
+// for other step options. The loss is read back only every metrics_interval steps (NaN in the
+// reports between). Skipped without CUDA.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdlib>
+#include <fstream>
 
 #include "train/graph_step.h"
 #include "trainer_test_util.h"
@@ -25,22 +28,17 @@ struct GraphRun {
     std::vector<double> losses;
     std::vector<at::Tensor> weights;
     int64_t replays = 0, eager = 0;
+    nlohmann::json last_metrics;  // metrics.jsonl's last row
 };
 
-GraphRun train_cuda(const char* warmup, int64_t metrics_interval) {
+GraphRun train_cuda(const char* warmup, int64_t metrics_interval, const nlohmann::json& options) {
     setenv("DTUNE_CUDA_GRAPH_WARMUP", warmup, 1);
     test::TempDir dir;
-    const TrainConfig config = testutil::tiny_config(dir.path(), kSteps,
-                                                     {{"model_type", "lora"},
-                                                      {"lora_rank", 4},
-                                                      {"lora_dropout", 0.0},
-                                                      {"deterministic", false},
-                                                      {"grad_clip_method", "norm"},
-                                                      {"max_grad_norm", 1.0},
-                                                      {"lr_scheduler", "linear"},
-                                                      {"checkpoint_step_interval", 0},
-                                                      {"metrics_interval", metrics_interval},
-                                                      {"cuda_graph", true}});
+    nlohmann::json j{{"model_type", "lora"},          {"lora_rank", 4},
+                     {"deterministic", false},        {"lr_scheduler", "linear"},
+                     {"checkpoint_step_interval", 0}, {"metrics_interval", metrics_interval}};
+    j.update(options);
+    const TrainConfig config = testutil::tiny_config(dir.path(), kSteps, j);
     auto unet = testutil::tiny_unet();
     unet->to(c10::Device(c10::kCUDA, 0));
     SyntheticBatchOptions o;
@@ -56,9 +54,13 @@ GraphRun train_cuda(const char* warmup, int64_t metrics_interval) {
     trainer.run();
     unsetenv("DTUNE_CUDA_GRAPH_WARMUP");
     GraphRun out;
+    std::ifstream metrics(dir.path() / "metrics.jsonl");
+    for (std::string line; std::getline(metrics, line);)
+        if (!line.empty()) out.last_metrics = nlohmann::json::parse(line);
     out.losses = log->losses;
     for (const auto& p : trainer.trainable_parameters()) out.weights.push_back(p.tensor.detach().cpu());
     EXPECT_NE(trainer.graphed_step(), nullptr) << "the run should meet every cuda_graph condition";
+    EXPECT_EQ(trainer.graph_status().fallback, "");
     if (trainer.graphed_step()) {
         out.replays = trainer.graphed_step()->replays();
         out.eager = trainer.graphed_step()->eager_steps();
@@ -66,16 +68,23 @@ GraphRun train_cuda(const char* warmup, int64_t metrics_interval) {
     return out;
 }
 
-TEST(CudaGraphTrainerGpu, ReplaysAndMatchesTheEagerRun) {
+// (name, config keys as JSON)
+class CudaGraphTrainerGpu : public ::testing::TestWithParam<std::pair<const char*, const char*>> {};
+
+TEST_P(CudaGraphTrainerGpu, ReplaysAndMatchesTheEagerRun) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-    const GraphRun eager = train_cuda("1000", 1);
-    const GraphRun graph = train_cuda("2", 2);
+    const nlohmann::json options = nlohmann::json::parse(GetParam().second);
+    const GraphRun eager = train_cuda("1000", 1, options);
+    const GraphRun graph = train_cuda("2", 2, options);
     EXPECT_EQ(eager.replays, 0);
     EXPECT_EQ(eager.eager, kSteps);
     // Two warm-up steps, then every step (the capture's included) replays; a recapture on each LR
     // change would leave fewer.
     EXPECT_EQ(graph.eager, 2);
     EXPECT_EQ(graph.replays, kSteps - 2);
+    // metrics.jsonl counts them (this run's steps, cumulative).
+    EXPECT_EQ(graph.last_metrics.value("graph_replays", -1), kSteps - 2) << graph.last_metrics.dump();
+    EXPECT_EQ(graph.last_metrics.value("eager_steps", -1), 2) << graph.last_metrics.dump();
     ASSERT_EQ(eager.losses.size(), static_cast<size_t>(kSteps));
     ASSERT_EQ(graph.losses.size(), static_cast<size_t>(kSteps));
     for (int64_t i = 0; i < kSteps; ++i) {
@@ -99,6 +108,16 @@ TEST(CudaGraphTrainerGpu, ReplaysAndMatchesTheEagerRun) {
         EXPECT_LE(diff, 1e-1 * norm + 1e-7) << "tensor " << i << " (norm " << norm << ")";
     }
 }
+
+// cuda_graph left at auto with SimpleTuner's step defaults; explicit norm clipping without dropout;
+// DoRA with dropout; value clipping with adamw_bf16 on a full fine-tune is in the CLI suite.
+INSTANTIATE_TEST_SUITE_P(
+    Options, CudaGraphTrainerGpu,
+    ::testing::Values(std::pair{"SimpleTunerDefaults", R"({})"},
+                      std::pair{"NormClipNoDropout", R"({"cuda_graph": true, "grad_clip_method": "norm",
+                                                         "max_grad_norm": 1.0, "lora_dropout": 0.0})"},
+                      std::pair{"DoRAValueClip", R"({"use_dora": true, "max_grad_norm": 0.01})"}),
+    [](const auto& info) { return std::string(info.param.first); });
 
 }  // namespace
 }  // namespace dtune::train

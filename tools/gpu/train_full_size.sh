@@ -15,16 +15,27 @@ if [[ ! -f $work/sdxl/model_index.json ]]; then
   "$build/bench/make_random_pipeline" --configs "$fixtures/sdxl-base-configs" \
     --tokenizers "$fixtures/tiny-sdxl" --out "$work/sdxl" --dtype bf16
 fi
-[[ -d $work/images ]] || python3 "$root/tools/gpu/make_images.py" "$work/images" --count 32
+# BUCKETS=5: eight images in each of five aspect ratios near 1 MP (five aspect buckets) instead of
+# 32 square ones.
+images=$work/images
+if [[ ${BUCKETS:-1} == 5 ]]; then
+  images=$work/images5
+  if [[ ! -d $images ]]; then
+    for wh in 1024x1024 1152x896 896x1152 1216x832 832x1216; do
+      python3 "$root/tools/gpu/make_images.py" "$images/$wh" --count 8 --width "${wh%x*}" --height "${wh#*x}"
+    done
+  fi
+fi
+[[ -d $images ]] || python3 "$root/tools/gpu/make_images.py" "$images" --count 32
 cat > "$work/mdb.json" <<JSON
 [
-  {"id": "shapes", "type": "local", "instance_data_dir": "$work/images", "caption_strategy": "textfile",
-   "resolution": 1024, "resolution_type": "pixel_area", "cache_dir_vae": "$work/cache/vae"},
+  {"id": "shapes", "type": "local", "instance_data_dir": "$images", "caption_strategy": "textfile",
+   "resolution": 1024, "resolution_type": "pixel_area", "cache_dir_vae": "$work/cache/vae-${BUCKETS:-1}"},
   {"id": "text", "type": "local", "dataset_type": "text_embeds", "default": true, "cache_dir": "$work/cache/text"}
 ]
 JSON
 nproc=${NPROC:-1}
-out=$work/out-$mode-$nproc
+out=$work/out-$mode-$nproc-${BUCKETS:-1}
 run=("$build/bin/dtune" train)
 (( nproc > 1 )) && run=("$build/bin/dtune" launch --nproc_per_node "$nproc" -- train)
 rm -rf "$out"

@@ -2,7 +2,6 @@
 #include "models/adapters/lora.h"
 
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/torch.h>
 
 #include <ATen/autocast_mode.h>
@@ -10,7 +9,6 @@
 
 #include <atomic>
 #include <cmath>
-#include <mutex>
 #include <optional>
 #include <regex>
 #include <variant>
@@ -18,6 +16,7 @@
 #include "core/error.h"
 #include "core/fused_env.h"
 #include "core/log.h"
+#include "models/common/hash_dropout.h"
 
 namespace dtune::models {
 namespace {
@@ -233,23 +232,10 @@ at::Tensor LoRALayer::base_no_bias(const at::Tensor& x) const {
 }
 
 at::Tensor LoRALayer::dropout(const at::Tensor& x) {
-    if (!dropout_seed_) return at::dropout(x, dropout_, /*train=*/true);
-    if (!dropout_generator_ || dropout_generator_->device() != x.device())
-        dropout_generator_ = x.is_cuda() ? at::detail::getCUDAHooks().getNewGenerator(x.device().index())
-                                         : at::detail::createCPUGenerator();
-    {
-        std::lock_guard<std::mutex> lock(dropout_generator_->mutex());
-        dropout_generator_->set_current_seed(*dropout_seed_);
-    }
-    // Inverted dropout as at::dropout computes it: keep with probability 1 - p, scale by 1 / (1 - p).
-    // The mask is drawn for the global batch ([world·n, ...], the same draws on every rank and in
-    // one process of batch world·n) and this rank's rows are kept; clone() frees the rest.
-    std::vector<int64_t> global = x.sizes().vec();
-    global[0] *= dropout_world_;
-    at::Tensor keep = at::empty(global, x.options().memory_format(x.suggest_memory_format()))
-                          .bernoulli_(1.0 - dropout_, *dropout_generator_);  // [world·n, ...]
-    if (dropout_world_ > 1) keep = keep.narrow(0, dropout_rank_ * x.size(0), x.size(0)).clone();  // like x
-    return x * keep.div_(1.0 - dropout_);
+    if (!dropout_seed_.defined()) return at::dropout(x, dropout_, /*train=*/true);
+    // The global-batch place of this rank's rows: offset by rank · numel (batch is the outer axis
+    // in both the contiguous and the channels-last layout).
+    return hash_dropout(x, dropout_seed_, dropout_salt_, dropout_, dropout_rank_ * x.numel());
 }
 
 at::Tensor LoRALayer::delta_weight() const {
@@ -354,14 +340,23 @@ std::vector<at::Tensor> LoRAAdapters::parameters() const {
     return out;
 }
 
-void LoRAAdapters::set_dropout_seed(uint64_t seed, int rank, int world_size) {
-    for (std::size_t i = 0; i < entries_.size(); ++i) {
-        // splitmix64 of (seed, index): independent streams per layer from one draw.
-        uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (i + 1);
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-        entries_[i].layer->set_dropout_seed(z ^ (z >> 31), rank, world_size);
+at::Tensor& LoRAAdapters::dropout_seed_tensor(int rank, int world_size) {
+    const c10::Device device =
+        entries_.empty() ? c10::Device(c10::kCPU) : entries_[0].layer->base_weight().device();
+    if (!dropout_seed_.defined() || dropout_seed_.device() != device) {
+        dropout_seed_ = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device));
     }
+    for (std::size_t i = 0; i < entries_.size(); ++i)
+        entries_[i].layer->set_dropout_seed(dropout_seed_, i + 1, rank, world_size);
+    return dropout_seed_;
+}
+
+void LoRAAdapters::set_dropout_seed(uint64_t seed, int rank, int world_size) {
+    dropout_seed_tensor(rank, world_size).fill_(static_cast<int64_t>(seed));
+}
+
+void LoRAAdapters::draw_dropout_seed(int rank, int world_size) {
+    dropout_seed_tensor(rank, world_size).random_();  // the device's default generator
 }
 
 void LoRAAdapters::merge() {

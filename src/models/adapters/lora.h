@@ -20,7 +20,7 @@
 // "mid_block.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight"; they move with module.to() and the
 // dropout follows module.train()/eval(). Dropout masks must be reproducible when gradient
 // checkpointing recomputes a block in backward: training code calls LoRAAdapters::set_dropout_seed
-// with a fresh seed before each forward (the trainer draws it from its own generator, which also keeps
+// (or draw_dropout_seed) before each forward (the trainer draws it from its own generator, which also keeps
 // resume exact). Inject after loading the base weights (a strict base load would list
 // the adapter tensors as missing).
 #pragma once
@@ -107,14 +107,18 @@ class LoRALayer : public LayerAdapter {
     void set_scale(double s);
     bool use_dora() const { return magnitude_.defined(); }
     bool merged() const { return merged_; }
-    // Seeds this layer's dropout masks: with a seed set, every training forward draws its mask from a
-    // generator reset to `seed`, so a gradient-checkpointed block that recomputes its forward in
-    // backward sees the same mask. Without one, masks come from the global generator (at::dropout).
-    // Data parallel: with `world_size` > 1 the mask is drawn for the global batch (input rows ×
-    // world_size, every rank from the same seed) and this rank keeps rows [rank·n, (rank+1)·n), so
-    // N ranks × batch b draw the masks one process draws for batch N·b.
-    void set_dropout_seed(uint64_t seed, int rank = 0, int world_size = 1) {
+    // Seeds this layer's dropout masks: with a seed set, every training forward keeps the elements
+    // that a hash of (the value `seed` holds when the kernel runs, `salt`, the element's index)
+    // keeps (common/hash_dropout.h), so a gradient-checkpointed block that recomputes its forward
+    // in backward, and the backward itself, see the same mask; refreshing `seed` in place (one int64
+    // on the layer's device, shared by all layers) gives the next step new masks, inside a CUDA
+    // graph too. Without a seed, masks come from the global generator (at::dropout).
+    // Data parallel: with `world_size` > 1 element indices are offset by rank · numel, the place of
+    // this rank's rows in the global batch, so N ranks × batch b keep what one process keeps for
+    // batch N·b.
+    void set_dropout_seed(const at::Tensor& seed, uint64_t salt, int rank = 0, int world_size = 1) {
         dropout_seed_ = seed;
+        dropout_salt_ = salt;
         dropout_rank_ = rank;
         dropout_world_ = world_size;
     }
@@ -158,9 +162,9 @@ class LoRALayer : public LayerAdapter {
     at::Tensor merged_factor_;  // DoRA: m/‖W'‖ used by merge(), needed by unmerge()
     bool merged_ = false;
     bool enabled_ = true;
-    std::optional<uint64_t> dropout_seed_;
-    int dropout_rank_ = 0, dropout_world_ = 1;        // this rank's rows of the global-batch mask
-    std::optional<at::Generator> dropout_generator_;  // on the input's device, reseeded per forward
+    at::Tensor dropout_seed_;  // [1] int64 shared by the adapters (undefined: at::dropout)
+    uint64_t dropout_salt_ = 0;
+    int dropout_rank_ = 0, dropout_world_ = 1;  // this rank's rows of the global-batch mask
 };
 
 // The adapters injected into one model, in module-tree order. It refers to the model's layers, so
@@ -190,13 +194,21 @@ class LoRAAdapters {
     // Every layer on or off (LoRALayer::set_enabled).
     void set_enabled(bool enabled);
 
-    // Gives every layer its own dropout seed derived from `seed` and its index (call once per
-    // training forward with a fresh seed, the same on every rank; see LoRALayer::set_dropout_seed).
+    // Seeds the dropout masks of the next training forward (LoRALayer::set_dropout_seed): every
+    // layer reads the adapters' one seed tensor, salted with its index. Call once per training
+    // forward with a fresh seed, the same on every rank. The host form writes `seed`; the device
+    // form draws it on the adapters' device from its default generator with no host work, so a
+    // CUDA graph that captures the call draws a new seed on every replay.
     void set_dropout_seed(uint64_t seed, int rank = 0, int world_size = 1);
+    void draw_dropout_seed(int rank = 0, int world_size = 1);
 
   private:
+    // The seed tensor on the adapters' device, handed to every layer (created on first use).
+    at::Tensor& dropout_seed_tensor(int rank, int world_size);
+
     LoRAConfig config_;
     std::vector<Entry> entries_;
+    at::Tensor dropout_seed_;  // [1] int64
 };
 
 // Attaches a LoRA (or DoRA) layer to every targeted layer of `root`. Throws UsageError when no
