@@ -2,6 +2,7 @@
 #include "train/graph_step.h"
 
 #ifdef DTUNE_WITH_CUDA
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/Event.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -10,6 +11,7 @@
 #endif
 
 #include <chrono>
+#include <cstdlib>
 #include <exception>
 #include <optional>
 #include <string>
@@ -26,7 +28,6 @@ struct GraphedStep::Entry {
     TrainBatch inputs;  // the graph's static inputs
     StepTensors out;    // the graph's static outputs
 #ifdef DTUNE_WITH_CUDA
-    std::optional<c10::cuda::CUDAStream> stream;  // side stream for warm-up and capture
     std::unique_ptr<at::cuda::CUDAGraph> graph;
 #endif
 };
@@ -67,6 +68,15 @@ void on_side_stream(c10::cuda::CUDAStream side, Fn&& fn) {
     c10::Event after(c10::DeviceType::CUDA);
     after.record(side);
     after.block(current);
+}
+
+// DTUNE_CUDA_GRAPH_SHARED_POOL=0: every shape's graph gets a memory pool of its own.
+bool share_pool() {
+    static const bool on = [] {
+        const char* v = std::getenv("DTUNE_CUDA_GRAPH_SHARED_POOL");
+        return !(v && std::string(v) == "0");
+    }();
+    return on;
 }
 
 TrainBatch static_copy(const TrainBatch& b) {
@@ -116,11 +126,15 @@ StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const Train
         e.graph.reset();  // baked-in settings changed: warm up and capture again
         e.seen = 0;
     }
-    if (!e.stream) e.stream = c10::cuda::getStreamFromPool(false, batch.latents.device().index());
+    // One side stream for every shape: blocks of the shared graph pool are reused only on the
+    // stream they were allocated on.
+    static thread_local std::optional<c10::cuda::CUDAStream> side;
+    if (!side || side->device_index() != batch.latents.device().index())
+        side = c10::cuda::getStreamFromPool(false, batch.latents.device().index());
     if (!e.graph && e.seen < warmup_) {
         ++e.seen;
         StepTensors out;
-        on_side_stream(*e.stream, [&] { out = eager(); });
+        on_side_stream(*side, [&] { out = eager(); });
         return out;
     }
     if (!e.graph) {
@@ -133,12 +147,13 @@ StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const Train
         c10::cuda::CUDACachingAllocator::emptyCache();
         const auto t0 = std::chrono::steady_clock::now();
         try {
-            on_side_stream(*e.stream, [&] {
+            on_side_stream(*side, [&] {
                 e.graph = std::make_unique<at::cuda::CUDAGraph>();
                 // adamw_bf16's rounding noise: its generator's offset must advance on every replay.
                 for (const at::Generator& gen : optimizer.generators())
                     if (gen.device().is_cuda()) e.graph->register_generator_state(gen);
-                e.graph->capture_begin(c10::MempoolId_t{pool_.first, pool_.second});
+                e.graph->capture_begin(share_pool() ? c10::MempoolId_t{pool_.first, pool_.second}
+                                                    : c10::MempoolId_t{0, 0});
                 try {
                     e.out = optimizer_step_async(unet, e.inputs, schedule, options, global_step, generator,
                                                  optimizer, params, max_grad_norm, hooks);
@@ -152,7 +167,7 @@ StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const Train
                 e.graph->capture_end();
             });
             const c10::MempoolId_t pool = e.graph->pool();
-            const bool shared = pool_.first != 0 || pool_.second != 0;
+            const bool shared = share_pool() && (pool_.first != 0 || pool_.second != 0);
             pool_ = {pool.first, pool.second};
             log::info() << "cuda_graph: captured the step for batch shape " << batch.latents.sizes()
                         << (batch.regularisation ? " (regularisation batch)" : "") << " in "
@@ -166,6 +181,16 @@ StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const Train
                         << "; this shape trains without a graph (" << what.substr(0, what.find('\n')) << ")";
             e.graph.reset();
             e.failed = true;
+            // A capture that broke off never reached its epilogue: the generators it registered
+            // still count as capturing. Give each a fresh state at the same seed and offset.
+            std::vector<at::Generator> gens = optimizer.generators();
+            gens.push_back(at::cuda::detail::getDefaultCUDAGenerator(batch.latents.device().index()));
+            for (at::Generator& gen : gens) {
+                if (!gen.device().is_cuda()) continue;
+                at::Generator fresh = at::make_generator<at::CUDAGeneratorImpl>(gen.device().index());
+                fresh.set_state(gen.get_state());
+                gen.graphsafe_set_state(fresh);
+            }
             optimizer.zero_grad();
             return eager();
         }

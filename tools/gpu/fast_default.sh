@@ -32,7 +32,9 @@ run lora1_default 200 tools/gpu/train_full_size.sh build/dev $W lora "$STEPS" --
 run full1_default 200 tools/gpu/train_full_size.sh build/dev $W full "$STEPS"
 # Five aspect buckets (BUCKETS=5): one capture per bucket, one shared graph memory pool.
 BUCKETS=5 run lora4_5buckets 300 tools/gpu/train_full_size.sh build/dev $W lora "$STEPS"
-grep -E "captured the step" "$out/lora4_5buckets.log" | cut -c1-200
+grep -E "captured the step|capture failed" "$out/lora4_5buckets.log" | cut -c1-200
+DTUNE_CUDA_GRAPH_SHARED_POOL=0 BUCKETS=5 run lora4_5buckets_ownpools 300 tools/gpu/train_full_size.sh build/dev $W lora "$STEPS"
+grep -E "captured the step|capture failed" "$out/lora4_5buckets_ownpools.log" | cut -c1-200
 # The benchmark's graphed steps, same build (bench_train_step has the same ms/step definition: the
 # median of its timed steps).
 timeout 300 build/dev/bench/bench_train_step $W/sdxl --modes lora4cg,lora1cg,full1bfcg --steps 20 \
