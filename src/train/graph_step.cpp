@@ -152,8 +152,12 @@ StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const Train
                 // adamw_bf16's rounding noise: its generator's offset must advance on every replay.
                 for (const at::Generator& gen : optimizer.generators())
                     if (gen.device().is_cuda()) e.graph->register_generator_state(gen);
-                e.graph->capture_begin(share_pool() ? c10::MempoolId_t{pool_.first, pool_.second}
-                                                    : c10::MempoolId_t{0, 0});
+                // Thread-local capture mode: the data loader's threads keep copying the next
+                // batches to the GPU meanwhile; in the global mode their CUDA calls would fail and
+                // break the capture (seen with several aspect buckets, where captures come mid-run).
+                e.graph->capture_begin(
+                    share_pool() ? c10::MempoolId_t{pool_.first, pool_.second} : c10::MempoolId_t{0, 0},
+                    cudaStreamCaptureModeThreadLocal);
                 try {
                     e.out = optimizer_step_async(unet, e.inputs, schedule, options, global_step, generator,
                                                  optimizer, params, max_grad_norm, hooks);
