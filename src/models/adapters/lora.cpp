@@ -47,8 +47,20 @@ std::atomic<bool> g_fused_lora{true};
 struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction> {
     // The frozen base weight and bias ride outside autograd's inputs (an undefined bias cannot be an
     // input, and neither needs a gradient).
+    // The adapter's input dropout (hash_dropout.h), when the layer has one: the mask is applied to
+    // the adapter branch only, recomputed in backward rather than stored.
+    struct Dropout {
+        at::Tensor seed;  // undefined: no dropout
+        uint64_t salt = 0;
+        double p = 0;
+        int64_t index_offset = 0;
+        at::Tensor apply(const at::Tensor& t) const {
+            return seed.defined() ? hash_dropout_no_grad(t, seed, salt, p, index_offset) : t;
+        }
+    };
     struct Frozen {
         at::Tensor weight, bias;
+        Dropout dropout;
     };
     static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const Frozen& base,
                               const at::Tensor& a, const at::Tensor& b, double scale) {
@@ -59,10 +71,16 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
         const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
         const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(ct), wc = w.to(ct), ac = a.to(ct), bc = b.to(ct);
         at::Tensor y = bias.defined() ? at::addmm(bias.to(ct), x2, wc.t()) : at::mm(x2, wc.t());  // [N, out]
-        const at::Tensor h = at::mm(x2, ac.t());                                                  // [N, r]
+        const at::Tensor h = at::mm(base.dropout.apply(x2), ac.t());                              // [N, r]
         y.addmm_(h, bc.t(), 1.0, scale);
         ctx->save_for_backward({x2, wc, ac, bc, h});
         ctx->saved_data["scale"] = scale;
+        if (base.dropout.seed.defined()) {
+            ctx->saved_data["drop_seed"] = base.dropout.seed;
+            ctx->saved_data["drop_salt"] = static_cast<int64_t>(base.dropout.salt);
+            ctx->saved_data["drop_p"] = base.dropout.p;
+            ctx->saved_data["drop_offset"] = base.dropout.index_offset;
+        }
         ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
         ctx->saved_data["x_sizes"] = x.sizes().vec();
         ctx->saved_data["a_dtype"] = static_cast<int64_t>(a.scalar_type());
@@ -80,19 +98,31 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
         auto dtype = [&](const char* key) {
             return static_cast<at::ScalarType>(ctx->saved_data[key].toInt());
         };
+        Dropout drop;
+        if (ctx->saved_data.count("drop_seed")) {
+            drop.seed = ctx->saved_data["drop_seed"].toTensor();
+            drop.salt = static_cast<uint64_t>(ctx->saved_data["drop_salt"].toInt());
+            drop.p = ctx->saved_data["drop_p"].toDouble();
+            drop.index_offset = ctx->saved_data["drop_offset"].toInt();
+        }
         const at::Tensor g = grads[0].reshape({-1, wc.size(0)}).to(x2.scalar_type());  // [N, out]
         const at::Tensor gh =
             at::addmm(at::empty({g.size(0), h.size(1)}, g.options()), g, bc, 0.0, s);  // s·g·B
         at::Tensor dx, da, db;
         if (ctx->needs_input_grad(0)) {
             dx = at::mm(g, wc);  // [N, in]
-            dx.addmm_(gh, ac);   // + s·g·B·A
+            if (drop.seed.defined())
+                dx.add_(drop.apply(at::mm(gh, ac)));  // + mask(s·g·B·A)
+            else
+                dx.addmm_(gh, ac);  // + s·g·B·A
             dx = dx.to(dtype("x_dtype")).view(ctx->saved_data["x_sizes"].toIntVector());
         }
         // Factor gradients straight into their (float32) dtype where the GEMM can write it (CUDA).
         const bool out_dtype = g.is_cuda() && g.scalar_type() != at::kFloat;
+        const at::Tensor xa =
+            ctx->needs_input_grad(1) ? drop.apply(x2) : at::Tensor();  // the adapter's input
         if (ctx->needs_input_grad(1))
-            da = out_dtype ? at::mm(gh.t(), x2, dtype("a_dtype")) : at::mm(gh.t(), x2).to(dtype("a_dtype"));
+            da = out_dtype ? at::mm(gh.t(), xa, dtype("a_dtype")) : at::mm(gh.t(), xa).to(dtype("a_dtype"));
         if (ctx->needs_input_grad(2))
             db = out_dtype ? at::addmm(at::empty({g.size(1), h.size(1)}, g.options().dtype(dtype("b_dtype"))),
                                        g.t(), h, dtype("b_dtype"), 0.0, s)
@@ -198,16 +228,22 @@ bool fused_lora_enabled() {
 }
 
 bool LoRALayer::takes_whole_forward(const at::Tensor& x) const {
-    const bool drop = dropout_ > 0.0 && host_->is_training();
+    // Dropout rides in the fused function when its mask is the seeded hash (recomputable in backward).
+    const bool unfusable_drop = dropout_ > 0.0 && host_->is_training() && !dropout_seed_.defined();
     return fused_lora_enabled() && enabled_ && kind_ == Kind::kLinear && !merged_ && !magnitude_.defined() &&
-           !drop && at::GradMode::is_enabled() && (down_.requires_grad() || up_.requires_grad()) &&
+           !unfusable_drop && at::GradMode::is_enabled() && (down_.requires_grad() || up_.requires_grad()) &&
            !base_weight_->requires_grad() && !(base_bias_->defined() && base_bias_->requires_grad()) &&
            x.numel() > 0 && x.dim() >= 2;
 }
 
 at::Tensor LoRALayer::forward_whole(const at::Tensor& x) {
-    return LoRALinearFunction::apply(x, LoRALinearFunction::Frozen{*base_weight_, *base_bias_}, down_, up_,
-                                     scale());
+    LoRALinearFunction::Frozen frozen{*base_weight_, *base_bias_, {}};
+    if (dropout_ > 0.0 && host_->is_training()) {
+        // The mask indexes the flattened [N, in] input, which is x's own order (x is contiguous in
+        // the attention and feed-forward projections; reshape copies it otherwise).
+        frozen.dropout = {dropout_seed_, dropout_salt_, dropout_, dropout_rank_ * x.numel()};
+    }
+    return LoRALinearFunction::apply(x, frozen, down_, up_, scale());
 }
 
 double LoRALayer::scale() const {

@@ -101,17 +101,29 @@ struct HashDropoutFunction : public torch::autograd::Function<HashDropoutFunctio
     }
 };
 
-}  // namespace
-
-at::Tensor hash_dropout(const at::Tensor& x, const at::Tensor& seed, uint64_t salt, double p,
-                        int64_t index_offset) {
+void check_args(const at::Tensor& x, const at::Tensor& seed, double p) {
     DTUNE_CHECK(p >= 0.0 && p < 1.0, "hash_dropout: p must be in [0, 1) (got ", p, ")");
     DTUNE_CHECK(seed.defined() && seed.numel() == 1 && seed.scalar_type() == at::kLong,
                 "hash_dropout: the seed must be one int64 element");
     DTUNE_CHECK(seed.device() == x.device(), "hash_dropout: the seed is on ", seed.device().str(),
                 " but the input on ", x.device().str());
+}
+
+}  // namespace
+
+at::Tensor hash_dropout(const at::Tensor& x, const at::Tensor& seed, uint64_t salt, double p,
+                        int64_t index_offset) {
+    check_args(x, seed, p);
     if (p == 0.0) return x;
     return HashDropoutFunction::apply(x, seed, static_cast<int64_t>(salt), p, index_offset);
+}
+
+at::Tensor hash_dropout_no_grad(const at::Tensor& x, const at::Tensor& seed, uint64_t salt, double p,
+                                int64_t index_offset) {
+    check_args(x, seed, p);
+    if (p == 0.0) return x;
+    return masked_scale(x, seed, HashDropoutFunction::rule(static_cast<int64_t>(salt), p, index_offset),
+                        x.suggest_memory_format());
 }
 
 }  // namespace dtune::models

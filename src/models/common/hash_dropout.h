@@ -21,4 +21,9 @@ namespace dtune::models {
 at::Tensor hash_dropout(const at::Tensor& x, const at::Tensor& seed, uint64_t salt, double p,
                         int64_t index_offset = 0);
 
+// The same masked scale without autograd, for code that writes its own backward (the fused LoRA
+// function applies it to its input in forward and to the input's gradient in backward).
+at::Tensor hash_dropout_no_grad(const at::Tensor& x, const at::Tensor& seed, uint64_t salt, double p,
+                                int64_t index_offset = 0);
+
 }  // namespace dtune::models
