@@ -126,7 +126,12 @@ std::string train_usage() {
            "with a warning, and the encoders are freed once everything is cached. vae_cache_disable\n"
            "encodes latents every step, vae_cache_ondemand when first needed. SDXL time ids come from\n"
            "each image's bucket metadata. A background loader prepares the next batches (2, or\n"
-           "dataloader_prefetch_qlen with dataloader_prefetch).\n\n"
+           "dataloader_prefetch_qlen with dataloader_prefetch).\n"
+           "Loss: loss_type l2 | huber | smooth_l1 (pseudo-Huber with huber_c, per sample by\n"
+           "huber_schedule snr | exponential | constant), snr_gamma (min-SNR weights), snr_weight (l2\n"
+           "without snr_gamma only), timestep_bias_strategy earlier | later | range with\n"
+           "timestep_bias_multiplier/_portion/_begin/_end, as SimpleTuner computes them; eval loss\n"
+           "uses the same settings.\n\n"
            "Options:\n" +
            train::options_help();
 }

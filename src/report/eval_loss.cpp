@@ -38,7 +38,7 @@ std::vector<int64_t> trailing_timesteps(int64_t num_train_timesteps, int64_t n) 
 
 double eval_loss(models::UNet2DConditionModelImpl& unet, const diffusion::NoiseSchedule& schedule,
                  diffusion::PredictionType prediction, const std::vector<EvalSample>& samples,
-                 const std::vector<int64_t>& timesteps) {
+                 const std::vector<int64_t>& timesteps, const diffusion::LossOptions& loss) {
     DTUNE_CHECK(!samples.empty() && !timesteps.empty(), "eval_loss needs samples and timesteps");
     const bool was_training = unet.is_training();
     unet.eval();
@@ -60,7 +60,9 @@ double eval_loss(models::UNet2DConditionModelImpl& unet, const diffusion::NoiseS
             const at::Tensor pred =
                 unet.forward(noisy.to(device), ts.to(device), s.embeds.to(device),
                              models::UNetAddedCond{s.pooled.to(device), s.time_ids.to(device)});
-            total += (pred.to(at::kCPU, at::kFloat) - target).pow(2).mean().item<double>();
+            total += diffusion::diffusion_loss(pred.to(at::kCPU, at::kFloat), target, ts, prediction,
+                                               &schedule, loss)
+                         .item<double>();
         }
     }
     if (was_training) unet.train();
@@ -146,7 +148,8 @@ double EvalLossCallback::evaluate(train::Trainer& trainer, int64_t step) {
     last_step_ = step;
     if (samples_.empty()) prepare(trainer);
     const auto ts = trailing_timesteps(schedule_->num_train_timesteps(), options_.num_timesteps);
-    const double loss = eval_loss(*trainer.unet(), *schedule_, prediction_, samples_, ts);
+    const double loss =
+        eval_loss(*trainer.unet(), *schedule_, prediction_, samples_, ts, trainer.step_options().loss);
     if (!log_) log_ = std::make_unique<train::RunLog>(trainer.output_dir() / "eval.jsonl");
     log_->append({{"step", step},
                   {"eval_loss", loss},

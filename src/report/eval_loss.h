@@ -18,6 +18,7 @@
 #include <optional>
 #include <vector>
 
+#include "diffusion/loss.h"
 #include "diffusion/noise_schedule.h"
 #include "train/callbacks.h"
 #include "train/config.h"
@@ -40,10 +41,12 @@ struct EvalSample {
 // round(arange(T, 0, -T/n)) - 1, in descending order.
 std::vector<int64_t> trailing_timesteps(int64_t num_train_timesteps, int64_t n);
 
-// Mean loss over samples × timesteps (see the file comment). Restores the UNet's train/eval mode.
+// Mean loss over samples × timesteps (see the file comment), each computed as training computes it
+// (diffusion::diffusion_loss with the run's loss_type, huber and min-SNR settings, as SimpleTuner's
+// eval calls its model.loss). Restores the UNet's train/eval mode.
 double eval_loss(models::UNet2DConditionModelImpl& unet, const diffusion::NoiseSchedule& schedule,
                  diffusion::PredictionType prediction, const std::vector<EvalSample>& samples,
-                 const std::vector<int64_t>& timesteps);
+                 const std::vector<int64_t>& timesteps, const diffusion::LossOptions& loss = {});
 
 class EvalLossCallback final : public train::TrainCallback {
   public:

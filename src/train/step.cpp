@@ -93,9 +93,12 @@ Draws draw(const at::Tensor& latents, const diffusion::NoiseSchedule& schedule, 
         return d;
     }
     const auto& n = options.noise;
-    DTUNE_CHECK_AS(UsageError, !n.offset_noise && n.input_perturbation == 0,
-                   "drawing noise on the GPU (CUDA graphs) supports plain noise only; unset offset_noise "
-                   "and input_perturbation, or train without CUDA graphs");
+    DTUNE_CHECK_AS(UsageError,
+                   !n.offset_noise && n.input_perturbation == 0 &&
+                       options.timesteps.bias.strategy == diffusion::TimestepBiasStrategy::kNone,
+                   "drawing noise on the GPU (CUDA graphs) supports plain noise and uniform timesteps only; "
+                   "unset offset_noise, input_perturbation and timestep_bias_strategy, or train without CUDA "
+                   "graphs");
     // Every rank's device generator has the same state: draw for the global batch and keep this
     // rank's rows, so ranks do not train on the same noise and timesteps.
     auto global_shape = latents.sizes().vec();

@@ -228,6 +228,25 @@ void Trainer::init_common() {
     s.noise.noise_offset_probability = config_.real("noise_offset_probability");
     s.noise.input_perturbation = config_.real("input_perturbation");
     s.loss.snr_gamma = config_.opt_real("snr_gamma");
+    s.loss.snr_weight = config_.real("snr_weight");
+    s.loss.loss_type = diffusion::parse_loss_type(config_.text("loss_type"));
+    s.loss.huber_schedule = diffusion::parse_huber_schedule(config_.text("huber_schedule"));
+    s.loss.huber_c = config_.real("huber_c");
+    if (config_.flag("use_soft_min_snr"))
+        log::warn() << "use_soft_min_snr changes nothing: SimpleTuner has not applied it to the loss since "
+                       "2024 (its min-SNR weights are min(SNR, snr_gamma) / SNR either way), and dtune "
+                       "trains as it does";
+    auto& bias = s.timesteps.bias;
+    bias.strategy = config_.is_null("timestep_bias_strategy")
+                        ? diffusion::TimestepBiasStrategy::kNone
+                        : diffusion::parse_timestep_bias_strategy(config_.text("timestep_bias_strategy"));
+    bias.multiplier = config_.real("timestep_bias_multiplier");
+    bias.begin = config_.integer("timestep_bias_begin");
+    bias.end = config_.integer("timestep_bias_end");
+    bias.portion = config_.real("timestep_bias_portion");
+    s.timesteps.disable_segmented_timestep_sampling = config_.flag("disable_segmented_timestep_sampling");
+    // A bad bias (multiplier <= 0, a range past the schedule) fails now, not at the first step.
+    diffusion::timestep_weights(bias, schedule_->num_train_timesteps());
     s.prediction = config_.is_null("prediction_type")
                        ? schedule_->config().prediction_type
                        : diffusion::parse_prediction_type(config_.text("prediction_type"), "prediction_type");

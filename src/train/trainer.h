@@ -87,6 +87,8 @@ class Trainer {
     int64_t total_steps() const { return total_steps_; }
     int64_t global_step() const { return global_step_; }
     const TrainConfig& config() const { return config_; }
+    // What every step runs with: noise, timestep sampling, loss options (set up by the constructor).
+    const StepOptions& step_options() const { return step_options_; }
     const std::filesystem::path& output_dir() const { return output_dir_; }
     c10::Device device() const { return device_; }
     const std::vector<NamedTensor>& trainable_parameters() const { return trainable_; }

@@ -56,6 +56,12 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
         return "offset_noise is true (the graph draws plain noise; unset it" + fix + ")";
     if (c.real("input_perturbation") != 0)
         return "input_perturbation is not 0 (the graph draws plain noise; set it to 0" + fix + ")";
+    if (c.text("loss_type") != "l2")
+        return str("loss_type is ", c.text("loss_type"),
+                   " (its huber_c is computed per sample on the host; use loss_type l2", fix, ")");
+    if (!c.is_null("timestep_bias_strategy") && c.text("timestep_bias_strategy") != "none")
+        return str("timestep_bias_strategy is ", c.text("timestep_bias_strategy"),
+                   " (the graph draws uniform timesteps; set it to none", fix, ")");
     if (c.opt_real("snr_gamma").value_or(0) > 0)
         return "snr_gamma is set (min-SNR weights read the timesteps on the host; unset it" + fix + ")";
     return {};

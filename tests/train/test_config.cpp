@@ -269,6 +269,36 @@ TEST(TrainConfig, PythonSpellingsOfBooleansAndNone) {
               std::string::npos);
 }
 
+TEST(TrainConfig, LossAndTimestepBiasOptionsTakeSimpleTunersNamesAndDefaults) {
+    test::TempDir dir;
+    const TrainConfig d = load_text(dir, R"({"model_family": "sdxl"})");
+    EXPECT_EQ(d.text("loss_type"), "l2");
+    EXPECT_EQ(d.text("huber_schedule"), "snr");
+    EXPECT_DOUBLE_EQ(d.real("huber_c"), 0.1);
+    EXPECT_DOUBLE_EQ(d.real("snr_weight"), 1.0);
+    EXPECT_TRUE(d.is_null("timestep_bias_strategy"));
+    EXPECT_DOUBLE_EQ(d.real("timestep_bias_portion"), 0.25);
+    EXPECT_EQ(d.integer("timestep_bias_end"), 1000);
+    const TrainConfig c = load_text(dir, R"({"model_family": "sdxl", "loss_type": "smooth_l1",
+        "huber_schedule": "exponential", "huber_c": 0.2, "snr_weight": 0.5, "timestep_bias_strategy": "range",
+        "timestep_bias_begin": 200, "timestep_bias_end": 500, "timestep_bias_multiplier": 3,
+        "use_soft_min_snr": true, "soft_min_snr_sigma_data": 1.0, "disable_segmented_timestep_sampling": true})");
+    EXPECT_EQ(c.text("loss_type"), "smooth_l1");
+    EXPECT_EQ(c.text("huber_schedule"), "exponential");
+    EXPECT_EQ(c.text("timestep_bias_strategy"), "range");
+    EXPECT_EQ(c.integer("timestep_bias_begin"), 200);
+    EXPECT_TRUE(c.flag("disable_segmented_timestep_sampling"));
+    // SimpleTuner's choices and its one range check (the portion); huber_c must be > 0.
+    const std::string m = usage_message([&] {
+        load_text(dir, R"({"model_family": "sdxl", "loss_type": "l1", "huber_schedule": "linear",
+            "timestep_bias_strategy": "middle", "timestep_bias_portion": 1.5, "huber_c": 0})");
+    });
+    for (const char* part : {"loss_type = \"l1\" is not supported; choose one of: l2,huber,smooth_l1",
+                             "huber_schedule = \"linear\"", "timestep_bias_strategy = \"middle\"",
+                             "Timestep bias portion must be between 0.0 and 1.0.", "huber_c"})
+        EXPECT_NE(m.find(part), std::string::npos) << part << "\n" << m;
+}
+
 TEST(TrainConfig, NullMeansTheDefaultForEveryKey) {
     // SimpleTuner's loader drops keys whose value is None before parsing, so they keep their
     // defaults: implemented options, options dtune does not implement, and keys it does not know.

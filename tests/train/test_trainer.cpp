@@ -155,6 +155,37 @@ TEST(TrainStep, GraphedStepBodyClipsByValueAndSeedsLoRADropout) {
     EXPECT_GT(seed_effect, 0.0);
 }
 
+// loss_type, huber_schedule, the timestep bias and snr_weight reach the step (their formulas are
+// checked against SimpleTuner's in tests/diffusion/test_loss_reference.cpp); use_soft_min_snr
+// changes nothing, as in SimpleTuner; a bad bias fails before the first step.
+TEST(TrainStep, LossAndTimestepOptionsChangeTrainingAsConfigured) {
+    test::TempDir dir;
+    const auto weights = [&](const std::string& extra) {
+        return run_trainer(config_with(dir.path() / "out", 2, extra));
+    };
+    const io::TensorList base = weights(R"({"checkpoint_step_interval": 0})");
+    const auto differs = [&](const io::TensorList& other) {
+        double d = 0;
+        for (size_t i = 0; i < base.size(); ++i)
+            d = std::max(d, (base[i].second - other[i].second).abs().max().item<double>());
+        return d;
+    };
+    std::filesystem::remove_all(dir.path() / "out");
+    EXPECT_EQ(differs(weights(R"({"checkpoint_step_interval": 0, "use_soft_min_snr": true})")), 0.0);
+    for (const char* extra :
+         {R"({"checkpoint_step_interval": 0, "loss_type": "smooth_l1"})",
+          R"({"checkpoint_step_interval": 0, "loss_type": "huber", "huber_schedule": "constant"})",
+          R"({"checkpoint_step_interval": 0, "snr_weight": 0.25})",
+          R"({"checkpoint_step_interval": 0, "timestep_bias_strategy": "earlier",
+                                  "timestep_bias_multiplier": 50, "timestep_bias_portion": 0.1})"}) {
+        std::filesystem::remove_all(dir.path() / "out");
+        EXPECT_GT(differs(weights(extra)), 0.0) << extra;
+    }
+    std::filesystem::remove_all(dir.path() / "out");
+    EXPECT_THROW(weights(R"({"timestep_bias_strategy": "later", "timestep_bias_multiplier": 0})"),
+                 UsageError);
+}
+
 TEST(TrainCheckpoint, LayoutGuardAndRotation) {
     test::TempDir dir;
     TrainResult r;

@@ -41,6 +41,8 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
         {{{"offset_noise", true}}, "offset_noise is true"},
         {{{"input_perturbation", 0.1}}, "input_perturbation is not 0"},
         {{{"snr_gamma", 5.0}}, "snr_gamma is set"},
+        {{{"loss_type", "huber"}}, "loss_type is huber"},
+        {{{"timestep_bias_strategy", "later"}}, "timestep_bias_strategy is later"},
     };
     for (const auto& [extra, expected] : cases) {
         const std::string got = cuda_graph_blocker(graph_friendly(dir.path(), extra), cuda, 1);
