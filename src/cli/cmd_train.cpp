@@ -50,8 +50,9 @@ int run_train(const std::vector<std::string>& args) {
         return static_cast<int>(ExitCode::kInterrupted);
     }
     train::Trainer& trainer = *built;
-    train::add_run_observers(trainer, trainer.config());
-    report::add_observers(trainer);  // TensorBoard, validation, eval loss, report.html
+    auto notifier = train::add_run_observers(trainer, trainer.config());  // webhooks, GPU health
+    report::add_observers(trainer, notifier);  // TensorBoard, validation (+ previews), eval loss, report.html
+    train::add_notifier_closer(trainer, notifier);  // after every observer that posts
     train::TrainResult result;
     try {
         result = trainer.run();

@@ -183,11 +183,20 @@ Event training_validation(int64_t step, const std::vector<Image>& images) {
     return e;
 }
 
-Event validation_image(int64_t step, const Image& image) {
-    Event e{"validation.image", log::Level::kInfo, "", json::object(), {image}};
-    e.body["step"] = step;
-    e.body["name"] = image.name;
-    e.message = str("Validation image ", image.name);
+Event validation_preview(const PreviewFrame& f, Image image) {
+    const std::string label = str(f.step + 1, "/", f.total_steps);
+    const std::string text =
+        str("Validation (step ", label, "): ", f.shortname.empty() ? "(validation)" : f.shortname);
+    Event e{"validation.image", log::Level::kInfo, text, json::object(), {std::move(image)}};
+    e.body["title"] = text;
+    e.body["body"] = f.prompt;
+    e.body["data"] = {{"step", f.step + 1},
+                      {"timestep", f.timestep},
+                      {"resolution", {f.width, f.height}},
+                      {"validation_type", f.validation_type},
+                      {"prompt", f.prompt},
+                      {"step_label", label}};
+    e.raw_only = true;
     return e;
 }
 
@@ -240,7 +249,7 @@ json raw_payload(const Event& event, const std::string& job_id) {
     if (!event.images.empty()) {
         json images = json::array();
         for (const auto& img : event.images)
-            images.push_back("data:image/png;base64," + base64_encode(img.png));
+            images.push_back(base64_encode(img.png));  // plain base64, as SimpleTuner's raw webhooks
         p["images"] = images;
     }
     return p;
@@ -270,6 +279,7 @@ void Notifier::send(Event event) {
     }
     for (std::size_t t = 0; t < targets_.size(); ++t) {
         if (event.level < targets_[t].log_level) continue;
+        if (event.raw_only && targets_[t].type != WebhookType::kRaw) continue;
         if (queue_.size() >= kMaxQueue) {
             // Drop the oldest routine event; faults, errors and lifecycle changes are kept.
             auto victim = std::find_if(queue_.begin(), queue_.end(), [](const Job& j) {

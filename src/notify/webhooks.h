@@ -52,6 +52,7 @@ struct Event {
     std::string message;  // human text (discord content)
     nlohmann::json body;  // type-specific fields, merged into the raw payload
     std::vector<Image> images;
+    bool raw_only = false;  // sent to raw targets only (SimpleTuner's send_raw: previews)
 };
 
 // Event builders. Field names follow SimpleTuner's payloads (SIMPLETUNER.md §8.2).
@@ -62,13 +63,24 @@ Event training_progress(int64_t step, int64_t total_steps, int64_t epoch, double
                         double images_per_s, double eta_seconds);
 Event training_checkpoint(const std::string& path, const std::string& label, bool is_final);
 Event training_validation(int64_t step, const std::vector<Image>& images);
-Event validation_image(int64_t step, const Image& image);
+// A validation preview frame (SimpleTuner's ValidationPreviewer): `step` is the sampler step just
+// done (0-based), `total_steps` the sampling run's; raw targets only.
+struct PreviewFrame {
+    int64_t step = 0;
+    int64_t total_steps = 0;
+    double timestep = 0;
+    int64_t width = 0, height = 0;
+    std::string prompt;
+    std::string shortname;
+    std::string validation_type = "intermediary";  // SimpleTuner's --validation_type default
+};
+Event validation_preview(const PreviewFrame& frame, Image image);
 Event error_event(const std::string& message);
 // `fault` is the payload's "fault" object (see health/breaker.h fault_json()).
 Event gpu_fault(const std::string& fault_type, const std::string& severity, const std::string& message,
                 const nlohmann::json& fault);
 
-// The JSON a raw backend receives for `event` (images as base64 data URIs).
+// The JSON a raw backend receives for `event` (images as base64 PNG strings, as SimpleTuner sends).
 nlohmann::json raw_payload(const Event& event, const std::string& job_id);
 std::string base64_encode(const std::string& bytes);
 

@@ -190,7 +190,7 @@ bool reports_to_tensorboard(const train::TrainConfig& config) {
     return false;
 }
 
-void add_observers(train::Trainer& trainer) {
+void add_observers(train::Trainer& trainer, std::shared_ptr<notify::Notifier> notifier) {
     const auto& config = trainer.config();
     std::shared_ptr<TensorBoardCallback> tb;
     const auto trackers = config.report_to_list();
@@ -208,6 +208,7 @@ void add_observers(train::Trainer& trainer) {
     auto settings = validation_settings(config);
     if (!settings.prompts.empty()) {
         auto v = std::make_shared<ValidationCallback>(std::move(settings), model_dir);
+        v->set_notifier(notifier);
         if (tb)
             v->add_sink([tb](int64_t step, const std::string& name, int i, const std::string& res,
                              const io::RgbImage& im) {

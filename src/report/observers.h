@@ -15,6 +15,10 @@
 #include "train/callbacks.h"
 #include "train/config.h"
 
+namespace dtune::notify {
+class Notifier;
+}
+
 namespace dtune::report {
 
 // Writes train/loss, train/lr, train/grad_norm, train/img_per_s, train/samples_seen (and
@@ -67,6 +71,7 @@ bool reports_to_tensorboard(const train::TrainConfig& config);
 // Adds the observers the trainer's config asks for: TensorBoard, validation (when a validation
 // prompt or prompt library is set), eval loss (when the dataset config has dataset_type eval),
 // and the HTML report (always).
-void add_observers(train::Trainer& trainer);
+// `notifier` (the run's webhooks, may be null) receives validation_preview frames.
+void add_observers(train::Trainer& trainer, std::shared_ptr<notify::Notifier> notifier = nullptr);
 
 }  // namespace dtune::report

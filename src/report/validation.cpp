@@ -2,12 +2,15 @@
 #include "report/validation.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <sstream>
 
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
 #include "models/common/pipeline_folder.h"
+#include "notify/webhooks.h"
 #include "report/html_report.h"
 #include "train/trainer.h"
 #include "validate/sdxl_pipeline.h"
@@ -98,7 +101,46 @@ ValidationSettings validation_settings(const train::TrainConfig& config) {
     s.interval = config.integer("validation_step_interval");
     if (const auto e = config.opt_integer("validation_epoch_interval"); e && *e > 0) s.epoch_interval = *e;
     s.benchmark = !config.flag("disable_benchmark");
+    s.preview = config.flag("validation_preview");
+    s.preview_steps = std::max<int64_t>(1, config.integer("validation_preview_steps"));
+    s.preview_model = config.text("validation_preview_model");
     return s;
+}
+
+std::optional<std::filesystem::path> find_preview_model(const std::string& configured, std::string& why) {
+    namespace fsys = std::filesystem;
+    if (!configured.empty()) {
+        if (fsys::is_regular_file(fsys::path(configured) / "config.json")) return fsys::path(configured);
+        why = str("validation_preview_model \"", configured,
+                  "\" is not a diffusers AutoencoderTiny folder (no config.json there)");
+        return std::nullopt;
+    }
+    std::vector<fsys::path> caches;
+    if (const char* c = std::getenv("HF_HUB_CACHE"); c && *c) caches.emplace_back(c);
+    if (const char* h = std::getenv("HF_HOME"); h && *h) caches.push_back(fsys::path(h) / "hub");
+    if (const char* home = std::getenv("HOME"); home && *home)
+        caches.push_back(fsys::path(home) / ".cache" / "huggingface" / "hub");
+    for (const auto& cache : caches) {
+        const fsys::path snapshots = cache / "models--madebyollin--taesdxl" / "snapshots";
+        std::error_code ec;
+        if (!fsys::is_directory(snapshots, ec)) continue;
+        for (const auto& e : fsys::directory_iterator(snapshots, ec))
+            if (fsys::is_regular_file(e.path() / "config.json")) return e.path();
+    }
+    why =
+        "madebyollin/taesdxl (SimpleTuner's SDXL preview decoder) is not in the Hugging Face cache; "
+        "download it (huggingface-cli download madebyollin/taesdxl --local-dir taesdxl) and set "
+        "validation_preview_model to that folder";
+    return std::nullopt;
+}
+
+io::RgbImage preview_image(const at::Tensor& decoded) {
+    // [-1, 1] -> [0, 1], clamped, x255 and truncated (SimpleTuner's .mul(255).byte()).
+    const at::Tensor img = (decoded[0].to(at::kCPU, at::kFloat) / 2 + 0.5).clamp(0, 1).mul(255).to(at::kByte);
+    const at::Tensor hwc = img.permute({1, 2, 0}).contiguous();  // [H, W, 3]
+    io::RgbImage out(static_cast<int>(hwc.size(1)), static_cast<int>(hwc.size(0)));
+    std::memcpy(out.row(0), hwc.data_ptr<uint8_t>(), static_cast<size_t>(hwc.numel()));
+    return out;
 }
 
 ValidationCallback::ValidationCallback(ValidationSettings settings, std::filesystem::path model_dir)
@@ -173,6 +215,13 @@ std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& train
                 r.sampler = settings_.sampler;
                 r.seed = settings_.seed;
                 r.num_images_per_prompt = settings_.num_images;
+                if (settings_.preview && preview_ready(trainer)) {
+                    r.on_latents = [&, w = w, h = h](const validate::StepLatents& s) {
+                        const bool due = settings_.preview_steps <= 1 || s.step == 0 ||
+                                         (s.step + 1) % settings_.preview_steps == 0;
+                        if (due && !preview_failed_) send_preview(s, p, w, h);
+                    };
+                }
                 const auto images = validate::to_rgb_images(pipeline_->generate(r).images);
                 for (size_t i = 0; i < images.size(); ++i) {
                     const auto path =
@@ -191,6 +240,62 @@ std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& train
     if (was_training) unet->train();
     log::info() << "validation at step " << step << ": " << written.size() << " image(s) in " << dir.string();
     return written;
+}
+
+bool ValidationCallback::preview_ready(train::Trainer& trainer) {
+    if (preview_failed_) return false;
+    if (preview_decoder_) return true;
+    if (!notifier_) {
+        log::warn() << "validation_preview is enabled but no webhook is configured; previews are disabled";
+        preview_failed_ = true;
+        return false;
+    }
+    std::string why;
+    const auto folder = find_preview_model(settings_.preview_model, why);
+    if (!folder) {
+        log::warn() << "validation_preview: " << why << "; previews are off for this run";
+        preview_failed_ = true;
+        return false;
+    }
+    try {
+        models::ComponentLoadOptions o;
+        o.device = trainer.device();
+        preview_decoder_ = models::load_autoencoder_tiny(*folder, o);
+        log::info() << "validation_preview: decoding previews with " << folder->string() << " every "
+                    << settings_.preview_steps << " sampler step(s)";
+    } catch (const std::exception& e) {
+        log::warn() << "validation_preview: could not load the tiny autoencoder " << folder->string() << ": "
+                    << e.what() << "; previews are off for this run";
+        preview_failed_ = true;
+    }
+    return !preview_failed_;
+}
+
+void ValidationCallback::send_preview(const validate::StepLatents& s, const ValidationPrompt& p, int width,
+                                      int height) {
+    try {
+        at::Tensor decoded;
+        {
+            c10::InferenceMode guard;
+            const at::Tensor first = s.latents.narrow(0, 0, 1);  // SimpleTuner previews batch item 0
+            decoded = (*preview_decoder_)->decode(first.to(first.device(), at::kFloat));
+        }
+        notify::PreviewFrame f;
+        f.step = s.step;
+        f.total_steps = s.total_steps;
+        f.timestep = s.timestep;
+        f.width = width;
+        f.height = height;
+        f.prompt = p.prompt;
+        f.shortname = p.shortname;
+        const io::RgbImage img = preview_image(decoded);
+        notifier_->send(notify::validation_preview(
+            f, notify::Image{str("preview_", p.shortname, "_", s.step + 1, ".png"), io::encode_png(img)}));
+        ++previews_sent_;
+    } catch (const std::exception& e) {
+        log::warn() << "Disabling validation preview due to decode failure: " << e.what();
+        preview_failed_ = true;
+    }
 }
 
 }  // namespace dtune::report

@@ -20,11 +20,16 @@
 #include <vector>
 
 #include "io/image.h"
+#include "models/vae/autoencoder_tiny.h"
 #include "train/callbacks.h"
 #include "train/config.h"
 
 namespace dtune::validate {
 class SDXLPipeline;
+struct StepLatents;
+}  // namespace dtune::validate
+namespace dtune::notify {
+class Notifier;
 }
 
 namespace dtune::report {
@@ -47,7 +52,21 @@ struct ValidationSettings {
     int64_t interval = 100;      // steps; <= 0 disables interval validation
     int64_t epoch_interval = 0;  // validation_epoch_interval: after every N completed epochs (0: off)
     bool benchmark = true;       // base-model images at step 0
+    // validation_preview: TAESD decodes of the sampler's latents, sent as validation.image
+    // webhook events (raw targets) after the first step and every preview_steps steps after it.
+    bool preview = false;
+    int64_t preview_steps = 1;
+    std::string preview_model;  // validation_preview_model: a diffusers AutoencoderTiny folder
 };
+
+// Where validation_preview's tiny autoencoder comes from: `configured` when set (a folder), else
+// madebyollin/taesdxl in the Hugging Face cache (HF_HUB_CACHE, HF_HOME/hub or
+// ~/.cache/huggingface/hub). nullopt with `why` filled when there is none.
+std::optional<std::filesystem::path> find_preview_model(const std::string& configured, std::string& why);
+
+// The preview PNG of latents [B, 4, h, w] (item 0) through `decode` (-> [-1, 1] images), converted
+// as SimpleTuner converts it: /2 + 0.5, clamped to [0, 1], x255 truncated to uint8.
+io::RgbImage preview_image(const at::Tensor& decoded);
 
 // "1024x1024,1280x768" -> sizes; a bare number N is NxN; values < 128 are megapixels (SimpleTuner),
 // rounded to a square of side multiple of 64. UsageError naming validation_resolution otherwise.
@@ -67,6 +86,8 @@ class ValidationCallback final : public train::TrainCallback {
     ~ValidationCallback() override;
 
     void add_sink(ValidationImageSink sink) { sinks_.push_back(std::move(sink)); }
+    // Where previews go (the run's webhooks); without one validation_preview is off, as in SimpleTuner.
+    void set_notifier(std::shared_ptr<notify::Notifier> notifier) { notifier_ = std::move(notifier); }
 
     void on_train_start(train::Trainer& trainer) override;
     void on_step_end(train::Trainer& trainer, const train::StepReport& report) override;
@@ -74,12 +95,21 @@ class ValidationCallback final : public train::TrainCallback {
 
     // Generates and saves the images for `step` now; returns the files written.
     std::vector<std::filesystem::path> run(train::Trainer& trainer, int64_t step);
+    int64_t previews_sent() const { return previews_sent_; }
 
   private:
+    // Loads the tiny autoencoder on first use; false (previews off, one warning) when it cannot.
+    bool preview_ready(train::Trainer& trainer);
+    void send_preview(const validate::StepLatents& s, const ValidationPrompt& p, int width, int height);
+
     ValidationSettings settings_;
     std::filesystem::path model_dir_;
     std::unique_ptr<validate::SDXLPipeline> pipeline_;
     std::vector<ValidationImageSink> sinks_;
+    std::shared_ptr<notify::Notifier> notifier_;
+    std::optional<models::AutoencoderTiny> preview_decoder_;
+    bool preview_failed_ = false;  // a load or decode failure turned previews off for the run
+    int64_t previews_sent_ = 0;
     int64_t last_step_ = -1;
     int64_t last_epoch_ = -1;  // the epoch count after the previous step (-1: none seen yet)
 };

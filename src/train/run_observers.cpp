@@ -176,7 +176,7 @@ void GpuHealthObserver::on_error(Trainer& t, const std::exception& error) {
     }
 }
 
-void add_run_observers(Trainer& trainer, const TrainConfig& config) {
+std::shared_ptr<notify::Notifier> add_run_observers(Trainer& trainer, const TrainConfig& config) {
     std::shared_ptr<notify::Notifier> notifier;
     if (!config.is_null("webhook_config")) {
         const nlohmann::json& raw = config.raw("webhook_config");
@@ -191,7 +191,11 @@ void add_run_observers(Trainer& trainer, const TrainConfig& config) {
         }
     }
     trainer.add_callback(std::make_shared<GpuHealthObserver>(notifier));
-    if (notifier) trainer.add_callback(std::make_shared<NotifierCloser>(notifier));
+    return notifier;
+}
+
+void add_notifier_closer(Trainer& trainer, std::shared_ptr<notify::Notifier> notifier) {
+    if (notifier) trainer.add_callback(std::make_shared<NotifierCloser>(std::move(notifier)));
 }
 
 }  // namespace dtune::train

@@ -77,7 +77,12 @@ class GpuHealthObserver final : public TrainCallback {
 
 // The observers `dtune train` adds: webhooks when webhook_config is set, the GPU health monitor
 // always (it is idle where neither NVML nor an injected fault exists). The notifier posts on rank
-// 0 and, for gpu.fault, on the rank that saw the fault.
-void add_run_observers(Trainer& trainer, const TrainConfig& config);
+// 0 and, for gpu.fault, on the rank that saw the fault. Returns the notifier (null without
+// webhook_config) for other observers that post (validation previews); call
+// add_notifier_closer() after the last of them.
+std::shared_ptr<notify::Notifier> add_run_observers(Trainer& trainer, const TrainConfig& config);
+
+// Closes `notifier` (when set) at the end of the run, after every observer added before it.
+void add_notifier_closer(Trainer& trainer, std::shared_ptr<notify::Notifier> notifier);
 
 }  // namespace dtune::train

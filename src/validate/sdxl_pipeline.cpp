@@ -187,6 +187,8 @@ at::Tensor SDXLPipeline::denoise(const GenerationRequest& r, const Conditioning&
                                                       r.guidance_rescale);
         }
         latents = sampler->step(eps, i, latents, gen);
+        if (r.on_latents)
+            r.on_latents(StepLatents{i, n, t.to(at::kCPU, at::kDouble).item<double>(), latents});
         if (on_step) on_step(i + 1, n);
     }
     return latents;

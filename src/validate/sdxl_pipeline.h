@@ -36,6 +36,13 @@
 
 namespace dtune::validate {
 
+struct StepLatents {
+    int64_t step = 0;         // 0-based index of the sampler step that just ran
+    int64_t total_steps = 0;  // steps of the whole sampling run
+    double timestep = 0;      // the step's timestep (the scheduler's t)
+    at::Tensor latents;       // [B*N, 4, h, w] float32 on the pipeline's device
+};
+
 struct GenerationRequest {
     std::vector<std::string> prompt;  // B prompts
     // nullopt: no negative prompt (zeros when the folder forces them); size 1 or B.
@@ -62,6 +69,9 @@ struct GenerationRequest {
     // init_noise_sigma, as diffusers does with `latents=`).
     at::Tensor latents;
     bool decode = true;  // false: return only the final latents (diffusers' output_type="latent")
+    // After each sampler step, with the latents the step produced (x_{t-1}, still scaled: what
+    // diffusers' callback_on_step_end sees), for previews (report/validation.cpp). May be empty.
+    std::function<void(const StepLatents&)> on_latents;
 };
 
 struct GenerationResult {

@@ -37,7 +37,7 @@ std::vector<Event> every_event() {
             training_progress(10, 100, 1, 0.25, 1e-4, 3.5, 90),
             training_checkpoint("/out/checkpoint-10", "checkpoint-10", false),
             training_validation(10, {img}),
-            validation_image(10, img),
+            validation_preview({4, 20, 781.0, 1024, 768, "a cat", "cat"}, img),
             error_event("loss is NaN at step 11"),
             gpu_fault("ecc", "critical", "GPU 0: 3 new uncorrectable ECC errors", fault)};
 }
@@ -111,8 +111,18 @@ TEST(Webhooks, RawBackendReceivesEveryEventAsJson) {
             EXPECT_EQ(body["checkpoint"]["label"], "checkpoint-10");
         }
         if (body["type"] == "validation.image") {
-            const std::string uri = body["images"][0];
-            EXPECT_EQ(uri, "data:image/png;base64," + base64_encode(events[5].images[0].png));
+            // SimpleTuner's ValidationPreviewer payload; images as plain base64 PNG (its send_raw).
+            const std::string image = body["images"][0];
+            EXPECT_EQ(image, base64_encode(events[5].images[0].png));
+            EXPECT_EQ(body["title"], "Validation (step 5/20): cat");
+            EXPECT_EQ(body["message"], "Validation (step 5/20): cat");
+            EXPECT_EQ(body["body"], "a cat");
+            EXPECT_EQ(body["data"]["step"], 5);
+            EXPECT_EQ(body["data"]["step_label"], "5/20");
+            EXPECT_DOUBLE_EQ(body["data"]["timestep"].get<double>(), 781.0);
+            EXPECT_EQ(body["data"]["resolution"], json::array({1024, 768}));
+            EXPECT_EQ(body["data"]["validation_type"], "intermediary");
+            EXPECT_EQ(body["data"]["prompt"], "a cat");
         }
         if (body["type"] == "gpu.fault") {
             EXPECT_EQ(body["severity"], "critical");
@@ -137,7 +147,7 @@ TEST(Webhooks, DiscordBackendPostsMultipartWithAttachments) {
         ASSERT_TRUE(n.flush(10s));
     }
     auto reqs = listener.requests();
-    ASSERT_EQ(reqs.size(), every_event().size());
+    ASSERT_EQ(reqs.size(), every_event().size() - 1);  // previews go to raw targets only
     for (const auto& r : reqs) {
         EXPECT_NE(r.headers.at("content-type").find("multipart/form-data"), std::string::npos);
         auto parts = test::parse_multipart(r);
@@ -149,7 +159,7 @@ TEST(Webhooks, DiscordBackendPostsMultipartWithAttachments) {
     EXPECT_EQ(validation["file0"].filename, "step_10_cat_0_64x64.png");
     EXPECT_EQ(validation["file0"].content_type, "image/png");
     EXPECT_EQ(validation["file0"].content, every_event()[4].images[0].png);  // bytes intact, NUL included
-    EXPECT_NE(test::parse_multipart(reqs[7])["content"].content.find("uncorrectable ECC"), std::string::npos);
+    EXPECT_NE(test::parse_multipart(reqs[6])["content"].content.find("uncorrectable ECC"), std::string::npos);
 }
 
 TEST(Webhooks, LogLevelFiltersEvents) {

@@ -14,6 +14,8 @@
 #include "core/fs.h"
 #include "core/log.h"
 #include "io/image.h"
+#include "notify/webhooks.h"
+#include "support/http_listener.h"
 #include "models/common/weights.h"
 #include "report/eval_loss.h"
 #include "report/html_report.h"
@@ -59,6 +61,26 @@ train::TrainConfig config(const std::filesystem::path& out,
     c.merge_json(extra, "test extra");
     c.validate();
     return c;
+}
+
+// RFC 4648 base64 (what a webhook consumer runs on the images it gets).
+std::string base64_decode(const std::string& in) {
+    static const std::string chars = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    std::string out;
+    uint32_t acc = 0;
+    int bits = 0;
+    for (char ch : in) {
+        if (ch == '=') break;
+        const auto pos = chars.find(ch);
+        if (pos == std::string::npos) throw std::runtime_error("not base64");
+        acc = (acc << 6) | static_cast<uint32_t>(pos);
+        bits += 6;
+        if (bits >= 8) {
+            bits -= 8;
+            out.push_back(static_cast<char>((acc >> bits) & 0xff));
+        }
+    }
+    return out;
 }
 
 std::unique_ptr<train::Trainer> make_trainer(const train::TrainConfig& c) {
@@ -119,6 +141,78 @@ TEST(Validation, DoesNotChangeTrainingAndNamesFilesLikeSimpleTuner) {
     EXPECT_EQ(losses, 4);
     EXPECT_EQ(images, 3);
     EXPECT_TRUE(std::filesystem::exists(val_dir / "report.html"));
+}
+
+// validation_preview with a real HTTP listener: the tiny TAESD (tests/data/ref/tiny-taesd, made
+// by tools/ref/gen_taesd_ref.py) decodes the sampler's latents after the first step and every
+// validation_preview_steps-th; each frame reaches the raw webhook as SimpleTuner's validation.image
+// payload with a base64 PNG of the validation size, and training is unchanged. Without a webhook,
+// or with no usable decoder, previews are off with a warning and the run goes on.
+TEST(Validation, PreviewsReachTheWebhookAsSimpleTunerSendsThem) {
+    test::TempDir plain_dir, dir;
+    auto plain = make_trainer(config(plain_dir.path()));
+    plain->run();
+    const auto a = models::state_dict(*plain->unet());
+
+    test::HttpListener listener;
+    notify::WebhookTarget t;
+    t.type = notify::WebhookType::kRaw;
+    t.url = listener.url("/hook");
+    auto notifier = std::make_shared<notify::Notifier>(std::vector<notify::WebhookTarget>{t}, "job", true);
+    const auto c = config(dir.path(), {{"validation_prompt", "a red circle"},
+                                       {"validation_num_inference_steps", 4},
+                                       {"validation_preview", true},
+                                       {"validation_preview_steps", 2},
+                                       {"validation_preview_model",
+                                        (std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref" / "tiny-taesd").string()}});
+    auto trainer = make_trainer(c);
+    add_observers(*trainer, notifier);
+    trainer->run();
+    ASSERT_TRUE(notifier->flush(std::chrono::seconds(20)));
+    const auto b = models::state_dict(*trainer->unet());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+
+    std::vector<int64_t> steps;
+    for (const auto& r : listener.requests()) {
+        const auto body = nlohmann::json::parse(r.body);
+        if (body.at("type") != "validation.image") continue;
+        steps.push_back(body.at("data").at("step").get<int64_t>());
+        EXPECT_EQ(body.at("data").at("resolution"), nlohmann::json::array({64, 64}));
+        EXPECT_EQ(body.at("data").at("prompt"), "a red circle");
+        EXPECT_EQ(body.at("body"), "a red circle");
+        EXPECT_EQ(body.at("title"), str("Validation (step ", steps.back(), "/4): validation"));
+        EXPECT_TRUE(body.at("data").at("timestep").is_number());
+        const io::RgbImage img =
+            io::decode_image(base64_decode(body.at("images").at(0).get<std::string>()), "preview.png");
+        EXPECT_EQ(img.width, 64);
+        EXPECT_EQ(img.height, 64);
+    }
+    // Validation at steps 0, 2 and 4; previews after sampler steps 1, 2 and 4 of each.
+    EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 4, 1, 2, 4, 1, 2, 4}));
+    notifier->close(std::chrono::seconds(5));
+
+    // No webhook: a warning, no previews, the run completes; a folder that is no TAESD: the same.
+    for (const nlohmann::json& extra :
+         {nlohmann::json{{"validation_prompt", "a red circle"}, {"validation_preview", true}},
+          nlohmann::json{{"validation_prompt", "a red circle"},
+                         {"validation_preview", true},
+                         {"validation_preview_model", dir.path().string()}}}) {
+        test::TempDir other;
+        const auto log_file = other.path() / "run.log";
+        log::set_file(log_file);
+        auto run = make_trainer(config(other.path() / "out", extra));
+        test::HttpListener l2;
+        notify::WebhookTarget t2 = t;
+        t2.url = l2.url("/hook");
+        auto n2 = std::make_shared<notify::Notifier>(std::vector<notify::WebhookTarget>{t2}, "job", true);
+        add_observers(*run, extra.contains("validation_preview_model") ? n2 : nullptr);
+        EXPECT_EQ(run->run().outcome, train::TrainOutcome::kCompleted);
+        log::set_file({});
+        const std::string text = fs::read_file(log_file);
+        EXPECT_NE(text.find("validation_preview"), std::string::npos) << text;
+        n2->close(std::chrono::seconds(5));
+        for (const auto& r : l2.requests()) EXPECT_NE(nlohmann::json::parse(r.body).at("type"), "validation.image");
+    }
 }
 
 // A SimpleTuner config made for wandb trains; the metrics go to TensorBoard files, and the log says

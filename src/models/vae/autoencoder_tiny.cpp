@@ -69,7 +69,8 @@ AutoencoderTinyImpl::AutoencoderTinyImpl(const AutoencoderTinyConfig& c) : confi
             encoder_layers_->push_back(conv3(c.in_channels, ch));
         else
             encoder_layers_->push_back(conv3(ch, ch, /*bias=*/false, /*stride=*/2));
-        for (int64_t b = 0; b < c.num_encoder_blocks[i]; ++b) encoder_layers_->push_back(AutoencoderTinyBlock(ch, ch));
+        for (int64_t b = 0; b < c.num_encoder_blocks[i]; ++b)
+            encoder_layers_->push_back(AutoencoderTinyBlock(ch, ch));
     }
     encoder_layers_->push_back(conv3(c.encoder_block_out_channels.back(), c.latent_channels));
     // DecoderTiny: conv + ReLU, then per level its blocks, a nearest upsample (not at the last) and a
@@ -80,7 +81,8 @@ AutoencoderTinyImpl::AutoencoderTinyImpl(const AutoencoderTinyConfig& c) : confi
     for (std::size_t i = 0; i < n; ++i) {
         const bool last = i + 1 == n;
         const int64_t ch = c.decoder_block_out_channels[i];
-        for (int64_t b = 0; b < c.num_decoder_blocks[i]; ++b) decoder_layers_->push_back(AutoencoderTinyBlock(ch, ch));
+        for (int64_t b = 0; b < c.num_decoder_blocks[i]; ++b)
+            decoder_layers_->push_back(AutoencoderTinyBlock(ch, ch));
         if (!last) {
             const double f = static_cast<double>(c.upsampling_scaling_factor);
             decoder_layers_->push_back(torch::nn::Upsample(
@@ -93,8 +95,9 @@ AutoencoderTinyImpl::AutoencoderTinyImpl(const AutoencoderTinyConfig& c) : confi
 }
 
 at::Tensor AutoencoderTinyImpl::decode(const at::Tensor& latents) {
-    DTUNE_CHECK(latents.dim() == 4 && latents.size(1) == config_.latent_channels, "AutoencoderTiny.decode: latents ",
-                latents.sizes(), " are not [B, ", config_.latent_channels, ", h, w]");
+    DTUNE_CHECK(latents.dim() == 4 && latents.size(1) == config_.latent_channels,
+                "AutoencoderTiny.decode: latents ", latents.sizes(), " are not [B, ", config_.latent_channels,
+                ", h, w]");
     const at::Tensor x = at::tanh(latents / 3) * 3;  // diffusers' soft clamp to [-3, 3]
     return decoder_layers_->forward(x).mul(2).sub(1);
 }

@@ -62,6 +62,7 @@ TORCH_MODULE(AutoencoderTiny);
 
 // A diffusers AutoencoderTiny folder (config.json + diffusion_pytorch_model.safetensors), loaded
 // strictly; errors name the folder.
-AutoencoderTiny load_autoencoder_tiny(const std::filesystem::path& dir, const ComponentLoadOptions& options = {});
+AutoencoderTiny load_autoencoder_tiny(const std::filesystem::path& dir,
+                                      const ComponentLoadOptions& options = {});
 
 }  // namespace dtune::models
