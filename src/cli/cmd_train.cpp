@@ -132,7 +132,10 @@ std::string train_usage() {
            "huber_schedule snr | exponential | constant), snr_gamma (min-SNR weights), snr_weight (l2\n"
            "without snr_gamma only), timestep_bias_strategy earlier | later | range with\n"
            "timestep_bias_multiplier/_portion/_begin/_end, as SimpleTuner computes them; eval loss\n"
-           "uses the same settings.\n\n"
+           "uses the same settings.\n"
+           "validation_preview (with a raw webhook) sends TAESD previews of validation sampling as\n"
+           "validation.image events every validation_preview_steps sampler steps; the decoder is\n"
+           "validation_preview_model or madebyollin/taesdxl from the Hugging Face cache.\n\n"
            "Options:\n" +
            train::options_help();
 }

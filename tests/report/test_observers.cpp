@@ -14,14 +14,14 @@
 #include "core/fs.h"
 #include "core/log.h"
 #include "io/image.h"
-#include "notify/webhooks.h"
-#include "support/http_listener.h"
 #include "models/common/weights.h"
+#include "notify/webhooks.h"
 #include "report/eval_loss.h"
 #include "report/html_report.h"
 #include "report/observers.h"
 #include "report/tensorboard.h"
 #include "report/validation.h"
+#include "support/http_listener.h"
 #include "support/test_support.h"
 #include "train/trainer.h"
 
@@ -159,12 +159,13 @@ TEST(Validation, PreviewsReachTheWebhookAsSimpleTunerSendsThem) {
     t.type = notify::WebhookType::kRaw;
     t.url = listener.url("/hook");
     auto notifier = std::make_shared<notify::Notifier>(std::vector<notify::WebhookTarget>{t}, "job", true);
-    const auto c = config(dir.path(), {{"validation_prompt", "a red circle"},
-                                       {"validation_num_inference_steps", 4},
-                                       {"validation_preview", true},
-                                       {"validation_preview_steps", 2},
-                                       {"validation_preview_model",
-                                        (std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref" / "tiny-taesd").string()}});
+    const auto c =
+        config(dir.path(), {{"validation_prompt", "a red circle"},
+                            {"validation_num_inference_steps", 4},
+                            {"validation_preview", true},
+                            {"validation_preview_steps", 2},
+                            {"validation_preview_model",
+                             (std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref" / "tiny-taesd").string()}});
     auto trainer = make_trainer(c);
     add_observers(*trainer, notifier);
     trainer->run();
@@ -211,7 +212,8 @@ TEST(Validation, PreviewsReachTheWebhookAsSimpleTunerSendsThem) {
         const std::string text = fs::read_file(log_file);
         EXPECT_NE(text.find("validation_preview"), std::string::npos) << text;
         n2->close(std::chrono::seconds(5));
-        for (const auto& r : l2.requests()) EXPECT_NE(nlohmann::json::parse(r.body).at("type"), "validation.image");
+        for (const auto& r : l2.requests())
+            EXPECT_NE(nlohmann::json::parse(r.body).at("type"), "validation.image");
     }
 }
 
