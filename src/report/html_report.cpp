@@ -267,6 +267,9 @@ std::string render_report(const ReportInput& in) {
       << svg_line_chart("grad-norm-chart", "grad norm", series(in.metrics, "grad_norm"));
     if (!in.eval_metrics.empty())
         s << svg_line_chart("eval-loss-chart", "eval loss", series(in.eval_metrics, "eval_loss"));
+    // evaluation_type clip: rows of their own in metrics.jsonl, one per validation run.
+    if (const auto clip = series(in.metrics, "clip/mean"); !clip.empty())
+        s << svg_line_chart("clip-chart", "CLIP score (mean over prompts)", clip);
     s << "</div>";
     s << "<h2>Validation images</h2>" << image_grid(in.images);
     s << "<h2>Throughput and memory</h2>" << throughput_table(in.metrics);

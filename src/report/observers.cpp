@@ -210,6 +210,10 @@ void add_observers(train::Trainer& trainer, std::shared_ptr<notify::Notifier> no
         auto v = std::make_shared<ValidationCallback>(std::move(settings), model_dir);
         v->set_notifier(notifier);
         if (tb)
+            v->add_scalar_sink([tb](int64_t step, const std::string& tag, double value) {
+                tb->add_scalar(tag, value, step);
+            });
+        if (tb)
             v->add_sink([tb](int64_t step, const std::string& name, int i, const std::string& res,
                              const io::RgbImage& im) {
                 tb->add_png(str("validation/", name, "_", i, "_", res), im.width, im.height,

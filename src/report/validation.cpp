@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <sstream>
 
 #include "core/error.h"
@@ -11,6 +12,7 @@
 #include "core/log.h"
 #include "models/common/pipeline_folder.h"
 #include "notify/webhooks.h"
+#include "report/clip_score.h"
 #include "report/html_report.h"
 #include "train/trainer.h"
 #include "validate/sdxl_pipeline.h"
@@ -104,6 +106,21 @@ ValidationSettings validation_settings(const train::TrainConfig& config) {
     s.preview = config.flag("validation_preview");
     s.preview_steps = std::max<int64_t>(1, config.integer("validation_preview_steps"));
     s.preview_model = config.text("validation_preview_model");
+    if (config.text("evaluation_type") == "clip" && s.prompts.empty()) {
+        log::warn() << "evaluation_type clip scores validation images, and this run has no validation prompt "
+                       "(validation_prompt or user_prompt_library): nothing is scored";
+    } else if (config.text("evaluation_type") == "clip") {
+        const std::string name = config.text("pretrained_evaluation_model_name_or_path");
+        const auto dir = find_hub_folder(name);
+        DTUNE_CHECK_AS(
+            UsageError, dir.has_value(), "pretrained_evaluation_model_name_or_path \"", name,
+            "\" is neither a local folder nor in the Hugging Face cache, and dtune downloads nothing; "
+            "run `huggingface-cli download ",
+            name,
+            " --local-dir clip-eval` and set pretrained_evaluation_model_name_or_path to that folder "
+            "(or evaluation_type none)");
+        s.clip_model = *dir;
+    }
     return s;
 }
 
@@ -191,6 +208,7 @@ std::unique_ptr<validate::SDXLPipeline> load_pipeline(const std::filesystem::pat
 
 std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& trainer, int64_t step) {
     std::vector<std::filesystem::path> written;
+    std::map<std::string, double> clip_scores;  // shortname -> score (evaluation_type clip)
     last_step_ = step;
     if (!trainer.is_main_process() || settings_.prompts.empty()) return written;
     if (!pipeline_) pipeline_ = load_pipeline(model_dir_, trainer);
@@ -223,6 +241,11 @@ std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& train
                     };
                 }
                 const auto images = validate::to_rgb_images(pipeline_->generate(r).images);
+                // evaluation_type clip: the prompt's score is its last image's (SimpleTuner's loop).
+                if (!settings_.clip_model.empty() && !images.empty()) {
+                    if (!clip_) clip_ = std::make_unique<CLIPScorer>(settings_.clip_model, trainer.device());
+                    clip_scores[p.shortname] = std::round(clip_->score(images.back(), p.prompt) * 1e4) / 1e4;
+                }
                 for (size_t i = 0; i < images.size(); ++i) {
                     const auto path =
                         dir / validation_image_name(step, p.shortname, static_cast<int>(i), w, h);
@@ -239,6 +262,14 @@ std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& train
     }
     if (was_training) unet->train();
     log::info() << "validation at step " << step << ": " << written.size() << " image(s) in " << dir.string();
+    if (const nlohmann::json stats = clip_stats(clip_scores); !stats.is_null()) {
+        log::info() << "CLIP score at step " << step << ": mean " << stats.at("clip/mean").get<double>()
+                    << " (min " << stats.at("clip/min").get<double>() << ", max "
+                    << stats.at("clip/max").get<double>() << ") over " << clip_scores.size() << " prompt(s)";
+        trainer.append_metrics_row(step, stats);
+        for (auto& sink : scalar_sinks_)
+            for (const auto& [tag, value] : stats.items()) sink(step, tag, value.get<double>());
+    }
     return written;
 }
 

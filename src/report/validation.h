@@ -34,6 +34,8 @@ class Notifier;
 
 namespace dtune::report {
 
+class CLIPScorer;
+
 struct ValidationPrompt {
     std::string shortname;  // "validation" for validation_prompt; the library's key otherwise
     std::string prompt;
@@ -57,6 +59,8 @@ struct ValidationSettings {
     bool preview = false;
     int64_t preview_steps = 1;
     std::string preview_model;  // validation_preview_model: a diffusers AutoencoderTiny folder
+    // evaluation_type clip: the CLIPModel folder (report/clip_score.h); empty: no scoring.
+    std::filesystem::path clip_model;
 };
 
 // Where validation_preview's tiny autoencoder comes from: `configured` when set (a folder), else
@@ -86,6 +90,10 @@ class ValidationCallback final : public train::TrainCallback {
     ~ValidationCallback() override;
 
     void add_sink(ValidationImageSink sink) { sinks_.push_back(std::move(sink)); }
+    // Receives (step, tag, value) for scalars a validation run measures (clip/mean ...: TensorBoard).
+    void add_scalar_sink(std::function<void(int64_t, const std::string&, double)> sink) {
+        scalar_sinks_.push_back(std::move(sink));
+    }
     // Where previews go (the run's webhooks); without one validation_preview is off, as in SimpleTuner.
     void set_notifier(std::shared_ptr<notify::Notifier> notifier) { notifier_ = std::move(notifier); }
 
@@ -107,6 +115,8 @@ class ValidationCallback final : public train::TrainCallback {
     std::unique_ptr<validate::SDXLPipeline> pipeline_;
     std::vector<ValidationImageSink> sinks_;
     std::shared_ptr<notify::Notifier> notifier_;
+    std::vector<std::function<void(int64_t, const std::string&, double)>> scalar_sinks_;
+    std::unique_ptr<CLIPScorer> clip_;
     std::optional<models::AutoencoderTiny> preview_decoder_;
     bool preview_failed_ = false;  // a load or decode failure turned previews off for the run
     int64_t previews_sent_ = 0;

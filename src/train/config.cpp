@@ -128,6 +128,8 @@ const std::vector<OptionSpec>& specs() {
     {"validation_seed", OptionType::kInt, "null", "validation seed", nullptr},
     {"validation_noise_scheduler", OptionType::kString, "null", "validation sampler", nullptr},
     {"validation_disable", OptionType::kBool, "false", "disable validation", nullptr},
+    {"evaluation_type", OptionType::kString, "\"none\"", "score validation images: clip (CLIP score of each prompt's image, logged as clip/min, clip/max, clip/mean, clip/std) or none", "none,clip"},
+    {"pretrained_evaluation_model_name_or_path", OptionType::kString, "\"openai/clip-vit-large-patch14-336\"", "the CLIP model for evaluation_type clip: a local CLIPModel folder, or a hub id already in the Hugging Face cache", nullptr},
     {"validation_preview", OptionType::kBool, "false", "send TAESD previews of validation sampling to raw webhooks as validation.image events (needs webhook_config)", nullptr},
     {"validation_preview_steps", OptionType::kInt, "1", "preview after the first sampler step and every N-th", nullptr},
     {"validation_preview_model", OptionType::kString, "\"\"", "dtune: a local diffusers AutoencoderTiny folder for validation_preview (default: madebyollin/taesdxl from the Hugging Face cache)", nullptr},

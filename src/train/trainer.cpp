@@ -578,6 +578,14 @@ void Trainer::append_metrics(const StepReport& r) {
     metrics_log_->append(row);
 }
 
+void Trainer::append_metrics_row(int64_t step, const nlohmann::json& fields) {
+    if (!is_main_process()) return;
+    nlohmann::json row{{"step", step}};
+    row.update(fields);
+    if (!metrics_log_) metrics_log_ = std::make_unique<RunLog>(output_dir_ / "metrics.jsonl");
+    metrics_log_->append(row);
+}
+
 void Trainer::write_final_outputs() {
     if (!is_main_process()) return;
     write_model_outputs();  // LoRA file(s) or the pipeline folder (trainer_extras.cpp)
@@ -700,9 +708,11 @@ TrainResult Trainer::run_loop() {
         save("end of training");
         write_final_outputs();
     }
-    if (metrics_log_) metrics_log_->finish();  // rows held while the disk was full, or DataError
     result.global_step = global_step_;
     for (auto& cb : callbacks_) cb->on_train_end(*this, result);
+    // After on_train_end: the final validation's rows are in. Rows held while the disk was full
+    // are written now, or DataError.
+    if (metrics_log_) metrics_log_->finish();
     return result;
 }
 

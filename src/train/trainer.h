@@ -89,6 +89,10 @@ class Trainer {
     const TrainConfig& config() const { return config_; }
     // What every step runs with: noise, timestep sampling, loss options (set up by the constructor).
     const StepOptions& step_options() const { return step_options_; }
+    // Appends a row {"step": step, ...fields} to metrics.jsonl now (rank 0): what an observer
+    // measures about a step after its row was written (validation's CLIP scores). Usable until the
+    // end of on_train_end.
+    void append_metrics_row(int64_t step, const nlohmann::json& fields);
     const std::filesystem::path& output_dir() const { return output_dir_; }
     c10::Device device() const { return device_; }
     const std::vector<NamedTensor>& trainable_parameters() const { return trainable_; }

@@ -16,6 +16,7 @@
 #include "io/image.h"
 #include "models/common/weights.h"
 #include "notify/webhooks.h"
+#include "observer_test_util.h"
 #include "report/eval_loss.h"
 #include "report/html_report.h"
 #include "report/observers.h"
@@ -28,40 +29,10 @@
 namespace dtune::report {
 namespace {
 
-std::filesystem::path tiny_model() {
-    return test::fixtures_dir() / "tiny-sdxl";
-}
-
-diffusion::NoiseSchedule tiny_schedule() {
-    const auto j = nlohmann::json::parse(fs::read_file(tiny_model() / "scheduler" / "scheduler_config.json"));
-    return diffusion::NoiseSchedule(diffusion::NoiseScheduleConfig::from_json(j, "tiny scheduler"));
-}
-
-train::TrainConfig config(const std::filesystem::path& out,
-                          const nlohmann::json& extra = nlohmann::json::object()) {
-    train::TrainConfig c;
-    c.merge_json(nlohmann::json{{"model_family", "sdxl"},
-                                {"output_dir", out.string()},
-                                {"pretrained_model_name_or_path", tiny_model().string()},
-                                {"optimizer", "torch-adamw"},
-                                {"learning_rate", 1e-3},
-                                {"lr_scheduler", "constant"},
-                                {"train_batch_size", 2},
-                                {"max_train_steps", 4},
-                                {"checkpoint_step_interval", 2},
-                                {"mixed_precision", "no"},
-                                {"gradient_checkpointing", false},
-                                {"deterministic", true},
-                                {"seed", 99},
-                                {"validation_step_interval", 2},
-                                {"validation_resolution", "64x64"},
-                                {"validation_num_inference_steps", 2},
-                                {"validation_seed", 7}},
-                 "test");
-    c.merge_json(extra, "test extra");
-    c.validate();
-    return c;
-}
+using testutil::config;
+using testutil::make_trainer;
+using testutil::tiny_model;
+using testutil::tiny_schedule;
 
 // RFC 4648 base64 (what a webhook consumer runs on the images it gets).
 std::string base64_decode(const std::string& in) {
@@ -81,15 +52,6 @@ std::string base64_decode(const std::string& in) {
         }
     }
     return out;
-}
-
-std::unique_ptr<train::Trainer> make_trainer(const train::TrainConfig& c) {
-    train::SyntheticBatchOptions o;
-    o.batch_size = 2;
-    o.dim = 64;
-    o.pooled_dim = 32;
-    return std::make_unique<train::Trainer>(c, models::load_unet(tiny_model() / "unet"), tiny_schedule(),
-                                            std::make_unique<train::SyntheticBatchSource>(o));
 }
 
 TEST(Validation, ParsesResolutions) {

@@ -64,7 +64,8 @@ CLIPTextConfig CLIPTextConfig::from_json_text(const std::string& text, const std
     return c;
 }
 
-CLIPAttentionImpl::CLIPAttentionImpl(int64_t dim, int64_t heads) : heads_(heads) {
+CLIPAttentionImpl::CLIPAttentionImpl(int64_t dim, int64_t heads, bool causal)
+    : heads_(heads), causal_(causal) {
     k_proj_ = register_module("k_proj", Linear(dim, dim));
     v_proj_ = register_module("v_proj", Linear(dim, dim));
     q_proj_ = register_module("q_proj", Linear(dim, dim));
@@ -81,7 +82,7 @@ at::Tensor CLIPAttentionImpl::forward(const at::Tensor& x) {
     const at::Tensor v = heads(v_proj_->forward(x));
     // Default scale 1/sqrt(D/H) is CLIP's; the causal mask is the only mask SDXL uses.
     const at::Tensor o = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                                          /*is_causal=*/true);  // [B, H, T, D/H]
+                                                          /*is_causal=*/causal_);  // [B, H, T, D/H]
     return out_proj_->forward(o.transpose(1, 2).reshape({b, t, d}));
 }
 
@@ -102,11 +103,11 @@ at::Tensor CLIPMLPImpl::forward(const at::Tensor& x) {
     return fc2_->forward(h);
 }
 
-CLIPEncoderLayerImpl::CLIPEncoderLayerImpl(const CLIPTextConfig& c) {
+CLIPEncoderLayerImpl::CLIPEncoderLayerImpl(const CLIPTextConfig& c, bool causal) {
     const auto ln = [&] {
         return torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.hidden_size}).eps(c.layer_norm_eps));
     };
-    self_attn_ = register_module("self_attn", CLIPAttention(c.hidden_size, c.num_attention_heads));
+    self_attn_ = register_module("self_attn", CLIPAttention(c.hidden_size, c.num_attention_heads, causal));
     layer_norm1_ = register_module("layer_norm1", ln());
     mlp_ = register_module("mlp", CLIPMLP(c.hidden_size, c.intermediate_size, c.hidden_act));
     layer_norm2_ = register_module("layer_norm2", ln());

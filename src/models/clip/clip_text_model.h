@@ -58,11 +58,13 @@ struct CLIPTextOutput {
 
 class CLIPAttentionImpl : public torch::nn::Module {
   public:
-    CLIPAttentionImpl(int64_t dim, int64_t heads);
-    at::Tensor forward(const at::Tensor& x);  // causal self-attention, [B, T, D] -> [B, T, D]
+    // causal: the text encoder's mask; false for the vision tower (every patch sees every patch).
+    CLIPAttentionImpl(int64_t dim, int64_t heads, bool causal = true);
+    at::Tensor forward(const at::Tensor& x);  // self-attention, [B, T, D] -> [B, T, D]
 
   private:
     int64_t heads_;
+    bool causal_;
     Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, out_proj_{nullptr};
 };
 TORCH_MODULE(CLIPAttention);
@@ -80,7 +82,7 @@ TORCH_MODULE(CLIPMLP);
 
 class CLIPEncoderLayerImpl : public torch::nn::Module {
   public:
-    explicit CLIPEncoderLayerImpl(const CLIPTextConfig& config);
+    explicit CLIPEncoderLayerImpl(const CLIPTextConfig& config, bool causal = true);
     at::Tensor forward(const at::Tensor& x);
 
   private:
