@@ -135,7 +135,10 @@ std::string train_usage() {
            "uses the same settings.\n"
            "validation_preview (with a raw webhook) sends TAESD previews of validation sampling as\n"
            "validation.image events every validation_preview_steps sampler steps; the decoder is\n"
-           "validation_preview_model or madebyollin/taesdxl from the Hugging Face cache.\n\n"
+           "validation_preview_model or madebyollin/taesdxl from the Hugging Face cache.\n"
+           "evaluation_type clip scores each validation prompt's image (clip/min|max|mean|std rows in\n"
+           "metrics.jsonl) with pretrained_evaluation_model_name_or_path, a local CLIPModel folder or a\n"
+           "hub id in the Hugging Face cache.\n\n"
            "Options:\n" +
            train::options_help();
 }
