@@ -16,8 +16,10 @@ std::optional<std::filesystem::path> find_hub_folder(const std::string& name_or_
     if (name_or_path.empty()) return std::nullopt;
     if (fsys::is_directory(name_or_path)) return fsys::path(name_or_path);
     const auto slash = name_or_path.find('/');
-    if (slash == std::string::npos || name_or_path.find('/', slash + 1) != std::string::npos) return std::nullopt;
-    const std::string repo = "models--" + name_or_path.substr(0, slash) + "--" + name_or_path.substr(slash + 1);
+    if (slash == std::string::npos || name_or_path.find('/', slash + 1) != std::string::npos)
+        return std::nullopt;
+    const std::string repo =
+        "models--" + name_or_path.substr(0, slash) + "--" + name_or_path.substr(slash + 1);
     std::vector<fsys::path> caches;
     if (const char* c = std::getenv("HF_HUB_CACHE"); c && *c) caches.emplace_back(c);
     if (const char* h = std::getenv("HF_HOME"); h && *h) caches.push_back(fsys::path(h) / "hub");
@@ -34,13 +36,15 @@ std::optional<std::filesystem::path> find_hub_folder(const std::string& name_or_
 }
 
 CLIPScorer::CLIPScorer(const std::filesystem::path& dir, c10::Device device)
-    : model_(models::load_clip_model(dir, device)), tokenizer_(models::CLIPTokenizer::from_folder(dir)), device_(device) {}
+    : model_(models::load_clip_model(dir, device)),
+      tokenizer_(models::CLIPTokenizer::from_folder(dir)),
+      device_(device) {}
 
 double CLIPScorer::score(const io::RgbImage& image, const std::string& prompt) {
     c10::InferenceMode guard;
     // The 8-bit pixels as floats in [0, 255] ([3, H, W]), what SimpleTuner hands to clip_score.
-    const at::Tensor hwc = at::from_blob(const_cast<uint8_t*>(image.pixels.data()), {image.height, image.width, 3},
-                                         at::kByte);
+    const at::Tensor hwc =
+        at::from_blob(const_cast<uint8_t*>(image.pixels.data()), {image.height, image.width, 3}, at::kByte);
     const at::Tensor chw = hwc.permute({2, 0, 1}).to(at::kFloat);
     const at::Tensor pixels =
         models::clip_preprocess(chw, model_->config().vision.image_size).unsqueeze(0).to(device_);

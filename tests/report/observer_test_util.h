@@ -22,7 +22,7 @@ inline diffusion::NoiseSchedule tiny_schedule() {
 }
 
 inline train::TrainConfig config(const std::filesystem::path& out,
-                          const nlohmann::json& extra = nlohmann::json::object()) {
+                                 const nlohmann::json& extra = nlohmann::json::object()) {
     train::TrainConfig c;
     c.merge_json(nlohmann::json{{"model_family", "sdxl"},
                                 {"output_dir", out.string()},
@@ -46,7 +46,6 @@ inline train::TrainConfig config(const std::filesystem::path& out,
     c.validate();
     return c;
 }
-
 
 inline std::unique_ptr<train::Trainer> make_trainer(const train::TrainConfig& c) {
     train::SyntheticBatchOptions o;

@@ -96,8 +96,9 @@ TEST(ClipScore, StatisticsOverPromptsAreSimpleTunersAndAMissingModelIsRefused) {
     unsetenv("HF_HOME");
     unsetenv("HF_HUB_CACHE");
     train::TrainConfig c;
-    c.merge_json({{"model_family", "sdxl"}, {"validation_prompt", "a cat"}, {"evaluation_type", "clip"}, {"seed", 1}},
-                 "test");
+    c.merge_json(
+        {{"model_family", "sdxl"}, {"validation_prompt", "a cat"}, {"evaluation_type", "clip"}, {"seed", 1}},
+        "test");
     try {
         validation_settings(c);
         FAIL() << "a hub id with no local copy was accepted";
@@ -119,9 +120,10 @@ TEST(ClipScore, StatisticsOverPromptsAreSimpleTunersAndAMissingModelIsRefused) {
 TEST(ClipScore, ValidationRunsLogTheirScores) {
     test::TempDir dir;
     const auto folder = assemble_tiny_clip(dir);
-    const auto c = testutil::config(dir.path() / "out", {{"validation_prompt", "a red circle"},
-                                                          {"evaluation_type", "clip"},
-                                                          {"pretrained_evaluation_model_name_or_path", folder.string()}});
+    const auto c =
+        testutil::config(dir.path() / "out", {{"validation_prompt", "a red circle"},
+                                              {"evaluation_type", "clip"},
+                                              {"pretrained_evaluation_model_name_or_path", folder.string()}});
     auto trainer = testutil::make_trainer(c);
     add_observers(*trainer);
     trainer->run();
@@ -129,7 +131,8 @@ TEST(ClipScore, ValidationRunsLogTheirScores) {
     for (const auto& row : read_jsonl(dir / "out" / "metrics.jsonl")) {
         if (!row.contains("clip/mean")) continue;
         steps.push_back(row.at("step").get<int64_t>());
-        for (const char* k : {"clip/min", "clip/max", "clip/mean", "clip/std"}) EXPECT_TRUE(row.contains(k)) << k;
+        for (const char* k : {"clip/min", "clip/max", "clip/mean", "clip/std"})
+            EXPECT_TRUE(row.contains(k)) << k;
         EXPECT_GE(row.at("clip/mean").get<double>(), 0.0);
         EXPECT_DOUBLE_EQ(row.at("clip/std").get<double>(), 0.0);  // one prompt
     }

@@ -32,7 +32,8 @@ torch::nn::LayerNorm layer_norm(int64_t dim, double eps) {
 }  // namespace
 
 CLIPModelConfig CLIPModelConfig::from_json_file(const std::filesystem::path& path) {
-    DTUNE_CHECK_AS(DataError, std::filesystem::is_regular_file(path), "CLIP model config not found: ", path.string(),
+    DTUNE_CHECK_AS(DataError, std::filesystem::is_regular_file(path),
+                   "CLIP model config not found: ", path.string(),
                    "; point pretrained_evaluation_model_name_or_path at a CLIPModel folder (config.json + "
                    "model.safetensors)");
     const std::string text = fs::read_file(path);
@@ -57,15 +58,17 @@ CLIPModelConfig CLIPModelConfig::from_json_file(const std::filesystem::path& pat
     get_int("image_size", c.vision.image_size);
     get_int("patch_size", c.vision.patch_size);
     get_int("num_channels", c.vision.num_channels);
-    if (v.contains("layer_norm_eps") && v["layer_norm_eps"].is_number()) c.vision.layer_norm_eps = v["layer_norm_eps"];
+    if (v.contains("layer_norm_eps") && v["layer_norm_eps"].is_number())
+        c.vision.layer_norm_eps = v["layer_norm_eps"];
     if (v.contains("hidden_act") && v["hidden_act"].is_string()) c.vision.hidden_act = v["hidden_act"];
-    if (j.contains("projection_dim") && j["projection_dim"].is_number_integer()) c.projection_dim = j["projection_dim"];
+    if (j.contains("projection_dim") && j["projection_dim"].is_number_integer())
+        c.projection_dim = j["projection_dim"];
     DTUNE_CHECK_AS(DataError,
                    c.vision.hidden_size % c.vision.num_attention_heads == 0 && c.vision.patch_size > 0 &&
                        c.vision.image_size % c.vision.patch_size == 0,
-                   path.string(), ": vision_config sizes do not fit (hidden_size ", c.vision.hidden_size, ", heads ",
-                   c.vision.num_attention_heads, ", image_size ", c.vision.image_size, ", patch_size ",
-                   c.vision.patch_size, ")");
+                   path.string(), ": vision_config sizes do not fit (hidden_size ", c.vision.hidden_size,
+                   ", heads ", c.vision.num_attention_heads, ", image_size ", c.vision.image_size,
+                   ", patch_size ", c.vision.patch_size, ")");
     return c;
 }
 
@@ -92,11 +95,13 @@ at::Tensor CLIPVisionTransformerImpl::forward(const at::Tensor& pixel_values) {
     const int64_t s = config_.image_size;
     DTUNE_CHECK(pixel_values.dim() == 4 && pixel_values.size(1) == config_.num_channels &&
                     pixel_values.size(2) == s && pixel_values.size(3) == s,
-                "CLIP vision tower: pixel values ", pixel_values.sizes(), " are not [B, ", config_.num_channels, ", ",
-                s, ", ", s, "]");
+                "CLIP vision tower: pixel values ", pixel_values.sizes(), " are not [B, ",
+                config_.num_channels, ", ", s, ", ", s, "]");
     const int64_t b = pixel_values.size(0);
     const at::Tensor patches =
-        patch_embedding_->forward(pixel_values.to(patch_embedding_->weight.scalar_type())).flatten(2).transpose(1, 2);
+        patch_embedding_->forward(pixel_values.to(patch_embedding_->weight.scalar_type()))
+            .flatten(2)
+            .transpose(1, 2);
     const at::Tensor cls = class_embedding_.view({1, 1, -1}).expand({b, 1, config_.hidden_size});
     at::Tensor h = at::cat({cls, patches}, 1);  // [B, 1 + N, D]
     h = h + position_embedding_->weight.unsqueeze(0);
@@ -108,10 +113,12 @@ at::Tensor CLIPVisionTransformerImpl::forward(const at::Tensor& pixel_values) {
 CLIPModelImpl::CLIPModelImpl(const CLIPModelConfig& c) : config_(c) {
     text_model_ = register_module("text_model", CLIPTextTransformer(c.text));
     vision_model_ = register_module("vision_model", CLIPVisionTransformer(c.vision));
-    visual_projection_ = register_module(
-        "visual_projection", Linear(torch::nn::LinearOptions(c.vision.hidden_size, c.projection_dim).bias(false)));
-    text_projection_ = register_module(
-        "text_projection", Linear(torch::nn::LinearOptions(c.text.hidden_size, c.projection_dim).bias(false)));
+    visual_projection_ =
+        register_module("visual_projection",
+                        Linear(torch::nn::LinearOptions(c.vision.hidden_size, c.projection_dim).bias(false)));
+    text_projection_ =
+        register_module("text_projection",
+                        Linear(torch::nn::LinearOptions(c.text.hidden_size, c.projection_dim).bias(false)));
     logit_scale_ = register_parameter("logit_scale", at::zeros({}));
 }
 
@@ -120,11 +127,13 @@ at::Tensor CLIPModelImpl::image_features(const at::Tensor& pixel_values) {
 }
 
 at::Tensor CLIPModelImpl::text_features(const at::Tensor& input_ids) {
-    return text_projection_->forward(text_model_->forward(input_ids, /*all_hidden_states=*/false).pooler_output);
+    return text_projection_->forward(
+        text_model_->forward(input_ids, /*all_hidden_states=*/false).pooler_output);
 }
 
 CLIPModel load_clip_model(const std::filesystem::path& dir, c10::Device device) {
-    DTUNE_CHECK_AS(DataError, std::filesystem::is_directory(dir), "CLIP model folder not found: ", dir.string(),
+    DTUNE_CHECK_AS(DataError, std::filesystem::is_directory(dir),
+                   "CLIP model folder not found: ", dir.string(),
                    "; download openai/clip-vit-large-patch14-336 (huggingface-cli download "
                    "openai/clip-vit-large-patch14-336 --local-dir clip-336) and point "
                    "pretrained_evaluation_model_name_or_path at it");
@@ -160,7 +169,8 @@ at::Tensor clip_preprocess(const at::Tensor& image, int64_t size) {
     at::Tensor x = image.to(at::kFloat).unsqueeze(0);  // [1, 3, H, W]
     if (out_h != h || out_w != w)
         x = at::_upsample_bicubic2d_aa(x, {out_h, out_w}, /*align_corners=*/false);  // torchvision's resize
-    const int64_t top = static_cast<int64_t>((out_h - size) / 2.0), left = static_cast<int64_t>((out_w - size) / 2.0);
+    const int64_t top = static_cast<int64_t>((out_h - size) / 2.0),
+                  left = static_cast<int64_t>((out_w - size) / 2.0);
     x = x.narrow(2, top, size).narrow(3, left, size).squeeze(0);  // [3, size, size]
     // Rescale (1/255) and normalise fused, as transformers does: (x - 255 mean) / (255 std).
     const at::Tensor mean = at::tensor({0.48145466f, 0.4578275f, 0.40821073f}).mul(255.0f).view({3, 1, 1});
