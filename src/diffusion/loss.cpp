@@ -120,4 +120,22 @@ at::Tensor per_sample_loss(const at::Tensor& pred_in, const at::Tensor& target_i
     return dims.empty() ? loss : loss.mean(dims);
 }
 
+at::Tensor diff2flow_prediction(const at::Tensor& pred_in, const at::Tensor& noisy_in,
+                                const at::Tensor& timesteps, PredictionType prediction,
+                                const NoiseSchedule& schedule) {
+    DTUNE_CHECK_AS(UsageError,
+                   prediction == PredictionType::kEpsilon || prediction == PredictionType::kVPrediction,
+                   "diff2flow_loss converts epsilon or v_prediction models only; unset diff2flow_loss");
+    const at::Tensor pred = pred_in.to(at::kFloat), noisy = noisy_in.to(at::kFloat);
+    const at::Tensor a = broadcast_per_sample(schedule.alphas_cumprod_at(timesteps.to(pred.device())), pred);
+    if (prediction == PredictionType::kVPrediction) {
+        const at::Tensor sa = a.sqrt(), s1a = (1 - a).sqrt();
+        const at::Tensor x0 = sa * noisy - s1a * pred;
+        const at::Tensor eps = sa * pred + s1a * noisy;
+        return eps - x0;
+    }
+    const at::Tensor x0 = (1.0 / a).sqrt() * noisy - (1.0 / a - 1.0).sqrt() * pred;
+    return pred - x0;
+}
+
 }  // namespace dtune::diffusion

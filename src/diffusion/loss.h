@@ -50,6 +50,14 @@ at::Tensor per_sample_loss(const at::Tensor& pred, const at::Tensor& target, con
                            PredictionType prediction, const NoiseSchedule* schedule,
                            const LossOptions& options);
 
+// Diff2Flow (SimpleTuner's diff2flow bridge): an epsilon or v prediction at DDPM timesteps [B],
+// with the noisy input it was made from, as the flow-matching vector field noise - x0:
+//   epsilon: x0 = x_t / sqrt(a) - sqrt(1/a - 1) eps,              flow = eps - x0
+//   v:       x0 = sqrt(a) x_t - sqrt(1 - a) v, eps = sqrt(a) v + sqrt(1 - a) x_t, flow = eps - x0
+// with a = alphas_cumprod[t]. Float32. UsageError for other prediction types.
+at::Tensor diff2flow_prediction(const at::Tensor& pred, const at::Tensor& noisy, const at::Tensor& timesteps,
+                                PredictionType prediction, const NoiseSchedule& schedule);
+
 // The scalar training loss: per_sample_loss(...).mean().
 inline at::Tensor diffusion_loss(const at::Tensor& pred, const at::Tensor& target,
                                  const at::Tensor& timesteps, PredictionType prediction,

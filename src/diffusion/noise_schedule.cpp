@@ -157,6 +157,14 @@ at::Tensor NoiseSchedule::velocity(const at::Tensor& x0, const at::Tensor& noise
     return sqrt_a * noise - sqrt_one_minus_a * x0;
 }
 
+at::Tensor NoiseSchedule::alphas_cumprod_at(const at::Tensor& timesteps) const {
+    const c10::Device device = timesteps.device();
+    if (device.is_cpu()) return alphas_cumprod_.index_select(0, timesteps.to(at::kLong));
+    if (!alphas_cumprod_device_.defined() || alphas_cumprod_device_.device() != device)
+        alphas_cumprod_device_ = alphas_cumprod_.to(device);
+    return alphas_cumprod_device_.index_select(0, timesteps.to(at::kLong));
+}
+
 at::Tensor NoiseSchedule::snr(const at::Tensor& timesteps) const {
     const at::Tensor t = timesteps.to(at::kCPU, at::kLong);
     const at::Tensor alpha = alphas_cumprod_.pow(0.5).index_select(0, t);          // [B]

@@ -65,6 +65,9 @@ class NoiseSchedule {
     at::Tensor velocity(const at::Tensor& x0, const at::Tensor& noise, const at::Tensor& timesteps) const;
     // SNR a_t / (1 - a_t) as (sqrt(a_t) / sqrt(1 - a_t))^2 in float32, diffusers' compute_snr. [B].
     at::Tensor snr(const at::Tensor& timesteps) const;
+    // alphas_cumprod[t] for timesteps [B], float32 on the timesteps' device (a cached device copy of
+    // the table, so no host copy once it exists).
+    at::Tensor alphas_cumprod_at(const at::Tensor& timesteps) const;
     // The regression target for `type`: noise (epsilon), velocity (v), x0 (sample), noise - x0 (flow).
     at::Tensor target(PredictionType type, const at::Tensor& x0, const at::Tensor& noise,
                       const at::Tensor& timesteps) const;

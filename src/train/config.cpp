@@ -75,6 +75,8 @@ const std::vector<OptionSpec>& specs() {
     {"snr_weight", OptionType::kFloat, "1.0", "multiplies the l2 loss while snr_gamma is unset (SimpleTuner applies it nowhere else)", nullptr},
     {"use_soft_min_snr", OptionType::kBool, "false", "accepted for SimpleTuner configs: it has not changed the loss there since 2024, nor here", nullptr},
     {"soft_min_snr_sigma_data", OptionType::kFloat, "null", "with use_soft_min_snr: no effect, as in SimpleTuner", nullptr},
+    {"diff2flow_enabled", OptionType::kBool, "false", "Diff2Flow bridge for epsilon / v models (needed by diff2flow_loss)", nullptr},
+    {"diff2flow_loss", OptionType::kBool, "false", "with diff2flow_enabled: train the prediction converted to a flow field toward noise - latents (plain MSE)", nullptr},
     {"loss_type", OptionType::kString, "\"l2\"", "training loss: l2, or the pseudo-Huber huber 2c(sqrt(d^2+c^2)-c) / smooth_l1 2(sqrt(d^2+c^2)-c)", "l2,huber,smooth_l1"},
     {"huber_schedule", OptionType::kString, "\"snr\"", "c per sample for huber / smooth_l1: snr (1-huber_c)/(1+sigma_t)^2+huber_c, exponential huber_c^(t/T), constant huber_c", "snr,exponential,constant"},
     {"huber_c", OptionType::kFloat, "0.1", "the pseudo-Huber c (see huber_schedule)", nullptr},

@@ -148,7 +148,7 @@ MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& b
     const at::Tensor& t_dev = d.t_dev;
     const at::Tensor noisy = schedule.add_noise(latents, d.noise.input_noise, t_dev);  // [B, C, h, w]
     at::Tensor target;
-    if (batch.regularisation && adapters) {
+    if (batch.regularisation && adapters && !options.diff2flow_loss) {
         c10::NoGradGuard no_grad;
         AdaptersOff off(adapters);
         target = predict(unet, batch, noisy, t_dev, options).to(at::kFloat).detach();  // [B, C, h, w]
@@ -157,8 +157,17 @@ MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& b
     }
     const at::Tensor pred = predict(unet, batch, noisy, t_dev, options);  // [B, C, h, w]
     MicroStep out;
-    out.loss = diffusion::diffusion_loss(pred.to(at::kFloat), target, t_dev, options.prediction, &schedule,
-                                         options.loss);
+    if (options.diff2flow_loss) {
+        // SimpleTuner trains every batch toward the flow target here (a regularisation batch's
+        // teacher prediction included: its flow_target comes from the batch's noise and latents).
+        target = d.noise.noise - latents;  // [B, C, h, w]
+        const at::Tensor flow =
+            diffusion::diff2flow_prediction(pred, noisy, t_dev, options.prediction, schedule);
+        out.loss = (flow - target).pow(2).mean(std::vector<int64_t>{1, 2, 3}).mean();
+    } else {
+        out.loss = diffusion::diffusion_loss(pred.to(at::kFloat), target, t_dev, options.prediction,
+                                             &schedule, options.loss);
+    }
     out.timesteps = d.t;
     out.target = target;
     return out;

@@ -45,6 +45,10 @@ struct StepOptions {
     // grad_clip_method value: max_grad_norm clamps each gradient element instead of scaling by
     // the global norm (the norm is still measured and reported).
     bool clip_by_value = false;
+    // diff2flow_enabled + diff2flow_loss (SimpleTuner's Diff2Flow): the prediction is converted to a
+    // flow-matching vector field (diffusion::diff2flow_prediction) and trained with a plain MSE
+    // toward noise - latents; loss_type, min-SNR and snr_weight do not apply, as in SimpleTuner.
+    bool diff2flow_loss = false;
 };
 
 // SimpleTuner's caption dropout for SDXL: each sample with probability p trains on the empty

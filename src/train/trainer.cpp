@@ -252,6 +252,19 @@ void Trainer::init_common() {
                        : diffusion::parse_prediction_type(config_.text("prediction_type"), "prediction_type");
     s.caption_dropout_probability = config_.real("caption_dropout_probability");
     s.clip_by_value = config_.text("grad_clip_method") != "norm";
+    const bool d2f = config_.flag("diff2flow_loss");
+    const bool d2f_model = s.prediction == diffusion::PredictionType::kEpsilon ||
+                           s.prediction == diffusion::PredictionType::kVPrediction;
+    s.diff2flow_loss = d2f && config_.flag("diff2flow_enabled") && d2f_model;
+    if (d2f && !s.diff2flow_loss)
+        log::warn() << "diff2flow_loss has no effect "
+                    << (d2f_model ? "without diff2flow_enabled"
+                                  : "for this prediction type (epsilon or v_prediction only)")
+                    << ", as in SimpleTuner; the usual loss trains";
+    if (s.diff2flow_loss && source_->has_regularisation_data())
+        log::warn()
+            << "diff2flow_loss: regularisation batches train toward the flow target like any other, as in "
+               "SimpleTuner (the base model's prediction is not used)";
     const std::string mp = config_.text("mixed_precision");
     // On the CPU autocast is not used: bf16/fp16 there run in float32 (fp16 keeps its loss scaler).
     s.compute_dtype = !device_.is_cuda() ? at::kFloat

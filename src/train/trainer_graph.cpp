@@ -62,6 +62,8 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
     if (!c.is_null("timestep_bias_strategy") && c.text("timestep_bias_strategy") != "none")
         return str("timestep_bias_strategy is ", c.text("timestep_bias_strategy"),
                    " (the graph draws uniform timesteps; set it to none", fix, ")");
+    if (c.flag("diff2flow_enabled") && c.flag("diff2flow_loss"))
+        return "diff2flow_loss is on (not yet checked under a graph capture; unset it" + fix + ")";
     if (c.opt_real("snr_gamma").value_or(0) > 0)
         return "snr_gamma is set (min-SNR weights read the timesteps on the host; unset it" + fix + ")";
     return {};

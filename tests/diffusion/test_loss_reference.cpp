@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/error.h"
 #include "diffusion/loss.h"
 #include "diffusion/noise_schedule.h"
 #include "diffusion/training_sampling.h"
@@ -67,6 +68,31 @@ TEST(LossReference, TimestepBiasWeightsMatchSimpleTuner) {
         for (size_t i = 0; i < probes.size(); ++i)
             EXPECT_NEAR(w[probes[i]].item<double>(), values[i], 1e-9) << c.dump() << " at t=" << probes[i];
     }
+}
+
+// diff2flow_loss: SimpleTuner's loss through its DiffusionToFlowBridge (with huber, min-SNR and
+// snr_weight set, which that branch ignores) equals the MSE of diff2flow_prediction against
+// noise - latents, the loss dtune's micro_step computes with StepOptions::diff2flow_loss.
+TEST(LossReference, Diff2FlowLossMatchesSimpleTunersBridge) {
+    const nlohmann::json ref = reference();
+    const auto shape = ref.at("shape").get<std::vector<int64_t>>();
+    const at::Tensor pred = tensor_of(ref.at("pred"), shape), noisy = tensor_of(ref.at("noisy"), shape);
+    const at::Tensor flow_target = tensor_of(ref.at("noise"), shape) - tensor_of(ref.at("latents"), shape);
+    const at::Tensor t = at::tensor(ref.at("timesteps").get<std::vector<int64_t>>(), at::kLong);
+    ASSERT_EQ(ref.at("diff2flow_cases").size(), 2u);
+    for (const auto& c : ref.at("diff2flow_cases")) {
+        NoiseScheduleConfig sc = NoiseScheduleConfig::sdxl();
+        sc.prediction_type = c.at("prediction_type") == "v_prediction" ? PredictionType::kVPrediction
+                                                                       : PredictionType::kEpsilon;
+        const NoiseSchedule schedule(sc);
+        const at::Tensor flow = diff2flow_prediction(pred, noisy, t, sc.prediction_type, schedule);
+        const double got =
+            (flow - flow_target).pow(2).mean(std::vector<int64_t>{1, 2, 3}).mean().item<double>();
+        const double want = c.at("loss");
+        EXPECT_NEAR(got, want, 2e-6 * std::max(1.0, std::abs(want))) << c.dump();
+    }
+    const NoiseSchedule s;
+    EXPECT_THROW(diff2flow_prediction(pred, noisy, t, PredictionType::kSample, s), UsageError);
 }
 
 }  // namespace

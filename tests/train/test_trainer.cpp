@@ -172,6 +172,8 @@ TEST(TrainStep, LossAndTimestepOptionsChangeTrainingAsConfigured) {
     };
     std::filesystem::remove_all(dir.path() / "out");
     EXPECT_EQ(differs(weights(R"({"checkpoint_step_interval": 0, "use_soft_min_snr": true})")), 0.0);
+    std::filesystem::remove_all(dir.path() / "out");  // diff2flow_loss alone does nothing (as in SimpleTuner)
+    EXPECT_EQ(differs(weights(R"({"checkpoint_step_interval": 0, "diff2flow_loss": true})")), 0.0);
     for (const char* extra :
          {R"({"checkpoint_step_interval": 0, "loss_type": "smooth_l1"})",
           R"({"checkpoint_step_interval": 0, "loss_type": "huber", "huber_schedule": "constant"})",

@@ -43,6 +43,7 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
         {{{"snr_gamma", 5.0}}, "snr_gamma is set"},
         {{{"loss_type", "huber"}}, "loss_type is huber"},
         {{{"timestep_bias_strategy", "later"}}, "timestep_bias_strategy is later"},
+        {{{"diff2flow_enabled", true}, {"diff2flow_loss", true}}, "diff2flow_loss is on"},
     };
     for (const auto& [extra, expected] : cases) {
         const std::string got = cuda_graph_blocker(graph_friendly(dir.path(), extra), cuda, 1);

@@ -7,13 +7,14 @@ Runs, unchanged, the functions SimpleTuner trains with (commit bc8e6ab):
                                              compute_scheduled_huber_c
   simpletuner/helpers/training/min_snr_gamma.py  compute_snr
   simpletuner/helpers/training/custom_schedule.py generate_timestep_weights
+  simpletuner/diff2flow/bridge.py                 DiffusionToFlowBridge (diff2flow_loss)
 Nothing of SimpleTuner is copied here: each function's source is read from a checkout whose path
 is given on the command line, compiled on its own (its module's heavy imports are not needed) and
 called on a stand-in `self` holding the config, the SDXL DDPM schedule (scaled_linear 0.00085 to
 0.012, 1000 steps) and the prediction type.
 
 Usage:
-  git -C <SimpleTuner git dir> archive bc8e6ab simpletuner/helpers | tar -x -C /tmp/st
+  git -C <SimpleTuner git dir> archive bc8e6ab simpletuner/helpers simpletuner/diff2flow | tar -x -C /tmp/st
   python3 tools/ref/loss_reference.py /tmp/st > tests/data/ref/loss_reference.json
 """
 import ast
@@ -66,6 +67,10 @@ def main(root):
                              ["loss", "conditional_loss", "compute_scheduled_huber_c"],
                              class_name="ModelFoundation", namespace=ns)
 
+    bridge_ns = {}
+    exec(compile(open(f"{root}/simpletuner/diff2flow/bridge.py").read(), "bridge.py", "exec"), bridge_ns)
+    bridge_cls = bridge_ns["DiffusionToFlowBridge"]
+
     betas = torch.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=torch.float32) ** 2
     alphas_cumprod = torch.cumprod(1.0 - betas, dim=0)
 
@@ -104,6 +109,31 @@ def main(root):
                                           "huber_schedule": schedule, "huber_c": huber_c, "snr_gamma": snr_gamma,
                                           "snr_weight": snr_weight, "loss": float(value)})
 
+    # diff2flow_loss: the noisy input from latents and noise, the flow target noise - latents, and
+    # SimpleTuner's loss through its bridge (float32 tables; SimpleTuner casts them to weight_dtype).
+    latents = torch.randn(3, 2, 2, 2, generator=gen)
+    noise = torch.randn(3, 2, 2, 2, generator=gen)
+    a = alphas_cumprod[timesteps].view(-1, 1, 1, 1)
+    noisy = a.sqrt() * latents + (1 - a).sqrt() * noise
+    diff2flow = []
+    for prediction in ("epsilon", "v_prediction"):
+        config = types.SimpleNamespace(loss_type="huber", huber_schedule="snr", huber_c=0.1, snr_gamma=5.0,
+                                       snr_weight=0.5, diff2flow_loss=True, diff2flow_enabled=True,
+                                       scheduled_sampling_reflexflow=False)
+        noise_schedule = types.SimpleNamespace(
+            alphas_cumprod=alphas_cumprod,
+            config=types.SimpleNamespace(num_train_timesteps=1000, prediction_type=prediction))
+        model = types.SimpleNamespace(
+            config=config, noise_schedule=noise_schedule,
+            diff2flow_bridge=bridge_cls(alphas_cumprod=alphas_cumprod),
+            PREDICTION_TYPE=PredictionTypes(prediction), get_prediction_target=lambda batch: batch["target"])
+        for name, fn in methods.items():
+            setattr(model, name, types.MethodType(fn, model))
+        model.get_flow_target = lambda batch: batch["flow_target"]
+        batch = {"target": target, "timesteps": timesteps, "noisy_latents": noisy, "flow_target": noise - latents,
+                 "latents": latents, "noise": noise}
+        diff2flow.append({"prediction_type": prediction, "loss": float(model.loss(batch, {"model_prediction": pred}))})
+
     probes = [0, 1, 199, 200, 249, 250, 499, 500, 749, 750, 998, 999]
     bias = []
     for strategy, multiplier, portion, begin, end in (
@@ -120,7 +150,9 @@ def main(root):
 
     json.dump({"source": "SimpleTuner bc8e6ab (tools/ref/loss_reference.py)",
                "pred": pred.flatten().tolist(), "target": target.flatten().tolist(), "shape": [3, 2, 2, 2],
-               "timesteps": timesteps.tolist(), "loss_cases": cases, "timestep_bias": bias},
+               "timesteps": timesteps.tolist(), "loss_cases": cases, "timestep_bias": bias,
+               "latents": latents.flatten().tolist(), "noise": noise.flatten().tolist(),
+               "noisy": noisy.flatten().tolist(), "diff2flow_cases": diff2flow},
               sys.stdout, indent=1)
     sys.stdout.write("\n")
 
