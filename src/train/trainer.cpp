@@ -126,7 +126,12 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     const bool lora_bf16_base = config_.text("model_type") == "lora" && device_.is_cuda() &&
                                 config_.text("mixed_precision") == "bf16";
     load.dtype = config_.text("optimizer") == "adamw_bf16" || lora_bf16_base ? at::kBFloat16 : at::kFloat;
+    const auto load_start = std::chrono::steady_clock::now();
     unet_ = models::load_unet(model_dir_ / "unet", load);
+    log::info() << "loaded the UNet of " << model_dir_.string() << " on " << device_.str() << " in "
+                << format_metric(
+                       std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count())
+                << " s";
     const auto sched_json =
         nlohmann::json::parse(fs::read_file(model_dir_ / "scheduler" / "scheduler_config.json"));
     schedule_.emplace(

@@ -1,6 +1,9 @@
 // SDXL text-to-image generation (see sdxl_pipeline.h for the algorithm and invariants).
 #include "validate/sdxl_pipeline.h"
 
+#include <chrono>
+#include <cmath>
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/InferenceMode.h>
 
@@ -48,12 +51,26 @@ nlohmann::json read_scheduler_config(const models::PipelineFolder& pf) {
 
 }  // namespace
 
+namespace {
+
+// "loaded <what> on <device> in 2.31 s": how long a model took to reach its device (issue #18 compares
+// it with diffusers' from_pretrained).
+void log_load_time(const std::string& what, const c10::Device& device,
+                   std::chrono::steady_clock::time_point t0) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    log::info() << "loaded " << what << " on " << device.str() << " in " << std::round(s * 100) / 100 << " s";
+}
+
+}  // namespace
+
 SDXLPipeline SDXLPipeline::load(const std::filesystem::path& folder, const PipelineLoadOptions& options) {
+    const auto t0 = std::chrono::steady_clock::now();
     const auto pf = models::PipelineFolder::open(folder);
     auto text_encoders = models::SDXLTextEncoders::load(pf, {options.dtype, options.device});
     const models::ComponentLoadOptions comp{options.dtype, options.device};
     auto unet = models::load_unet(pf.component("unet").path, comp);
     auto vae = models::load_autoencoder_kl(pf.vae_path(), comp);
+    log_load_time(str("SDXL pipeline ", folder.string()), options.device, t0);
     return SDXLPipeline(std::move(text_encoders), std::move(unet), std::move(vae), read_scheduler_config(pf),
                         options.device);
 }
@@ -83,6 +100,7 @@ SDXLPipeline SDXLPipeline::load_single_file(const std::filesystem::path& checkpo
 SDXLPipeline SDXLPipeline::load_single_file(const std::filesystem::path& checkpoint,
                                             models::SDXLConfigs configs, const PipelineLoadOptions& options) {
     log::info() << "single file " << checkpoint.string() << " with " << configs.origin;
+    const auto t0 = std::chrono::steady_clock::now();
     auto text_encoders = models::SDXLTextEncoders::load_single_file(
         checkpoint, configs.text_encoder, configs.text_encoder_2, std::move(configs.tokenizer),
         std::move(configs.tokenizer_2), configs.force_zeros_for_empty_prompt,
@@ -93,6 +111,7 @@ SDXLPipeline SDXLPipeline::load_single_file(const std::filesystem::path& checkpo
     auto unet = models::load_unet({}, comp);
     comp.config = configs.vae;
     auto vae = models::load_autoencoder_kl({}, comp);
+    log_load_time(str("SDXL single file ", checkpoint.string()), options.device, t0);
     return SDXLPipeline(std::move(text_encoders), std::move(unet), std::move(vae),
                         std::move(configs.scheduler), options.device);
 }
