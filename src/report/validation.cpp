@@ -2,7 +2,6 @@
 #include "report/validation.h"
 
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <sstream>
@@ -132,18 +131,7 @@ std::optional<std::filesystem::path> find_preview_model(const std::string& confi
                   "\" is not a diffusers AutoencoderTiny folder (no config.json there)");
         return std::nullopt;
     }
-    std::vector<fsys::path> caches;
-    if (const char* c = std::getenv("HF_HUB_CACHE"); c && *c) caches.emplace_back(c);
-    if (const char* h = std::getenv("HF_HOME"); h && *h) caches.push_back(fsys::path(h) / "hub");
-    if (const char* home = std::getenv("HOME"); home && *home)
-        caches.push_back(fsys::path(home) / ".cache" / "huggingface" / "hub");
-    for (const auto& cache : caches) {
-        const fsys::path snapshots = cache / "models--madebyollin--taesdxl" / "snapshots";
-        std::error_code ec;
-        if (!fsys::is_directory(snapshots, ec)) continue;
-        for (const auto& e : fsys::directory_iterator(snapshots, ec))
-            if (fsys::is_regular_file(e.path() / "config.json")) return e.path();
-    }
+    if (auto cached = find_hub_folder("madebyollin/taesdxl")) return cached;
     why =
         "madebyollin/taesdxl (SimpleTuner's SDXL preview decoder) is not in the Hugging Face cache; "
         "download it (huggingface-cli download madebyollin/taesdxl --local-dir taesdxl) and set "
