@@ -16,7 +16,7 @@ namespace {
 
 // The check cannot run here (sysexits' EX_UNAVAILABLE): not an unexpected error (1), not a fault
 // (75). README "Exit codes".
-constexpr int kCheckUnavailableExit = 69;
+constexpr int kCheckUnavailableExit = static_cast<int>(ExitCode::kUnavailable);
 
 std::string or_dash(int v, const char* unit) {
     return v < 0 ? "-" : std::to_string(v) + unit;

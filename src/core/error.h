@@ -13,11 +13,12 @@ namespace dtune {
 // Exit codes the CLI returns; documented in the README so orchestrators can act on them.
 enum class ExitCode : int {
     kOk = 0,
-    kError = 1,        // an unexpected failure
-    kUsage = 2,        // bad command line or config
-    kData = 3,         // bad or missing input data / model files
-    kInterrupted = 4,  // stopped by a signal after saving state
-    kGpuFault = 75,    // GPU health circuit breaker tripped: replace the instance
+    kError = 1,         // an unexpected failure
+    kUsage = 2,         // bad command line or config
+    kData = 3,          // bad or missing input data / model files
+    kInterrupted = 4,   // stopped by a signal after saving state
+    kUnavailable = 69,  // dtune health: the check could not run (no NVML, no GPU to look at); EX_UNAVAILABLE
+    kGpuFault = 75,     // GPU health circuit breaker tripped: replace the instance
 };
 
 class Error : public std::runtime_error {
