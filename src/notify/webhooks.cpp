@@ -200,6 +200,13 @@ Event validation_preview(const PreviewFrame& f, Image image) {
     return e;
 }
 
+Event notification(const std::string& message, const json& data) {
+    Event e{"notification", log::Level::kInfo, message, json::object(), {}};
+    e.body["title"] = message.substr(0, message.find('\n'));
+    if (!data.empty()) e.body["data"] = data;
+    return e;
+}
+
 Event error_event(const std::string& message) {
     Event e{"error", log::Level::kError, message, json::object(), {}};
     return e;

@@ -76,6 +76,8 @@ struct PreviewFrame {
 };
 Event validation_preview(const PreviewFrame& frame, Image image);
 Event error_event(const std::string& message);
+// SimpleTuner's notification event: `message` (title = its first line) and a `data` object.
+Event notification(const std::string& message, const nlohmann::json& data = nlohmann::json::object());
 // `fault` is the payload's "fault" object (see health/breaker.h fault_json()).
 Event gpu_fault(const std::string& fault_type, const std::string& severity, const std::string& message,
                 const nlohmann::json& fault);

@@ -255,6 +255,12 @@ std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& train
                     << " (min " << stats.at("clip/min").get<double>() << ", max "
                     << stats.at("clip/max").get<double>() << ") over " << clip_scores.size() << " prompt(s)";
         trainer.append_metrics_row(step, stats);
+        if (notifier_) {
+            nlohmann::json data = stats;
+            data["step"] = step;
+            notifier_->send(notify::notification(
+                str("CLIP score at step ", step, ": mean ", stats.at("clip/mean").get<double>()), data));
+        }
         for (auto& sink : scalar_sinks_)
             for (const auto& [tag, value] : stats.items()) sink(step, tag, value.get<double>());
     }

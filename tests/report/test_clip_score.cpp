@@ -12,11 +12,13 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "io/safetensors.h"
+#include "notify/webhooks.h"
 #include "observer_test_util.h"
 #include "report/clip_score.h"
 #include "report/html_report.h"
 #include "report/observers.h"
 #include "report/validation.h"
+#include "support/http_listener.h"
 #include "support/test_support.h"
 
 namespace dtune::report {
@@ -125,8 +127,26 @@ TEST(ClipScore, ValidationRunsLogTheirScores) {
                                               {"evaluation_type", "clip"},
                                               {"pretrained_evaluation_model_name_or_path", folder.string()}});
     auto trainer = testutil::make_trainer(c);
-    add_observers(*trainer);
+    test::HttpListener listener;
+    notify::WebhookTarget target;
+    target.type = notify::WebhookType::kRaw;
+    target.url = listener.url("/hook");
+    auto notifier =
+        std::make_shared<notify::Notifier>(std::vector<notify::WebhookTarget>{target}, "job", true);
+    add_observers(*trainer, notifier);
     trainer->run();
+    ASSERT_TRUE(notifier->flush(std::chrono::seconds(20)));
+    // Webhooks: one SimpleTuner notification per validation run, with the scores in `data`.
+    std::vector<int64_t> notified;
+    for (const auto& r : listener.requests()) {
+        const auto body = nlohmann::json::parse(r.body);
+        if (body.at("type") != "notification") continue;
+        notified.push_back(body.at("data").at("step").get<int64_t>());
+        EXPECT_TRUE(body.at("data").contains("clip/mean")) << body.dump();
+        EXPECT_NE(body.at("message").get<std::string>().find("CLIP score"), std::string::npos);
+    }
+    EXPECT_EQ(notified, (std::vector<int64_t>{0, 2, 4}));
+    notifier->close(std::chrono::seconds(5));
     std::vector<int64_t> steps;
     for (const auto& row : read_jsonl(dir / "out" / "metrics.jsonl")) {
         if (!row.contains("clip/mean")) continue;
