@@ -110,13 +110,15 @@ TEST_P(CudaGraphTrainerGpu, ReplaysAndMatchesTheEagerRun) {
 }
 
 // cuda_graph left at auto with SimpleTuner's step defaults; explicit norm clipping without dropout;
-// DoRA with dropout; value clipping with adamw_bf16 on a full fine-tune is in the CLI suite.
+// DoRA with dropout and value clipping; gradient checkpointing with dropout (the recompute must
+// find the same masks inside the graph).
 INSTANTIATE_TEST_SUITE_P(
     Options, CudaGraphTrainerGpu,
     ::testing::Values(std::pair{"SimpleTunerDefaults", R"({})"},
                       std::pair{"NormClipNoDropout", R"({"cuda_graph": true, "grad_clip_method": "norm",
                                                          "max_grad_norm": 1.0, "lora_dropout": 0.0})"},
-                      std::pair{"DoRAValueClip", R"({"use_dora": true, "max_grad_norm": 0.01})"}),
+                      std::pair{"DoRAValueClip", R"({"use_dora": true, "max_grad_norm": 0.01})"},
+                      std::pair{"CheckpointingWithDropout", R"({"gradient_checkpointing": true})"}),
     [](const auto& info) { return std::string(info.param.first); });
 
 }  // namespace
