@@ -379,11 +379,16 @@ std::vector<at::Tensor> LoRAAdapters::parameters() const {
 at::Tensor& LoRAAdapters::dropout_seed_tensor(int rank, int world_size) {
     const c10::Device device =
         entries_.empty() ? c10::Device(c10::kCPU) : entries_[0].layer->base_weight().device();
-    if (!dropout_seed_.defined() || dropout_seed_.device() != device) {
-        dropout_seed_ = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device));
+    const bool fresh = !dropout_seed_.defined() || dropout_seed_.device() != device;
+    if (fresh) dropout_seed_ = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(device));
+    // The layers share the tensor (refreshed in place each forward): hand it out again only when it
+    // or the rank layout changed, not on every forward.
+    if (fresh || rank != dropout_rank_ || world_size != dropout_world_) {
+        for (std::size_t i = 0; i < entries_.size(); ++i)
+            entries_[i].layer->set_dropout_seed(dropout_seed_, i + 1, rank, world_size);
+        dropout_rank_ = rank;
+        dropout_world_ = world_size;
     }
-    for (std::size_t i = 0; i < entries_.size(); ++i)
-        entries_[i].layer->set_dropout_seed(dropout_seed_, i + 1, rank, world_size);
     return dropout_seed_;
 }
 

@@ -208,7 +208,8 @@ class LoRAAdapters {
 
     LoRAConfig config_;
     std::vector<Entry> entries_;
-    at::Tensor dropout_seed_;  // [1] int64
+    at::Tensor dropout_seed_;                    // [1] int64
+    int dropout_rank_ = -1, dropout_world_ = 0;  // the layout the layers were last given
 };
 
 // Attaches a LoRA (or DoRA) layer to every targeted layer of `root`. Throws UsageError when no
