@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -21,9 +22,11 @@
 #include "core/fs.h"
 #include "core/log.h"
 #include "core/progress.h"
+#include "core/quant_preset.h"
 #include "core/thread_pool.h"
 #include "diffusion/scheduler_config.h"
 #include "io/image.h"
+#include "models/common/quantize.h"
 #include "validate/sdxl_pipeline.h"
 
 namespace dtune::cli {
@@ -44,6 +47,8 @@ struct SampleArgs {
     bool grid = false;
     std::string lora;
     double lora_scale = 1.0;
+    // base_model_precision and text_encoder_{1,2}_precision (core/quant_preset.h)
+    std::array<std::string, 3> precision{"no_change", "no_change", "no_change"};
     std::string format = "png";
     int quality = 90;
     int threads = 0;  // 0 = automatic (see cpu_threads)
@@ -69,6 +74,10 @@ double to_double(const std::string& key, const std::string& v) {
     throw UsageError(str(key, " expects a number, got '", v, "'"));
 }
 
+std::string precision_key(size_t i) {
+    return i == 0 ? "base_model_precision" : str("text_encoder_", i, "_precision");
+}
+
 using Setter = std::function<void(SampleArgs&, const std::string& key, const std::string& value)>;
 
 // Every option that takes a value, by name.
@@ -91,6 +100,9 @@ const std::map<std::string, Setter>& value_options() {
         {"--output_dir", [](SampleArgs& a, auto&, auto& v) { a.output_dir = v; }},
         {"--lora", [](SampleArgs& a, auto&, auto& v) { a.lora = v; }},
         {"--lora_scale", [](SampleArgs& a, auto& k, auto& v) { a.lora_scale = to_double(k, v); }},
+        {"--base_model_precision", [](SampleArgs& a, auto&, auto& v) { a.precision[0] = v; }},
+        {"--text_encoder_1_precision", [](SampleArgs& a, auto&, auto& v) { a.precision[1] = v; }},
+        {"--text_encoder_2_precision", [](SampleArgs& a, auto&, auto& v) { a.precision[2] = v; }},
         {"--format", [](SampleArgs& a, auto&, auto& v) { a.format = v; }},
         {"--quality", [](SampleArgs& a, auto& k, auto& v) { a.quality = static_cast<int>(to_int(k, v)); }},
         {"--threads", [](SampleArgs& a, auto& k, auto& v) { a.threads = static_cast<int>(to_int(k, v)); }},
@@ -113,6 +125,8 @@ void check_args(const SampleArgs& a) {
     if (a.threads < 0)
         throw UsageError(str("--threads ", a.threads, " is invalid: use 1 or more (0 = auto)"));
     if (!std::isfinite(a.lora_scale)) throw UsageError("--lora_scale must be a finite number");
+    for (size_t i = 0; i < a.precision.size(); ++i)
+        parse_quant_preset(a.precision[i], "--" + precision_key(i));
     diffusion::parse_sampler_kind(a.sampler);  // an unknown --sampler stops before the model loads
     // A NaN guidance would give a noise image and a sidecar with "guidance": null.
     if (!std::isfinite(a.guidance))
@@ -191,6 +205,8 @@ nlohmann::json sidecar(const SampleArgs& a, c10::Device device, c10::ScalarType 
     j["index_in_batch"] = index;
     j["lora"] = a.lora.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.lora);
     if (!a.lora.empty()) j["lora_scale"] = a.lora_scale;
+    for (size_t i = 0; i < a.precision.size(); ++i)
+        if (a.precision[i] != "no_change") j[precision_key(i)] = a.precision[i];
     j["device"] = device.str();
     j["dtype"] = dtype_name(dtype);
     j["seconds_per_batch"] = seconds;
@@ -205,6 +221,15 @@ validate::SDXLPipeline load_pipeline(const SampleArgs& a, c10::Device device, c1
     auto pipe = std::filesystem::is_regular_file(a.model)
                     ? validate::SDXLPipeline::load_single_file(a.model, a.config_folder, load)
                     : validate::SDXLPipeline::load(a.model, load);
+    // Quantised after loading, on the device, one layer at a time (the LoRA rides beside the base).
+    const std::array<torch::nn::Module*, 3> parts{pipe.unet().get(), pipe.text_encoders().text_encoder.get(),
+                                                  pipe.text_encoders().text_encoder_2.get()};
+    for (size_t i = 0; i < parts.size(); ++i) {
+        const QuantPreset preset = parse_quant_preset(a.precision[i], "--" + precision_key(i));
+        if (preset.active())
+            log::info() << (i == 0 ? "UNet" : str("text encoder ", i)) << " "
+                        << models::describe(models::quantize_module(*parts[i], preset), preset);
+    }
     if (!a.lora.empty()) pipe.load_lora(a.lora, a.lora_scale);
     return pipe;
 }
@@ -310,6 +335,10 @@ DTUNE_REGISTER_COMMAND(
     "  --lora FILE             a UNet LoRA .safetensors (diffusers, PEFT or kohya/ComfyUI keys);\n"
     "                          text-encoder parts of the file are skipped with a warning\n"
     "  --lora_scale X          LoRA strength (default 1.0; 0 = the base model's output)\n"
+    "  --base_model_precision P  quantise the UNet after loading: int8-quanto, int8-torchao (int8\n"
+    "                          weights), fp8-quanto, fp8-torchao (fp8 e4m3; fp8 matmuls on Hopper);\n"
+    "                          half the weights' memory; default no_change\n"
+    "  --text_encoder_1_precision P, --text_encoder_2_precision P  the same for the CLIP encoders\n"
     "  --device cpu|cuda|auto  where to run (default auto: cuda when available)\n"
     "  --dtype fp32|bf16|fp16|auto  weights dtype (default auto: bf16 on cuda, fp32 on cpu);\n"
     "                          the VAE stays fp32 in fp16 runs when its config sets force_upcast\n"

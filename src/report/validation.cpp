@@ -177,7 +177,7 @@ namespace {
 std::unique_ptr<validate::SDXLPipeline> load_pipeline(const std::filesystem::path& model_dir,
                                                       train::Trainer& trainer) {
     const auto pf = models::PipelineFolder::open(model_dir);
-    const c10::ScalarType dtype = trainer.unet()->parameters().front().scalar_type();
+    const c10::ScalarType dtype = trainer.unet()->dtype();
     auto te = models::SDXLTextEncoders::load(pf, {dtype, trainer.device()});
     models::ComponentLoadOptions vae_load;
     vae_load.device = trainer.device();  // float32: SDXL's VAE overflows in half precision

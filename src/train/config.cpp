@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
+#include "core/quant_preset.h"
 #include "core/redact.h"
 #include "core/resolution_range.h"
 #include "train/simpletuner_options.h"
@@ -64,6 +65,9 @@ const std::vector<OptionSpec>& specs() {
     {"checkpoints_total_limit", OptionType::kInt, "5", "checkpoints kept (older ones deleted)", nullptr},
     {"resume_from_checkpoint", OptionType::kString, "\"latest\"", "latest, a checkpoint path, or none", nullptr},
     {"mixed_precision", OptionType::kString, "\"bf16\"", "compute precision", "no,bf16,fp16"},
+    {"base_model_precision", OptionType::kString, "\"no_change\"", "quantise the frozen UNet of a LoRA/DoRA: int8-quanto, int8-torchao (int8 weights), fp8-quanto, fp8-torchao (fp8 e4m3 weights, fp8 matmuls on Hopper); half the memory of bf16", nullptr},
+    {"text_encoder_1_precision", OptionType::kString, "\"no_change\"", "quantise text encoder 1 (CLIP-L): same values as base_model_precision", nullptr},
+    {"text_encoder_2_precision", OptionType::kString, "\"no_change\"", "quantise text encoder 2 (OpenCLIP bigG): same values as base_model_precision", nullptr},
     {"gradient_checkpointing", OptionType::kBool, "true", "recompute activations in backward", nullptr},
     {"gradient_checkpointing_interval", OptionType::kInt, "null", "with gradient_checkpointing: checkpoint every N-th ResNet/transformer block (null or 1: all; 2: every other, less recompute, more memory)", nullptr},
     {"seed", OptionType::kInt, "null", "random seed (None/0: time-based, -1: random)", nullptr},
@@ -525,6 +529,16 @@ bool TrainConfig::set_legacy(const std::string& key, const json& value, const st
         if (!truthy(value)) set_value("vae_cache_ondemand", true, source);
         return true;
     }
+    if (key == "use_gradient_checkpointing") {
+        // SimpleTuner's SDXL and Kolors quickstarts write this name; its own parser has no such
+        // option and refuses the file. The meaning is plain, so dtune reads it and says so.
+        log::warn() << source
+                    << ": \"use_gradient_checkpointing\" (from SimpleTuner's quickstart) is read as "
+                    << "gradient_checkpointing; SimpleTuner itself does not know this name, so write "
+                    << "\"gradient_checkpointing\" to keep the file usable by both";
+        set_value("gradient_checkpointing", value, source);
+        return true;
+    }
     if (contains(kDroppedBySimpleTuner, key)) {
         if (key == "repeats")
             log::warn() << source << ": a top-level \"repeats\" is ignored (SimpleTuner ignores it too); "
@@ -683,6 +697,23 @@ void TrainConfig::validate() const {
                 str("option num_train_epochs = ", raw("num_train_epochs").dump(),
                     " with max_train_steps unset leaves nothing to train; set max_train_steps or "
                     "num_train_epochs to at least 1"));
+    });
+    for (const char* key : {"base_model_precision", "text_encoder_1_precision", "text_encoder_2_precision"})
+        problems.run([&] { parse_quant_preset(text(key), key); });
+    problems.run([&] {
+        // SimpleTuner's rules: a quantised base is a frozen base, and quanto cannot carry DoRA.
+        const std::string precision = text("base_model_precision");
+        if (precision == "no_change") return;
+        if (text("model_type") != "lora")
+            throw UsageError(
+                str("base_model_precision = \"", precision, "\" quantises a frozen base model, but ",
+                    "model_type is \"", text("model_type"), "\": set model_type lora (a LoRA or DoRA ",
+                    "on the quantised base) or base_model_precision no_change for a full fine-tune"));
+        if (flag("use_dora") && precision.find("quanto") != std::string::npos)
+            throw UsageError(
+                str("use_dora cannot be combined with base_model_precision = \"", precision,
+                    "\" (quanto presets do not support DoRA, as in SimpleTuner); use int8-torchao or ",
+                    "fp8-torchao, or turn use_dora off"));
     });
     problems.run([&] {
         const double p = real("caption_dropout_probability");

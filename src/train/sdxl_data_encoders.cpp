@@ -9,11 +9,13 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "data/cache_codec.h"
 #include "data/sampler.h"
 #include "models/clip/sdxl_text_encoders.h"
 #include "models/common/component.h"
 #include "models/common/pipeline_folder.h"
+#include "models/common/quantize.h"
 #include "models/vae/autoencoder_kl.h"
 
 namespace dtune::train {
@@ -120,6 +122,15 @@ DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& o) {
     to.device = o.device;
     auto text = std::make_shared<models::SDXLTextEncoders>(models::SDXLTextEncoders::load(folder, to));
     e.text_identity = text_encoder_identity(o.model_dir);
+    const std::array<torch::nn::Module*, 2> encoders{text->text_encoder.get(), text->text_encoder_2.get()};
+    for (std::size_t i = 0; i < encoders.size(); ++i) {
+        const std::string key = str("text_encoder_", i + 1, "_precision");
+        const QuantPreset preset = parse_quant_preset(o.text_encoder_precision[i], key);
+        if (!preset.active()) continue;
+        const models::QuantizeReport report = models::quantize_module(*encoders[i], preset);
+        log::info() << "quantised text encoder " << i + 1 << " (" << models::describe(report, preset) << ")";
+        e.text_identity += str(" ", key, "=", preset.name);
+    }
     e.text = [text](const std::vector<std::string>& captions) {
         models::SDXLEncodeOptions opt;
         opt.do_classifier_free_guidance = false;  // "" is encoded, as SimpleTuner's dropout embedding

@@ -13,8 +13,10 @@
 #include <c10/core/Device.h>
 #include <c10/core/ScalarType.h>
 
+#include <array>
 #include <filesystem>
 #include <memory>
+#include <string>
 
 #include "train/dataset_source.h"
 
@@ -29,6 +31,9 @@ struct SdxlEncoderOptions {
     std::filesystem::path vae_override;  // pretrained_vae_model_name_or_path when a local folder
     c10::Device device = c10::Device(c10::kCPU);
     c10::ScalarType vae_dtype = c10::kFloat;  // bf16 on CUDA (SimpleTuner's default), fp32 on CPU
+    // text_encoder_1_precision / text_encoder_2_precision (core/quant_preset.h); "no_change" keeps
+    // the encoder dense. A quantised encoder gives other embeddings, so its caches get another identity.
+    std::array<std::string, 2> text_encoder_precision{"no_change", "no_change"};
 };
 
 DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& options);

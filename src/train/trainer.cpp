@@ -17,6 +17,7 @@
 #include "core/log.h"
 #include "core/progress.h"
 #include "core/redact.h"
+#include "models/common/quantize.h"
 #include "models/common/weights.h"
 #include "models/vae/autoencoder_kl.h"
 #include "train/adapters.h"
@@ -143,6 +144,8 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     eo.vae_override = vae_folder;
     eo.device = device_;
     eo.vae_dtype = device_.is_cuda() ? at::kBFloat16 : at::kFloat;  // SimpleTuner's vae_dtype default
+    eo.text_encoder_precision = {config_.text("text_encoder_1_precision"),
+                                 config_.text("text_encoder_2_precision")};
     DatasetSourceOptions ds;
     ds.data_backend_config = config_.text("data_backend_config");
     ds.global = data_args_from_config(config_);
@@ -176,6 +179,19 @@ Trainer::Trainer(TrainConfig config, models::UNet2DConditionModel unet, diffusio
 }
 
 Trainer::~Trainer() = default;
+
+void Trainer::quantize_base_model() {
+    const QuantPreset preset =
+        parse_quant_preset(config_.text("base_model_precision"), "base_model_precision");
+    if (!preset.active()) return;
+    const auto start = std::chrono::steady_clock::now();
+    const models::QuantizeReport report = models::quantize_module(*unet_, preset);
+    log::info() << "quantised the UNet on " << device_.str() << " (" << models::describe(report, preset)
+                << ") in "
+                << format_metric(
+                       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count())
+                << " s";
+}
 
 void Trainer::init_data_parallel(const dist::DistEnv& env) {
     const char* timeout = std::getenv("DTUNE_COLLECTIVE_TIMEOUT_S");
@@ -212,6 +228,7 @@ void Trainer::init_common() {
         optimizer_generator_ = at::detail::createCPUGenerator(seed ^ 0x9e3779b97f4a7c15ULL);
     }
     unet_->train();
+    quantize_base_model();
     const bool checkpointing = config_.flag("gradient_checkpointing");
     const auto interval = config_.opt_integer("gradient_checkpointing_interval");
     DTUNE_CHECK_AS(UsageError, !interval || *interval >= 1,

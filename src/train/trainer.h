@@ -141,6 +141,8 @@ class Trainer {
     void load_optimizer_state(const LoadedCheckpoint& ckpt);
     // trainer_extras.cpp: LoRA adapters, EMA, fp16 loss scaling and the exports.
     void init_extras();
+    // base_model_precision: quantises the frozen UNet in place (before LoRA injection).
+    void quantize_base_model();
     void start_ema();
     void save_extras(CheckpointContents& c);
     void load_extras(const LoadedCheckpoint& ckpt);

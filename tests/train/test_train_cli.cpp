@@ -7,6 +7,8 @@
 // webhook bounds the end of a run and a SIGTERM cuts it; planted secrets reach no output.
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include <csignal>
 #include <fstream>
 #include <thread>
@@ -138,6 +140,61 @@ TEST(TrainCli, LoRARunWritesAdapterFilesAndResumesExactly) {
                          (out / "pytorch_lora_weights.safetensors").string() + "' >/dev/null 2>>'" +
                          (w.dir / "log.txt").string() + "'"),
               0);
+}
+
+// The seed config of issue #22: SimpleTuner's SDXL quickstart config.json lines as they stand (the
+// main block, "Quantised model training" and "Validation previews") plus only what points at this
+// machine (model, data, webhook, preview decoder, a short run, a validation prompt). The run must
+// finish, train on an int8 UNet with optimi-lion, and send TAESD previews to the webhook.
+TEST(TrainCli, QuickstartSeedConfigRunsUnchanged) {
+    Workspace w;
+    test::HttpListener listener;
+    nlohmann::json cfg = nlohmann::json::parse(R"({
+      "model_type": "lora",
+      "model_family": "sdxl",
+      "model_flavour": "base-1.0",
+      "output_dir": "/home/user/output/models",
+      "validation_resolution": "1024x1024,1280x768",
+      "validation_guidance": 3.4,
+      "use_gradient_checkpointing": true,
+      "learning_rate": 1e-4,
+      "base_model_precision": "int8-quanto",
+      "text_encoder_1_precision": "no_change",
+      "text_encoder_2_precision": "no_change",
+      "optimizer": "optimi-lion",
+      "validation_preview": true,
+      "validation_preview_steps": 1
+    })");
+    cfg["pretrained_model_name_or_path"] = (test::fixtures_dir() / "tiny-sdxl").string();
+    cfg["data_backend_config"] = (w.dir / "multidatabackend.json").string();
+    cfg["output_dir"] = (w.dir / "out").string();
+    cfg["webhook_config"] = nlohmann::json{{"webhook_type", "raw"}, {"callback_url", listener.url("/hook")}};
+    cfg["validation_preview_model"] =
+        (std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref" / "tiny-taesd").string();
+    cfg["validation_prompt"] = "a red cube";
+    cfg["validation_num_inference_steps"] = 2;
+    cfg["validation_step_interval"] = 2;
+    cfg["max_train_steps"] = 2;
+    cfg["train_batch_size"] = 2;
+    cfg["device"] = "cpu";
+    fs::write_file_atomic(w.dir / "seed.json", cfg.dump(2));
+    const std::string cmd = std::string(DTUNE_BIN) + " train --config '" + (w.dir / "seed.json").string() +
+                            "' 2>>'" + (w.dir / "log.txt").string() + "'";
+    ASSERT_EQ(run_status(cmd), 0) << fs::read_file(w.dir / "log.txt");
+    const std::string log = fs::read_file(w.dir / "log.txt");
+    EXPECT_NE(log.find("quantised the UNet on cpu (int8-quanto: "), std::string::npos) << log;
+    EXPECT_TRUE(std::filesystem::exists(w.dir / "out" / "pytorch_lora_weights.safetensors"));
+    const auto resolved = nlohmann::json::parse(fs::read_file(w.dir / "out" / "config.resolved.json"));
+    EXPECT_EQ(resolved.at("optimizer"), "optimi-lion");
+    EXPECT_EQ(resolved.at("base_model_precision"), "int8-quanto");
+    std::set<std::vector<int64_t>> preview_sizes;
+    for (const auto& r : listener.requests()) {
+        const auto body = nlohmann::json::parse(r.body);
+        if (body.value("type", "") == "validation.image")
+            preview_sizes.insert(body.at("data").at("resolution").get<std::vector<int64_t>>());
+    }
+    // Both validation resolutions were previewed.
+    EXPECT_EQ(preview_sizes, (std::set<std::vector<int64_t>>{{1024, 1024}, {1280, 768}})) << log;
 }
 
 TEST(TrainCli, SigtermSavesACheckpointAndExitsWith4) {

@@ -17,6 +17,7 @@
 #include "core/fused_env.h"
 #include "core/log.h"
 #include "models/common/hash_dropout.h"
+#include "models/common/quantize.h"
 
 namespace dtune::models {
 namespace {
@@ -61,6 +62,7 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
     struct Frozen {
         at::Tensor weight, bias;
         Dropout dropout;
+        at::Tensor weight_scale;  // defined: `weight` is quantised (common/quantize.h)
     };
     static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const Frozen& base,
                               const at::Tensor& a, const at::Tensor& b, double scale) {
@@ -69,11 +71,20 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
         const auto ct = at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device)
                                                                   : x.scalar_type();
         const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-        const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(ct), wc = w.to(ct), ac = a.to(ct), bc = b.to(ct);
-        at::Tensor y = bias.defined() ? at::addmm(bias.to(ct), x2, wc.t()) : at::mm(x2, wc.t());  // [N, out]
-        const at::Tensor h = at::mm(base.dropout.apply(x2), ac.t());                              // [N, r]
+        const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(ct), ac = a.to(ct), bc = b.to(ct);
+        // A quantised base is dequantised again in backward rather than saved dense.
+        const bool quantized = base.weight_scale.defined();
+        const at::Tensor wc = quantized ? at::Tensor() : w.to(ct);
+        at::Tensor y = quantized        ? quantized_linear_no_grad(x2, w, base.weight_scale, bias, ct)
+                       : bias.defined() ? at::addmm(bias.to(ct), x2, wc.t())
+                                        : at::mm(x2, wc.t());         // [N, out]
+        const at::Tensor h = at::mm(base.dropout.apply(x2), ac.t());  // [N, r]
         y.addmm_(h, bc.t(), 1.0, scale);
         ctx->save_for_backward({x2, wc, ac, bc, h});
+        if (quantized) {
+            ctx->saved_data["q_weight"] = w;
+            ctx->saved_data["q_scale"] = base.weight_scale;
+        }
         ctx->saved_data["scale"] = scale;
         if (base.dropout.seed.defined()) {
             ctx->saved_data["drop_seed"] = base.dropout.seed;
@@ -93,7 +104,11 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                    torch::autograd::variable_list grads) {
         const auto saved = ctx->get_saved_variables();
-        const at::Tensor &x2 = saved[0], &wc = saved[1], &ac = saved[2], &bc = saved[3], &h = saved[4];
+        const at::Tensor &x2 = saved[0], &ac = saved[2], &bc = saved[3], &h = saved[4];
+        const at::Tensor wc =
+            saved[1].defined() ? saved[1]
+                               : dequantize_weight(ctx->saved_data["q_weight"].toTensor(),
+                                                   ctx->saved_data["q_scale"].toTensor(), x2.scalar_type());
         const double s = ctx->saved_data["scale"].toDouble();
         auto dtype = [&](const char* key) {
             return static_cast<at::ScalarType>(ctx->saved_data[key].toInt());
@@ -161,6 +176,8 @@ LoRALayer::LoRALayer(AdaptableLinearImpl& host, int64_t rank, double alpha, cons
       host_(&host),
       base_weight_(&host.weight),
       base_bias_(&host.bias),
+      base_scale_(&host.weight_scale),
+      base_dense_dtype_(&host.dense_dtype),
       rank_(rank),
       alpha_(alpha),
       dropout_(config.dropout),
@@ -175,6 +192,8 @@ LoRALayer::LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, cons
       host_(&host),
       base_weight_(&host.weight),
       base_bias_(&host.bias),
+      base_scale_(&host.weight_scale),
+      base_dense_dtype_(&host.dense_dtype),
       rank_(rank),
       alpha_(alpha),
       dropout_(config.dropout),
@@ -194,7 +213,7 @@ LoRALayer::LoRALayer(AdaptableConv2dImpl& host, int64_t rank, double alpha, cons
 void LoRALayer::create(torch::nn::Module& host, at::IntArrayRef down_shape, at::IntArrayRef up_shape,
                        const LoRAConfig& config, at::Generator* init_generator) {
     torch::NoGradGuard no_grad;
-    const auto options = base_weight_->options().requires_grad(false);
+    const auto options = base_weight_->options().dtype(base_dtype()).requires_grad(false);
     at::Tensor a = at::empty(down_shape, options);
     if (init_generator) {
         // The same distributions, drawn in float32 on the CPU from the seeded generator.
@@ -214,7 +233,7 @@ void LoRALayer::create(torch::nn::Module& host, at::IntArrayRef down_shape, at::
     up_ = host.register_module("lora_B", std::make_shared<LoRAFactorImpl>(at::zeros(up_shape, options)))
               ->weight;
     if (config.use_dora) {
-        at::Tensor norm = weight_norm(at::zeros_like(*base_weight_));  // B = 0: ‖W‖ per output channel
+        at::Tensor norm = weight_norm(at::zeros(base_weight_->sizes(), options));  // B = 0: ‖W‖ per channel
         at::Tensor m = kind_ == Kind::kLinear ? norm.reshape({-1}) : norm.reshape({1, -1, 1, 1});
         magnitude_ = host.register_parameter("lora_magnitude_vector", m.clone());
     }
@@ -237,7 +256,7 @@ bool LoRALayer::takes_whole_forward(const at::Tensor& x) const {
 }
 
 at::Tensor LoRALayer::forward_whole(const at::Tensor& x) {
-    LoRALinearFunction::Frozen frozen{*base_weight_, *base_bias_, {}};
+    LoRALinearFunction::Frozen frozen{*base_weight_, *base_bias_, {}, *base_scale_};
     if (dropout_ > 0.0 && host_->is_training()) {
         // The mask indexes the flattened [N, in] input, which is x's own order (x is contiguous in
         // the attention and feed-forward projections; reshape copies it otherwise).
@@ -263,6 +282,10 @@ at::Tensor LoRALayer::apply_factor(const at::Tensor& x, const at::Tensor& w, boo
 }
 
 at::Tensor LoRALayer::base_no_bias(const at::Tensor& x) const {
+    if (base_scale_->defined()) {
+        if (kind_ == Kind::kLinear) return quantized_linear(x, *base_weight_, *base_scale_, {});
+        return quantized_conv2d(x, *base_weight_, *base_scale_, {}, stride_, padding_, dilation_, 1);
+    }
     if (kind_ == Kind::kLinear) return at::linear(x, *base_weight_);
     return at::conv2d(x, *base_weight_, {}, stride_, padding_, dilation_);
 }
@@ -281,7 +304,10 @@ at::Tensor LoRALayer::delta_weight() const {
 }
 
 at::Tensor LoRALayer::weight_norm(const at::Tensor& delta) const {
-    at::Tensor w = *base_weight_ + delta;
+    // Summed in the wider of the two dtypes (a quantised base is dequantised to it).
+    at::Tensor w =
+        dense_weight(*base_weight_, *base_scale_, at::promote_types(base_dtype(), delta.scalar_type())) +
+        delta;
     at::Tensor n = w.flatten(1).norm(2, {1}, /*keepdim=*/true);  // [out, 1]
     return kind_ == Kind::kLinear ? n : n.view({-1, 1, 1, 1});
 }
@@ -322,6 +348,10 @@ at::Tensor LoRALayer::forward(const at::Tensor& x, const at::Tensor& base_out) {
 
 void LoRALayer::merge() {
     if (merged_) return;
+    DTUNE_CHECK_AS(
+        UsageError, !base_scale_->defined(),
+        "a LoRA cannot be merged into a quantised base layer (base_model_precision); it is applied "
+        "alongside the base instead");
     torch::NoGradGuard no_grad;
     const at::Tensor delta = delta_weight().to(base_weight_->scalar_type());
     if (magnitude_.defined()) {

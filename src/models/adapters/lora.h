@@ -150,9 +150,15 @@ class LoRALayer : public LayerAdapter {
     at::Tensor base_no_bias(const at::Tensor& x) const;
 
     Kind kind_;
-    torch::nn::Module* host_;                           // outlives this object (the host owns it)
-    at::Tensor* base_weight_;                           // the host's `weight`
-    at::Tensor* base_bias_;                             // the host's `bias` (may be undefined)
+    torch::nn::Module* host_;           // outlives this object (the host owns it)
+    at::Tensor* base_weight_;           // the host's `weight`
+    at::Tensor* base_bias_;             // the host's `bias` (may be undefined)
+    at::Tensor* base_scale_;            // the host's `weight_scale` (defined when quantised)
+    at::ScalarType* base_dense_dtype_;  // the host's `dense_dtype`
+    // The base weight's dtype before any quantisation.
+    at::ScalarType base_dtype() const {
+        return base_scale_->defined() ? *base_dense_dtype_ : base_weight_->scalar_type();
+    }
     std::vector<int64_t> stride_, padding_, dilation_;  // Conv2d only
     int64_t rank_;
     double alpha_;

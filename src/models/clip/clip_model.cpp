@@ -99,9 +99,7 @@ at::Tensor CLIPVisionTransformerImpl::forward(const at::Tensor& pixel_values) {
                 config_.num_channels, ", ", s, ", ", s, "]");
     const int64_t b = pixel_values.size(0);
     const at::Tensor patches =
-        patch_embedding_->forward(pixel_values.to(patch_embedding_->weight.scalar_type()))
-            .flatten(2)
-            .transpose(1, 2);
+        patch_embedding_->forward(pixel_values.to(patch_embedding_->dtype())).flatten(2).transpose(1, 2);
     const at::Tensor cls = class_embedding_.view({1, 1, -1}).expand({b, 1, config_.hidden_size});
     at::Tensor h = at::cat({cls, patches}, 1);  // [B, 1 + N, D]
     h = h + position_embedding_->weight.unsqueeze(0);

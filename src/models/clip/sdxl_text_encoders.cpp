@@ -193,7 +193,7 @@ SDXLPromptEmbeds SDXLTextEncoders::encode_prompt(const std::vector<std::string>&
         for (const auto& p : *set) chunks = std::max(chunks, p.size());
 
     const auto b = static_cast<int64_t>(batch);
-    const auto dtype = text_encoder_2->text_projection->weight.scalar_type();
+    const auto dtype = text_encoder_2->text_projection->dtype();
     const auto encode_both = [&](auto& a, auto& c) {
         Encoded e1 = run_encoder(text_encoder, stack_ids(tokenizer, a, chunks), b, o);
         Encoded e2 = run_encoder(text_encoder_2, stack_ids(tokenizer_2, c, chunks), b, o);

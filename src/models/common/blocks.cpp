@@ -130,7 +130,7 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options_(o
 
 bool ResnetBlock2DImpl::can_fuse(const at::Tensor& x) const {
     return fused_inference_ready(x) && !conv1_->adapter() && !conv2_->adapter() &&
-           !(conv_shortcut_ && conv_shortcut_->adapter()) && x.scalar_type() == conv1_->weight.scalar_type();
+           !(conv_shortcut_ && conv_shortcut_->adapter()) && x.scalar_type() == conv1_->dtype();
 }
 
 at::Tensor ResnetBlock2DImpl::forward_fused(const at::Tensor& x, const at::Tensor& temb) {

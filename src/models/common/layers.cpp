@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "models/common/quantize.h"
 
 namespace dtune::models {
 namespace {
@@ -52,6 +53,7 @@ LinearImpl::LinearImpl(const torch::nn::LinearOptions& o) : options(o) {
 }
 
 at::Tensor LinearImpl::forward(const at::Tensor& x) {
+    if (weight_scale.defined()) return quantized_linear(x, weight, weight_scale, bias);
     return at::linear(x, weight, bias);
 }
 
@@ -70,11 +72,17 @@ Conv2dImpl::Conv2dImpl(const torch::nn::Conv2dOptions& o) : options(o) {
 
 at::Tensor Conv2dImpl::forward(const at::Tensor& x) {
     const auto& padding = std::get<torch::ExpandingArray<2>>(options.padding());
+    if (weight_scale.defined())
+        return quantized_conv2d(x, weight, weight_scale, bias, *options.stride(), *padding,
+                                *options.dilation(), options.groups());
     return at::conv2d(x, weight, bias, *options.stride(), *padding, *options.dilation(), options.groups());
 }
 
 at::Tensor Conv2dImpl::forward_without_bias(const at::Tensor& x) {
     const auto& padding = std::get<torch::ExpandingArray<2>>(options.padding());
+    if (weight_scale.defined())
+        return quantized_conv2d(x, weight, weight_scale, {}, *options.stride(), *padding, *options.dilation(),
+                                options.groups());
     return at::conv2d(x, weight, {}, *options.stride(), *padding, *options.dilation(), options.groups());
 }
 
@@ -86,6 +94,10 @@ EmbeddingImpl::EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim) {
 
 at::Tensor EmbeddingImpl::forward(const at::Tensor& ids) {
     return at::embedding(weight, ids);
+}
+
+at::Tensor dense_weight(const at::Tensor& weight, const at::Tensor& weight_scale, at::ScalarType dtype) {
+    return weight_scale.defined() ? dequantize_weight(weight, weight_scale, dtype) : weight.to(dtype);
 }
 
 }  // namespace dtune::models

@@ -54,6 +54,12 @@ class LinearImpl : public torch::nn::Module {
     torch::nn::LinearOptions options;
     at::Tensor weight;  // [out, in]
     at::Tensor bias;    // [out], undefined without bias
+    // Defined once the layer is quantised (common/quantize.h): `weight` then holds int8 or
+    // float8_e4m3fn values, frozen, and the weight is weight · weight_scale (float32 [out]).
+    at::Tensor weight_scale;
+    at::ScalarType dense_dtype = at::kFloat;  // the weight's dtype before quantisation
+    // The dtype the layer computes in: the weight's, or dense_dtype when quantised.
+    at::ScalarType dtype() const { return weight_scale.defined() ? dense_dtype : weight.scalar_type(); }
 };
 TORCH_MODULE(Linear);
 
@@ -67,8 +73,11 @@ class Conv2dImpl : public torch::nn::Module {
     at::Tensor forward_without_bias(const at::Tensor& x);
 
     torch::nn::Conv2dOptions options;
-    at::Tensor weight;  // [out, in / groups, kh, kw]
-    at::Tensor bias;    // [out], undefined without bias
+    at::Tensor weight;        // [out, in / groups, kh, kw]
+    at::Tensor bias;          // [out], undefined without bias
+    at::Tensor weight_scale;  // as LinearImpl's (quantised layers only)
+    at::ScalarType dense_dtype = at::kFloat;
+    at::ScalarType dtype() const { return weight_scale.defined() ? dense_dtype : weight.scalar_type(); }
 };
 TORCH_MODULE(Conv2d);
 
@@ -81,5 +90,9 @@ class EmbeddingImpl : public torch::nn::Module {
     at::Tensor weight;  // [num, dim]
 };
 TORCH_MODULE(Embedding);
+
+// A layer's weight in `dtype` as a dense tensor: the weight itself (cast) when it is not quantised,
+// else its dequantised values (a new tensor each call).
+at::Tensor dense_weight(const at::Tensor& weight, const at::Tensor& weight_scale, at::ScalarType dtype);
 
 }  // namespace dtune::models

@@ -213,7 +213,7 @@ at::Tensor UNet2DConditionModelImpl::embed_time(const at::Tensor& timestep, cons
 at::Tensor UNet2DConditionModelImpl::forward(const at::Tensor& sample, const at::Tensor& timestep,
                                              const at::Tensor& encoder_hidden_states,
                                              const UNetAddedCond& added) {
-    const auto dtype = conv_in_->weight.scalar_type();
+    const auto dtype = conv_in_->dtype();
     DTUNE_CHECK_AS(UsageError, sample.dim() == 4 && sample.size(1) == config_.in_channels,
                    "UNet: sample has shape ", sample.sizes(), "; expected [B, ", config_.in_channels,
                    ", H, W]");

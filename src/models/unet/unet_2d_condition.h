@@ -75,6 +75,8 @@ class UNet2DConditionModelImpl : public torch::nn::Module {
                        const at::Tensor& encoder_hidden_states, const UNetAddedCond& added = {});
 
     const UNet2DConditionConfig& config() const { return config_; }
+    // The dtype the model computes in (its weights' dtype; the dense dtype of quantised weights).
+    c10::ScalarType dtype() const { return conv_in_->dtype(); }
     // Recompute each ResNet and transformer block in backward instead of storing activations.
     // interval n > 1 checkpoints every n-th ResNet/transformer block in forward order (SimpleTuner's
     // gradient_checkpointing_interval): less recomputation, more activation memory than n = 1.

@@ -1,0 +1,318 @@
+// Quantised frozen weights (see quantize.h).
+#include "models/common/quantize.h"
+
+#include <ATen/autocast_mode.h>
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "models/common/layers.h"
+
+#ifdef DTUNE_WITH_CUDA_KERNELS
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "models/common/cuda_launch.h"
+#include "models/cuda/quantize_kernels.h"
+#endif
+
+namespace dtune::models {
+namespace {
+
+constexpr double kInt8Max = 127.0;
+constexpr double kE4M3Max = 448.0;
+
+bool is_quantized_dtype(at::ScalarType t) {
+    return t == at::kChar || t == at::kFloat8_e4m3fn;
+}
+
+// The dtype a frozen layer computes in: autocast's for x's device when it is on, else x's.
+at::ScalarType compute_dtype(const at::Tensor& x) {
+    const auto device = x.device().type();
+    return at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device)
+                                                     : x.scalar_type();
+}
+
+// The layout a dequantised weight keeps (a channels-last conv weight stays channels-last).
+at::MemoryFormat layout_of(const at::Tensor& t) {
+    return t.dim() == 4 && t.is_contiguous(at::MemoryFormat::ChannelsLast) && !t.is_contiguous()
+               ? at::MemoryFormat::ChannelsLast
+               : at::MemoryFormat::Contiguous;
+}
+
+#ifdef DTUNE_WITH_CUDA_KERNELS
+// [rows, cols] with rows = size(0): the raw order of a contiguous or channels-last weight.
+std::pair<int64_t, int64_t> row_shape(const at::Tensor& t) {
+    const int64_t rows = t.size(0);
+    return {rows, rows == 0 ? 0 : t.numel() / rows};
+}
+
+// Row-major [M, K] → per-row e4m3 values and float32 scales [M, 1] (CUDA kernels only).
+std::pair<at::Tensor, at::Tensor> quantize_rows_fp8(const at::Tensor& x2) {
+    const at::Tensor x = x2.contiguous();
+    at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
+    at::Tensor s = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
+    const c10::cuda::CUDAGuard guard(x.device());
+    check_launch(cuda::quantize_rows_fp8(
+                     x.const_data_ptr(), kernel_dtype(x.scalar_type(), "quantize_rows_fp8"), x.size(0),
+                     x.size(1), q.mutable_data_ptr(), s.mutable_data_ptr<float>(), current_stream_of(x)),
+                 "quantized_linear", "fp8 activation quantisation");
+    return {q, s};
+}
+
+bool use_fp8_gemm(const at::Tensor& x2, const at::Tensor& data, at::ScalarType dtype) {
+    if (data.scalar_type() != at::kFloat8_e4m3fn || !x2.is_cuda()) return false;
+    if (dtype != at::kBFloat16) return false;  // _scaled_mm's row-wise scaling writes bf16
+    if (x2.size(0) % 16 != 0 || x2.size(1) % 16 != 0 || data.size(0) % 16 != 0) return false;
+    return fp8_gemm_available(x2.device());
+}
+#endif
+
+// y [N, out] = x2 [N, in] · Wᵀ (+ bias) without autograd.
+at::Tensor linear_forward(const at::Tensor& x2, const at::Tensor& data, const at::Tensor& scale,
+                          const at::Tensor& bias, at::ScalarType dtype) {
+    const at::Tensor x = x2.to(dtype);
+    const at::Tensor b = bias.defined() ? bias.to(dtype) : at::Tensor();
+#ifdef DTUNE_WITH_CUDA_KERNELS
+    if (use_fp8_gemm(x, data, dtype)) {
+        auto [xq, xs] = quantize_rows_fp8(x);
+        return at::_scaled_mm(xq, data.t(), xs, scale.view({1, -1}),
+                              b.defined() ? std::optional(b) : std::nullopt, std::nullopt, dtype,
+                              /*use_fast_accum=*/false);
+    }
+#endif
+    const at::Tensor w = dequantize_weight(data, scale, dtype);
+    return b.defined() ? at::addmm(b, x, w.t()) : at::mm(x, w.t());
+}
+
+struct Frozen {
+    at::Tensor data, scale, bias;
+};
+
+// Differentiable in x only: saves nothing dense (the quantised weight is re-read in backward).
+struct QuantizedLinearFunction : public torch::autograd::Function<QuantizedLinearFunction> {
+    static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const Frozen& w) {
+        const at::ScalarType ct = compute_dtype(x);
+        const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+        const at::Tensor y = linear_forward(x.reshape({-1, x.size(-1)}), w.data, w.scale, w.bias, ct);
+        ctx->saved_data["data"] = w.data;
+        ctx->saved_data["scale"] = w.scale;
+        ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+        ctx->saved_data["x_sizes"] = x.sizes().vec();
+        auto sizes = x.sizes().vec();
+        sizes.back() = w.data.size(0);
+        return y.view(sizes);
+    }
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        const at::Tensor data = ctx->saved_data["data"].toTensor(),
+                         scale = ctx->saved_data["scale"].toTensor();
+        const at::Tensor g = grads[0].reshape({-1, data.size(0)});
+        const at::Tensor dx = at::mm(g, dequantize_weight(data, scale, g.scalar_type()));
+        const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
+        return {dx.to(x_dtype).view(ctx->saved_data["x_sizes"].toIntVector()), at::Tensor()};
+    }
+};
+
+struct ConvGeometry {
+    std::vector<int64_t> stride, padding, dilation;
+    int64_t groups = 1;
+};
+
+struct QuantizedConv2dFunction : public torch::autograd::Function<QuantizedConv2dFunction> {
+    static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const Frozen& w,
+                              const ConvGeometry& geo) {
+        const at::ScalarType ct = compute_dtype(x);
+        const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+        const at::Tensor dense = dequantize_weight(w.data, w.scale, ct);
+        const at::Tensor y = at::conv2d(x.to(ct), dense, w.bias.defined() ? w.bias.to(ct) : at::Tensor(),
+                                        geo.stride, geo.padding, geo.dilation, geo.groups);
+        ctx->saved_data["data"] = w.data;
+        ctx->saved_data["scale"] = w.scale;
+        ctx->saved_data["stride"] = geo.stride;
+        ctx->saved_data["padding"] = geo.padding;
+        ctx->saved_data["dilation"] = geo.dilation;
+        ctx->saved_data["groups"] = geo.groups;
+        ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+        ctx->saved_data["x_sizes"] = x.sizes().vec();
+        return y;
+    }
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        auto& d = ctx->saved_data;
+        const at::Tensor data = d["data"].toTensor(), scale = d["scale"].toTensor();
+        const at::Tensor& g = grads[0];
+        const auto stride = d["stride"].toIntVector(), padding = d["padding"].toIntVector(),
+                   dilation = d["dilation"].toIntVector();
+        const auto x_sizes = d["x_sizes"].toIntVector();
+        const at::Tensor dense = dequantize_weight(data, scale, g.scalar_type());
+        // The input gradient is the transposed convolution of g; output_padding restores the input
+        // size that the forward's floor division dropped.
+        std::vector<int64_t> output_padding(2);
+        for (int i = 0; i < 2; ++i) {
+            const int64_t k = dilation[i] * (data.size(2 + i) - 1) + 1;
+            output_padding[i] = x_sizes[2 + i] - ((g.size(2 + i) - 1) * stride[i] - 2 * padding[i] + k);
+        }
+        const at::Tensor dx = at::conv_transpose2d(g, dense, {}, stride, padding, output_padding,
+                                                   d["groups"].toInt(), dilation);
+        return {dx.to(static_cast<at::ScalarType>(d["x_dtype"].toInt())), at::Tensor(), at::Tensor()};
+    }
+};
+
+void check_frozen_bias(const at::Tensor& bias) {
+    DTUNE_CHECK_AS(UsageError, !bias.defined() || !bias.requires_grad(),
+                   "a quantised layer's bias cannot be trained (base_model_precision quantises a frozen base "
+                   "model: train a LoRA, or set base_model_precision no_change)");
+}
+
+template <typename Layer>
+void quantize_layer(Layer& layer, QuantFormat format, QuantizeReport& report) {
+    const at::Tensor dense = layer.weight;
+    report.bytes_before += dense.numel() * static_cast<int64_t>(dense.element_size());
+    QuantizedWeight q = quantize_weight(dense.detach(), format);
+    report.bytes_after += q.data.numel() * static_cast<int64_t>(q.data.element_size()) +
+                          q.scale.numel() * static_cast<int64_t>(q.scale.element_size());
+    // The parameter keeps its name and identity (adapters hold it) and takes the quantised values,
+    // frozen; the dense storage is released here. The scales become a buffer beside it.
+    layer.dense_dtype = dense.scalar_type();
+    layer.weight.set_requires_grad(false);
+    layer.weight.set_data(q.data);
+    layer.weight_scale = layer.register_buffer("weight_scale", q.scale);
+    if (layer.bias.defined()) layer.bias.set_requires_grad(false);
+    ++report.layers;
+}
+
+std::string gib(int64_t bytes) {
+    std::ostringstream os;
+    os.setf(std::ios::fixed);
+    os.precision(2);
+    const double mib = static_cast<double>(bytes) / (1024.0 * 1024.0);
+    if (mib < 1024.0) {
+        os << mib << " MiB";
+    } else {
+        os << mib / 1024.0 << " GiB";
+    }
+    return os.str();
+}
+
+}  // namespace
+
+QuantizedWeight quantize_weight(const at::Tensor& weight, QuantFormat format) {
+    DTUNE_CHECK_AS(UsageError, format != QuantFormat::kNone, "quantize_weight: no format given");
+    DTUNE_CHECK_AS(UsageError, weight.dim() >= 2 && at::isFloatingType(weight.scalar_type()),
+                   "quantize_weight: a floating weight with an output-channel dim is required, got ",
+                   weight.sizes(), " ", weight.scalar_type());
+    const at::NoGradGuard no_grad;
+    const at::MemoryFormat format_in = layout_of(weight);
+    const at::Tensor w = weight.to(at::kFloat);
+    std::vector<int64_t> view(static_cast<size_t>(weight.dim()), 1);
+    view[0] = -1;
+    const at::Tensor amax = w.abs().amax(
+        std::vector<int64_t>(weight.dim() == 2 ? std::vector<int64_t>{1} : std::vector<int64_t>{1, 2, 3}));
+    const double qmax = format == QuantFormat::kInt8 ? kInt8Max : kE4M3Max;
+    // An all-zero row keeps scale 1 (its values quantise to 0 either way).
+    const at::Tensor scale = at::where(amax > 0, amax / qmax, at::ones_like(amax)).contiguous();
+    const at::Tensor scaled = w / scale.view(view);
+    at::Tensor data = format == QuantFormat::kInt8 ? scaled.round().clamp(-128, 127).to(at::kChar)
+                                                   : scaled.clamp(-kE4M3Max, kE4M3Max).to(at::kFloat8_e4m3fn);
+    return {data.contiguous(format_in), scale};
+}
+
+at::Tensor dequantize_weight(const at::Tensor& data, const at::Tensor& scale, at::ScalarType dtype) {
+    DTUNE_CHECK_AS(UsageError, is_quantized_dtype(data.scalar_type()) && scale.scalar_type() == at::kFloat,
+                   "dequantize_weight: int8/float8_e4m3fn data with float32 scales expected, got ",
+                   data.scalar_type(), " and ", scale.scalar_type());
+#ifdef DTUNE_WITH_CUDA_KERNELS
+    const auto [rows, cols] = row_shape(data);
+    const bool kernel_dtype_ok = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+    if (data.is_cuda() && rows <= 65535 && kernel_dtype_ok) {
+        const at::MemoryFormat format = layout_of(data);
+        const at::Tensor q = data.contiguous(format), s = scale.contiguous();
+        at::Tensor out = at::empty_like(q, q.options().dtype(dtype), format);
+        const c10::cuda::CUDAGuard guard(q.device());
+        check_launch(cuda::dequantize_rows(q.const_data_ptr(),
+                                           q.scalar_type() == at::kChar ? cuda::QuantStorage::kInt8
+                                                                        : cuda::QuantStorage::kFloat8E4M3,
+                                           s.const_data_ptr<float>(), rows, cols, out.mutable_data_ptr(),
+                                           kernel_dtype(dtype, "dequantize_weight"), current_stream_of(q)),
+                     "dequantize_weight", "dequantise");
+        return out;
+    }
+#endif
+    std::vector<int64_t> view(static_cast<size_t>(data.dim()), 1);
+    view[0] = -1;
+    return data.to(at::kFloat).mul_(scale.view(view)).to(dtype);
+}
+
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale,
+                            const at::Tensor& bias) {
+    check_frozen_bias(bias);
+    return QuantizedLinearFunction::apply(x, Frozen{data, scale, bias});
+}
+
+at::Tensor quantized_linear_no_grad(const at::Tensor& x2, const at::Tensor& data, const at::Tensor& scale,
+                                    const at::Tensor& bias, at::ScalarType dtype) {
+    return linear_forward(x2, data, scale, bias, dtype);
+}
+
+at::Tensor quantized_conv2d(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale,
+                            const at::Tensor& bias, at::IntArrayRef stride, at::IntArrayRef padding,
+                            at::IntArrayRef dilation, int64_t groups) {
+    check_frozen_bias(bias);
+    return QuantizedConv2dFunction::apply(x, Frozen{data, scale, bias},
+                                          ConvGeometry{stride.vec(), padding.vec(), dilation.vec(), groups});
+}
+
+bool fp8_gemm_available(const c10::Device& device) {
+#ifdef DTUNE_WITH_CUDA_KERNELS
+    if (!device.is_cuda()) return false;
+    const auto* props =
+        at::cuda::getDeviceProperties(device.has_index() ? device.index() : at::cuda::current_device());
+    return props->major > 8 || (props->major == 8 && props->minor >= 9);
+#else
+    (void)device;
+    return false;
+#endif
+}
+
+QuantizeReport quantize_module(torch::nn::Module& module, const QuantPreset& preset) {
+    QuantizeReport report;
+    if (!preset.active()) return report;
+    const auto visit = [&](torch::nn::Module& m) {
+        if (auto* linear = m.as<LinearImpl>()) {
+            if (linear->weight_scale.defined()) return;
+            const bool fits = !preset.dims_multiple_of_16 ||
+                              (linear->weight.size(0) % 16 == 0 && linear->weight.size(1) % 16 == 0);
+            if (fits) {
+                quantize_layer(*linear, preset.format, report);
+            } else {
+                ++report.skipped;
+            }
+        } else if (auto* conv = m.as<Conv2dImpl>()) {
+            if (conv->weight_scale.defined()) return;
+            if (preset.convolutions) {
+                quantize_layer(*conv, preset.format, report);
+            } else {
+                ++report.skipped;
+            }
+        }
+    };
+    // The root itself (which may live on the stack), then every descendant.
+    visit(module);
+    for (const auto& m : module.modules(/*include_self=*/false)) visit(*m);
+    return report;
+}
+
+std::string describe(const QuantizeReport& report, const QuantPreset& preset) {
+    std::ostringstream os;
+    os << preset.name << ": " << report.layers << " layers quantised, weights " << gib(report.bytes_before)
+       << " -> " << gib(report.bytes_after);
+    if (report.skipped > 0) os << " (" << report.skipped << " Linear/Conv2d layers left dense by the preset)";
+    return os.str();
+}
+
+}  // namespace dtune::models

@@ -1,0 +1,81 @@
+// Quantised frozen weights: SimpleTuner's `base_model_precision` / `text_encoder_N_precision`
+// presets for the Linear and Conv2d layers of a frozen model (a LoRA/DoRA base, a text encoder, a
+// sampling model).
+//
+// Storage: one scale per output channel (dim 0), symmetric, no zero point, as quanto's qint8 and
+// qfloat8 weights:
+// - int8: q = round(w / s) clamped to [-127, 127], s = max|w| / 127;
+// - fp8 (e4m3fn): q = fp8(w / s), s = max|w| / 448 (448 is e4m3fn's largest finite value).
+// The layer's `weight` holds q (int8 or float8_e4m3fn, same shape) and `weight_scale` holds s
+// (float32, [out]); weight = q · s. An all-zero row gets s = 1.
+//
+// Compute: the weight is dequantised one layer at a time, just before its GEMM or convolution, into
+// a transient tensor in the compute dtype, and dequantised again in backward (nothing dequantised is
+// saved for backward, so the model never holds a dense copy). On CUDA that is one kernel
+// (models/cuda/quantize_kernels.cu). fp8 weights on a GPU with fp8 tensor cores (compute capability
+// 8.9 and up) run their Linear forward as an fp8 GEMM instead: the activation is quantised per row
+// to e4m3 on the fly and at::_scaled_mm multiplies with both row scales (torchao's dynamic
+// activation recipe, with per-row instead of per-tensor scales).
+//
+// Gradients flow to the layer's input only: a quantised weight and its bias are frozen.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/quant_preset.h"
+
+namespace dtune::models {
+
+// QuantFormat, QuantPreset and parse_quant_preset: core/quant_preset.h.
+
+struct QuantizedWeight {
+    at::Tensor data;   // int8 or float8_e4m3fn, shaped like the weight
+    at::Tensor scale;  // float32 [out]
+};
+
+// Quantises a dense weight (any float dtype, dim 0 = output channels) on its own device.
+QuantizedWeight quantize_weight(const at::Tensor& weight, QuantFormat format);
+
+// q · s in `dtype` (computed in float32, rounded once), shaped like `data`.
+at::Tensor dequantize_weight(const at::Tensor& data, const at::Tensor& scale, at::ScalarType dtype);
+
+// x·Wᵀ + bias for W = data · scale, differentiable in x. Computes in the autocast dtype when
+// autocast is on for x's device, else in x's dtype; `bias` must not require grad.
+at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale,
+                            const at::Tensor& bias);
+// The same without autograd (for callers with their own backward), computing in `dtype`:
+// x2 is [N, in]; the fp8 GEMM is used where it applies.
+at::Tensor quantized_linear_no_grad(const at::Tensor& x2, const at::Tensor& data, const at::Tensor& scale,
+                                    const at::Tensor& bias, at::ScalarType dtype);
+
+// conv2d(x, W) + bias for W = data · scale, differentiable in x (zero padding).
+at::Tensor quantized_conv2d(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale,
+                            const at::Tensor& bias, at::IntArrayRef stride, at::IntArrayRef padding,
+                            at::IntArrayRef dilation, int64_t groups);
+
+// True when fp8 Linear forwards on `device` run as fp8 GEMMs (CUDA, compute capability >= 8.9,
+// built with CUDA).
+bool fp8_gemm_available(const c10::Device& device);
+
+struct QuantizeReport {
+    int64_t layers = 0;        // layers quantised
+    int64_t skipped = 0;       // Linear/Conv2d layers the preset leaves dense
+    int64_t bytes_before = 0;  // the quantised layers' weights before
+    int64_t bytes_after = 0;   // ... and after (data + scales)
+};
+
+// Quantises every Linear and Conv2d weight under `module` that `preset` covers (see QuantPreset),
+// in place, one layer at a time on the weights' device (the dense weight of a layer is freed as soon
+// as its quantised copy exists). Weights become frozen buffers; biases are frozen. Layers already
+// quantised are left alone. A preset that is not active returns an empty report.
+QuantizeReport quantize_module(torch::nn::Module& module, const QuantPreset& preset);
+
+// "int8-quanto: 794 layers, 4.78 GiB -> 2.40 GiB" for logs.
+std::string describe(const QuantizeReport& report, const QuantPreset& preset);
+
+}  // namespace dtune::models

@@ -1,0 +1,121 @@
+// Dequantisation of int8/fp8 weights and per-row fp8 quantisation of activations (see
+// quantize_kernels.h). Both are memory-bound single passes.
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "models/cuda/kernel_utils.cuh"
+#include "models/cuda/quantize_kernels.h"
+
+namespace dtune::models::cuda {
+namespace {
+
+constexpr float kE4M3Max = 448.0f;
+
+__device__ __forceinline__ float stored_to_float(int8_t v) {
+    return static_cast<float>(v);
+}
+__device__ __forceinline__ float stored_to_float(__nv_fp8_e4m3 v) {
+    return static_cast<float>(v);
+}
+
+// grid: (column blocks, rows); each thread converts V consecutive elements when the row is
+// 16-byte aligned for both sides, else one.
+template <typename Q, typename T>
+__global__ void dequantize_rows_kernel(const Q* __restrict__ q, const float* __restrict__ scale, int64_t cols,
+                                       T* __restrict__ out) {
+    const int64_t row = blockIdx.y;
+    const float s = scale[row];
+    const Q* src = q + row * cols;
+    T* dst = out + row * cols;
+    for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < cols;
+         c += static_cast<int64_t>(gridDim.x) * blockDim.x)
+        dst[c] = from_float<T>(stored_to_float(src[c]) * s);
+}
+
+template <typename Q, typename T>
+int launch_dequantize(const void* q, const float* scale, int64_t rows, int64_t cols, void* out,
+                      cudaStream_t s) {
+    constexpr int kThreads = 256;
+    const int64_t col_blocks = std::min<int64_t>((cols + kThreads - 1) / kThreads, 1024);
+    const dim3 grid(static_cast<unsigned>(std::max<int64_t>(col_blocks, 1)), static_cast<unsigned>(rows));
+    dequantize_rows_kernel<Q, T>
+        <<<grid, kThreads, 0, s>>>(static_cast<const Q*>(q), scale, cols, static_cast<T*>(out));
+    return static_cast<int>(cudaGetLastError());
+}
+
+template <typename Q>
+int dequantize_to(const void* q, const float* scale, int64_t rows, int64_t cols, void* out, KernelDtype dt,
+                  cudaStream_t s) {
+    switch (dt) {
+        case KernelDtype::kFloat: return launch_dequantize<Q, float>(q, scale, rows, cols, out, s);
+        case KernelDtype::kBFloat16: return launch_dequantize<Q, __nv_bfloat16>(q, scale, rows, cols, out, s);
+        case KernelDtype::kHalf: return launch_dequantize<Q, __half>(q, scale, rows, cols, out, s);
+    }
+    return static_cast<int>(cudaErrorInvalidValue);
+}
+
+// One block per row: a max-reduction over |x|, then the scaled conversion (the row is re-read,
+// mostly from L1/L2).
+template <typename T>
+__global__ void quantize_rows_fp8_kernel(const T* __restrict__ x, int64_t cols, __nv_fp8_e4m3* __restrict__ q,
+                                         float* __restrict__ scale) {
+    __shared__ float partial[32];
+    const int64_t row = blockIdx.x;
+    const T* src = x + row * cols;
+    float amax = 0.0f;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) amax = fmaxf(amax, fabsf(to_float(src[c])));
+    for (int offset = 16; offset > 0; offset /= 2)
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    if (lane == 0) partial[warp] = amax;
+    __syncthreads();
+    if (warp == 0) {
+        amax = lane < static_cast<int>(blockDim.x / 32) ? partial[lane] : 0.0f;
+        for (int offset = 16; offset > 0; offset /= 2)
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+        if (lane == 0) partial[0] = amax;
+    }
+    __syncthreads();
+    amax = partial[0];
+    const float s = amax > 0.0f ? amax / kE4M3Max : 1.0f;
+    if (threadIdx.x == 0) scale[row] = s;
+    const float inv = 1.0f / s;
+    __nv_fp8_e4m3* dst = q + row * cols;
+    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
+        dst[c] = __nv_fp8_e4m3(fminf(fmaxf(to_float(src[c]) * inv, -kE4M3Max), kE4M3Max));
+}
+
+template <typename T>
+int launch_quantize_fp8(const void* x, int64_t rows, int64_t cols, void* q, float* scale, cudaStream_t s) {
+    constexpr int kThreads = 256;
+    quantize_rows_fp8_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(
+        static_cast<const T*>(x), cols, static_cast<__nv_fp8_e4m3*>(q), scale);
+    return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+int dequantize_rows(const void* q, QuantStorage storage, const float* scale, int64_t rows, int64_t cols,
+                    void* out, KernelDtype out_dtype, void* stream) {
+    if (rows == 0 || cols == 0) return 0;
+    if (rows > 65535) return static_cast<int>(cudaErrorInvalidValue);
+    auto s = static_cast<cudaStream_t>(stream);
+    if (storage == QuantStorage::kInt8) return dequantize_to<int8_t>(q, scale, rows, cols, out, out_dtype, s);
+    return dequantize_to<__nv_fp8_e4m3>(q, scale, rows, cols, out, out_dtype, s);
+}
+
+int quantize_rows_fp8(const void* x, KernelDtype x_dtype, int64_t rows, int64_t cols, void* q, float* scale,
+                      void* stream) {
+    if (rows == 0) return 0;
+    if (rows > 2147483647LL) return static_cast<int>(cudaErrorInvalidValue);
+    auto s = static_cast<cudaStream_t>(stream);
+    switch (x_dtype) {
+        case KernelDtype::kFloat: return launch_quantize_fp8<float>(x, rows, cols, q, scale, s);
+        case KernelDtype::kBFloat16: return launch_quantize_fp8<__nv_bfloat16>(x, rows, cols, q, scale, s);
+        case KernelDtype::kHalf: return launch_quantize_fp8<__half>(x, rows, cols, q, scale, s);
+    }
+    return static_cast<int>(cudaErrorInvalidValue);
+}
+
+}  // namespace dtune::models::cuda

@@ -1,0 +1,24 @@
+// Launchers of the quantisation kernels (cuda/quantize_kernels.cu), callable from code built
+// without nvcc (see common/quantize.h for the formats). Built only with DTUNE_WITH_CUDA_KERNELS.
+// Each returns the launch's cudaError_t as an int (0 = success).
+#pragma once
+
+#include <cstdint>
+
+#include "models/cuda/kernel_dtype.h"
+
+namespace dtune::models::cuda {
+
+enum class QuantStorage { kInt8, kFloat8E4M3 };
+
+// out[r, c] = float(q[r, c]) · scale[r], rounded once to `out_dtype`. `q` and `out` hold `rows`
+// blocks of `cols` consecutive elements (dim 0 outermost: contiguous or channels-last weights).
+int dequantize_rows(const void* q, QuantStorage storage, const float* scale, int64_t rows, int64_t cols,
+                    void* out, KernelDtype out_dtype, void* stream);
+
+// Per-row e4m3 quantisation of a row-major [rows, cols] activation: scale[r] = max(|x[r, :]|) / 448
+// (1 for an all-zero row) and q[r, c] = e4m3(x[r, c] / scale[r]), saturating.
+int quantize_rows_fp8(const void* x, KernelDtype x_dtype, int64_t rows, int64_t cols, void* q, float* scale,
+                      void* stream);
+
+}  // namespace dtune::models::cuda
