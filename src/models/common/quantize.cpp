@@ -215,7 +215,10 @@ QuantizedWeight quantize_weight(const at::Tensor& weight, QuantFormat format) {
         std::vector<int64_t>(weight.dim() == 2 ? std::vector<int64_t>{1} : std::vector<int64_t>{1, 2, 3}));
     const double qmax = format == QuantFormat::kInt8 ? kInt8Max : kE4M3Max;
     // An all-zero row keeps scale 1 (its values quantise to 0 either way).
-    const at::Tensor scale = at::where(amax > 0, amax / qmax, at::ones_like(amax)).contiguous();
+    // amax / qmax as a tensor division: CUDA divides by a scalar as a multiply by its reciprocal,
+    // which would give other scales on the GPU than on the CPU (and than quanto's).
+    const at::Tensor scale =
+        at::where(amax > 0, amax / at::full_like(amax, qmax), at::ones_like(amax)).contiguous();
     const at::Tensor scaled = w / scale.view(view);
     at::Tensor data = format == QuantFormat::kInt8 ? scaled.round().clamp(-128, 127).to(at::kChar)
                                                    : scaled.clamp(-kE4M3Max, kE4M3Max).to(at::kFloat8_e4m3fn);

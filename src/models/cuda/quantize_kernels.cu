@@ -19,28 +19,59 @@ __device__ __forceinline__ float stored_to_float(__nv_fp8_e4m3 v) {
     return static_cast<float>(v);
 }
 
-// grid: (column blocks, rows); each thread converts V consecutive elements when the row is
-// 16-byte aligned for both sides, else one.
-template <typename Q, typename T>
+__device__ __forceinline__ float stored_to_float(uint8_t bits, int8_t*) {
+    return static_cast<float>(static_cast<int8_t>(bits));
+}
+__device__ __forceinline__ float stored_to_float(uint8_t bits, __nv_fp8_e4m3*) {
+    __nv_fp8_e4m3 v;
+    v.__x = bits;
+    return static_cast<float>(v);
+}
+
+// grid: (column blocks, rows). Vectorised: each thread turns 8 stored bytes (one 8-byte load) into
+// 8 outputs (16 or 32 bytes of stores) where a row is a multiple of 8 elements; else one at a time.
+template <typename Q, typename T, bool kVec>
 __global__ void dequantize_rows_kernel(const Q* __restrict__ q, const float* __restrict__ scale, int64_t cols,
                                        T* __restrict__ out) {
     const int64_t row = blockIdx.y;
     const float s = scale[row];
     const Q* src = q + row * cols;
     T* dst = out + row * cols;
-    for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < cols;
-         c += static_cast<int64_t>(gridDim.x) * blockDim.x)
-        dst[c] = from_float<T>(stored_to_float(src[c]) * s);
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+    if constexpr (kVec) {
+        const int64_t packs = cols / 8;
+        for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < packs; p += stride) {
+            const uint2 raw = reinterpret_cast<const uint2*>(src)[p];
+            Pack<T, 8> o;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const uint32_t word = k < 4 ? raw.x : raw.y;
+                const auto bits = static_cast<uint8_t>((word >> (8 * (k % 4))) & 0xffu);
+                o.v[k] = from_float<T>(stored_to_float(bits, static_cast<Q*>(nullptr)) * s);
+            }
+            reinterpret_cast<Pack<T, 8>*>(dst)[p] = o;
+        }
+    } else {
+        for (int64_t c = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; c < cols; c += stride)
+            dst[c] = from_float<T>(stored_to_float(src[c]) * s);
+    }
 }
 
 template <typename Q, typename T>
 int launch_dequantize(const void* q, const float* scale, int64_t rows, int64_t cols, void* out,
                       cudaStream_t s) {
     constexpr int kThreads = 256;
-    const int64_t col_blocks = std::min<int64_t>((cols + kThreads - 1) / kThreads, 1024);
+    const bool vec = cols % 8 == 0 && aligned16(out) && reinterpret_cast<uintptr_t>(q) % 8 == 0;
+    const int64_t work = vec ? cols / 8 : cols;
+    const int64_t col_blocks = std::min<int64_t>((work + kThreads - 1) / kThreads, 1024);
     const dim3 grid(static_cast<unsigned>(std::max<int64_t>(col_blocks, 1)), static_cast<unsigned>(rows));
-    dequantize_rows_kernel<Q, T>
-        <<<grid, kThreads, 0, s>>>(static_cast<const Q*>(q), scale, cols, static_cast<T*>(out));
+    if (vec) {
+        dequantize_rows_kernel<Q, T, true>
+            <<<grid, kThreads, 0, s>>>(static_cast<const Q*>(q), scale, cols, static_cast<T*>(out));
+    } else {
+        dequantize_rows_kernel<Q, T, false>
+            <<<grid, kThreads, 0, s>>>(static_cast<const Q*>(q), scale, cols, static_cast<T*>(out));
+    }
     return static_cast<int>(cudaGetLastError());
 }
 

@@ -1,0 +1,158 @@
+// Quantised weights on CUDA (label gpu; skipped without a CUDA device):
+// - the dequantisation kernel gives the CPU's values bit for bit (int8 and fp8 into fp32/bf16,
+//   contiguous and channels-last);
+// - a quantised Linear under bf16 autocast (the fp8 GEMM on cards that have it) is close to the
+//   dense layer holding the dequantised weight, forward and input gradient, with and without bias;
+// - a LoRA on a quantised base trains inside a CUDA graph, replaying as the eager steps do;
+#include <ATen/autocast_mode.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "model_test_util.h"
+#include "models/adapters/lora.h"
+#include "models/common/adaptable.h"
+#include "models/common/quantize.h"
+#include "support/test_support.h"
+
+#ifdef DTUNE_WITH_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace dtune::models {
+namespace {
+
+const c10::Device kCuda(c10::kCUDA, 0);
+
+TEST(QuantizeGpu, DequantisationKernelEqualsTheCpu) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    torch::manual_seed(1);
+    for (const auto format : {QuantFormat::kInt8, QuantFormat::kFloat8}) {
+        for (const bool conv : {false, true}) {
+            const at::Tensor w = conv ? at::randn({96, 40, 3, 3}) : at::randn({1000, 777});
+            const QuantizedWeight cpu = quantize_weight(w, format);
+            const QuantizedWeight gpu = quantize_weight(w.to(kCuda), format);
+            // Quantisation on the GPU stores what the CPU stores.
+            EXPECT_TRUE(at::equal(gpu.data.cpu().view(at::kByte), cpu.data.view(at::kByte)));
+            EXPECT_TRUE(at::equal(gpu.scale.cpu(), cpu.scale));
+            for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+                for (const bool channels_last : {false, conv}) {
+                    const auto layout = channels_last ? at::MemoryFormat::ChannelsLast : at::MemoryFormat::Contiguous;
+                    const at::Tensor q = gpu.data.contiguous(layout);
+                    const at::Tensor got = dequantize_weight(q, gpu.scale, dtype);
+                    EXPECT_EQ(got.is_contiguous(layout), true);
+                    EXPECT_TRUE(at::equal(got.cpu().contiguous(), dequantize_weight(cpu.data, cpu.scale, dtype)))
+                        << "format " << static_cast<int>(format) << " dtype " << dtype << " cl " << channels_last;
+                }
+            }
+        }
+    }
+}
+
+TEST(QuantizeGpu, QuantisedLinearUnderAutocastIsCloseToTheDenseLayer) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    torch::manual_seed(2);
+    for (const auto format : {QuantFormat::kInt8, QuantFormat::kFloat8}) {
+        for (const bool bias : {false, true}) {
+            SCOPED_TRACE(str(format == QuantFormat::kInt8 ? "int8" : "fp8", bias ? " bias" : ""));
+            const at::Tensor w = (at::randn({640, 320}) * 0.05).to(kCuda, at::kBFloat16);
+            const at::Tensor b = bias ? at::randn({640}).to(kCuda, at::kBFloat16) : at::Tensor();
+            const QuantizedWeight q = quantize_weight(w, format);
+            const at::Tensor dense = dequantize_weight(q.data, q.scale, at::kBFloat16);
+            // M = 2·1024 tokens (fp8 GEMM shape) and M = 2·77 (the dequantised fallback).
+            for (const int64_t tokens : {1024, 77}) {
+                const at::Tensor x = at::randn({2, tokens, 320}, kCuda).requires_grad_();
+                const at::Tensor xr = x.detach().clone().requires_grad_();
+                at::Tensor y, yr;
+                at::autocast::set_autocast_enabled(at::kCUDA, true);
+                at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+                y = quantized_linear(x, q.data, q.scale, b);
+                yr = at::linear(xr, dense, b);
+                at::autocast::set_autocast_enabled(at::kCUDA, false);
+                at::autocast::clear_cache();
+                ASSERT_EQ(y.scalar_type(), at::kBFloat16);
+                const at::Tensor g = at::randn(y.sizes(), y.options());
+                y.backward(g);
+                yr.backward(g);
+                const double scale = yr.abs().max().item<double>();
+                // fp8 activations (e4m3: 3 mantissa bits) on the fp8-GEMM path; bf16 rounding otherwise.
+                const bool fp8_gemm = format == QuantFormat::kFloat8 && tokens == 1024 && fp8_gemm_available(kCuda);
+                EXPECT_LE(test::reported_diff("y", y.to(at::kFloat), yr.to(at::kFloat)), (fp8_gemm ? 0.06 : 0.01) * scale);
+                EXPECT_LE(test::reported_diff("dx", x.grad(), xr.grad()), 0.01 * xr.grad().abs().max().item<double>());
+            }
+        }
+    }
+}
+
+#ifdef DTUNE_WITH_CUDA
+// LoRA r4 on an int8/fp8 base, trained with SGD under bf16 autocast: eager steps and the same steps
+// replayed from a CUDA graph give the same adapters.
+TEST(QuantizeGpu, LoRAOnAQuantisedBaseReplaysInACudaGraph) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    for (const std::string preset : {"int8-quanto", "fp8-torchao"}) {
+        SCOPED_TRACE(preset);
+        torch::manual_seed(3);
+        struct Net : torch::nn::Module {
+            Net() {
+                a = register_module("a", AdaptableLinear(64, 128));
+                b = register_module("b", AdaptableLinear(128, 64));
+            }
+            AdaptableLinear a{nullptr}, b{nullptr};
+        };
+        std::array<std::shared_ptr<Net>, 2> nets{std::make_shared<Net>(), std::make_shared<Net>()};
+        nets[1]->a->weight.data().copy_(nets[0]->a->weight.data());
+        nets[1]->b->weight.data().copy_(nets[0]->b->weight.data());
+        nets[1]->a->bias.data().copy_(nets[0]->a->bias.data());
+        nets[1]->b->bias.data().copy_(nets[0]->b->bias.data());
+        std::vector<LoRAAdapters> adapters;
+        for (auto& n : nets) {
+            n->to(kCuda, at::kBFloat16);
+            for (auto& p : n->parameters()) p.set_requires_grad(false);
+            quantize_module(*n, parse_quant_preset(preset, "base_model_precision"));
+            LoRAConfig c;
+            c.rank = 4;
+            c.target_modules = {"a", "b"};
+            c.init_seed = 9;
+            adapters.push_back(inject_lora(*n, c));
+            for (auto& p : adapters.back().parameters()) p.set_data(p.to(at::kFloat));
+        }
+        const at::Tensor x = at::randn({4, 32, 64}, kCuda);
+        const auto step = [&](Net& n, LoRAAdapters& l) {
+            at::autocast::set_autocast_enabled(at::kCUDA, true);
+            at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+            const at::Tensor loss = n.b->forward(at::gelu(n.a->forward(x))).to(at::kFloat).square().mean();
+            at::autocast::set_autocast_enabled(at::kCUDA, false);
+            at::autocast::clear_cache();
+            loss.backward();
+            at::NoGradGuard no_grad;
+            for (auto& p : l.parameters()) {
+                p.sub_(p.grad(), 0.1);
+                p.mutable_grad().zero_();
+            }
+        };
+        for (auto& p : adapters[1].parameters()) p.mutable_grad() = at::zeros_like(p);
+        for (int i = 0; i < 3; ++i) step(*nets[0], adapters[0]);
+        // Warm up on a side stream, capture one step, replay it twice (3 steps in all).
+        const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+        at::cuda::CUDAGraph graph;
+        {
+            const c10::cuda::CUDAStreamGuard guard(side);
+            step(*nets[1], adapters[1]);
+            graph.capture_begin();
+            step(*nets[1], adapters[1]);
+            graph.capture_end();
+        }
+        graph.replay();
+        graph.replay();
+        torch::cuda::synchronize();
+        const auto pa = adapters[0].named_parameters(), pb = adapters[1].named_parameters();
+        for (size_t i = 0; i < pa.size(); ++i)
+            EXPECT_LE(test::reported_diff(pa[i].first, pa[i].second, pb[i].second),
+                      1e-3 * (1 + pa[i].second.abs().max().item<double>()));
+    }
+}
+#endif
+
+}  // namespace
+}  // namespace dtune::models
