@@ -52,19 +52,24 @@ int main(int argc, char** argv) {
         for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{5120, 1280}, {1280, 5120}, {640, 640}}) {
             const at::Tensor w = at::randn({rows, cols}, at::TensorOptions(cuda).dtype(at::kBFloat16));
             const m::QuantizedWeight q = m::quantize_weight(w, format);
-            const double us = time_us([&] { (void)m::dequantize_weight(q.data, q.scale, at::kBFloat16); }, iters);
+            const double us =
+                time_us([&] { (void)m::dequantize_weight(q.data, q.scale, at::kBFloat16); }, iters);
             const double bytes = static_cast<double>(rows * cols) * 3.0;  // 1 read + 2 written
-            std::printf("{\"bench\": \"dequantize\", \"format\": \"%s\", \"rows\": %ld, \"cols\": %ld, \"us\": %.2f, "
-                        "\"gb_per_s\": %.1f}\n",
-                        name(format), static_cast<long>(rows), static_cast<long>(cols), us, bytes / us / 1e3);
+            std::printf(
+                "{\"bench\": \"dequantize\", \"format\": \"%s\", \"rows\": %ld, \"cols\": %ld, \"us\": %.2f, "
+                "\"gb_per_s\": %.1f}\n",
+                name(format), static_cast<long>(rows), static_cast<long>(cols), us, bytes / us / 1e3);
         }
     }
 
     // attention projection at 128×128 tokens batch 1.
     for (const auto& [mm, k, n] : {std::tuple<int64_t, int64_t, int64_t>{16384, 1280, 10240},
-                                   {16384, 5120, 1280}, {16384, 640, 640}, {4096, 1280, 1280}}) {
+                                   {16384, 5120, 1280},
+                                   {16384, 640, 640},
+                                   {4096, 1280, 1280}}) {
         const at::Tensor w = (at::randn({n, k}, at::TensorOptions(cuda)) * 0.02).to(at::kBFloat16);
-        const at::Tensor x = at::randn({mm, k}, at::TensorOptions(cuda).dtype(at::kBFloat16)).requires_grad_();
+        const at::Tensor x =
+            at::randn({mm, k}, at::TensorOptions(cuda).dtype(at::kBFloat16)).requires_grad_();
         const at::Tensor g = at::randn({mm, n}, at::TensorOptions(cuda).dtype(at::kBFloat16));
         for (const auto format : {QuantFormat::kNone, QuantFormat::kInt8, QuantFormat::kFloat8}) {
             m::QuantizedWeight q;
@@ -78,12 +83,18 @@ int main(int argc, char** argv) {
                 at::autocast::clear_cache();
                 return y;
             };
-            const double fwd_us = time_us([&] { at::NoGradGuard ng; (void)fwd(); }, iters);
+            const double fwd_us = time_us(
+                [&] {
+                    at::NoGradGuard ng;
+                    (void)fwd();
+                },
+                iters);
             const double both_us = time_us([&] { fwd().backward(g); }, iters);
-            std::printf("{\"bench\": \"linear_fwd_bwd\", \"weight\": \"%s\", \"m\": %ld, \"k\": %ld, \"n\": %ld, "
-                        "\"fwd_us\": %.1f, \"fwd_bwd_us\": %.1f, \"fp8_gemm\": %s}\n",
-                        name(format), static_cast<long>(mm), static_cast<long>(k), static_cast<long>(n), fwd_us,
-                        both_us, format == QuantFormat::kFloat8 && fp8_gemm ? "true" : "false");
+            std::printf(
+                "{\"bench\": \"linear_fwd_bwd\", \"weight\": \"%s\", \"m\": %ld, \"k\": %ld, \"n\": %ld, "
+                "\"fwd_us\": %.1f, \"fwd_bwd_us\": %.1f, \"fp8_gemm\": %s}\n",
+                name(format), static_cast<long>(mm), static_cast<long>(k), static_cast<long>(n), fwd_us,
+                both_us, format == QuantFormat::kFloat8 && fp8_gemm ? "true" : "false");
         }
     }
     return 0;

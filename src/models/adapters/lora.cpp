@@ -104,11 +104,7 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                    torch::autograd::variable_list grads) {
         const auto saved = ctx->get_saved_variables();
-        const at::Tensor &x2 = saved[0], &ac = saved[2], &bc = saved[3], &h = saved[4];
-        const at::Tensor wc =
-            saved[1].defined() ? saved[1]
-                               : dequantize_weight(ctx->saved_data["q_weight"].toTensor(),
-                                                   ctx->saved_data["q_scale"].toTensor(), x2.scalar_type());
+        const at::Tensor &x2 = saved[0], &wc = saved[1], &ac = saved[2], &bc = saved[3], &h = saved[4];
         const double s = ctx->saved_data["scale"].toDouble();
         auto dtype = [&](const char* key) {
             return static_cast<at::ScalarType>(ctx->saved_data[key].toInt());
@@ -120,12 +116,16 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
             drop.p = ctx->saved_data["drop_p"].toDouble();
             drop.index_offset = ctx->saved_data["drop_offset"].toInt();
         }
-        const at::Tensor g = grads[0].reshape({-1, wc.size(0)}).to(x2.scalar_type());  // [N, out]
+        const at::Tensor g = grads[0].reshape({-1, bc.size(0)}).to(x2.scalar_type());  // [N, out]
         const at::Tensor gh =
             at::addmm(at::empty({g.size(0), h.size(1)}, g.options()), g, bc, 0.0, s);  // s·g·B
         at::Tensor dx, da, db;
         if (ctx->needs_input_grad(0)) {
-            dx = at::mm(g, wc);  // [N, in]
+            // [N, in]; a quantised base is read as stored (dequantised, or the fp8 GEMM)
+            dx = wc.defined()
+                     ? at::mm(g, wc)
+                     : quantized_linear_input_grad(g, ctx->saved_data["q_weight"].toTensor(),
+                                                   ctx->saved_data["q_scale"].toTensor(), g.scalar_type());
             if (drop.seed.defined())
                 dx.add_(drop.apply(at::mm(gh, ac)));  // + mask(s·g·B·A)
             else

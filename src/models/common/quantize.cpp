@@ -51,24 +51,28 @@ std::pair<int64_t, int64_t> row_shape(const at::Tensor& t) {
     return {rows, rows == 0 ? 0 : t.numel() / rows};
 }
 
-// Row-major [M, K] → per-row e4m3 values and float32 scales [M, 1] (CUDA kernels only).
-std::pair<at::Tensor, at::Tensor> quantize_rows_fp8(const at::Tensor& x2) {
+// Row-major [M, K] → per-row e4m3 values and float32 scales [M, 1] (CUDA kernels only), of x or,
+// with `col_scale` ([K] float32), of x · col_scale per column.
+std::pair<at::Tensor, at::Tensor> quantize_rows_fp8(const at::Tensor& x2, const at::Tensor& col_scale = {}) {
     const at::Tensor x = x2.contiguous();
+    const at::Tensor cs = col_scale.defined() ? col_scale.contiguous() : at::Tensor();
     at::Tensor q = at::empty(x.sizes(), x.options().dtype(at::kFloat8_e4m3fn));
     at::Tensor s = at::empty({x.size(0), 1}, x.options().dtype(at::kFloat));
     const c10::cuda::CUDAGuard guard(x.device());
-    check_launch(cuda::quantize_rows_fp8(
-                     x.const_data_ptr(), kernel_dtype(x.scalar_type(), "quantize_rows_fp8"), x.size(0),
-                     x.size(1), q.mutable_data_ptr(), s.mutable_data_ptr<float>(), current_stream_of(x)),
-                 "quantized_linear", "fp8 activation quantisation");
+    check_launch(
+        cuda::quantize_rows_fp8(x.const_data_ptr(), kernel_dtype(x.scalar_type(), "quantize_rows_fp8"),
+                                cs.defined() ? cs.const_data_ptr<float>() : nullptr, x.size(0), x.size(1),
+                                q.mutable_data_ptr(), s.mutable_data_ptr<float>(), current_stream_of(x)),
+        "quantized_linear", "fp8 row quantisation");
     return {q, s};
 }
 
-bool use_fp8_gemm(const at::Tensor& x2, const at::Tensor& data, at::ScalarType dtype) {
-    if (data.scalar_type() != at::kFloat8_e4m3fn || !x2.is_cuda()) return false;
-    if (dtype != at::kBFloat16) return false;  // _scaled_mm's row-wise scaling writes bf16
-    if (x2.size(0) % 16 != 0 || x2.size(1) % 16 != 0 || data.size(0) % 16 != 0) return false;
-    return fp8_gemm_available(x2.device());
+// fp8 GEMMs for a Linear with an fp8 weight `data` [out, in] and M rows of activations: bf16
+// compute (_scaled_mm's row-wise scaling writes bf16), every dimension a multiple of 16.
+bool use_fp8_gemm(int64_t m, const at::Tensor& data, const c10::Device& device, at::ScalarType dtype) {
+    if (data.scalar_type() != at::kFloat8_e4m3fn || !device.is_cuda() || dtype != at::kBFloat16) return false;
+    if (m % 16 != 0 || data.size(0) % 16 != 0 || data.size(1) % 16 != 0) return false;
+    return fp8_gemm_available(device);
 }
 #endif
 
@@ -78,7 +82,7 @@ at::Tensor linear_forward(const at::Tensor& x2, const at::Tensor& data, const at
     const at::Tensor x = x2.to(dtype);
     const at::Tensor b = bias.defined() ? bias.to(dtype) : at::Tensor();
 #ifdef DTUNE_WITH_CUDA_KERNELS
-    if (use_fp8_gemm(x, data, dtype)) {
+    if (use_fp8_gemm(x.size(0), data, x.device(), dtype)) {
         auto [xq, xs] = quantize_rows_fp8(x);
         return at::_scaled_mm(xq, data.t(), xs, scale.view({1, -1}),
                               b.defined() ? std::optional(b) : std::nullopt, std::nullopt, dtype,
@@ -92,6 +96,24 @@ at::Tensor linear_forward(const at::Tensor& x2, const at::Tensor& data, const at
 struct Frozen {
     at::Tensor data, scale, bias;
 };
+
+// dX [M, in] = g [M, out] · W for W = data · scale. With fp8 GEMMs: the weight's per-row scales
+// fold into g's columns before g is quantised per row, so the fp8 weight is used as stored
+// (transposed to the column-major operand _scaled_mm wants, a one-byte copy).
+at::Tensor linear_input_grad(const at::Tensor& g2, const at::Tensor& data, const at::Tensor& scale,
+                             at::ScalarType dtype) {
+    const at::Tensor g = g2.to(dtype);
+#ifdef DTUNE_WITH_CUDA_KERNELS
+    if (use_fp8_gemm(g.size(0), data, g.device(), dtype)) {
+        auto [gq, gs] = quantize_rows_fp8(g, scale);
+        const at::Tensor wt = data.t().contiguous();  // [in, out]
+        const at::Tensor ones = at::ones({1, data.size(1)}, scale.options());
+        return at::_scaled_mm(gq, wt.t(), gs, ones, std::nullopt, std::nullopt, dtype,
+                              /*use_fast_accum=*/false);
+    }
+#endif
+    return at::mm(g, dequantize_weight(data, scale, dtype));
+}
 
 // Differentiable in x only: saves nothing dense (the quantised weight is re-read in backward).
 struct QuantizedLinearFunction : public torch::autograd::Function<QuantizedLinearFunction> {
@@ -112,7 +134,7 @@ struct QuantizedLinearFunction : public torch::autograd::Function<QuantizedLinea
         const at::Tensor data = ctx->saved_data["data"].toTensor(),
                          scale = ctx->saved_data["scale"].toTensor();
         const at::Tensor g = grads[0].reshape({-1, data.size(0)});
-        const at::Tensor dx = at::mm(g, dequantize_weight(data, scale, g.scalar_type()));
+        const at::Tensor dx = linear_input_grad(g, data, scale, g.scalar_type());
         const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
         return {dx.to(x_dtype).view(ctx->saved_data["x_sizes"].toIntVector()), at::Tensor()};
     }
@@ -260,6 +282,11 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& data, const a
 at::Tensor quantized_linear_no_grad(const at::Tensor& x2, const at::Tensor& data, const at::Tensor& scale,
                                     const at::Tensor& bias, at::ScalarType dtype) {
     return linear_forward(x2, data, scale, bias, dtype);
+}
+
+at::Tensor quantized_linear_input_grad(const at::Tensor& g2, const at::Tensor& data, const at::Tensor& scale,
+                                       at::ScalarType dtype) {
+    return linear_input_grad(g2, data, scale, dtype);
 }
 
 at::Tensor quantized_conv2d(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale,

@@ -13,9 +13,11 @@
 // a transient tensor in the compute dtype, and dequantised again in backward (nothing dequantised is
 // saved for backward, so the model never holds a dense copy). On CUDA that is one kernel
 // (models/cuda/quantize_kernels.cu). fp8 weights on a GPU with fp8 tensor cores (compute capability
-// 8.9 and up) run their Linear forward as an fp8 GEMM instead: the activation is quantised per row
-// to e4m3 on the fly and at::_scaled_mm multiplies with both row scales (torchao's dynamic
-// activation recipe, with per-row instead of per-tensor scales).
+// 8.9 and up) run their Linear as fp8 GEMMs instead (bf16 compute, dimensions multiples of 16):
+// forward, the activation is quantised per row to e4m3 on the fly and at::_scaled_mm multiplies
+// with both row scales (torchao's dynamic-activation recipe with per-row scales); backward, the
+// output gradient times the weight's scales is quantised per row the same way and multiplied with
+// the stored fp8 weight (torchao's row-wise float8 training recipe: e4m3 throughout).
 //
 // Gradients flow to the layer's input only: a quantised weight and its bias are frozen.
 #pragma once
@@ -52,6 +54,9 @@ at::Tensor quantized_linear(const at::Tensor& x, const at::Tensor& data, const a
 // x2 is [N, in]; the fp8 GEMM is used where it applies.
 at::Tensor quantized_linear_no_grad(const at::Tensor& x2, const at::Tensor& data, const at::Tensor& scale,
                                     const at::Tensor& bias, at::ScalarType dtype);
+// Its input gradient: g2 [N, out] · W -> [N, in] in `dtype` (the fp8 GEMM where it applies).
+at::Tensor quantized_linear_input_grad(const at::Tensor& g2, const at::Tensor& data, const at::Tensor& scale,
+                                       at::ScalarType dtype);
 
 // conv2d(x, W) + bias for W = data · scale, differentiable in x (zero padding).
 at::Tensor quantized_conv2d(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale,

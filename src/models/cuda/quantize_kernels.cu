@@ -40,7 +40,8 @@ __global__ void dequantize_rows_kernel(const Q* __restrict__ q, const float* __r
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     if constexpr (kVec) {
         const int64_t packs = cols / 8;
-        for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < packs; p += stride) {
+        for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < packs;
+             p += stride) {
             const uint2 raw = reinterpret_cast<const uint2*>(src)[p];
             Pack<T, 8> o;
 #pragma unroll
@@ -86,16 +87,41 @@ int dequantize_to(const void* q, const float* scale, int64_t rows, int64_t cols,
     return static_cast<int>(cudaErrorInvalidValue);
 }
 
-// One block per row: a max-reduction over |x|, then the scaled conversion (the row is re-read,
-// mostly from L1/L2).
-template <typename T>
-__global__ void quantize_rows_fp8_kernel(const T* __restrict__ x, int64_t cols, __nv_fp8_e4m3* __restrict__ q,
+// The row's values as the kernel quantises them: x · col_scale (when given), V at a time.
+template <typename T, int V>
+__device__ __forceinline__ void load_scaled(const T* src, const float* col_scale, int64_t c, float (&v)[V]) {
+    if constexpr (V == 8) {
+        const Pack<T, 8> p = *reinterpret_cast<const Pack<T, 8>*>(src + c);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = to_float(p.v[k]);
+        if (col_scale) {
+            const float4 a = *reinterpret_cast<const float4*>(col_scale + c);
+            const float4 b = *reinterpret_cast<const float4*>(col_scale + c + 4);
+            v[0] *= a.x, v[1] *= a.y, v[2] *= a.z, v[3] *= a.w, v[4] *= b.x, v[5] *= b.y, v[6] *= b.z,
+                v[7] *= b.w;
+        }
+    } else {
+        v[0] = to_float(src[c]) * (col_scale ? col_scale[c] : 1.0f);
+    }
+}
+
+// One block per row: a max-reduction over |x · col_scale|, then the scaled conversion (the row is
+// re-read, mostly from L1/L2). V = 8 moves 16-byte packs (rows a multiple of 8, aligned).
+template <typename T, int V>
+__global__ void quantize_rows_fp8_kernel(const T* __restrict__ x, const float* __restrict__ col_scale,
+                                         int64_t cols, __nv_fp8_e4m3* __restrict__ q,
                                          float* __restrict__ scale) {
     __shared__ float partial[32];
     const int64_t row = blockIdx.x;
     const T* src = x + row * cols;
     float amax = 0.0f;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) amax = fmaxf(amax, fabsf(to_float(src[c])));
+    for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < cols;
+         c += static_cast<int64_t>(blockDim.x) * V) {
+        float v[V];
+        load_scaled<T, V>(src, col_scale, c, v);
+#pragma unroll
+        for (int k = 0; k < V; ++k) amax = fmaxf(amax, fabsf(v[k]));
+    }
     for (int offset = 16; offset > 0; offset /= 2)
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -113,15 +139,39 @@ __global__ void quantize_rows_fp8_kernel(const T* __restrict__ x, int64_t cols, 
     if (threadIdx.x == 0) scale[row] = s;
     const float inv = 1.0f / s;
     __nv_fp8_e4m3* dst = q + row * cols;
-    for (int64_t c = threadIdx.x; c < cols; c += blockDim.x)
-        dst[c] = __nv_fp8_e4m3(fminf(fmaxf(to_float(src[c]) * inv, -kE4M3Max), kE4M3Max));
+    for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < cols;
+         c += static_cast<int64_t>(blockDim.x) * V) {
+        float v[V];
+        load_scaled<T, V>(src, col_scale, c, v);
+        if constexpr (V == 8) {
+            uint32_t words[2] = {0u, 0u};
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const __nv_fp8_e4m3 e(fminf(fmaxf(v[k] * inv, -kE4M3Max), kE4M3Max));
+                words[k / 4] |= static_cast<uint32_t>(e.__x) << (8 * (k % 4));
+            }
+            *reinterpret_cast<uint2*>(dst + c) = make_uint2(words[0], words[1]);
+        } else {
+            dst[c] = __nv_fp8_e4m3(fminf(fmaxf(v[0] * inv, -kE4M3Max), kE4M3Max));
+        }
+    }
 }
 
 template <typename T>
-int launch_quantize_fp8(const void* x, int64_t rows, int64_t cols, void* q, float* scale, cudaStream_t s) {
+int launch_quantize_fp8(const void* x, const float* col_scale, int64_t rows, int64_t cols, void* q,
+                        float* scale, cudaStream_t s) {
     constexpr int kThreads = 256;
-    quantize_rows_fp8_kernel<T><<<static_cast<unsigned>(rows), kThreads, 0, s>>>(
-        static_cast<const T*>(x), cols, static_cast<__nv_fp8_e4m3*>(q), scale);
+    const bool vec = cols % 8 == 0 && aligned16(x) && reinterpret_cast<uintptr_t>(q) % 8 == 0 &&
+                     (col_scale == nullptr || aligned16(col_scale));
+    const auto* in = static_cast<const T*>(x);
+    auto* out = static_cast<__nv_fp8_e4m3*>(q);
+    if (vec) {
+        quantize_rows_fp8_kernel<T, 8>
+            <<<static_cast<unsigned>(rows), kThreads, 0, s>>>(in, col_scale, cols, out, scale);
+    } else {
+        quantize_rows_fp8_kernel<T, 1>
+            <<<static_cast<unsigned>(rows), kThreads, 0, s>>>(in, col_scale, cols, out, scale);
+    }
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -136,15 +186,16 @@ int dequantize_rows(const void* q, QuantStorage storage, const float* scale, int
     return dequantize_to<__nv_fp8_e4m3>(q, scale, rows, cols, out, out_dtype, s);
 }
 
-int quantize_rows_fp8(const void* x, KernelDtype x_dtype, int64_t rows, int64_t cols, void* q, float* scale,
-                      void* stream) {
+int quantize_rows_fp8(const void* x, KernelDtype x_dtype, const float* col_scale, int64_t rows, int64_t cols,
+                      void* q, float* scale, void* stream) {
     if (rows == 0) return 0;
     if (rows > 2147483647LL) return static_cast<int>(cudaErrorInvalidValue);
     auto s = static_cast<cudaStream_t>(stream);
     switch (x_dtype) {
-        case KernelDtype::kFloat: return launch_quantize_fp8<float>(x, rows, cols, q, scale, s);
-        case KernelDtype::kBFloat16: return launch_quantize_fp8<__nv_bfloat16>(x, rows, cols, q, scale, s);
-        case KernelDtype::kHalf: return launch_quantize_fp8<__half>(x, rows, cols, q, scale, s);
+        case KernelDtype::kFloat: return launch_quantize_fp8<float>(x, col_scale, rows, cols, q, scale, s);
+        case KernelDtype::kBFloat16:
+            return launch_quantize_fp8<__nv_bfloat16>(x, col_scale, rows, cols, q, scale, s);
+        case KernelDtype::kHalf: return launch_quantize_fp8<__half>(x, col_scale, rows, cols, q, scale, s);
     }
     return static_cast<int>(cudaErrorInvalidValue);
 }

@@ -16,9 +16,11 @@ enum class QuantStorage { kInt8, kFloat8E4M3 };
 int dequantize_rows(const void* q, QuantStorage storage, const float* scale, int64_t rows, int64_t cols,
                     void* out, KernelDtype out_dtype, void* stream);
 
-// Per-row e4m3 quantisation of a row-major [rows, cols] activation: scale[r] = max(|x[r, :]|) / 448
-// (1 for an all-zero row) and q[r, c] = e4m3(x[r, c] / scale[r]), saturating.
-int quantize_rows_fp8(const void* x, KernelDtype x_dtype, int64_t rows, int64_t cols, void* q, float* scale,
-                      void* stream);
+// Per-row e4m3 quantisation of a row-major [rows, cols] activation or gradient, optionally
+// multiplied by a per-column factor first (v = x · col_scale[c]; col_scale may be null):
+// scale[r] = max_c |v[r, c]| / 448 (1 for an all-zero row) and q[r, c] = e4m3(v[r, c] / scale[r]),
+// saturating.
+int quantize_rows_fp8(const void* x, KernelDtype x_dtype, const float* col_scale, int64_t rows, int64_t cols,
+                      void* q, float* scale, void* stream);
 
 }  // namespace dtune::models::cuda
