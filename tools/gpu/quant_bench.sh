@@ -6,7 +6,7 @@
 # (300) steps of each precision at batch 1 for the loss curves (metrics.jsonl copied to $OUT). Also
 # builds and runs the gpu-labelled tests and bench_quant (the pieces: dequantisation bandwidth, one
 # Linear per format). STEPS changes the speed runs' length (40); PHASE=speed or
-# PHASE=curves runs one half only.
+# PHASE=curves runs one half only; PHASE=threshold measures the fp8 GEMM size threshold.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=${OUT:-gpu-logs}; mkdir -p "$out"
@@ -25,7 +25,7 @@ run() {  # name, time limit, then tools/gpu/train_full_size.sh arguments after t
   echo "{\"run\": \"$name\", \"rc\": $rc, \"unet\": \"${unet:-bf16}\", \"result\": $(tail -1 "$out/$name.log" | grep '^{' || echo null)}"
   grep -E "cuda_graph|error" "$out/$name.log" | cut -c1-220 | head -3
 }
-if [[ $PHASE != curves ]]; then
+if [[ $PHASE == speed || $PHASE == all ]]; then
   ctest --test-dir build/dev -j4 -L gpu --output-on-failure >"$out/ctest_gpu.log" 2>&1
   echo "== ctest -L gpu: $(grep -E 'tests passed|tests failed' "$out/ctest_gpu.log")"
   sed -n '/The following tests FAILED/,$p' "$out/ctest_gpu.log"
@@ -38,7 +38,18 @@ if [[ $PHASE != curves ]]; then
     run "lora1_$p" 200 lora "$STEPS" --train_batch_size 1 --base_model_precision "$p"
   done
 fi
-if [[ $PHASE != speed ]]; then
+# PHASE=threshold: fp8-torchao at batch 4 and 1 with the fp8 GEMM used from several GEMM sizes on
+# (DTUNE_FP8_GEMM_MIN_MACS: 0 = always, 1e30 = never), against bf16 in the same call.
+if [[ $PHASE == threshold ]]; then
+  run lora4_bf16 200 lora "$STEPS"
+  run lora1_bf16 200 lora "$STEPS" --train_batch_size 1
+  for t in 0 8589934592 34359738368 1e30; do
+    DTUNE_FP8_GEMM_MIN_MACS=$t run "lora4_fp8_min$t" 200 lora "$STEPS" --base_model_precision fp8-torchao
+    DTUNE_FP8_GEMM_MIN_MACS=$t run "lora1_fp8_min$t" 200 lora "$STEPS" --train_batch_size 1 --base_model_precision fp8-torchao
+  done
+  echo "== total $SECONDS s"; exit 0
+fi
+if [[ $PHASE == curves || $PHASE == all ]]; then
   for p in no_change int8-quanto fp8-torchao; do
     run "curve_$p" 300 lora "${LOSS_STEPS:-300}" --train_batch_size 1 --base_model_precision "$p"
   done

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 
 #include "core/error.h"
@@ -25,6 +26,7 @@ namespace {
 
 constexpr double kInt8Max = 127.0;
 constexpr double kE4M3Max = 448.0;
+constexpr double kFp8GemmMinMacs = 34359738368.0;  // 2^35
 
 bool is_quantized_dtype(at::ScalarType t) {
     return t == at::kChar || t == at::kFloat8_e4m3fn;
@@ -67,11 +69,27 @@ std::pair<at::Tensor, at::Tensor> quantize_rows_fp8(const at::Tensor& x2, const 
     return {q, s};
 }
 
+// The smallest GEMM (M·K·N multiply-adds) that runs in fp8: below it the row quantisation and the
+// weight transpose cost more than the fp8 tensor cores save, and the weight is dequantised instead
+// (measured on an H200 with SDXL's shapes: docs/BENCHMARKS.md). DTUNE_FP8_GEMM_MIN_MACS overrides
+// it (0: every eligible GEMM in fp8), for measurements.
+double fp8_gemm_min_macs() {
+    static const double value = [] {
+        const char* env = std::getenv("DTUNE_FP8_GEMM_MIN_MACS");
+        return env && *env ? std::strtod(env, nullptr) : kFp8GemmMinMacs;
+    }();
+    return value;
+}
+
 // fp8 GEMMs for a Linear with an fp8 weight `data` [out, in] and M rows of activations: bf16
-// compute (_scaled_mm's row-wise scaling writes bf16), every dimension a multiple of 16.
+// compute (_scaled_mm's row-wise scaling writes bf16), every dimension a multiple of 16, and big
+// enough to pay.
 bool use_fp8_gemm(int64_t m, const at::Tensor& data, const c10::Device& device, at::ScalarType dtype) {
     if (data.scalar_type() != at::kFloat8_e4m3fn || !device.is_cuda() || dtype != at::kBFloat16) return false;
     if (m % 16 != 0 || data.size(0) % 16 != 0 || data.size(1) % 16 != 0) return false;
+    if (static_cast<double>(m) * static_cast<double>(data.size(0)) * static_cast<double>(data.size(1)) <
+        fp8_gemm_min_macs())
+        return false;
     return fp8_gemm_available(device);
 }
 #endif
