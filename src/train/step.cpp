@@ -136,6 +136,44 @@ at::Tensor predict(models::UNet2DConditionModelImpl& unet, const TrainBatch& bat
     return unet.forward(noisy, t, batch.prompt_embeds, added);  // [B, C, h, w]
 }
 
+// Scheduled sampling (diffusion/scheduled_sampling.h): the rolled-out noisy latents. The plan is
+// drawn for the global batch, so every rank makes the same draws and keeps its own rows.
+at::Tensor roll_out(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
+                    const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+                    const at::Tensor& latents, const Draws& d, const at::Tensor& noisy, int64_t global_step,
+                    at::Generator& generator) {
+    const auto& ss = options.scheduled_sampling;
+    const int64_t b = latents.size(0), T = schedule.num_train_timesteps();
+    const double p = diffusion::rollout_probability(ss, global_step);
+    const diffusion::RolloutPlan plan =
+        diffusion::plan_rollout(at::zeros({b * options.world_size}, at::kLong), T, ss, p, generator);
+    const at::Tensor offsets = plan.offsets.slice(0, options.rank * b, (options.rank + 1) * b);
+    const at::Tensor t = d.t.to(at::kCPU);
+    at::Tensor out = noisy;
+    c10::NoGradGuard no_grad;
+    for (int64_t i = 0; i < b; ++i) {
+        const int64_t target = t[i].item<int64_t>();
+        const int64_t source = std::min(target + offsets[i].item<int64_t>(), T - 1);
+        if (source <= target) continue;
+        if (out.is_same(noisy)) out = noisy.clone();
+        TrainBatch one;
+        one.prompt_embeds = batch.prompt_embeds.narrow(0, i, 1);
+        one.pooled_embeds = batch.pooled_embeds.narrow(0, i, 1);
+        one.time_ids = batch.time_ids.narrow(0, i, 1);
+        const auto at_t = [&](int64_t v) {
+            return at::full({1}, v, at::TensorOptions(latents.device()).dtype(at::kLong));
+        };
+        at::Tensor x =
+            schedule.add_noise(latents.narrow(0, i, 1), d.noise.input_noise.narrow(0, i, 1), at_t(source));
+        for (int64_t step = source; step > target && step > 0; --step) {
+            const at::Tensor pred = predict(unet, one, x, at_t(step), options);
+            x = diffusion::rollout_step(schedule, options.prediction, x, pred, step, step - 1);
+        }
+        out[i].copy_(x[0]);
+    }
+    return out;
+}
+
 }  // namespace
 
 MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
@@ -146,7 +184,11 @@ MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& b
     const at::Tensor latents = batch.latents.to(at::kFloat);  // [B, C, h, w]
     const Draws d = draw(latents, schedule, options, global_step, generator);
     const at::Tensor& t_dev = d.t_dev;
-    const at::Tensor noisy = schedule.add_noise(latents, d.noise.input_noise, t_dev);  // [B, C, h, w]
+    at::Tensor noisy = schedule.add_noise(latents, d.noise.input_noise, t_dev);  // [B, C, h, w]
+    const bool rollout_type = options.prediction == diffusion::PredictionType::kEpsilon ||
+                              options.prediction == diffusion::PredictionType::kVPrediction;
+    if (options.scheduled_sampling.active() && rollout_type && !options.device_rng)
+        noisy = roll_out(unet, batch, schedule, options, latents, d, noisy, global_step, generator);
     at::Tensor target;
     if (batch.regularisation && adapters && !options.diff2flow_loss) {
         c10::NoGradGuard no_grad;

@@ -15,6 +15,7 @@
 
 #include "diffusion/loss.h"
 #include "diffusion/noise_schedule.h"
+#include "diffusion/scheduled_sampling.h"
 #include "diffusion/training_sampling.h"
 #include "train/batch_source.h"
 #include "train/optimizer.h"
@@ -49,6 +50,9 @@ struct StepOptions {
     // flow-matching vector field (diffusion::diff2flow_prediction) and trained with a plain MSE
     // toward noise - latents; loss_type, min-SNR and snr_weight do not apply, as in SimpleTuner.
     bool diff2flow_loss = false;
+    // scheduled_sampling_*: rolled-out inputs for some samples (diffusion/scheduled_sampling.h);
+    // epsilon and v-prediction only, not with device_rng.
+    diffusion::ScheduledSamplingOptions scheduled_sampling;
 };
 
 // SimpleTuner's caption dropout for SDXL: each sample with probability p trains on the empty

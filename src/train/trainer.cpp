@@ -3,6 +3,7 @@
 
 #include <ATen/Context.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -17,6 +18,7 @@
 #include "core/log.h"
 #include "core/progress.h"
 #include "core/redact.h"
+#include "data/cache_codec.h"
 #include "models/common/quantize.h"
 #include "models/common/weights.h"
 #include "models/vae/autoencoder_kl.h"
@@ -128,7 +130,7 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
                                 config_.text("mixed_precision") == "bf16";
     load.dtype = config_.text("optimizer") == "adamw_bf16" || lora_bf16_base ? at::kBFloat16 : at::kFloat;
     const auto load_start = std::chrono::steady_clock::now();
-    unet_ = models::load_unet(model_dir_ / "unet", load);
+    unet_ = load_base_unet(load, env.is_main());
     log::info() << "loaded the UNet of " << model_dir_.string() << " on " << device_.str() << " in "
                 << format_metric(
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count())
@@ -180,10 +182,62 @@ Trainer::Trainer(TrainConfig config, models::UNet2DConditionModel unet, diffusio
 
 Trainer::~Trainer() = default;
 
+namespace {
+
+// What a quantised cache file was made from: the UNet folder's files (names, sizes, modification
+// times) and the load dtype.
+std::string unet_weights_source(const std::filesystem::path& dir, c10::ScalarType dtype) {
+    std::vector<std::string> parts;
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+        if (!e.is_regular_file()) continue;
+        const auto mtime = e.last_write_time().time_since_epoch().count();
+        parts.push_back(str(e.path().filename().string(), " ", e.file_size(), " ", mtime));
+    }
+    std::sort(parts.begin(), parts.end());
+    std::string joined =
+        str(std::filesystem::weakly_canonical(dir).string(), " dtype=", dtype_name(dtype), "\n");
+    for (const auto& p : parts) joined += p + "\n";
+    return joined;
+}
+
+}  // namespace
+
+models::UNet2DConditionModel Trainer::load_base_unet(const models::ComponentLoadOptions& load,
+                                                     bool main_process) {
+    const std::filesystem::path dir = model_dir_ / "unet";
+    const QuantPreset preset =
+        parse_quant_preset(config_.text("base_model_precision"), "base_model_precision");
+    const std::string cache = config_.text("quantized_model_cache");
+    if (!preset.active() || cache.empty()) return models::load_unet(dir, load);
+    const std::string source = unet_weights_source(dir, load.dtype);
+    const std::filesystem::path file =
+        std::filesystem::path(cache) /
+        str("unet-", preset.name, "-", data::sha256_hex(source).substr(0, 16), ".safetensors");
+    const auto start = std::chrono::steady_clock::now();
+    if (models::quantized_file_matches(file, preset, source)) {
+        auto unet = models::load_quantized_unet(dir, file, load);
+        base_quantized_ = true;
+        log::info() << "loaded the quantised UNet (" << preset.name << ") from " << file.string() << " in "
+                    << format_metric(
+                           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count())
+                    << " s (quantized_model_cache)";
+        return unet;
+    }
+    unet_ = models::load_unet(dir, load);
+    quantize_base_model();
+    if (main_process) {
+        models::save_quantized(*unet_, file, preset, source);
+        log::info() << "wrote the quantised UNet to " << file.string()
+                    << " (quantized_model_cache: later runs load it instead of " << dir.string() << ")";
+    }
+    return unet_;
+}
+
 void Trainer::quantize_base_model() {
     const QuantPreset preset =
         parse_quant_preset(config_.text("base_model_precision"), "base_model_precision");
-    if (!preset.active()) return;
+    if (!preset.active() || base_quantized_) return;
+    base_quantized_ = true;
     const auto start = std::chrono::steady_clock::now();
     const models::QuantizeReport report = models::quantize_module(*unet_, preset);
     log::info() << "quantised the UNet on " << device_.str() << " (" << models::describe(report, preset)
@@ -273,6 +327,31 @@ void Trainer::init_common() {
                        ? schedule_->config().prediction_type
                        : diffusion::parse_prediction_type(config_.text("prediction_type"), "prediction_type");
     s.caption_dropout_probability = config_.real("caption_dropout_probability");
+    auto& ss = s.scheduled_sampling;
+    ss.max_step_offset = config_.integer("scheduled_sampling_max_step_offset");
+    ss.probability = config_.real("scheduled_sampling_probability");
+    ss.prob_start = config_.real("scheduled_sampling_prob_start");
+    ss.prob_end = config_.real("scheduled_sampling_prob_end");
+    ss.ramp_steps = config_.integer("scheduled_sampling_ramp_steps");
+    ss.start_step = config_.integer("scheduled_sampling_start_step");
+    ss.cosine_ramp = config_.text("scheduled_sampling_ramp_shape") == "cosine";
+    ss.strategy = diffusion::parse_rollout_strategy(config_.text("scheduled_sampling_strategy"));
+    DTUNE_CHECK_AS(UsageError, ss.max_step_offset >= 0 && config_.integer("scheduled_sampling_order") >= 1,
+                   "scheduled_sampling_max_step_offset must be >= 0 and scheduled_sampling_order >= 1");
+    if (ss.active()) {
+        const bool ddpm = s.prediction == diffusion::PredictionType::kEpsilon ||
+                          s.prediction == diffusion::PredictionType::kVPrediction;
+        if (!ddpm)
+            log::warn()
+                << "scheduled sampling rolls out epsilon and v-prediction models only (as SimpleTuner): "
+                   "it changes nothing for this prediction type";
+        else
+            log::info()
+                << "scheduled sampling: up to " << ss.max_step_offset
+                << " timesteps rolled out with the model's own predictions (first-order DDIM/Euler steps; "
+                   "probability now "
+                << diffusion::rollout_probability(ss, 0) << ")";
+    }
     s.clip_by_value = config_.text("grad_clip_method") != "norm";
     const bool d2f = config_.flag("diff2flow_loss");
     const bool d2f_model = s.prediction == diffusion::PredictionType::kEpsilon ||

@@ -141,8 +141,11 @@ class Trainer {
     void load_optimizer_state(const LoadedCheckpoint& ckpt);
     // trainer_extras.cpp: LoRA adapters, EMA, fp16 loss scaling and the exports.
     void init_extras();
-    // base_model_precision: quantises the frozen UNet in place (before LoRA injection).
+    // base_model_precision: quantises the frozen UNet in place (before LoRA injection), once.
     void quantize_base_model();
+    // The UNet of model_dir_: from the quantized_model_cache file when one matches, else loaded
+    // (and, with a cache folder, quantised and written there by the main process).
+    models::UNet2DConditionModel load_base_unet(const models::ComponentLoadOptions& load, bool main_process);
     void start_ema();
     void save_extras(CheckpointContents& c);
     void load_extras(const LoadedCheckpoint& ckpt);
@@ -170,6 +173,7 @@ class Trainer {
     std::optional<at::Generator> generator_;            // every random draw of the step
     std::optional<at::Generator> optimizer_generator_;  // adamw_bf16's stochastic rounding
     bool offload_optimizer_ = false;                    // offload_optimizer_device cpu
+    bool base_quantized_ = false;                       // base_model_precision applied
     StepOptions step_options_;
     PromptEmbedding empty_prompt_;
     int64_t global_step_ = 0;

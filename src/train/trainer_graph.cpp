@@ -64,6 +64,10 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
                    " (the graph draws uniform timesteps; set it to none", fix, ")");
     if (c.flag("diff2flow_enabled") && c.flag("diff2flow_loss"))
         return "diff2flow_loss is on (not yet checked under a graph capture; unset it" + fix + ")";
+    if (c.integer("scheduled_sampling_max_step_offset") > 0)
+        return "scheduled_sampling_max_step_offset is set (each rollout's length is drawn per sample; set it "
+               "to 0" +
+               fix + ")";
     if (c.opt_real("snr_gamma").value_or(0) > 0)
         return "snr_gamma is set (min-SNR weights read the timesteps on the host; unset it" + fix + ")";
     return {};

@@ -271,5 +271,41 @@ TEST(Quantize, DequantisesToTheComputeDtype) {
     }
 }
 
+// save_quantized / load_quantized: a fresh module loads the quantised layers as stored and the
+// rest dense, and computes what the quantised original computes; a file of another preset or
+// source does not match.
+TEST(Quantize, SavedQuantisedModulesLoadIntoAFreshModule) {
+    torch::manual_seed(7);
+    test::TempDir dir;
+    auto a = std::make_shared<Tiny>();
+    for (auto& p : a->parameters()) p.set_requires_grad(false);
+    const QuantPreset preset = parse_quant_preset("int8-torchao", "k");  // the conv stays dense
+    quantize_module(*a, preset);
+    save_quantized(*a, dir / "q.safetensors", preset, "source A");
+    EXPECT_TRUE(quantized_file_matches(dir / "q.safetensors", preset, "source A"));
+    EXPECT_FALSE(quantized_file_matches(dir / "q.safetensors", preset, "source B"));
+    EXPECT_FALSE(
+        quantized_file_matches(dir / "q.safetensors", parse_quant_preset("int8-quanto", "k"), "source A"));
+    EXPECT_FALSE(quantized_file_matches(dir / "missing.safetensors", preset, "source A"));
+
+    auto b = std::make_shared<Tiny>();
+    const QuantizeReport r = load_quantized(*b, dir / "q.safetensors", c10::Device(c10::kCPU), at::kFloat);
+    EXPECT_EQ(r.layers, 1);
+    EXPECT_EQ(b->linear->weight.scalar_type(), at::kChar);
+    EXPECT_FALSE(b->linear->weight.requires_grad());
+    EXPECT_TRUE(at::equal(b->linear->weight, a->linear->weight));
+    EXPECT_TRUE(at::equal(b->linear->weight_scale, a->linear->weight_scale));
+    EXPECT_FALSE(b->conv->weight_scale.defined());
+    EXPECT_TRUE(at::equal(b->conv->weight, a->conv->weight));
+    torch::NoGradGuard no_grad;
+    const at::Tensor x = at::randn({2, 40});
+    EXPECT_TRUE(at::equal(b->linear->forward(x), a->linear->forward(x)));
+
+    // A truncated file is not trusted.
+    std::filesystem::resize_file(dir / "q.safetensors",
+                                 std::filesystem::file_size(dir / "q.safetensors") / 2);
+    EXPECT_FALSE(quantized_file_matches(dir / "q.safetensors", preset, "source A"));
+}
+
 }  // namespace
 }  // namespace dtune::models

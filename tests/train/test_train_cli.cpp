@@ -197,6 +197,42 @@ TEST(TrainCli, QuickstartSeedConfigRunsUnchanged) {
     EXPECT_EQ(preview_sizes, (std::set<std::vector<int64_t>>{{1024, 1024}, {1280, 768}})) << log;
 }
 
+// quantized_model_cache: the first quantised run writes the UNet's quantised file, the next loads
+// it instead of the full-precision weights and trains the same adapters; a damaged file is reported
+// and rebuilt, never trusted.
+TEST(TrainCli, QuantizedModelCacheIsWrittenThenLoadedAndRebuiltWhenDamaged) {
+    Workspace w;
+    const auto cache = w.dir / "qcache";
+    const std::string opts =
+        "--model_type lora --lora_rank 4 --base_model_precision int8-quanto --max_train_steps 1 "
+        "--quantized_model_cache '" +
+        cache.string() + "' ";
+    const auto log_since = [&](std::size_t from) { return fs::read_file(w.dir / "log.txt").substr(from); };
+    ASSERT_EQ(run_status(w.command("a", opts)), 0) << fs::read_file(w.dir / "log.txt");
+    EXPECT_NE(log_since(0).find("wrote the quantised UNet to "), std::string::npos);
+    std::vector<std::filesystem::path> files;
+    for (const auto& e : std::filesystem::directory_iterator(cache)) files.push_back(e.path());
+    ASSERT_EQ(files.size(), 1u);
+    EXPECT_EQ(files[0].extension(), ".safetensors");
+
+    std::size_t mark = fs::read_file(w.dir / "log.txt").size();
+    ASSERT_EQ(run_status(w.command("b", opts)), 0) << log_since(mark);
+    EXPECT_NE(log_since(mark).find("loaded the quantised UNet (int8-quanto) from " + files[0].string()),
+              std::string::npos)
+        << log_since(mark);
+    EXPECT_EQ(log_since(mark).find("wrote the quantised UNet"), std::string::npos);
+    EXPECT_EQ(fs::read_file(w.dir / "a" / "pytorch_lora_weights.safetensors"),
+              fs::read_file(w.dir / "b" / "pytorch_lora_weights.safetensors"));
+
+    std::filesystem::resize_file(files[0], std::filesystem::file_size(files[0]) / 2);
+    mark = fs::read_file(w.dir / "log.txt").size();
+    ASSERT_EQ(run_status(w.command("c", opts)), 0) << log_since(mark);
+    EXPECT_NE(log_since(mark).find("cannot be read"), std::string::npos) << log_since(mark);
+    EXPECT_NE(log_since(mark).find("wrote the quantised UNet to "), std::string::npos);
+    EXPECT_EQ(fs::read_file(w.dir / "a" / "pytorch_lora_weights.safetensors"),
+              fs::read_file(w.dir / "c" / "pytorch_lora_weights.safetensors"));
+}
+
 TEST(TrainCli, SigtermSavesACheckpointAndExitsWith4) {
     Workspace w;
     const pid_t child = fork();
@@ -266,9 +302,9 @@ TEST(TrainCli, BadMaxImagePixelsIsAUsageErrorAtStart) {
 
 TEST(TrainCli, UnimplementedOptionExitsWithUsageError) {
     Workspace w;
-    EXPECT_EQ(run_status(w.command("bad", "--base_model_precision int8-quanto")), 2);
+    EXPECT_EQ(run_status(w.command("bad", "--quantize_via pipeline")), 2);
     EXPECT_NE(fs::read_file(w.dir / "log.txt")
-                  .find("option base_model_precision = \"int8-quanto\" is not implemented by dtune"),
+                  .find("option quantize_via = \"pipeline\" is not implemented by dtune"),
               std::string::npos);
 }
 

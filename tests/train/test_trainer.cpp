@@ -189,6 +189,30 @@ TEST(TrainStep, LossAndTimestepOptionsChangeTrainingAsConfigured) {
                  UsageError);
 }
 
+// scheduled_sampling_*: rolled-out inputs change training (the rollout math is checked in
+// tests/diffusion/test_scheduled_sampling.cpp), and a resumed run draws the same plans as a straight
+// one, so the weights are equal.
+TEST(TrainStep, ScheduledSamplingChangesTrainingAndResumesExactly) {
+    const std::string ss =
+        R"({"scheduled_sampling_max_step_offset": 20, "scheduled_sampling_probability": 0.75,
+        "scheduled_sampling_strategy": "biased_late", "checkpoint_step_interval": 1)";
+    test::TempDir plain, straight, split;
+    const io::TensorList base =
+        run_trainer(config_with(plain.path(), 2, R"({"checkpoint_step_interval": 0})"));
+    const io::TensorList a = run_trainer(config_with(straight.path(), 2, ss + "}"));
+    run_trainer(config_with(split.path(), 1, ss + "}"));
+    TrainResult second;
+    const io::TensorList b = run_trainer(config_with(split.path(), 2, ss + "}"), &second);
+    ASSERT_TRUE(second.resumed_from.has_value());
+    double moved = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+        moved = std::max(moved, (a[i].second - base[i].second).abs().max().item<double>());
+    }
+    EXPECT_GT(moved, 0.0);
+    EXPECT_THROW(config_with(plain.path(), 1, R"({"scheduled_sampling_strategy": "late"})"), UsageError);
+}
+
 TEST(TrainCheckpoint, LayoutGuardAndRotation) {
     test::TempDir dir;
     TrainResult r;

@@ -11,7 +11,9 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "io/safetensors.h"
 #include "models/common/layers.h"
+#include "models/common/weights.h"
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
 #include <ATen/cuda/CUDAContext.h>
@@ -352,6 +354,80 @@ QuantizeReport quantize_module(torch::nn::Module& module, const QuantPreset& pre
     // The root itself (which may live on the stack), then every descendant.
     visit(module);
     for (const auto& m : module.modules(/*include_self=*/false)) visit(*m);
+    return report;
+}
+
+namespace {
+
+constexpr const char* kPresetKey = "dtune_quantized";
+constexpr const char* kSourceKey = "dtune_quantized_source";
+
+// Every Linear and Conv2d under `module` by its full name.
+template <typename Fn>
+void for_each_layer(torch::nn::Module& module, Fn&& fn) {
+    for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+        if (auto* linear = item.value()->as<LinearImpl>())
+            fn(item.key(), linear->weight, linear->weight_scale, linear->dense_dtype, *linear);
+        else if (auto* conv = item.value()->as<Conv2dImpl>())
+            fn(item.key(), conv->weight, conv->weight_scale, conv->dense_dtype, *conv);
+    }
+}
+
+}  // namespace
+
+void save_quantized(const torch::nn::Module& module, const std::filesystem::path& file,
+                    const QuantPreset& preset, const std::string& source) {
+    std::filesystem::create_directories(file.parent_path());
+    io::save_safetensors(file, state_dict(module), {{kPresetKey, preset.name}, {kSourceKey, source}});
+}
+
+bool quantized_file_matches(const std::filesystem::path& file, const QuantPreset& preset,
+                            const std::string& source) {
+    if (!std::filesystem::is_regular_file(file)) return false;
+    try {
+        const io::SafetensorsFile f(file);
+        const auto& m = f.metadata();
+        const auto p = m.find(kPresetKey), s = m.find(kSourceKey);
+        return p != m.end() && s != m.end() && p->second == preset.name && s->second == source;
+    } catch (const std::exception& e) {
+        log::warn() << "quantized_model_cache: " << file.string() << " cannot be read (" << e.what()
+                    << "); quantising again and replacing it";
+        return false;
+    }
+}
+
+QuantizeReport load_quantized(torch::nn::Module& module, const std::filesystem::path& file,
+                              c10::Device device, at::ScalarType dense_dtype) {
+    const io::WeightSource source = io::WeightSource::open(file);
+    const std::vector<std::string> keys = source.keys();  // sorted
+    const auto has = [&](const std::string& k) { return std::binary_search(keys.begin(), keys.end(), k); };
+    QuantizeReport report;
+    const at::NoGradGuard no_grad;
+    for_each_layer(module, [&](const std::string& name, at::Tensor& weight, at::Tensor& scale,
+                               at::ScalarType& dense, torch::nn::Module& layer) {
+        const std::string key = name + ".weight";
+        if (!has(name + ".weight_scale") || !has(key)) return;
+        const at::ScalarType stored = io::to_torch_dtype(source.info(key).dtype);
+        DTUNE_CHECK_AS(DataError, is_quantized_dtype(stored), file.string(), ": ", key, " is ", stored,
+                       " beside a weight_scale; a quantised weight is int8 or float8_e4m3fn. Delete the file "
+                       "(quantized_model_cache) to quantise again");
+        dense = dense_dtype;
+        for (auto& p : layer.named_parameters(/*recurse=*/false))
+            if (p.key() == "bias")
+                p.value().set_requires_grad(false);  // frozen, as quantize_module leaves it
+        weight.set_requires_grad(false);
+        weight.set_data(at::empty(weight.sizes(), weight.options().dtype(stored).device(device)));
+        scale = layer.register_buffer(
+            "weight_scale", at::empty({weight.size(0)}, at::TensorOptions(device).dtype(at::kFloat)));
+        ++report.layers;
+        report.bytes_after +=
+            weight.numel() * static_cast<int64_t>(weight.element_size()) + weight.size(0) * 4;
+        report.bytes_before += weight.numel() * static_cast<int64_t>(c10::elementSize(dense_dtype));
+    });
+    // No dtype or device: the tensors are copied into the module's own (quantised ones included),
+    // which the caller built where they belong (a conversion afterwards would cast the int8 weights).
+    const LoadOptions options;
+    load_weights(module, source, options, str("quantised model ", file.string()));
     return report;
 }
 

@@ -26,6 +26,7 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,22 @@ struct QuantizeReport {
 // as its quantised copy exists). Weights become frozen buffers; biases are frozen. Layers already
 // quantised are left alone. A preset that is not active returns an empty report.
 QuantizeReport quantize_module(torch::nn::Module& module, const QuantPreset& preset);
+
+// A quantised model on disk (quantized_model_cache): every tensor of `module` as it is in memory
+// (quantised weights as stored, their scales, the other tensors dense) in one safetensors file,
+// written atomically; its metadata names the preset and `source` (what the weights came from).
+void save_quantized(const torch::nn::Module& module, const std::filesystem::path& file,
+                    const QuantPreset& preset, const std::string& source);
+// True when `file` exists and save_quantized wrote it for `preset` and `source` (its header is
+// read, not its tensors; a damaged file fails later, in load_quantized, naming itself).
+bool quantized_file_matches(const std::filesystem::path& file, const QuantPreset& preset,
+                            const std::string& source);
+// Loads a save_quantized file into a module just built with the same architecture (its tensors may
+// be uninitialised): each Linear/Conv2d the file holds quantised gets its stored values and scales,
+// every other tensor its dense values (strict: missing, unexpected or misshapen tensors are a
+// DataError naming the file). `dense_dtype` is the quantised layers' compute dtype.
+QuantizeReport load_quantized(torch::nn::Module& module, const std::filesystem::path& file,
+                              c10::Device device, at::ScalarType dense_dtype);
 
 // "int8-quanto: 794 layers, 4.78 GiB -> 2.40 GiB" for logs.
 std::string describe(const QuantizeReport& report, const QuantPreset& preset);

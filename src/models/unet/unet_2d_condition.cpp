@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "models/common/layers.h"
+#include "models/common/quantize.h"
 
 namespace dtune::models {
 namespace {
@@ -269,6 +270,19 @@ UNet2DConditionModel load_unet(const std::filesystem::path& dir, const Component
     io::LdmLayout layout;
     layout.unet_layers_per_block = static_cast<int>(model->config().layers_per_block.at(0));
     load_component_weights(*model, dir, load, "UNet", io::LdmComponent::kUNet, layout);
+    if (options.channels_last) model->set_channels_last(true);
+    return model;
+}
+
+UNet2DConditionModel load_quantized_unet(const std::filesystem::path& dir, const std::filesystem::path& file,
+                                         const ComponentLoadOptions& options) {
+    const auto config = UNet2DConditionConfig::from_json(component_config(dir, options, "UNet"));
+    UNet2DConditionModel model{nullptr};
+    {
+        UninitializedParameters scope(options.dtype, options.device);  // load_quantized fills every tensor
+        model = UNet2DConditionModel(config);
+    }
+    load_quantized(*model, file, options.device, options.dtype);
     if (options.channels_last) model->set_channels_last(true);
     return model;
 }

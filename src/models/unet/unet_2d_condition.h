@@ -106,5 +106,9 @@ TORCH_MODULE(UNet2DConditionModel);
 // `<dir>/diffusion_pytorch_model.safetensors` (the sharded index, or options.single_file) straight
 // into options.dtype on options.device (see component.h).
 UNet2DConditionModel load_unet(const std::filesystem::path& dir, const ComponentLoadOptions& options = {});
+// The UNet of `dir`'s config with its weights from a quantised file (models/common/quantize.h's
+// save_quantized; base_model_precision with quantized_model_cache) instead of the folder's weights.
+UNet2DConditionModel load_quantized_unet(const std::filesystem::path& dir, const std::filesystem::path& file,
+                                         const ComponentLoadOptions& options);
 
 }  // namespace dtune::models

@@ -1,0 +1,85 @@
+// Scheduled sampling: SimpleTuner's rollout plan and the DDIM/Euler rollout step (see
+// scheduled_sampling.h).
+#include "diffusion/scheduled_sampling.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace dtune::diffusion {
+
+RolloutStrategy parse_rollout_strategy(const std::string& name) {
+    if (name == "uniform") return RolloutStrategy::kUniform;
+    if (name == "biased_early") return RolloutStrategy::kBiasedEarly;
+    if (name == "biased_late") return RolloutStrategy::kBiasedLate;
+    throw UsageError(
+        str("scheduled_sampling_strategy \"", name, "\" is not one of uniform, biased_early, biased_late"));
+}
+
+double rollout_probability(const ScheduledSamplingOptions& o, int64_t global_step) {
+    // SimpleTuner: float(prob_start or p), float(prob_end or p).
+    const double p = o.probability;
+    const double start = o.prob_start != 0.0 ? o.prob_start : p;
+    const double end = o.prob_end != 0.0 ? o.prob_end : p;
+    if (o.ramp_steps > 0 && global_step >= o.start_step) {
+        double progress = static_cast<double>(global_step - o.start_step) /
+                          static_cast<double>(std::max<int64_t>(o.ramp_steps, 1));
+        progress = std::min(1.0, std::max(0.0, progress));
+        if (o.cosine_ramp) progress = 0.5 - 0.5 * std::cos(M_PI * progress);
+        return start + (end - start) * progress;
+    }
+    return o.ramp_steps > 0 ? start : p;
+}
+
+RolloutPlan plan_rollout(const at::Tensor& t, int64_t num_train_timesteps, const ScheduledSamplingOptions& o,
+                         double probability, at::Generator& generator) {
+    const at::Tensor base = t.to(at::kCPU, at::kLong).reshape({-1});
+    const int64_t b = base.size(0);
+    RolloutPlan plan;
+    if (o.max_step_offset <= 0) {
+        plan.offsets = at::zeros_like(base);
+        plan.source = base.clone();
+        return plan;
+    }
+    at::Tensor mask = at::ones({b}, at::kBool);
+    if (probability < 1.0)
+        mask = at::bernoulli(at::full({b}, std::max(0.0, probability), at::kFloat), generator).to(at::kBool);
+    at::Tensor offsets;
+    const auto m = static_cast<double>(o.max_step_offset);
+    switch (o.strategy) {
+        case RolloutStrategy::kUniform:
+            offsets = at::randint(0, o.max_step_offset + 1, {b}, generator, at::kLong);
+            break;
+        case RolloutStrategy::kBiasedEarly:
+            offsets = at::round(at::rand({b}, generator, at::kFloat).pow(2) * m).to(at::kLong);
+            break;
+        case RolloutStrategy::kBiasedLate:
+            offsets = at::round((1.0 - at::rand({b}, generator, at::kFloat).pow(2)) * m).to(at::kLong);
+            break;
+    }
+    plan.offsets = offsets * mask.to(at::kLong);
+    plan.source = (base + plan.offsets).clamp_max(num_train_timesteps - 1);
+    return plan;
+}
+
+at::Tensor rollout_step(const NoiseSchedule& schedule, PredictionType type, const at::Tensor& x,
+                        const at::Tensor& pred, int64_t t, int64_t t_prev) {
+    DTUNE_CHECK_AS(UsageError, type == PredictionType::kEpsilon || type == PredictionType::kVPrediction,
+                   "scheduled sampling rolls out epsilon and v-prediction models only");
+    const auto& ac = schedule.alphas_cumprod();
+    const double a = ac[t].item<double>(), a_prev = t_prev >= 0 ? ac[t_prev].item<double>() : 1.0;
+    const double sa = std::sqrt(a), s1a = std::sqrt(1.0 - a);
+    const at::Tensor xf = x.to(at::kFloat), p = pred.to(at::kFloat);
+    at::Tensor x0, eps;
+    if (type == PredictionType::kEpsilon) {
+        eps = p;
+        x0 = (xf - s1a * eps) / sa;
+    } else {
+        x0 = sa * xf - s1a * p;
+        eps = s1a * xf + sa * p;
+    }
+    return (std::sqrt(a_prev) * x0 + std::sqrt(1.0 - a_prev) * eps).to(x.scalar_type());
+}
+
+}  // namespace dtune::diffusion
