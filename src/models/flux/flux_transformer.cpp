@@ -1,0 +1,301 @@
+// Flux.1's transformer (see flux_transformer.h). Float32 math wherever diffusers upcasts: the RoPE
+// tables, the rotation itself and the RMS norms; everything else in the weights' dtype.
+#include "models/flux/flux_transformer.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/dropout.h>
+
+#include <cmath>
+
+#include "core/error.h"
+#include "models/common/layers.h"
+#include "models/common/weights.h"
+
+namespace dtune::models {
+namespace {
+
+at::Tensor layer_norm(const at::Tensor& x) {  // no affine, eps 1e-6 (diffusers' AdaLN norms)
+    return at::layer_norm(x, {x.size(-1)}, {}, {}, 1e-6);
+}
+
+// x [B, S, H, Dh] rotated by (cos, sin) [S, Dh]: pairs (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin).
+at::Tensor apply_rope(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& rope) {
+    const at::Tensor cos = rope.first.unsqueeze(0).unsqueeze(2), sin = rope.second.unsqueeze(0).unsqueeze(2);
+    auto sizes = x.sizes().vec();
+    sizes.back() /= 2;
+    sizes.push_back(2);
+    const auto pair = x.reshape(sizes).unbind(-1);  // real, imaginary
+    const at::Tensor rotated = at::stack({-pair[1], pair[0]}, -1).flatten(3);
+    return (x.to(at::kFloat) * cos + rotated.to(at::kFloat) * sin).to(x.scalar_type());
+}
+
+// Six (double blocks) or three (single) modulation chunks of linear(silu(temb)), each [B, 1, D].
+std::vector<at::Tensor> modulation(AdaptableLinear& linear, const at::Tensor& temb, int64_t chunks) {
+    std::vector<at::Tensor> out = linear->forward(at::silu(temb)).chunk(chunks, 1);
+    for (auto& t : out) t = t.unsqueeze(1);
+    return out;
+}
+
+}  // namespace
+
+FluxTransformerConfig FluxTransformerConfig::from_json(const ConfigReader& r) {
+    FluxTransformerConfig c;
+    c.patch_size = r.get_int("patch_size", c.patch_size);
+    c.in_channels = r.get_int("in_channels", c.in_channels);
+    c.out_channels = r.get_int("out_channels", c.in_channels);
+    c.num_layers = r.get_int("num_layers", c.num_layers);
+    c.num_single_layers = r.get_int("num_single_layers", c.num_single_layers);
+    c.attention_head_dim = r.get_int("attention_head_dim", c.attention_head_dim);
+    c.num_attention_heads = r.get_int("num_attention_heads", c.num_attention_heads);
+    c.joint_attention_dim = r.get_int("joint_attention_dim", c.joint_attention_dim);
+    c.pooled_projection_dim = r.get_int("pooled_projection_dim", c.pooled_projection_dim);
+    c.guidance_embeds = r.get_bool("guidance_embeds", c.guidance_embeds);
+    if (r.has("axes_dims_rope")) c.axes_dims_rope = r.require_int_list("axes_dims_rope");
+    int64_t rope_dim = 0;
+    for (const int64_t d : c.axes_dims_rope) rope_dim += d;
+    DTUNE_CHECK_AS(DataError, c.axes_dims_rope.size() == 3 && rope_dim == c.attention_head_dim, r.origin(),
+                   ": axes_dims_rope must be three sizes adding up to attention_head_dim (",
+                   c.attention_head_dim, ")");
+    DTUNE_CHECK_AS(DataError, c.patch_size == 1, r.origin(), ": patch_size ", c.patch_size,
+                   " is not supported (Flux.1 packs 2×2 latent patches outside the model: patch_size 1)");
+    return c;
+}
+
+FluxRMSNormImpl::FluxRMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+    weight = register_parameter("weight", at::ones({dim}));
+}
+
+at::Tensor FluxRMSNormImpl::forward(const at::Tensor& x) {
+    return at::rms_norm(x, {x.size(-1)}, weight.to(x.scalar_type()), eps_);
+}
+
+FluxAttentionImpl::FluxAttentionImpl(int64_t dim, int64_t heads, int64_t head_dim, bool added, bool pre_only)
+    : heads_(heads), head_dim_(head_dim) {
+    const int64_t inner = heads * head_dim;
+    norm_q_ = register_module("norm_q", FluxRMSNorm(head_dim, 1e-6));
+    norm_k_ = register_module("norm_k", FluxRMSNorm(head_dim, 1e-6));
+    to_q_ = register_module("to_q", AdaptableLinear(dim, inner));
+    to_k_ = register_module("to_k", AdaptableLinear(dim, inner));
+    to_v_ = register_module("to_v", AdaptableLinear(dim, inner));
+    if (!pre_only) {
+        to_out_ = AdaptableLinear(inner, dim);
+        register_module("to_out", torch::nn::ModuleList(to_out_, torch::nn::Dropout(0.0)));
+    }
+    if (added) {
+        norm_added_q_ = register_module("norm_added_q", FluxRMSNorm(head_dim, 1e-6));
+        norm_added_k_ = register_module("norm_added_k", FluxRMSNorm(head_dim, 1e-6));
+        add_q_proj_ = register_module("add_q_proj", AdaptableLinear(dim, inner));
+        add_k_proj_ = register_module("add_k_proj", AdaptableLinear(dim, inner));
+        add_v_proj_ = register_module("add_v_proj", AdaptableLinear(dim, inner));
+        to_add_out_ = register_module("to_add_out", AdaptableLinear(inner, dim));
+    }
+}
+
+std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context,
+                                                             const std::pair<at::Tensor, at::Tensor>& rope) {
+    const auto heads = [&](const at::Tensor& t) {
+        return t.unflatten(-1, {heads_, head_dim_});
+    };  // [B, S, H, Dh]
+    at::Tensor q = norm_q_->forward(heads(to_q_->forward(x)));
+    at::Tensor k = norm_k_->forward(heads(to_k_->forward(x)));
+    at::Tensor v = heads(to_v_->forward(x));
+    const int64_t text = context.defined() ? context.size(1) : 0;
+    if (context.defined()) {
+        q = at::cat({norm_added_q_->forward(heads(add_q_proj_->forward(context))), q}, 1);
+        k = at::cat({norm_added_k_->forward(heads(add_k_proj_->forward(context))), k}, 1);
+        v = at::cat({heads(add_v_proj_->forward(context)), v}, 1);
+    }
+    q = apply_rope(q, rope);
+    k = apply_rope(k, rope);
+    at::Tensor out = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+                         .transpose(1, 2)
+                         .flatten(2, 3)
+                         .to(q.scalar_type());  // [B, S, H·Dh]
+    if (!context.defined()) return {out, at::Tensor()};
+    const at::Tensor ctx = out.narrow(1, 0, text), img = out.narrow(1, text, out.size(1) - text);
+    return {to_out_->forward(img.contiguous()), to_add_out_->forward(ctx.contiguous())};
+}
+
+FluxTransformerBlockImpl::FluxTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim) : dim_(dim) {
+    const auto adaln = [&](const char* name, int64_t chunks) {
+        auto holder = register_module(name, std::make_shared<torch::nn::Module>());
+        return holder->register_module("linear", AdaptableLinear(dim, chunks * dim));
+    };
+    norm1_ = adaln("norm1", 6);
+    norm1_context_ = adaln("norm1_context", 6);
+    attn_ = register_module("attn", FluxAttention(dim, heads, head_dim, /*added=*/true, /*pre_only=*/false));
+    // FeedForward(dim, activation "gelu-approximate"): net.0.proj, net.1 (dropout), net.2.
+    const auto feed_forward = [&](const char* name, AdaptableLinear& in, AdaptableLinear& out) {
+        auto gelu = std::make_shared<torch::nn::Module>();
+        in = gelu->register_module("proj", AdaptableLinear(dim, 4 * dim));
+        out = AdaptableLinear(4 * dim, dim);
+        auto holder = register_module(name, std::make_shared<torch::nn::Module>());
+        holder->register_module("net", torch::nn::ModuleList(gelu, torch::nn::Dropout(0.0), out));
+    };
+    feed_forward("ff", ff_in_, ff_out_);
+    feed_forward("ff_context", ff_context_in_, ff_context_out_);
+}
+
+std::pair<at::Tensor, at::Tensor> FluxTransformerBlockImpl::forward(
+    const at::Tensor& x, const at::Tensor& context, const at::Tensor& temb,
+    const std::pair<at::Tensor, at::Tensor>& rope) {
+    // shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp
+    const auto m = modulation(norm1_, temb, 6);
+    const auto c = modulation(norm1_context_, temb, 6);
+    const at::Tensor nx = layer_norm(x) * (1 + m[1]) + m[0];
+    const at::Tensor nc = layer_norm(context) * (1 + c[1]) + c[0];
+    auto [attn_x, attn_c] = attn_->forward(nx, nc, rope);
+    const auto gelu = [](const at::Tensor& t) { return at::gelu(t, "tanh"); };
+    at::Tensor h = x + m[2] * attn_x;
+    h = h + m[5] * ff_out_->forward(gelu(ff_in_->forward(layer_norm(h) * (1 + m[4]) + m[3])));
+    at::Tensor e = context + c[2] * attn_c;
+    e = e + c[5] * ff_context_out_->forward(gelu(ff_context_in_->forward(layer_norm(e) * (1 + c[4]) + c[3])));
+    if (e.scalar_type() == at::kHalf) e = e.clamp(-65504, 65504);
+    return {e, h};
+}
+
+FluxSingleTransformerBlockImpl::FluxSingleTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim)
+    : dim_(dim) {
+    auto holder = register_module("norm", std::make_shared<torch::nn::Module>());
+    norm_ = holder->register_module("linear", AdaptableLinear(dim, 3 * dim));
+    proj_mlp_ = register_module("proj_mlp", AdaptableLinear(dim, 4 * dim));
+    proj_out_ = register_module("proj_out", AdaptableLinear(5 * dim, dim));
+    attn_ = register_module("attn", FluxAttention(dim, heads, head_dim, /*added=*/false, /*pre_only=*/true));
+}
+
+at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& joint, const at::Tensor& temb,
+                                                   const std::pair<at::Tensor, at::Tensor>& rope) {
+    const auto m = modulation(norm_, temb, 3);  // shift, scale, gate
+    const at::Tensor n = layer_norm(joint) * (1 + m[1]) + m[0];
+    const at::Tensor mlp = at::gelu(proj_mlp_->forward(n), "tanh");
+    const at::Tensor attn = attn_->forward(n, {}, rope).first;
+    at::Tensor out = joint + m[2] * proj_out_->forward(at::cat({attn, mlp}, 2));
+    if (out.scalar_type() == at::kHalf) out = out.clamp(-65504, 65504);
+    return out;
+}
+
+FluxTransformer2DModelImpl::FluxTransformer2DModelImpl(FluxTransformerConfig config)
+    : config_(std::move(config)) {
+    const auto& c = config_;
+    const int64_t d = c.inner_dim();
+    auto tte = register_module("time_text_embed", std::make_shared<torch::nn::Module>());
+    timestep_embedder_ = tte->register_module("timestep_embedder", TimestepEmbedding(256, d));
+    if (c.guidance_embeds)
+        guidance_embedder_ = tte->register_module("guidance_embedder", TimestepEmbedding(256, d));
+    text_embedder_ = tte->register_module("text_embedder", TimestepEmbedding(c.pooled_projection_dim, d));
+    context_embedder_ = register_module("context_embedder", AdaptableLinear(c.joint_attention_dim, d));
+    x_embedder_ = register_module("x_embedder", AdaptableLinear(c.in_channels, d));
+    auto blocks = register_module("transformer_blocks", torch::nn::ModuleList());
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+        blocks_.push_back(FluxTransformerBlock(d, c.num_attention_heads, c.attention_head_dim));
+        blocks->push_back(blocks_.back());
+    }
+    auto singles = register_module("single_transformer_blocks", torch::nn::ModuleList());
+    for (int64_t i = 0; i < c.num_single_layers; ++i) {
+        single_blocks_.push_back(FluxSingleTransformerBlock(d, c.num_attention_heads, c.attention_head_dim));
+        singles->push_back(single_blocks_.back());
+    }
+    auto norm_out = register_module("norm_out", std::make_shared<torch::nn::Module>());
+    norm_out_ = norm_out->register_module("linear", AdaptableLinear(d, 2 * d));
+    proj_out_ = register_module("proj_out", AdaptableLinear(d, c.patch_size * c.patch_size * c.out_channels));
+}
+
+at::Tensor FluxTransformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor& context,
+                                               const at::Tensor& pooled, const at::Tensor& timestep,
+                                               const at::Tensor& guidance, const at::Tensor& img_ids,
+                                               const at::Tensor& txt_ids) {
+    const auto& c = config_;
+    const auto dtype = this->dtype();
+    const auto device = x_embedder_->weight.device();
+    DTUNE_CHECK_AS(UsageError, x.dim() == 3 && x.size(2) == c.in_channels, "Flux transformer: hidden states ",
+                   x.sizes(), " must be [B, N, ", c.in_channels, "] (2×2-packed latents)");
+    DTUNE_CHECK_AS(UsageError, !c.guidance_embeds || guidance.defined(),
+                   "this Flux transformer embeds the guidance scale (Flux.1 [dev]): pass guidance");
+    at::Tensor h = x_embedder_->forward(x.to(device, dtype));
+    // diffusers: timestep.to(dtype) * 1000, sinusoids in float32, cast to the weights' dtype.
+    const auto embed = [&](TimestepEmbedding& e, const at::Tensor& t) {
+        const at::Tensor scaled = t.to(device).to(dtype).reshape({-1}) * 1000;
+        return e->forward(
+            timestep_embedding(scaled, 256, /*flip_sin_to_cos=*/true, /*freq_shift=*/0).to(dtype));
+    };
+    at::Tensor temb = embed(timestep_embedder_, timestep);
+    if (c.guidance_embeds) temb = temb + embed(guidance_embedder_, guidance);
+    temb = temb + text_embedder_->forward(pooled.to(device, dtype));
+    at::Tensor e = context_embedder_->forward(context.to(device, dtype));
+    const auto rope = flux_rope(at::cat({txt_ids, img_ids}, 0).to(device), c.axes_dims_rope);
+    for (auto& block : blocks_) std::tie(e, h) = block->forward(h, e, temb, rope);
+    const int64_t text = e.size(1);
+    at::Tensor joint = at::cat({e, h}, 1);
+    for (auto& block : single_blocks_) joint = block->forward(joint, temb, rope);
+    h = joint.narrow(1, text, joint.size(1) - text);
+    const auto mod = norm_out_->forward(at::silu(temb)).to(h.scalar_type()).chunk(2, 1);  // scale, shift
+    h = layer_norm(h) * (1 + mod[0].unsqueeze(1)) + mod[1].unsqueeze(1);
+    return proj_out_->forward(h);
+}
+
+std::pair<at::Tensor, at::Tensor> flux_rope(const at::Tensor& ids, const std::vector<int64_t>& axes_dims,
+                                            double theta) {
+    // diffusers' get_1d_rotary_pos_embed(repeat_interleave_real, use_real) per axis, frequencies in
+    // float64 (float32 on devices without it), then float32 tables.
+    const bool f64 = !ids.is_mps();
+    const auto fdtype = f64 ? at::kDouble : at::kFloat;
+    const at::Tensor pos = ids.to(at::kFloat);
+    std::vector<at::Tensor> cos, sin;
+    for (size_t i = 0; i < axes_dims.size(); ++i) {
+        const int64_t dim = axes_dims[i];
+        const at::Tensor exponent = at::arange(0, dim, 2, ids.options().dtype(fdtype)).narrow(0, 0, dim / 2) /
+                                    static_cast<double>(dim);
+        const at::Tensor freqs = 1.0 / at::pow(theta, exponent);  // [dim/2]
+        const at::Tensor angles =
+            at::outer(pos.select(1, static_cast<int64_t>(i)).to(fdtype), freqs);  // [S, dim/2]
+        cos.push_back(angles.cos().repeat_interleave(2, 1).to(at::kFloat));
+        sin.push_back(angles.sin().repeat_interleave(2, 1).to(at::kFloat));
+    }
+    return {at::cat(cos, -1), at::cat(sin, -1)};
+}
+
+at::Tensor flux_pack_latents(const at::Tensor& latents) {
+    const int64_t b = latents.size(0), ch = latents.size(1), h = latents.size(2), w = latents.size(3);
+    DTUNE_CHECK_AS(UsageError, h % 2 == 0 && w % 2 == 0, "Flux packs 2×2 latent patches: latent size ", h,
+                   "x", w, " must be even (image sides multiples of 16)");
+    return latents.view({b, ch, h / 2, 2, w / 2, 2})
+        .permute({0, 2, 4, 1, 3, 5})
+        .reshape({b, (h / 2) * (w / 2), ch * 4});
+}
+
+at::Tensor flux_unpack_latents(const at::Tensor& packed, int64_t height, int64_t width) {
+    const int64_t b = packed.size(0), ch = packed.size(2) / 4;
+    return packed.view({b, height / 2, width / 2, ch, 2, 2})
+        .permute({0, 3, 1, 4, 2, 5})
+        .reshape({b, ch, height, width});
+}
+
+at::Tensor flux_image_ids(int64_t latent_height, int64_t latent_width) {
+    const int64_t h = latent_height / 2, w = latent_width / 2;
+    at::Tensor ids = at::zeros({h, w, 3}, at::kFloat);
+    ids.select(2, 1).add_(at::arange(h, at::kFloat).unsqueeze(1));
+    ids.select(2, 2).add_(at::arange(w, at::kFloat).unsqueeze(0));
+    return ids.reshape({h * w, 3});
+}
+
+FluxTransformer2DModel load_flux_transformer(const std::filesystem::path& dir,
+                                             const ComponentLoadOptions& options) {
+    DTUNE_CHECK_AS(UsageError, !options.single_file,
+                   "Flux single-file checkpoints are not supported yet; point at "
+                   "a diffusers transformer/ folder");
+    const auto config = FluxTransformerConfig::from_json(component_config(dir, options, "Flux transformer"));
+    FluxTransformer2DModel model{nullptr};
+    {
+        UninitializedParameters scope(options.dtype, options.device);  // the strict load fills every tensor
+        model = FluxTransformer2DModel(config);
+    }
+    model->to(options.device, options.dtype);  // the few tensors built outside the scope (RMSNorm scales)
+    LoadOptions load;
+    load.dtype = options.dtype;
+    load.device = options.device;
+    load_weights(*model, io::WeightSource::open(dir, "diffusion_pytorch_model"), load,
+                 str("Flux transformer from ", dir.string()));
+    return model;
+}
+
+}  // namespace dtune::models

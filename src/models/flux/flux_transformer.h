@@ -1,0 +1,148 @@
+// Flux.1's denoiser: diffusers' FluxTransformer2DModel (0.42), numerically equal to it in float32
+// (tests/models/test_flux_transformer_unit.cpp against tools/ref/gen_flux_transformer_ref.py).
+//
+//   x [B, N, in] (2×2-packed latents)  --x_embedder-->  image tokens [B, N, D]
+//   context [B, T, joint] (T5)  --context_embedder-->  text tokens [B, T, D]
+//   temb = timestep_embedder(sin(t·1000)) (+ guidance_embedder(sin(g·1000)) for [dev])
+//          + text_embedder(pooled CLIP)                                       [B, D]
+//   num_layers double-stream blocks: text and image keep their own AdaLN-Zero modulation, norms,
+//     projections and feed-forward, and attend jointly ([text; image]);
+//   num_single_layers single-stream blocks on [text; image]: one AdaLN-Zero, attention and a GELU
+//     MLP side by side, one output projection;
+//   norm_out (AdaLN-continuous) and proj_out on the image tokens -> [B, N, out].
+// Attention: per-head RMSNorm of q and k, rotary embeddings over 3 position axes (axes_dims_rope;
+// ids [S, 3]: 0 for text, (0, row, col) for image tokens), scaled dot-product attention.
+// Child modules carry diffusers' names, so a diffusers transformer/ folder loads by name; Linear
+// layers are adaptable (LoRA targets).
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+
+#include <filesystem>
+#include <vector>
+
+#include "models/common/adaptable.h"
+#include "models/common/blocks.h"
+#include "models/common/component.h"
+
+namespace dtune::models {
+
+struct FluxTransformerConfig {
+    int64_t patch_size = 1;
+    int64_t in_channels = 64;
+    int64_t out_channels = 64;  // config null: in_channels
+    int64_t num_layers = 19;
+    int64_t num_single_layers = 38;
+    int64_t attention_head_dim = 128;
+    int64_t num_attention_heads = 24;
+    int64_t joint_attention_dim = 4096;
+    int64_t pooled_projection_dim = 768;
+    bool guidance_embeds = false;
+    std::vector<int64_t> axes_dims_rope = {16, 56, 56};
+
+    int64_t inner_dim() const { return num_attention_heads * attention_head_dim; }
+    // From a transformer/config.json; the attention head size must equal the sum of the RoPE axes.
+    static FluxTransformerConfig from_json(const ConfigReader& config);
+};
+
+// Per-head RMSNorm with a learned scale (`weight`), as torch.nn.RMSNorm.
+class FluxRMSNormImpl : public torch::nn::Module {
+  public:
+    FluxRMSNormImpl(int64_t dim, double eps);
+    at::Tensor forward(const at::Tensor& x);
+    at::Tensor weight;
+
+  private:
+    double eps_;
+};
+TORCH_MODULE(FluxRMSNorm);
+
+// The joint attention of both block kinds (diffusers' FluxAttention): `added` gives the text
+// stream its own projections (double blocks); `pre_only` drops the output projection (single).
+class FluxAttentionImpl : public torch::nn::Module {
+  public:
+    FluxAttentionImpl(int64_t dim, int64_t heads, int64_t head_dim, bool added, bool pre_only);
+    // x [B, N, D] (the whole joint sequence for single blocks); context [B, T, D] or undefined;
+    // rope (cos, sin) [T + N, head_dim]. Returns (image, text) outputs (text undefined without context).
+    std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context,
+                                              const std::pair<at::Tensor, at::Tensor>& rope);
+
+  private:
+    int64_t heads_, head_dim_;
+    AdaptableLinear to_q_{nullptr}, to_k_{nullptr}, to_v_{nullptr}, to_out_{nullptr};
+    AdaptableLinear add_q_proj_{nullptr}, add_k_proj_{nullptr}, add_v_proj_{nullptr}, to_add_out_{nullptr};
+    FluxRMSNorm norm_q_{nullptr}, norm_k_{nullptr}, norm_added_q_{nullptr}, norm_added_k_{nullptr};
+};
+TORCH_MODULE(FluxAttention);
+
+class FluxTransformerBlockImpl : public torch::nn::Module {
+  public:
+    FluxTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim);
+    // Returns (context, x).
+    std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context,
+                                              const at::Tensor& temb,
+                                              const std::pair<at::Tensor, at::Tensor>& rope);
+
+  private:
+    int64_t dim_;
+    AdaptableLinear norm1_{nullptr}, norm1_context_{nullptr};  // the AdaLN-Zero modulations (.linear)
+    FluxAttention attn_{nullptr};
+    AdaptableLinear ff_in_{nullptr}, ff_out_{nullptr}, ff_context_in_{nullptr}, ff_context_out_{nullptr};
+};
+TORCH_MODULE(FluxTransformerBlock);
+
+class FluxSingleTransformerBlockImpl : public torch::nn::Module {
+  public:
+    FluxSingleTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim);
+    // On the joint sequence [B, T + N, D].
+    at::Tensor forward(const at::Tensor& joint, const at::Tensor& temb,
+                       const std::pair<at::Tensor, at::Tensor>& rope);
+
+  private:
+    int64_t dim_;
+    AdaptableLinear norm_{nullptr};  // .linear
+    FluxAttention attn_{nullptr};
+    AdaptableLinear proj_mlp_{nullptr}, proj_out_{nullptr};
+};
+TORCH_MODULE(FluxSingleTransformerBlock);
+
+class FluxTransformer2DModelImpl : public torch::nn::Module {
+  public:
+    explicit FluxTransformer2DModelImpl(FluxTransformerConfig config);
+
+    // x [B, N, in]; context [B, T, joint]; pooled [B, pooled]; timestep [B] sigmas in [0, 1];
+    // guidance [B] (required with guidance_embeds, ignored otherwise); img_ids [N, 3]; txt_ids [T, 3].
+    // Returns [B, N, out] in the weights' dtype.
+    at::Tensor forward(const at::Tensor& x, const at::Tensor& context, const at::Tensor& pooled,
+                       const at::Tensor& timestep, const at::Tensor& guidance, const at::Tensor& img_ids,
+                       const at::Tensor& txt_ids);
+
+    const FluxTransformerConfig& config() const { return config_; }
+    c10::ScalarType dtype() const { return x_embedder_->dtype(); }
+
+  private:
+    FluxTransformerConfig config_;
+    AdaptableLinear x_embedder_{nullptr}, context_embedder_{nullptr}, norm_out_{nullptr}, proj_out_{nullptr};
+    TimestepEmbedding timestep_embedder_{nullptr}, guidance_embedder_{nullptr}, text_embedder_{nullptr};
+    std::vector<FluxTransformerBlock> blocks_;
+    std::vector<FluxSingleTransformerBlock> single_blocks_;
+};
+TORCH_MODULE(FluxTransformer2DModel);
+
+// Flux's rotary embedding tables for position ids [S, 3]: (cos, sin), each [S, sum(axes_dims)]
+// float32, every frequency repeated for the (real, imaginary) pair (diffusers' FluxPosEmbed).
+std::pair<at::Tensor, at::Tensor> flux_rope(const at::Tensor& ids, const std::vector<int64_t>& axes_dims,
+                                            double theta = 10000.0);
+
+// FluxPipeline's 2×2 packing: latents [B, C, H, W] -> [B, (H/2)(W/2), 4C], and back.
+at::Tensor flux_pack_latents(const at::Tensor& latents);
+at::Tensor flux_unpack_latents(const at::Tensor& packed, int64_t height, int64_t width);
+// Image position ids for an (H/2)×(W/2) token grid: [(H/2)(W/2), 3] float32 (0, row, col).
+at::Tensor flux_image_ids(int64_t latent_height, int64_t latent_width);
+
+// A diffusers FluxTransformer2DModel folder (config.json + diffusion_pytorch_model*.safetensors).
+FluxTransformer2DModel load_flux_transformer(const std::filesystem::path& dir,
+                                             const ComponentLoadOptions& options = {});
+
+}  // namespace dtune::models

@@ -1,0 +1,80 @@
+// FluxTransformer2DModel against diffusers: tools/ref/gen_flux_transformer_ref.py saved two tiny
+// random transformers as diffusers folders ([dev]-like with the guidance embedding,
+// [schnell]-like without; tests/data/ref/tiny-flux-*) and what diffusers computes for fixed inputs
+// (flux_transformer_io.safetensors). Both must load strictly and match in float32; FluxPipeline's
+// 2×2 packing and image ids must match too; bad inputs are refused with the fix.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "model_test_util.h"
+#include "models/flux/flux_transformer.h"
+#include "support/test_support.h"
+
+namespace dtune::models {
+namespace {
+
+const std::filesystem::path kRef = std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref";
+
+TEST(FluxTransformer, DevAndSchnellMatchDiffusers) {
+    const io::SafetensorsFile io(kRef / "flux_transformer_io.safetensors");
+    const auto get = [&](const char* n) { return test::fixture_tensor(io, n); };
+    torch::NoGradGuard no_grad;
+    for (const std::string name : {"dev", "schnell"}) {
+        SCOPED_TRACE(name);
+        FluxTransformer2DModel model = load_flux_transformer(kRef / ("tiny-flux-" + name));
+        EXPECT_EQ(model->config().guidance_embeds, name == "dev");
+        const at::Tensor out =
+            model->forward(get("hidden"), get("encoder"), get("pooled"), get("timestep"),
+                           name == "dev" ? get("guidance") : at::Tensor(), get("img_ids"), get("txt_ids"));
+        const at::Tensor want = get((name + "_out").c_str());
+        ASSERT_EQ(out.sizes(), want.sizes());
+        EXPECT_LE(test::reported_diff(name, out, want), 1e-5 * want.abs().max().item<double>());
+    }
+}
+
+TEST(FluxTransformer, PackingAndImageIdsMatchFluxPipeline) {
+    const io::SafetensorsFile io(kRef / "flux_transformer_io.safetensors");
+    const at::Tensor latents = test::fixture_tensor(io, "latents");  // [2, 4, 6, 8]
+    const at::Tensor packed = flux_pack_latents(latents);
+    EXPECT_TRUE(at::equal(packed, test::fixture_tensor(io, "packed")));
+    EXPECT_TRUE(at::equal(flux_unpack_latents(packed, 6, 8), latents));
+    EXPECT_TRUE(at::equal(flux_image_ids(6, 8), test::fixture_tensor(io, "img_ids")));
+    EXPECT_THROW(flux_pack_latents(at::zeros({1, 4, 5, 8})), UsageError);
+}
+
+TEST(FluxTransformer, RefusesMissingGuidanceAndBadShapesNamingTheFix) {
+    const io::SafetensorsFile io(kRef / "flux_transformer_io.safetensors");
+    const auto get = [&](const char* n) { return test::fixture_tensor(io, n); };
+    FluxTransformer2DModel model = load_flux_transformer(kRef / "tiny-flux-dev");
+    torch::NoGradGuard no_grad;
+    try {
+        model->forward(get("hidden"), get("encoder"), get("pooled"), get("timestep"), {}, get("img_ids"),
+                       get("txt_ids"));
+        FAIL() << "no error without guidance";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("pass guidance"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(model->forward(at::zeros({2, 12, 8}), get("encoder"), get("pooled"), get("timestep"),
+                                get("guidance"), get("img_ids"), get("txt_ids")),
+                 UsageError);
+}
+
+// In bf16 the timestep itself rounds (0.3 -> 0.30078, so the sinusoids move), as in diffusers: the
+// reference is diffusers' own bf16 forward.
+TEST(FluxTransformer, Bf16MatchesDiffusersBf16) {
+    const io::SafetensorsFile io(kRef / "flux_transformer_io.safetensors");
+    const auto get = [&](const char* n) { return test::fixture_tensor(io, n); };
+    ComponentLoadOptions bf16;
+    bf16.dtype = at::kBFloat16;
+    FluxTransformer2DModel model = load_flux_transformer(kRef / "tiny-flux-dev", bf16);
+    torch::NoGradGuard no_grad;
+    const at::Tensor out = model->forward(get("hidden"), get("encoder"), get("pooled"), get("timestep"),
+                                          get("guidance"), get("img_ids"), get("txt_ids"));
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+    const at::Tensor want = get("dev_out_bf16");
+    EXPECT_LE(test::reported_diff("bf16", out.to(at::kFloat), want), 0.02 * want.abs().max().item<double>());
+}
+
+}  // namespace
+}  // namespace dtune::models
