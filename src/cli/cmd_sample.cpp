@@ -27,6 +27,7 @@
 #include "diffusion/scheduler_config.h"
 #include "io/image.h"
 #include "models/common/quantize.h"
+#include "validate/flux_pipeline.h"
 #include "validate/sdxl_pipeline.h"
 
 namespace dtune::cli {
@@ -51,7 +52,8 @@ struct SampleArgs {
     std::array<std::string, 3> precision{"no_change", "no_change", "no_change"};
     std::string format = "png";
     int quality = 90;
-    int threads = 0;  // 0 = automatic (see cpu_threads)
+    int threads = 0;                    // 0 = automatic (see cpu_threads)
+    int64_t max_sequence_length = 512;  // Flux: T5 tokens
 };
 
 int64_t to_int(const std::string& key, const std::string& v) {
@@ -106,6 +108,8 @@ const std::map<std::string, Setter>& value_options() {
         {"--format", [](SampleArgs& a, auto&, auto& v) { a.format = v; }},
         {"--quality", [](SampleArgs& a, auto& k, auto& v) { a.quality = static_cast<int>(to_int(k, v)); }},
         {"--threads", [](SampleArgs& a, auto& k, auto& v) { a.threads = static_cast<int>(to_int(k, v)); }},
+        {"--max_sequence_length",
+         [](SampleArgs& a, auto& k, auto& v) { a.max_sequence_length = to_int(k, v); }},
     };
     return options;
 }
@@ -234,6 +238,14 @@ validate::SDXLPipeline load_pipeline(const SampleArgs& a, c10::Device device, c1
     return pipe;
 }
 
+// A diffusers folder whose model_index.json names FluxPipeline.
+bool is_flux_folder(const std::string& model) {
+    const std::filesystem::path index = std::filesystem::path(model) / "model_index.json";
+    if (!std::filesystem::is_regular_file(index)) return false;
+    const auto j = nlohmann::json::parse(fs::read_file(index), nullptr, /*allow_exceptions=*/false);
+    return j.is_object() && j.value("_class_name", "") == "FluxPipeline";
+}
+
 validate::GenerationRequest request_from(const SampleArgs& a) {
     validate::GenerationRequest r;
     r.prompt = {a.prompt};
@@ -275,15 +287,40 @@ int run_sample(const std::vector<std::string>& args) {
         at::set_num_threads(threads);
         log::info() << "using " << threads << " CPU threads";
     }
-    auto pipe = load_pipeline(a, device, dtype);
-
     ProgressOptions po;
     po.label = "sampling";
     po.unit = "step";
-    Progress bar(a.steps, po);
-    const auto t0 = std::chrono::steady_clock::now();
-    const auto out = pipe.generate(request_from(a), [&](int64_t, int64_t) { bar.update(); });
-    bar.finish();
+    std::optional<validate::GenerationResult> result;
+    std::chrono::steady_clock::time_point t0;
+    if (is_flux_folder(a.model)) {
+        // Flux.1: the transformer embeds the guidance ([dev]) or ignores it ([schnell]); no CFG.
+        for (size_t i = 0; i < a.precision.size(); ++i)
+            DTUNE_CHECK_AS(UsageError, a.precision[i] == "no_change", "--", precision_key(i),
+                           " is not supported for Flux pipelines yet; leave it at no_change");
+        DTUNE_CHECK_AS(UsageError, a.lora.empty() && !a.negative_prompt,
+                       "--lora and --negative_prompt are not supported for Flux pipelines yet");
+        auto pipe = validate::FluxPipeline::load(a.model, {dtype, device});
+        validate::FluxRequest r;
+        r.prompt = {a.prompt};
+        r.width = a.width;
+        r.height = a.height;
+        r.steps = a.steps;
+        r.guidance_scale = a.guidance;
+        r.max_sequence_length = a.max_sequence_length;
+        r.seed = a.seed;
+        r.num_images_per_prompt = a.batch;
+        Progress bar(a.steps, po);
+        t0 = std::chrono::steady_clock::now();
+        result = pipe.generate(r, [&](int64_t, int64_t) { bar.update(); });
+        bar.finish();
+    } else {
+        auto pipe = load_pipeline(a, device, dtype);
+        Progress bar(a.steps, po);
+        t0 = std::chrono::steady_clock::now();
+        result = pipe.generate(request_from(a), [&](int64_t, int64_t) { bar.update(); });
+        bar.finish();
+    }
+    const validate::GenerationResult& out = *result;
     check_finite_output(a, out, dtype);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
@@ -311,12 +348,15 @@ int run_sample(const std::vector<std::string>& args) {
 }  // namespace
 
 DTUNE_REGISTER_COMMAND(
-    sample, "sample", "generate images from an SDXL model folder or single file",
+    sample, "sample", "generate images from an SDXL or Flux.1 model folder, or an SDXL single file",
     "usage: dtune sample --model <folder | file.safetensors> --prompt TEXT [options]\n\n"
     "Generates images with an SDXL diffusers pipeline folder (model_index.json, unet/, vae/,\n"
     "text_encoder{,_2}/, tokenizer{,_2}/, scheduler/) or an SDXL single-file checkpoint (the\n"
     ".safetensors that ComfyUI/A1111 use), and writes <output_dir>/sample_<seed>_<i>.<format>\n"
-    "plus sample_<seed>_<i>.json with every setting used.\n\n"
+    "plus sample_<seed>_<i>.json with every setting used. A Flux.1 [dev]/[schnell] diffusers folder\n"
+    "(model_index.json naming FluxPipeline) samples with flow matching; --guidance is then [dev]'s\n"
+    "embedded guidance (3.5 is usual; no CFG), and --lora, --negative_prompt and the precision\n"
+    "options are not supported for it yet.\n\n"
     "  --model PATH            the pipeline folder or single file (may also be the first argument)\n"
     "  --config_folder DIR     with a single file: a diffusers folder giving the configs,\n"
     "                          tokenizers and scheduler (weights come from the file); default:\n"
@@ -342,6 +382,7 @@ DTUNE_REGISTER_COMMAND(
     "  --device cpu|cuda|auto  where to run (default auto: cuda when available)\n"
     "  --dtype fp32|bf16|fp16|auto  weights dtype (default auto: bf16 on cuda, fp32 on cpu);\n"
     "                          the VAE stays fp32 in fp16 runs when its config sets force_upcast\n"
+    "  --max_sequence_length N Flux: T5 prompt tokens (default 512; [schnell] takes at most 256)\n"
     "  --threads N             CPU intra-op threads (default: OMP_NUM_THREADS if set, else the\n"
     "                          CPUs this process may use, at most 16)\n"
     "  --format png|jpeg|webp  image format (default png)\n"

@@ -1,0 +1,123 @@
+// Flux.1 text-to-image (see flux_pipeline.h).
+#include "validate/flux_pipeline.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <chrono>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/log.h"
+#include "models/clip/sdxl_text_encoders.h"
+#include "models/common/pipeline_folder.h"
+
+namespace dtune::validate {
+
+FluxPipeline::FluxPipeline(models::CLIPTokenizer tokenizer, models::CLIPTextModel text_encoder,
+                           models::T5Tokenizer tokenizer_2, models::T5EncoderModel text_encoder_2,
+                           models::FluxTransformer2DModel transformer, models::AutoencoderKL vae,
+                           diffusion::FlowMatchConfig scheduler, c10::Device device)
+    : tokenizer_(std::move(tokenizer)),
+      text_encoder_(std::move(text_encoder)),
+      tokenizer_2_(std::move(tokenizer_2)),
+      text_encoder_2_(std::move(text_encoder_2)),
+      transformer_(std::move(transformer)),
+      vae_(std::move(vae)),
+      scheduler_(std::move(scheduler)),
+      device_(device) {
+    text_encoder_->eval();
+    text_encoder_2_->eval();
+    transformer_->eval();
+    vae_->eval();
+}
+
+FluxPipeline FluxPipeline::load(const std::filesystem::path& folder, const PipelineLoadOptions& options) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto pf = models::PipelineFolder::open(folder);
+    DTUNE_CHECK_AS(DataError, pf.class_name() == "FluxPipeline", folder.string(), "/model_index.json names ",
+                   pf.class_name(), "; a Flux folder's is FluxPipeline");
+    models::ComponentLoadOptions component{options.dtype, options.device};
+    auto clip =
+        models::load_clip_text_model(pf.component("text_encoder").path, {options.dtype, options.device});
+    auto t5 = models::load_t5_encoder(pf.component("text_encoder_2").path, component);
+    auto transformer = models::load_flux_transformer(pf.component("transformer").path, component);
+    models::ComponentLoadOptions vae_load{options.dtype, options.device};
+    auto vae = models::load_autoencoder_kl(pf.vae_path(), vae_load);
+    const auto sched_dir = pf.component("scheduler").path;
+    const auto sched = diffusion::FlowMatchConfig::from_json(
+        nlohmann::json::parse(fs::read_file(sched_dir / "scheduler_config.json")),
+        (sched_dir / "scheduler_config.json").string());
+    auto tok = models::CLIPTokenizer::from_folder(pf.component("tokenizer").path);
+    auto tok2 = models::T5Tokenizer::load(pf.component("tokenizer_2").path);
+    log::info() << "loaded Flux pipeline " << folder.string() << " on " << options.device.str() << " in "
+                << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s";
+    return FluxPipeline(std::move(tok), std::move(clip), std::move(tok2), std::move(t5),
+                        std::move(transformer), std::move(vae), sched, options.device);
+}
+
+GenerationResult FluxPipeline::generate(const FluxRequest& r, const StepCallback& on_step) {
+    DTUNE_CHECK_AS(UsageError, !r.prompt.empty(), "generate needs at least one prompt");
+    DTUNE_CHECK_AS(UsageError, r.steps >= 1, "steps = ", r.steps, " is invalid: use 1 or more");
+    DTUNE_CHECK_AS(UsageError, r.width > 0 && r.height > 0 && r.width % 16 == 0 && r.height % 16 == 0,
+                   "image size ", r.width, "x", r.height, " is invalid: Flux needs multiples of 16");
+    DTUNE_CHECK_AS(UsageError, r.num_images_per_prompt >= 1, "num_images_per_prompt must be 1 or more");
+    const at::NoGradGuard no_grad;
+    const auto dtype = transformer_->dtype();
+    const int64_t b = static_cast<int64_t>(r.prompt.size()), n = r.num_images_per_prompt;
+
+    // Text: CLIP's pooled output and T5's sequence, each prompt repeated per image.
+    std::vector<at::Tensor> ids;
+    for (const auto& p : r.prompt) ids.push_back(at::tensor(tokenizer_.encode(p, 77)));
+    const at::Tensor clip_ids = at::stack(ids).to(device_);
+    at::Tensor pooled = text_encoder_->forward(clip_ids, false).pooler_output.to(dtype);  // [B, 768]
+    at::Tensor t5_ids = tokenizer_2_.encode_batch(r.prompt, r.max_sequence_length).to(device_);
+    at::Tensor context = text_encoder_2_->forward(t5_ids).to(dtype);  // [B, L, D]
+    pooled = pooled.repeat_interleave(n, 0);
+    context = context.repeat_interleave(n, 0);
+    const at::Tensor txt_ids = at::zeros({context.size(1), 3}, at::TensorOptions(device_).dtype(dtype));
+
+    // Latents: N(0, 1) on the CPU from the seed, then packed.
+    const int64_t lh = 2 * (r.height / 16), lw = 2 * (r.width / 16);
+    const int64_t c = transformer_->config().in_channels / 4;
+    at::Tensor noise = r.latents;
+    if (!noise.defined()) {
+        at::Generator gen = at::detail::createCPUGenerator(r.seed);
+        noise = at::randn({b * n, c, lh, lw}, gen, at::TensorOptions(at::kCPU).dtype(at::kFloat));
+    }
+    DTUNE_CHECK_AS(UsageError, noise.sizes() == at::IntArrayRef({b * n, c, lh, lw}), "latents of shape ",
+                   noise.sizes(), " do not fit ", r.width, "x", r.height, " (expected [", b * n, ", ", c,
+                   ", ", lh, ", ", lw, "])");
+    at::Tensor latents = models::flux_pack_latents(noise.to(device_, dtype));
+    const at::Tensor img_ids = models::flux_image_ids(lh, lw).to(device_, dtype);
+
+    // Schedule: FluxPipeline's sigmas and the resolution-dependent shift.
+    diffusion::FlowMatchEulerSampler sampler(scheduler_);
+    std::vector<double> sigmas(static_cast<size_t>(r.steps));
+    for (int64_t i = 0; i < r.steps; ++i)
+        sigmas[static_cast<size_t>(i)] = r.steps == 1 ? 1.0
+                                                      : 1.0 + (1.0 / r.steps - 1.0) * static_cast<double>(i) /
+                                                                  static_cast<double>(r.steps - 1);
+    sampler.set_timesteps(r.steps, sigmas, diffusion::flow_match_mu(scheduler_, latents.size(1)));
+    const at::Tensor guidance =
+        transformer_->config().guidance_embeds
+            ? at::full({b * n}, r.guidance_scale, at::TensorOptions(device_).dtype(at::kFloat))
+            : at::Tensor();
+    for (int64_t i = 0; i < r.steps; ++i) {
+        const at::Tensor t = sampler.timesteps()[i].expand({b * n}).to(device_).to(dtype);
+        const at::Tensor v =
+            transformer_->forward(latents, context, pooled, t / 1000, guidance, img_ids, txt_ids);
+        latents = sampler.step(v, i, latents);
+        if (on_step) on_step(i + 1, r.steps);
+    }
+    GenerationResult out;
+    const at::Tensor unpacked = models::flux_unpack_latents(latents, lh, lw);
+    out.latents = unpacked.to(at::kCPU, at::kFloat);
+    if (r.decode) {
+        const at::Tensor decoded =
+            vae_->decode(vae_->unscale_latents(unpacked));  // [B*N, 3, H, W] in ~[-1, 1]
+        out.images = decoded.to(at::kCPU, at::kFloat).div(2).add(0.5).clamp(0, 1);
+    }
+    return out;
+}
+
+}  // namespace dtune::validate

@@ -1,0 +1,73 @@
+// Text-to-image with Flux.1 [dev] / [schnell] from a diffusers FluxPipeline folder, as diffusers'
+// FluxPipeline (0.42) computes it:
+//   pooled  = CLIPTextModel(tokenizer(prompt, 77)).pooler_output                 [B, 768]
+//   context = T5EncoderModel(tokenizer_2(prompt, max_sequence_length))            [B, L, 4096]
+//   latents = N(0, 1) [B, 16, 2·(H/16), 2·(W/16)] from the seeded CPU generator, packed 2×2
+//   sigmas  = linspace(1, 1/n, n) shifted with mu(image tokens) (flow_match_mu)
+//   each step: v = transformer(latents, t/1000, guidance, pooled, context, ids); Euler step
+//   image   = vae.decode(unpack(latents) / scaling_factor + shift_factor)
+// No classifier-free guidance: [dev] embeds the guidance scale in the model (guidance_embeds),
+// [schnell] ignores it. Seeds give the same image on any device (the noise is drawn on the CPU).
+#pragma once
+
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "diffusion/flow_match.h"
+#include "models/clip/clip_text_model.h"
+#include "models/clip/clip_tokenizer.h"
+#include "models/flux/flux_transformer.h"
+#include "models/t5/t5_encoder.h"
+#include "models/t5/t5_tokenizer.h"
+#include "models/vae/autoencoder_kl.h"
+#include "validate/sdxl_pipeline.h"
+
+namespace dtune::validate {
+
+struct FluxRequest {
+    std::vector<std::string> prompt;  // B prompts
+    int64_t width = 1024;
+    int64_t height = 1024;
+    int64_t steps = 28;
+    double guidance_scale = 3.5;        // [dev]'s embedded guidance; unused by [schnell]
+    int64_t max_sequence_length = 512;  // T5 tokens ([schnell]: at most 256)
+    uint64_t seed = 0;
+    int num_images_per_prompt = 1;
+    at::Tensor latents;  // given N(0, 1) latents [B*N, 16, h, w] replace the draw
+    bool decode = true;
+};
+
+class FluxPipeline {
+  public:
+    FluxPipeline(models::CLIPTokenizer tokenizer, models::CLIPTextModel text_encoder,
+                 models::T5Tokenizer tokenizer_2, models::T5EncoderModel text_encoder_2,
+                 models::FluxTransformer2DModel transformer, models::AutoencoderKL vae,
+                 diffusion::FlowMatchConfig scheduler, c10::Device device);
+
+    // A diffusers FluxPipeline folder (model_index.json with tokenizer, text_encoder, tokenizer_2,
+    // text_encoder_2, transformer, vae, scheduler).
+    static FluxPipeline load(const std::filesystem::path& folder, const PipelineLoadOptions& options = {});
+
+    // Throws UsageError for sizes not a multiple of 16, empty prompts or steps < 1.
+    GenerationResult generate(const FluxRequest& request, const StepCallback& on_step = {});
+
+    models::FluxTransformer2DModel& transformer() { return transformer_; }
+    models::AutoencoderKL& vae() { return vae_; }
+    c10::Device device() const { return device_; }
+
+  private:
+    models::CLIPTokenizer tokenizer_;
+    models::CLIPTextModel text_encoder_;
+    models::T5Tokenizer tokenizer_2_;
+    models::T5EncoderModel text_encoder_2_;
+    models::FluxTransformer2DModel transformer_;
+    models::AutoencoderKL vae_;
+    diffusion::FlowMatchConfig scheduler_;
+    c10::Device device_;
+};
+
+}  // namespace dtune::validate

@@ -1,0 +1,95 @@
+// FluxPipeline against diffusers end to end: tools/ref/gen_flux_pipeline_ref.py ran diffusers'
+// FluxPipeline on a tiny random Flux.1 [dev]-shaped pipeline (tests/data/ref/tiny-flux-pipeline plus
+// the tiny Flux VAE and the shared tiny SDXL's CLIP text encoder and tokenizer, assembled here into
+// one folder) and saved its final latents and image. dtune's pipeline must give the same latents and
+// pixels; `dtune sample` on the folder must write that image.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "io/image.h"
+#include "io/safetensors.h"
+#include "support/shell.h"
+#include "support/test_support.h"
+#include "validate/flux_pipeline.h"
+
+namespace dtune::validate {
+namespace {
+
+namespace stdfs = std::filesystem;
+const stdfs::path kRef = stdfs::path(DTUNE_TEST_DATA_DIR) / "ref";
+
+// The tiny Flux folder with its shared parts copied in.
+void assemble(const stdfs::path& dir) {
+    stdfs::copy(kRef / "tiny-flux-pipeline", dir, stdfs::copy_options::recursive);
+    stdfs::copy(kRef / "tiny-flux-vae", dir / "vae", stdfs::copy_options::recursive);
+    for (const char* part : {"text_encoder", "tokenizer"})
+        stdfs::copy(test::fixtures_dir() / "tiny-sdxl" / part, dir / part, stdfs::copy_options::recursive);
+}
+
+FluxRequest reference_request() {
+    FluxRequest r;
+    r.prompt = {"a red cube on a wooden table"};
+    r.height = 48;
+    r.width = 32;
+    r.steps = 3;
+    r.guidance_scale = 3.5;
+    r.max_sequence_length = 16;
+    r.seed = 0;
+    return r;
+}
+
+TEST(FluxPipeline, MatchesDiffusersLatentsAndImage) {
+    test::TempDir dir;
+    assemble(dir.path() / "flux");
+    FluxPipeline pipe = FluxPipeline::load(dir.path() / "flux");
+    const GenerationResult out = pipe.generate(reference_request());
+    const io::SafetensorsFile io(kRef / "flux_pipeline_io.safetensors");
+    const at::Tensor latents = io.get("latents").to(at::kFloat), image = io.get("image").to(at::kFloat);
+    ASSERT_EQ(out.latents.sizes(), latents.sizes());
+    EXPECT_LE((out.latents - latents).abs().max().item<double>(),
+              1e-4 * (1 + latents.abs().max().item<double>()));
+    ASSERT_EQ(out.images.sizes(), image.sizes());
+    EXPECT_LE((out.images - image).abs().max().item<double>(), 1e-4);
+}
+
+TEST(FluxPipeline, RefusesBadRequestsNamingTheFix) {
+    test::TempDir dir;
+    assemble(dir.path() / "flux");
+    FluxPipeline pipe = FluxPipeline::load(dir.path() / "flux");
+    FluxRequest r = reference_request();
+    r.width = 40;  // not a multiple of 16
+    EXPECT_THROW(pipe.generate(r), UsageError);
+    r = reference_request();
+    r.prompt.clear();
+    EXPECT_THROW(pipe.generate(r), UsageError);
+}
+
+TEST(FluxPipeline, DtuneSampleWritesTheReferenceImage) {
+    test::TempDir dir;
+    assemble(dir.path() / "flux");
+    const std::string cmd = std::string(DTUNE_BIN) + " sample --model '" + (dir.path() / "flux").string() +
+                            "' --prompt 'a red cube on a wooden table' --width 32 --height 48 --steps 3 "
+                            "--guidance 3.5 --max_sequence_length 16 --seed 0 --device cpu --output_dir '" +
+                            (dir.path() / "out").string() + "' >/dev/null 2>'" +
+                            (dir.path() / "log").string() + "'";
+    ASSERT_EQ(test::run_status(cmd), 0) << fs::read_file(dir.path() / "log");
+    const io::RgbImage img = io::read_image(dir.path() / "out" / "sample_0_0.png");
+    const io::SafetensorsFile io(kRef / "flux_pipeline_io.safetensors");
+    const at::Tensor want = io.get("image").to(at::kFloat)[0];  // [3, 48, 32] in [0, 1]
+    ASSERT_EQ(img.width, 32);
+    ASSERT_EQ(img.height, 48);
+    int worst = 0;
+    for (int y = 0; y < img.height; ++y)
+        for (int x = 0; x < img.width; ++x)
+            for (int c = 0; c < 3; ++c) {
+                const int got = img.pixels[static_cast<size_t>((y * img.width + x) * 3 + c)];
+                const int ref = static_cast<int>(std::lround(want[c][y][x].item<float>() * 255.0f));
+                worst = std::max(worst, std::abs(got - ref));
+            }
+    EXPECT_LE(worst, 1);
+}
+
+}  // namespace
+}  // namespace dtune::validate
