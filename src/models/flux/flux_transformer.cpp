@@ -107,7 +107,14 @@ std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x
     }
     q = apply_rope(q, rope);
     k = apply_rope(k, rope);
-    at::Tensor out = at::scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    // [B, H, S, Dh]. With gradients on a GPU in half precision the flash kernel is asked for by
+    // name: SDPA's own pick for head_dim 128 on Hopper is cuDNN's, whose backward failed with an
+    // illegal memory access at Flux's sizes (torch 2.11, H200; bench_flux --cudnn_attention 1).
+    const at::Tensor qh = q.transpose(1, 2), kh = k.transpose(1, 2), vh = v.transpose(1, 2);
+    const bool flash = q.is_cuda() && at::GradMode::is_enabled() &&
+                       (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
+    at::Tensor out = (flash ? std::get<0>(at::_scaled_dot_product_flash_attention(qh, kh, vh))
+                            : at::scaled_dot_product_attention(qh, kh, vh))
                          .transpose(1, 2)
                          .flatten(2, 3)
                          .to(q.scalar_type());  // [B, S, H·Dh]
