@@ -2,6 +2,9 @@
 #include "validate/flux_pipeline.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#ifdef DTUNE_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include <chrono>
 
@@ -61,6 +64,10 @@ GenerationResult FluxPipeline::generate(const FluxRequest& r, const StepCallback
     DTUNE_CHECK_AS(UsageError, r.width > 0 && r.height > 0 && r.width % 16 == 0 && r.height % 16 == 0,
                    "image size ", r.width, "x", r.height, " is invalid: Flux needs multiples of 16");
     DTUNE_CHECK_AS(UsageError, r.num_images_per_prompt >= 1, "num_images_per_prompt must be 1 or more");
+    DTUNE_CHECK_AS(
+        UsageError, text_encoder_ && text_encoder_2_,
+        "this Flux pipeline freed its text encoders after an earlier generate (free_text_encoders); "
+        "load it again");
     const at::NoGradGuard no_grad;
     const auto dtype = transformer_->dtype();
     const int64_t b = static_cast<int64_t>(r.prompt.size()), n = r.num_images_per_prompt;
@@ -75,6 +82,13 @@ GenerationResult FluxPipeline::generate(const FluxRequest& r, const StepCallback
     pooled = pooled.repeat_interleave(n, 0);
     context = context.repeat_interleave(n, 0);
     const at::Tensor txt_ids = at::zeros({context.size(1), 3}, at::TensorOptions(device_).dtype(dtype));
+    if (r.free_text_encoders) {
+        text_encoder_ = nullptr;
+        text_encoder_2_ = nullptr;
+#ifdef DTUNE_WITH_CUDA
+        if (device_.is_cuda()) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+    }
 
     // Latents: N(0, 1) on the CPU from the seed, then packed.
     const int64_t lh = 2 * (r.height / 16), lw = 2 * (r.width / 16);

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 #include "core/fs.h"
 #include "io/image.h"
@@ -54,6 +56,18 @@ TEST(FluxPipeline, MatchesDiffusersLatentsAndImage) {
     EXPECT_LE((out.images - image).abs().max().item<double>(), 1e-4);
 }
 
+TEST(FluxPipeline, FreedTextEncodersGiveTheSameImageOnce) {
+    test::TempDir dir;
+    assemble(dir.path() / "flux");
+    FluxPipeline pipe = FluxPipeline::load(dir.path() / "flux");
+    FluxRequest r = reference_request();
+    r.free_text_encoders = true;
+    const GenerationResult out = pipe.generate(r);
+    const io::SafetensorsFile io(kRef / "flux_pipeline_io.safetensors");
+    EXPECT_LE((out.images - io.get("image").to(at::kFloat)).abs().max().item<double>(), 1e-4);
+    EXPECT_THROW(pipe.generate(r), UsageError);
+}
+
 TEST(FluxPipeline, RefusesBadRequestsNamingTheFix) {
     test::TempDir dir;
     assemble(dir.path() / "flux");
@@ -89,6 +103,22 @@ TEST(FluxPipeline, DtuneSampleWritesTheReferenceImage) {
                 worst = std::max(worst, std::abs(got - ref));
             }
     EXPECT_LE(worst, 1);
+}
+
+// Without --steps and --guidance a [dev] folder samples with FluxPipeline's 28 steps at 3.5 (the
+// sidecar records what ran); SDXL's defaults (30 steps, CFG 5) do not carry over.
+TEST(FluxPipeline, DtuneSampleTakesFluxDefaults) {
+    test::TempDir dir;
+    assemble(dir.path() / "flux");
+    const std::string cmd = std::string(DTUNE_BIN) + " sample --model '" + (dir.path() / "flux").string() +
+                            "' --prompt 'a cube' --width 32 --height 32 --max_sequence_length 8 --device cpu "
+                            "--output_dir '" +
+                            (dir.path() / "out").string() + "' >/dev/null 2>'" +
+                            (dir.path() / "log").string() + "'";
+    ASSERT_EQ(test::run_status(cmd), 0) << fs::read_file(dir.path() / "log");
+    const auto sidecar = nlohmann::json::parse(fs::read_file(dir.path() / "out" / "sample_0_0.json"));
+    EXPECT_EQ(sidecar.at("steps"), 28);
+    EXPECT_EQ(sidecar.at("guidance"), 3.5);
 }
 
 }  // namespace
