@@ -306,9 +306,10 @@ int run_sample(const std::vector<std::string>& args) {
         for (size_t i = 0; i < a.precision.size(); ++i)
             DTUNE_CHECK_AS(UsageError, a.precision[i] == "no_change", "--", precision_key(i),
                            " is not supported for Flux pipelines yet; leave it at no_change");
-        DTUNE_CHECK_AS(UsageError, a.lora.empty() && !a.negative_prompt,
-                       "--lora and --negative_prompt are not supported for Flux pipelines yet");
+        DTUNE_CHECK_AS(UsageError, !a.negative_prompt,
+                       "--negative_prompt is not supported for Flux pipelines yet");
         auto pipe = validate::FluxPipeline::load(a.model, {dtype, device});
+        if (!a.lora.empty()) pipe.load_lora(a.lora, a.lora_scale);
         // FluxPipeline's defaults: [dev] 28 steps at guidance 3.5, [schnell] 4 steps.
         const bool dev = pipe.transformer()->config().guidance_embeds;
         if (!a.steps_given) a.steps = dev ? 28 : 4;
@@ -369,8 +370,9 @@ DTUNE_REGISTER_COMMAND(
     ".safetensors that ComfyUI/A1111 use), and writes <output_dir>/sample_<seed>_<i>.<format>\n"
     "plus sample_<seed>_<i>.json with every setting used. A Flux.1 [dev]/[schnell] diffusers folder\n"
     "(model_index.json naming FluxPipeline) samples with flow matching; --guidance is then [dev]'s\n"
-    "embedded guidance (3.5 is usual; no CFG), and --lora, --negative_prompt and the precision\n"
-    "options are not supported for it yet.\n\n"
+    "embedded guidance (3.5 is usual; no CFG); --lora takes a diffusers/PEFT Flux LoRA\n"
+    "(transformer.-prefixed keys); --negative_prompt and the precision options are not supported\n"
+    "for it yet.\n\n"
     "  --model PATH            the pipeline folder or single file (may also be the first argument)\n"
     "  --config_folder DIR     with a single file: a diffusers folder giving the configs,\n"
     "                          tokenizers and scheduler (weights come from the file); default:\n"

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
+#include "models/adapters/lora_apply.h"
 #include "models/clip/sdxl_text_encoders.h"
 #include "models/common/pipeline_folder.h"
 
@@ -56,6 +57,12 @@ FluxPipeline FluxPipeline::load(const std::filesystem::path& folder, const Pipel
                 << std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() << " s";
     return FluxPipeline(std::move(tok), std::move(clip), std::move(tok2), std::move(t5),
                         std::move(transformer), std::move(vae), sched, options.device);
+}
+
+void FluxPipeline::load_lora(const std::filesystem::path& file, double strength) {
+    DTUNE_CHECK_AS(UsageError, !lora_, "this pipeline already has a LoRA applied; load one LoRA file (",
+                   file.string(), " was the second)");
+    lora_.emplace(models::apply_lora_file(*transformer_, file, strength));
 }
 
 GenerationResult FluxPipeline::generate(const FluxRequest& r, const StepCallback& on_step) {

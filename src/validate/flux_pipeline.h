@@ -12,12 +12,14 @@
 
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "diffusion/flow_match.h"
+#include "models/adapters/lora.h"
 #include "models/clip/clip_text_model.h"
 #include "models/clip/clip_tokenizer.h"
 #include "models/flux/flux_transformer.h"
@@ -55,6 +57,11 @@ class FluxPipeline {
     // text_encoder_2, transformer, vae, scheduler).
     static FluxPipeline load(const std::filesystem::path& folder, const PipelineLoadOptions& options = {});
 
+    // Applies a transformer LoRA in diffusers/PEFT layout ("transformer."-prefixed keys, as
+    // FluxPipeline.save_lora_weights writes) at `strength`, unmerged (models/adapters/lora_apply.h).
+    // One per pipeline.
+    void load_lora(const std::filesystem::path& file, double strength = 1.0);
+
     // Throws UsageError for sizes not a multiple of 16, empty prompts or steps < 1.
     GenerationResult generate(const FluxRequest& request, const StepCallback& on_step = {});
 
@@ -71,6 +78,7 @@ class FluxPipeline {
     models::AutoencoderKL vae_;
     diffusion::FlowMatchConfig scheduler_;
     c10::Device device_;
+    std::optional<models::LoRAAdapters> lora_;  // refers to transformer_'s layers, declared after it
 };
 
 }  // namespace dtune::validate

@@ -68,6 +68,22 @@ TEST(FluxPipeline, FreedTextEncodersGiveTheSameImageOnce) {
     EXPECT_THROW(pipe.generate(r), UsageError);
 }
 
+// A PEFT LoRA saved by FluxPipeline.save_lora_weights ("transformer."-prefixed keys, alpha in the
+// adapter metadata) gives diffusers' load_lora_weights image, in process and through --lora.
+TEST(FluxPipeline, DiffusersLoRAGivesDiffusersImage) {
+    test::TempDir dir;
+    assemble(dir.path() / "flux");
+    const stdfs::path lora = kRef / "tiny-flux-lora" / "pytorch_lora_weights.safetensors";
+    FluxPipeline pipe = FluxPipeline::load(dir.path() / "flux");
+    pipe.load_lora(lora);
+    const GenerationResult out = pipe.generate(reference_request());
+    const io::SafetensorsFile io(kRef / "flux_pipeline_io.safetensors");
+    const at::Tensor want = io.get("image_lora").to(at::kFloat);
+    EXPECT_GT((want - io.get("image").to(at::kFloat)).abs().max().item<double>(), 0.02);  // the LoRA matters
+    EXPECT_LE((out.images - want).abs().max().item<double>(), 1e-4);
+    EXPECT_THROW(pipe.load_lora(lora), UsageError);  // one LoRA per pipeline
+}
+
 TEST(FluxPipeline, RefusesBadRequestsNamingTheFix) {
     test::TempDir dir;
     assemble(dir.path() / "flux");

@@ -13,6 +13,8 @@ text_encoder_2/, transformer/; the test adds vae/ from tiny-flux-vae and text_en
 from the shared tiny SDXL) and tests/data/ref/flux_pipeline_io.safetensors:
   latents [1, 16, 6, 4]  the final latents (unpacked, still scaled and shifted)
   image   [1, 3, 48, 32] in [0, 1]
+  image_lora [1, 3, 48, 32]  the same with tests/data/ref/tiny-flux-lora/pytorch_lora_weights.safetensors
+             (a random rank-4 PEFT LoRA saved by FluxPipeline.save_lora_weights) loaded by load_lora_weights
 for prompt "a red cube on a wooden table", 48x32, 3 steps, guidance 3.5, seed 0,
 max_sequence_length 16, float32 on the CPU.
 
@@ -63,6 +65,25 @@ def main(fixtures, out):
         packed = pipe(**args, generator=torch.Generator().manual_seed(0), output_type="latent").images
         image = pipe(**args, generator=torch.Generator().manual_seed(0), output_type="pt").images
     latents = FluxPipeline._unpack_latents(packed, 48, 32, 8)
+    # A LoRA on the transformer (PEFT, rank 4, alpha 8, attention and feed-forward targets) saved
+    # as FluxPipeline.save_lora_weights writes it, then loaded back with load_lora_weights.
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                       target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_mlp", "ff.net.2"]))
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 1.5)
+    lora_dir = os.path.join(out, "tiny-flux-lora")
+    FluxPipeline.save_lora_weights(lora_dir, transformer_lora_layers=get_peft_model_state_dict(transformer),
+                                   safe_serialization=True)
+    transformer.delete_adapters("default")
+    pipe.load_lora_weights(lora_dir)
+    with torch.no_grad():
+        image_lora = pipe(**args, generator=torch.Generator().manual_seed(0), output_type="pt").images
+    pipe.unload_lora_weights()
     with tempfile.TemporaryDirectory() as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
         dst = os.path.join(out, "tiny-flux-pipeline")
@@ -71,7 +92,7 @@ def main(fixtures, out):
         shutil.copy(os.path.join(tmp, "model_index.json"), dst)
         for part in ("scheduler", "tokenizer_2", "text_encoder_2", "transformer"):
             shutil.copytree(os.path.join(tmp, part), os.path.join(dst, part))
-    save_file({"latents": latents.contiguous(), "image": image.contiguous()},
+    save_file({"latents": latents.contiguous(), "image": image.contiguous(), "image_lora": image_lora.contiguous()},
               os.path.join(out, "flux_pipeline_io.safetensors"))
     print("latents", tuple(latents.shape), "image", tuple(image.shape), float(image.mean()))
 

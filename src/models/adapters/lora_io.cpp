@@ -89,7 +89,8 @@ std::optional<ParsedKey> parse_key(const std::string& key) {
         return std::nullopt;
     }
     std::string rest = key;
-    for (const char* prefix : {"unet.", "base_model.model."})
+    // "unet." (SDXL) or "transformer." (Flux, SD3) in diffusers' files; PEFT's own prefix.
+    for (const char* prefix : {"unet.", "transformer.", "base_model.model."})
         if (starts_with(rest, prefix)) rest = rest.substr(std::strlen(prefix));
     for (const auto& [suffix, part] : kDotted)
         if (ends_with(rest, suffix))
@@ -98,7 +99,8 @@ std::optional<ParsedKey> parse_key(const std::string& key) {
     return std::nullopt;
 }
 
-// diffusers' lora_adapter_metadata: {"unet.r": 4, "unet.lora_alpha": 8, ...} (prefix optional).
+// diffusers' lora_adapter_metadata: {"unet.r": 4, "unet.lora_alpha": 8, ...} (or "transformer."; the
+// prefix is optional).
 nlohmann::json adapter_metadata(const io::Metadata& metadata, const std::filesystem::path& file) {
     auto it = metadata.find("lora_adapter_metadata");
     if (it == metadata.end()) return nlohmann::json::object();
@@ -111,7 +113,12 @@ nlohmann::json adapter_metadata(const io::Metadata& metadata, const std::filesys
     }
     nlohmann::json out = nlohmann::json::object();
     if (!raw.is_object()) return out;
-    for (auto& [k, v] : raw.items()) out[starts_with(k, "unet.") ? k.substr(5) : k] = v;
+    for (auto& [k, v] : raw.items()) {
+        std::string key = k;
+        for (const char* prefix : {"unet.", "transformer."})
+            if (starts_with(key, prefix)) key = key.substr(std::strlen(prefix));
+        out[key] = v;
+    }
     return out;
 }
 
