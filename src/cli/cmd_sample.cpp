@@ -26,6 +26,7 @@
 #include "core/thread_pool.h"
 #include "diffusion/scheduler_config.h"
 #include "io/image.h"
+#include "io/safetensors.h"
 #include "models/common/quantize.h"
 #include "validate/flux_pipeline.h"
 #include "validate/sdxl_pipeline.h"
@@ -247,6 +248,19 @@ validate::SDXLPipeline load_pipeline(const SampleArgs& a, c10::Device device, c1
     return pipe;
 }
 
+// A .safetensors file in Black Forest Labs' Flux transformer layout (bare or ComfyUI-prefixed).
+bool is_flux_single_file(const std::string& model) {
+    if (!std::filesystem::is_regular_file(model)) return false;
+    try {
+        const io::SafetensorsFile f(model);
+        for (const auto& k : f.keys())
+            if (k.rfind("double_blocks.", 0) == 0 || k.rfind("model.diffusion_model.double_blocks.", 0) == 0)
+                return true;
+    } catch (const std::exception&) {
+    }
+    return false;
+}
+
 // A diffusers folder whose model_index.json names FluxPipeline.
 bool is_flux_folder(const std::string& model) {
     const std::filesystem::path index = std::filesystem::path(model) / "model_index.json";
@@ -301,14 +315,21 @@ int run_sample(const std::vector<std::string>& args) {
     po.unit = "step";
     std::optional<validate::GenerationResult> result;
     std::chrono::steady_clock::time_point t0;
-    if (is_flux_folder(a.model)) {
+    const bool flux_file = is_flux_single_file(a.model);
+    if (flux_file)
+        DTUNE_CHECK_AS(
+            UsageError, is_flux_folder(a.config_folder), a.model,
+            " is a Flux transformer single file: pass --config_folder with a diffusers Flux folder "
+            "(FLUX.1-dev or -schnell) for the text encoders, tokenizers, VAE and scheduler");
+    if (flux_file || is_flux_folder(a.model)) {
         // Flux.1: the transformer embeds the guidance ([dev]) or ignores it ([schnell]); no CFG.
         for (size_t i = 0; i < a.precision.size(); ++i)
             DTUNE_CHECK_AS(UsageError, a.precision[i] == "no_change", "--", precision_key(i),
                            " is not supported for Flux pipelines yet; leave it at no_change");
         DTUNE_CHECK_AS(UsageError, !a.negative_prompt,
                        "--negative_prompt is not supported for Flux pipelines yet");
-        auto pipe = validate::FluxPipeline::load(a.model, {dtype, device});
+        auto pipe = flux_file ? validate::FluxPipeline::load(a.config_folder, {dtype, device}, a.model)
+                              : validate::FluxPipeline::load(a.model, {dtype, device});
         if (!a.lora.empty()) pipe.load_lora(a.lora, a.lora_scale);
         // FluxPipeline's defaults: [dev] 28 steps at guidance 3.5, [schnell] 4 steps.
         const bool dev = pipe.transformer()->config().guidance_embeds;
@@ -371,7 +392,9 @@ DTUNE_REGISTER_COMMAND(
     "plus sample_<seed>_<i>.json with every setting used. A Flux.1 [dev]/[schnell] diffusers folder\n"
     "(model_index.json naming FluxPipeline) samples with flow matching; --guidance is then [dev]'s\n"
     "embedded guidance (3.5 is usual; no CFG); --lora takes a diffusers/PEFT Flux LoRA\n"
-    "(transformer.-prefixed keys); --negative_prompt and the precision options are not supported\n"
+    "(transformer.-prefixed keys). A Flux transformer single file (flux1-dev.safetensors, ComfyUI's,\n"
+    "fp8 ones) takes --config_folder with a diffusers Flux folder for the other components.\n"
+    "--negative_prompt and the precision options are not supported\n"
     "for it yet.\n\n"
     "  --model PATH            the pipeline folder or single file (may also be the first argument)\n"
     "  --config_folder DIR     with a single file: a diffusers folder giving the configs,\n"

@@ -35,7 +35,8 @@ FluxPipeline::FluxPipeline(models::CLIPTokenizer tokenizer, models::CLIPTextMode
     vae_->eval();
 }
 
-FluxPipeline FluxPipeline::load(const std::filesystem::path& folder, const PipelineLoadOptions& options) {
+FluxPipeline FluxPipeline::load(const std::filesystem::path& folder, const PipelineLoadOptions& options,
+                                const std::filesystem::path& transformer_file) {
     const auto start = std::chrono::steady_clock::now();
     const auto pf = models::PipelineFolder::open(folder);
     DTUNE_CHECK_AS(DataError, pf.class_name() == "FluxPipeline", folder.string(), "/model_index.json names ",
@@ -44,7 +45,16 @@ FluxPipeline FluxPipeline::load(const std::filesystem::path& folder, const Pipel
     auto clip =
         models::load_clip_text_model(pf.component("text_encoder").path, {options.dtype, options.device});
     auto t5 = models::load_t5_encoder(pf.component("text_encoder_2").path, component);
-    auto transformer = models::load_flux_transformer(pf.component("transformer").path, component);
+    models::ComponentLoadOptions transformer_load = component;
+    if (!transformer_file.empty()) {
+        transformer_load.single_file = transformer_file;
+        // The folder's transformer config, when it has one, describes the file (as diffusers'
+        // from_single_file(config=...)).
+        const auto config = pf.component("transformer").path / "config.json";
+        if (std::filesystem::is_regular_file(config))
+            transformer_load.config = models::ConfigReader::from_file(config);
+    }
+    auto transformer = models::load_flux_transformer(pf.component("transformer").path, transformer_load);
     models::ComponentLoadOptions vae_load{options.dtype, options.device};
     auto vae = models::load_autoencoder_kl(pf.vae_path(), vae_load);
     const auto sched_dir = pf.component("scheduler").path;

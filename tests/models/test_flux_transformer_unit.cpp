@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "model_test_util.h"
+#include "models/common/config_json.h"
 #include "models/flux/flux_transformer.h"
 #include "support/test_support.h"
 
@@ -74,6 +75,40 @@ TEST(FluxTransformer, Bf16MatchesDiffusersBf16) {
     EXPECT_EQ(out.scalar_type(), at::kBFloat16);
     const at::Tensor want = get("dev_out_bf16");
     EXPECT_LE(test::reported_diff("bf16", out.to(at::kFloat), want), 0.02 * want.abs().max().item<double>());
+}
+
+// Black Forest Labs' single-file layout (flux1-dev.safetensors): the same tiny [dev] weights with
+// fused q/k/v and linear1 and BFL's final-AdaLN order give diffusers' output; ComfyUI's prefixed fp8
+// file loads to float32 and gives the output of the fp8-rounded weights. The tiny head size is not
+// FLUX.1's, so the config comes from the diffusers folder; without it the file is refused saying so.
+TEST(FluxTransformer, BlackForestLabsSingleFilesLoad) {
+    const io::SafetensorsFile io(kRef / "flux_transformer_io.safetensors");
+    const auto get = [&](const char* n) { return test::fixture_tensor(io, n); };
+    torch::NoGradGuard no_grad;
+    for (const auto& [file, want_name] :
+         {std::pair<std::string, const char*>{"tiny-flux-dev-bfl.safetensors", "dev_out"},
+          {"tiny-flux-dev-comfy-fp8.safetensors", "dev_out_fp8"}}) {
+        SCOPED_TRACE(file);
+        ComponentLoadOptions o;
+        o.single_file = kRef / file;
+        o.config = ConfigReader::from_file(kRef / "tiny-flux-dev" / "config.json");
+        FluxTransformer2DModel model = load_flux_transformer({}, o);
+        const at::Tensor out = model->forward(get("hidden"), get("encoder"), get("pooled"), get("timestep"),
+                                              get("guidance"), get("img_ids"), get("txt_ids"));
+        const at::Tensor want = get(want_name);
+        EXPECT_LE(test::reported_diff(file, out, want), 1e-5 * want.abs().max().item<double>());
+    }
+    ComponentLoadOptions bare;
+    bare.single_file = kRef / "tiny-flux-dev-bfl.safetensors";
+    try {
+        load_flux_transformer({}, bare);
+        FAIL() << "a head size other than FLUX.1's was accepted without a config";
+    } catch (const DataError& e) {
+        EXPECT_NE(std::string(e.what()).find("not FLUX.1's 128"), std::string::npos) << e.what();
+    }
+    ComponentLoadOptions wrong;
+    wrong.single_file = kRef / "quant_io.safetensors";  // not a Flux file
+    EXPECT_THROW(load_flux_transformer({}, wrong), DataError);
 }
 
 }  // namespace

@@ -121,6 +121,33 @@ TEST(FluxPipeline, DtuneSampleWritesTheReferenceImage) {
     EXPECT_LE(worst, 1);
 }
 
+// A transformer single file in Black Forest Labs' layout with --config_folder (the rest of the
+// pipeline, and the transformer's config) gives the folder's image; without --config_folder the
+// error says what to pass.
+TEST(FluxPipeline, DtuneSampleTakesABlackForestLabsSingleFile) {
+    test::TempDir dir;
+    assemble(dir.path() / "flux");
+    const std::string file = (kRef / "tiny-flux-pipeline-transformer-bfl.safetensors").string();
+    const std::string common =
+        " --prompt 'a red cube on a wooden table' --width 32 --height 48 --steps 3 "
+        "--guidance 3.5 --max_sequence_length 16 --seed 0 --device cpu --output_dir '" +
+        (dir.path() / "out").string() + "' >/dev/null 2>>'" + (dir.path() / "log").string() + "'";
+    ASSERT_EQ(test::run_status(std::string(DTUNE_BIN) + " sample --model '" + file + "' --config_folder '" +
+                               (dir.path() / "flux").string() + "'" + common),
+              0)
+        << fs::read_file(dir.path() / "log");
+    const io::RgbImage a = io::read_image(dir.path() / "out" / "sample_0_0.png");
+    stdfs::remove_all(dir.path() / "out");
+    ASSERT_EQ(test::run_status(std::string(DTUNE_BIN) + " sample --model '" + (dir.path() / "flux").string() +
+                               "'" + common),
+              0);
+    const io::RgbImage b = io::read_image(dir.path() / "out" / "sample_0_0.png");
+    EXPECT_EQ(a.pixels, b.pixels);
+    EXPECT_EQ(test::run_status(std::string(DTUNE_BIN) + " sample --model '" + file + "'" + common), 2);
+    EXPECT_NE(fs::read_file(dir.path() / "log").find("pass --config_folder with a diffusers Flux folder"),
+              std::string::npos);
+}
+
 // Without --steps and --guidance a [dev] folder samples with FluxPipeline's 28 steps at 3.5 (the
 // sidecar records what ran); SDXL's defaults (30 steps, CFG 5) do not carry over.
 TEST(FluxPipeline, DtuneSampleTakesFluxDefaults) {

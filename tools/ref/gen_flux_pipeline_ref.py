@@ -13,6 +13,8 @@ text_encoder_2/, transformer/; the test adds vae/ from tiny-flux-vae and text_en
 from the shared tiny SDXL) and tests/data/ref/flux_pipeline_io.safetensors:
   latents [1, 16, 6, 4]  the final latents (unpacked, still scaled and shifted)
   image   [1, 3, 48, 32] in [0, 1]
+  and tests/data/ref/tiny-flux-pipeline-transformer-bfl.safetensors: the transformer in Black Forest
+  Labs' single-file layout
   image_lora [1, 3, 48, 32]  the same with tests/data/ref/tiny-flux-lora/pytorch_lora_weights.safetensors
              (a random rank-4 PEFT LoRA saved by FluxPipeline.save_lora_weights) loaded by load_lora_weights
 for prompt "a red cube on a wooden table", 48x32, 3 steps, guidance 3.5, seed 0,
@@ -84,6 +86,11 @@ def main(fixtures, out):
     with torch.no_grad():
         image_lora = pipe(**args, generator=torch.Generator().manual_seed(0), output_type="pt").images
     pipe.unload_lora_weights()
+    # The transformer again in Black Forest Labs' single-file layout (for --model FILE --config_folder).
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from gen_flux_transformer_ref import to_bfl
+    sd = {k: v.detach().clone() for k, v in transformer.state_dict().items() if "lora" not in k}
+    save_file(to_bfl(sd, 1, 1, 16), os.path.join(out, "tiny-flux-pipeline-transformer-bfl.safetensors"))
     with tempfile.TemporaryDirectory() as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
         dst = os.path.join(out, "tiny-flux-pipeline")

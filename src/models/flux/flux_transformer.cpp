@@ -6,6 +6,8 @@
 #include <torch/nn/modules/dropout.h>
 
 #include <cmath>
+#include <set>
+#include <string>
 
 #include "core/error.h"
 #include "models/common/layers.h"
@@ -285,11 +287,140 @@ at::Tensor flux_image_ids(int64_t latent_height, int64_t latent_width) {
     return ids.reshape({h * w, 3});
 }
 
+namespace {
+
+// A BFL file's keys: bare, or under ComfyUI's prefix.
+struct BflKeys {
+    std::string prefix;
+    std::set<std::string> keys;
+    explicit BflKeys(const io::WeightSource& file) {
+        for (const auto& k : file.keys()) keys.insert(k);
+        if (keys.count("img_in.weight") == 0 && keys.count("model.diffusion_model.img_in.weight") != 0)
+            prefix = "model.diffusion_model.";
+    }
+    bool has(const std::string& k) const { return keys.count(prefix + k) != 0; }
+};
+
+int64_t count_blocks(const BflKeys& k, const std::string& stem, const char* probe) {
+    int64_t n = 0;
+    while (k.has(str(stem, n, ".", probe))) ++n;
+    return n;
+}
+
+}  // namespace
+
+FluxTransformerConfig flux_config_from_bfl(const io::WeightSource& file, const std::string& origin) {
+    const BflKeys k(file);
+    DTUNE_CHECK_AS(DataError, k.has("img_in.weight") && k.has("double_blocks.0.img_attn.qkv.weight"), origin,
+                   " is not a Flux transformer checkpoint in Black Forest Labs' layout (no img_in.weight / "
+                   "double_blocks.*); pass a diffusers Flux folder, or a flux1-dev/schnell .safetensors");
+    FluxTransformerConfig c;  // FLUX.1's sizes, then what the file says
+    const auto shape = [&](const std::string& key) { return file.info(k.prefix + key).shape; };
+    c.in_channels = c.out_channels = shape("img_in.weight").at(1);
+    c.joint_attention_dim = shape("txt_in.weight").at(1);
+    c.pooled_projection_dim = shape("vector_in.in_layer.weight").at(1);
+    c.attention_head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale").at(0);
+    c.num_attention_heads = shape("img_in.weight").at(0) / c.attention_head_dim;
+    c.num_layers = count_blocks(k, "double_blocks.", "img_mod.lin.weight");
+    c.num_single_layers = count_blocks(k, "single_blocks.", "modulation.lin.weight");
+    c.guidance_embeds = k.has("guidance_in.in_layer.weight");
+    DTUNE_CHECK_AS(
+        DataError, c.attention_head_dim == 128, origin, ": attention head size ", c.attention_head_dim,
+        " is not FLUX.1's 128, so its rotary axes are unknown; load the model from a diffusers folder");
+    return c;
+}
+
+io::TensorList flux_bfl_to_diffusers(const io::WeightSource& file, const FluxTransformerConfig& c,
+                                     const std::string& origin) {
+    const BflKeys k(file);
+    io::TensorList out;
+    const auto get = [&](const std::string& key) {
+        DTUNE_CHECK_AS(DataError, k.has(key), origin, ": key ", k.prefix + key,
+                       " is missing; the file is incomplete or not a Flux transformer");
+        return file.get(k.prefix + key);
+    };
+    const auto copy = [&](const std::string& to, const std::string& from) {
+        for (const char* part : {".weight", ".bias"}) out.emplace_back(to + part, get(from + part));
+    };
+    // Rows [lo, lo + n) of a fused weight and its bias under a diffusers name.
+    const auto rows = [&](const std::string& to, const std::string& from, int64_t lo, int64_t n) {
+        for (const char* part : {".weight", ".bias"})
+            out.emplace_back(to + part, get(from + part).narrow(0, lo, n));
+    };
+    const int64_t d = c.inner_dim(), mlp = 4 * d;
+    copy("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer");
+    copy("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer");
+    copy("time_text_embed.text_embedder.linear_1", "vector_in.in_layer");
+    copy("time_text_embed.text_embedder.linear_2", "vector_in.out_layer");
+    if (c.guidance_embeds) {
+        copy("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer");
+        copy("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer");
+    }
+    copy("context_embedder", "txt_in");
+    copy("x_embedder", "img_in");
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+        const std::string to = str("transformer_blocks.", i, "."), from = str("double_blocks.", i, ".");
+        copy(to + "norm1.linear", from + "img_mod.lin");
+        copy(to + "norm1_context.linear", from + "txt_mod.lin");
+        const char* image[] = {"to_q", "to_k", "to_v"};
+        const char* text[] = {"add_q_proj", "add_k_proj", "add_v_proj"};
+        for (int j = 0; j < 3; ++j) {
+            rows(to + "attn." + image[j], from + "img_attn.qkv", j * d, d);
+            rows(to + "attn." + text[j], from + "txt_attn.qkv", j * d, d);
+        }
+        out.emplace_back(to + "attn.norm_q.weight", get(from + "img_attn.norm.query_norm.scale"));
+        out.emplace_back(to + "attn.norm_k.weight", get(from + "img_attn.norm.key_norm.scale"));
+        out.emplace_back(to + "attn.norm_added_q.weight", get(from + "txt_attn.norm.query_norm.scale"));
+        out.emplace_back(to + "attn.norm_added_k.weight", get(from + "txt_attn.norm.key_norm.scale"));
+        copy(to + "ff.net.0.proj", from + "img_mlp.0");
+        copy(to + "ff.net.2", from + "img_mlp.2");
+        copy(to + "ff_context.net.0.proj", from + "txt_mlp.0");
+        copy(to + "ff_context.net.2", from + "txt_mlp.2");
+        copy(to + "attn.to_out.0", from + "img_attn.proj");
+        copy(to + "attn.to_add_out", from + "txt_attn.proj");
+    }
+    for (int64_t i = 0; i < c.num_single_layers; ++i) {
+        const std::string to = str("single_transformer_blocks.", i, "."),
+                          from = str("single_blocks.", i, ".");
+        copy(to + "norm.linear", from + "modulation.lin");
+        rows(to + "attn.to_q", from + "linear1", 0, d);
+        rows(to + "attn.to_k", from + "linear1", d, d);
+        rows(to + "attn.to_v", from + "linear1", 2 * d, d);
+        rows(to + "proj_mlp", from + "linear1", 3 * d, mlp);
+        out.emplace_back(to + "attn.norm_q.weight", get(from + "norm.query_norm.scale"));
+        out.emplace_back(to + "attn.norm_k.weight", get(from + "norm.key_norm.scale"));
+        copy(to + "proj_out", from + "linear2");
+    }
+    copy("proj_out", "final_layer.linear");
+    // BFL's final AdaLN splits into (shift, scale); diffusers' norm_out into (scale, shift).
+    for (const char* part : {".weight", ".bias"}) {
+        const auto halves = get(std::string("final_layer.adaLN_modulation.1") + part).chunk(2, 0);
+        out.emplace_back(std::string("norm_out.linear") + part, at::cat({halves[1], halves[0]}, 0));
+    }
+    return out;
+}
+
 FluxTransformer2DModel load_flux_transformer(const std::filesystem::path& dir,
                                              const ComponentLoadOptions& options) {
-    DTUNE_CHECK_AS(UsageError, !options.single_file,
-                   "Flux single-file checkpoints are not supported yet; point at "
-                   "a diffusers transformer/ folder");
+    if (options.single_file) {
+        const std::string origin = options.single_file->string();
+        const io::WeightSource file = io::WeightSource::open(*options.single_file);
+        const FluxTransformerConfig config = options.config
+                                                 ? FluxTransformerConfig::from_json(*options.config)
+                                                 : flux_config_from_bfl(file, origin);
+        FluxTransformer2DModel model{nullptr};
+        {
+            UninitializedParameters scope(options.dtype, options.device);
+            model = FluxTransformer2DModel(config);
+        }
+        model->to(options.device, options.dtype);
+        LoadOptions load;
+        load.dtype = options.dtype;
+        load.device = options.device;
+        load_weights(*model, flux_bfl_to_diffusers(file, config, origin), load,
+                     str("Flux transformer from ", origin), origin, &file);
+        return model;
+    }
     const auto config = FluxTransformerConfig::from_json(component_config(dir, options, "Flux transformer"));
     FluxTransformer2DModel model{nullptr};
     {

@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <vector>
 
+#include "io/safetensors.h"
 #include "models/common/adaptable.h"
 #include "models/common/blocks.h"
 #include "models/common/component.h"
@@ -141,8 +142,22 @@ at::Tensor flux_unpack_latents(const at::Tensor& packed, int64_t height, int64_t
 // Image position ids for an (H/2)×(W/2) token grid: [(H/2)(W/2), 3] float32 (0, row, col).
 at::Tensor flux_image_ids(int64_t latent_height, int64_t latent_width);
 
-// A diffusers FluxTransformer2DModel folder (config.json + diffusion_pytorch_model*.safetensors).
+// A diffusers FluxTransformer2DModel folder (config.json + diffusion_pytorch_model*.safetensors),
+// or with options.single_file a Black Forest Labs checkpoint (flux1-dev.safetensors' key layout:
+// double_blocks.N.img_attn.qkv, single_blocks.N.linear1, ..., optionally under ComfyUI's
+// "model.diffusion_model." prefix; fp8 e4m3 files are converted to the load dtype). The config is
+// options.config when given, else FLUX.1's own, with the block counts and the guidance embedding
+// read from the file.
 FluxTransformer2DModel load_flux_transformer(const std::filesystem::path& dir,
                                              const ComponentLoadOptions& options = {});
+
+// The diffusers-named tensors of a BFL-layout Flux transformer file (what diffusers'
+// convert_flux_transformer_checkpoint_to_diffusers computes): fused q/k/v and linear1 rows split,
+// the final AdaLN's (shift, scale) halves swapped. DataError naming the file for a missing key.
+io::TensorList flux_bfl_to_diffusers(const io::WeightSource& file, const FluxTransformerConfig& config,
+                                     const std::string& origin);
+// FLUX.1's transformer config for a BFL-layout file: [dev]'s shape, the file's block counts and
+// guidance embedding.
+FluxTransformerConfig flux_config_from_bfl(const io::WeightSource& file, const std::string& origin);
 
 }  // namespace dtune::models
