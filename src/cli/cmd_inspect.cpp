@@ -8,6 +8,7 @@
 #include "io/ldm_keys.h"
 #include "io/safetensors.h"
 #include "models/common/pipeline_folder.h"
+#include "models/flux/flux_transformer.h"
 
 namespace dtune::cli {
 namespace {
@@ -68,6 +69,14 @@ int64_t lora_rank(const io::WeightSource& src) {
     return 0;
 }
 
+// Black Forest Labs' Flux transformer keys, bare or under ComfyUI's prefix.
+bool is_flux_transformer(const io::WeightSource& src) {
+    for (const auto& k : src.keys())
+        if (k.rfind("double_blocks.", 0) == 0 || k.rfind("model.diffusion_model.double_blocks.", 0) == 0)
+            return true;
+    return false;
+}
+
 int inspect_pipeline(const std::filesystem::path& root) {
     const auto pipeline = models::PipelineFolder::open(root);
     std::printf("%s\n  diffusers pipeline: %s\n", root.string().c_str(), pipeline.class_name().c_str());
@@ -101,7 +110,19 @@ void inspect_file(const std::string& path, bool list) {
                        io::LdmComponent::kTextEncoder2})
             print_row(io::ldm_component_name(c), summarize(src, io::ldm_prefix(c)));
     } else if (const int64_t rank = lora_rank(src); rank > 0) {
-        std::printf("  LoRA adapter, rank %lld\n", static_cast<long long>(rank));
+        bool flux = false;
+        for (const auto& k : src.keys()) flux |= k.rfind("transformer.", 0) == 0;
+        std::printf("  %sLoRA adapter, rank %lld\n", flux ? "Flux/transformer " : "",
+                    static_cast<long long>(rank));
+    } else if (is_flux_transformer(src)) {
+        // Black Forest Labs' / ComfyUI's layout: report what dtune reads from it.
+        const auto c = models::flux_config_from_bfl(src, path, /*any_head_size=*/true);
+        std::printf(
+            "  Flux.1 transformer single file (Black Forest Labs' layout): %s, %lld double + %lld single "
+            "blocks, %lld wide\n",
+            c.guidance_embeds ? "[dev] (guidance embedding)" : "[schnell] (no guidance embedding)",
+            static_cast<long long>(c.num_layers), static_cast<long long>(c.num_single_layers),
+            static_cast<long long>(c.inner_dim()));
     }
     std::printf("  files:      %zu\n", src.files().size());
     std::printf("  tensors:    %llu\n", static_cast<unsigned long long>(all.tensors));

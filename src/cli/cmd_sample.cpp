@@ -48,6 +48,7 @@ struct SampleArgs {
     std::string device = "auto", dtype = "auto";
     std::string output_dir = "samples";
     bool grid = false;
+    bool vae_tiling = false;  // decode in overlapping 512-pixel tiles (large images, less memory)
     std::string lora;
     double lora_scale = 1.0;
     // base_model_precision and text_encoder_{1,2}_precision (core/quant_preset.h)
@@ -167,6 +168,10 @@ SampleArgs parse_args(const std::vector<std::string>& args) {
             a.grid = true;
             continue;
         }
+        if (key == "--vae_tiling") {
+            a.vae_tiling = true;
+            continue;
+        }
         if (const auto eq = key.find('='); eq != std::string::npos) {
             value = key.substr(eq + 1);
             key = key.substr(0, eq);
@@ -218,6 +223,7 @@ nlohmann::json sidecar(const SampleArgs& a, c10::Device device, c10::ScalarType 
     j["batch"] = a.batch;
     j["index_in_batch"] = index;
     j["lora"] = a.lora.empty() ? nlohmann::json(nullptr) : nlohmann::json(a.lora);
+    if (a.vae_tiling) j["vae_tiling"] = true;
     if (!a.lora.empty()) j["lora_scale"] = a.lora_scale;
     for (size_t i = 0; i < a.precision.size(); ++i)
         if (a.precision[i] != "no_change") j[precision_key(i)] = a.precision[i];
@@ -281,6 +287,7 @@ validate::GenerationRequest request_from(const SampleArgs& a) {
     r.sampler = a.sampler;
     r.seed = a.seed;
     r.num_images_per_prompt = a.batch;
+    r.vae_tiling = a.vae_tiling;
     return r;
 }
 
@@ -345,6 +352,7 @@ int run_sample(const std::vector<std::string>& args) {
         r.max_sequence_length = a.max_sequence_length;
         r.seed = a.seed;
         r.num_images_per_prompt = a.batch;
+        r.vae_tiling = a.vae_tiling;
         Progress bar(a.steps, po);
         t0 = std::chrono::steady_clock::now();
         result = pipe.generate(r, [&](int64_t, int64_t) { bar.update(); });
@@ -421,6 +429,8 @@ DTUNE_REGISTER_COMMAND(
     "  --device cpu|cuda|auto  where to run (default auto: cuda when available)\n"
     "  --dtype fp32|bf16|fp16|auto  weights dtype (default auto: bf16 on cuda, fp32 on cpu);\n"
     "                          the VAE stays fp32 in fp16 runs when its config sets force_upcast\n"
+    "  --vae_tiling            decode the image in overlapping 512-pixel tiles: less memory for\n"
+    "                          large images (seams are blended; small differences at tile edges)\n"
     "  --max_sequence_length N Flux: T5 prompt tokens (default 512; [schnell] takes at most 256)\n"
     "  --threads N             CPU intra-op threads (default: OMP_NUM_THREADS if set, else the\n"
     "                          CPUs this process may use, at most 16)\n"

@@ -144,8 +144,9 @@ GenerationResult FluxPipeline::generate(const FluxRequest& r, const StepCallback
     const at::Tensor unpacked = models::flux_unpack_latents(latents, lh, lw);
     out.latents = unpacked.to(at::kCPU, at::kFloat);
     if (r.decode) {
+        const at::Tensor z = vae_->unscale_latents(unpacked);
         const at::Tensor decoded =
-            vae_->decode(vae_->unscale_latents(unpacked));  // [B*N, 3, H, W] in ~[-1, 1]
+            r.vae_tiling ? vae_->decode_tiled(z, {}) : vae_->decode(z);  // [B*N, 3, H, W]
         out.images = decoded.to(at::kCPU, at::kFloat).div(2).add(0.5).clamp(0, 1);
     }
     return out;

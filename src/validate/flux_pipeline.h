@@ -41,6 +41,7 @@ struct FluxRequest {
     int num_images_per_prompt = 1;
     at::Tensor latents;  // given N(0, 1) latents [B*N, 16, h, w] replace the draw
     bool decode = true;
+    bool vae_tiling = false;  // decode in overlapping tiles (AutoencoderKL::decode_tiled)
     // Free both text encoders once the prompts are encoded (their memory goes before the
     // transformer runs); a later generate() on this pipeline is then a UsageError.
     bool free_text_encoders = false;

@@ -237,8 +237,9 @@ GenerationResult SDXLPipeline::generate(const GenerationRequest& r, const StepCa
     const at::Tensor latents = denoise(r, cond, init, gen, on_step);
     out.latents = latents.to(at::kCPU);
     if (r.decode) {
+        const at::Tensor z = vae_->unscale_latents(latents);
         const at::Tensor decoded =
-            vae_->decode(vae_->unscale_latents(latents));  // [B*N, 3, H, W] in ~[-1, 1]
+            r.vae_tiling ? vae_->decode_tiled(z, {}) : vae_->decode(z);  // [B*N, 3, H, W]
         out.images = decoded.to(at::kCPU, at::kFloat).div(2).add(0.5).clamp(0, 1);
     }
     return out;

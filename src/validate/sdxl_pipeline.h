@@ -68,7 +68,8 @@ struct GenerationRequest {
     // Given N(0, 1) latents [B*N, 4, H/8, W/8] replace the seeded draw (still scaled by
     // init_noise_sigma, as diffusers does with `latents=`).
     at::Tensor latents;
-    bool decode = true;  // false: return only the final latents (diffusers' output_type="latent")
+    bool decode = true;       // false: return only the final latents (diffusers' output_type="latent")
+    bool vae_tiling = false;  // decode in overlapping tiles (AutoencoderKL::decode_tiled)
     // After each sampler step, with the latents the step produced (x_{t-1}, still scaled: what
     // diffusers' callback_on_step_end sees), for previews (report/validation.cpp). May be empty.
     std::function<void(const StepLatents&)> on_latents;

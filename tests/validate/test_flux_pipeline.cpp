@@ -148,6 +148,27 @@ TEST(FluxPipeline, DtuneSampleTakesABlackForestLabsSingleFile) {
               std::string::npos);
 }
 
+// `dtune inspect` names a Flux transformer single file (and what it holds) and a Flux LoRA.
+TEST(FluxPipeline, DtuneInspectKnowsFluxFiles) {
+    test::TempDir dir;
+    const auto inspect = [&](const stdfs::path& file) {
+        const auto out = dir.path() / "inspect.txt";
+        EXPECT_EQ(test::run_status(std::string(DTUNE_BIN) + " inspect '" + file.string() + "' >'" +
+                                   out.string() + "' 2>&1"),
+                  0);
+        return fs::read_file(out);
+    };
+    const std::string fp8 = inspect(kRef / "tiny-flux-dev-comfy-fp8.safetensors");
+    EXPECT_NE(
+        fp8.find("Flux.1 transformer single file (Black Forest Labs' layout): [dev] (guidance embedding), "
+                 "2 double + 2 single blocks"),
+        std::string::npos)
+        << fp8;
+    EXPECT_NE(fp8.find("F8_E4M3"), std::string::npos) << fp8;
+    const std::string lora = inspect(kRef / "tiny-flux-lora" / "pytorch_lora_weights.safetensors");
+    EXPECT_NE(lora.find("Flux/transformer LoRA adapter, rank 4"), std::string::npos) << lora;
+}
+
 // Without --steps and --guidance a [dev] folder samples with FluxPipeline's 28 steps at 3.5 (the
 // sidecar records what ran); SDXL's defaults (30 steps, CFG 5) do not carry over.
 TEST(FluxPipeline, DtuneSampleTakesFluxDefaults) {
@@ -162,6 +183,13 @@ TEST(FluxPipeline, DtuneSampleTakesFluxDefaults) {
     const auto sidecar = nlohmann::json::parse(fs::read_file(dir.path() / "out" / "sample_0_0.json"));
     EXPECT_EQ(sidecar.at("steps"), 28);
     EXPECT_EQ(sidecar.at("guidance"), 3.5);
+    EXPECT_FALSE(sidecar.contains("vae_tiling"));
+    // --vae_tiling reaches the decoder (an image smaller than one tile decodes as one tile: the same).
+    const io::RgbImage plain = io::read_image(dir.path() / "out" / "sample_0_0.png");
+    ASSERT_EQ(test::run_status(cmd + " --vae_tiling"), 0) << fs::read_file(dir.path() / "log");
+    EXPECT_EQ(io::read_image(dir.path() / "out" / "sample_0_0.png").pixels, plain.pixels);
+    EXPECT_EQ(nlohmann::json::parse(fs::read_file(dir.path() / "out" / "sample_0_0.json")).at("vae_tiling"),
+              true);
 }
 
 }  // namespace

@@ -309,7 +309,8 @@ int64_t count_blocks(const BflKeys& k, const std::string& stem, const char* prob
 
 }  // namespace
 
-FluxTransformerConfig flux_config_from_bfl(const io::WeightSource& file, const std::string& origin) {
+FluxTransformerConfig flux_config_from_bfl(const io::WeightSource& file, const std::string& origin,
+                                           bool any_head_size) {
     const BflKeys k(file);
     DTUNE_CHECK_AS(DataError, k.has("img_in.weight") && k.has("double_blocks.0.img_attn.qkv.weight"), origin,
                    " is not a Flux transformer checkpoint in Black Forest Labs' layout (no img_in.weight / "
@@ -325,7 +326,8 @@ FluxTransformerConfig flux_config_from_bfl(const io::WeightSource& file, const s
     c.num_single_layers = count_blocks(k, "single_blocks.", "modulation.lin.weight");
     c.guidance_embeds = k.has("guidance_in.in_layer.weight");
     DTUNE_CHECK_AS(
-        DataError, c.attention_head_dim == 128, origin, ": attention head size ", c.attention_head_dim,
+        DataError, any_head_size || c.attention_head_dim == 128, origin, ": attention head size ",
+        c.attention_head_dim,
         " is not FLUX.1's 128, so its rotary axes are unknown; load the model from a diffusers folder");
     return c;
 }

@@ -158,6 +158,9 @@ io::TensorList flux_bfl_to_diffusers(const io::WeightSource& file, const FluxTra
                                      const std::string& origin);
 // FLUX.1's transformer config for a BFL-layout file: [dev]'s shape, the file's block counts and
 // guidance embedding.
-FluxTransformerConfig flux_config_from_bfl(const io::WeightSource& file, const std::string& origin);
+// `any_head_size` accepts heads other than FLUX.1's 128 (for reporting; the RoPE axes are then
+// not known).
+FluxTransformerConfig flux_config_from_bfl(const io::WeightSource& file, const std::string& origin,
+                                           bool any_head_size = false);
 
 }  // namespace dtune::models
