@@ -57,6 +57,7 @@ struct SampleArgs {
     int quality = 90;
     int threads = 0;                    // 0 = automatic (see cpu_threads)
     int64_t max_sequence_length = 512;  // Flux: T5 tokens
+    std::string t5_file;                // Flux: T5 from a single file (ComfyUI's t5xxl_*)
 };
 
 int64_t to_int(const std::string& key, const std::string& v) {
@@ -119,6 +120,7 @@ const std::map<std::string, Setter>& value_options() {
         {"--format", [](SampleArgs& a, auto&, auto& v) { a.format = v; }},
         {"--quality", [](SampleArgs& a, auto& k, auto& v) { a.quality = static_cast<int>(to_int(k, v)); }},
         {"--threads", [](SampleArgs& a, auto& k, auto& v) { a.threads = static_cast<int>(to_int(k, v)); }},
+        {"--text_encoder_2_file", [](SampleArgs& a, auto&, auto& v) { a.t5_file = v; }},
         {"--max_sequence_length",
          [](SampleArgs& a, auto& k, auto& v) { a.max_sequence_length = to_int(k, v); }},
     };
@@ -335,8 +337,12 @@ int run_sample(const std::vector<std::string>& args) {
                            " is not supported for Flux pipelines yet; leave it at no_change");
         DTUNE_CHECK_AS(UsageError, !a.negative_prompt,
                        "--negative_prompt is not supported for Flux pipelines yet");
-        auto pipe = flux_file ? validate::FluxPipeline::load(a.config_folder, {dtype, device}, a.model)
-                              : validate::FluxPipeline::load(a.model, {dtype, device});
+        DTUNE_CHECK_AS(UsageError, a.t5_file.empty() || std::filesystem::is_regular_file(a.t5_file),
+                       "--text_encoder_2_file ", a.t5_file,
+                       " is not a file; pass a T5 .safetensors (t5xxl_fp16)");
+        auto pipe = flux_file
+                        ? validate::FluxPipeline::load(a.config_folder, {dtype, device}, a.model, a.t5_file)
+                        : validate::FluxPipeline::load(a.model, {dtype, device}, {}, a.t5_file);
         if (!a.lora.empty()) pipe.load_lora(a.lora, a.lora_scale);
         // FluxPipeline's defaults: [dev] 28 steps at guidance 3.5, [schnell] 4 steps.
         const bool dev = pipe.transformer()->config().guidance_embeds;
@@ -431,6 +437,8 @@ DTUNE_REGISTER_COMMAND(
     "                          the VAE stays fp32 in fp16 runs when its config sets force_upcast\n"
     "  --vae_tiling            decode the image in overlapping 512-pixel tiles: less memory for\n"
     "                          large images (seams are blended; small differences at tile edges)\n"
+    "  --text_encoder_2_file F Flux: T5 from one .safetensors file (ComfyUI's t5xxl_fp16 or\n"
+    "                          t5xxl_fp8_e4m3fn), its config from the Flux folder\n"
     "  --max_sequence_length N Flux: T5 prompt tokens (default 512; [schnell] takes at most 256)\n"
     "  --threads N             CPU intra-op threads (default: OMP_NUM_THREADS if set, else the\n"
     "                          CPUs this process may use, at most 16)\n"

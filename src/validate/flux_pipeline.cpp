@@ -36,7 +36,8 @@ FluxPipeline::FluxPipeline(models::CLIPTokenizer tokenizer, models::CLIPTextMode
 }
 
 FluxPipeline FluxPipeline::load(const std::filesystem::path& folder, const PipelineLoadOptions& options,
-                                const std::filesystem::path& transformer_file) {
+                                const std::filesystem::path& transformer_file,
+                                const std::filesystem::path& t5_file) {
     const auto start = std::chrono::steady_clock::now();
     const auto pf = models::PipelineFolder::open(folder);
     DTUNE_CHECK_AS(DataError, pf.class_name() == "FluxPipeline", folder.string(), "/model_index.json names ",
@@ -44,7 +45,9 @@ FluxPipeline FluxPipeline::load(const std::filesystem::path& folder, const Pipel
     models::ComponentLoadOptions component{options.dtype, options.device};
     auto clip =
         models::load_clip_text_model(pf.component("text_encoder").path, {options.dtype, options.device});
-    auto t5 = models::load_t5_encoder(pf.component("text_encoder_2").path, component);
+    models::ComponentLoadOptions t5_load = component;
+    if (!t5_file.empty()) t5_load.single_file = t5_file;
+    auto t5 = models::load_t5_encoder(pf.component("text_encoder_2").path, t5_load);
     models::ComponentLoadOptions transformer_load = component;
     if (!transformer_file.empty()) {
         transformer_load.single_file = transformer_file;

@@ -57,9 +57,11 @@ class FluxPipeline {
     // A diffusers FluxPipeline folder (model_index.json with tokenizer, text_encoder, tokenizer_2,
     // text_encoder_2, transformer, vae, scheduler).
     // With `transformer_file`, the transformer comes from that Black Forest Labs / ComfyUI single
-    // file (fp8 ones included) and everything else from `folder`.
+    // file (fp8 ones included), with `t5_file` T5 from that single file (ComfyUI's t5xxl_*), and
+    // everything else, configs included, from `folder`.
     static FluxPipeline load(const std::filesystem::path& folder, const PipelineLoadOptions& options = {},
-                             const std::filesystem::path& transformer_file = {});
+                             const std::filesystem::path& transformer_file = {},
+                             const std::filesystem::path& t5_file = {});
 
     // Applies a transformer LoRA in diffusers/PEFT layout ("transformer."-prefixed keys, as
     // FluxPipeline.save_lora_weights writes) at `strength`, unmerged (models/adapters/lora_apply.h).

@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "io/safetensors.h"
 #include "model_test_util.h"
 #include "models/t5/t5_encoder.h"
 #include "support/test_support.h"
@@ -38,6 +39,28 @@ TEST(T5Encoder, MatchesTransformersWithAndWithoutMask) {
     EXPECT_LE(test::reported_diff("mask", masked, f.masked), 1e-5 * f.masked.abs().max().item<double>());
     // The padding must matter, or the masked case would test nothing.
     EXPECT_GT(test::max_abs_diff(f.plain, f.masked), 0.1);
+}
+
+// A single .safetensors with transformers' keys (ComfyUI's t5xxl_fp16 / t5xxl_fp8_e4m3fn) loads with
+// the folder's config: the same file gives the same output, an fp16 copy loads into float32 close
+// to it.
+TEST(T5Encoder, LoadsASingleFileWithTheFoldersConfig) {
+    test::TempDir dir;
+    const T5Fixture f;
+    io::TensorList fp16;
+    for (const auto& [k, v] : io::load_safetensors(kRef / "tiny-t5" / "model.safetensors"))
+        fp16.emplace_back(k, v.to(at::kHalf));
+    io::save_safetensors(dir / "t5xxl_fp16.safetensors", fp16);
+    torch::NoGradGuard no_grad;
+    const at::Tensor folder = load_t5_encoder(kRef / "tiny-t5")->forward(f.ids);
+    ComponentLoadOptions same;
+    same.single_file = kRef / "tiny-t5" / "model.safetensors";
+    EXPECT_TRUE(at::equal(load_t5_encoder(kRef / "tiny-t5", same)->forward(f.ids), folder));
+    ComponentLoadOptions half;
+    half.single_file = dir / "t5xxl_fp16.safetensors";
+    const at::Tensor out = load_t5_encoder(kRef / "tiny-t5", half)->forward(f.ids);
+    EXPECT_EQ(out.scalar_type(), at::kFloat);
+    EXPECT_LE(test::reported_diff("fp16 file", out, folder), 1e-2 * folder.abs().max().item<double>());
 }
 
 TEST(T5Encoder, ReducedPrecisionStaysCloseToFloat32) {

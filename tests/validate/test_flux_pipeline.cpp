@@ -143,6 +143,15 @@ TEST(FluxPipeline, DtuneSampleTakesABlackForestLabsSingleFile) {
               0);
     const io::RgbImage b = io::read_image(dir.path() / "out" / "sample_0_0.png");
     EXPECT_EQ(a.pixels, b.pixels);
+    // T5 from a single file (here the folder's own weights) gives the same image.
+    stdfs::remove_all(dir.path() / "out");
+    ASSERT_EQ(test::run_status(std::string(DTUNE_BIN) + " sample --model '" + file + "' --config_folder '" +
+                               (dir.path() / "flux").string() + "' --text_encoder_2_file '" +
+                               (dir.path() / "flux" / "text_encoder_2" / "model.safetensors").string() + "'" +
+                               common),
+              0)
+        << fs::read_file(dir.path() / "log");
+    EXPECT_EQ(io::read_image(dir.path() / "out" / "sample_0_0.png").pixels, b.pixels);
     EXPECT_EQ(test::run_status(std::string(DTUNE_BIN) + " sample --model '" + file + "'" + common), 2);
     EXPECT_NE(fs::read_file(dir.path() / "log").find("pass --config_folder with a diffusers Flux folder"),
               std::string::npos);

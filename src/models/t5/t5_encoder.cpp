@@ -206,10 +206,6 @@ at::Tensor T5EncoderModelImpl::forward(const at::Tensor& input_ids, const at::Te
 }
 
 T5EncoderModel load_t5_encoder(const std::filesystem::path& dir, const ComponentLoadOptions& options) {
-    DTUNE_CHECK_AS(UsageError, !options.single_file,
-                   "T5 encoder: single-file checkpoints are not supported (",
-                   options.single_file ? options.single_file->string() : "",
-                   "); pass the transformers folder, e.g. <flux model>/text_encoder_2");
     const T5Config config = T5Config::from_json(component_config(dir, options, "T5 encoder"));
     T5EncoderModel model{nullptr};
     {
@@ -221,13 +217,16 @@ T5EncoderModel load_t5_encoder(const std::filesystem::path& dir, const Component
         for (auto& p : model->named_parameters())
             if (p.key().ends_with(".DenseReluDense.wo.weight"))
                 p.value().set_data(at::empty_like(p.value(), p.value().options().dtype(at::kFloat)));
-    // transformers' names first, so a folder that also holds model.fp16.safetensors stays unambiguous.
-    std::filesystem::path weights = dir;
-    for (const char* name : {"model.safetensors.index.json", "model.safetensors"})
-        if (std::filesystem::is_regular_file(dir / name)) {
-            weights = dir / name;
-            break;
-        }
+    // A single file (ComfyUI's t5xxl_fp16 / fp8_e4m3fn: transformers' key names, converted to the
+    // load dtype), else the folder's weights: transformers' names first, so a folder that also
+    // holds model.fp16.safetensors stays unambiguous.
+    std::filesystem::path weights = options.single_file.value_or(dir);
+    if (!options.single_file)
+        for (const char* name : {"model.safetensors.index.json", "model.safetensors"})
+            if (std::filesystem::is_regular_file(dir / name)) {
+                weights = dir / name;
+                break;
+            }
     const io::WeightSource source = io::WeightSource::open(weights, "model");
     // `encoder.embed_tokens` is tied to `shared`: transformers saves either key (or both).
     const bool has_shared = source.contains("shared.weight");
@@ -236,7 +235,7 @@ T5EncoderModel load_t5_encoder(const std::filesystem::path& dir, const Component
         if (key == "encoder.embed_tokens.weight") return has_shared ? "" : "shared.weight";
         return key;
     };
-    load_weights(*model, source, load, str("T5 encoder from ", dir.string()));
+    load_weights(*model, source, load, str("T5 encoder from ", weights.string()));
     model->eval();
     return model;
 }

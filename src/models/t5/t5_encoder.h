@@ -126,8 +126,10 @@ TORCH_MODULE(T5EncoderModel);
 
 // A transformers T5EncoderModel folder (config.json + model.safetensors or a sharded
 // model.safetensors.index.json, e.g. <flux model>/text_encoder_2), loaded strictly in options.dtype
-// on options.device. options.config replaces config.json; options.single_file is refused
-// (UsageError). DataError naming the folder when files or tensors are missing.
+// on options.device. options.config replaces config.json; options.single_file takes the weights
+// from that one .safetensors file instead (ComfyUI's t5xxl_fp16 / t5xxl_fp8_e4m3fn keep transformers'
+// key names; other dtypes are converted), with the config still from the folder. DataError naming
+// the folder or file when files or tensors are missing.
 T5EncoderModel load_t5_encoder(const std::filesystem::path& dir, const ComponentLoadOptions& options = {});
 
 }  // namespace dtune::models
