@@ -56,6 +56,7 @@ train::DatasetEncoders load_encoders(const TrainConfig& c, const stdfs::path& mo
         o.vae_override = vae;
     o.device = train::DataParallel::pick_device(c.text("device"), dist::read_dist_env(), cuda_device_count());
     o.vae_dtype = o.device.is_cuda() ? at::kBFloat16 : at::kFloat;
+    o.text_encoder_precision = train::text_encoder_precision_from(c);
     return train::load_sdxl_data_encoders(o);
 }
 

@@ -103,6 +103,10 @@ std::string text_encoder_identity(const std::filesystem::path& model_dir) {
     return "SDXLTextEncoders " + data::sha256_hex(fingerprint);
 }
 
+std::array<std::string, 2> text_encoder_precision_from(const TrainConfig& config) {
+    return {config.text("text_encoder_1_precision"), config.text("text_encoder_2_precision")};
+}
+
 DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& o) {
     namespace stdfs = std::filesystem;
     auto folder = models::PipelineFolder::open(o.model_dir);

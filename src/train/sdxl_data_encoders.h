@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 
+#include "train/config.h"
 #include "train/dataset_source.h"
 
 namespace dtune::models {
@@ -37,6 +38,10 @@ struct SdxlEncoderOptions {
 };
 
 DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& options);
+
+// text_encoder_1_precision / text_encoder_2_precision of a config, for SdxlEncoderOptions: `dtune
+// train` and `dtune cache` must quantise alike, or their text caches get different identities.
+std::array<std::string, 2> text_encoder_precision_from(const TrainConfig& config);
 
 // What the text cache is keyed by: a fingerprint of the files of the model folder's
 // text_encoder/, text_encoder_2/, tokenizer/ and tokenizer_2/ (relative name, size, and the

@@ -146,8 +146,7 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     eo.vae_override = vae_folder;
     eo.device = device_;
     eo.vae_dtype = device_.is_cuda() ? at::kBFloat16 : at::kFloat;  // SimpleTuner's vae_dtype default
-    eo.text_encoder_precision = {config_.text("text_encoder_1_precision"),
-                                 config_.text("text_encoder_2_precision")};
+    eo.text_encoder_precision = text_encoder_precision_from(config_);
     DatasetSourceOptions ds;
     ds.data_backend_config = config_.text("data_backend_config");
     ds.global = data_args_from_config(config_);
@@ -208,6 +207,9 @@ models::UNet2DConditionModel Trainer::load_base_unet(const models::ComponentLoad
     const QuantPreset preset =
         parse_quant_preset(config_.text("base_model_precision"), "base_model_precision");
     const std::string cache = config_.text("quantized_model_cache");
+    if (!preset.active() && !cache.empty())
+        log::warn() << "quantized_model_cache " << cache
+                    << " has no effect: base_model_precision is no_change (nothing is quantised)";
     if (!preset.active() || cache.empty()) return models::load_unet(dir, load);
     const std::string source = unet_weights_source(dir, load.dtype);
     const std::filesystem::path file =

@@ -186,6 +186,26 @@ TEST(TrainVariantsCli, TrainingAfterDtuneCacheReusesItAndTrainsIdentically) {
         EXPECT_EQ(fs::read_file(w.dir / "cached_vae" / n), fs::read_file(w.dir / "own_vae" / n)) << n;
 }
 
+// text_encoder_N_precision: `dtune cache` quantises the text encoders as training does, so the
+// training run reuses every text embedding it wrote.
+TEST(TrainVariantsCli, DtuneCacheQuantisesTextEncodersAsTrainingDoes) {
+    Workspace w;
+    const auto cfg =
+        w.config("quantised", nlohmann::json::object(), {{"--text_encoder_2_precision", "int8-torchao"}});
+    ASSERT_EQ(run_status(std::string(DTUNE_BIN) + " cache --config '" + cfg.string() + "' >'" +
+                         (w.dir / "cache.log").string() + "' 2>&1"),
+              0)
+        << fs::read_file(w.dir / "cache.log");
+    EXPECT_NE(fs::read_file(w.dir / "cache.log").find("quantised text encoder 2 (int8-torchao"),
+              std::string::npos);
+    ASSERT_EQ(w.train(cfg, "after_cache", 1), 0) << w.log("after_cache");
+    const std::string log = w.log("after_cache");
+    const auto at = log.find("text embeddings in ");
+    ASSERT_NE(at, std::string::npos) << log;
+    EXPECT_NE(log.find(" 0 built", at), std::string::npos) << log.substr(at, 200);
+    EXPECT_NE(log.find(" 0 rebuilt (inputs changed)", at), std::string::npos) << log.substr(at, 200);
+}
+
 TEST(TrainVariantsCli, DtuneCacheBuildsWhatRandomAspectTrainsWithinTheAspectRange) {
     // Wide images draw bucket 1.0 or 2.0, tall ones 0.5 or 1.0; [0.75, 1.5] keeps bucket 1.0 only.
     // `dtune cache` must build exactly epoch 1's in-range entries, whichever images the bucket
