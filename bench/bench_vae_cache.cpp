@@ -1,7 +1,7 @@
 // bench_vae_cache: dtune's VAE latent caching from JPEGs on disk, end to end, through the code
 // `dtune train` and `dtune cache` run: bucketing (data::build_dataset_buckets) → the cache
 // builder's pipeline (data::build_latent_cache: decode/resize threads → encoder batches per
-// bucket shape → writes on threads) → the training VAE callable (train::make_vae_encode_fn: the
+// bucket shape → writes on threads) → the training VAE callable (family::make_vae_encode_fn: the
 // pixel-seeded posterior sample, scaled). The VAE is full size with random weights built from a
 // config (the speed does not depend on the values). Prints one JSON line:
 //   img_per_s        images cached per second of wall time (cache emptied first; decode, encode
@@ -47,12 +47,12 @@
 #include "core/thread_pool.h"
 #include "data/cache_builder.h"
 #include "data/dataset_buckets.h"
+#include "family/data_encoders.h"
 #include "io/image.h"
 #include "models/common/blocks.h"
 #include "models/common/config_json.h"
 #include "models/common/group_norm_act.h"
 #include "models/vae/autoencoder_kl.h"
-#include "train/sdxl_data_encoders.h"
 
 namespace {
 
@@ -310,7 +310,7 @@ int run(const Args& a) {
     vae->to(device, dtype);
     vae->eval();
     const data::LatentEncodeFn encode =
-        train::make_vae_encode_fn(vae.ptr(), device, dtype, {.channels_last = cl});
+        family::make_vae_encode_fn(vae.ptr(), device, dtype, {.channels_last = cl});
 
     // Warm-up: every batch shape the build will see (full and each bucket's last, short batch), so
     // algorithm choice and allocator growth are not timed, as the baseline warms up.

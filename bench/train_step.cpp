@@ -46,6 +46,7 @@
 #include <nlohmann/json.hpp>
 
 #include "diffusion/noise_schedule.h"
+#include "family/sdxl/sdxl_family.h"
 #include "models/adapters/lora.h"
 #include "models/common/blocks.h"
 #include "models/common/geglu.h"
@@ -203,12 +204,13 @@ train::TrainBatch make_batch(const models::UNet2DConditionConfig& c, int64_t bat
     const auto opts = at::TensorOptions().device(c10::kCUDA).dtype(dtype);
     const int64_t lat = res / 8;
     train::TrainBatch b;
-    b.latents = at::randn({batch, c.in_channels, lat, lat}, opts);                // [B, 4, h, w]
-    b.prompt_embeds = at::randn({batch, 77, c.cross_attention_dim.at(0)}, opts);  // [B, 77, D]
+    b.latents = at::randn({batch, c.in_channels, lat, lat}, opts);                        // [B, 4, h, w]
+    b.cond["prompt_embeds"] = at::randn({batch, 77, c.cross_attention_dim.at(0)}, opts);  // [B, 77, D]
     const int64_t pooled = c.projection_class_embeddings_input_dim - 6 * c.addition_time_embed_dim;
-    b.pooled_embeds = at::randn({batch, pooled}, opts);  // [B, P]
+    b.cond["pooled_prompt_embeds"] = at::randn({batch, pooled}, opts);  // [B, P]
     const double r = static_cast<double>(res);
-    b.time_ids = at::tensor(std::vector<double>{r, r, 0, 0, r, r}).to(opts).repeat({batch, 1});  // [B, 6]
+    b.cond["time_ids"] =
+        at::tensor(std::vector<double>{r, r, 0, 0, r, r}).to(opts).repeat({batch, 1});  // [B, 6]
     return b;
 }
 
@@ -241,6 +243,7 @@ Timing time_steps(models::UNet2DConditionModel& unet, const Mode& mode, const Be
     options.device_rng = mode.graph;
     at::Generator gen = at::detail::createCPUGenerator(0);
     train::GraphedStep graphed;
+    const auto model = family::sdxl_family().wrap_denoiser(unet.ptr());
     at::accelerator::synchronizeDevice(0);
     at::accelerator::resetPeakStats(0);
     const int64_t n = bench.args.warmup + bench.args.steps;
@@ -257,9 +260,10 @@ Timing time_steps(models::UNet2DConditionModel& unet, const Mode& mode, const Be
             t0 = std::chrono::steady_clock::now();
         }
         starts[s].record(current_stream());
-        last = mode.graph ? graphed.run(*unet, batch, bench.schedule, options, s, gen, optimizer, params, 1.0)
-                          : train::optimizer_step_async(*unet, batch, bench.schedule, options, s, gen,
-                                                        optimizer, params, 1.0);
+        last = mode.graph
+                   ? graphed.run(*model, batch, bench.schedule, options, s, gen, optimizer, params, 1.0)
+                   : train::optimizer_step_async(*model, batch, bench.schedule, options, s, gen, optimizer,
+                                                 params, 1.0);
         ends[s].record(current_stream());
     }
     at::accelerator::synchronizeDevice(0);
@@ -277,6 +281,7 @@ Timing time_steps(models::UNet2DConditionModel& unet, const Mode& mode, const Be
 // Two more steps under the Kineto profiler (GPU activity only), written as a Chrome trace.
 void profile_steps(models::UNet2DConditionModel& unet, const Mode& mode, const Bench& bench,
                    train::Optimizer& optimizer, const std::vector<at::Tensor>& params) {
+    const auto model = family::sdxl_family().wrap_denoiser(unet.ptr());
     namespace prof = torch::autograd::profiler;
     const std::set<torch::profiler::impl::ActivityType> activities{torch::profiler::impl::ActivityType::CUDA};
     const prof::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
@@ -288,14 +293,14 @@ void profile_steps(models::UNet2DConditionModel& unet, const Mode& mode, const B
     at::Generator gen = at::detail::createCPUGenerator(1);
     train::GraphedStep graphed;
     for (int s = 0; mode.graph && s < 3; ++s)  // warm up and capture before the profiled replays
-        graphed.run(*unet, batch, bench.schedule, options, s, gen, optimizer, params, 1.0);
+        graphed.run(*model, batch, bench.schedule, options, s, gen, optimizer, params, 1.0);
     prof::prepareProfiler(config, activities);
     prof::enableProfiler(config, activities);
     for (int s = 0; s < 2; ++s) {
         if (mode.graph)
-            graphed.run(*unet, batch, bench.schedule, options, s, gen, optimizer, params, 1.0);
+            graphed.run(*model, batch, bench.schedule, options, s, gen, optimizer, params, 1.0);
         else
-            train::optimizer_step_async(*unet, batch, bench.schedule, options, s, gen, optimizer, params,
+            train::optimizer_step_async(*model, batch, bench.schedule, options, s, gen, optimizer, params,
                                         1.0);
     }
     at::accelerator::synchronizeDevice(0);

@@ -33,10 +33,11 @@
 #include "data/sample_variants.h"
 #include "data/storage.h"
 #include "dist/env.h"
+#include "family/data_encoders.h"
+#include "family/model_family.h"
 #include "train/config.h"
 #include "train/data_parallel.h"
 #include "train/dataset_source.h"
-#include "train/sdxl_data_encoders.h"
 #include "train/trainer.h"
 
 namespace dtune::cli {
@@ -49,15 +50,15 @@ using train::TrainConfig;
 // The trainer's own encoders, device and VAE dtype policy (bf16 on CUDA, fp32 on CPU, as
 // Trainer picks them), so the latents written here are the ones `dtune train` would write.
 train::DatasetEncoders load_encoders(const TrainConfig& c, const stdfs::path& model_root) {
-    train::SdxlEncoderOptions o;
+    family::DataEncoderOptions o;
     o.model_dir = model_root;
     if (auto vae = stdfs::path(c.text("pretrained_vae_model_name_or_path"));
         !vae.empty() && stdfs::exists(vae / "config.json"))
         o.vae_override = vae;
     o.device = train::DataParallel::pick_device(c.text("device"), dist::read_dist_env(), cuda_device_count());
     o.vae_dtype = o.device.is_cuda() ? at::kBFloat16 : at::kFloat;
-    o.text_encoder_precision = train::text_encoder_precision_from(c);
-    return train::load_sdxl_data_encoders(o);
+    o.text_encoder_precision = family::text_encoder_precision_from(c);
+    return family::family_named(c.text("model_family")).load_data_encoders(o);
 }
 
 int arg_int(const std::vector<std::string>& args, const std::string& name, const char* env, int fallback) {
@@ -154,6 +155,7 @@ std::vector<data::CacheBuildReport> cache_text(const std::vector<const data::Dat
             f.settings.cache_dir = dir;
             f.settings.model_family = gargs.model_family;
             f.settings.encoder_identity = enc.text_identity;
+            f.settings.tensor_names = enc.text_tensor_names;
             f.settings.storage = data::text_cache_storage(entry);
             f.settings.compression = (entry ? entry->compress_cache : gargs.compress_disk_cache)
                                          ? data::CacheCompression::kZstd
@@ -192,7 +194,9 @@ data::CacheBuildReport cache_latents(const data::DatasetConfig& d, const Request
     opt.show_progress = true;
     opt.batch_size = d.vae_batch_size;
     opt.label = "latents " + d.id;
-    const data::LatentCache cache(data::latent_cache_placement(d, datasets, gargs, enc.vae_identity));
+    data::LatentCacheSettings placement = data::latent_cache_placement(d, datasets, gargs, enc.vae_identity);
+    placement.latent_channels = enc.latent_channels;
+    const data::LatentCache cache(std::move(placement));
     const stdfs::path report_dir = cache.storage().remote()
                                        ? stdfs::path(gargs.output_dir) / "cache" / "skipped" / d.id
                                        : stdfs::path(d.cache_dir_vae);

@@ -2,12 +2,16 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <optional>
+#include <string>
 
 #include "cli/command.h"
 #include "core/error.h"
 #include "io/ldm_keys.h"
 #include "io/safetensors.h"
+#include "models/clip/sdxl_text_encoders.h"
 #include "models/common/pipeline_folder.h"
+#include "models/flux/flux_lora.h"
 #include "models/flux/flux_transformer.h"
 
 namespace dtune::cli {
@@ -77,6 +81,47 @@ bool is_flux_transformer(const io::WeightSource& src) {
     return false;
 }
 
+// Where the file holds a CLIP text encoder; nullopt also when it holds several (inspect describes,
+// it does not pick one).
+std::optional<std::string> clip_prefix(const io::WeightSource& src, const std::string& path) {
+    try {
+        return models::clip_text_file_prefix(src.keys(), path);
+    } catch (const DataError&) {
+        return std::nullopt;
+    }
+}
+
+// A CLIP text encoder on its own (ComfyUI's clip_l.safetensors): its layers and width.
+void print_clip_file(const io::WeightSource& src, const std::string& prefix) {
+    const std::string text = src.contains(prefix + "text_model.embeddings.token_embedding.weight")
+                                 ? prefix + "text_model."
+                                 : prefix;
+    int layers = 0;
+    while (src.contains(str(text, "encoder.layers.", layers, ".self_attn.q_proj.weight"))) ++layers;
+    const std::string embedding = text + "embeddings.token_embedding.weight";
+    const int64_t width = src.contains(embedding) ? src.info(embedding).shape.at(1) : 0;
+    const std::string where = text.empty() ? "without a prefix" : "under '" + text + "'";
+    const char* role = layers == 12 && width == 768
+                           ? " (CLIP-L: Flux's text_encoder, dtune sample --text_encoder_file)"
+                           : "";
+    std::printf("  CLIP text encoder single file (transformers' keys %s): %d layers, %lld wide%s\n",
+                where.c_str(), layers, static_cast<long long>(width), role);
+}
+
+// An ldm-layout VAE on its own or inside a checkpoint: its latent channels and quant convs.
+void print_vae_file(const io::WeightSource& src, const std::string& prefix) {
+    const auto& conv_in = src.info(prefix + "decoder.conv_in.weight");
+    const int64_t channels = conv_in.shape.size() == 4 ? conv_in.shape[1] : 0;
+    const bool quant = src.contains(prefix + "quant_conv.weight");
+    const std::string where = prefix.empty() ? "no prefix" : "prefix '" + prefix + "'";
+    const char* role = channels == 16 && !quant
+                           ? " (Flux.1's VAE, as Black Forest Labs' ae.safetensors: dtune sample --vae_file)"
+                       : channels == 4 ? " (an SD / SDXL VAE)"
+                                       : "";
+    std::printf("  VAE single file (ldm layout, %s): %lld latent channels, %s%s\n", where.c_str(),
+                static_cast<long long>(channels), quant ? "quant convs" : "no quant convs", role);
+}
+
 int inspect_pipeline(const std::filesystem::path& root) {
     const auto pipeline = models::PipelineFolder::open(root);
     std::printf("%s\n  diffusers pipeline: %s\n", root.string().c_str(), pipeline.class_name().c_str());
@@ -110,10 +155,11 @@ void inspect_file(const std::string& path, bool list) {
                        io::LdmComponent::kTextEncoder2})
             print_row(io::ldm_component_name(c), summarize(src, io::ldm_prefix(c)));
     } else if (const int64_t rank = lora_rank(src); rank > 0) {
-        bool flux = false;
-        for (const auto& k : src.keys()) flux |= k.rfind("transformer.", 0) == 0;
-        std::printf("  %sLoRA adapter, rank %lld\n", flux ? "Flux/transformer " : "",
-                    static_cast<long long>(rank));
+        if (const auto flux = models::flux_lora_layout(src.keys()))
+            std::printf("  Flux/transformer LoRA adapter, rank %lld (%s layout)\n",
+                        static_cast<long long>(rank), models::flux_lora_layout_name(*flux));
+        else
+            std::printf("  LoRA adapter, rank %lld\n", static_cast<long long>(rank));
     } else if (is_flux_transformer(src)) {
         // Black Forest Labs' / ComfyUI's layout: report what dtune reads from it.
         const auto c = models::flux_config_from_bfl(src, path, /*any_head_size=*/true);
@@ -123,6 +169,10 @@ void inspect_file(const std::string& path, bool list) {
             c.guidance_embeds ? "[dev] (guidance embedding)" : "[schnell] (no guidance embedding)",
             static_cast<long long>(c.num_layers), static_cast<long long>(c.num_single_layers),
             static_cast<long long>(c.inner_dim()));
+    } else if (const auto clip = clip_prefix(src, path)) {
+        print_clip_file(src, *clip);
+    } else if (const auto vae = io::ldm_vae_prefix(src.keys())) {
+        print_vae_file(src, *vae);
     }
     std::printf("  files:      %zu\n", src.files().size());
     std::printf("  tensors:    %llu\n", static_cast<unsigned long long>(all.tensors));
@@ -169,8 +219,10 @@ int run_inspect(const std::vector<std::string>& args) {
 DTUNE_REGISTER_COMMAND(inspect, "inspect", "describe a model folder, checkpoint, LoRA or weights file",
                        "usage: dtune inspect <path> [--tensors]\n\n"
                        "<path> is a diffusers pipeline folder (model_index.json), a component folder,\n"
-                       "a .safetensors file (an SDXL single-file checkpoint and LoRA files are\n"
-                       "recognised) or a .safetensors.index.json of a sharded set. Prints what it is,\n"
+                       "a .safetensors file (recognised: SDXL single-file checkpoints, Flux transformer\n"
+                       "files, CLIP text encoder files such as clip_l, ldm VAE files such as Flux's\n"
+                       "ae.safetensors, and LoRA files, with the key layout of Flux LoRAs) or a\n"
+                       ".safetensors.index.json of a sharded set. Prints what it is,\n"
                        "its components with tensor and parameter counts and dtypes, and the file\n"
                        "metadata; --tensors lists every tensor of a file with dtype and shape.\n",
                        run_inspect);

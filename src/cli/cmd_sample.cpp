@@ -12,6 +12,9 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -57,7 +60,11 @@ struct SampleArgs {
     int quality = 90;
     int threads = 0;                    // 0 = automatic (see cpu_threads)
     int64_t max_sequence_length = 512;  // Flux: T5 tokens
-    std::string t5_file;                // Flux: T5 from a single file (ComfyUI's t5xxl_*)
+    double true_cfg_scale = 1.0;        // Flux: true CFG with --negative_prompt when > 1
+    // Flux: components' weights from single files (configs from the Flux folder)
+    std::string clip_file;  // CLIP-L (ComfyUI's clip_l.safetensors)
+    std::string t5_file;    // T5 (ComfyUI's t5xxl_*)
+    std::string vae_file;   // Black Forest Labs' ae.safetensors
 };
 
 int64_t to_int(const std::string& key, const std::string& v) {
@@ -120,7 +127,10 @@ const std::map<std::string, Setter>& value_options() {
         {"--format", [](SampleArgs& a, auto&, auto& v) { a.format = v; }},
         {"--quality", [](SampleArgs& a, auto& k, auto& v) { a.quality = static_cast<int>(to_int(k, v)); }},
         {"--threads", [](SampleArgs& a, auto& k, auto& v) { a.threads = static_cast<int>(to_int(k, v)); }},
+        {"--text_encoder_file", [](SampleArgs& a, auto&, auto& v) { a.clip_file = v; }},
         {"--text_encoder_2_file", [](SampleArgs& a, auto&, auto& v) { a.t5_file = v; }},
+        {"--vae_file", [](SampleArgs& a, auto&, auto& v) { a.vae_file = v; }},
+        {"--true_cfg_scale", [](SampleArgs& a, auto& k, auto& v) { a.true_cfg_scale = to_double(k, v); }},
         {"--max_sequence_length",
          [](SampleArgs& a, auto& k, auto& v) { a.max_sequence_length = to_int(k, v); }},
     };
@@ -149,6 +159,9 @@ void check_args(const SampleArgs& a) {
     if (!std::isfinite(a.guidance))
         throw UsageError(
             str("--guidance ", a.guidance, " is invalid: use a finite number (e.g. 5.0; <= 1 disables CFG)"));
+    if (!std::isfinite(a.true_cfg_scale))
+        throw UsageError(str("--true_cfg_scale ", a.true_cfg_scale,
+                             " is invalid: use a finite number (e.g. 4.0 with --negative_prompt; 1 = off)"));
     if (!std::isfinite(a.guidance_rescale))
         throw UsageError(str("--guidance_rescale ", a.guidance_rescale, " is invalid: use 0..1 (0 = off)"));
     if (!a.lora.empty() && !std::filesystem::is_regular_file(a.lora))
@@ -229,6 +242,12 @@ nlohmann::json sidecar(const SampleArgs& a, c10::Device device, c10::ScalarType 
     if (!a.lora.empty()) j["lora_scale"] = a.lora_scale;
     for (size_t i = 0; i < a.precision.size(); ++i)
         if (a.precision[i] != "no_change") j[precision_key(i)] = a.precision[i];
+    if (a.true_cfg_scale != 1.0) j["true_cfg_scale"] = a.true_cfg_scale;
+    for (const auto& [key, file] :
+         {std::pair<const char*, const std::string*>{"text_encoder_file", &a.clip_file},
+          {"text_encoder_2_file", &a.t5_file},
+          {"vae_file", &a.vae_file}})
+        if (!file->empty()) j[key] = *file;
     j["device"] = device.str();
     j["dtype"] = dtype_name(dtype);
     j["seconds_per_batch"] = seconds;
@@ -256,14 +275,14 @@ validate::SDXLPipeline load_pipeline(const SampleArgs& a, c10::Device device, c1
     return pipe;
 }
 
-// A .safetensors file in Black Forest Labs' Flux transformer layout (bare or ComfyUI-prefixed).
+// A .safetensors file in Black Forest Labs' Flux transformer layout (bare or ComfyUI-prefixed); a
+// Flux LoRA in that layout is not one.
 bool is_flux_single_file(const std::string& model) {
     if (!std::filesystem::is_regular_file(model)) return false;
     try {
         const io::SafetensorsFile f(model);
-        for (const auto& k : f.keys())
-            if (k.rfind("double_blocks.", 0) == 0 || k.rfind("model.diffusion_model.double_blocks.", 0) == 0)
-                return true;
+        return f.contains("double_blocks.0.img_attn.qkv.weight") ||
+               f.contains("model.diffusion_model.double_blocks.0.img_attn.qkv.weight");
     } catch (const std::exception&) {
     }
     return false;
@@ -275,6 +294,38 @@ bool is_flux_folder(const std::string& model) {
     if (!std::filesystem::is_regular_file(index)) return false;
     const auto j = nlohmann::json::parse(fs::read_file(index), nullptr, /*allow_exceptions=*/false);
     return j.is_object() && j.value("_class_name", "") == "FluxPipeline";
+}
+
+// Flux's options, checked before the model loads. True CFG needs both --negative_prompt and
+// --true_cfg_scale > 1; either alone would be ignored (as diffusers ignores it), so it is refused.
+void check_flux_args(const SampleArgs& a) {
+    for (size_t i = 0; i < a.precision.size(); ++i)
+        DTUNE_CHECK_AS(UsageError, a.precision[i] == "no_change", "--", precision_key(i),
+                       " is not supported for Flux pipelines yet; leave it at no_change");
+    DTUNE_CHECK_AS(UsageError, !a.negative_prompt || a.true_cfg_scale > 1,
+                   "--negative_prompt on Flux takes effect through true classifier-free guidance: add "
+                   "--true_cfg_scale > 1 (e.g. 4.0; each step then runs the transformer twice)");
+    DTUNE_CHECK_AS(UsageError, a.true_cfg_scale <= 1 || a.negative_prompt, "--true_cfg_scale ",
+                   a.true_cfg_scale,
+                   " needs --negative_prompt (\"\" for an empty one), as in diffusers' "
+                   "FluxPipeline; [dev]'s --guidance is the embedded guidance, not CFG");
+    for (const auto& [option, file, what] :
+         {std::tuple<const char*, const std::string*, const char*>{"--text_encoder_file", &a.clip_file,
+                                                                   "a CLIP-L .safetensors (clip_l)"},
+          {"--text_encoder_2_file", &a.t5_file, "a T5 .safetensors (t5xxl_fp16)"},
+          {"--vae_file", &a.vae_file, "a Flux VAE .safetensors (ae.safetensors)"}})
+        DTUNE_CHECK_AS(UsageError, file->empty() || std::filesystem::is_regular_file(*file), option, " ",
+                       *file, " is not a file; pass ", what);
+}
+
+// The options that only Flux reads, refused for SDXL rather than ignored.
+void check_sdxl_args(const SampleArgs& a) {
+    for (const auto& [option, given] : {std::pair{"--text_encoder_file", !a.clip_file.empty()},
+                                        std::pair{"--text_encoder_2_file", !a.t5_file.empty()},
+                                        std::pair{"--vae_file", !a.vae_file.empty()},
+                                        std::pair{"--true_cfg_scale", a.true_cfg_scale != 1.0}})
+        DTUNE_CHECK_AS(UsageError, !given, option, " is for Flux pipelines; ", a.model,
+                       " is an SDXL model: drop it (SDXL's classifier-free guidance scale is --guidance)");
 }
 
 validate::GenerationRequest request_from(const SampleArgs& a) {
@@ -331,18 +382,10 @@ int run_sample(const std::vector<std::string>& args) {
             " is a Flux transformer single file: pass --config_folder with a diffusers Flux folder "
             "(FLUX.1-dev or -schnell) for the text encoders, tokenizers, VAE and scheduler");
     if (flux_file || is_flux_folder(a.model)) {
-        // Flux.1: the transformer embeds the guidance ([dev]) or ignores it ([schnell]); no CFG.
-        for (size_t i = 0; i < a.precision.size(); ++i)
-            DTUNE_CHECK_AS(UsageError, a.precision[i] == "no_change", "--", precision_key(i),
-                           " is not supported for Flux pipelines yet; leave it at no_change");
-        DTUNE_CHECK_AS(UsageError, !a.negative_prompt,
-                       "--negative_prompt is not supported for Flux pipelines yet");
-        DTUNE_CHECK_AS(UsageError, a.t5_file.empty() || std::filesystem::is_regular_file(a.t5_file),
-                       "--text_encoder_2_file ", a.t5_file,
-                       " is not a file; pass a T5 .safetensors (t5xxl_fp16)");
-        auto pipe = flux_file
-                        ? validate::FluxPipeline::load(a.config_folder, {dtype, device}, a.model, a.t5_file)
-                        : validate::FluxPipeline::load(a.model, {dtype, device}, {}, a.t5_file);
+        check_flux_args(a);
+        validate::FluxComponentFiles files{flux_file ? a.model : "", a.clip_file, a.t5_file, a.vae_file};
+        auto pipe =
+            validate::FluxPipeline::load(flux_file ? a.config_folder : a.model, {dtype, device}, files);
         if (!a.lora.empty()) pipe.load_lora(a.lora, a.lora_scale);
         // FluxPipeline's defaults: [dev] 28 steps at guidance 3.5, [schnell] 4 steps.
         const bool dev = pipe.transformer()->config().guidance_embeds;
@@ -351,6 +394,8 @@ int run_sample(const std::vector<std::string>& args) {
         validate::FluxRequest r;
         r.free_text_encoders = true;  // one generate: T5-XXL's ~9.5 GiB go before the transformer runs
         r.prompt = {a.prompt};
+        if (a.negative_prompt) r.negative_prompt = std::vector<std::string>{*a.negative_prompt};
+        r.true_cfg_scale = a.true_cfg_scale;
         r.width = a.width;
         r.height = a.height;
         r.steps = a.steps;
@@ -364,6 +409,7 @@ int run_sample(const std::vector<std::string>& args) {
         result = pipe.generate(r, [&](int64_t, int64_t) { bar.update(); });
         bar.finish();
     } else {
+        check_sdxl_args(a);
         auto pipe = load_pipeline(a, device, dtype);
         Progress bar(a.steps, po);
         t0 = std::chrono::steady_clock::now();
@@ -405,28 +451,37 @@ DTUNE_REGISTER_COMMAND(
     ".safetensors that ComfyUI/A1111 use), and writes <output_dir>/sample_<seed>_<i>.<format>\n"
     "plus sample_<seed>_<i>.json with every setting used. A Flux.1 [dev]/[schnell] diffusers folder\n"
     "(model_index.json naming FluxPipeline) samples with flow matching; --guidance is then [dev]'s\n"
-    "embedded guidance (3.5 is usual; no CFG); --lora takes a diffusers/PEFT Flux LoRA\n"
-    "(transformer.-prefixed keys). A Flux transformer single file (flux1-dev.safetensors, ComfyUI's,\n"
-    "fp8 ones) takes --config_folder with a diffusers Flux folder for the other components.\n"
-    "--negative_prompt and the precision options are not supported\n"
-    "for it yet.\n\n"
+    "embedded guidance (the transformer takes it as an input; 3.5 is usual), not CFG: true CFG is\n"
+    "--negative_prompt with --true_cfg_scale > 1. --lora takes a Flux LoRA in diffusers/PEFT,\n"
+    "kohya/ComfyUI (lora_unet_double_blocks_...) or Black Forest Labs' (double_blocks....lora_A)\n"
+    "layout. A Flux transformer single file (flux1-dev.safetensors, ComfyUI's, fp8 ones) takes\n"
+    "--config_folder with a diffusers Flux folder for the other components and the configs;\n"
+    "--text_encoder_file, --text_encoder_2_file and --vae_file replace components' weights. The\n"
+    "precision options are not supported for Flux yet.\n\n"
     "  --model PATH            the pipeline folder or single file (may also be the first argument)\n"
     "  --config_folder DIR     with a single file: a diffusers folder giving the configs,\n"
     "                          tokenizers and scheduler (weights come from the file); default:\n"
     "                          dtune's built-in SDXL base 1.0 configs and CLIP tokenizers\n"
     "  --prompt TEXT           what to draw (required)\n"
-    "  --negative_prompt TEXT  what to steer away from (default: none; zero embeddings)\n"
+    "  --negative_prompt TEXT  what to steer away from (default: none; zero embeddings). Flux:\n"
+    "                          only with --true_cfg_scale > 1\n"
     "  --width N, --height N   image size in pixels, multiples of 8 (default 1024x1024)\n"
     "  --steps N               sampler steps (default 30)\n"
-    "  --guidance X            classifier-free guidance scale; <= 1 disables CFG (default 5.0)\n"
+    "  --guidance X            classifier-free guidance scale; <= 1 disables CFG (default 5.0).\n"
+    "                          Flux: [dev]'s embedded guidance (default 3.5), one pass per step\n"
+    "  --true_cfg_scale X      Flux: true classifier-free guidance as diffusers' FluxPipeline, with\n"
+    "                          --negative_prompt: two transformer passes per step, neg + X·(pos − neg)\n"
+    "                          (default 1.0 = off; > 1 needs --negative_prompt, \"\" for an empty one)\n"
     "  --guidance_rescale X    CFG rescale of Lin et al. 2023, 0..1 (default 0 = off)\n"
     "  --seed N                seed of the CPU generator for the initial noise (default 0);\n"
     "                          the same seed gives the same image on any device\n"
     "  --sampler NAME          euler | euler_a | ddim | dpmpp_2m | dpmpp_2m_karras | unipc\n"
     "                          (default euler), configured from the scheduler config\n"
     "  --batch N               images generated together for the prompt (default 1)\n"
-    "  --lora FILE             a UNet LoRA .safetensors (diffusers, PEFT or kohya/ComfyUI keys);\n"
-    "                          text-encoder parts of the file are skipped with a warning\n"
+    "  --lora FILE             a UNet LoRA .safetensors (diffusers, PEFT or kohya/ComfyUI keys), or\n"
+    "                          a Flux transformer LoRA (diffusers/PEFT, kohya/ComfyUI or Black Forest\n"
+    "                          Labs' keys; fused q/k/v LoRAs are split); text-encoder parts of the\n"
+    "                          file are skipped with a warning\n"
     "  --lora_scale X          LoRA strength (default 1.0; 0 = the base model's output)\n"
     "  --base_model_precision P  quantise the UNet after loading: int8-quanto, int8-torchao (int8\n"
     "                          weights), fp8-quanto, fp8-torchao (fp8 e4m3; fp8 matmuls on Hopper);\n"
@@ -437,8 +492,13 @@ DTUNE_REGISTER_COMMAND(
     "                          the VAE stays fp32 in fp16 runs when its config sets force_upcast\n"
     "  --vae_tiling            decode the image in overlapping 512-pixel tiles: less memory for\n"
     "                          large images (seams are blended; small differences at tile edges)\n"
+    "  --text_encoder_file F   Flux: CLIP-L from one .safetensors file (ComfyUI's clip_l.safetensors:\n"
+    "                          transformers' keys, bare or under text_model. / transformer. /\n"
+    "                          text_encoders.clip_l.transformer.), its config from the Flux folder\n"
     "  --text_encoder_2_file F Flux: T5 from one .safetensors file (ComfyUI's t5xxl_fp16 or\n"
     "                          t5xxl_fp8_e4m3fn), its config from the Flux folder\n"
+    "  --vae_file F            Flux: the VAE from one .safetensors file (Black Forest Labs'\n"
+    "                          ae.safetensors, ldm layout), its config from the Flux folder\n"
     "  --max_sequence_length N Flux: T5 prompt tokens (default 512; [schnell] takes at most 256)\n"
     "  --threads N             CPU intra-op threads (default: OMP_NUM_THREADS if set, else the\n"
     "                          CPUs this process may use, at most 16)\n"

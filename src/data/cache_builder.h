@@ -17,7 +17,10 @@
 //                   device (the caller moves them to the CPU; a GPU encoder should not wait for its
 //                   result); the result for an image must depend only on its pixels and its salt
 //                   (not on the batch it came in)
-//   TextEncodeFn:   captions (B) → prompt_embeds [B, T, D], pooled_prompt_embeds [B, P]
+//   TextEncodeFn:   captions (B) → named tensors, each [B, ...]: what the model family's text
+//                   encoders give (SDXL: prompt_embeds [B, 77, 2048], pooled_prompt_embeds
+//                   [B, 1280]; Flux: prompt_embeds [B, L, 4096], pooled_prompt_embeds [B, 768],
+//                   attention_mask [B, L]); one cache entry holds one row of each
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -42,11 +45,29 @@ namespace dtune::data {
 using LatentEncodeFn =
     std::function<at::Tensor(const at::Tensor& images, const std::vector<uint64_t>& noise_salts)>;
 
-struct TextEmbeds {
-    at::Tensor prompt_embeds;         // [B, T, D]
-    at::Tensor pooled_prompt_embeds;  // [B, P]
-};
+// A batch of text embeddings: name → [B, ...] (see TextEncodeFn above).
+using TextEmbeds = std::map<std::string, at::Tensor>;
 using TextEncodeFn = std::function<TextEmbeds(const std::vector<std::string>& captions)>;
+
+// Conditioning a batch gets beyond its captions' embeddings, from its samples' plans and flips
+// (SDXL: time_ids [B, 6] from the crop geometry), written into `batch` by name.
+using SampleConditionFn = std::function<void(TextEmbeds& batch, const std::vector<SamplePlan>& plans,
+                                             const std::vector<bool>& flips)>;
+
+// A model family's data side (family/model_family.h): the encoders as callables, what identifies
+// them in cache keys, and the shapes their entries have. The VAE callable must be deterministic
+// per (image, noise salt) so that caches built by different ranks, runs, batchings or `dtune cache`
+// agree. Dropping a callable frees the model it owns.
+struct DataEncoders {
+    LatentEncodeFn vae;
+    std::string vae_identity;  // part of every latent cache key
+    int64_t latent_channels = 4;
+    TextEncodeFn text;
+    std::string text_identity;  // part of every text cache key
+    std::vector<std::string> text_tensor_names{"pooled_prompt_embeds",
+                                               "prompt_embeds"};  // one entry's tensors
+    SampleConditionFn sample_conditioning;                        // null: none
+};
 
 struct CacheBuildOptions {
     int batch_size = 4;  // vae_batch_size / text_encoder_batch_size

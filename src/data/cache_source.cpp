@@ -18,18 +18,25 @@
 namespace dtune::data {
 namespace {
 
-// Runs the text encoder and checks the batch shapes.
+// Runs the text encoder and checks the batch shapes: every tensor [B, ...], on the CPU.
 TextEmbeds run_text_encoder(const TextEncodeFn& encode, const std::vector<std::string>& captions) {
     TextEmbeds out = encode(captions);
     const auto n = static_cast<int64_t>(captions.size());
-    DTUNE_CHECK(out.prompt_embeds.defined() && out.prompt_embeds.dim() == 3 &&
-                    out.prompt_embeds.size(0) == n && out.pooled_prompt_embeds.defined() &&
-                    out.pooled_prompt_embeds.dim() == 2 && out.pooled_prompt_embeds.size(0) == n,
-                "the text encoder must return prompt_embeds [B, T, D] and pooled_prompt_embeds [B, P] for ",
-                n, " captions");
-    out.prompt_embeds = out.prompt_embeds.detach().to(at::kCPU);
-    out.pooled_prompt_embeds = out.pooled_prompt_embeds.detach().to(at::kCPU);
+    DTUNE_CHECK(!out.empty(), "the text encoder returned no tensors for ", n, " captions");
+    for (auto& [name, t] : out) {
+        DTUNE_CHECK(t.defined() && t.dim() >= 1 && t.size(0) == n, "the text encoder's ", name,
+                    " must have one row per caption (", n, "), got ",
+                    t.defined() ? c10::str(t.sizes()) : std::string("nothing"));
+        t = t.detach().to(at::kCPU);
+    }
     return out;
+}
+
+// Row k of every tensor of a batch (a cache entry).
+TextEmbedEntry row_of(const TextEmbeds& embeds, int64_t k) {
+    TextEmbedEntry entry;
+    for (const auto& [name, t] : embeds) entry[name] = t[k].clone();
+    return entry;
 }
 
 io::PrepareSpec spec_of(const LatentRequest& r) {
@@ -195,8 +202,7 @@ CacheBuildReport build_text_cache(const TextEmbedCache& cache, const std::vector
         const TextEmbeds embeds = run_text_encoder(encode, chunk);
         ++report.encoder_calls;
         for (size_t k = 0; k < chunk.size(); ++k) {
-            TextEmbedEntry entry{embeds.prompt_embeds[long(k)].clone(),
-                                 embeds.pooled_prompt_embeds[long(k)].clone()};
+            TextEmbedEntry entry = row_of(embeds, long(k));
             writes.push_back(
                 pool.submit([&cache, caption = chunk[k], entry] { cache.store(caption, entry); }));
         }
@@ -222,16 +228,18 @@ TextEmbeds text_embeds_for(const TextEmbedCache& cache, const std::vector<std::s
     if (!missing.empty()) {
         const TextEmbeds fresh = run_text_encoder(encode, missing);
         for (size_t k = 0; k < missing.size(); ++k) {
-            entries[where[k]] = {fresh.prompt_embeds[long(k)], fresh.pooled_prompt_embeds[long(k)]};
+            entries[where[k]] = row_of(fresh, long(k));
             if (store) cache.store(missing[k], entries[where[k]]);
         }
     }
-    std::vector<at::Tensor> prompts, pooled;
-    for (const auto& e : entries) {
-        prompts.push_back(e.prompt_embeds);
-        pooled.push_back(e.pooled_prompt_embeds);
+    TextEmbeds out;
+    if (entries.empty()) return out;
+    for (const auto& [name, first] : entries.front()) {
+        std::vector<at::Tensor> rows;
+        for (const auto& e : entries) rows.push_back(e.at(name));
+        out[name] = at::stack(rows);  // [B, ...]
     }
-    return {at::stack(prompts), at::stack(pooled)};  // [B, T, D], [B, P]
+    return out;
 }
 
 }  // namespace dtune::data

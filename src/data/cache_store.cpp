@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 
@@ -15,6 +16,13 @@
 
 namespace dtune::data {
 namespace {
+
+// "a, b, c".
+std::string join(const std::vector<std::string>& parts, const char* separator) {
+    std::string out;
+    for (const auto& p : parts) out += (out.empty() ? "" : separator) + p;
+    return out;
+}
 
 std::string size_text(Size s) {
     return str(s.width, "x", s.height);
@@ -337,28 +345,34 @@ EntryLookup TextEmbedCache::verify(const std::string& caption, const std::option
     result = verify_metadata(metadata, expected_metadata(caption));
     if (result.status != EntryStatus::kValid) return result;
     TextEmbedEntry got;
-    for (auto& [name, t] : tensors) {
-        if (name == "prompt_embeds" && t.dim() == 2) got.prompt_embeds = t;
-        if (name == "pooled_prompt_embeds" && t.dim() == 1) got.pooled_prompt_embeds = t;
-    }
-    if (tensors.size() != 2 || !got.prompt_embeds.defined() || !got.pooled_prompt_embeds.defined())
+    for (auto& [name, t] : tensors) got[name] = t;
+    std::vector<std::string> names;
+    for (const auto& [name, t] : got) names.push_back(name);
+    std::vector<std::string> want = settings_.tensor_names;
+    std::sort(want.begin(), want.end());
+    if (names != want || tensors.size() != want.size())
         return {EntryStatus::kCorrupt,
-                str(path.string(), ": expected tensors prompt_embeds [T, D] and pooled_prompt_embeds [P]"),
+                str(path.string(), ": expected the tensors ", join(want, ", "), ", found ",
+                    names.empty() ? std::string("none") : join(names, ", ")),
                 {}};
-    if (entry) *entry = got;
+    if (entry) *entry = std::move(got);
     return result;
 }
 
 void TextEmbedCache::store(const std::string& caption, const TextEmbedEntry& entry) const {
-    DTUNE_CHECK(entry.prompt_embeds.dim() == 2 && entry.pooled_prompt_embeds.dim() == 1,
-                "text embeddings of one caption must be prompt_embeds [T, D] and pooled [P], got ",
-                entry.prompt_embeds.sizes(), " and ", entry.pooled_prompt_embeds.sizes());
+    std::vector<std::string> names;
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& [name, t] : entry) {
+        names.push_back(name);
+        tensors.emplace_back(name, t);
+    }
+    std::vector<std::string> want = settings_.tensor_names;
+    std::sort(want.begin(), want.end());
+    DTUNE_CHECK(names == want, "a text-cache entry must hold the tensors ", join(want, ", "), "; got ",
+                join(names, ", "));
     settings_.storage->write(
         entry_path(caption).string(),
-        compress_cache_bytes(serialize_entry({{"prompt_embeds", entry.prompt_embeds},
-                                              {"pooled_prompt_embeds", entry.pooled_prompt_embeds}},
-                                             expected_metadata(caption)),
-                             settings_.compression));
+        compress_cache_bytes(serialize_entry(tensors, expected_metadata(caption)), settings_.compression));
 }
 
 }  // namespace dtune::data

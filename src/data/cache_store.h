@@ -117,15 +117,16 @@ struct TextCacheSettings {
     std::string cache_dir;
     std::string model_family = "sdxl";
     std::string encoder_identity;  // part of the key: another text encoder invalidates every entry
+    // The tensors an entry must hold (the model family's text-cache layout); an entry with other
+    // names reads as corrupt and is rebuilt.
+    std::vector<std::string> tensor_names{"pooled_prompt_embeds", "prompt_embeds"};
     CacheCompression compression = CacheCompression::kZstd;
     std::shared_ptr<StorageBackend> storage;  // where entries live; null: local folders
 };
 
-// One caption's embeddings (no batch dimension).
-struct TextEmbedEntry {
-    at::Tensor prompt_embeds;         // [T, D]
-    at::Tensor pooled_prompt_embeds;  // [P]
-};
+// One caption's embeddings: name → tensor without the batch dimension (SDXL: prompt_embeds [T, D]
+// and pooled_prompt_embeds [P]; the names are TextCacheSettings::tensor_names).
+using TextEmbedEntry = std::map<std::string, at::Tensor>;
 
 class TextEmbedCache {
   public:

@@ -283,8 +283,17 @@ void split_in_proj(const std::string& layer, const std::string& kind, const at::
 
 }  // namespace
 
+std::optional<std::string> ldm_vae_prefix(const std::vector<std::string>& keys) {
+    const std::set<std::string> all(keys.begin(), keys.end());
+    for (const char* prefix : {"first_stage_model.", "vae.", ""})
+        if (all.count(std::string(prefix) + "decoder.mid.block_1.conv1.weight")) return std::string(prefix);
+    return std::nullopt;
+}
+
 TensorList ldm_to_diffusers(const WeightSource& file, LdmComponent component, const LdmLayout& layout) {
-    const std::string prefix = ldm_prefix(component);
+    const std::string prefix = component == LdmComponent::kVAE
+                                   ? ldm_vae_prefix(file.keys()).value_or(ldm_prefix(component))
+                                   : std::string(ldm_prefix(component));
     TensorList out;
     std::vector<std::string> unknown;
     for (const std::string& full : file.keys()) {

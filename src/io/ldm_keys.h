@@ -18,6 +18,7 @@
 // levels (4 for SDXL): those fix the ldm block numbering.
 #pragma once
 
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -40,6 +41,12 @@ const char* ldm_component_name(LdmComponent component);  // "unet", "vae", "text
 
 // True when `keys` look like an SDXL single file (UNet + both conditioner embedders present).
 bool is_ldm_sdxl_checkpoint(const std::vector<std::string>& keys);
+
+// The prefix under which `keys` hold an ldm-layout VAE: "first_stage_model." (SD/SDXL single files),
+// "vae." (ComfyUI's Flux and SD3 checkpoints) or "" (a VAE on its own: Black Forest Labs'
+// ae.safetensors, sdxl_vae.safetensors); nullopt when there is none. ldm_to_diffusers(kVAE) reads
+// the VAE from there.
+std::optional<std::string> ldm_vae_prefix(const std::vector<std::string>& keys);
 
 // Name maps, component-relative. "" = not a key of this component.
 std::string ldm_unet_key_to_diffusers(const std::string& key, int layers_per_block);

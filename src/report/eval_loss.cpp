@@ -13,11 +13,10 @@
 #include "data/captions.h"
 #include "data/dataset_config.h"
 #include "data/storage.h"
+#include "family/data_encoders.h"
 #include "io/image.h"
 #include "io/image_tensor.h"
-#include "models/clip/sdxl_text_encoders.h"
 #include "models/common/pipeline_folder.h"
-#include "models/unet/unet_2d_condition.h"
 #include "models/vae/autoencoder_kl.h"
 #include "train/dataset_source.h"
 #include "train/trainer.h"
@@ -36,15 +35,16 @@ std::vector<int64_t> trailing_timesteps(int64_t num_train_timesteps, int64_t n) 
     return out;
 }
 
-double eval_loss(models::UNet2DConditionModelImpl& unet, const diffusion::NoiseSchedule& schedule,
+double eval_loss(family::Denoiser& model, const diffusion::NoiseSchedule& schedule,
                  diffusion::PredictionType prediction, const std::vector<EvalSample>& samples,
                  const std::vector<int64_t>& timesteps, const diffusion::LossOptions& loss) {
     DTUNE_CHECK(!samples.empty() && !timesteps.empty(), "eval_loss needs samples and timesteps");
-    const bool was_training = unet.is_training();
-    unet.eval();
+    torch::nn::Module& net = model.module();
+    const bool was_training = net.is_training();
+    net.eval();
     c10::InferenceMode guard;
     double total = 0;
-    const auto device = unet.parameters().front().device();
+    const auto device = net.parameters().front().device();
     for (const auto& s : samples) {
         for (const int64_t t : timesteps) {
             // SimpleTuner reseeds to 0 before every batch and timestep: the same noise each time.
@@ -57,15 +57,15 @@ double eval_loss(models::UNet2DConditionModelImpl& unet, const diffusion::NoiseS
             if (prediction == diffusion::PredictionType::kVPrediction)
                 target = schedule.velocity(x0, noise, ts);
             if (prediction == diffusion::PredictionType::kSample) target = x0;
-            const at::Tensor pred =
-                unet.forward(noisy.to(device), ts.to(device), s.embeds.to(device),
-                             models::UNetAddedCond{s.pooled.to(device), s.time_ids.to(device)});
+            family::Conditioning cond;
+            for (const auto& [name, c] : s.cond) cond[name] = c.to(device);
+            const at::Tensor pred = model.forward(noisy.to(device), ts.to(device), cond);
             total += diffusion::diffusion_loss(pred.to(at::kCPU, at::kFloat), target, ts, prediction,
                                                &schedule, loss)
                          .item<double>();
         }
     }
-    if (was_training) unet.train();
+    if (was_training) net.train();
     return total / static_cast<double>(samples.size() * timesteps.size());
 }
 
@@ -84,7 +84,8 @@ int eval_edge(const data::DatasetConfig& d) {
 }  // namespace
 
 // Loads the eval images (resized, centre-cropped squares), encodes them once with the model
-// folder's VAE (posterior mean) and CLIP encoders, then frees the encoders.
+// folder's VAE (posterior mean) and the family's text encoders (on the CPU, in float32), then frees
+// the encoders.
 void EvalLossCallback::prepare(train::Trainer& trainer) {
     const auto& config = trainer.config();
     // The same fallbacks as the training datasets (resolution, instance_prompt, caption_strategy...).
@@ -92,7 +93,12 @@ void EvalLossCallback::prepare(train::Trainer& trainer) {
     args.output_dir = trainer.output_dir().string();
     const auto backends = data::load_data_backend_config(options_.data_backend_config, args);
     const auto pf = models::PipelineFolder::open(options_.model_dir);
-    auto te = models::SDXLTextEncoders::load(pf);
+    const family::ModelFamily& fam = trainer.model_family();
+    const diffusion::NoiseSchedule& schedule = trainer.objective().ddpm("eval loss (eval datasets)");
+    family::DataEncoderOptions eo;
+    eo.model_dir = options_.model_dir;
+    eo.text_encoder_precision = family::text_encoder_precision_from(config);
+    const data::DataEncoders encoders = fam.load_data_encoders(eo);
     auto vae = models::load_autoencoder_kl(pf.vae_path());
     vae->eval();
     c10::InferenceMode guard;
@@ -119,24 +125,23 @@ void EvalLossCallback::prepare(train::Trainer& trainer) {
             EvalSample s;
             s.latents = vae->scale_latents(vae->encode(pixels).mean);  // [1, C, e/f, e/f]
             const auto caption = data::resolve_captions(d, *storage, path).front();
-            models::SDXLEncodeOptions enc;
-            enc.do_classifier_free_guidance = false;
-            const auto e = te.encode_prompt({caption}, enc);
-            s.embeds = e.prompt_embeds.to(at::kFloat);
-            s.pooled = e.pooled_prompt_embeds.to(at::kFloat);
-            s.time_ids =
-                at::tensor({double(spec.resize_height), double(spec.resize_width), double(spec.crop_top),
-                            double(spec.crop_left), double(edge), double(edge)},
-                           at::kFloat)
-                    .unsqueeze(0);  // [1, 6]
+            s.cond = encoders.text({caption});  // name → [1, ...]
+            for (auto& [name, t] : s.cond)
+                if (at::isFloatingType(t.scalar_type())) t = t.to(at::kFloat);
+            if (encoders.sample_conditioning) {
+                data::SamplePlan plan;
+                plan.intermediary = plan.resize_size = {spec.resize_width, spec.resize_height};
+                plan.target = {edge, edge};
+                plan.crop_top = spec.crop_top;
+                plan.crop_left = spec.crop_left;
+                encoders.sample_conditioning(s.cond, {plan}, {false});
+            }
             samples_.push_back(std::move(s));
         }
     }
     DTUNE_CHECK_AS(DataError, !samples_.empty(), options_.data_backend_config.string(),
                    ": the eval dataset has no readable images; add images or remove the eval entry");
-    const auto sched =
-        nlohmann::json::parse(fs::read_file(pf.component("scheduler").path / "scheduler_config.json"));
-    schedule_.emplace(diffusion::NoiseScheduleConfig::from_json(sched, "scheduler_config.json"));
+    schedule_.emplace(schedule);
     prediction_ = config.is_null("prediction_type")
                       ? schedule_->config().prediction_type
                       : diffusion::parse_prediction_type(config.text("prediction_type"), "prediction_type");
@@ -149,7 +154,7 @@ double EvalLossCallback::evaluate(train::Trainer& trainer, int64_t step) {
     if (samples_.empty()) prepare(trainer);
     const auto ts = trailing_timesteps(schedule_->num_train_timesteps(), options_.num_timesteps);
     const double loss =
-        eval_loss(*trainer.unet(), *schedule_, prediction_, samples_, ts, trainer.step_options().loss);
+        eval_loss(trainer.model(), *schedule_, prediction_, samples_, ts, trainer.step_options().loss);
     if (!log_) log_ = std::make_unique<train::RunLog>(trainer.output_dir() / "eval.jsonl");
     log_->append({{"step", step},
                   {"eval_loss", loss},

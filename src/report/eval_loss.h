@@ -5,8 +5,9 @@
 // steps (validation_step_interval when unset) and at the end.
 //
 // Invariants: the same weights give the same eval loss, bit for bit on the CPU; the pass runs under
-// no-grad with the UNet in eval mode and its own generators, so it never changes training. Eval
-// latents use the VAE posterior mean and prompts the model folder's CLIP encoders (no CFG).
+// no-grad with the model in eval mode and its own generators, so it never changes training. Eval
+// latents use the VAE posterior mean and prompts the family's text encoders (no CFG). A flow-matching
+// family has no DDPM schedule: its eval loss is refused with a clear error (fixed sigmas come with it).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,8 +15,10 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "diffusion/loss.h"
@@ -24,17 +27,15 @@
 #include "train/config.h"
 #include "train/run_logs.h"
 
-namespace dtune::models {
-class UNet2DConditionModelImpl;
+namespace dtune::family {
+class Denoiser;
 }
 
 namespace dtune::report {
 
 struct EvalSample {
-    at::Tensor latents;   // [1, C, h, w] scaled latents
-    at::Tensor embeds;    // [1, 77, D]
-    at::Tensor pooled;    // [1, P]
-    at::Tensor time_ids;  // [1, 6]
+    at::Tensor latents;                      // [1, C, h, w] scaled latents
+    std::map<std::string, at::Tensor> cond;  // the family's conditioning, [1, ...] each
 };
 
 // diffusers DDPMScheduler.set_timesteps(n) with timestep_spacing "trailing":
@@ -43,8 +44,8 @@ std::vector<int64_t> trailing_timesteps(int64_t num_train_timesteps, int64_t n);
 
 // Mean loss over samples × timesteps (see the file comment), each computed as training computes it
 // (diffusion::diffusion_loss with the run's loss_type, huber and min-SNR settings, as SimpleTuner's
-// eval calls its model.loss). Restores the UNet's train/eval mode.
-double eval_loss(models::UNet2DConditionModelImpl& unet, const diffusion::NoiseSchedule& schedule,
+// eval calls its model.loss). Restores the model's train/eval mode.
+double eval_loss(family::Denoiser& model, const diffusion::NoiseSchedule& schedule,
                  diffusion::PredictionType prediction, const std::vector<EvalSample>& samples,
                  const std::vector<int64_t>& timesteps, const diffusion::LossOptions& loss = {});
 

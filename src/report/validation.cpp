@@ -9,12 +9,12 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
+#include "family/model_family.h"
 #include "models/common/pipeline_folder.h"
 #include "notify/webhooks.h"
 #include "report/clip_score.h"
 #include "report/html_report.h"
 #include "train/trainer.h"
-#include "validate/sdxl_pipeline.h"
 
 namespace dtune::report {
 
@@ -172,41 +172,20 @@ void ValidationCallback::on_train_end(train::Trainer& trainer, const train::Trai
         run(trainer, result.global_step);
 }
 
-namespace {
-
-std::unique_ptr<validate::SDXLPipeline> load_pipeline(const std::filesystem::path& model_dir,
-                                                      train::Trainer& trainer) {
-    const auto pf = models::PipelineFolder::open(model_dir);
-    const c10::ScalarType dtype = trainer.unet()->dtype();
-    auto te = models::SDXLTextEncoders::load(pf, {dtype, trainer.device()});
-    models::ComponentLoadOptions vae_load;
-    vae_load.device = trainer.device();  // float32: SDXL's VAE overflows in half precision
-    auto vae = models::load_autoencoder_kl(pf.vae_path(), vae_load);
-    auto sched =
-        nlohmann::json::parse(fs::read_file(pf.component("scheduler").path / "scheduler_config.json"));
-    sched["timestep_spacing"] = "trailing";  // SimpleTuner's inference_scheduler_timestep_spacing
-    // The pipeline shares the trainer's UNet module (a holder copy), so it validates live weights.
-    auto p = std::make_unique<validate::SDXLPipeline>(std::move(te), trainer.unet(), std::move(vae),
-                                                      std::move(sched), trainer.device());
-    trainer.unet()->train();  // the pipeline's constructor switched it to eval
-    return p;
-}
-
-}  // namespace
-
 std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& trainer, int64_t step) {
     std::vector<std::filesystem::path> written;
     std::map<std::string, double> clip_scores;  // shortname -> score (evaluation_type clip)
     last_step_ = step;
     if (!trainer.is_main_process() || settings_.prompts.empty()) return written;
-    if (!pipeline_) pipeline_ = load_pipeline(model_dir_, trainer);
+    if (!pipeline_)  // shares the trainer's network, so it samples the live weights
+        pipeline_ = trainer.model_family().load_sampler(model_dir_, trainer.model(), {trainer.device()});
     const auto dir = trainer.output_dir() / "validation_images";
     std::filesystem::create_directories(dir);
-    auto& unet = trainer.unet();
+    torch::nn::Module& net = trainer.model().module();
     // With use_ema the EMA weights generate (as SimpleTuner validates); restored when this returns.
     const train::EMAWeightsGuard ema_weights = trainer.use_ema_weights();
-    const bool was_training = unet->is_training();
-    unet->eval();
+    const bool was_training = net.is_training();
+    net.eval();
     try {
         for (const auto& p : settings_.prompts) {
             for (const auto& [w, h] : settings_.resolutions) {
@@ -245,10 +224,10 @@ std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& train
             }
         }
     } catch (...) {
-        if (was_training) unet->train();
+        if (was_training) net.train();
         throw;
     }
-    if (was_training) unet->train();
+    if (was_training) net.train();
     log::info() << "validation at step " << step << ": " << written.size() << " image(s) in " << dir.string();
     if (const nlohmann::json stats = clip_stats(clip_scores); !stats.is_null()) {
         log::info() << "CLIP score at step " << step << ": mean " << stats.at("clip/mean").get<double>()

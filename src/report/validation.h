@@ -24,8 +24,10 @@
 #include "train/callbacks.h"
 #include "train/config.h"
 
+namespace dtune::family {
+class ImageSampler;
+}
 namespace dtune::validate {
-class SDXLPipeline;
 struct StepLatents;
 }  // namespace dtune::validate
 namespace dtune::notify {
@@ -112,7 +114,7 @@ class ValidationCallback final : public train::TrainCallback {
 
     ValidationSettings settings_;
     std::filesystem::path model_dir_;
-    std::unique_ptr<validate::SDXLPipeline> pipeline_;
+    std::unique_ptr<family::ImageSampler> pipeline_;  // the family's, around the trainer's network
     std::vector<ValidationImageSink> sinks_;
     std::shared_ptr<notify::Notifier> notifier_;
     std::vector<std::function<void(int64_t, const std::string&, double)>> scalar_sinks_;

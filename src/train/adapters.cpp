@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
+#include "family/model_family.h"
 
 namespace dtune::train {
 namespace {
@@ -30,13 +31,14 @@ std::vector<std::string> targets_from_array(const nlohmann::json& list, const st
 
 }  // namespace
 
-std::vector<std::string> parse_lora_targets(const nlohmann::json& value) {
-    if (value.is_null()) return models::LoRAConfig{}.target_modules;
+std::vector<std::string> parse_lora_targets(const nlohmann::json& value,
+                                            const std::vector<std::string>& defaults) {
+    if (value.is_null()) return defaults;
     if (value.is_array()) return targets_from_array(value, "peft_lora_target_modules");
     DTUNE_CHECK_AS(UsageError, value.is_string(), "peft_lora_target_modules = ", value.dump(),
                    " is not a list; ", kTargetsHelp);
     const std::string text = value.get<std::string>();
-    if (text.empty() || text == "None" || text == "null") return models::LoRAConfig{}.target_modules;
+    if (text.empty() || text == "None" || text == "null") return defaults;
     nlohmann::json parsed = nlohmann::json::parse(text, nullptr, false);
     if (!parsed.is_discarded()) {
         DTUNE_CHECK_AS(UsageError, parsed.is_array(), "peft_lora_target_modules = ", text,
@@ -51,14 +53,15 @@ std::vector<std::string> parse_lora_targets(const nlohmann::json& value) {
     return targets_from_array(parsed, str("peft_lora_target_modules file ", text));
 }
 
-models::LoRAConfig lora_config_from(const TrainConfig& config) {
+models::LoRAConfig lora_config_from(const TrainConfig& config, const family::ModelFamily& family) {
     models::LoRAConfig c;
     c.rank = config.integer("lora_rank");
     c.alpha = config.opt_real("lora_alpha").value_or(0.0);  // None: alpha = rank
     c.dropout = config.real("lora_dropout");
     c.init = models::parse_lora_init(config.text("lora_init_type"));
     c.use_dora = config.flag("use_dora");
-    c.target_modules = parse_lora_targets(config.raw("peft_lora_target_modules"));
+    c.target_modules =
+        parse_lora_targets(config.raw("peft_lora_target_modules"), family.default_lora_targets());
     // The initial adapters follow the run's seed (like SimpleTuner's seeding before PEFT injection).
     if (auto seed = config.opt_integer("seed")) c.init_seed = static_cast<uint64_t>(*seed) ^ 0x4c6f5241ULL;
     DTUNE_CHECK_AS(UsageError, config.text("lora_type") == "standard", "lora_type ", config.text("lora_type"),
@@ -66,10 +69,16 @@ models::LoRAConfig lora_config_from(const TrainConfig& config) {
     return c;
 }
 
-LoRATraining::LoRATraining(torch::nn::Module& unet, const TrainConfig& config)
-    : adapters_(models::inject_lora(unet, lora_config_from(config))),
+LoRATraining::LoRATraining(torch::nn::Module& model, const TrainConfig& config,
+                           const family::ModelFamily& family)
+    : adapters_(models::inject_lora(model, lora_config_from(config, family))),
       format_(models::parse_lora_format(config.text("lora_format"))),
-      dropout_(config.real("lora_dropout") > 0) {
+      dropout_(config.real("lora_dropout") > 0),
+      prefix_(family.denoiser_folder()) {
+    DTUNE_CHECK_AS(UsageError, format_ == models::LoRAFormat::kDiffusers || prefix_ == "unet",
+                   "lora_format comfyui writes kohya keys for SDXL's UNet; a ", family.name(),
+                   " LoRA is written in diffusers' layout (", prefix_,
+                   ".-prefixed keys, which ComfyUI also loads): set lora_format diffusers");
     const std::string init = config.text("init_lora");
     if (init.empty()) return;
     DTUNE_CHECK_AS(UsageError, std::filesystem::is_regular_file(init), "init_lora \"", init,
@@ -95,7 +104,7 @@ void LoRATraining::begin_forward(at::Generator& generator, bool on_device, int r
 }
 
 void LoRATraining::save(const std::filesystem::path& file) const {
-    models::save_lora(adapters_, file, format_);
+    models::save_lora(adapters_, file, format_, std::nullopt, prefix_);
 }
 
 void LoRATraining::load_exact(const std::filesystem::path& file) {

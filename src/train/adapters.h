@@ -31,22 +31,28 @@ namespace torch::nn {
 class Module;
 }
 
+namespace dtune::family {
+class ModelFamily;
+}
+
 namespace dtune::train {
 
 // The file name diffusers' load_lora_weights(dir) looks for; also SimpleTuner's checkpoint file.
 inline constexpr const char* kLoRAWeightsFile = "pytorch_lora_weights.safetensors";
 
-// peft_lora_target_modules: null -> SDXL's defaults; a JSON array of strings; a string holding a JSON
-// array; or a path to a JSON file holding one. UsageError naming the value and the accepted forms.
-std::vector<std::string> parse_lora_targets(const nlohmann::json& value);
+// peft_lora_target_modules: null -> `defaults` (the family's); a JSON array of strings; a string holding a
+// JSON array; or a path to a JSON file holding one. UsageError naming the value and the accepted forms.
+std::vector<std::string> parse_lora_targets(const nlohmann::json& value,
+                                            const std::vector<std::string>& defaults);
 
 // The adapter settings of a config (see the file comment).
-models::LoRAConfig lora_config_from(const TrainConfig& config);
+models::LoRAConfig lora_config_from(const TrainConfig& config, const family::ModelFamily& family);
 
 class LoRATraining {
   public:
-    // Injects adapters into `unet` (freezing its own parameters) and loads init_lora when set.
-    LoRATraining(torch::nn::Module& unet, const TrainConfig& config);
+    // Injects adapters into `model` (freezing its own parameters; the targets default to the
+    // family's) and loads init_lora when set.
+    LoRATraining(torch::nn::Module& model, const TrainConfig& config, const family::ModelFamily& family);
 
     // The trainable adapter tensors under PEFT's names ("<module>.lora_A.weight", ...).
     io::TensorList trainable() const { return adapters_.named_parameters(); }
@@ -70,6 +76,7 @@ class LoRATraining {
     models::LoRAAdapters adapters_;
     models::LoRAFormat format_;
     bool dropout_ = false;
+    std::string prefix_;  // the diffusers component the file's keys name ("unet", "transformer")
 };
 
 }  // namespace dtune::train

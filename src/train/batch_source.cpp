@@ -20,10 +20,11 @@ TrainBatch SyntheticBatchSource::next(at::Generator& generator) {
     };
     TrainBatch b;
     b.latents = draw({o.latent_channels, o.latent_size, o.latent_size});  // [B, C, h, w]
-    b.prompt_embeds = draw({o.tokens, o.dim});                            // [B, 77, D]
-    b.pooled_embeds = draw({o.pooled_dim});                               // [B, P]
+    b.cond["prompt_embeds"] = draw({o.tokens, o.dim});                    // [B, 77, D]
+    b.cond["pooled_prompt_embeds"] = draw({o.pooled_dim});                // [B, P]
     const double s = static_cast<double>(o.pixel_size);
-    b.time_ids = at::tensor({s, s, 0.0, 0.0, s, s}, cpu).repeat({o.batch_size, 1}).to(o.device);  // [B, 6]
+    b.cond["time_ids"] =
+        at::tensor({s, s, 0.0, 0.0, s, s}, cpu).repeat({o.batch_size, 1}).to(o.device);  // [B, 6]
     for (int64_t i = lo; i < hi; ++i) {
         b.paths.push_back(str("synthetic:", served_, ":", i));
         b.captions.push_back(str("synthetic caption ", served_, ":", i));
@@ -33,8 +34,8 @@ TrainBatch SyntheticBatchSource::next(at::Generator& generator) {
 }
 
 PromptEmbedding SyntheticBatchSource::empty_prompt() {
-    return {at::zeros({options_.tokens, options_.dim}, at::kFloat),
-            at::zeros({options_.pooled_dim}, at::kFloat)};
+    return {{"prompt_embeds", at::zeros({options_.tokens, options_.dim}, at::kFloat)},
+            {"pooled_prompt_embeds", at::zeros({options_.pooled_dim}, at::kFloat)}};
 }
 
 nlohmann::json SyntheticBatchSource::state() const {

@@ -1,4 +1,4 @@
-// Where a training step's batch comes from: latents, prompt embeddings and SDXL time ids, behind
+// Where a training step's batch comes from: latents and the family's conditioning, behind
 // one interface: SyntheticBatchSource (tests, benchmarks) and DatasetBatchSource (dataset_source.h).
 //
 // Invariants: a source is deterministic given its state and the generator passed to next(), and
@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,11 +21,15 @@
 
 namespace dtune::train {
 
+// The model family's conditioning of a batch: name → [B, ...] (family/model_family.h). SDXL:
+// prompt_embeds [B, 77, 2048] (CLIP-L ⊕ CLIP-G penultimate states), pooled_prompt_embeds [B, 1280],
+// time_ids [B, 6] (orig h, w, crop top, left, target h, w). Flux: prompt_embeds [B, L, 4096] (T5),
+// pooled_prompt_embeds [B, 768] (CLIP-L), attention_mask [B, L].
+using Conditioning = std::map<std::string, at::Tensor>;
+
 struct TrainBatch {
-    at::Tensor latents;                 // [B, C, h, w] scaled VAE latents (what the UNet is trained on)
-    at::Tensor prompt_embeds;           // [B, 77, D] CLIP-L ⊕ CLIP-G penultimate hidden states
-    at::Tensor pooled_embeds;           // [B, P] CLIP-G projected pooled output
-    at::Tensor time_ids;                // [B, 6] orig_h, orig_w, crop_top, crop_left, target_h, target_w
+    at::Tensor latents;                 // [B, C, h, w] scaled VAE latents (what the model is trained on)
+    Conditioning cond;                  // see above
     std::vector<std::string> paths;     // the samples' files (for error messages)
     std::vector<std::string> captions;  // the captions before dropout
     // From a dataset with is_regularisation_data: a LoRA run trains it toward the base model's
@@ -32,11 +37,8 @@ struct TrainBatch {
     bool regularisation = false;
 };
 
-// One caption's text embedding.
-struct PromptEmbedding {
-    at::Tensor prompt;  // [77, D]
-    at::Tensor pooled;  // [P]
-};
+// One caption's text embedding: the family's text-cache entry (no batch dimension).
+using PromptEmbedding = Conditioning;
 
 class BatchSource {
   public:

@@ -16,6 +16,7 @@
 #include "core/quant_preset.h"
 #include "core/redact.h"
 #include "core/resolution_range.h"
+#include "family/family_names.h"
 #include "train/simpletuner_options.h"
 
 namespace dtune::train {
@@ -27,7 +28,7 @@ using nlohmann::json;
 // Built on first use: the CLI's usage text reads it during static initialisation.
 const std::vector<OptionSpec>& specs() {
     static const std::vector<OptionSpec> kSpecs = {
-    {"model_family", OptionType::kString, "null", "model architecture (required)", "sdxl"},
+    {"model_family", OptionType::kString, "null", "model architecture (required): sdxl, or flux (Flux.1 [dev]/[schnell])", "sdxl,flux"},
     {"model_type", OptionType::kString, "\"full\"", "lora or full fine-tune", "full,lora"},
     {"model_flavour", OptionType::kString, "null", "SDXL flavour (default base-1.0)", "base-1.0,refiner-1.0,base-0.9,refiner-0.9"},
     {"pretrained_model_name_or_path", OptionType::kString, "\"\"", "local diffusers model folder", nullptr},
@@ -667,7 +668,8 @@ void TrainConfig::validate() const {
     Problems problems;  // each check on its own, so one run lists them all
     problems.run([&] {
         if (values_.at("model_family").is_null())
-            throw UsageError("model_family is required; set \"model_family\": \"sdxl\" in config.json");
+            throw UsageError(
+                "model_family is required; set \"model_family\": \"sdxl\" (or \"flux\") in config.json");
     });
     for (const auto& s : specs()) {
         if (!s.choices || values_.at(s.name).is_null()) continue;
@@ -772,6 +774,20 @@ void TrainConfig::load_stages(const json& file_options, const std::string& sourc
 }
 
 void TrainConfig::finish() {
+    // No model_family: the model folder's model_index.json names it (StableDiffusionXLPipeline,
+    // FluxPipeline), so a diffusers folder trains without it.
+    if (is_null("model_family") && !is_null("pretrained_model_name_or_path")) {
+        const std::filesystem::path index =
+            std::filesystem::path(values_["pretrained_model_name_or_path"].get<std::string>()) /
+            "model_index.json";
+        if (std::filesystem::is_regular_file(index)) {
+            const json j = json::parse(fs::read_file(index), nullptr, /*allow_exceptions=*/false);
+            const std::string_view name = j.is_object()
+                                              ? family::family_of_pipeline_class(j.value("_class_name", ""))
+                                              : std::string_view();
+            if (!name.empty()) set_value("model_family", std::string(name), index.string());
+        }
+    }
     if (is_null("model_flavour") && values_["model_family"] == "sdxl") values_["model_flavour"] = "base-1.0";
     validate();
 }

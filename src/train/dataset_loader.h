@@ -126,6 +126,7 @@ struct SetupResult {
     bool vae_released = false;
     bool text_released = false;
     data::TextEncodeFn text;  // null when released
+    data::SampleConditionFn sample_conditioning;
 };
 SetupResult setup_datasets(const DatasetSourceOptions& options, DatasetEncoders encoders, ThreadPool& pool);
 
@@ -138,6 +139,7 @@ struct dtune::train::DatasetBatchSource::Impl {
     PromptEmbedding empty;
     bool vae_released = false, text_released = false;
     data::TextEncodeFn text;
+    data::SampleConditionFn sample_conditioning;  // the family's per-sample conditioning (may be null)
     std::vector<DatasetCacheReport> reports;
 
     detail::Planner planner;     // at the consumed position whenever the thread is stopped

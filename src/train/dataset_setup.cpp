@@ -172,6 +172,7 @@ std::shared_ptr<data::TextEmbedCache> text_cache_for(const data::DatasetConfig& 
     ts.storage = data::text_cache_storage(entry);
     ts.model_family = o.global.model_family;
     ts.encoder_identity = enc.text_identity;
+    ts.tensor_names = enc.text_tensor_names;
     ts.compression = (entry ? entry->compress_cache : o.global.compress_disk_cache)
                          ? data::CacheCompression::kZstd
                          : data::CacheCompression::kNone;
@@ -275,8 +276,10 @@ void build_latent_caches(std::vector<LoadedDataset>& datasets, const data::DataB
                          const DatasetSourceOptions& o, const DatasetEncoders& enc, ThreadPool& pool) {
     for (auto& d : datasets) {
         if (d.config.vae_cache_disable) continue;
-        d.latent_cache = std::make_unique<data::LatentCache>(
-            data::latent_cache_placement(d.config, all, o.global, enc.vae_identity));
+        data::LatentCacheSettings placement =
+            data::latent_cache_placement(d.config, all, o.global, enc.vae_identity);
+        placement.latent_channels = enc.latent_channels;
+        d.latent_cache = std::make_unique<data::LatentCache>(std::move(placement));
         if (d.config.vae_cache_ondemand) continue;
         const auto requests =
             data::prebuild_requests(d.config, served_buckets(d), d.plans, o.seed, d.pins, o.math);
@@ -422,12 +425,13 @@ SetupResult setup_datasets(const DatasetSourceOptions& o, DatasetEncoders enc, T
     }
 
     const data::TextEmbeds empty = data::text_embeds_for(*out.datasets.front().text_cache, {""}, enc.text);
-    out.empty_prompt = {empty.prompt_embeds[0], empty.pooled_prompt_embeds[0]};  // [T, D], [P]
+    for (const auto& [name, t] : empty) out.empty_prompt[name] = t[0];  // one caption: no batch dimension
     out.text_released = text_complete(out.datasets);
     out.vae_released = latents_complete(out.datasets, o);
     if (out.text_released) enc.text = nullptr;  // the closures own the models: this frees them
     if (out.vae_released) enc.vae = nullptr;
     out.text = enc.text;
+    out.sample_conditioning = enc.sample_conditioning;
     data::LatentEncodeFn vae = enc.vae;
     if (!vae)
         vae = [](const at::Tensor&, const std::vector<uint64_t>&) -> at::Tensor {

@@ -210,26 +210,13 @@ std::mt19937_64 sample_rng(uint64_t seed, const std::string& dataset, const Plan
 }  // namespace
 }  // namespace detail
 
-std::vector<double> sdxl_time_ids(const data::SamplePlan& plan) {
-    return sdxl_time_ids(plan, false);
-}
-
-std::vector<double> sdxl_time_ids(const data::SamplePlan& plan, bool flipped) {
-    const int left = flipped ? data::mirrored_crop_left(plan) : plan.crop_left;
-    return {double(plan.intermediary.height),
-            double(plan.intermediary.width),
-            double(plan.crop_top),
-            double(left),
-            double(plan.target.height),
-            double(plan.target.width)};
-}
-
 detail::PreparedBatch DatasetBatchSource::Impl::prepare(const detail::PlannedBatch& p) {
     auto& d = datasets.at(p.dataset);
     detail::PreparedBatch out;
     TrainBatch& b = out.batch;
     std::vector<data::LatentRequest> requests;
-    std::vector<double> ids;
+    std::vector<data::SamplePlan> plans;
+    std::vector<bool> flips;
     for (size_t i = 0; i < p.samples.size(); ++i) {
         const std::string& path = p.samples[i];
         const data::SamplePlan& plan = p.plans.empty() ? d.plans.at(path) : p.plans[i];
@@ -240,7 +227,8 @@ detail::PreparedBatch DatasetBatchSource::Impl::prepare(const detail::PlannedBat
         data::LatentRequest request{path, plan, flip};
         if (d.config.vae_cache_disable) request.noise_salt = rng() | 1;  // a fresh posterior sample per draw
         requests.push_back(request);
-        for (double v : sdxl_time_ids(plan, flip)) ids.push_back(v);
+        plans.push_back(plan);
+        flips.push_back(flip);
         b.paths.push_back(path);
     }
     b.regularisation = d.config.is_regularisation_data;
@@ -254,14 +242,14 @@ detail::PreparedBatch DatasetBatchSource::Impl::prepare(const detail::PlannedBat
                     " became unreadable during training and the text encoders were released after "
                     "caching; restart the run (the entry is rebuilt at start-up)"));
         };
-    const data::TextEmbeds t = data::text_embeds_for(*d.text_cache, b.captions, encode);
-    b.prompt_embeds = t.prompt_embeds.to(at::kFloat);         // [B, T, D]
-    b.pooled_embeds = t.pooled_prompt_embeds.to(at::kFloat);  // [B, P]
-    const auto n = static_cast<int64_t>(p.samples.size());
-    b.time_ids = at::tensor(ids, at::kFloat).view({n, 6});  // [B, 6]
-    if (options.device.is_cuda())
-        for (at::Tensor* t : {&b.latents, &b.prompt_embeds, &b.pooled_embeds, &b.time_ids})
-            *t = t->pin_memory();
+    b.cond = data::text_embeds_for(*d.text_cache, b.captions, encode);  // name → [B, ...]
+    for (auto& [name, t] : b.cond)
+        if (at::isFloatingType(t.scalar_type())) t = t.to(at::kFloat);
+    if (sample_conditioning) sample_conditioning(b.cond, plans, flips);
+    if (options.device.is_cuda()) {
+        b.latents = b.latents.pin_memory();
+        for (auto& [name, t] : b.cond) t = t.pin_memory();
+    }
     out.epoch = p.epoch;
     return out;
 }
@@ -325,6 +313,7 @@ DatasetBatchSource::DatasetBatchSource(DatasetSourceOptions options, DatasetEnco
     m.vae_released = setup.vae_released;
     m.text_released = setup.text_released;
     m.text = std::move(setup.text);
+    m.sample_conditioning = std::move(setup.sample_conditioning);
     for (const auto& d : m.datasets) m.reports.push_back(d.report);
     m.planner = detail::Planner(m.datasets, m.options.seed, m.options.world_size, m.options.rank);
     m.consumed = m.planner.state();
@@ -357,8 +346,8 @@ TrainBatch DatasetBatchSource::next(at::Generator&) {
     m.consumed_epoch = item.epoch;
     TrainBatch b = std::move(item.batch);
     const bool async = m.options.device.is_cuda();
-    for (at::Tensor* t : {&b.latents, &b.prompt_embeds, &b.pooled_embeds, &b.time_ids})
-        *t = t->to(m.options.device, /*non_blocking=*/async);
+    b.latents = b.latents.to(m.options.device, /*non_blocking=*/async);
+    for (auto& [name, t] : b.cond) t = t.to(m.options.device, /*non_blocking=*/async);
     return b;
 }
 

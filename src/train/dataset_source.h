@@ -42,16 +42,8 @@
 
 namespace dtune::train {
 
-// The encoders reach the data path as callables (see data/cache_builder.h for the shapes). The VAE
-// callable must be deterministic per (image, noise salt) (the trainer seeds the posterior sample
-// from the pixels and the salt) so caches built by different ranks, runs, batchings or `dtune
-// cache` agree.
-struct DatasetEncoders {
-    data::LatentEncodeFn vae;
-    std::string vae_identity;  // part of every latent cache key
-    data::TextEncodeFn text;
-    std::string text_identity;  // part of every text cache key
-};
+// The encoders reach the data path as callables (data::DataEncoders; a model family makes them).
+using DatasetEncoders = data::DataEncoders;
 
 struct DatasetSourceOptions {
     std::filesystem::path data_backend_config;
@@ -115,11 +107,5 @@ class DatasetBatchSource final : public BatchSource {
 // caption_strategy, prepend/only_instance_prompt, skip_file_discovery, parquet_*_column, size
 // limits). Without cache_dir_text the text cache goes to <output_dir>/cache/text.
 data::GlobalDataArgs data_args_from_config(const TrainConfig& config);
-
-// SDXL time ids of one sample from its bucket metadata: [intermediary h, intermediary w,
-// crop top, crop left, target h, target w] (SIMPLETUNER.md §1.3). For a mirrored draw the crop
-// left is the crop's left edge in the mirrored image (data::mirrored_crop_left).
-std::vector<double> sdxl_time_ids(const data::SamplePlan& plan);
-std::vector<double> sdxl_time_ids(const data::SamplePlan& plan, bool flipped);
 
 }  // namespace dtune::train

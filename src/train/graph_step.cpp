@@ -38,7 +38,9 @@ namespace {
 
 std::vector<int64_t> shape_key(const TrainBatch& b) {
     std::vector<int64_t> key;
-    for (const at::Tensor* t : {&b.latents, &b.prompt_embeds, &b.pooled_embeds, &b.time_ids}) {
+    std::vector<const at::Tensor*> tensors{&b.latents};
+    for (const auto& [name, t] : b.cond) tensors.push_back(&t);  // name order: the same for every batch
+    for (const at::Tensor* t : tensors) {
         key.push_back(-1);  // separator: [2, 3] + [4] differs from [2] + [3, 4]
         if (t->defined())
             for (int64_t s : t->sizes()) key.push_back(s);
@@ -82,18 +84,15 @@ bool share_pool() {
 TrainBatch static_copy(const TrainBatch& b) {
     TrainBatch s;
     s.latents = b.latents.clone();
-    s.prompt_embeds = b.prompt_embeds.clone();
-    s.pooled_embeds = b.pooled_embeds.defined() ? b.pooled_embeds.clone() : at::Tensor();
-    s.time_ids = b.time_ids.defined() ? b.time_ids.clone() : at::Tensor();
+    for (const auto& [name, t] : b.cond) s.cond[name] = t.defined() ? t.clone() : at::Tensor();
     s.regularisation = b.regularisation;
     return s;
 }
 
 void copy_into(TrainBatch& dst, const TrainBatch& src) {
     dst.latents.copy_(src.latents, /*non_blocking=*/true);
-    dst.prompt_embeds.copy_(src.prompt_embeds, true);
-    if (dst.pooled_embeds.defined()) dst.pooled_embeds.copy_(src.pooled_embeds, true);
-    if (dst.time_ids.defined()) dst.time_ids.copy_(src.time_ids, true);
+    for (auto& [name, t] : dst.cond)
+        if (t.defined()) t.copy_(src.cond.at(name), true);
 }
 
 #endif
@@ -103,15 +102,15 @@ void copy_into(TrainBatch& dst, const TrainBatch& src) {
 GraphedStep::GraphedStep(int warmup) : warmup_(std::max(1, warmup)) {}
 GraphedStep::~GraphedStep() = default;
 
-StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
-                             const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+StepTensors GraphedStep::run(family::Denoiser& model, const TrainBatch& batch,
+                             const family::TrainingObjective& objective, const StepOptions& options,
                              int64_t global_step, at::Generator& generator, Optimizer& optimizer,
                              const std::vector<at::Tensor>& params, double max_grad_norm,
                              const StepHooks& hooks) {
     auto eager = [&] {
         ++eager_;
-        return optimizer_step_async(unet, batch, schedule, options, global_step, generator, optimizer, params,
-                                    max_grad_norm, hooks);
+        return optimizer_step_async(model, batch, objective, options, global_step, generator, optimizer,
+                                    params, max_grad_norm, hooks);
     };
 #ifndef DTUNE_WITH_CUDA
     return eager();
@@ -159,7 +158,7 @@ StepTensors GraphedStep::run(models::UNet2DConditionModelImpl& unet, const Train
                     share_pool() ? c10::MempoolId_t{pool_.first, pool_.second} : c10::MempoolId_t{0, 0},
                     cudaStreamCaptureModeThreadLocal);
                 try {
-                    e.out = optimizer_step_async(unet, e.inputs, schedule, options, global_step, generator,
+                    e.out = optimizer_step_async(model, e.inputs, objective, options, global_step, generator,
                                                  optimizer, params, max_grad_norm, hooks);
                 } catch (...) {
                     try {

@@ -43,10 +43,10 @@ class GraphedStep {
     GraphedStep& operator=(const GraphedStep&) = delete;
 
     // One optimizer step, as optimizer_step_async.
-    StepTensors run(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
-                    const diffusion::NoiseSchedule& schedule, const StepOptions& options, int64_t global_step,
-                    at::Generator& generator, Optimizer& optimizer, const std::vector<at::Tensor>& params,
-                    double max_grad_norm, const StepHooks& hooks = {});
+    StepTensors run(family::Denoiser& model, const TrainBatch& batch,
+                    const family::TrainingObjective& objective, const StepOptions& options,
+                    int64_t global_step, at::Generator& generator, Optimizer& optimizer,
+                    const std::vector<at::Tensor>& params, double max_grad_norm, const StepHooks& hooks = {});
 
     // The optimizer reads its learning rate from a device tensor refreshed before each call, so an
     // LR change needs no recapture.

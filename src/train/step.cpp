@@ -5,7 +5,6 @@
 #include <c10/core/GradMode.h>
 
 #include "core/error.h"
-#include "models/unet/unet_2d_condition.h"
 
 namespace dtune::train {
 namespace {
@@ -37,8 +36,9 @@ class AutocastGuard {
 
 }  // namespace
 
-int64_t apply_caption_dropout(TrainBatch& batch, const PromptEmbedding& empty, double probability,
-                              at::Generator& generator, int64_t rank, int64_t world_size) {
+int64_t apply_caption_dropout(const family::ModelFamily& family, TrainBatch& batch,
+                              const PromptEmbedding& empty, double probability, at::Generator& generator,
+                              int64_t rank, int64_t world_size) {
     const int64_t n = batch.latents.size(0);
     // [world_size * B] on the CPU; this rank's rows [rank * B, (rank + 1) * B).
     const at::Tensor draws =
@@ -48,9 +48,7 @@ int64_t apply_caption_dropout(TrainBatch& batch, const PromptEmbedding& empty, d
     int64_t dropped = 0;
     for (int64_t i = 0; i < n; ++i) {
         if (a[i] >= probability) continue;
-        batch.prompt_embeds[i].copy_(empty.prompt);  // [77, D]
-        batch.pooled_embeds[i].zero_();              // [P]
-        batch.time_ids[i].zero_();                   // [6]
+        family.drop_caption(batch.cond, i, empty);
         ++dropped;
     }
     return dropped;
@@ -129,16 +127,15 @@ class AdaptersOff {
     const AdapterSwitch& adapters_;
 };
 
-at::Tensor predict(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch, const at::Tensor& noisy,
+at::Tensor predict(family::Denoiser& model, const family::Conditioning& cond, const at::Tensor& noisy,
                    const at::Tensor& t, const StepOptions& options) {
     AutocastGuard autocast(noisy.device().type(), options.compute_dtype);
-    models::UNetAddedCond added{batch.pooled_embeds, batch.time_ids};
-    return unet.forward(noisy, t, batch.prompt_embeds, added);  // [B, C, h, w]
+    return model.forward(noisy, t, cond);  // [B, C, h, w]
 }
 
 // Scheduled sampling (diffusion/scheduled_sampling.h): the rolled-out noisy latents. The plan is
 // drawn for the global batch, so every rank makes the same draws and keeps its own rows.
-at::Tensor roll_out(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
+at::Tensor roll_out(family::Denoiser& model, const TrainBatch& batch,
                     const diffusion::NoiseSchedule& schedule, const StepOptions& options,
                     const at::Tensor& latents, const Draws& d, const at::Tensor& noisy, int64_t global_step,
                     at::Generator& generator) {
@@ -156,17 +153,15 @@ at::Tensor roll_out(models::UNet2DConditionModelImpl& unet, const TrainBatch& ba
         const int64_t source = std::min(target + offsets[i].item<int64_t>(), T - 1);
         if (source <= target) continue;
         if (out.is_same(noisy)) out = noisy.clone();
-        TrainBatch one;
-        one.prompt_embeds = batch.prompt_embeds.narrow(0, i, 1);
-        one.pooled_embeds = batch.pooled_embeds.narrow(0, i, 1);
-        one.time_ids = batch.time_ids.narrow(0, i, 1);
+        family::Conditioning one;
+        for (const auto& [name, c] : batch.cond) one[name] = c.narrow(0, i, 1);
         const auto at_t = [&](int64_t v) {
             return at::full({1}, v, at::TensorOptions(latents.device()).dtype(at::kLong));
         };
         at::Tensor x =
             schedule.add_noise(latents.narrow(0, i, 1), d.noise.input_noise.narrow(0, i, 1), at_t(source));
         for (int64_t step = source; step > target && step > 0; --step) {
-            const at::Tensor pred = predict(unet, one, x, at_t(step), options);
+            const at::Tensor pred = predict(model, one, x, at_t(step), options);
             x = diffusion::rollout_step(schedule, options.prediction, x, pred, step, step - 1);
         }
         out[i].copy_(x[0]);
@@ -176,10 +171,56 @@ at::Tensor roll_out(models::UNet2DConditionModelImpl& unet, const TrainBatch& ba
 
 }  // namespace
 
-MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
-                     const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+namespace {
+
+// Flow matching (SD3 / Flux): sigmas from options.flow (logit-normal or uniform, shifted), noisy =
+// (1 - sigma) x0 + sigma noise, the network sees sigma · 1000 and is trained toward noise - x0 with
+// a plain MSE, as SimpleTuner's flow-matching models are. A regularisation batch of a LoRA run
+// trains toward the base model's prediction, as for DDPM.
+MicroStep flow_micro_step(family::Denoiser& model, const TrainBatch& batch,
+                          const family::TrainingObjective& objective, const StepOptions& options,
+                          at::Generator& generator, const StepHooks& hooks) {
+    DTUNE_CHECK_AS(UsageError, !options.device_rng,
+                   "flow-matching training draws its sigmas on the CPU; train without CUDA graphs");
+    const at::Tensor latents = batch.latents.to(at::kFloat);  // [B, C, h, w]
+    const int64_t b = latents.size(0), lo = options.rank * b, hi = lo + b;
+    DTUNE_CHECK_AS(UsageError, latents.size(2) % 2 == 0 && latents.size(3) % 2 == 0, "latents of ",
+                   latents.sizes(), " cannot be packed 2x2; image sizes must be multiples of 16");
+    auto global_shape = latents.sizes().vec();
+    global_shape[0] = b * options.world_size;
+    // Drawn for the global batch (every rank the same), this rank's rows kept.
+    const at::Tensor noise =
+        at::randn(global_shape, generator, at::kFloat).slice(0, lo, hi).to(latents.device());
+    const at::Tensor sigmas_cpu =
+        diffusion::sample_flow_sigmas(b * options.world_size, objective.flow, latents.sizes(), generator)
+            .slice(0, lo, hi);  // [B] float32
+    const at::Tensor sigmas = sigmas_cpu.to(latents.device());
+    const at::Tensor noisy = diffusion::flow_noisy_latents(latents, noise, sigmas);  // [B, C, h, w]
+    const at::Tensor t = diffusion::flow_timesteps(sigmas);                          // [B]
+    at::Tensor target;
+    if (batch.regularisation && hooks.adapters) {
+        c10::NoGradGuard no_grad;
+        AdaptersOff off(hooks.adapters);
+        target = predict(model, batch.cond, noisy, t, options).to(at::kFloat).detach();
+    } else {
+        target = noise - latents;  // [B, C, h, w]
+    }
+    const at::Tensor pred = predict(model, batch.cond, noisy, t, options).to(at::kFloat);
+    MicroStep out;
+    out.loss = (pred - target).pow(2).mean(std::vector<int64_t>{1, 2, 3}).mean();
+    out.timesteps = diffusion::flow_timesteps(sigmas_cpu);
+    out.target = target;
+    return out;
+}
+
+}  // namespace
+
+MicroStep micro_step(family::Denoiser& model, const TrainBatch& batch,
+                     const family::TrainingObjective& objective, const StepOptions& options,
                      int64_t global_step, at::Generator& generator, const StepHooks& hooks) {
     if (hooks.before_forward) hooks.before_forward();
+    if (objective.flow_matching()) return flow_micro_step(model, batch, objective, options, generator, hooks);
+    const diffusion::NoiseSchedule& schedule = objective.ddpm("the diffusion step");
     const AdapterSwitch& adapters = hooks.adapters;
     const at::Tensor latents = batch.latents.to(at::kFloat);  // [B, C, h, w]
     const Draws d = draw(latents, schedule, options, global_step, generator);
@@ -188,16 +229,16 @@ MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& b
     const bool rollout_type = options.prediction == diffusion::PredictionType::kEpsilon ||
                               options.prediction == diffusion::PredictionType::kVPrediction;
     if (options.scheduled_sampling.active() && rollout_type && !options.device_rng)
-        noisy = roll_out(unet, batch, schedule, options, latents, d, noisy, global_step, generator);
+        noisy = roll_out(model, batch, schedule, options, latents, d, noisy, global_step, generator);
     at::Tensor target;
     if (batch.regularisation && adapters && !options.diff2flow_loss) {
         c10::NoGradGuard no_grad;
         AdaptersOff off(adapters);
-        target = predict(unet, batch, noisy, t_dev, options).to(at::kFloat).detach();  // [B, C, h, w]
+        target = predict(model, batch.cond, noisy, t_dev, options).to(at::kFloat).detach();  // [B, C, h, w]
     } else {
         target = schedule.target(options.prediction, latents, d.noise.noise, t_dev);
     }
-    const at::Tensor pred = predict(unet, batch, noisy, t_dev, options);  // [B, C, h, w]
+    const at::Tensor pred = predict(model, batch.cond, noisy, t_dev, options);  // [B, C, h, w]
     MicroStep out;
     if (options.diff2flow_loss) {
         // SimpleTuner trains every batch toward the flow target here (a regularisation batch's
@@ -223,12 +264,12 @@ at::Tensor clip_gradients(const std::vector<at::Tensor>& params, double max_grad
     return norm;
 }
 
-StepTensors optimizer_step_async(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
-                                 const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+StepTensors optimizer_step_async(family::Denoiser& model, const TrainBatch& batch,
+                                 const family::TrainingObjective& objective, const StepOptions& options,
                                  int64_t global_step, at::Generator& generator, Optimizer& optimizer,
                                  const std::vector<at::Tensor>& params, double max_grad_norm,
                                  const StepHooks& hooks) {
-    MicroStep m = micro_step(unet, batch, schedule, options, global_step, generator, hooks);
+    MicroStep m = micro_step(model, batch, objective, options, global_step, generator, hooks);
     m.loss.backward();
     if (hooks.after_backward) hooks.after_backward();
     StepTensors out;

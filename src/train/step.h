@@ -1,5 +1,6 @@
-// One micro-batch of the training step (SIMPLETUNER.md §1.3): caption dropout, noise and timesteps,
-// noisy latents, the UNet's prediction, the target for the prediction type and the (min-SNR) loss.
+// One micro-batch of the training step (SIMPLETUNER.md §1.3): caption dropout, noise and timesteps
+// (or flow-matching sigmas), noisy latents, the model family's prediction (family::Denoiser), the
+// target for the prediction type and the (min-SNR) loss.
 // Accumulation is the trainer's; optimizer_step_async is one whole step (backward, clipping,
 // optimizer) without host synchronisation, for the benchmark and CUDA graphs (graph_step.h).
 //
@@ -17,12 +18,14 @@
 #include "diffusion/noise_schedule.h"
 #include "diffusion/scheduled_sampling.h"
 #include "diffusion/training_sampling.h"
+#include "family/model_family.h"
 #include "train/batch_source.h"
 #include "train/optimizer.h"
 
-namespace dtune::models {
-class UNet2DConditionModelImpl;
-}
+namespace dtune::family {
+class Denoiser;
+class ModelFamily;
+}  // namespace dtune::family
 
 namespace dtune::train {
 
@@ -32,7 +35,7 @@ struct StepOptions {
     diffusion::LossOptions loss;
     diffusion::PredictionType prediction = diffusion::PredictionType::kEpsilon;
     double caption_dropout_probability = 0.0;
-    // Autocast dtype for the UNet's forward (kFloat: none).
+    // Autocast dtype for the model's forward (kFloat: none).
     c10::ScalarType compute_dtype = at::kFloat;
     // Data parallelism: this rank holds rows [rank*B, (rank+1)*B) of a global micro-batch of
     // world_size*B rows. Every draw is made for the global batch (same generator state on every
@@ -55,16 +58,19 @@ struct StepOptions {
     diffusion::ScheduledSamplingOptions scheduled_sampling;
 };
 
-// SimpleTuner's caption dropout for SDXL: each sample with probability p trains on the empty
-// caption's embedding with a zeroed pooled embedding and zeroed time ids. Returns how many were
-// dropped. One uniform draw per sample from `generator`, always (so the stream does not depend on p).
-// With world_size > 1 the draws are made for the global batch and rows of `rank` are used.
-int64_t apply_caption_dropout(TrainBatch& batch, const PromptEmbedding& empty, double probability,
-                              at::Generator& generator, int64_t rank = 0, int64_t world_size = 1);
+// SimpleTuner's caption dropout: each sample with probability p trains on the empty caption's
+// conditioning as `family` defines it (SDXL: the empty embedding with zeroed pooled embedding and
+// time ids). Returns how many were dropped. One uniform draw per sample from `generator`, always
+// (so the stream does not depend on p). With world_size > 1 the draws are made for the global
+// batch and rows of `rank` are used.
+int64_t apply_caption_dropout(const family::ModelFamily& family, TrainBatch& batch,
+                              const PromptEmbedding& empty, double probability, at::Generator& generator,
+                              int64_t rank = 0, int64_t world_size = 1);
 
 struct MicroStep {
     at::Tensor loss;       // scalar float32 with the graph attached
-    at::Tensor timesteps;  // [B] int64 (CPU; on the latents' device with device_rng)
+    at::Tensor timesteps;  // [B] int64 (CPU; on the latents' device with device_rng); flow matching:
+                           // sigma · 1000 [B] float32
     at::Tensor target;     // [B, C, h, w] float32, what the prediction was compared with (no graph)
 };
 
@@ -82,12 +88,14 @@ struct StepHooks {
 // Forward of one micro-batch: loss = per-sample loss averaged over the batch. A regularisation
 // batch (TrainBatch::regularisation) with `adapters` set trains toward the base model's prediction
 // (SimpleTuner's parent-teacher target): the same noisy latents, timesteps and conditioning through
-// the UNet with the adapters off and no graph, in place of the noise/v target; the loss (min-SNR
+// the model with the adapters off and no graph, in place of the noise/v target; the loss (min-SNR
 // weighting included) is then computed as for any batch. Without `adapters` (a full fine-tune) a
 // regularisation batch trains like any other, as in SimpleTuner.
 // hooks.before_forward runs first, before any draw.
-MicroStep micro_step(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
-                     const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+// A flow-matching objective draws sigmas (options.flow's schedule) instead of timesteps and trains
+// toward noise - latents with a plain MSE (SimpleTuner's flow-matching loss).
+MicroStep micro_step(family::Denoiser& model, const TrainBatch& batch,
+                     const family::TrainingObjective& objective, const StepOptions& options,
                      int64_t global_step, at::Generator& generator, const StepHooks& hooks = {});
 
 // What one optimizer step leaves on the device. Nothing is read back: call .item() only when
@@ -108,8 +116,8 @@ at::Tensor clip_gradients(const std::vector<at::Tensor>& params, double max_grad
 // One whole optimizer step on one micro-batch with no host synchronisation: micro_step, backward,
 // hooks.after_backward, clip_gradients (options.clip_by_value), the optimizer's update and
 // zero_grad. `params` are the optimizer's parameters (what is clipped).
-StepTensors optimizer_step_async(models::UNet2DConditionModelImpl& unet, const TrainBatch& batch,
-                                 const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+StepTensors optimizer_step_async(family::Denoiser& model, const TrainBatch& batch,
+                                 const family::TrainingObjective& objective, const StepOptions& options,
                                  int64_t global_step, at::Generator& generator, Optimizer& optimizer,
                                  const std::vector<at::Tensor>& params, double max_grad_norm,
                                  const StepHooks& hooks = {});

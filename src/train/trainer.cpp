@@ -19,9 +19,9 @@
 #include "core/progress.h"
 #include "core/redact.h"
 #include "data/cache_codec.h"
+#include "family/data_encoders.h"
 #include "models/common/quantize.h"
 #include "models/common/weights.h"
-#include "models/vae/autoencoder_kl.h"
 #include "train/adapters.h"
 #include "train/checkpoint.h"
 #include "train/data_parallel.h"
@@ -32,13 +32,11 @@
 #include "train/lr_schedule.h"
 #include "train/optimizer_offload.h"
 #include "train/run_logs.h"
-#include "train/sdxl_data_encoders.h"
 #include "train/signals.h"
 
 namespace dtune::train {
 namespace {
 
-constexpr const char* kUNetWeights = "unet/diffusion_pytorch_model.safetensors";
 constexpr const char* kOptimizerState = "optimizer.safetensors";
 constexpr const char* kTrainingState = "training_state.json";
 constexpr const char* kResolvedConfig = "config.resolved.json";
@@ -86,6 +84,22 @@ std::string format_metric(double v) {
     return b;
 }
 
+// The family of the run: model_family, checked against the folder's model_index.json class.
+const family::ModelFamily& family_for(const TrainConfig& config, const std::filesystem::path& model_dir) {
+    const family::ModelFamily& named = family::family_named(config.text("model_family"));
+    const family::ModelFamily* folder = family::family_of_model_folder(model_dir);
+    DTUNE_CHECK_AS(UsageError, !folder || folder == &named, "model_family is ", named.name(), " but ",
+                   (model_dir / "model_index.json").string(), " is a ", folder ? folder->name() : "",
+                   " pipeline; set \"model_family\": \"", folder ? folder->name() : "",
+                   "\" or point pretrained_model_name_or_path at a ", named.name(), " folder");
+    return named;
+}
+
+// SimpleTuner's modelspec.architecture value for checkpoints.
+const char* modelspec_architecture(const family::ModelFamily& family) {
+    return std::string(family.name()) == "flux" ? "flux-1-dev" : "stable-diffusion-xl-v1-base";
+}
+
 }  // namespace
 
 c10::Device parse_train_device(const std::string& name) {
@@ -129,24 +143,23 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     const bool lora_bf16_base = config_.text("model_type") == "lora" && device_.is_cuda() &&
                                 config_.text("mixed_precision") == "bf16";
     load.dtype = config_.text("optimizer") == "adamw_bf16" || lora_bf16_base ? at::kBFloat16 : at::kFloat;
+    family_ = &family_for(config_, model_dir_);
     const auto load_start = std::chrono::steady_clock::now();
-    unet_ = load_base_unet(load, env.is_main());
-    log::info() << "loaded the UNet of " << model_dir_.string() << " on " << device_.str() << " in "
+    model_ = load_base_model(load, env.is_main());
+    log::info() << "loaded the " << family_->network_name() << " of " << model_dir_.string() << " ("
+                << family_->name() << ") on " << device_.str() << " in "
                 << format_metric(
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count())
                 << " s";
-    const auto sched_json =
-        nlohmann::json::parse(fs::read_file(model_dir_ / "scheduler" / "scheduler_config.json"));
-    schedule_.emplace(
-        diffusion::NoiseScheduleConfig::from_json(sched_json, (model_dir_ / "scheduler").string()));
+    objective_ = family_->training_objective(model_dir_);
 
-    // The data path: SDXL's encoders as callables, buckets and caches from multidatabackend.json.
-    SdxlEncoderOptions eo;
+    // The data path: the family's encoders as callables, buckets and caches from multidatabackend.json.
+    family::DataEncoderOptions eo;
     eo.model_dir = model_dir_;
     eo.vae_override = vae_folder;
     eo.device = device_;
     eo.vae_dtype = device_.is_cuda() ? at::kBFloat16 : at::kFloat;  // SimpleTuner's vae_dtype default
-    eo.text_encoder_precision = text_encoder_precision_from(config_);
+    eo.text_encoder_precision = family::text_encoder_precision_from(config_);
     DatasetSourceOptions ds;
     ds.data_backend_config = config_.text("data_backend_config");
     ds.global = data_args_from_config(config_);
@@ -162,19 +175,20 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     ds.world_size = dp_->world_size();
     ds.barrier = dp_->barrier_function();
     ds.should_stop = stop_requested;  // SIGINT/SIGTERM during the cache build stops it
-    source_ = std::make_unique<DatasetBatchSource>(ds, load_sdxl_data_encoders(eo));
+    source_ = std::make_unique<DatasetBatchSource>(ds, family_->load_data_encoders(eo));
     const uint64_t resolved_seed = ds.seed;
     config_.set("seed", std::to_string(resolved_seed), "resolved seed");
     init_common();
 }
 
-Trainer::Trainer(TrainConfig config, models::UNet2DConditionModel unet, diffusion::NoiseSchedule schedule,
-                 std::unique_ptr<BatchSource> source)
+Trainer::Trainer(TrainConfig config, std::unique_ptr<family::Denoiser> model,
+                 family::TrainingObjective objective, std::unique_ptr<BatchSource> source)
     : config_(std::move(config)),
-      unet_(std::move(unet)),
-      schedule_(std::move(schedule)),
+      family_(&family::family_named(config_.text("model_family"))),
+      model_(std::move(model)),
+      objective_(std::move(objective)),
       source_(std::move(source)) {
-    device_ = unet_->parameters().front().device();
+    device_ = model_->module().parameters().front().device();
     config_.set("seed", std::to_string(resolve_seed(config_)), "resolved seed");
     init_common();
 }
@@ -183,9 +197,9 @@ Trainer::~Trainer() = default;
 
 namespace {
 
-// What a quantised cache file was made from: the UNet folder's files (names, sizes, modification
+// What a quantised cache file was made from: the network folder's files (names, sizes, modification
 // times) and the load dtype.
-std::string unet_weights_source(const std::filesystem::path& dir, c10::ScalarType dtype) {
+std::string weights_source(const std::filesystem::path& dir, c10::ScalarType dtype) {
     std::vector<std::string> parts;
     for (const auto& e : std::filesystem::directory_iterator(dir)) {
         if (!e.is_regular_file()) continue;
@@ -201,38 +215,39 @@ std::string unet_weights_source(const std::filesystem::path& dir, c10::ScalarTyp
 
 }  // namespace
 
-models::UNet2DConditionModel Trainer::load_base_unet(const models::ComponentLoadOptions& load,
-                                                     bool main_process) {
-    const std::filesystem::path dir = model_dir_ / "unet";
+std::unique_ptr<family::Denoiser> Trainer::load_base_model(const models::ComponentLoadOptions& load,
+                                                           bool main_process) {
+    const std::filesystem::path dir = model_dir_ / family_->denoiser_folder();
     const QuantPreset preset =
         parse_quant_preset(config_.text("base_model_precision"), "base_model_precision");
     const std::string cache = config_.text("quantized_model_cache");
     if (!preset.active() && !cache.empty())
         log::warn() << "quantized_model_cache " << cache
                     << " has no effect: base_model_precision is no_change (nothing is quantised)";
-    if (!preset.active() || cache.empty()) return models::load_unet(dir, load);
-    const std::string source = unet_weights_source(dir, load.dtype);
+    if (!preset.active() || cache.empty()) return family_->load_denoiser(dir, load);
+    const std::string source = weights_source(dir, load.dtype);
     const std::filesystem::path file =
-        std::filesystem::path(cache) /
-        str("unet-", preset.name, "-", data::sha256_hex(source).substr(0, 16), ".safetensors");
+        std::filesystem::path(cache) / str(family_->denoiser_folder(), "-", preset.name, "-",
+                                           data::sha256_hex(source).substr(0, 16), ".safetensors");
     const auto start = std::chrono::steady_clock::now();
     if (models::quantized_file_matches(file, preset, source)) {
-        auto unet = models::load_quantized_unet(dir, file, load);
+        auto model = family_->load_quantized_denoiser(dir, file, load);
         base_quantized_ = true;
-        log::info() << "loaded the quantised UNet (" << preset.name << ") from " << file.string() << " in "
+        log::info() << "loaded the quantised " << family_->network_name() << " (" << preset.name << ") from "
+                    << file.string() << " in "
                     << format_metric(
                            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count())
                     << " s (quantized_model_cache)";
-        return unet;
+        return model;
     }
-    unet_ = models::load_unet(dir, load);
+    model_ = family_->load_denoiser(dir, load);
     quantize_base_model();
     if (main_process) {
-        models::save_quantized(*unet_, file, preset, source);
-        log::info() << "wrote the quantised UNet to " << file.string()
+        models::save_quantized(model_->module(), file, preset, source);
+        log::info() << "wrote the quantised " << family_->network_name() << " to " << file.string()
                     << " (quantized_model_cache: later runs load it instead of " << dir.string() << ")";
     }
-    return unet_;
+    return std::move(model_);
 }
 
 void Trainer::quantize_base_model() {
@@ -241,9 +256,9 @@ void Trainer::quantize_base_model() {
     if (!preset.active() || base_quantized_) return;
     base_quantized_ = true;
     const auto start = std::chrono::steady_clock::now();
-    const models::QuantizeReport report = models::quantize_module(*unet_, preset);
-    log::info() << "quantised the UNet on " << device_.str() << " (" << models::describe(report, preset)
-                << ") in "
+    const models::QuantizeReport report = models::quantize_module(model_->module(), preset);
+    log::info() << "quantised the " << family_->network_name() << " on " << device_.str() << " ("
+                << models::describe(report, preset) << ") in "
                 << format_metric(
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count())
                 << " s";
@@ -283,7 +298,7 @@ void Trainer::init_common() {
     } else {
         optimizer_generator_ = at::detail::createCPUGenerator(seed ^ 0x9e3779b97f4a7c15ULL);
     }
-    unet_->train();
+    model_->module().train();
     quantize_base_model();
     const bool checkpointing = config_.flag("gradient_checkpointing");
     const auto interval = config_.opt_integer("gradient_checkpointing_interval");
@@ -293,9 +308,8 @@ void Trainer::init_common() {
     if (interval && *interval > 1 && !checkpointing)
         log::warn() << "gradient_checkpointing_interval " << *interval
                     << " has no effect: gradient_checkpointing is false";
-    unet_->set_gradient_checkpointing(checkpointing, interval.value_or(1));
+    const auto [taken, units] = model_->set_gradient_checkpointing(checkpointing, interval.value_or(1));
     if (checkpointing && interval && *interval > 1) {
-        const auto [taken, units] = unet_->checkpointed_blocks();
         log::info() << "gradient checkpointing: " << taken << " of " << units
                     << " ResNet/transformer blocks (gradient_checkpointing_interval " << *interval << ")";
     }
@@ -324,10 +338,14 @@ void Trainer::init_common() {
     bias.portion = config_.real("timestep_bias_portion");
     s.timesteps.disable_segmented_timestep_sampling = config_.flag("disable_segmented_timestep_sampling");
     // A bad bias (multiplier <= 0, a range past the schedule) fails now, not at the first step.
-    diffusion::timestep_weights(bias, schedule_->num_train_timesteps());
-    s.prediction = config_.is_null("prediction_type")
-                       ? schedule_->config().prediction_type
-                       : diffusion::parse_prediction_type(config_.text("prediction_type"), "prediction_type");
+    if (!objective_.flow_matching()) {
+        const diffusion::NoiseSchedule& schedule = objective_.ddpm("timestep_bias_strategy");
+        diffusion::timestep_weights(bias, schedule.num_train_timesteps());
+        s.prediction =
+            config_.is_null("prediction_type")
+                ? schedule.config().prediction_type
+                : diffusion::parse_prediction_type(config_.text("prediction_type"), "prediction_type");
+    }
     s.caption_dropout_probability = config_.real("caption_dropout_probability");
     auto& ss = s.scheduled_sampling;
     ss.max_step_offset = config_.integer("scheduled_sampling_max_step_offset");
@@ -375,21 +393,21 @@ void Trainer::init_common() {
                       : mp == "fp16"     ? at::kHalf
                                          : at::kFloat;
     empty_prompt_ = source_->empty_prompt();
-    empty_prompt_.prompt = empty_prompt_.prompt.to(device_);
-    empty_prompt_.pooled = empty_prompt_.pooled.to(device_);
+    for (auto& [name, t] : empty_prompt_) t = t.to(device_);
 
     const int64_t accum = config_.integer("gradient_accumulation_steps");
     const auto max_steps = config_.opt_integer("max_train_steps");
     total_steps_ = max_steps && *max_steps > 0 ? *max_steps
                                                : config_.integer("num_train_epochs") *
                                                      ((source_->batches_per_epoch() + accum - 1) / accum);
-    for (const auto& item : unet_->named_parameters()) trainable_.push_back({item.key(), item.value()});
+    for (const auto& item : model_->module().named_parameters())
+        trainable_.push_back({item.key(), item.value()});
     init_extras();  // LoRA injection (trainable adapters), fp16 loss scaler
     if (is_main_process()) config_.write_resolved(output_dir_ / kResolvedConfig);
 }
 
 void Trainer::set_trainable_parameters(std::vector<NamedTensor> params) {
-    for (auto& p : unet_->parameters()) p.set_requires_grad(false);
+    for (auto& p : model_->module().parameters()) p.set_requires_grad(false);
     for (auto& p : params) p.tensor.set_requires_grad(true);
     trainable_ = std::move(params);
 }
@@ -499,9 +517,9 @@ double Trainer::train_one_step(double& grad_norm) {
     const StepHooks hooks = step_hooks();
     for (int64_t micro = 0; micro < accum; ++micro) {
         TrainBatch batch = next_batch(micro);
-        apply_caption_dropout(batch, empty_prompt_, step_options_.caption_dropout_probability, *generator_,
-                              dp_->rank(), dp_->world_size());
-        MicroStep m = micro_step(*unet_, batch, *schedule_, step_options_, global_step_, *generator_, hooks);
+        apply_caption_dropout(*family_, batch, empty_prompt_, step_options_.caption_dropout_probability,
+                              *generator_, dp_->rank(), dp_->world_size());
+        MicroStep m = micro_step(*model_, batch, objective_, step_options_, global_step_, *generator_, hooks);
         if (micro == accum - 1) dp_->arm_reduction();  // reduce during the last backward
         const at::Tensor loss = m.loss / static_cast<double>(accum);
         (scaler_ ? scaler_->scale_loss(loss) : loss).backward();
@@ -605,7 +623,7 @@ void Trainer::save(const std::string& why) {
     if (!lora_) {
         io::TensorList weights;
         for (const auto& p : trainable_) weights.emplace_back(p.name, p.tensor.detach());
-        c.tensor_files[kUNetWeights] = std::move(weights);
+        c.tensor_files[weights_file()] = std::move(weights);
     }
     if (!zero) {
         io::TensorList opt;
@@ -623,7 +641,7 @@ void Trainer::save(const std::string& why) {
     c.metadata = {{"model_family", config_.text("model_family")},
                   {"model_type", config_.text("model_type")},
                   {"model_flavour", config_.text("model_flavour")},
-                  {"modelspec_architecture", "stable-diffusion-xl-v1-base"}};
+                  {"modelspec_architecture", modelspec_architecture(*family_)}};
     save_extras(c);  // LoRA file, EMA, loss scaler
     const auto dir = save_checkpoint(output_dir_, c);
     log::info() << "saved " << dir.string() << " (" << why << ")";
@@ -632,10 +650,11 @@ void Trainer::save(const std::string& why) {
 }
 
 void Trainer::load_full_weights(const LoadedCheckpoint& ckpt) {
-    const auto it_w = ckpt.tensor_files.find(kUNetWeights);
+    const std::string weights = weights_file();
+    const auto it_w = ckpt.tensor_files.find(weights);
     DTUNE_CHECK_AS(DataError, it_w != ckpt.tensor_files.end(), "checkpoint ", ckpt.dir.string(), " has no ",
-                   kUNetWeights, "; it was written by a different model_type");
-    const auto file = ckpt.dir / kUNetWeights;
+                   weights, "; it was written by a different model_type or model_family");
+    const auto file = ckpt.dir / weights;
     std::map<std::string, at::Tensor> by_name(it_w->second.begin(), it_w->second.end());
     at::NoGradGuard no_grad;
     std::vector<at::Tensor> copied;

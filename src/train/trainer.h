@@ -1,5 +1,6 @@
 // The training loop: from a resolved TrainConfig to trained weights, with checkpoints, exact resume,
-// metrics and a clean stop on SIGINT/SIGTERM. model_type full trains every UNet weight; model_type lora
+// metrics and a clean stop on SIGINT/SIGTERM. The model comes through its family (family/model_family.h:
+// model_family, or the folder's model_index.json). model_type full trains every weight; model_type lora
 // injects LoRA/DoRA adapters and trains only those (set_trainable_parameters, adapters.h); EMA
 // (ema.h), fp16 loss scaling (loss_scaler.h) and the exports (export.h) live in trainer_extras.cpp.
 //
@@ -20,8 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "diffusion/noise_schedule.h"
-#include "models/unet/unet_2d_condition.h"
+#include "family/model_family.h"
 #include "train/batch_source.h"
 #include "train/callbacks.h"
 #include "train/config.h"
@@ -65,16 +65,17 @@ struct TrainResult {
 
 class Trainer {
   public:
-    // Loads the UNet (and, for the image source, the VAE) from pretrained_model_name_or_path and
-    // builds the batch source from data_backend_config.
+    // Loads the family's network (and, for the image source, its encoders) from
+    // pretrained_model_name_or_path and builds the batch source from data_backend_config.
     explicit Trainer(TrainConfig config);
-    // With a model, noise schedule and batch source given (tests, benchmarks).
-    Trainer(TrainConfig config, models::UNet2DConditionModel unet, diffusion::NoiseSchedule schedule,
+    // With a model, objective and batch source given (tests, benchmarks); the family is the
+    // config's model_family.
+    Trainer(TrainConfig config, std::unique_ptr<family::Denoiser> model, family::TrainingObjective objective,
             std::unique_ptr<BatchSource> source);
     ~Trainer();
 
     // The LoRA hook: these tensors (leaf, requires_grad) are optimized and checkpointed instead of
-    // every UNet parameter. Call before run().
+    // every model parameter. Call before run().
     void set_trainable_parameters(std::vector<NamedTensor> params);
 
     // Trains until max_train_steps (or the epochs) are done or a stop is requested.
@@ -83,7 +84,10 @@ class Trainer {
     // Observers (metrics, report, validation, webhooks, health); called in the order added.
     void add_callback(std::shared_ptr<TrainCallback> callback);
 
-    models::UNet2DConditionModel& unet() { return unet_; }
+    // The trained network and its family.
+    family::Denoiser& model() { return *model_; }
+    const family::ModelFamily& model_family() const { return *family_; }
+    const family::TrainingObjective& objective() const { return objective_; }
     int64_t total_steps() const { return total_steps_; }
     int64_t global_step() const { return global_step_; }
     const TrainConfig& config() const { return config_; }
@@ -139,13 +143,18 @@ class Trainer {
     // shape and dtype, and finite (DataError naming the file and the tensor otherwise).
     void load_full_weights(const LoadedCheckpoint& ckpt);
     void load_optimizer_state(const LoadedCheckpoint& ckpt);
+    // A full fine-tune's weights in a checkpoint: "<denoiser folder>/diffusion_pytorch_model.safetensors".
+    std::string weights_file() const {
+        return std::string(family_->denoiser_folder()) + "/diffusion_pytorch_model.safetensors";
+    }
     // trainer_extras.cpp: LoRA adapters, EMA, fp16 loss scaling and the exports.
     void init_extras();
-    // base_model_precision: quantises the frozen UNet in place (before LoRA injection), once.
+    // base_model_precision: quantises the frozen network in place (before LoRA injection), once.
     void quantize_base_model();
-    // The UNet of model_dir_: from the quantized_model_cache file when one matches, else loaded
+    // The network of model_dir_: from the quantized_model_cache file when one matches, else loaded
     // (and, with a cache folder, quantised and written there by the main process).
-    models::UNet2DConditionModel load_base_unet(const models::ComponentLoadOptions& load, bool main_process);
+    std::unique_ptr<family::Denoiser> load_base_model(const models::ComponentLoadOptions& load,
+                                                      bool main_process);
     void start_ema();
     void save_extras(CheckpointContents& c);
     void load_extras(const LoadedCheckpoint& ckpt);
@@ -165,8 +174,9 @@ class Trainer {
     std::filesystem::path output_dir_;
     std::filesystem::path model_dir_;
     c10::Device device_ = c10::Device(c10::kCPU);
-    models::UNet2DConditionModel unet_{nullptr};
-    std::optional<diffusion::NoiseSchedule> schedule_;
+    const family::ModelFamily* family_ = nullptr;
+    std::unique_ptr<family::Denoiser> model_;
+    family::TrainingObjective objective_;
     std::unique_ptr<BatchSource> source_;
     std::vector<NamedTensor> trainable_;
     std::unique_ptr<Optimizer> optimizer_;

@@ -4,8 +4,8 @@
 // Files, following SimpleTuner's layout (SIMPLETUNER.md §7):
 //   checkpoint-N/pytorch_lora_weights.safetensors       LoRA (lora_format keys); resumed from
 //   checkpoint-N/ema/pytorch_lora_weights.safetensors   LoRA + EMA, loadable like the above
-//   checkpoint-N/unet/config.json                       full: makes unet/ a loadable component
-//   checkpoint-N/unet_ema/...                           EMA shadows (full: a loadable unet folder,
+//   checkpoint-N/<unet|transformer>/config.json        full: makes the folder a loadable component
+//   checkpoint-N/<folder>_ema/...                       EMA shadows (full: a loadable network folder,
 //                                                       LoRA: ema_model.safetensors) + ema_state.json
 //   checkpoint-N/loss_scaler.json                       fp16: scale and clean-step counter
 //   output_dir/pytorch_lora_weights.safetensors (+ ema/) or output_dir/pipeline/ (+ the optional
@@ -20,18 +20,17 @@
 #include "models/common/weights.h"
 #include "train/adapters.h"
 #include "train/checkpoint.h"
-#include "train/export.h"
 #include "train/loss_scaler.h"
 #include "train/trainer.h"
 
 namespace dtune::train {
 namespace {
 
-constexpr const char* kEMALoRAShadows = "unet_ema/ema_model.safetensors";
-constexpr const char* kEMAUNetShadows = "unet_ema/diffusion_pytorch_model.safetensors";
-constexpr const char* kEMAState = "unet_ema/ema_state.json";
+// EMA files under "<denoiser folder>_ema/" (unet_ema for SDXL, transformer_ema for Flux).
+std::string ema_file(const family::ModelFamily& family, const char* name) {
+    return str(family.denoiser_folder(), "_ema/", name);
+}
 constexpr const char* kLossScalerState = "loss_scaler.json";
-constexpr const char* kSingleFile = "sdxl_checkpoint.safetensors";
 
 std::optional<std::filesystem::path> local_vae(const TrainConfig& config) {
     const std::filesystem::path vae = config.text("pretrained_vae_model_name_or_path");
@@ -48,7 +47,7 @@ void Trainer::init_extras() {
     }
     const bool lora = config_.text("model_type") == "lora";
     if (lora) {
-        lora_ = std::make_unique<LoRATraining>(*unet_, config_);
+        lora_ = std::make_unique<LoRATraining>(model_->module(), config_, *family_);
         // Adapters are created in the base weights' dtype; on a bf16 base they train in float32
         // (unless adamw_bf16 asks for bf16 weights), as diffusers' and SimpleTuner's scripts do.
         if (config_.text("optimizer") != "adamw_bf16") {
@@ -94,14 +93,17 @@ void Trainer::save_extras(CheckpointContents& c) {
                     lora_->save(file);
                 };
     } else if (!model_dir_.empty()) {
-        c.json_files["unet/config.json"] =
-            nlohmann::json::parse(fs::read_file(model_dir_ / "unet" / "config.json"));
+        const std::string folder = family_->denoiser_folder();
+        c.json_files[folder + "/config.json"] =
+            nlohmann::json::parse(fs::read_file(model_dir_ / folder / "config.json"));
     }
     if (ema_) {
-        c.tensor_files[lora_ ? kEMALoRAShadows : kEMAUNetShadows] = ema_->shadows();
+        c.tensor_files[ema_file(*family_, lora_ ? "ema_model.safetensors"
+                                                : "diffusion_pytorch_model.safetensors")] = ema_->shadows();
         if (!lora_ && !model_dir_.empty())
-            c.json_files["unet_ema/config.json"] = c.json_files["unet/config.json"];
-        c.json_files[kEMAState] = ema_->state();
+            c.json_files[ema_file(*family_, "config.json")] =
+                c.json_files[std::string(family_->denoiser_folder()) + "/config.json"];
+        c.json_files[ema_file(*family_, "ema_state.json")] = ema_->state();
     }
     if (scaler_) c.json_files[kLossScalerState] = scaler_->state();
 }
@@ -136,9 +138,11 @@ void load_json_state(const LoadedCheckpoint& ckpt, const std::string& rel, Load 
 
 void Trainer::load_extras(const LoadedCheckpoint& ckpt) {
     if (ema_) {
-        const auto shadows = ckpt.tensor_files.find(lora_ ? kEMALoRAShadows : kEMAUNetShadows);
-        if (shadows != ckpt.tensor_files.end() && ckpt.json_files.count(kEMAState)) {
-            load_json_state(ckpt, kEMAState, [&](const nlohmann::json& state) {
+        const auto shadows = ckpt.tensor_files.find(
+            ema_file(*family_, lora_ ? "ema_model.safetensors" : "diffusion_pytorch_model.safetensors"));
+        const std::string ema_state = ema_file(*family_, "ema_state.json");
+        if (shadows != ckpt.tensor_files.end() && ckpt.json_files.count(ema_state)) {
+            load_json_state(ckpt, ema_state, [&](const nlohmann::json& state) {
                 ema_->load(shadows->second, state, ckpt.dir.string());
             });
         } else {
@@ -170,16 +174,18 @@ void Trainer::write_model_outputs() {
     }
     EMAWeightsGuard swap = use_ema_weights();  // SimpleTuner exports a full fine-tune's EMA weights
     if (model_dir_.empty()) {
-        // No base pipeline to complete the folder (a Trainer built around a bare UNet).
-        const auto unet_dir = output_dir_ / "pipeline" / "unet";
-        std::filesystem::create_directories(unet_dir);
-        io::save_safetensors(unet_dir / "diffusion_pytorch_model.safetensors", models::state_dict(*unet_));
-        log::warn() << "no base model folder: wrote only " << unet_dir.string();
+        // No base pipeline to complete the folder (a Trainer built around a bare network).
+        const auto dir = output_dir_ / "pipeline" / family_->denoiser_folder();
+        std::filesystem::create_directories(dir);
+        io::save_safetensors(dir / "diffusion_pytorch_model.safetensors",
+                             models::state_dict(model_->module()));
+        log::warn() << "no base model folder: wrote only " << dir.string();
         return;
     }
-    export_pipeline(model_dir_, *unet_, output_dir_ / "pipeline", local_vae(config_));
+    family_->export_pipeline(model_dir_, model_->module(), output_dir_ / "pipeline", local_vae(config_));
     if (config_.flag("export_single_file"))
-        export_single_file(model_dir_, *unet_, output_dir_ / kSingleFile, local_vae(config_));
+        family_->export_single_file(model_dir_, model_->module(), output_dir_ / family_->single_file_name(),
+                                    local_vae(config_));
 }
 
 }  // namespace dtune::train

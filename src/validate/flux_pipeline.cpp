@@ -7,6 +7,7 @@
 #endif
 
 #include <chrono>
+#include <cmath>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -14,6 +15,7 @@
 #include "models/adapters/lora_apply.h"
 #include "models/clip/sdxl_text_encoders.h"
 #include "models/common/pipeline_folder.h"
+#include "models/flux/flux_lora.h"
 
 namespace dtune::validate {
 
@@ -36,21 +38,23 @@ FluxPipeline::FluxPipeline(models::CLIPTokenizer tokenizer, models::CLIPTextMode
 }
 
 FluxPipeline FluxPipeline::load(const std::filesystem::path& folder, const PipelineLoadOptions& options,
-                                const std::filesystem::path& transformer_file,
-                                const std::filesystem::path& t5_file) {
+                                const FluxComponentFiles& files) {
     const auto start = std::chrono::steady_clock::now();
     const auto pf = models::PipelineFolder::open(folder);
     DTUNE_CHECK_AS(DataError, pf.class_name() == "FluxPipeline", folder.string(), "/model_index.json names ",
                    pf.class_name(), "; a Flux folder's is FluxPipeline");
-    models::ComponentLoadOptions component{options.dtype, options.device};
-    auto clip =
-        models::load_clip_text_model(pf.component("text_encoder").path, {options.dtype, options.device});
-    models::ComponentLoadOptions t5_load = component;
-    if (!t5_file.empty()) t5_load.single_file = t5_file;
-    auto t5 = models::load_t5_encoder(pf.component("text_encoder_2").path, t5_load);
-    models::ComponentLoadOptions transformer_load = component;
-    if (!transformer_file.empty()) {
-        transformer_load.single_file = transformer_file;
+    const models::ComponentLoadOptions component{options.dtype, options.device};
+    const auto single = [&](const std::filesystem::path& file) {
+        models::ComponentLoadOptions load = component;
+        if (!file.empty()) load.single_file = file;
+        return load;
+    };
+    models::TextEncoderLoadOptions clip_load{options.dtype, options.device};
+    if (!files.text_encoder.empty()) clip_load.single_file = files.text_encoder;
+    auto clip = models::load_clip_text_model(pf.component("text_encoder").path, clip_load);
+    auto t5 = models::load_t5_encoder(pf.component("text_encoder_2").path, single(files.text_encoder_2));
+    models::ComponentLoadOptions transformer_load = single(files.transformer);
+    if (!files.transformer.empty()) {
         // The folder's transformer config, when it has one, describes the file (as diffusers'
         // from_single_file(config=...)).
         const auto config = pf.component("transformer").path / "config.json";
@@ -58,8 +62,7 @@ FluxPipeline FluxPipeline::load(const std::filesystem::path& folder, const Pipel
             transformer_load.config = models::ConfigReader::from_file(config);
     }
     auto transformer = models::load_flux_transformer(pf.component("transformer").path, transformer_load);
-    models::ComponentLoadOptions vae_load{options.dtype, options.device};
-    auto vae = models::load_autoencoder_kl(pf.vae_path(), vae_load);
+    auto vae = models::load_autoencoder_kl(pf.vae_path(), single(files.vae));
     const auto sched_dir = pf.component("scheduler").path;
     const auto sched = diffusion::FlowMatchConfig::from_json(
         nlohmann::json::parse(fs::read_file(sched_dir / "scheduler_config.json")),
@@ -75,15 +78,56 @@ FluxPipeline FluxPipeline::load(const std::filesystem::path& folder, const Pipel
 void FluxPipeline::load_lora(const std::filesystem::path& file, double strength) {
     DTUNE_CHECK_AS(UsageError, !lora_, "this pipeline already has a LoRA applied; load one LoRA file (",
                    file.string(), " was the second)");
-    lora_.emplace(models::apply_lora_file(*transformer_, file, strength));
+    const models::FluxLoRA lora = models::read_flux_lora(file, transformer_->config());
+    lora_.emplace(models::apply_lora(*transformer_, lora.tensors, strength));
 }
 
-GenerationResult FluxPipeline::generate(const FluxRequest& r, const StepCallback& on_step) {
+FluxPipeline::TextEmbeds FluxPipeline::encode(const std::vector<std::string>& prompts,
+                                              int64_t max_sequence_length, int64_t per_prompt) {
+    const auto dtype = transformer_->dtype();
+    std::vector<at::Tensor> ids;
+    for (const auto& p : prompts) ids.push_back(at::tensor(tokenizer_.encode(p, 77)));
+    const at::Tensor clip_ids = at::stack(ids).to(device_);
+    TextEmbeds e;
+    e.pooled = text_encoder_->forward(clip_ids, false).pooler_output.to(dtype);  // [B, 768]
+    const at::Tensor t5_ids = tokenizer_2_.encode_batch(prompts, max_sequence_length).to(device_);
+    e.context = text_encoder_2_->forward(t5_ids).to(dtype);  // [B, L, D]
+    e.pooled = e.pooled.repeat_interleave(per_prompt, 0);
+    e.context = e.context.repeat_interleave(per_prompt, 0);
+    return e;
+}
+
+namespace {
+
+void check_request(const FluxRequest& r) {
     DTUNE_CHECK_AS(UsageError, !r.prompt.empty(), "generate needs at least one prompt");
     DTUNE_CHECK_AS(UsageError, r.steps >= 1, "steps = ", r.steps, " is invalid: use 1 or more");
     DTUNE_CHECK_AS(UsageError, r.width > 0 && r.height > 0 && r.width % 16 == 0 && r.height % 16 == 0,
                    "image size ", r.width, "x", r.height, " is invalid: Flux needs multiples of 16");
     DTUNE_CHECK_AS(UsageError, r.num_images_per_prompt >= 1, "num_images_per_prompt must be 1 or more");
+    DTUNE_CHECK_AS(UsageError, std::isfinite(r.true_cfg_scale), "true_cfg_scale ", r.true_cfg_scale,
+                   " is invalid: use a finite number (> 1 with a negative prompt for true CFG, e.g. 4.0)");
+    DTUNE_CHECK_AS(
+        UsageError,
+        !r.negative_prompt || r.negative_prompt->size() == 1 || r.negative_prompt->size() == r.prompt.size(),
+        "the negative prompt list has ", r.negative_prompt ? r.negative_prompt->size() : 0, " entries for ",
+        r.prompt.size(), " prompts; give one negative prompt or one per prompt");
+}
+
+// FluxPipeline's sigmas: linspace(1, 1/n, n).
+std::vector<double> flux_sigmas(int64_t steps) {
+    std::vector<double> sigmas(static_cast<size_t>(steps));
+    for (int64_t i = 0; i < steps; ++i)
+        sigmas[static_cast<size_t>(i)] =
+            steps == 1 ? 1.0
+                       : 1.0 + (1.0 / steps - 1.0) * static_cast<double>(i) / static_cast<double>(steps - 1);
+    return sigmas;
+}
+
+}  // namespace
+
+GenerationResult FluxPipeline::generate(const FluxRequest& r, const StepCallback& on_step) {
+    check_request(r);
     DTUNE_CHECK_AS(
         UsageError, text_encoder_ && text_encoder_2_,
         "this Flux pipeline freed its text encoders after an earlier generate (free_text_encoders); "
@@ -91,17 +135,18 @@ GenerationResult FluxPipeline::generate(const FluxRequest& r, const StepCallback
     const at::NoGradGuard no_grad;
     const auto dtype = transformer_->dtype();
     const int64_t b = static_cast<int64_t>(r.prompt.size()), n = r.num_images_per_prompt;
+    const bool true_cfg = r.negative_prompt.has_value() && r.true_cfg_scale > 1;
 
-    // Text: CLIP's pooled output and T5's sequence, each prompt repeated per image.
-    std::vector<at::Tensor> ids;
-    for (const auto& p : r.prompt) ids.push_back(at::tensor(tokenizer_.encode(p, 77)));
-    const at::Tensor clip_ids = at::stack(ids).to(device_);
-    at::Tensor pooled = text_encoder_->forward(clip_ids, false).pooler_output.to(dtype);  // [B, 768]
-    at::Tensor t5_ids = tokenizer_2_.encode_batch(r.prompt, r.max_sequence_length).to(device_);
-    at::Tensor context = text_encoder_2_->forward(t5_ids).to(dtype);  // [B, L, D]
-    pooled = pooled.repeat_interleave(n, 0);
-    context = context.repeat_interleave(n, 0);
-    const at::Tensor txt_ids = at::zeros({context.size(1), 3}, at::TensorOptions(device_).dtype(dtype));
+    // Text: CLIP's pooled output and T5's sequence, each prompt repeated per image; the negative
+    // prompts only for true CFG.
+    const TextEmbeds pos = encode(r.prompt, r.max_sequence_length, n);
+    TextEmbeds neg;
+    if (true_cfg) {
+        std::vector<std::string> negative = *r.negative_prompt;
+        if (negative.size() == 1) negative.assign(r.prompt.size(), negative.front());
+        neg = encode(negative, r.max_sequence_length, n);
+    }
+    const at::Tensor txt_ids = at::zeros({pos.context.size(1), 3}, at::TensorOptions(device_).dtype(dtype));
     if (r.free_text_encoders) {
         text_encoder_ = nullptr;
         text_encoder_2_ = nullptr;
@@ -126,20 +171,21 @@ GenerationResult FluxPipeline::generate(const FluxRequest& r, const StepCallback
 
     // Schedule: FluxPipeline's sigmas and the resolution-dependent shift.
     diffusion::FlowMatchEulerSampler sampler(scheduler_);
-    std::vector<double> sigmas(static_cast<size_t>(r.steps));
-    for (int64_t i = 0; i < r.steps; ++i)
-        sigmas[static_cast<size_t>(i)] = r.steps == 1 ? 1.0
-                                                      : 1.0 + (1.0 / r.steps - 1.0) * static_cast<double>(i) /
-                                                                  static_cast<double>(r.steps - 1);
-    sampler.set_timesteps(r.steps, sigmas, diffusion::flow_match_mu(scheduler_, latents.size(1)));
+    sampler.set_timesteps(r.steps, flux_sigmas(r.steps),
+                          diffusion::flow_match_mu(scheduler_, latents.size(1)));
     const at::Tensor guidance =
         transformer_->config().guidance_embeds
             ? at::full({b * n}, r.guidance_scale, at::TensorOptions(device_).dtype(at::kFloat))
             : at::Tensor();
     for (int64_t i = 0; i < r.steps; ++i) {
         const at::Tensor t = sampler.timesteps()[i].expand({b * n}).to(device_).to(dtype);
-        const at::Tensor v =
-            transformer_->forward(latents, context, pooled, t / 1000, guidance, img_ids, txt_ids);
+        at::Tensor v =
+            transformer_->forward(latents, pos.context, pos.pooled, t / 1000, guidance, img_ids, txt_ids);
+        if (true_cfg) {  // a second pass, as diffusers runs it (not batched with the first)
+            const at::Tensor v_neg =
+                transformer_->forward(latents, neg.context, neg.pooled, t / 1000, guidance, img_ids, txt_ids);
+            v = v_neg + r.true_cfg_scale * (v - v_neg);
+        }
         latents = sampler.step(v, i, latents);
         if (on_step) on_step(i + 1, r.steps);
     }

@@ -6,8 +6,11 @@
 //   sigmas  = linspace(1, 1/n, n) shifted with mu(image tokens) (flow_match_mu)
 //   each step: v = transformer(latents, t/1000, guidance, pooled, context, ids); Euler step
 //   image   = vae.decode(unpack(latents) / scaling_factor + shift_factor)
-// No classifier-free guidance: [dev] embeds the guidance scale in the model (guidance_embeds),
-// [schnell] ignores it. Seeds give the same image on any device (the noise is drawn on the CPU).
+// [dev] embeds the guidance scale in the model (guidance_embeds), [schnell] ignores it. True
+// classifier-free guidance is FluxPipeline's opt-in: with a negative prompt and true_cfg_scale > 1
+// each step runs the transformer twice, v = v_neg + true_cfg_scale · (v − v_neg) (the negative pass
+// with the negative prompt's embeddings, everything else equal); otherwise one pass and the negative
+// prompt is not encoded. Seeds give the same image on any device (the noise is drawn on the CPU).
 #pragma once
 
 #include <filesystem>
@@ -32,6 +35,10 @@ namespace dtune::validate {
 
 struct FluxRequest {
     std::vector<std::string> prompt;  // B prompts
+    // True CFG (both needed, as in diffusers): a negative prompt (size 1 or B; "" is a prompt too)
+    // and true_cfg_scale > 1. Otherwise a single transformer pass per step.
+    std::optional<std::vector<std::string>> negative_prompt;
+    double true_cfg_scale = 1.0;
     int64_t width = 1024;
     int64_t height = 1024;
     int64_t steps = 28;
@@ -47,6 +54,15 @@ struct FluxRequest {
     bool free_text_encoders = false;
 };
 
+// Single files that replace a folder component's weights; its config (and the tokenizers) still come
+// from the folder, as diffusers' from_single_file(config=...). Empty = the folder's weights.
+struct FluxComponentFiles {
+    std::filesystem::path transformer;     // Black Forest Labs' / ComfyUI's layout, fp8 e4m3 included
+    std::filesystem::path text_encoder;    // CLIP-L: ComfyUI's clip_l.safetensors (transformers' keys)
+    std::filesystem::path text_encoder_2;  // T5: ComfyUI's t5xxl_fp16 / t5xxl_fp8_e4m3fn
+    std::filesystem::path vae;             // Black Forest Labs' ae.safetensors (ldm layout)
+};
+
 class FluxPipeline {
   public:
     FluxPipeline(models::CLIPTokenizer tokenizer, models::CLIPTextModel text_encoder,
@@ -55,20 +71,17 @@ class FluxPipeline {
                  diffusion::FlowMatchConfig scheduler, c10::Device device);
 
     // A diffusers FluxPipeline folder (model_index.json with tokenizer, text_encoder, tokenizer_2,
-    // text_encoder_2, transformer, vae, scheduler).
-    // With `transformer_file`, the transformer comes from that Black Forest Labs / ComfyUI single
-    // file (fp8 ones included), with `t5_file` T5 from that single file (ComfyUI's t5xxl_*), and
-    // everything else, configs included, from `folder`.
+    // text_encoder_2, transformer, vae, scheduler); `files` replace components' weights.
     static FluxPipeline load(const std::filesystem::path& folder, const PipelineLoadOptions& options = {},
-                             const std::filesystem::path& transformer_file = {},
-                             const std::filesystem::path& t5_file = {});
+                             const FluxComponentFiles& files = {});
 
-    // Applies a transformer LoRA in diffusers/PEFT layout ("transformer."-prefixed keys, as
-    // FluxPipeline.save_lora_weights writes) at `strength`, unmerged (models/adapters/lora_apply.h).
-    // One per pipeline.
+    // Applies a transformer LoRA at `strength`, unmerged (models/adapters/lora_apply.h), in any layout
+    // of models/flux/flux_lora.h: diffusers/PEFT, kohya/ComfyUI or Black Forest Labs' (detected from
+    // the keys). One per pipeline.
     void load_lora(const std::filesystem::path& file, double strength = 1.0);
 
-    // Throws UsageError for sizes not a multiple of 16, empty prompts or steps < 1.
+    // Throws UsageError for sizes not a multiple of 16, empty prompts, steps < 1, a negative prompt
+    // list that is neither 1 nor B long, or a non-finite true_cfg_scale.
     GenerationResult generate(const FluxRequest& request, const StepCallback& on_step = {});
 
     models::FluxTransformer2DModel& transformer() { return transformer_; }
@@ -76,6 +89,13 @@ class FluxPipeline {
     c10::Device device() const { return device_; }
 
   private:
+    struct TextEmbeds {
+        at::Tensor pooled;   // [B*N, 768] CLIP's pooled output
+        at::Tensor context;  // [B*N, L, D] T5's sequence
+    };
+    TextEmbeds encode(const std::vector<std::string>& prompts, int64_t max_sequence_length,
+                      int64_t per_prompt);
+
     models::CLIPTokenizer tokenizer_;
     models::CLIPTextModel text_encoder_;
     models::T5Tokenizer tokenizer_2_;

@@ -56,7 +56,7 @@ TextEmbeds tiny_text(const std::vector<std::string>& captions) {
         pooled[long(b)][0] = static_cast<double>(captions[b].size());
         pooled[long(b)][1] = sum / 1000.0;
     }
-    return {prompt, pooled};
+    return {{"prompt_embeds", prompt}, {"pooled_prompt_embeds", pooled}};
 }
 
 // A dozen small images (PNG and JPEG, two folders, different sizes and aspects).
@@ -439,8 +439,8 @@ TEST_F(CacheTest, TextEmbeddingCache) {
     EXPECT_EQ(encoded, 5);
     const TextEmbeds got = text_embeds_for(cache, {"a dog", "a cat"}, fn);
     const TextEmbeds want = tiny_text({"a dog", "a cat"});
-    EXPECT_TRUE(at::equal(got.prompt_embeds, want.prompt_embeds));
-    EXPECT_TRUE(at::equal(got.pooled_prompt_embeds, want.pooled_prompt_embeds));
+    EXPECT_TRUE(at::equal(got.at("prompt_embeds"), want.at("prompt_embeds")));
+    EXPECT_TRUE(at::equal(got.at("pooled_prompt_embeds"), want.at("pooled_prompt_embeds")));
     EXPECT_EQ(encoded, 5);
     EXPECT_EQ(cache.entry_path("a cat").filename().string(), sha256_hex("a cat").substr(0, 32) + "-sdxl-" +
                                                                  sha256_hex("tiny_text v1").substr(0, 12) +

@@ -6,6 +6,7 @@
 
 #include "core/fs.h"
 #include "diffusion/noise_schedule.h"
+#include "family/sdxl/sdxl_family.h"
 #include "models/unet/unet_2d_condition.h"
 #include "support/test_support.h"
 #include "train/trainer.h"
@@ -47,13 +48,20 @@ inline train::TrainConfig config(const std::filesystem::path& out,
     return c;
 }
 
+// The trainer's network as the UNet it is (an SDXL run).
+inline models::UNet2DConditionModel unet_of(train::Trainer& trainer) {
+    return models::UNet2DConditionModel(
+        std::dynamic_pointer_cast<models::UNet2DConditionModelImpl>(trainer.model().module_ptr()));
+}
+
 inline std::unique_ptr<train::Trainer> make_trainer(const train::TrainConfig& c) {
     train::SyntheticBatchOptions o;
     o.batch_size = 2;
     o.dim = 64;
     o.pooled_dim = 32;
-    return std::make_unique<train::Trainer>(c, models::load_unet(tiny_model() / "unet"), tiny_schedule(),
-                                            std::make_unique<train::SyntheticBatchSource>(o));
+    return std::make_unique<train::Trainer>(
+        c, family::sdxl_family().wrap_denoiser(models::load_unet(tiny_model() / "unet").ptr()),
+        tiny_schedule(), std::make_unique<train::SyntheticBatchSource>(o));
 }
 
 }  // namespace dtune::report::testutil

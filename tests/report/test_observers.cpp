@@ -13,8 +13,10 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/log.h"
+#include "family/sdxl/sdxl_family.h"
 #include "io/image.h"
 #include "models/common/weights.h"
+#include "models/unet/unet_2d_condition.h"
 #include "notify/webhooks.h"
 #include "observer_test_util.h"
 #include "report/eval_loss.h"
@@ -68,14 +70,14 @@ TEST(Validation, DoesNotChangeTrainingAndNamesFilesLikeSimpleTuner) {
     test::TempDir plain_dir, val_dir;
     auto plain = make_trainer(config(plain_dir.path()));
     plain->run();
-    const auto a = models::state_dict(*plain->unet());
+    const auto a = models::state_dict(*testutil::unet_of(*plain));
 
     const auto c =
         config(val_dir.path(), {{"validation_prompt", "a red circle"}, {"report_to", "tensorboard"}});
     auto trainer = make_trainer(c);
     add_observers(*trainer);
     trainer->run();
-    const auto b = models::state_dict(*trainer->unet());
+    const auto b = models::state_dict(*testutil::unet_of(*trainer));
     ASSERT_EQ(a.size(), b.size());
     for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
 
@@ -114,7 +116,7 @@ TEST(Validation, PreviewsReachTheWebhookAsSimpleTunerSendsThem) {
     test::TempDir plain_dir, dir;
     auto plain = make_trainer(config(plain_dir.path()));
     plain->run();
-    const auto a = models::state_dict(*plain->unet());
+    const auto a = models::state_dict(*testutil::unet_of(*plain));
 
     test::HttpListener listener;
     notify::WebhookTarget t;
@@ -132,7 +134,7 @@ TEST(Validation, PreviewsReachTheWebhookAsSimpleTunerSendsThem) {
     add_observers(*trainer, notifier);
     trainer->run();
     ASSERT_TRUE(notifier->flush(std::chrono::seconds(20)));
-    const auto b = models::state_dict(*trainer->unet());
+    const auto b = models::state_dict(*testutil::unet_of(*trainer));
     for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
 
     std::vector<int64_t> steps;
@@ -321,15 +323,17 @@ TEST(EvalLoss, SameWeightsSameLossAndTrainingIsSeen) {
     std::vector<EvalSample> samples(2);
     for (auto& s : samples) {
         s.latents = at::randn({1, 4, 8, 8}, gen);
-        s.embeds = at::randn({1, 77, 64}, gen);
-        s.pooled = at::randn({1, 32}, gen);
-        s.time_ids = at::tensor({64.f, 64.f, 0.f, 0.f, 64.f, 64.f}).unsqueeze(0);
+        s.cond["prompt_embeds"] = at::randn({1, 77, 64}, gen);
+        s.cond["pooled_prompt_embeds"] = at::randn({1, 32}, gen);
+        s.cond["time_ids"] = at::tensor({64.f, 64.f, 0.f, 0.f, 64.f, 64.f}).unsqueeze(0);
     }
     const auto ts = trailing_timesteps(1000, 4);
     unet->train();
-    const double first = eval_loss(*unet, schedule, diffusion::PredictionType::kEpsilon, samples, ts);
+    const double first = eval_loss(*family::sdxl_family().wrap_denoiser(unet.ptr()), schedule,
+                                   diffusion::PredictionType::kEpsilon, samples, ts);
     (void)at::randn({100});  // the global generator moves; eval uses its own
-    const double second = eval_loss(*unet, schedule, diffusion::PredictionType::kEpsilon, samples, ts);
+    const double second = eval_loss(*family::sdxl_family().wrap_denoiser(unet.ptr()), schedule,
+                                    diffusion::PredictionType::kEpsilon, samples, ts);
     EXPECT_TRUE(std::isfinite(first));
     EXPECT_EQ(first, second);
     EXPECT_TRUE(unet->is_training());
@@ -337,7 +341,9 @@ TEST(EvalLoss, SameWeightsSameLossAndTrainingIsSeen) {
         at::NoGradGuard g;
         for (auto& p : unet->parameters()) p.mul_(0.5);
     }
-    EXPECT_NE(eval_loss(*unet, schedule, diffusion::PredictionType::kEpsilon, samples, ts), first);
+    EXPECT_NE(eval_loss(*family::sdxl_family().wrap_denoiser(unet.ptr()), schedule,
+                        diffusion::PredictionType::kEpsilon, samples, ts),
+              first);
 }
 
 TEST(EvalLoss, CallbackScoresAnEvalDatasetDeterministically) {

@@ -11,6 +11,7 @@
 
 #include "core/fs.h"
 #include "data/sampler.h"
+#include "family/sdxl/sdxl_family.h"
 #include "io/image.h"
 #include "support/test_support.h"
 #include "train/dataset_source.h"
@@ -51,8 +52,9 @@ inline DatasetEncoders fake_encoders(std::shared_ptr<Counters> c) {
             p.push_back(at::randn({77, 8}, g, at::kFloat));
             q.push_back(at::randn({4}, g, at::kFloat));
         }
-        return data::TextEmbeds{at::stack(p), at::stack(q)};
+        return data::TextEmbeds{{"prompt_embeds", at::stack(p)}, {"pooled_prompt_embeds", at::stack(q)}};
     };
+    e.sample_conditioning = family::add_sdxl_time_ids;  // the SDXL family's time ids
     return e;
 }
 

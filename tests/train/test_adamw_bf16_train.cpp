@@ -18,10 +18,10 @@ io::TensorList train_bf16(const std::filesystem::path& out, int64_t steps, Train
                                                       {"checkpoint_step_interval", 1}});
     models::UNet2DConditionModel unet = testutil::tiny_unet();
     unet->to(at::kBFloat16);  // what Trainer's own loading does for adamw_bf16
-    Trainer trainer(config, std::move(unet), testutil::tiny_schedule(), testutil::synthetic());
+    Trainer trainer(config, testutil::sdxl_model(unet), testutil::tiny_schedule(), testutil::synthetic());
     const TrainResult r = trainer.run();
     if (result) *result = r;
-    return models::state_dict(*trainer.unet());
+    return models::state_dict(*testutil::unet_of(trainer));
 }
 
 TEST(AdamWBF16Train, FullFineTuneResumesBitExactly) {

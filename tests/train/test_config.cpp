@@ -392,7 +392,7 @@ TEST(TrainConfig, BadValuesNameTheKey) {
               }).find("lora_rank"),
               std::string::npos);
     EXPECT_NE(
-        usage_message([&] { load_text(dir, R"({"model_family": "flux"})"); }).find("choose one of: sdxl"),
+        usage_message([&] { load_text(dir, R"({"model_family": "sd3"})"); }).find("choose one of: sdxl,flux"),
         std::string::npos);
     EXPECT_NE(
         usage_message([&] { load_text(dir, R"({"learning_rate": 1})"); }).find("model_family is required"),

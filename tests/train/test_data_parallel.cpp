@@ -10,6 +10,7 @@
 #include "dist/env.h"
 #include "dist/group.h"
 #include "dist/reducer.h"
+#include "family/sdxl/sdxl_family.h"
 #include "train/batch_source.h"
 #include "train/config.h"
 #include "train/data_parallel.h"
@@ -41,8 +42,10 @@ TEST(DataParallelSharding, SyntheticRanksServeRowsOfTheGlobalBatch) {
             TrainBatch b = part.next(gr);
             ASSERT_EQ(b.latents.size(0), 2);
             EXPECT_TRUE(at::equal(b.latents, expected.latents.slice(0, 2 * rank, 2 * rank + 2)));
-            EXPECT_TRUE(at::equal(b.prompt_embeds, expected.prompt_embeds.slice(0, 2 * rank, 2 * rank + 2)));
-            EXPECT_TRUE(at::equal(b.pooled_embeds, expected.pooled_embeds.slice(0, 2 * rank, 2 * rank + 2)));
+            EXPECT_TRUE(at::equal(b.cond.at("prompt_embeds"),
+                                  expected.cond.at("prompt_embeds").slice(0, 2 * rank, 2 * rank + 2)));
+            EXPECT_TRUE(at::equal(b.cond.at("pooled_prompt_embeds"),
+                                  expected.cond.at("pooled_prompt_embeds").slice(0, 2 * rank, 2 * rank + 2)));
             EXPECT_EQ(b.paths[0], expected.paths[static_cast<size_t>(2 * rank)]);
         }
         // Same stream afterwards: the rank advanced its generator exactly as the single process did.
@@ -51,15 +54,17 @@ TEST(DataParallelSharding, SyntheticRanksServeRowsOfTheGlobalBatch) {
 }
 
 TEST(DataParallelSharding, CaptionDropoutDrawsForTheGlobalBatch) {
-    PromptEmbedding empty{at::full({3, 5}, 7.0f), at::zeros({2})};
+    PromptEmbedding empty{{"prompt_embeds", at::full({3, 5}, 7.0f)},
+                          {"pooled_prompt_embeds", at::zeros({2})}};
     auto dropped_rows = [&](int rank, int world, int64_t batch) {
         SyntheticBatchSource s(synthetic(batch, 0, 1));
         auto g = at::detail::createCPUGenerator(9);
         TrainBatch b = s.next(g);
         auto dg = at::detail::createCPUGenerator(21);
-        apply_caption_dropout(b, empty, 0.5, dg, rank, world);
+        apply_caption_dropout(family::sdxl_family(), b, empty, 0.5, dg, rank, world);
         std::vector<bool> rows;
-        for (int64_t i = 0; i < batch; ++i) rows.push_back(b.prompt_embeds[i].eq(7.0f).all().item<bool>());
+        for (int64_t i = 0; i < batch; ++i)
+            rows.push_back(b.cond.at("prompt_embeds")[i].eq(7.0f).all().item<bool>());
         return rows;
     };
     const auto whole = dropped_rows(0, 1, 8);

@@ -42,8 +42,8 @@ TEST(DatasetSource, BucketsOfSeveralShapesAndCachesReusedOnTheSecondRun) {
             TrainBatch b = src.next(g);
             shapes.insert(b.latents.sizes().vec());
             ASSERT_EQ(b.latents.size(0), 2);
-            EXPECT_EQ(b.prompt_embeds.sizes(), (at::IntArrayRef{2, 77, 8}));
-            EXPECT_EQ(b.time_ids.sizes(), (at::IntArrayRef{2, 6}));
+            EXPECT_EQ(b.cond.at("prompt_embeds").sizes(), (at::IntArrayRef{2, 77, 8}));
+            EXPECT_EQ(b.cond.at("time_ids").sizes(), (at::IntArrayRef{2, 6}));
             first.push_back(std::move(b));
         }
         EXPECT_EQ(shapes, (std::set<std::vector<int64_t>>{{2, 4, 8, 16}, {2, 4, 16, 8}}));
@@ -61,7 +61,7 @@ TEST(DatasetSource, BucketsOfSeveralShapesAndCachesReusedOnTheSecondRun) {
         TrainBatch b = again.next(g);
         EXPECT_EQ(b.paths, expected.paths);
         EXPECT_TRUE(at::equal(b.latents, expected.latents));
-        EXPECT_TRUE(at::equal(b.prompt_embeds, expected.prompt_embeds));
+        EXPECT_TRUE(at::equal(b.cond.at("prompt_embeds"), expected.cond.at("prompt_embeds")));
     }
     EXPECT_EQ(c2->vae_calls, 0);
 }
@@ -156,8 +156,8 @@ TEST(DatasetSource, ParquetCaptionsComeFromTheTable) {
             // The table says 768×1344: aspect round(768/1344, 2) = 0.57, width 64, height
             // 64 / 0.57 = 112.3 → nearest multiple of 64 = 128; the file itself is 64×64.
             EXPECT_EQ(b.latents.sizes(), (at::IntArrayRef{1, 4, 16, 8}));
-            EXPECT_EQ(b.time_ids[0][4].item<float>(), 128.f);
-            EXPECT_EQ(b.time_ids[0][5].item<float>(), 64.f);
+            EXPECT_EQ(b.cond.at("time_ids")[0][4].item<float>(), 128.f);
+            EXPECT_EQ(b.cond.at("time_ids")[0][5].item<float>(), 64.f);
         }
     }
     EXPECT_EQ(seen.size(), 8u);
@@ -179,7 +179,8 @@ TEST(DatasetSource, TimeIdsAreTheBucketGeometry) {
         const TrainBatch b = src.next(g);
         const std::vector<float> want =
             crop ? std::vector<float>{64, 128, 0, 32, 64, 64} : std::vector<float>{64, 128, 0, 0, 64, 128};
-        for (int64_t i = 0; i < 2; ++i) EXPECT_TRUE(at::equal(b.time_ids[i], at::tensor(want))) << b.time_ids;
+        for (int64_t i = 0; i < 2; ++i)
+            EXPECT_TRUE(at::equal(b.cond.at("time_ids")[i], at::tensor(want))) << b.cond.at("time_ids");
         EXPECT_EQ(b.latents.size(2) * 8, static_cast<int64_t>(want[4]));
         EXPECT_EQ(b.latents.size(3) * 8, static_cast<int64_t>(want[5]));
     }

@@ -37,7 +37,7 @@ std::vector<Draw> draw(const DatasetSourceOptions& o, int take, const nlohmann::
     std::vector<Draw> out;
     for (int i = 0; i < take; ++i) {
         TrainBatch b = src.next(g);
-        out.push_back({b.paths, b.latents, b.time_ids});
+        out.push_back({b.paths, b.latents, b.cond.at("time_ids")});
         if (state_at && i + 1 == state_after) *state_at = src.state();
     }
     return out;
@@ -212,7 +212,7 @@ std::vector<std::pair<int64_t, Draw>> draw_epochs(const DatasetSourceOptions& o,
     for (;;) {
         TrainBatch b = src.next(g);
         if (src.epoch() >= epochs) return out;
-        out.push_back({src.epoch(), {b.paths, b.latents, b.time_ids}});
+        out.push_back({src.epoch(), {b.paths, b.latents, b.cond.at("time_ids")}});
     }
 }
 

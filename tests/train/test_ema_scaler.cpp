@@ -181,7 +181,8 @@ TEST(LossScalerTrainer, Fp16OnCpuMatchesNoMixedPrecisionAndCheckpointsTheScale) 
     fp16->run();
     auto plain = make_trainer(tiny_config(plain_dir.path(), 2));
     plain->run();
-    const auto a = models::state_dict(*fp16->unet()), b = models::state_dict(*plain->unet());
+    const auto a = models::state_dict(*testutil::unet_of(*fp16)),
+               b = models::state_dict(*testutil::unet_of(*plain));
     double worst = 0;
     for (std::size_t i = 0; i < a.size(); ++i)
         worst = std::max(worst, (a[i].second - b[i].second).abs().max().item<double>());

@@ -7,8 +7,8 @@
 #include <map>
 
 #include "core/error.h"
+#include "family/export.h"
 #include "io/safetensors.h"
-#include "train/export.h"
 #include "trainer_test_util.h"
 #include "validate/sdxl_pipeline.h"
 
@@ -43,7 +43,7 @@ TEST(TrainExport, PipelineFolderAndSingleFileLoadBackExactly) {
                                              {"export_single_file", true},
                                              {"caption_dropout_probability", 0.0}}));
     trainer->run();
-    const auto trained = by_name(models::state_dict(*trainer->unet()));
+    const auto trained = by_name(models::state_dict(*testutil::unet_of(*trainer)));
     const auto base_unet = by_name(models::state_dict(*testutil::tiny_unet()));
     int64_t changed = 0;
     for (const auto& [k, v] : base_unet) changed += at::equal(trained.at(k), v) ? 0 : 1;
@@ -75,7 +75,7 @@ TEST(TrainExport, LinkOrCopyTreeReproducesTheFiles) {
     test::TempDir dir;
     fs::write_file_atomic(dir / "src" / "a.txt", "alpha");
     fs::write_file_atomic(dir / "src" / "sub" / "b.txt", "beta");
-    link_or_copy_tree(dir / "src", dir / "dst");
+    family::link_or_copy_tree(dir / "src", dir / "dst");
     EXPECT_EQ(fs::read_file(dir / "dst" / "a.txt"), "alpha");
     EXPECT_EQ(fs::read_file(dir / "dst" / "sub" / "b.txt"), "beta");
 }

@@ -16,6 +16,8 @@
 namespace dtune::train {
 namespace {
 
+const std::vector<std::string> kSdxlTargets = family::sdxl_family().default_lora_targets();
+
 using testutil::make_trainer;
 using testutil::tiny_config;
 using testutil::tiny_unet;
@@ -49,7 +51,7 @@ void train_and_load_back(const nlohmann::json& lora_keys, int64_t steps, const s
     for (const auto& p : trainer->trainable_parameters()) EXPECT_NE(p.name.find(".lora_"), std::string::npos);
     const auto base = models::state_dict(*tiny_unet());
     std::map<std::string, at::Tensor> trained;
-    for (auto& [k, v] : models::state_dict(*trainer->unet())) trained[k] = v;
+    for (auto& [k, v] : models::state_dict(*testutil::unet_of(*trainer))) trained[k] = v;
     for (const auto& [k, v] : base) EXPECT_TRUE(at::equal(trained.at(k), v)) << k << " moved";
     EXPECT_GT(trainer->lora()->adapters().entries().front().layer->up().abs().max().item<double>(), 0)
         << "lora_B is still zero: nothing was trained";
@@ -62,28 +64,30 @@ void train_and_load_back(const nlohmann::json& lora_keys, int64_t steps, const s
         EXPECT_EQ(key.rfind(key_prefix, 0), 0u) << key << " does not start with " << key_prefix;
 
     auto fresh = tiny_unet();
-    models::LoRAAdapters adapters = models::inject_lora(*fresh, lora_config_from(config));
+    models::LoRAAdapters adapters =
+        models::inject_lora(*fresh, lora_config_from(config, family::sdxl_family()));
     models::load_lora(adapters, file);
-    trainer->unet()->eval();  // no dropout in the comparison
+    testutil::unet_of(*trainer)->eval();  // no dropout in the comparison
     fresh->eval();
     const UNetInputs in;
-    const at::Tensor expected = in.forward(*trainer->unet());
+    const at::Tensor expected = in.forward(*testutil::unet_of(*trainer));
     EXPECT_EQ(max_diff(in.forward(*fresh), expected), 0.0);
     EXPECT_GT(max_diff(in.forward(*tiny_unet()), expected), 1e-6) << "the LoRA changes nothing";
 }
 
 TEST(LoRATrainConfig, TargetsAndSettings) {
-    EXPECT_EQ(parse_lora_targets(nullptr), (std::vector<std::string>{"to_k", "to_q", "to_v", "to_out.0"}));
-    EXPECT_EQ(parse_lora_targets(nlohmann::json::array({"to_q", "conv1"})),
+    EXPECT_EQ(parse_lora_targets(nullptr, kSdxlTargets),
+              (std::vector<std::string>{"to_k", "to_q", "to_v", "to_out.0"}));
+    EXPECT_EQ(parse_lora_targets(nlohmann::json::array({"to_q", "conv1"}), kSdxlTargets),
               (std::vector<std::string>{"to_q", "conv1"}));
-    EXPECT_EQ(parse_lora_targets(R"(["proj_in"])"), (std::vector<std::string>{"proj_in"}));
+    EXPECT_EQ(parse_lora_targets(R"(["proj_in"])", kSdxlTargets), (std::vector<std::string>{"proj_in"}));
     test::TempDir dir;
     fs::write_file_atomic(dir / "targets.json", R"(["to_k", "ff.net.2"])");
-    EXPECT_EQ(parse_lora_targets((dir / "targets.json").string()),
+    EXPECT_EQ(parse_lora_targets((dir / "targets.json").string(), kSdxlTargets),
               (std::vector<std::string>{"to_k", "ff.net.2"}));
-    EXPECT_THROW(parse_lora_targets("to_q,to_k"), UsageError);  // neither JSON nor a file
-    EXPECT_THROW(parse_lora_targets(nlohmann::json::array()), UsageError);
-    EXPECT_THROW(parse_lora_targets(42), UsageError);
+    EXPECT_THROW(parse_lora_targets("to_q,to_k", kSdxlTargets), UsageError);  // neither JSON nor a file
+    EXPECT_THROW(parse_lora_targets(nlohmann::json::array(), kSdxlTargets), UsageError);
+    EXPECT_THROW(parse_lora_targets(42, kSdxlTargets), UsageError);
 
     const TrainConfig c = tiny_config(dir.path(), 1,
                                       {{"model_type", "lora"},
@@ -93,14 +97,16 @@ TEST(LoRATrainConfig, TargetsAndSettings) {
                                        {"use_dora", true},
                                        {"lora_init_type", "gaussian"},
                                        {"peft_lora_target_modules", R"(["to_q"])"}});
-    const models::LoRAConfig lc = lora_config_from(c);
+    const models::LoRAConfig lc = lora_config_from(c, family::sdxl_family());
     EXPECT_EQ(lc.rank, 8);
     EXPECT_DOUBLE_EQ(lc.alpha, 4);
     EXPECT_DOUBLE_EQ(lc.dropout, 0.05);
     EXPECT_TRUE(lc.use_dora);
     EXPECT_EQ(lc.init, models::LoRAInit::kGaussian);
     EXPECT_EQ(lc.target_modules, std::vector<std::string>{"to_q"});
-    EXPECT_THROW(lora_config_from(tiny_config(dir.path(), 1, {{"lora_init_type", "pissa"}})), UsageError);
+    EXPECT_THROW(
+        lora_config_from(tiny_config(dir.path(), 1, {{"lora_init_type", "pissa"}}), family::sdxl_family()),
+        UsageError);
 }
 
 TEST(LoRATrain, DiffusersFileLoadsBackToTheTrainedModel) {
@@ -127,10 +133,10 @@ TEST(LoRATrain, InitLoraReproducesTheFixtureOutput) {
                                              {"lora_alpha", 8},
                                              {"lora_dropout", 0.0},
                                              {"init_lora", (lora_dir / kLoRAWeightsFile).string()}}));
-    trainer->unet()->eval();
+    testutil::unet_of(*trainer)->eval();
     const at::Tensor expected =
         io::SafetensorsFile(lora_dir / "lora_io.safetensors").get("out_with_lora").to(at::kFloat);
-    const at::Tensor out = UNetInputs().forward(*trainer->unet());
+    const at::Tensor out = UNetInputs().forward(*testutil::unet_of(*trainer));
     EXPECT_LE(max_diff(out, expected), 1e-4);
     EXPECT_GT(max_diff(UNetInputs().forward(*tiny_unet()), expected), 1e-2);  // the file matters
 }

@@ -47,7 +47,8 @@ Draws reproduce_draws(const TrainBatch& batch, const diffusion::NoiseSchedule& s
 
 at::Tensor forward(models::UNet2DConditionModelImpl& unet, const TrainBatch& b, const Draws& d) {
     at::NoGradGuard no_grad;
-    return unet.forward(d.noisy, d.t, b.prompt_embeds, {b.pooled_embeds, b.time_ids});  // [B, C, h, w]
+    return unet.forward(d.noisy, d.t, b.cond.at("prompt_embeds"),
+                        {b.cond.at("pooled_prompt_embeds"), b.cond.at("time_ids")});  // [B, C, h, w]
 }
 
 TEST(Regularisation, LoRABatchTrainsTowardTheBaseModelsPrediction) {
@@ -67,7 +68,7 @@ TEST(Regularisation, LoRABatchTrainsTowardTheBaseModelsPrediction) {
     StepHooks toggle;
     toggle.adapters = [&](bool on) { adapters.set_enabled(on); };
     auto gen = at::detail::createCPUGenerator(11);
-    MicroStep m = micro_step(*unet, batch, schedule, StepOptions{}, 0, gen, toggle);
+    MicroStep m = micro_step(*testutil::sdxl_model(unet), batch, schedule, StepOptions{}, 0, gen, toggle);
 
     // The base model, loaded on its own (no adapters at all), on the step's own draws.
     const Draws d = reproduce_draws(batch, schedule, 11);
@@ -94,8 +95,11 @@ TEST(Regularisation, LoRABatchTrainsTowardTheBaseModelsPrediction) {
     // An ordinary batch of the same run keeps the noise target.
     batch.regularisation = false;
     auto gen2 = at::detail::createCPUGenerator(11);
-    EXPECT_LE(max_diff(micro_step(*unet, batch, schedule, StepOptions{}, 0, gen2, toggle).target, d.noise),
-              0);
+    EXPECT_LE(
+        max_diff(
+            micro_step(*testutil::sdxl_model(unet), batch, schedule, StepOptions{}, 0, gen2, toggle).target,
+            d.noise),
+        0);
 }
 
 TEST(Regularisation, FullFineTuneTrainsItAsOrdinaryData) {
@@ -105,10 +109,12 @@ TEST(Regularisation, FullFineTuneTrainsItAsOrdinaryData) {
     const auto schedule = tiny_schedule();
     TrainBatch batch = synthetic_batch();
     auto gen = at::detail::createCPUGenerator(11);
-    const MicroStep ordinary = micro_step(*unet, batch, schedule, StepOptions{}, 0, gen);
+    const MicroStep ordinary =
+        micro_step(*testutil::sdxl_model(unet), batch, schedule, StepOptions{}, 0, gen);
     batch.regularisation = true;
     gen = at::detail::createCPUGenerator(11);
-    const MicroStep regularisation = micro_step(*unet, batch, schedule, StepOptions{}, 0, gen);
+    const MicroStep regularisation =
+        micro_step(*testutil::sdxl_model(unet), batch, schedule, StepOptions{}, 0, gen);
     EXPECT_TRUE(at::equal(regularisation.target, ordinary.target));
     EXPECT_EQ(regularisation.loss.item<double>(), ordinary.loss.item<double>());
     EXPECT_TRUE(at::equal(regularisation.target, reproduce_draws(batch, schedule, 11).noise));

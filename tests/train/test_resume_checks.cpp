@@ -26,7 +26,7 @@ using testutil::tiny_unet;
 constexpr const char* kWeights = "unet/diffusion_pytorch_model.safetensors";
 
 void run_steps(const std::filesystem::path& out, int64_t steps) {
-    Trainer trainer(tiny_config(out, steps), tiny_unet(), tiny_schedule(), synthetic());
+    Trainer trainer(tiny_config(out, steps), testutil::sdxl_model(tiny_unet()), tiny_schedule(), synthetic());
     trainer.run();
 }
 

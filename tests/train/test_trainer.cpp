@@ -31,10 +31,10 @@ TrainConfig config_with(const std::filesystem::path& out, int64_t steps, const s
 }
 
 io::TensorList run_trainer(const TrainConfig& config, TrainResult* result = nullptr) {
-    Trainer trainer(config, tiny_unet(), tiny_schedule(), synthetic());
+    Trainer trainer(config, testutil::sdxl_model(tiny_unet()), tiny_schedule(), synthetic());
     TrainResult r = trainer.run();
     if (result) *result = r;
-    return models::state_dict(*trainer.unet());
+    return models::state_dict(*testutil::unet_of(trainer));
 }
 
 TEST(TrainStep, CaptionDropoutUsesEmptyPromptZeroPooledAndTimeIds) {
@@ -43,17 +43,18 @@ TEST(TrainStep, CaptionDropoutUsesEmptyPromptZeroPooledAndTimeIds) {
     o.batch_size = 64;
     SyntheticBatchSource source(o);
     TrainBatch b = source.next(gen);
-    PromptEmbedding empty{at::full({77, 64}, 7.0), at::ones({32})};
-    const int64_t dropped = apply_caption_dropout(b, empty, 0.5, gen);
+    PromptEmbedding empty{{"prompt_embeds", at::full({77, 64}, 7.0)},
+                          {"pooled_prompt_embeds", at::ones({32})}};
+    const int64_t dropped = apply_caption_dropout(family::sdxl_family(), b, empty, 0.5, gen);
     EXPECT_GT(dropped, 10);
     EXPECT_LT(dropped, 54);
     int64_t seen = 0;
     for (int64_t i = 0; i < 64; ++i) {
-        const bool is_dropped = b.prompt_embeds[i].eq(7.0).all().item<bool>();
+        const bool is_dropped = b.cond.at("prompt_embeds")[i].eq(7.0).all().item<bool>();
         if (!is_dropped) continue;
         ++seen;
-        EXPECT_TRUE(b.pooled_embeds[i].eq(0).all().item<bool>());
-        EXPECT_TRUE(b.time_ids[i].eq(0).all().item<bool>());
+        EXPECT_TRUE(b.cond.at("pooled_prompt_embeds")[i].eq(0).all().item<bool>());
+        EXPECT_TRUE(b.cond.at("time_ids")[i].eq(0).all().item<bool>());
     }
     EXPECT_EQ(seen, dropped);
 }
@@ -74,7 +75,7 @@ TEST(TrainStep, LossFallsOnAFixedBatch) {
     double first = 0, last = 0;
     for (int i = 0; i < 8; ++i) {
         auto gen = at::detail::createCPUGenerator(11);  // same noise and timesteps every step
-        MicroStep m = micro_step(*unet, batch, schedule, so, i, gen);
+        MicroStep m = micro_step(*testutil::sdxl_model(unet), batch, schedule, so, i, gen);
         m.loss.backward();
         opt.step();
         opt.zero_grad();
@@ -131,14 +132,15 @@ TEST(TrainStep, GraphedStepBodyClipsByValueAndSeedsLoRADropout) {
         StepHooks hooks;
         hooks.before_forward = [&] { l->adapters().set_dropout_seed(seed); };
         auto gen = at::detail::createCPUGenerator(11);
-        optimizer_step_async(*l->unet, batch, schedule, o, 0, gen, *l->opt, l->params, kClip, hooks);
+        optimizer_step_async(*testutil::sdxl_model(l->unet), batch, schedule, o, 0, gen, *l->opt, l->params,
+                             kClip, hooks);
         return l;
     };
     auto by_hand = [&] {
         auto l = make();
         l->adapters().set_dropout_seed(7);
         auto gen = at::detail::createCPUGenerator(11);
-        micro_step(*l->unet, batch, schedule, StepOptions{}, 0, gen).loss.backward();
+        micro_step(*testutil::sdxl_model(l->unet), batch, schedule, StepOptions{}, 0, gen).loss.backward();
         for (auto& p : l->params) p.grad().clamp_(-kClip, kClip);
         l->opt->step();
         return l;

@@ -47,7 +47,7 @@ GraphRun train_cuda(const char* warmup, int64_t metrics_interval, const nlohmann
     o.dim = 64;
     o.pooled_dim = 32;
     o.device = c10::Device(c10::kCUDA, 0);
-    Trainer trainer(config, std::move(unet), testutil::tiny_schedule(),
+    Trainer trainer(config, testutil::sdxl_model(unet), testutil::tiny_schedule(),
                     std::make_unique<SyntheticBatchSource>(o));
     auto log = std::make_shared<LossLog>();
     trainer.add_callback(log);

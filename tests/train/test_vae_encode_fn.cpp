@@ -1,4 +1,4 @@
-// The training VAE callable (train::make_vae_encode_fn) on the tiny fixture VAE: each row is the
+// The training VAE callable (family::make_vae_encode_fn) on the tiny fixture VAE: each row is the
 // posterior sample mean + std * eps with eps drawn from a CPU generator seeded by the image's
 // content hash, scaled; so a row does not depend on its batch or position, and the channels-last
 // variant gives the same latents in the standard layout; so does the NHWC GroupNorm.
@@ -9,12 +9,12 @@
 #include <filesystem>
 #include <fstream>
 
+#include "family/data_encoders.h"
 #include "models/common/blocks.h"
 #include "models/vae/autoencoder_kl.h"
 #include "support/test_support.h"
-#include "train/sdxl_data_encoders.h"
 
-namespace dtune::train {
+namespace dtune::family {
 namespace {
 
 class VaeEncodeFnTest : public ::testing::Test {
@@ -115,4 +115,4 @@ TEST(TextEncoderIdentity, FollowsTheEncoderFilesNotTheFolder) {
 }
 
 }  // namespace
-}  // namespace dtune::train
+}  // namespace dtune::family

@@ -9,7 +9,9 @@
 #include <string>
 
 #include "core/fs.h"
+#include "family/sdxl/sdxl_family.h"
 #include "models/common/weights.h"
+#include "models/unet/unet_2d_condition.h"
 #include "support/test_support.h"
 #include "train/trainer.h"
 
@@ -21,6 +23,17 @@ inline std::filesystem::path tiny_model() {
 
 inline models::UNet2DConditionModel tiny_unet() {
     return models::load_unet(tiny_model() / "unet");
+}
+
+// A UNet as the SDXL family's trained network (what Trainer and the step take).
+inline std::unique_ptr<family::Denoiser> sdxl_model(const models::UNet2DConditionModel& unet) {
+    return family::sdxl_family().wrap_denoiser(unet.ptr());
+}
+
+// The trainer's network as the UNet it is (an SDXL run).
+inline models::UNet2DConditionModel unet_of(Trainer& trainer) {
+    return models::UNet2DConditionModel(
+        std::dynamic_pointer_cast<models::UNet2DConditionModelImpl>(trainer.model().module_ptr()));
 }
 
 inline diffusion::NoiseSchedule tiny_schedule() {
@@ -62,7 +75,7 @@ inline std::unique_ptr<BatchSource> synthetic() {
 }
 
 inline std::unique_ptr<Trainer> make_trainer(const TrainConfig& config) {
-    return std::make_unique<Trainer>(config, tiny_unet(), tiny_schedule(), synthetic());
+    return std::make_unique<Trainer>(config, sdxl_model(tiny_unet()), tiny_schedule(), synthetic());
 }
 
 }  // namespace dtune::train::testutil

@@ -12,7 +12,11 @@ images), then:
   (c) the same LoRA trained with `lora_format comfyui`: every key is a `lora_unet_<module>` name
       of a real UNet module as ComfyUI maps them (the module's diffusers path with '.' -> '_',
       `.lora_down.weight` / `.lora_up.weight` / `.alpha`), the tensors equal the diffusers-format
-      run's, and diffusers' own kohya loader gives the same image.
+      run's, and diffusers' own kohya loader gives the same image;
+  (d) Flux (with --ref, the tiny Flux.1 [dev] pipeline of tests/data/ref): a LoRA trained by
+      `dtune train` (model_family flux) loads with FluxPipeline.load_lora_weights, changes the image
+      and gives `dtune sample --lora`'s image; a full fine-tune's `pipeline/` loads with
+      FluxPipeline.from_pretrained holding exactly the exported transformer.
 
 Images are compared as the 8-bit values dtune writes (round(x * 255), as diffusers' numpy_to_pil):
 dtune's float32 pipeline matches diffusers to ~1e-5 on images (tests/validate parity), far below
@@ -20,7 +24,7 @@ dtune's float32 pipeline matches diffusers to ~1e-5 on images (tests/validate pa
 most 1 everywhere and on under 1% of the bytes. The LoRA must change at least 10% of the bytes,
 by more than 2 on at least one, so "LoRA not applied" or "applied at the wrong scale" fails.
 
-Usage: check_diffusers_exports.py --dtune build/dev/bin/dtune --fixtures ../shared/fixtures
+Usage: check_diffusers_exports.py --dtune build/dev/bin/dtune --fixtures ../shared/fixtures [--ref tests/data/ref]
 Exit status 0 when every check passes, 1 otherwise (including missing Python packages).
 """
 import argparse
@@ -35,7 +39,7 @@ try:
     import torch
     from PIL import Image
     from safetensors.torch import load_file
-    from diffusers import StableDiffusionXLPipeline
+    from diffusers import FluxPipeline, StableDiffusionXLPipeline
     import peft  # noqa: F401  load_lora_weights needs diffusers' PEFT backend
 except ImportError as err:
     print(f"check_diffusers_exports: FAIL: Python package missing ({err.name}); "
@@ -189,10 +193,68 @@ def check_lora(args, work, config, log):
     same_image(diffusers_image(pipe), with_lora, "(c) diffusers loading the ComfyUI file vs the diffusers file")
 
 
+def flux_image(pipe):
+    """(8-bit image as dtune writes it, the float image) of FluxPipeline."""
+    image = pipe(PROMPT, num_inference_steps=2, guidance_scale=3.5, height=64, width=64,
+                 max_sequence_length=32, generator=torch.Generator("cpu").manual_seed(SEED),
+                 output_type="np").images[0]
+    return np.round(image * 255).astype(np.int16), image
+
+
+def check_flux(args, work, config, log):
+    import shutil
+    model = os.path.join(work, "tiny-flux")
+    shutil.copytree(os.path.join(args.ref, "tiny-flux-pipeline"), model)
+    shutil.copytree(os.path.join(args.ref, "tiny-flux-vae"), os.path.join(model, "vae"))
+    for part in ("text_encoder", "tokenizer"):
+        shutil.copytree(os.path.join(args.fixtures, "tiny-sdxl", part), os.path.join(model, part))
+    with open(config) as f:
+        cfg = json.load(f)
+    cfg.update({"model_family": "flux", "pretrained_model_name_or_path": model})
+    flux_config = os.path.join(work, "flux_config.json")
+    with open(flux_config, "w") as f:
+        json.dump(cfg, f)
+    backends = json.load(open(cfg["data_backend_config"]))
+    backends[0]["cache_dir_vae"] = os.path.join(work, "cache_vae_flux")
+    backends[1]["cache_dir"] = os.path.join(work, "cache_text_flux")
+    flux_backends = os.path.join(work, "flux_multidatabackend.json")
+    with open(flux_backends, "w") as f:
+        json.dump(backends, f)
+    out = os.path.join(work, "flux_lora")
+    run([args.dtune, "train", "--config", flux_config, "--data_backend_config", flux_backends,
+         "--output_dir", out, "--model_type", "lora", "--lora_rank", "4", "--lora_alpha", "8",
+         "--optimizer", "torch-adamw", "--learning_rate", "1e-1"], log)
+    pipe = FluxPipeline.from_pretrained(model, torch_dtype=torch.float32)
+    _, plain = flux_image(pipe)
+    pipe.load_lora_weights(out)
+    with_lora, with_lora_float = flux_image(pipe)
+    # The tiny Flux VAE flattens most of a change in its latents: compare the float images.
+    changed = np.abs(with_lora_float - plain)
+    check(changed.max() > 1e-3, f"(d) the Flux LoRA changes FluxPipeline's image (by up to {changed.max():.2e})")
+    printed = run([args.dtune, "sample", "--model", model, "--prompt", PROMPT, "--width", "64", "--height", "64",
+                   "--steps", "2", "--guidance", "3.5", "--max_sequence_length", "32", "--seed", str(SEED),
+                   "--device", "cpu", "--output_dir", os.path.join(work, "sample_flux_lora"),
+                   "--lora", os.path.join(out, "pytorch_lora_weights.safetensors"), "--lora_scale", "1"], log)
+    png = [line for line in printed.splitlines() if line.endswith(".png")][0]
+    ours = np.asarray(Image.open(png).convert("RGB")).astype(np.int16)
+    same_image(with_lora, ours, "(d) FluxPipeline.load_lora_weights vs dtune sample --lora")
+
+    full = os.path.join(work, "flux_full")
+    run([args.dtune, "train", "--config", flux_config, "--data_backend_config", flux_backends,
+         "--output_dir", full, "--model_type", "full", "--optimizer", "torch-adamw", "--learning_rate", "1e-3"],
+        log)
+    exported = load_file(os.path.join(full, "pipeline", "transformer", "diffusion_pytorch_model.safetensors"))
+    loaded = FluxPipeline.from_pretrained(os.path.join(full, "pipeline"), torch_dtype=torch.float32)
+    state = loaded.transformer.state_dict()
+    check(set(exported) == set(state) and all(torch.equal(state[k], exported[k].float()) for k in exported),
+          f"(d) FluxPipeline.from_pretrained(pipeline/) holds exactly the {len(exported)} exported tensors")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtune", required=True)
     parser.add_argument("--fixtures", required=True)
+    parser.add_argument("--ref", help="tests/data/ref: adds the Flux checks (d)")
     parser.add_argument("--keep", help="work in this folder and keep it")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -203,6 +265,8 @@ def main():
     config = write_workspace(work, args.fixtures)
     check_lora(args, work, config, log)
     check_full(args, work, config, log)
+    if args.ref:
+        check_flux(args, work, config, log)
     if failures:
         print(f"check_diffusers_exports: {len(failures)} check(s) failed; dtune's log: {log}", file=sys.stderr)
         return 1

@@ -13,7 +13,12 @@
 namespace dtune::models {
 
 LoRAAdapters apply_lora_file(torch::nn::Module& unet, const std::filesystem::path& file, double strength) {
-    DTUNE_CHECK_AS(UsageError, std::isfinite(strength), "LoRA strength ", strength, " for ", file.string(),
+    return apply_lora(unet, LoRATensors::read(file), strength);
+}
+
+LoRAAdapters apply_lora(torch::nn::Module& unet, const LoRATensors& lora, double strength) {
+    const std::string& file = lora.origin;
+    DTUNE_CHECK_AS(UsageError, std::isfinite(strength), "LoRA strength ", strength, " for ", file,
                    " is not a finite number; use e.g. 1.0");
     std::map<std::string, torch::nn::Module*> layers;
     std::vector<std::string> names;
@@ -24,7 +29,7 @@ LoRAAdapters apply_lora_file(torch::nn::Module& unet, const std::filesystem::pat
             names.push_back(item.key());
         }
     }
-    const std::vector<LoRAFileModule> modules = lora_file_modules(file, names);
+    const std::vector<LoRAFileModule> modules = lora_file_modules(lora, names);
 
     LoRAConfig config;  // dropout 0, no rslora: inference
     config.target_modules.clear();
@@ -52,10 +57,9 @@ LoRAAdapters apply_lora_file(torch::nn::Module& unet, const std::filesystem::pat
         "the adapters were built from the file's own ranks, so its layers have other sizes than this "
         "model's: the LoRA was made for another model (e.g. SD 1.5 or another UNet size); pass a LoRA "
         "trained on this model";
-    load_lora(adapters, file, load);
+    load_lora(adapters, lora, load);
     for (const auto& e : adapters.entries()) e.layer->set_scale(e.layer->scale() * strength);
-    log::info() << "LoRA " << file.string() << ": " << adapters.size() << " UNet layers at strength "
-                << strength;
+    log::info() << "LoRA " << file << ": " << adapters.size() << " layers at strength " << strength;
     return adapters;
 }
 

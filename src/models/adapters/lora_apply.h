@@ -13,6 +13,7 @@
 #include <filesystem>
 
 #include "models/adapters/lora.h"
+#include "models/adapters/lora_io.h"
 
 namespace torch::nn {
 class Module;
@@ -24,5 +25,7 @@ namespace dtune::models {
 // do not fit; UsageError when a named layer already carries an adapter.
 LoRAAdapters apply_lora_file(torch::nn::Module& unet, const std::filesystem::path& file,
                              double strength = 1.0);
+// The same for tensors already read (or converted from another key layout, models/flux/flux_lora.h).
+LoRAAdapters apply_lora(torch::nn::Module& model, const LoRATensors& lora, double strength = 1.0);
 
 }  // namespace dtune::models

@@ -153,12 +153,12 @@ std::string kohya_lora_name(const std::string& module) {
 namespace {
 
 // Groups the file's UNet tensors by adapted module; unknown keys go to `unmatched`.
-std::map<std::string, ModuleTensors> group_keys(const LoRAAdapters& adapters, const io::SafetensorsFile& f,
+std::map<std::string, ModuleTensors> group_keys(const LoRAAdapters& adapters, const LoRATensors& lora,
                                                 std::vector<std::string>& unmatched, LoRALoadReport& report) {
     std::map<std::string, std::string> by_kohya;  // "down_blocks_1_..._to_k" -> dotted module
     for (const auto& e : adapters.entries()) by_kohya[kohya_lora_name(e.module).substr(10)] = e.module;
     std::map<std::string, ModuleTensors> grouped;
-    for (const std::string& key : f.keys()) {
+    for (const auto& [key, t] : lora.tensors) {
         if (is_text_encoder_key(key)) {
             ++report.text_encoder_keys_skipped;
             continue;
@@ -180,7 +180,6 @@ std::map<std::string, ModuleTensors> group_keys(const LoRAAdapters& adapters, co
         }
         ModuleTensors& m = grouped[module];
         m.keys.push_back(key);
-        at::Tensor t = f.get(key);
         switch (parsed->part) {
             case Part::kDown: m.down = t; break;
             case Part::kUp: m.up = t; break;
@@ -248,13 +247,24 @@ void check_finite(const std::map<std::string, ModuleTensors>& grouped, const std
 
 }  // namespace
 
+LoRATensors LoRATensors::read(const std::filesystem::path& file) {
+    const io::SafetensorsFile f(file);
+    LoRATensors lora{file.string(), {}, f.metadata(), ""};
+    for (const std::string& key : f.keys()) lora.tensors.emplace_back(key, f.get(key));
+    return lora;
+}
+
 LoRALoadReport load_lora(LoRAAdapters& adapters, const std::filesystem::path& file,
                          const LoRALoadOptions& options) {
-    const io::SafetensorsFile f(file);
+    return load_lora(adapters, LoRATensors::read(file), options);
+}
+
+LoRALoadReport load_lora(LoRAAdapters& adapters, const LoRATensors& lora, const LoRALoadOptions& options) {
     LoRALoadReport report;
     std::vector<std::string> unmatched, errors, missing;
-    auto grouped = group_keys(adapters, f, unmatched, report);
-    const std::string where = file.string();
+    auto grouped = group_keys(adapters, lora, unmatched, report);
+    if (!lora.layout.empty()) report.format = lora.layout;
+    const std::string& where = lora.origin;
     if (!unmatched.empty())
         throw DataError(
             str(where, ": ", unmatched.size(), " key(s) match no LoRA-adapted module of the UNet:",
@@ -276,7 +286,7 @@ LoRALoadReport load_lora(LoRAAdapters& adapters, const std::filesystem::path& fi
                             joined(missing), "\n  restrict the LoRA target modules to the file's modules"));
 
     check_finite(grouped, where);
-    const nlohmann::json meta = adapter_metadata(f.metadata(), file);
+    const nlohmann::json meta = adapter_metadata(lora.metadata, lora.origin);
     torch::NoGradGuard no_grad;
     for (auto& [module, m] : grouped) {
         LoRALayer& layer = *adapters.find(module);
@@ -310,13 +320,18 @@ LoRALoadReport load_lora(LoRAAdapters& adapters, const std::filesystem::path& fi
 
 std::vector<LoRAFileModule> lora_file_modules(const std::filesystem::path& file,
                                               const std::vector<std::string>& module_names) {
-    const io::SafetensorsFile f(file);
+    return lora_file_modules(LoRATensors::read(file), module_names);
+}
+
+std::vector<LoRAFileModule> lora_file_modules(const LoRATensors& lora,
+                                              const std::vector<std::string>& module_names) {
+    const std::string& file = lora.origin;
     std::map<std::string, std::string> by_kohya;  // "down_blocks_1_..._to_k" -> dotted module
     for (const auto& m : module_names) by_kohya[kohya_lora_name(m).substr(10)] = m;
     const std::set<std::string> known(module_names.begin(), module_names.end());
     std::map<std::string, LoRAFileModule> found;
     std::vector<std::string> unmatched;
-    for (const std::string& key : f.keys()) {
+    for (const auto& [key, t] : lora.tensors) {
         if (is_text_encoder_key(key)) continue;
         const auto parsed = parse_key(key);
         std::string module;
@@ -331,20 +346,20 @@ std::vector<LoRAFileModule> lora_file_modules(const std::filesystem::path& file,
         }
         LoRAFileModule& m = found[module];
         m.module = module;
-        if (parsed->part == Part::kDown) m.rank = f.info(key).shape.at(0);
+        if (parsed->part == Part::kDown) m.rank = t.dim() > 0 ? t.size(0) : 0;
         if (parsed->part == Part::kMagnitude || parsed->part == Part::kDoraScale) m.dora = true;
     }
     DTUNE_CHECK_AS(
-        DataError, unmatched.empty(), file.string(), ": ", unmatched.size(),
+        DataError, unmatched.empty(), file, ": ", unmatched.size(),
         " key(s) name no layer of the UNet:", joined(unmatched),
         "\n  the file must be an SDXL UNet LoRA in diffusers, PEFT or kohya (lora_unet_...) layout");
     std::vector<LoRAFileModule> out;
     for (auto& [name, m] : found) {
-        DTUNE_CHECK_AS(DataError, m.rank > 0, file.string(), ": module ", name,
+        DTUNE_CHECK_AS(DataError, m.rank > 0, file, ": module ", name,
                        " has no down (lora_A / lora_down) weight; the file is incomplete");
         out.push_back(m);
     }
-    DTUNE_CHECK_AS(DataError, !out.empty(), file.string(),
+    DTUNE_CHECK_AS(DataError, !out.empty(), file,
                    " holds no UNet LoRA weights (only text-encoder keys, or no LoRA keys at all)");
     return out;
 }
@@ -357,7 +372,7 @@ at::Tensor for_file(const at::Tensor& t, std::optional<c10::ScalarType> dtype) {
 }
 
 // r / lora_alpha for the whole file plus per-module patterns where a layer differs (PEFT's form).
-nlohmann::json diffusers_metadata(const LoRAAdapters& adapters) {
+nlohmann::json diffusers_metadata(const LoRAAdapters& adapters, const std::string& prefix) {
     const auto& first = *adapters.entries().front().layer;
     nlohmann::json rank_pattern = nlohmann::json::object(), alpha_pattern = nlohmann::json::object();
     for (const auto& e : adapters.entries()) {
@@ -365,37 +380,42 @@ nlohmann::json diffusers_metadata(const LoRAAdapters& adapters) {
         if (e.layer->alpha() != first.alpha()) alpha_pattern[e.module] = e.layer->alpha();
     }
     const auto& c = adapters.config();
-    nlohmann::json meta = {{"unet.r", first.rank()},
-                           {"unet.lora_alpha", first.alpha()},
-                           {"unet.use_dora", first.use_dora()},
-                           {"unet.use_rslora", c.use_rslora},
+    nlohmann::json meta = {{prefix + ".r", first.rank()},
+                           {prefix + ".lora_alpha", first.alpha()},
+                           {prefix + ".use_dora", first.use_dora()},
+                           {prefix + ".use_rslora", c.use_rslora},
                            // 0, not the training value: diffusers + PEFT leave the Dropout they inject
                            // in training mode after load_lora_weights, so a non-zero value would drop
                            // adapter activations at random in every generation (found by
                            // tools/ref/check_diffusers_exports.py). Dropout is training-only.
-                           {"unet.lora_dropout", 0.0}};
+                           {prefix + ".lora_dropout", 0.0}};
     if (!c.target_regex.empty())
-        meta["unet.target_modules"] = c.target_regex;
+        meta[prefix + ".target_modules"] = c.target_regex;
     else
-        meta["unet.target_modules"] = c.target_modules;
-    if (!rank_pattern.empty()) meta["unet.rank_pattern"] = rank_pattern;
-    if (!alpha_pattern.empty()) meta["unet.alpha_pattern"] = alpha_pattern;
+        meta[prefix + ".target_modules"] = c.target_modules;
+    if (!rank_pattern.empty()) meta[prefix + ".rank_pattern"] = rank_pattern;
+    if (!alpha_pattern.empty()) meta[prefix + ".alpha_pattern"] = alpha_pattern;
     return meta;
 }
 
 }  // namespace
 
 void save_lora(const LoRAAdapters& adapters, const std::filesystem::path& file, LoRAFormat format,
-               std::optional<c10::ScalarType> dtype) {
+               std::optional<c10::ScalarType> dtype, const std::string& prefix) {
     DTUNE_CHECK_AS(UsageError, adapters.size() > 0, "save_lora: no adapters to save to ", file.string());
     io::TensorList tensors;
     io::Metadata metadata{{"format", "pt"}};
     for (const auto& e : adapters.entries()) {
         LoRALayer& layer = *e.layer;
         if (format == LoRAFormat::kDiffusers) {
-            const std::string base = "unet." + e.module;
-            tensors.emplace_back(base + ".lora.down.weight", for_file(layer.down(), dtype));
-            tensors.emplace_back(base + ".lora.up.weight", for_file(layer.up(), dtype));
+            // SDXL keeps diffusers' UNet names (.lora.down/.lora.up); other components are written
+            // as diffusers' save_lora_weights writes them today, in PEFT's names (.lora_A/.lora_B).
+            const std::string base = prefix + "." + e.module;
+            const bool peft = prefix != "unet";
+            tensors.emplace_back(base + (peft ? ".lora_A.weight" : ".lora.down.weight"),
+                                 for_file(layer.down(), dtype));
+            tensors.emplace_back(base + (peft ? ".lora_B.weight" : ".lora.up.weight"),
+                                 for_file(layer.up(), dtype));
             if (layer.use_dora())
                 tensors.emplace_back(base + ".lora_magnitude_vector", for_file(layer.magnitude(), dtype));
         } else {
@@ -415,7 +435,7 @@ void save_lora(const LoRAAdapters& adapters, const std::filesystem::path& file, 
         }
     }
     if (format == LoRAFormat::kDiffusers) {
-        metadata["lora_adapter_metadata"] = diffusers_metadata(adapters).dump();
+        metadata["lora_adapter_metadata"] = diffusers_metadata(adapters, prefix).dump();
     } else {
         const auto& first = *adapters.entries().front().layer;
         metadata["ss_network_module"] = "networks.lora";

@@ -13,13 +13,16 @@
 // adapted. Keys that match no adapted module, shape (rank) mismatches and adapted modules the
 // file does not cover are DataErrors listing the keys.
 //
-// Write (save_lora): pytorch_lora_weights.safetensors in diffusers' layout (the first form above,
-// plus `format: pt` and `lora_adapter_metadata` so diffusers' load_lora_weights gets alpha), or
+// Write (save_lora): pytorch_lora_weights.safetensors in diffusers' layout (the first form above
+// for SDXL's unet; PEFT's lora_A/lora_B names under "transformer." for Flux, as FluxPipeline's
+// save_lora_weights writes them), plus `format: pt` and `lora_adapter_metadata` so diffusers'
+// load_lora_weights gets alpha; or
 // kohya/ComfyUI keys with a float32 `.alpha` per module (DoRA magnitudes as `.dora_scale`).
 #pragma once
 
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "models/adapters/lora.h"
 
@@ -44,15 +47,30 @@ struct LoRALoadReport {
     std::string format;  // "diffusers", "peft", "kohya"
 };
 
+// A LoRA's tensors and metadata: a file's as stored (zero-copy views of the mapping), or converted
+// to one of the layouts above from another (Flux's kohya / Black Forest Labs files,
+// models/flux/flux_lora.h). `origin` names the file in messages.
+struct LoRATensors {
+    std::string origin;
+    io::TensorList tensors;
+    io::Metadata metadata;
+    std::string layout;  // the file's own layout when converted ("kohya/ComfyUI"), for logs; "" = as read
+
+    static LoRATensors read(const std::filesystem::path& file);
+};
+
 // Copies the file's factors (and alphas, magnitudes) into already-injected adapters. The
 // adapters must not be merged.
 LoRALoadReport load_lora(LoRAAdapters& adapters, const std::filesystem::path& file,
                          const LoRALoadOptions& options = {});
+LoRALoadReport load_lora(LoRAAdapters& adapters, const LoRATensors& lora,
+                         const LoRALoadOptions& options = {});
 
 // Writes the adapters to `file` (normally <dir>/pytorch_lora_weights.safetensors). `dtype`
-// converts the tensors (kFloat keeps float32; the adapters' own dtype when nullopt).
+// converts the tensors (kFloat keeps float32; the adapters' own dtype when nullopt). `prefix` is
+// the diffusers component the keys and metadata name ("unet" for SDXL, "transformer" for Flux).
 void save_lora(const LoRAAdapters& adapters, const std::filesystem::path& file, LoRAFormat format,
-               std::optional<c10::ScalarType> dtype = std::nullopt);
+               std::optional<c10::ScalarType> dtype = std::nullopt, const std::string& prefix = "unet");
 
 // The kohya name of a module: "lora_unet_" + dotted name with '.' -> '_'.
 std::string kohya_lora_name(const std::string& module);
@@ -67,6 +85,8 @@ struct LoRAFileModule {
     bool dora = false;
 };
 std::vector<LoRAFileModule> lora_file_modules(const std::filesystem::path& file,
+                                              const std::vector<std::string>& module_names);
+std::vector<LoRAFileModule> lora_file_modules(const LoRATensors& lora,
                                               const std::vector<std::string>& module_names);
 
 }  // namespace dtune::models

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <map>
+#include <type_traits>
 
 #include "core/error.h"
 #include "io/ldm_keys.h"
@@ -18,6 +19,31 @@ std::string clip_text_key_to_module(const std::string& key) {
     if (key.ends_with("embeddings.position_ids")) return "";  // a non-persistent buffer in transformers
     if (key.rfind("text_model.", 0) == 0 || key.rfind("text_projection.", 0) == 0) return key;
     return "text_model." + key;
+}
+
+std::optional<std::string> clip_text_file_prefix(const std::vector<std::string>& keys,
+                                                 const std::string& origin) {
+    static const std::string kProbe = "encoder.layers.0.self_attn.q_proj.weight";
+    std::vector<std::string> found;
+    for (const auto& key : keys) {
+        if (!key.ends_with(kProbe)) continue;
+        std::string prefix = key.substr(0, key.size() - kProbe.size());
+        if (prefix.ends_with("vision_model.")) continue;  // a CLIPModel's image tower
+        if (prefix.ends_with("text_model.")) prefix.resize(prefix.size() - 11);
+        if (prefix.empty() || prefix.back() == '.') found.push_back(prefix);
+    }
+    if (found.size() > 1) {
+        std::vector<std::string> clip_l;
+        for (const auto& p : found)
+            if (p.find("clip_l") != std::string::npos) clip_l.push_back(p);
+        if (clip_l.size() == 1) return clip_l.front();
+        std::string all;
+        for (const auto& p : found) all += " '" + p + "'";
+        throw DataError(str(origin, " holds several CLIP text encoders (under", all,
+                            "), none of them named clip_l; pass a file with one CLIP-L text encoder"));
+    }
+    if (found.empty()) return std::nullopt;
+    return found.front();
 }
 
 namespace {
@@ -48,7 +74,26 @@ Module load_text_encoder(const stdfs::path& dir, const TextEncoderLoadOptions& o
     load.rename = clip_text_key_to_module;
     load.dtype = options.dtype.value_or(at::kFloat);
     load.device = options.device;
-    load_weights(*module, open_text_encoder_weights(dir), load, str(class_name, " from ", dir.string()));
+    if (options.single_file) {
+        const std::string origin = options.single_file->string();
+        const io::WeightSource file = io::WeightSource::open(*options.single_file);
+        const auto prefix = clip_text_file_prefix(file.keys(), origin);
+        DTUNE_CHECK_AS(DataError, prefix.has_value(), origin,
+                       " holds no CLIP text encoder in transformers' layout (no key ends with "
+                       "'encoder.layers.0.self_attn.q_proj.weight'); pass ComfyUI's clip_l.safetensors or "
+                       "a transformers CLIPTextModel model.safetensors");
+        load.prefix = *prefix;
+        // CLIPTextModelWithProjection's projection and CLIP's contrastive temperature: saved by
+        // ComfyUI and OpenAI-derived files, not part of CLIPTextModel (transformers skips them too).
+        constexpr bool kProjection = std::is_same_v<Module, CLIPTextModelWithProjection>;
+        load.rename = [](const std::string& key) -> std::string {
+            if (key == "logit_scale" || (!kProjection && key.rfind("text_projection", 0) == 0)) return "";
+            return clip_text_key_to_module(key);
+        };
+        load_weights(*module, file, load, str(class_name, " from ", origin));
+    } else {
+        load_weights(*module, open_text_encoder_weights(dir), load, str(class_name, " from ", dir.string()));
+    }
     module->eval();
     return module;
 }

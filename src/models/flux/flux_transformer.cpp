@@ -332,6 +332,56 @@ FluxTransformerConfig flux_config_from_bfl(const io::WeightSource& file, const s
     return c;
 }
 
+int64_t FluxBflLinear::out_features() const {
+    int64_t rows = 0;
+    for (const auto& part : parts) rows += part.second;
+    return rows;
+}
+
+std::vector<FluxBflLinear> flux_bfl_linear_layers(const FluxTransformerConfig& c) {
+    const int64_t d = c.inner_dim(), mlp = 4 * d;
+    std::vector<FluxBflLinear> out;
+    const auto add = [&](std::string bfl, int64_t in, std::vector<std::pair<std::string, int64_t>> parts) {
+        out.push_back({std::move(bfl), in, std::move(parts), false});
+    };
+    add("time_in.in_layer", 256, {{"time_text_embed.timestep_embedder.linear_1", d}});
+    add("time_in.out_layer", d, {{"time_text_embed.timestep_embedder.linear_2", d}});
+    add("vector_in.in_layer", c.pooled_projection_dim, {{"time_text_embed.text_embedder.linear_1", d}});
+    add("vector_in.out_layer", d, {{"time_text_embed.text_embedder.linear_2", d}});
+    if (c.guidance_embeds) {
+        add("guidance_in.in_layer", 256, {{"time_text_embed.guidance_embedder.linear_1", d}});
+        add("guidance_in.out_layer", d, {{"time_text_embed.guidance_embedder.linear_2", d}});
+    }
+    add("txt_in", c.joint_attention_dim, {{"context_embedder", d}});
+    add("img_in", c.in_channels, {{"x_embedder", d}});
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+        const std::string to = str("transformer_blocks.", i, "."), from = str("double_blocks.", i, ".");
+        add(from + "img_mod.lin", d, {{to + "norm1.linear", 6 * d}});
+        add(from + "txt_mod.lin", d, {{to + "norm1_context.linear", 6 * d}});
+        add(from + "img_attn.qkv", d, {{to + "attn.to_q", d}, {to + "attn.to_k", d}, {to + "attn.to_v", d}});
+        add(from + "txt_attn.qkv", d,
+            {{to + "attn.add_q_proj", d}, {to + "attn.add_k_proj", d}, {to + "attn.add_v_proj", d}});
+        add(from + "img_attn.proj", d, {{to + "attn.to_out.0", d}});
+        add(from + "txt_attn.proj", d, {{to + "attn.to_add_out", d}});
+        add(from + "img_mlp.0", d, {{to + "ff.net.0.proj", mlp}});
+        add(from + "img_mlp.2", mlp, {{to + "ff.net.2", d}});
+        add(from + "txt_mlp.0", d, {{to + "ff_context.net.0.proj", mlp}});
+        add(from + "txt_mlp.2", mlp, {{to + "ff_context.net.2", d}});
+    }
+    for (int64_t i = 0; i < c.num_single_layers; ++i) {
+        const std::string to = str("single_transformer_blocks.", i, "."),
+                          from = str("single_blocks.", i, ".");
+        add(from + "modulation.lin", d, {{to + "norm.linear", 3 * d}});
+        add(from + "linear1", d,
+            {{to + "attn.to_q", d}, {to + "attn.to_k", d}, {to + "attn.to_v", d}, {to + "proj_mlp", mlp}});
+        add(from + "linear2", d + mlp, {{to + "proj_out", d}});
+    }
+    add("final_layer.linear", d, {{"proj_out", c.patch_size * c.patch_size * c.out_channels}});
+    add("final_layer.adaLN_modulation.1", d, {{"norm_out.linear", 2 * d}});
+    out.back().swap_halves = true;
+    return out;
+}
+
 io::TensorList flux_bfl_to_diffusers(const io::WeightSource& file, const FluxTransformerConfig& c,
                                      const std::string& origin) {
     const BflKeys k(file);
@@ -341,63 +391,41 @@ io::TensorList flux_bfl_to_diffusers(const io::WeightSource& file, const FluxTra
                        " is missing; the file is incomplete or not a Flux transformer");
         return file.get(k.prefix + key);
     };
-    const auto copy = [&](const std::string& to, const std::string& from) {
-        for (const char* part : {".weight", ".bias"}) out.emplace_back(to + part, get(from + part));
-    };
-    // Rows [lo, lo + n) of a fused weight and its bias under a diffusers name.
-    const auto rows = [&](const std::string& to, const std::string& from, int64_t lo, int64_t n) {
-        for (const char* part : {".weight", ".bias"})
-            out.emplace_back(to + part, get(from + part).narrow(0, lo, n));
-    };
-    const int64_t d = c.inner_dim(), mlp = 4 * d;
-    copy("time_text_embed.timestep_embedder.linear_1", "time_in.in_layer");
-    copy("time_text_embed.timestep_embedder.linear_2", "time_in.out_layer");
-    copy("time_text_embed.text_embedder.linear_1", "vector_in.in_layer");
-    copy("time_text_embed.text_embedder.linear_2", "vector_in.out_layer");
-    if (c.guidance_embeds) {
-        copy("time_text_embed.guidance_embedder.linear_1", "guidance_in.in_layer");
-        copy("time_text_embed.guidance_embedder.linear_2", "guidance_in.out_layer");
-    }
-    copy("context_embedder", "txt_in");
-    copy("x_embedder", "img_in");
-    for (int64_t i = 0; i < c.num_layers; ++i) {
-        const std::string to = str("transformer_blocks.", i, "."), from = str("double_blocks.", i, ".");
-        copy(to + "norm1.linear", from + "img_mod.lin");
-        copy(to + "norm1_context.linear", from + "txt_mod.lin");
-        const char* image[] = {"to_q", "to_k", "to_v"};
-        const char* text[] = {"add_q_proj", "add_k_proj", "add_v_proj"};
-        for (int j = 0; j < 3; ++j) {
-            rows(to + "attn." + image[j], from + "img_attn.qkv", j * d, d);
-            rows(to + "attn." + text[j], from + "txt_attn.qkv", j * d, d);
+    for (const FluxBflLinear& layer : flux_bfl_linear_layers(c))
+        for (const std::string part : {".weight", ".bias"}) {
+            at::Tensor t = get(layer.bfl + part);
+            DTUNE_CHECK_AS(DataError, t.dim() >= 1 && t.size(0) == layer.out_features(), origin, ": ",
+                           k.prefix + layer.bfl + part, " has shape ", t.sizes(), " but this config needs ",
+                           layer.out_features(),
+                           " rows; the file belongs to another Flux size (check the "
+                           "config folder)");
+            if (layer.swap_halves) {
+                const auto halves = t.chunk(2, 0);
+                t = at::cat({halves[1], halves[0]}, 0);
+            }
+            if (layer.parts.size() == 1) {
+                out.emplace_back(layer.parts.front().first + part, t);  // a view of the file, as it is
+                continue;
+            }
+            int64_t lo = 0;
+            for (const auto& [name, rows] : layer.parts) {
+                out.emplace_back(name + part, t.narrow(0, lo, rows));
+                lo += rows;
+            }
         }
-        out.emplace_back(to + "attn.norm_q.weight", get(from + "img_attn.norm.query_norm.scale"));
-        out.emplace_back(to + "attn.norm_k.weight", get(from + "img_attn.norm.key_norm.scale"));
-        out.emplace_back(to + "attn.norm_added_q.weight", get(from + "txt_attn.norm.query_norm.scale"));
-        out.emplace_back(to + "attn.norm_added_k.weight", get(from + "txt_attn.norm.key_norm.scale"));
-        copy(to + "ff.net.0.proj", from + "img_mlp.0");
-        copy(to + "ff.net.2", from + "img_mlp.2");
-        copy(to + "ff_context.net.0.proj", from + "txt_mlp.0");
-        copy(to + "ff_context.net.2", from + "txt_mlp.2");
-        copy(to + "attn.to_out.0", from + "img_attn.proj");
-        copy(to + "attn.to_add_out", from + "txt_attn.proj");
+    // The per-head q/k RMSNorm scales.
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+        const std::string to = str("transformer_blocks.", i, ".attn."), from = str("double_blocks.", i, ".");
+        out.emplace_back(to + "norm_q.weight", get(from + "img_attn.norm.query_norm.scale"));
+        out.emplace_back(to + "norm_k.weight", get(from + "img_attn.norm.key_norm.scale"));
+        out.emplace_back(to + "norm_added_q.weight", get(from + "txt_attn.norm.query_norm.scale"));
+        out.emplace_back(to + "norm_added_k.weight", get(from + "txt_attn.norm.key_norm.scale"));
     }
     for (int64_t i = 0; i < c.num_single_layers; ++i) {
-        const std::string to = str("single_transformer_blocks.", i, "."),
+        const std::string to = str("single_transformer_blocks.", i, ".attn."),
                           from = str("single_blocks.", i, ".");
-        copy(to + "norm.linear", from + "modulation.lin");
-        rows(to + "attn.to_q", from + "linear1", 0, d);
-        rows(to + "attn.to_k", from + "linear1", d, d);
-        rows(to + "attn.to_v", from + "linear1", 2 * d, d);
-        rows(to + "proj_mlp", from + "linear1", 3 * d, mlp);
-        out.emplace_back(to + "attn.norm_q.weight", get(from + "norm.query_norm.scale"));
-        out.emplace_back(to + "attn.norm_k.weight", get(from + "norm.key_norm.scale"));
-        copy(to + "proj_out", from + "linear2");
-    }
-    copy("proj_out", "final_layer.linear");
-    // BFL's final AdaLN splits into (shift, scale); diffusers' norm_out into (scale, shift).
-    for (const char* part : {".weight", ".bias"}) {
-        const auto halves = get(std::string("final_layer.adaLN_modulation.1") + part).chunk(2, 0);
-        out.emplace_back(std::string("norm_out.linear") + part, at::cat({halves[1], halves[0]}, 0));
+        out.emplace_back(to + "norm_q.weight", get(from + "norm.query_norm.scale"));
+        out.emplace_back(to + "norm_k.weight", get(from + "norm.key_norm.scale"));
     }
     return out;
 }

@@ -20,6 +20,8 @@
 #include <torch/nn/modules/container/modulelist.h>
 
 #include <filesystem>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "io/safetensors.h"
@@ -150,6 +152,22 @@ at::Tensor flux_image_ids(int64_t latent_height, int64_t latent_width);
 // read from the file.
 FluxTransformer2DModel load_flux_transformer(const std::filesystem::path& dir,
                                              const ComponentLoadOptions& options = {});
+
+// One Linear layer of Black Forest Labs' layout and the diffusers layers its output rows become, in
+// order: fused q/k/v (double_blocks.N.{img,txt}_attn.qkv) and single_blocks.N.linear1 (q, k, v, MLP
+// in) are split by rows; the final AdaLN's rows are (shift, scale) in BFL's layout and (scale,
+// shift) in diffusers'. The one table behind the weight map and the Flux LoRA key map
+// (models/flux/flux_lora.h).
+struct FluxBflLinear {
+    std::string bfl;  // "double_blocks.0.img_attn.qkv"
+    int64_t in_features = 0;
+    std::vector<std::pair<std::string, int64_t>> parts;  // (diffusers layer, rows)
+    bool swap_halves = false;                            // final_layer.adaLN_modulation.1
+
+    int64_t out_features() const;
+};
+// Every Linear layer of a transformer with this config, embedders first, then the blocks in order.
+std::vector<FluxBflLinear> flux_bfl_linear_layers(const FluxTransformerConfig& config);
 
 // The diffusers-named tensors of a BFL-layout Flux transformer file (what diffusers'
 // convert_flux_transformer_checkpoint_to_diffusers computes): fused q/k/v and linear1 rows split,

@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "models/common/layers.h"
+#include "models/common/weights.h"
 
 namespace dtune::models {
 
@@ -194,6 +195,36 @@ at::Tensor run_tiled(const at::Tensor& x, int64_t tile, double overlap, double s
     return out.narrow(2, 0, std::min(out_h, out.size(2))).narrow(3, 0, std::min(out_w, out.size(3)));
 }
 
+namespace {
+
+// A VAE single file: first checks that its latent channels are the config's (Flux's VAE has 16, SD's
+// 4, and the two are easily confused), then loads it here when it is in diffusers' own layout (a
+// vae/ folder's weights). Returns false for an ldm-layout file, which load_component_weights maps.
+bool load_vae_file_in_diffusers_layout(AutoencoderKLImpl& model, const ComponentLoadOptions& options) {
+    const std::string origin = options.single_file->string();
+    const io::WeightSource file = io::WeightSource::open(*options.single_file);
+    const auto ldm = io::ldm_vae_prefix(file.keys());
+    const std::string conv_in = ldm.value_or("") + "decoder.conv_in.weight";
+    if (file.contains(conv_in) && file.info(conv_in).shape.size() == 4) {
+        const int64_t channels = file.info(conv_in).shape[1];
+        DTUNE_CHECK_AS(
+            DataError, channels == model.config().latent_channels, origin, ": the VAE decodes ", channels,
+            " latent channels (", conv_in, ") but the model's VAE config has ",
+            model.config().latent_channels,
+            " (Flux.1's VAE has 16, SD and SDXL's 4); pass the VAE file that belongs to this model");
+    }
+    if (ldm || !file.contains("decoder.mid_block.resnets.0.conv1.weight")) return false;
+    model.to(options.device, options.dtype);
+    LoadOptions load;
+    load.dtype = options.dtype;
+    load.device = options.device;
+    load_weights(model, file, load, str("VAE from ", origin));
+    if (options.channels_last) convert_to_channels_last(model);
+    return true;
+}
+
+}  // namespace
+
 AutoencoderKL load_autoencoder_kl(const std::filesystem::path& dir, const ComponentLoadOptions& options) {
     const auto config = AutoencoderKLConfig::from_json(component_config(dir, options, "VAE"));
     ComponentLoadOptions load = options;
@@ -209,6 +240,7 @@ AutoencoderKL load_autoencoder_kl(const std::filesystem::path& dir, const Compon
     }
     io::LdmLayout layout;
     layout.vae_num_blocks = static_cast<int>(model->config().block_out_channels.size());
+    if (load.single_file && load_vae_file_in_diffusers_layout(*model, load)) return model;
     load_component_weights(*model, dir, load, "VAE", io::LdmComponent::kVAE, layout);
     return model;
 }

@@ -83,6 +83,9 @@ TORCH_MODULE(AutoencoderKL);
 
 // Builds from `<dir>/config.json` (or options.config) and loads the weights (as load_unet). With force_upcast
 // and dtype fp16 the weights stay fp32 (logged), matching diffusers pipelines' upcast of the SDXL VAE.
+// options.single_file: the ldm-layout VAE of an SD/SDXL checkpoint (first_stage_model.), of a ComfyUI
+// Flux checkpoint (vae.) or a VAE file on its own (Black Forest Labs' ae.safetensors, no prefix), or a
+// VAE file in diffusers' layout; a file whose latent channels differ from the config's is a DataError.
 AutoencoderKL load_autoencoder_kl(const std::filesystem::path& dir, const ComponentLoadOptions& options = {});
 
 // Runs fn over overlapping tiles of x [B, C, H, W] and blends them (exposed for tests). The

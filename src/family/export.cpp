@@ -1,5 +1,5 @@
 // Full fine-tune exports (see export.h).
-#include "train/export.h"
+#include "family/export.h"
 
 #include <torch/nn/module.h>
 
@@ -13,7 +13,7 @@
 #include "models/common/pipeline_folder.h"
 #include "models/common/weights.h"
 
-namespace dtune::train {
+namespace dtune::family {
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -69,18 +69,19 @@ std::size_t link_or_copy_tree(const stdfs::path& from, const stdfs::path& to) {
     return copied;
 }
 
-void export_pipeline(const stdfs::path& base_model_dir, const torch::nn::Module& unet,
-                     const stdfs::path& out_dir, const std::optional<stdfs::path>& vae_dir) {
+void export_pipeline(const stdfs::path& base_model_dir, const torch::nn::Module& network,
+                     const std::string& network_folder, const stdfs::path& out_dir,
+                     const std::optional<stdfs::path>& vae_dir) {
     const auto base = models::PipelineFolder::open(base_model_dir);
     const stdfs::path tmp = out_dir.string() + ".tmp";
     stdfs::remove_all(tmp);
-    stdfs::create_directories(tmp / "unet");
-    io::save_safetensors(tmp / "unet" / kUNetFile, models::state_dict(unet), {{"format", "pt"}});
-    fs::write_file_atomic(tmp / "unet" / "config.json",
-                          fs::read_file(base_model_dir / "unet" / "config.json"));
+    stdfs::create_directories(tmp / network_folder);
+    io::save_safetensors(tmp / network_folder / kUNetFile, models::state_dict(network), {{"format", "pt"}});
+    fs::write_file_atomic(tmp / network_folder / "config.json",
+                          fs::read_file(base_model_dir / network_folder / "config.json"));
     std::size_t copied = 0;
     for (const auto& name : base.component_names()) {
-        if (name == "unet") continue;
+        if (name == network_folder) continue;
         const stdfs::path from =
             name == "vae" ? vae_folder(base_model_dir, vae_dir) : base.component(name).path;
         copied += link_or_copy_tree(from, tmp / name);
@@ -89,8 +90,9 @@ void export_pipeline(const stdfs::path& base_model_dir, const torch::nn::Module&
     fs::sync_directory(tmp);
     stdfs::remove_all(out_dir);
     stdfs::rename(tmp, out_dir);
-    log::info() << "wrote the diffusers pipeline " << out_dir.string() << " (trained unet; other components "
-                << (copied ? "copied" : "hard-linked") << " from " << base_model_dir.string() << ")";
+    log::info() << "wrote the diffusers pipeline " << out_dir.string() << " (trained " << network_folder
+                << "; other components " << (copied ? "copied" : "hard-linked") << " from "
+                << base_model_dir.string() << ")";
 }
 
 void export_single_file(const stdfs::path& base_model_dir, const torch::nn::Module& unet,
@@ -116,4 +118,4 @@ void export_single_file(const stdfs::path& base_model_dir, const torch::nn::Modu
                 << " tensors)";
 }
 
-}  // namespace dtune::train
+}  // namespace dtune::family

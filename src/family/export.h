@@ -1,8 +1,9 @@
-// Exports of a full fine-tune: a complete diffusers pipeline folder and, optionally, an SDXL
-// single-file checkpoint (the ldm/sgm layout ComfyUI and A1111 load from models/checkpoints).
+// Exports of a full fine-tune: a complete diffusers pipeline folder (every family) and, optionally,
+// an SDXL single-file checkpoint (the ldm/sgm layout ComfyUI and A1111 load from models/checkpoints).
 //
-// export_pipeline(base, unet, dir) writes
-//     dir/unet/{config.json, diffusion_pytorch_model.safetensors}   the trained UNet
+// export_pipeline(base, network, folder, dir) writes
+//     dir/<folder>/{config.json, diffusion_pytorch_model.safetensors}   the trained network
+//                                                                  (folder: "unet", "transformer")
 //     dir/<every other component of base/model_index.json>          hard links where the filesystem
 //                                                                  allows, else copies
 //     dir/model_index.json                                          base's
@@ -19,15 +20,16 @@
 
 #include <filesystem>
 #include <optional>
+#include <string>
 
 namespace torch::nn {
 class Module;
 }
 
-namespace dtune::train {
+namespace dtune::family {
 
-void export_pipeline(const std::filesystem::path& base_model_dir, const torch::nn::Module& unet,
-                     const std::filesystem::path& out_dir,
+void export_pipeline(const std::filesystem::path& base_model_dir, const torch::nn::Module& network,
+                     const std::string& network_folder, const std::filesystem::path& out_dir,
                      const std::optional<std::filesystem::path>& vae_dir = std::nullopt);
 
 void export_single_file(const std::filesystem::path& base_model_dir, const torch::nn::Module& unet,
@@ -38,4 +40,4 @@ void export_single_file(const std::filesystem::path& base_model_dir, const torch
 // Returns the number of files copied rather than linked.
 std::size_t link_or_copy_tree(const std::filesystem::path& from, const std::filesystem::path& to);
 
-}  // namespace dtune::train
+}  // namespace dtune::family

@@ -1,5 +1,5 @@
-// SDXL's VAE and two CLIP text encoders wrapped as the data layer's callables (DatasetEncoders),
-// for `dtune train`'s caches and on-the-fly encoding.
+// What every model family's data side shares (family/model_family.h): the VAE as the data layer's
+// callable, the text-cache identity of a model folder's text encoders, and their quantisation.
 //
 // Invariants: the VAE callable is deterministic per (image, noise salt): the posterior sample's
 // noise comes from a CPU generator seeded by posterior_seed (a hash of the image's pixels, mixed
@@ -17,37 +17,40 @@
 #include <filesystem>
 #include <memory>
 #include <string>
+#include <vector>
 
+#include "data/cache_builder.h"
 #include "train/config.h"
-#include "train/dataset_source.h"
 
 namespace dtune::models {
 class AutoencoderKLImpl;
 }
+namespace torch::nn {
+class Module;
+}
 
-namespace dtune::train {
+namespace dtune::family {
 
-struct SdxlEncoderOptions {
-    std::filesystem::path model_dir;     // diffusers SDXL folder (tokenizers, text encoders, vae)
-    std::filesystem::path vae_override;  // pretrained_vae_model_name_or_path when a local folder
-    c10::Device device = c10::Device(c10::kCPU);
-    c10::ScalarType vae_dtype = c10::kFloat;  // bf16 on CUDA (SimpleTuner's default), fp32 on CPU
-    // text_encoder_1_precision / text_encoder_2_precision (core/quant_preset.h); "no_change" keeps
-    // the encoder dense. A quantised encoder gives other embeddings, so its caches get another identity.
-    std::array<std::string, 2> text_encoder_precision{"no_change", "no_change"};
-};
-
-DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& options);
-
-// text_encoder_1_precision / text_encoder_2_precision of a config, for SdxlEncoderOptions: `dtune
+// text_encoder_1_precision / text_encoder_2_precision of a config, for DataEncoderOptions: `dtune
 // train` and `dtune cache` must quantise alike, or their text caches get different identities.
-std::array<std::string, 2> text_encoder_precision_from(const TrainConfig& config);
+std::array<std::string, 2> text_encoder_precision_from(const train::TrainConfig& config);
 
 // What the text cache is keyed by: a fingerprint of the files of the model folder's
 // text_encoder/, text_encoder_2/, tokenizer/ and tokenizer_2/ (relative name, size, and the
 // SHA-256 of each file's first and last MiB). The same files anywhere give the same identity (a
 // moved or copied model keeps its cache); another model's encoders or tokenizer give another.
-std::string text_encoder_identity(const std::filesystem::path& model_dir);
+// `label` names the family's encoders ("SDXLTextEncoders", "FluxTextEncoders").
+std::string text_encoder_identity(const std::filesystem::path& model_dir,
+                                  const std::string& label = "SDXLTextEncoders");
+
+// text_encoder_N_precision: quantises encoders[i] in place by precisions[i] ("no_change" skips it)
+// and appends each preset to `identity`.
+void quantize_text_encoders(const std::vector<torch::nn::Module*>& encoders,
+                            const std::array<std::string, 2>& precisions, std::string& identity);
+
+// The model folder's VAE (or `vae_override`) as `e.vae`, with its identity and latent channels.
+void load_vae_encoder(const std::filesystem::path& model_dir, const std::filesystem::path& vae_override,
+                      c10::Device device, c10::ScalarType dtype, data::DataEncoders& e);
 
 struct VaeEncodeOptions {
     // NHWC convolutions (weights converted here, inputs per call); the latents come back in the
@@ -70,4 +73,4 @@ uint64_t tensor_content_hash(const at::Tensor& t);
 // The generator seed of one image's posterior sample (63 bits).
 uint64_t posterior_seed(const at::Tensor& image, uint64_t salt);
 
-}  // namespace dtune::train
+}  // namespace dtune::family

@@ -1,5 +1,5 @@
-// SDXL encoders as DatasetEncoders callables (see sdxl_data_encoders.h).
-#include "train/sdxl_data_encoders.h"
+// The shared data-side pieces of the model families (see data_encoders.h).
+#include "family/data_encoders.h"
 
 #include <ATen/Parallel.h>
 
@@ -12,13 +12,12 @@
 #include "core/log.h"
 #include "data/cache_codec.h"
 #include "data/sampler.h"
-#include "models/clip/sdxl_text_encoders.h"
 #include "models/common/component.h"
 #include "models/common/pipeline_folder.h"
 #include "models/common/quantize.h"
 #include "models/vae/autoencoder_kl.h"
 
-namespace dtune::train {
+namespace dtune::family {
 
 uint64_t tensor_content_hash(const at::Tensor& t) {
     const at::Tensor c = t.detach().to(at::kCPU).contiguous();
@@ -73,7 +72,7 @@ data::LatentEncodeFn make_vae_encode_fn(std::shared_ptr<models::AutoencoderKLImp
     };
 }
 
-std::string text_encoder_identity(const std::filesystem::path& model_dir) {
+std::string text_encoder_identity(const std::filesystem::path& model_dir, const std::string& label) {
     namespace stdfs = std::filesystem;
     constexpr std::streamoff kSpan = 1 << 20;  // head and tail hashed: weights differ everywhere
     std::string fingerprint;
@@ -100,49 +99,45 @@ std::string text_encoder_identity(const std::filesystem::path& model_dir) {
                                data::sha256_hex(bytes), "\n");
         }
     }
-    return "SDXLTextEncoders " + data::sha256_hex(fingerprint);
+    return label + " " + data::sha256_hex(fingerprint);
 }
 
-std::array<std::string, 2> text_encoder_precision_from(const TrainConfig& config) {
+std::array<std::string, 2> text_encoder_precision_from(const train::TrainConfig& config) {
     return {config.text("text_encoder_1_precision"), config.text("text_encoder_2_precision")};
 }
 
-DatasetEncoders load_sdxl_data_encoders(const SdxlEncoderOptions& o) {
-    namespace stdfs = std::filesystem;
-    auto folder = models::PipelineFolder::open(o.model_dir);
-    if (!o.vae_override.empty()) folder.set_vae_override(o.vae_override);
-    models::ComponentLoadOptions vo;
-    vo.device = o.device;
-    vo.dtype = o.vae_dtype;
-    auto vae = std::make_shared<models::AutoencoderKL>(models::load_autoencoder_kl(folder.vae_path(), vo));
-    (*vae)->eval();
-    const char* dtype = o.vae_dtype == c10::kBFloat16 ? "bf16" : o.vae_dtype == c10::kHalf ? "fp16" : "fp32";
-    DatasetEncoders e;
-    e.vae_identity = str("AutoencoderKL ", stdfs::weakly_canonical(folder.vae_path()).string(),
-                         " scaling=", (*vae)->config().scaling_factor, " dtype=", dtype, " sample");
-    // Channels-last on CUDA: the fused inference kernels (models/common/group_norm_act.h) need it.
-    e.vae = make_vae_encode_fn(vae->ptr(), vo.device, vo.dtype, {.channels_last = vo.device.is_cuda()});
-    models::TextEncoderLoadOptions to;
-    to.device = o.device;
-    auto text = std::make_shared<models::SDXLTextEncoders>(models::SDXLTextEncoders::load(folder, to));
-    e.text_identity = text_encoder_identity(o.model_dir);
-    const std::array<torch::nn::Module*, 2> encoders{text->text_encoder.get(), text->text_encoder_2.get()};
-    for (std::size_t i = 0; i < encoders.size(); ++i) {
+void quantize_text_encoders(const std::vector<torch::nn::Module*>& encoders,
+                            const std::array<std::string, 2>& precisions, std::string& identity) {
+    for (std::size_t i = 0; i < encoders.size() && i < precisions.size(); ++i) {
         const std::string key = str("text_encoder_", i + 1, "_precision");
-        const QuantPreset preset = parse_quant_preset(o.text_encoder_precision[i], key);
+        const QuantPreset preset = parse_quant_preset(precisions[i], key);
         if (!preset.active()) continue;
         const models::QuantizeReport report = models::quantize_module(*encoders[i], preset);
         log::info() << "quantised text encoder " << i + 1 << " (" << models::describe(report, preset) << ")";
-        e.text_identity += str(" ", key, "=", preset.name);
+        identity += str(" ", key, "=", preset.name);
     }
-    e.text = [text](const std::vector<std::string>& captions) {
-        models::SDXLEncodeOptions opt;
-        opt.do_classifier_free_guidance = false;  // "" is encoded, as SimpleTuner's dropout embedding
-        const auto out = text->encode_prompt(captions, opt);
-        return data::TextEmbeds{out.prompt_embeds.to(at::kCPU, at::kFloat),
-                                out.pooled_prompt_embeds.to(at::kCPU, at::kFloat)};
-    };
-    return e;
 }
 
-}  // namespace dtune::train
+void load_vae_encoder(const std::filesystem::path& model_dir, const std::filesystem::path& vae_override,
+                      c10::Device device, c10::ScalarType dtype, data::DataEncoders& e) {
+    namespace stdfs = std::filesystem;
+    auto folder = models::PipelineFolder::open(model_dir);
+    if (!vae_override.empty()) folder.set_vae_override(vae_override);
+    models::ComponentLoadOptions vo;
+    vo.device = device;
+    vo.dtype = dtype;
+    auto vae = std::make_shared<models::AutoencoderKL>(models::load_autoencoder_kl(folder.vae_path(), vo));
+    (*vae)->eval();
+    const auto& config = (*vae)->config();
+    const char* name = dtype == c10::kBFloat16 ? "bf16" : dtype == c10::kHalf ? "fp16" : "fp32";
+    e.vae_identity = str("AutoencoderKL ", stdfs::weakly_canonical(folder.vae_path()).string(),
+                         " scaling=", config.scaling_factor, " dtype=", name, " sample");
+    // The shift is part of what a latent means (Flux); SDXL's VAE has none, and its identity stays
+    // what earlier versions wrote.
+    if (config.shift_factor != 0.0) e.vae_identity += str(" shift=", config.shift_factor);
+    e.latent_channels = config.latent_channels;
+    // Channels-last on CUDA: the fused inference kernels (models/common/group_norm_act.h) need it.
+    e.vae = make_vae_encode_fn(vae->ptr(), device, dtype, {.channels_last = device.is_cuda()});
+}
+
+}  // namespace dtune::family

@@ -1,0 +1,255 @@
+// Flux.1 behind the model-family layer (family/model_family.h): the transformer on 2×2-packed
+// latents, CLIP-L's pooled output and T5's sequence, the 16-channel VAE with its shift, and flow
+// matching.
+//
+// Conditioning names: prompt_embeds [B, L, 4096] (T5), pooled_prompt_embeds [B, 768] (CLIP-L),
+// attention_mask [B, L] (T5's padding, kept for flux_attention_masked_training; not applied by
+// default, as diffusers and SimpleTuner do), optionally guidance [B] (the embedded guidance of
+// [dev]; flux_guidance_value 1.0 when absent, SimpleTuner's training default).
+#include "family/flux/flux_family.h"
+
+#include <optional>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "family/data_encoders.h"
+#include "family/export.h"
+#include "models/clip/clip_text_model.h"
+#include "models/clip/clip_tokenizer.h"
+#include "models/clip/sdxl_text_encoders.h"
+#include "models/common/pipeline_folder.h"
+#include "models/common/quantize.h"
+#include "models/flux/flux_transformer.h"
+#include "models/t5/t5_encoder.h"
+#include "models/t5/t5_tokenizer.h"
+#include "models/vae/autoencoder_kl.h"
+#include "validate/flux_pipeline.h"
+
+namespace dtune::family {
+namespace {
+
+constexpr double kTrainingGuidance = 1.0;  // SimpleTuner's flux_guidance_value default
+
+class FluxDenoiser final : public Denoiser {
+  public:
+    explicit FluxDenoiser(models::FluxTransformer2DModel transformer)
+        : transformer_(std::move(transformer)) {}
+    torch::nn::Module& module() override { return *transformer_; }
+    at::Tensor forward(const at::Tensor& noisy, const at::Tensor& timesteps,
+                       const Conditioning& cond) override {
+        const int64_t b = noisy.size(0), h = noisy.size(2), w = noisy.size(3);
+        const auto dtype = transformer_->dtype();
+        const auto opts = noisy.options().dtype(dtype);
+        const at::Tensor& context = cond.at("prompt_embeds");  // [B, L, 4096]
+        at::Tensor guidance;
+        if (transformer_->config().guidance_embeds) {
+            const auto it = cond.find("guidance");
+            guidance = it != cond.end() ? it->second.to(noisy.device(), at::kFloat)
+                                        : at::full({b}, kTrainingGuidance, noisy.options().dtype(at::kFloat));
+        }
+        const at::Tensor packed = models::flux_pack_latents(noisy.to(dtype));  // [B, hw/4, 64]
+        const at::Tensor img_ids = models::flux_image_ids(h, w).to(noisy.device(), dtype);
+        const at::Tensor txt_ids = at::zeros({context.size(1), 3}, opts);
+        // The transformer takes sigmas in [0, 1]; the step passes sigma · 1000, as the pipeline does.
+        const at::Tensor v =
+            transformer_->forward(packed, context.to(dtype), cond.at("pooled_prompt_embeds").to(dtype),
+                                  (timesteps.to(at::kFloat) / 1000.0).to(dtype), guidance, img_ids, txt_ids);
+        return models::flux_unpack_latents(v, h, w);  // [B, 16, h, w]
+    }
+    std::pair<int64_t, int64_t> set_gradient_checkpointing(bool enabled, int64_t) override {
+        DTUNE_CHECK_AS(UsageError, !enabled,
+                       "gradient_checkpointing is not available for Flux yet (it comes with Flux training); "
+                       "set gradient_checkpointing false");
+        const auto n = static_cast<int64_t>(transformer_->config().num_layers +
+                                            transformer_->config().num_single_layers);
+        return {0, n};
+    }
+    c10::ScalarType dtype() const override { return transformer_->dtype(); }
+    models::FluxTransformer2DModel& transformer() { return transformer_; }
+
+  private:
+    models::FluxTransformer2DModel transformer_;
+};
+
+// Validation images: diffusers' FluxPipeline around the live transformer.
+class FluxSampler final : public ImageSampler {
+  public:
+    FluxSampler(const std::filesystem::path& model_dir, FluxDenoiser& denoiser, const SamplerLoadOptions& o) {
+        auto pf = models::PipelineFolder::open(model_dir);
+        if (!o.vae_override.empty()) pf.set_vae_override(o.vae_override);
+        const c10::ScalarType dtype = denoiser.dtype();
+        models::ComponentLoadOptions load{dtype, o.device};
+        auto clip = models::load_clip_text_model(pf.component("text_encoder").path, {dtype, o.device});
+        auto t5 = models::load_t5_encoder(pf.component("text_encoder_2").path, load);
+        auto vae = models::load_autoencoder_kl(pf.vae_path(), load);
+        const auto sched_file = pf.component("scheduler").path / "scheduler_config.json";
+        const auto sched = diffusion::FlowMatchConfig::from_json(
+            nlohmann::json::parse(fs::read_file(sched_file)), sched_file.string());
+        const bool was_training = denoiser.transformer()->is_training();
+        pipeline_ = std::make_unique<validate::FluxPipeline>(
+            models::CLIPTokenizer::from_folder(pf.component("tokenizer").path), std::move(clip),
+            models::T5Tokenizer::load(pf.component("tokenizer_2").path), std::move(t5),
+            denoiser.transformer(), std::move(vae), sched, o.device);
+        if (was_training) denoiser.transformer()->train();  // the pipeline's constructor switched it to eval
+    }
+    validate::GenerationResult generate(const validate::GenerationRequest& r) override {
+        validate::FluxRequest f;
+        f.prompt = r.prompt;
+        f.width = r.width;
+        f.height = r.height;
+        f.steps = r.steps;
+        f.guidance_scale = r.guidance_scale;  // [dev]'s embedded guidance
+        f.seed = r.seed;
+        f.num_images_per_prompt = r.num_images_per_prompt;
+        f.latents = r.latents;
+        f.decode = r.decode;
+        f.vae_tiling = r.vae_tiling;
+        return pipeline_->generate(f);
+    }
+
+  private:
+    std::unique_ptr<validate::FluxPipeline> pipeline_;
+};
+
+// CLIP-L's pooled output and T5's sequence, as FluxPipeline.encode_prompt computes them.
+struct FluxTextEncoders {
+    std::optional<models::CLIPTokenizer> clip_tokenizer;
+    models::CLIPTextModel clip{nullptr};
+    std::optional<models::T5Tokenizer> t5_tokenizer;
+    models::T5EncoderModel t5{nullptr};
+    c10::Device device = c10::Device(c10::kCPU);
+    int64_t max_length = 512;
+
+    data::TextEmbeds encode(const std::vector<std::string>& captions) {
+        const at::NoGradGuard no_grad;
+        std::vector<at::Tensor> ids;
+        for (const auto& c : captions) ids.push_back(at::tensor(clip_tokenizer->encode(c, 77)));
+        const at::Tensor pooled = clip->forward(at::stack(ids).to(device), false).pooler_output;  // [B, 768]
+        const at::Tensor t5_ids = t5_tokenizer->encode_batch(captions, max_length).to(device);    // [B, L]
+        const at::Tensor context = t5->forward(t5_ids);  // [B, L, 4096]
+        // Stored in the encoder's dtype (bf16 on CUDA: a 512-token T5 entry is 4 MiB in bf16).
+        return {{"prompt_embeds", context.to(at::kCPU)},
+                {"pooled_prompt_embeds", pooled.to(at::kCPU)},
+                {"attention_mask", t5_tokenizer->attention_mask(captions, max_length)}};
+    }
+};
+
+class FluxFamily final : public ModelFamily {
+  public:
+    const char* name() const override { return "flux"; }
+    const char* denoiser_folder() const override { return "transformer"; }
+    const char* network_name() const override { return "Flux transformer"; }
+    int64_t latent_channels() const override { return 16; }
+    std::unique_ptr<Denoiser> load_denoiser(const std::filesystem::path& dir,
+                                            const models::ComponentLoadOptions& options) const override;
+    std::unique_ptr<Denoiser> load_quantized_denoiser(
+        const std::filesystem::path& dir, const std::filesystem::path& file,
+        const models::ComponentLoadOptions& options) const override;
+    std::unique_ptr<Denoiser> wrap_denoiser(std::shared_ptr<torch::nn::Module> network) const override;
+    data::DataEncoders load_data_encoders(const DataEncoderOptions& options) const override;
+    void drop_caption(Conditioning& batch, int64_t row, const Conditioning& empty) const override;
+    TrainingObjective training_objective(const std::filesystem::path& model_dir) const override;
+    std::unique_ptr<ImageSampler> load_sampler(const std::filesystem::path& model_dir, Denoiser& denoiser,
+                                               const SamplerLoadOptions& options) const override;
+    std::vector<std::string> default_lora_targets() const override;
+    void export_pipeline(const std::filesystem::path& base, const torch::nn::Module& network,
+                         const std::filesystem::path& out_dir,
+                         const std::optional<std::filesystem::path>& vae_dir) const override;
+    void export_single_file(const std::filesystem::path& base, const torch::nn::Module& network,
+                            const std::filesystem::path& out_file,
+                            const std::optional<std::filesystem::path>& vae_dir) const override;
+    const char* single_file_name() const override { return ""; }
+};
+
+}  // namespace
+
+std::unique_ptr<Denoiser> FluxFamily::load_denoiser(const std::filesystem::path& dir,
+                                                    const models::ComponentLoadOptions& options) const {
+    return std::make_unique<FluxDenoiser>(models::load_flux_transformer(dir, options));
+}
+
+std::unique_ptr<Denoiser> FluxFamily::load_quantized_denoiser(
+    const std::filesystem::path& dir, const std::filesystem::path& file,
+    const models::ComponentLoadOptions& options) const {
+    auto transformer = models::load_flux_transformer(dir, options);
+    models::load_quantized(*transformer, file, options.device, options.dtype);
+    return std::make_unique<FluxDenoiser>(std::move(transformer));
+}
+
+std::unique_ptr<Denoiser> FluxFamily::wrap_denoiser(std::shared_ptr<torch::nn::Module> network) const {
+    auto transformer = std::dynamic_pointer_cast<models::FluxTransformer2DModelImpl>(network);
+    DTUNE_CHECK_AS(UsageError, transformer != nullptr,
+                   "model_family flux trains a FluxTransformer2DModel; got another network");
+    return std::make_unique<FluxDenoiser>(models::FluxTransformer2DModel(transformer));
+}
+
+data::DataEncoders FluxFamily::load_data_encoders(const DataEncoderOptions& o) const {
+    data::DataEncoders e;
+    load_vae_encoder(o.model_dir, o.vae_override, o.device, o.vae_dtype, e);
+    const auto pf = models::PipelineFolder::open(o.model_dir);
+    auto text = std::make_shared<FluxTextEncoders>();
+    const c10::ScalarType dtype = o.device.is_cuda() ? at::kBFloat16 : at::kFloat;
+    text->clip_tokenizer.emplace(models::CLIPTokenizer::from_folder(pf.component("tokenizer").path));
+    text->clip = models::load_clip_text_model(pf.component("text_encoder").path, {dtype, o.device});
+    text->clip->eval();
+    text->t5_tokenizer.emplace(models::T5Tokenizer::load(pf.component("tokenizer_2").path));
+    text->t5 = models::load_t5_encoder(pf.component("text_encoder_2").path, {dtype, o.device});
+    text->t5->eval();
+    text->device = o.device;
+    text->max_length = o.max_sequence_length > 0 ? o.max_sequence_length : 512;
+    e.text_identity =
+        text_encoder_identity(o.model_dir, "FluxTextEncoders") + str(" max_length=", text->max_length);
+    quantize_text_encoders({text->clip.get(), text->t5.get()}, o.text_encoder_precision, e.text_identity);
+    e.text = [text](const std::vector<std::string>& captions) { return text->encode(captions); };
+    e.text_tensor_names = {"attention_mask", "pooled_prompt_embeds", "prompt_embeds"};
+    return e;
+}
+
+void FluxFamily::drop_caption(Conditioning& batch, int64_t row, const Conditioning& empty) const {
+    // SimpleTuner's Flux dropout: the empty caption's encodings, pooled included.
+    for (const auto& [name, t] : empty)
+        if (auto it = batch.find(name); it != batch.end()) it->second[row].copy_(t);
+}
+
+TrainingObjective FluxFamily::training_objective(const std::filesystem::path&) const {
+    TrainingObjective o;
+    o.kind = TrainingObjective::Kind::kFlowMatching;
+    return o;  // SimpleTuner's flow_* defaults (diffusion::FlowMatchingOptions)
+}
+
+std::unique_ptr<ImageSampler> FluxFamily::load_sampler(const std::filesystem::path& model_dir,
+                                                       Denoiser& denoiser,
+                                                       const SamplerLoadOptions& options) const {
+    auto* flux = dynamic_cast<FluxDenoiser*>(&denoiser);
+    DTUNE_CHECK(flux != nullptr, "the Flux sampler needs a Flux denoiser");
+    return std::make_unique<FluxSampler>(model_dir, *flux, options);
+}
+
+std::vector<std::string> FluxFamily::default_lora_targets() const {
+    // SimpleTuner's flux_lora_target "all": every attention projection of both stream kinds.
+    return {"to_k", "to_q", "to_v", "add_k_proj", "add_q_proj", "add_v_proj", "to_out.0", "to_add_out"};
+}
+
+void FluxFamily::export_pipeline(const std::filesystem::path& base, const torch::nn::Module& network,
+                                 const std::filesystem::path& out_dir,
+                                 const std::optional<std::filesystem::path>& vae_dir) const {
+    family::export_pipeline(base, network, denoiser_folder(), out_dir, vae_dir);
+}
+
+void FluxFamily::export_single_file(const std::filesystem::path&, const torch::nn::Module&,
+                                    const std::filesystem::path&,
+                                    const std::optional<std::filesystem::path>&) const {
+    throw UsageError(
+        "export_single_file writes SDXL checkpoints; a Flux run exports the diffusers folder "
+        "output_dir/pipeline "
+        "(set export_single_file false)");
+}
+
+const ModelFamily& flux_family() {
+    static const FluxFamily family;
+    return family;
+}
+
+}  // namespace dtune::family
