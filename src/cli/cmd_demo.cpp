@@ -18,7 +18,6 @@
 #include "train/config.h"
 #include "train/signals.h"
 #include "train/trainer.h"
-#include "validate/sdxl_pipeline.h"
 
 namespace dtune::cli {
 namespace {

@@ -9,7 +9,7 @@
 #include "core/error.h"
 #include "io/ldm_keys.h"
 #include "io/safetensors.h"
-#include "models/clip/sdxl_text_encoders.h"
+#include "models/clip/clip_text_model.h"
 #include "models/common/pipeline_folder.h"
 #include "models/flux/flux_lora.h"
 #include "models/flux/flux_transformer.h"

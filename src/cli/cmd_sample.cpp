@@ -2,6 +2,7 @@
 // (+ optional LoRA). Writes one image per sample (PNG, JPEG or WebP) and a JSON sidecar (same
 // name, .json) holding every setting needed to reproduce it.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <array>
@@ -28,11 +29,11 @@
 #include "core/quant_preset.h"
 #include "core/thread_pool.h"
 #include "diffusion/scheduler_config.h"
+#include "family/model_family.h"
 #include "io/image.h"
 #include "io/safetensors.h"
 #include "models/common/quantize.h"
-#include "validate/flux_pipeline.h"
-#include "validate/sdxl_pipeline.h"
+#include "validate/generation.h"
 
 namespace dtune::cli {
 namespace {
@@ -256,46 +257,6 @@ nlohmann::json sidecar(const SampleArgs& a, c10::Device device, c10::ScalarType 
     return j;
 }
 
-validate::SDXLPipeline load_pipeline(const SampleArgs& a, c10::Device device, c10::ScalarType dtype) {
-    log::info() << "loading " << a.model << " on " << device.str() << " in " << dtype_name(dtype);
-    const validate::PipelineLoadOptions load{dtype, device};
-    auto pipe = std::filesystem::is_regular_file(a.model)
-                    ? validate::SDXLPipeline::load_single_file(a.model, a.config_folder, load)
-                    : validate::SDXLPipeline::load(a.model, load);
-    // Quantised after loading, on the device, one layer at a time (the LoRA rides beside the base).
-    const std::array<torch::nn::Module*, 3> parts{pipe.unet().get(), pipe.text_encoders().text_encoder.get(),
-                                                  pipe.text_encoders().text_encoder_2.get()};
-    for (size_t i = 0; i < parts.size(); ++i) {
-        const QuantPreset preset = parse_quant_preset(a.precision[i], "--" + precision_key(i));
-        if (preset.active())
-            log::info() << (i == 0 ? "UNet" : str("text encoder ", i)) << " "
-                        << models::describe(models::quantize_module(*parts[i], preset), preset);
-    }
-    if (!a.lora.empty()) pipe.load_lora(a.lora, a.lora_scale);
-    return pipe;
-}
-
-// A .safetensors file in Black Forest Labs' Flux transformer layout (bare or ComfyUI-prefixed); a
-// Flux LoRA in that layout is not one.
-bool is_flux_single_file(const std::string& model) {
-    if (!std::filesystem::is_regular_file(model)) return false;
-    try {
-        const io::SafetensorsFile f(model);
-        return f.contains("double_blocks.0.img_attn.qkv.weight") ||
-               f.contains("model.diffusion_model.double_blocks.0.img_attn.qkv.weight");
-    } catch (const std::exception&) {
-    }
-    return false;
-}
-
-// A diffusers folder whose model_index.json names FluxPipeline.
-bool is_flux_folder(const std::string& model) {
-    const std::filesystem::path index = std::filesystem::path(model) / "model_index.json";
-    if (!std::filesystem::is_regular_file(index)) return false;
-    const auto j = nlohmann::json::parse(fs::read_file(index), nullptr, /*allow_exceptions=*/false);
-    return j.is_object() && j.value("_class_name", "") == "FluxPipeline";
-}
-
 // Flux's options, checked before the model loads. True CFG needs both --negative_prompt and
 // --true_cfg_scale > 1; either alone would be ignored (as diffusers ignores it), so it is refused.
 void check_flux_args(const SampleArgs& a) {
@@ -341,6 +302,9 @@ validate::GenerationRequest request_from(const SampleArgs& a) {
     r.seed = a.seed;
     r.num_images_per_prompt = a.batch;
     r.vae_tiling = a.vae_tiling;
+    r.true_cfg_scale = a.true_cfg_scale;
+    r.max_sequence_length = a.max_sequence_length;
+    r.free_text_encoders = true;  // one generate: Flux's T5-XXL (~9.5 GiB) goes before the transformer runs
     return r;
 }
 
@@ -373,50 +337,41 @@ int run_sample(const std::vector<std::string>& args) {
     ProgressOptions po;
     po.label = "sampling";
     po.unit = "step";
-    std::optional<validate::GenerationResult> result;
-    std::chrono::steady_clock::time_point t0;
-    const bool flux_file = is_flux_single_file(a.model);
-    if (flux_file)
+    // The family by what --model is (a folder's model_index.json; a single file's key layout).
+    const family::ModelFamily& fam = family::family_of_model(a.model);
+    const bool flux = std::string(fam.name()) == "flux";
+    if (flux && std::filesystem::is_regular_file(a.model))
         DTUNE_CHECK_AS(
-            UsageError, is_flux_folder(a.config_folder), a.model,
+            UsageError, family::family_of_model_folder(a.config_folder) == &fam, a.model,
             " is a Flux transformer single file: pass --config_folder with a diffusers Flux folder "
             "(FLUX.1-dev or -schnell) for the text encoders, tokenizers, VAE and scheduler");
-    if (flux_file || is_flux_folder(a.model)) {
+    if (flux)
         check_flux_args(a);
-        validate::FluxComponentFiles files{flux_file ? a.model : "", a.clip_file, a.t5_file, a.vae_file};
-        auto pipe =
-            validate::FluxPipeline::load(flux_file ? a.config_folder : a.model, {dtype, device}, files);
-        if (!a.lora.empty()) pipe.load_lora(a.lora, a.lora_scale);
-        // FluxPipeline's defaults: [dev] 28 steps at guidance 3.5, [schnell] 4 steps.
-        const bool dev = pipe.transformer()->config().guidance_embeds;
-        if (!a.steps_given) a.steps = dev ? 28 : 4;
-        if (!a.guidance_given) a.guidance = 3.5;
-        validate::FluxRequest r;
-        r.free_text_encoders = true;  // one generate: T5-XXL's ~9.5 GiB go before the transformer runs
-        r.prompt = {a.prompt};
-        if (a.negative_prompt) r.negative_prompt = std::vector<std::string>{*a.negative_prompt};
-        r.true_cfg_scale = a.true_cfg_scale;
-        r.width = a.width;
-        r.height = a.height;
-        r.steps = a.steps;
-        r.guidance_scale = a.guidance;
-        r.max_sequence_length = a.max_sequence_length;
-        r.seed = a.seed;
-        r.num_images_per_prompt = a.batch;
-        r.vae_tiling = a.vae_tiling;
-        Progress bar(a.steps, po);
-        t0 = std::chrono::steady_clock::now();
-        result = pipe.generate(r, [&](int64_t, int64_t) { bar.update(); });
-        bar.finish();
-    } else {
+    else
         check_sdxl_args(a);
-        auto pipe = load_pipeline(a, device, dtype);
-        Progress bar(a.steps, po);
-        t0 = std::chrono::steady_clock::now();
-        result = pipe.generate(request_from(a), [&](int64_t, int64_t) { bar.update(); });
-        bar.finish();
-    }
-    const validate::GenerationResult& out = *result;
+    family::PipelineSource src;
+    src.model = a.model;
+    src.config_folder = a.config_folder;
+    src.text_encoder_file = a.clip_file;
+    src.text_encoder_2_file = a.t5_file;
+    src.vae_file = a.vae_file;
+    src.precision = a.precision;
+    src.lora = a.lora;
+    src.lora_scale = a.lora_scale;
+    src.device = device;
+    src.dtype = dtype;
+    log::info() << "loading " << a.model << " (" << fam.name() << ") on " << device.str() << " in "
+                << dtype_name(dtype);
+    const auto pipe = fam.open_pipeline(src);
+    // The family's defaults where the user gave none (Flux [dev] 28 steps at 3.5, [schnell] 4).
+    if (flux && !a.steps_given) a.steps = pipe->defaults().steps;
+    if (flux && !a.guidance_given) a.guidance = pipe->defaults().guidance;
+    Progress bar(a.steps, po);
+    const auto t0 = std::chrono::steady_clock::now();
+    const validate::GenerationResult result =
+        pipe->generate(request_from(a), [&](int64_t, int64_t) { bar.update(); });
+    bar.finish();
+    const validate::GenerationResult& out = result;
     check_finite_output(a, out, dtype);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 

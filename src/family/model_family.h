@@ -10,6 +10,7 @@
 //     drop_caption         caption dropout of one batch row
 //     training_objective   the target and the timestep/sigma sampling (DDPM or flow matching)
 //     load_sampler         the inference pipeline (validation images) around a live Denoiser
+//     open_pipeline        the same pipeline from files (`dtune sample`)
 //     lora_prefix / default_lora_targets   LoRA file prefix and target modules
 //     export_pipeline / export_single_file  the trained weights as a loadable diffusers folder / file
 //
@@ -91,13 +92,36 @@ struct DataEncoderOptions {
     int64_t max_sequence_length = 0;  // T5 tokens (Flux: tokenizer_max_length; 0: the family's default)
 };
 
-// An inference pipeline around a live Denoiser (validation images during training).
+// Steps and guidance a pipeline samples with when the user gives none.
+struct SampleDefaults {
+    int64_t steps = 30;
+    double guidance = 5.0;
+};
+
+// An inference pipeline: around a live Denoiser (validation images during training) or opened
+// from files (`dtune sample`).
 class ImageSampler {
   public:
     virtual ~ImageSampler() = default;
     // The family's reading of the request (validate/generation.h): SDXL: CFG at guidance_scale;
-    // Flux [dev]: guidance_scale is the embedded guidance.
-    virtual validate::GenerationResult generate(const validate::GenerationRequest& request) = 0;
+    // Flux [dev]: guidance_scale is the embedded guidance, true_cfg_scale the optional real CFG.
+    virtual validate::GenerationResult generate(const validate::GenerationRequest& request,
+                                                const validate::StepCallback& on_step = {}) = 0;
+    virtual SampleDefaults defaults() const { return {}; }
+};
+
+// What `dtune sample` opens: a diffusers folder, or a single file with `config_folder` for the
+// configs; component weights from single files; the precision of the denoiser and the two text
+// encoders (core/quant_preset.h); a LoRA.
+struct PipelineSource {
+    std::filesystem::path model;
+    std::filesystem::path config_folder;
+    std::filesystem::path text_encoder_file, text_encoder_2_file, vae_file;
+    std::array<std::string, 3> precision{"no_change", "no_change", "no_change"};
+    std::filesystem::path lora;
+    double lora_scale = 1.0;
+    c10::Device device = c10::Device(c10::kCPU);
+    c10::ScalarType dtype = c10::kFloat;
 };
 
 struct SamplerLoadOptions {
@@ -135,6 +159,8 @@ class ModelFamily {
     virtual std::unique_ptr<ImageSampler> load_sampler(const std::filesystem::path& model_dir,
                                                        Denoiser& denoiser,
                                                        const SamplerLoadOptions& options) const = 0;
+    // The family's pipeline from files, with its LoRA applied (`dtune sample`).
+    virtual std::unique_ptr<ImageSampler> open_pipeline(const PipelineSource& source) const = 0;
     // peft_lora_target_modules' default for this family.
     virtual std::vector<std::string> default_lora_targets() const = 0;
     // model_type full: a diffusers folder with the trained network and the base's other components
@@ -155,6 +181,10 @@ const ModelFamily& family_named(const std::string& name);
 // The family a diffusers folder's model_index.json names (StableDiffusionXLPipeline → sdxl,
 // FluxPipeline → flux); nullptr without model_index.json or for another class.
 const ModelFamily* family_of_model_folder(const std::filesystem::path& model_dir);
+// The family of what `dtune sample --model` names: a folder by its model_index.json, a single
+// file by its keys (Flux's transformer layout, else an SDXL checkpoint). Anything else goes to
+// SDXL, whose loader explains what the folder or file is not.
+const ModelFamily& family_of_model(const std::filesystem::path& model);
 // Every family's name, for messages ("sdxl, flux").
 std::string family_names();
 

@@ -26,6 +26,14 @@ const diffusion::NoiseSchedule& TrainingObjective::ddpm(const char* what) const 
     return *schedule;
 }
 
+const ModelFamily& family_of_model(const std::filesystem::path& model) {
+    if (std::filesystem::is_directory(model)) {
+        if (const ModelFamily* f = family_of_model_folder(model)) return *f;
+        return sdxl_family();  // another pipeline class: the SDXL loader says what it holds and lacks
+    }
+    return is_flux_transformer_file(model) ? flux_family() : sdxl_family();
+}
+
 std::string family_names() {
     std::string out;
     for (const auto& k : kFamilyNames) out += (out.empty() ? "" : ", ") + std::string(k.name);

@@ -13,7 +13,7 @@
 #include "core/fs.h"
 #include "core/log.h"
 #include "models/adapters/lora_apply.h"
-#include "models/clip/sdxl_text_encoders.h"
+#include "models/clip/clip_text_model.h"
 #include "models/common/pipeline_folder.h"
 #include "models/flux/flux_lora.h"
 

@@ -29,7 +29,7 @@
 #include "models/t5/t5_encoder.h"
 #include "models/t5/t5_tokenizer.h"
 #include "models/vae/autoencoder_kl.h"
-#include "validate/sdxl_pipeline.h"
+#include "validate/generation.h"
 
 namespace dtune::validate {
 

@@ -53,6 +53,11 @@ struct GenerationRequest {
     at::Tensor latents;
     bool decode = true;       // false: return only the final latents (diffusers' output_type="latent")
     bool vae_tiling = false;  // decode in overlapping tiles (AutoencoderKL::decode_tiled)
+    // Flux: true classifier-free guidance with negative_prompt when > 1 (two passes a step), T5's
+    // prompt tokens, and freeing both text encoders once the prompts are encoded (one-shot use).
+    double true_cfg_scale = 1.0;
+    int64_t max_sequence_length = 512;
+    bool free_text_encoders = false;
     // After each sampler step, with the latents the step produced (x_{t-1}, still scaled: what
     // diffusers' callback_on_step_end sees), for previews (report/validation.cpp). May be empty.
     std::function<void(const StepLatents&)> on_latents;

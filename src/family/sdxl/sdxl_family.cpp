@@ -9,11 +9,14 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/log.h"
+#include "core/quant_preset.h"
 #include "data/sample_variants.h"
 #include "family/data_encoders.h"
 #include "family/export.h"
 #include "models/clip/sdxl_text_encoders.h"
 #include "models/common/pipeline_folder.h"
+#include "models/common/quantize.h"
 #include "models/unet/unet_2d_condition.h"
 #include "models/vae/autoencoder_kl.h"
 #include "validate/sdxl_pipeline.h"
@@ -61,12 +64,45 @@ class SdxlSampler final : public ImageSampler {
                                                              std::move(sched), o.device);
         if (was_training) denoiser.unet()->train();  // the pipeline's constructor switched it to eval
     }
-    validate::GenerationResult generate(const validate::GenerationRequest& request) override {
-        return pipeline_->generate(request);
+    validate::GenerationResult generate(const validate::GenerationRequest& request,
+                                        const validate::StepCallback& on_step) override {
+        return pipeline_->generate(request, on_step);
     }
 
   private:
     std::unique_ptr<validate::SDXLPipeline> pipeline_;
+};
+
+// `dtune sample`'s SDXL: a diffusers folder or a single-file checkpoint (configs from
+// config_folder, or the built-in SDXL base ones), quantised as asked, with its LoRA.
+class SdxlFilePipeline final : public ImageSampler {
+  public:
+    explicit SdxlFilePipeline(const PipelineSource& s)
+        : pipeline_(
+              std::filesystem::is_regular_file(s.model)
+                  ? validate::SDXLPipeline::load_single_file(s.model, s.config_folder, {s.dtype, s.device})
+                  : validate::SDXLPipeline::load(s.model, {s.dtype, s.device})) {
+        // Quantised after loading, on the device, one layer at a time (the LoRA rides beside the base).
+        const std::array<torch::nn::Module*, 3> parts{pipeline_.unet().get(),
+                                                      pipeline_.text_encoders().text_encoder.get(),
+                                                      pipeline_.text_encoders().text_encoder_2.get()};
+        const std::array<const char*, 3> keys{"base_model_precision", "text_encoder_1_precision",
+                                              "text_encoder_2_precision"};
+        for (size_t i = 0; i < parts.size(); ++i) {
+            const QuantPreset preset = parse_quant_preset(s.precision[i], str("--", keys[i]));
+            if (preset.active())
+                log::info() << (i == 0 ? "UNet" : str("text encoder ", i)) << " "
+                            << models::describe(models::quantize_module(*parts[i], preset), preset);
+        }
+        if (!s.lora.empty()) pipeline_.load_lora(s.lora, s.lora_scale);
+    }
+    validate::GenerationResult generate(const validate::GenerationRequest& request,
+                                        const validate::StepCallback& on_step) override {
+        return pipeline_.generate(request, on_step);
+    }
+
+  private:
+    validate::SDXLPipeline pipeline_;
 };
 
 class SdxlFamily final : public ModelFamily {
@@ -86,6 +122,9 @@ class SdxlFamily final : public ModelFamily {
     TrainingObjective training_objective(const std::filesystem::path& model_dir) const override;
     std::unique_ptr<ImageSampler> load_sampler(const std::filesystem::path& model_dir, Denoiser& denoiser,
                                                const SamplerLoadOptions& options) const override;
+    std::unique_ptr<ImageSampler> open_pipeline(const PipelineSource& source) const override {
+        return std::make_unique<SdxlFilePipeline>(source);
+    }
     std::vector<std::string> default_lora_targets() const override;
     void export_pipeline(const std::filesystem::path& base, const torch::nn::Module& network,
                          const std::filesystem::path& out_dir,

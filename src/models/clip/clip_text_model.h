@@ -15,12 +15,15 @@
 //     which is where EOS (49407, the largest id) sits for CLIP tokenizers.
 #pragma once
 
+#include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/normalization.h>
 #include <torch/nn/pimpl.h>
 
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -132,5 +135,38 @@ class CLIPTextModelWithProjectionImpl : public torch::nn::Module {
     Linear text_projection{nullptr};  // [P, D], no bias
 };
 TORCH_MODULE(CLIPTextModelWithProjection);
+
+// Loading CLIP text encoders (defined in sdxl_text_encoders.cpp; Flux reads CLIP-L through them too).
+
+struct TextEncoderLoadOptions {
+    std::optional<c10::ScalarType> dtype;  // nullopt: float32
+    std::optional<c10::Device> device;     // nullopt: CPU
+    // The weights from this one .safetensors file instead of the folder's (config.json still from the
+    // folder): transformers' key names under the prefix clip_text_file_prefix finds, e.g. ComfyUI's
+    // clip_l.safetensors; other dtypes are converted.
+    std::optional<std::filesystem::path> single_file;
+};
+
+// Checkpoint key -> module name for transformers CLIP text checkpoints: adds the "text_model."
+// prefix that transformers >= 5 omits for CLIPTextModel and drops the non-persistent
+// "position_ids" buffer that older checkpoints carry. Returns "" for dropped keys.
+std::string clip_text_key_to_module(const std::string& key);
+
+// The prefix under which a single file holds a transformers CLIP text model, found from its first
+// layer's q_proj key with any "text_model." stripped: "" for ComfyUI's clip_l.safetensors
+// ("text_model.encoder...") and transformers' own files, "transformer." / "clip_l.transformer." /
+// "text_encoders.clip_l.transformer." for ComfyUI's saved CLIPs and checkpoints that embed CLIP-L
+// ("cond_stage_model.transformer." / "conditioner.embedders.0.transformer." in SD ones). Where a file
+// holds several (SD3's clip_l and clip_g), the one naming clip_l. nullopt when there is none; DataError
+// naming the file when several remain.
+std::optional<std::string> clip_text_file_prefix(const std::vector<std::string>& keys,
+                                                 const std::string& origin);
+
+// A transformers text encoder folder (config.json + model.safetensors or sharded index).
+// Throws DataError naming the folder on missing files, wrong class, or missing/unexpected keys.
+CLIPTextModel load_clip_text_model(const std::filesystem::path& dir,
+                                   const TextEncoderLoadOptions& options = {});
+CLIPTextModelWithProjection load_clip_text_model_with_projection(const std::filesystem::path& dir,
+                                                                 const TextEncoderLoadOptions& options = {});
 
 }  // namespace dtune::models
