@@ -177,8 +177,12 @@ GenerationResult FluxPipeline::generate(const FluxRequest& r, const StepCallback
         transformer_->config().guidance_embeds
             ? at::full({b * n}, r.guidance_scale, at::TensorOptions(device_).dtype(at::kFloat))
             : at::Tensor();
+    // Every step's timestep on the device up front: a copy from the host inside the loop would wait
+    // for the previous step to finish, and the host would then launch each step's ~2,000 kernels
+    // with the GPU idle.
+    const at::Tensor timesteps = sampler.timesteps().to(device_, dtype);  // [steps]
     for (int64_t i = 0; i < r.steps; ++i) {
-        const at::Tensor t = sampler.timesteps()[i].expand({b * n}).to(device_).to(dtype);
+        const at::Tensor t = timesteps[i].expand({b * n});
         at::Tensor v =
             transformer_->forward(latents, pos.context, pos.pooled, t / 1000, guidance, img_ids, txt_ids);
         if (true_cfg) {  // a second pass, as diffusers runs it (not batched with the first)
