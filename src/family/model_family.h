@@ -163,11 +163,12 @@ class ModelFamily {
     virtual std::unique_ptr<ImageSampler> open_pipeline(const PipelineSource& source) const = 0;
     // peft_lora_target_modules' default for this family.
     virtual std::vector<std::string> default_lora_targets() const = 0;
-    // model_type full: a diffusers folder with the trained network and the base's other components
-    // (family/export.h; `vae_dir` replaces the base's VAE), and the family's single file.
+    // model_type full: a diffusers folder with the trained network in denoiser_folder() and the
+    // base's other components (family/export.h; `vae_dir` replaces the base's VAE), and the
+    // family's single file.
     virtual void export_pipeline(const std::filesystem::path& base_model_dir,
                                  const torch::nn::Module& network, const std::filesystem::path& out_dir,
-                                 const std::optional<std::filesystem::path>& vae_dir) const = 0;
+                                 const std::optional<std::filesystem::path>& vae_dir) const;
     // UsageError when the family has no single-file export.
     virtual void export_single_file(const std::filesystem::path& base_model_dir,
                                     const torch::nn::Module& network, const std::filesystem::path& out_file,

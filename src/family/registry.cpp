@@ -3,6 +3,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "family/export.h"
 #include "family/family_names.h"
 #include "family/flux/flux_family.h"
 #include "family/model_family.h"
@@ -32,6 +33,12 @@ const ModelFamily& family_of_model(const std::filesystem::path& model) {
         return sdxl_family();  // another pipeline class: the SDXL loader says what it holds and lacks
     }
     return is_flux_transformer_file(model) ? flux_family() : sdxl_family();
+}
+
+void ModelFamily::export_pipeline(const std::filesystem::path& base_model_dir,
+                                  const torch::nn::Module& network, const std::filesystem::path& out_dir,
+                                  const std::optional<std::filesystem::path>& vae_dir) const {
+    family::export_pipeline(base_model_dir, network, denoiser_folder(), out_dir, vae_dir);
 }
 
 std::string family_names() {

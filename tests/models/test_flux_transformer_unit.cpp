@@ -34,6 +34,42 @@ TEST(FluxTransformer, DevAndSchnellMatchDiffusers) {
     }
 }
 
+// gradient_checkpointing recomputes blocks in backward: the output and the input's gradient equal
+// the plain run's bit for bit (the same ops on the same values), and every parameter's gradient
+// equals it to float32 rounding (the time embedding feeds every block, and its gradient sums the
+// blocks' contributions in another order), for every block and for every other block (interval 2,
+// checkpointed and plain blocks mixed).
+TEST(FluxTransformer, GradientCheckpointingKeepsGradientsExactly) {
+    const io::SafetensorsFile io(kRef / "flux_transformer_io.safetensors");
+    const auto get = [&](const char* n) { return test::fixture_tensor(io, n); };
+    const auto run = [&](bool checkpointing, int64_t interval) {
+        FluxTransformer2DModel model = load_flux_transformer(kRef / "tiny-flux-dev");
+        model->set_gradient_checkpointing(checkpointing, interval);
+        const at::Tensor x = get("hidden").clone().requires_grad_(true);
+        const at::Tensor out = model->forward(x, get("encoder"), get("pooled"), get("timestep"),
+                                              get("guidance"), get("img_ids"), get("txt_ids"));
+        out.pow(2).mean().backward();
+        std::vector<at::Tensor> grads{x.grad()};
+        for (const auto& p : model->parameters())
+            grads.push_back(p.grad().defined() ? p.grad() : at::zeros_like(p));
+        return std::make_tuple(out.detach(), grads, model->checkpointed_blocks());
+    };
+    const auto [plain_out, plain_grads, none] = run(false, 1);
+    EXPECT_EQ(none, (std::pair<int64_t, int64_t>{0, 4}));
+    for (const int64_t interval : {1, 2}) {
+        SCOPED_TRACE(interval);
+        const auto [out, grads, taken] = run(true, interval);
+        EXPECT_EQ(taken, (std::pair<int64_t, int64_t>{interval == 1 ? 4 : 2, 4}));
+        EXPECT_TRUE(at::equal(out, plain_out));
+        ASSERT_EQ(grads.size(), plain_grads.size());
+        EXPECT_TRUE(at::equal(grads[0], plain_grads[0]));
+        for (size_t i = 1; i < grads.size(); ++i)
+            EXPECT_LE((grads[i] - plain_grads[i]).abs().max().item<double>(),
+                      1e-5 * plain_grads[i].abs().max().item<double>() + 1e-12)
+                << "tensor " << i;
+    }
+}
+
 TEST(FluxTransformer, PackingAndImageIdsMatchFluxPipeline) {
     const io::SafetensorsFile io(kRef / "flux_transformer_io.safetensors");
     const at::Tensor latents = test::fixture_tensor(io, "latents");  // [2, 4, 6, 8]

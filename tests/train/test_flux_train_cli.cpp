@@ -3,7 +3,8 @@
 // model_family flux or by the folder's model_index.json alone. The family layer carries
 // everything: 16-channel latents, T5 + CLIP text-cache entries (attention mask included), the
 // flow-matching step, LoRA on the transformer with diffusers' "transformer." keys, a full
-// fine-tune's transformer/ export, validation images through FluxPipeline, and exact resume.
+// fine-tune's transformer/ export (with gradient checkpointing), validation images through
+// FluxPipeline, and exact resume.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -126,7 +127,8 @@ TEST(FluxTrainCli, LoRATrainsTheTransformerAndResumesExactly) {
 TEST(FluxTrainCli, FamilyFromModelIndexFullFineTuneExportsAndValidates) {
     FluxWorkspace w(/*name_the_family=*/false);
     const std::string args =
-        "--model_type full --max_train_steps 1 --validation_prompt 'a red cube' "
+        "--model_type full --max_train_steps 1 --gradient_checkpointing true --validation_prompt 'a red "
+        "cube' "
         "--validation_num_inference_steps 2 --validation_resolution 64x64 --validation_step_interval 1";
     ASSERT_EQ(run_status(w.command("full", args)), 0) << w.log();
     const auto out = w.dir / "full";

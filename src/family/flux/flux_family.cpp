@@ -15,7 +15,6 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "family/data_encoders.h"
-#include "family/export.h"
 #include "io/safetensors.h"
 #include "models/clip/clip_text_model.h"
 #include "models/clip/clip_tokenizer.h"
@@ -58,13 +57,9 @@ class FluxDenoiser final : public Denoiser {
                                   (timesteps.to(at::kFloat) / 1000.0).to(dtype), guidance, img_ids, txt_ids);
         return models::flux_unpack_latents(v, h, w);  // [B, 16, h, w]
     }
-    std::pair<int64_t, int64_t> set_gradient_checkpointing(bool enabled, int64_t) override {
-        DTUNE_CHECK_AS(UsageError, !enabled,
-                       "gradient_checkpointing is not available for Flux yet (it comes with Flux training); "
-                       "set gradient_checkpointing false");
-        const auto n = static_cast<int64_t>(transformer_->config().num_layers +
-                                            transformer_->config().num_single_layers);
-        return {0, n};
+    std::pair<int64_t, int64_t> set_gradient_checkpointing(bool enabled, int64_t interval) override {
+        transformer_->set_gradient_checkpointing(enabled, interval);
+        return transformer_->checkpointed_blocks();
     }
     c10::ScalarType dtype() const override { return transformer_->dtype(); }
     models::FluxTransformer2DModel& transformer() { return transformer_; }
@@ -196,9 +191,6 @@ class FluxFamily final : public ModelFamily {
         return std::make_unique<FluxFilePipeline>(source);
     }
     std::vector<std::string> default_lora_targets() const override;
-    void export_pipeline(const std::filesystem::path& base, const torch::nn::Module& network,
-                         const std::filesystem::path& out_dir,
-                         const std::optional<std::filesystem::path>& vae_dir) const override;
     void export_single_file(const std::filesystem::path& base, const torch::nn::Module& network,
                             const std::filesystem::path& out_file,
                             const std::optional<std::filesystem::path>& vae_dir) const override;
@@ -272,12 +264,6 @@ std::unique_ptr<ImageSampler> FluxFamily::load_sampler(const std::filesystem::pa
 std::vector<std::string> FluxFamily::default_lora_targets() const {
     // SimpleTuner's flux_lora_target "all": every attention projection of both stream kinds.
     return {"to_k", "to_q", "to_v", "add_k_proj", "add_q_proj", "add_v_proj", "to_out.0", "to_add_out"};
-}
-
-void FluxFamily::export_pipeline(const std::filesystem::path& base, const torch::nn::Module& network,
-                                 const std::filesystem::path& out_dir,
-                                 const std::optional<std::filesystem::path>& vae_dir) const {
-    family::export_pipeline(base, network, denoiser_folder(), out_dir, vae_dir);
 }
 
 void FluxFamily::export_single_file(const std::filesystem::path&, const torch::nn::Module&,

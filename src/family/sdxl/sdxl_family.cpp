@@ -126,9 +126,6 @@ class SdxlFamily final : public ModelFamily {
         return std::make_unique<SdxlFilePipeline>(source);
     }
     std::vector<std::string> default_lora_targets() const override;
-    void export_pipeline(const std::filesystem::path& base, const torch::nn::Module& network,
-                         const std::filesystem::path& out_dir,
-                         const std::optional<std::filesystem::path>& vae_dir) const override;
     void export_single_file(const std::filesystem::path& base, const torch::nn::Module& network,
                             const std::filesystem::path& out_file,
                             const std::optional<std::filesystem::path>& vae_dir) const override;
@@ -222,12 +219,6 @@ std::unique_ptr<ImageSampler> SdxlFamily::load_sampler(const std::filesystem::pa
 std::vector<std::string> SdxlFamily::default_lora_targets() const {
     // SimpleTuner's SDXL UNet targets (PEFT's attention projections).
     return {"to_k", "to_q", "to_v", "to_out.0"};
-}
-
-void SdxlFamily::export_pipeline(const std::filesystem::path& base, const torch::nn::Module& network,
-                                 const std::filesystem::path& out_dir,
-                                 const std::optional<std::filesystem::path>& vae_dir) const {
-    family::export_pipeline(base, network, denoiser_folder(), out_dir, vae_dir);
 }
 
 void SdxlFamily::export_single_file(const std::filesystem::path& base, const torch::nn::Module& network,

@@ -10,6 +10,8 @@
 #include <string>
 
 #include "core/error.h"
+#include "models/common/blocks.h"
+#include "models/common/checkpoint.h"
 #include "models/common/layers.h"
 #include "models/common/weights.h"
 
@@ -232,14 +234,57 @@ at::Tensor FluxTransformer2DModelImpl::forward(const at::Tensor& x, const at::Te
     temb = temb + text_embedder_->forward(pooled.to(device, dtype));
     at::Tensor e = context_embedder_->forward(context.to(device, dtype));
     const auto rope = flux_rope(at::cat({txt_ids, img_ids}, 0).to(device), c.axes_dims_rope);
-    for (auto& block : blocks_) std::tie(e, h) = block->forward(h, e, temb, rope);
+    const bool recompute = at::GradMode::is_enabled();
+    for (size_t i = 0; i < blocks_.size(); ++i) {
+        const std::shared_ptr<FluxTransformerBlockImpl> block = blocks_[i].ptr();
+        if (!(recompute && i < checkpoint_double_.size() && checkpoint_double_[i])) {
+            std::tie(e, h) = block->forward(h, e, temb, rope);
+            continue;
+        }
+        // One output for the checkpoint: [context; image] along the sequence, split after.
+        const int64_t text_len = e.size(1);
+        const at::Tensor both = checkpointed(
+            [block](const std::vector<at::Tensor>& in) {
+                const auto [ctx, img] = block->forward(in[0], in[1], in[2], {in[3], in[4]});
+                return at::cat({ctx, img}, 1);
+            },
+            {h, e, temb, rope.first, rope.second}, parameter_list(*block));
+        e = both.narrow(1, 0, text_len);
+        h = both.narrow(1, text_len, both.size(1) - text_len);
+    }
     const int64_t text = e.size(1);
     at::Tensor joint = at::cat({e, h}, 1);
-    for (auto& block : single_blocks_) joint = block->forward(joint, temb, rope);
+    for (size_t i = 0; i < single_blocks_.size(); ++i) {
+        const std::shared_ptr<FluxSingleTransformerBlockImpl> block = single_blocks_[i].ptr();
+        if (!(recompute && i < checkpoint_single_.size() && checkpoint_single_[i])) {
+            joint = block->forward(joint, temb, rope);
+            continue;
+        }
+        joint = checkpointed(
+            [block](const std::vector<at::Tensor>& in) {
+                return block->forward(in[0], in[1], {in[2], in[3]});
+            },
+            {joint, temb, rope.first, rope.second}, parameter_list(*block));
+    }
     h = joint.narrow(1, text, joint.size(1) - text);
     const auto mod = norm_out_->forward(at::silu(temb)).to(h.scalar_type()).chunk(2, 1);  // scale, shift
     h = layer_norm(h) * (1 + mod[0].unsqueeze(1)) + mod[1].unsqueeze(1);
     return proj_out_->forward(h);
+}
+
+void FluxTransformer2DModelImpl::set_gradient_checkpointing(bool enabled, int64_t interval) {
+    CheckpointSelector selector{enabled, std::max<int64_t>(1, interval)};
+    checkpoint_double_.assign(blocks_.size(), false);
+    checkpoint_single_.assign(single_blocks_.size(), false);
+    for (size_t i = 0; i < blocks_.size(); ++i) checkpoint_double_[i] = selector.take();
+    for (size_t i = 0; i < single_blocks_.size(); ++i) checkpoint_single_[i] = selector.take();
+}
+
+std::pair<int64_t, int64_t> FluxTransformer2DModelImpl::checkpointed_blocks() const {
+    int64_t taken = 0;
+    for (const bool b : checkpoint_double_) taken += b;
+    for (const bool b : checkpoint_single_) taken += b;
+    return {taken, static_cast<int64_t>(blocks_.size() + single_blocks_.size())};
 }
 
 std::pair<at::Tensor, at::Tensor> flux_rope(const at::Tensor& ids, const std::vector<int64_t>& axes_dims,

@@ -123,9 +123,16 @@ class FluxTransformer2DModelImpl : public torch::nn::Module {
 
     const FluxTransformerConfig& config() const { return config_; }
     c10::ScalarType dtype() const { return x_embedder_->dtype(); }
+    // Recompute every `interval`-th block (the double-stream blocks, then the single-stream ones, in
+    // forward order) in backward instead of keeping its activations (SimpleTuner's
+    // gradient_checkpointing and gradient_checkpointing_interval). Gradients are unchanged.
+    void set_gradient_checkpointing(bool enabled, int64_t interval = 1);
+    // (checkpointed, all) blocks after the last set_gradient_checkpointing.
+    std::pair<int64_t, int64_t> checkpointed_blocks() const;
 
   private:
     FluxTransformerConfig config_;
+    std::vector<bool> checkpoint_double_, checkpoint_single_;  // per block; empty: none
     AdaptableLinear x_embedder_{nullptr}, context_embedder_{nullptr}, norm_out_{nullptr}, proj_out_{nullptr};
     TimestepEmbedding timestep_embedder_{nullptr}, guidance_embedder_{nullptr}, text_embedder_{nullptr};
     std::vector<FluxTransformerBlock> blocks_;
