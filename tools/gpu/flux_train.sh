@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# A first measurement of Flux.1 [dev] training with `dtune train` at full size (issue #23's
+# starting point), in one device call: the random FLUX.1-dev-shaped folder of
+# tools/ref/make_random_flux_pipeline.py (bf16), 8 shape images at 1024² with captions, then LoRA
+# r16 batch 1 in bf16 with SimpleTuner's defaults otherwise (the T5 + CLIP text cache and the
+# 16-channel latent cache are built by the first run), with and without gradient_checkpointing:
+# median ms/step over the second half and peak GPU memory from metrics.jsonl.
+# Needs, in the checkout: .gpudeps.tar.xz and shared/fixtures (tools/gpu/prepare.sh) and the diffusers
+# wheel in .whl/ (only the folder maker imports diffusers). Carry [".gpudeps.tar.xz", "shared", ".whl"].
+#   OUT=$OUT tools/gpu/flux_train.sh        env: STEPS (20), RUNS ("gc nogc")
+# Results: $OUT/flux_train.json (one row per run) and $OUT/flux_train_logs.tar.gz.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+root=$PWD
+out=${OUT:-gpu-logs}; mkdir -p "$out"; out=$(cd "$out" && pwd)
+W=${WORK:-/tmp/flux_train}; logs=$W/logs; rm -rf "$W"; mkdir -p "$logs"
+STEPS=${STEPS:-20} RUNS=${RUNS:-"gc nogc"}
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
+whl=$(ls .whl/diffusers-*.whl 2>/dev/null | head -1)
+[[ -n $whl ]] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_diffusers "$whl" \
+    >"$logs/pip.log" 2>&1 && export PYTHONPATH=/tmp/site_diffusers${PYTHONPATH:+:$PYTHONPATH}
+(PRESET=release OUT=$logs timeout -k 10 300 tools/gpu/build.sh dtune >"$logs/build.txt" 2>&1; echo $? >"$logs/build.rc") &
+build_pid=$!
+timeout -k 10 240 python3 tools/ref/make_random_flux_pipeline.py "$W/flux" --device cuda --seed 1 >"$logs/make.log" 2>&1 ||
+    { tail -20 "$logs/make.log"; exit 1; }
+python3 tools/gpu/make_images.py "$W/images" --count 8 >/dev/null
+wait $build_pid
+[[ $(cat "$logs/build.rc") == 0 ]] || { tail -30 "$logs/build.txt"; exit 1; }
+cat >"$W/mdb.json" <<JSON
+[
+  {"id": "shapes", "type": "local", "instance_data_dir": "$W/images", "caption_strategy": "textfile",
+   "resolution": 1024, "resolution_type": "pixel_area", "cache_dir_vae": "$W/cache/vae"},
+  {"id": "text", "type": "local", "dataset_type": "text_embeds", "default": true, "cache_dir": "$W/cache/text"}
+]
+JSON
+echo "== ready at $SECONDS s"
+: >"$out/flux_train.json"
+for run in $RUNS; do
+    gc=$([[ $run == gc ]] && echo true || echo false)
+    o=$W/out-$run
+    timeout -k 10 200 build/release/bin/dtune train --model_family flux --pretrained_model_name_or_path "$W/flux" \
+        --data_backend_config "$W/mdb.json" --output_dir "$o" --max_train_steps "$STEPS" --model_type lora \
+        --lora_rank 16 --train_batch_size 1 --optimizer adamw_bf16 --learning_rate 1e-4 --mixed_precision bf16 \
+        --gradient_checkpointing "$gc" --checkpoint_step_interval 1000 --seed 42 --device cuda \
+        >"$logs/$run.log" 2>&1
+    rc=$?
+    python3 - "$o/metrics.jsonl" "$run" "$rc" <<'PY' | tee -a "$out/flux_train.json"
+import json, math, statistics, sys
+path, run, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
+try:
+    rows = [json.loads(line) for line in open(path) if '"loss"' in line]
+except OSError:
+    rows = []
+half = rows[len(rows) // 2:]
+out = {"run": run, "rc": rc, "steps": rows[-1]["step"] if rows else 0}
+if half:
+    out["ms_per_step_median"] = round(1000.0 / statistics.median(r["img_per_s"] for r in half), 1)
+    out["peak_gpu_gib"] = max((r.get("gpu_memory_gib", 0) for r in rows), default=None)
+    out["final_loss"] = rows[-1]["loss"]
+    out["all_finite"] = all(math.isfinite(r["loss"]) for r in rows)
+print(json.dumps(out))
+PY
+    grep -h 'loaded the\|cuda_graph\|text cache\|latent\|error' "$logs/$run.log" | head -8
+done
+echo "== done at $SECONDS s"
+tar czf "$out/flux_train_logs.tar.gz" -C "$W" logs $(cd "$W" && ls -d out-*/metrics.jsonl 2>/dev/null)
