@@ -157,5 +157,16 @@ TEST(FluxTrainCli, FamilyDisagreeingWithTheFolderIsRefused) {
     EXPECT_NE(w.log().find("is a flux pipeline"), std::string::npos) << w.log();
 }
 
+// kohya keys are written for SDXL's UNet only: a Flux LoRA asked for in lora_format comfyui stops
+// with the fix instead of writing a file nothing loads.
+TEST(FluxTrainCli, ComfyUILoRAFormatIsRefusedWithTheFix) {
+    FluxWorkspace w;
+    const int status =
+        run_status(w.command("comfy", "--model_type lora --lora_format comfyui --max_train_steps 1"));
+    EXPECT_EQ(status, 2) << w.log();
+    EXPECT_NE(w.log().find("set lora_format diffusers"), std::string::npos) << w.log();
+    EXPECT_FALSE(stdfs::exists(w.dir / "comfy" / "pytorch_lora_weights.safetensors"));
+}
+
 }  // namespace
 }  // namespace dtune

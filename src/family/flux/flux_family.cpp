@@ -49,7 +49,14 @@ class FluxDenoiser final : public Denoiser {
                                         : at::full({b}, kTrainingGuidance, noisy.options().dtype(at::kFloat));
         }
         const at::Tensor packed = models::flux_pack_latents(noisy.to(dtype));  // [B, hw/4, 64]
-        const at::Tensor img_ids = models::flux_image_ids(h, w).to(noisy.device(), dtype);
+        // The image ids depend only on the latent size: built on the host once per size, not
+        // copied to the device in every step (a copy from pageable memory waits for the GPU).
+        if (!img_ids_.defined() || ids_hw_ != std::pair{h, w} || img_ids_.device() != noisy.device() ||
+            img_ids_.scalar_type() != dtype) {
+            img_ids_ = models::flux_image_ids(h, w).to(noisy.device(), dtype);
+            ids_hw_ = {h, w};
+        }
+        const at::Tensor& img_ids = img_ids_;
         const at::Tensor txt_ids = at::zeros({context.size(1), 3}, opts);
         // The transformer takes sigmas in [0, 1]; the step passes sigma · 1000, as the pipeline does.
         const at::Tensor v =
@@ -66,6 +73,8 @@ class FluxDenoiser final : public Denoiser {
 
   private:
     models::FluxTransformer2DModel transformer_;
+    at::Tensor img_ids_;                  // [(h/2)(w/2), 3] of the last latent size
+    std::pair<int64_t, int64_t> ids_hw_;  // that size
 };
 
 // The family-neutral request as FluxPipeline reads it.
