@@ -5,15 +5,18 @@
 //   {"bench": "flux_transformer", "width": 1024, "height": 1024, "tokens": 4096, "text_tokens": 512,
 //    "params_b": 11.9, "forward_ms": ..., "forward_backward_ms": ..., "peak_gib": ...}
 // Usage (GPU machine): bench_flux [--width 1024] [--height 1024] [--steps 5] [--text 512] [--cudnn_attention
-// 0|1]
+// 0|1 (1)] [--profile trace.json]: --profile also writes one more forward + backward as a Kineto trace
+// (GPU activity only) for bench/summarize_trace.py --steps 1.
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -29,6 +32,12 @@ int64_t arg(int argc, char** argv, const std::string& name, int64_t fallback) {
     return fallback;
 }
 
+std::string text_arg(int argc, char** argv, const std::string& name) {
+    for (int i = 1; i + 1 < argc; ++i)
+        if (argv[i] == name) return argv[i + 1];
+    return "";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -40,8 +49,14 @@ int main(int argc, char** argv) {
     const int64_t width = arg(argc, argv, "--width", 1024), height = arg(argc, argv, "--height", 1024);
     const int64_t steps = arg(argc, argv, "--steps", 5), text = arg(argc, argv, "--text", 512);
     const c10::Device cuda(c10::kCUDA, 0);
-    // --cudnn_attention 0 keeps SDPA off cuDNN's kernels (flash / memory-efficient instead).
-    if (arg(argc, argv, "--cudnn_attention", 1) == 0) at::globalContext().setSDPUseCuDNN(false);
+    // --cudnn_attention 0 keeps SDPA off cuDNN's kernels and the training pass on flash by name;
+    // 1 (the default, as in training) leaves both to SDPA's pick, cuDNN's kernel on Hopper.
+    if (arg(argc, argv, "--cudnn_attention", 1) == 0) {
+        at::globalContext().setSDPUseCuDNN(false);
+        m::set_flux_training_attention(m::FluxTrainingAttention::kFlash);
+    } else {
+        m::set_flux_training_attention(m::FluxTrainingAttention::kSdpaChoice);
+    }
     m::FluxTransformerConfig c;  // FLUX.1-dev: 19 double, 38 single blocks, 3072 wide
     c.guidance_embeds = true;
     m::FluxTransformer2DModel model{nullptr};
@@ -66,22 +81,21 @@ int main(int argc, char** argv) {
                      g = at::full({1}, 3.5, opts);
     const at::Tensor img_ids = m::flux_image_ids(lh, lw).to(cuda),
                      txt_ids = at::zeros({text, 3}, at::TensorOptions(cuda));
+    const auto run = [&](bool backward) {
+        if (backward) {
+            const at::Tensor xi = x.clone().requires_grad_();
+            model->forward(xi, ctx, pooled, t, g, img_ids, txt_ids).to(at::kFloat).square().mean().backward();
+        } else {
+            at::NoGradGuard no_grad;
+            (void)model->forward(x, ctx, pooled, t, g, img_ids, txt_ids);
+        }
+    };
     const auto time_ms = [&](bool backward) {
         std::vector<double> ms;
         for (int64_t i = 0; i < steps + 2; ++i) {
             torch::cuda::synchronize();
             const auto t0 = std::chrono::steady_clock::now();
-            if (backward) {
-                const at::Tensor xi = x.clone().requires_grad_();
-                model->forward(xi, ctx, pooled, t, g, img_ids, txt_ids)
-                    .to(at::kFloat)
-                    .square()
-                    .mean()
-                    .backward();
-            } else {
-                at::NoGradGuard no_grad;
-                (void)model->forward(x, ctx, pooled, t, g, img_ids, txt_ids);
-            }
+            run(backward);
             torch::cuda::synchronize();
             if (i >= 2)
                 ms.push_back(
@@ -91,12 +105,42 @@ int main(int argc, char** argv) {
         return ms[ms.size() / 2];
     };
     const double fwd = time_ms(false), fwd_bwd = time_ms(true);
+    if (const std::string trace = text_arg(argc, argv, "--profile"); !trace.empty()) {
+        namespace prof = torch::autograd::profiler;
+        const std::set<torch::profiler::impl::ActivityType> activities{
+            torch::profiler::impl::ActivityType::CUDA};
+        const prof::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+        prof::prepareProfiler(config, activities);
+        prof::enableProfiler(config, activities);
+        run(true);
+        torch::cuda::synchronize();
+        prof::disableProfiler()->save(trace);
+    }
+    // The input gradient under the kernel in use against the flash kernel's: relative L2 difference
+    // (bf16 attention kernels differ in summation order, ~1e-3; a broken backward gives ~1).
+    double grad_vs_flash = 0;
+    if (m::flux_training_attention() != m::FluxTrainingAttention::kFlash) {
+        const auto input_grad = [&] {
+            const at::Tensor xi = x.clone().requires_grad_();
+            model->forward(xi, ctx, pooled, t, g, img_ids, txt_ids).to(at::kFloat).square().mean().backward();
+            return xi.grad().to(at::kFloat);
+        };
+        const at::Tensor used = input_grad();
+        const auto kept = m::flux_training_attention();
+        m::set_flux_training_attention(m::FluxTrainingAttention::kFlash);
+        const at::Tensor flash = input_grad();
+        m::set_flux_training_attention(kept);
+        grad_vs_flash = ((used - flash).norm() / flash.norm()).item<double>();
+    }
     std::printf(
         "{\"bench\": \"flux_transformer\", \"width\": %ld, \"height\": %ld, \"tokens\": %ld, "
         "\"text_tokens\": %ld, "
-        "\"params_b\": %.2f, \"forward_ms\": %.1f, \"forward_backward_ms\": %.1f, \"peak_gib\": %.2f}\n",
+        "\"params_b\": %.2f, \"forward_ms\": %.1f, \"forward_backward_ms\": %.1f, \"peak_gib\": %.2f, "
+        "\"training_attention\": \"%s\", \"input_grad_rel_diff_vs_flash\": %.2e}\n",
         static_cast<long>(width), static_cast<long>(height), static_cast<long>(tokens),
         static_cast<long>(text), static_cast<double>(params) / 1e9, fwd, fwd_bwd,
-        dtune::peak_gpu_memory_gib(cuda).value_or(0.0));
+        dtune::peak_gpu_memory_gib(cuda).value_or(0.0),
+        m::flux_training_attention() == m::FluxTrainingAttention::kFlash ? "flash" : "sdpa_choice",
+        grad_vs_flash);
     return 0;
 }

@@ -12,6 +12,7 @@
 #include "models/common/geglu.h"
 #include "models/common/group_norm_act.h"
 #include "models/common/hash_dropout.h"
+#include "models/common/rope.h"
 #include "models/unet/unet_2d_condition.h"
 #include "models/vae/autoencoder_kl.h"
 #include "support/test_support.h"
@@ -101,6 +102,36 @@ TEST(ModelsGpu, FusedGegluMatchesComposite) {
             const at::Tensor exact = geglu(proj.cpu().to(at::kDouble));
             EXPECT_LE(test::max_abs_diff(ya.cpu(), exact), rel * exact.abs().max().item<double>() + 1e-6)
                 << dtype << " d=" << d;
+        }
+    }
+}
+
+// The fused rotary embedding against the composite in float64 on the CPU: forward and the input
+// gradient, at Flux's head size (vectorised packs) and an odd-sized one (pairwise kernel), with tables
+// that differ between the two halves of a pair (the kernel must not assume repeat_interleave'd tables).
+TEST(ModelsGpu, FusedRotaryEmbeddingMatchesFloat64) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    torch::manual_seed(5);
+    for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+        for (int64_t dim : {int64_t{128}, int64_t{6}}) {
+            const int64_t b = 2, s = 37, h = 3;
+            const at::Tensor angles = at::randn({s, dim}) * 3;
+            const at::Tensor cos = angles.cos(), sin = angles.sin();
+            const at::Tensor x = at::randn({b, s, h, dim}), up = at::randn({b, s, h, dim});
+            at::Tensor xg = x.to(cuda, dtype).requires_grad_(true);
+            const at::Tensor y = rotary_embedding(xg, cos.to(cuda), sin.to(cuda));
+            y.backward(up.to(cuda, dtype));
+            ASSERT_NE(y.grad_fn(), nullptr);
+            at::Tensor xd = x.to(dtype).to(at::kDouble).requires_grad_(true);
+            const at::Tensor yd = rotary_embedding_composite(xd, cos.to(at::kDouble), sin.to(at::kDouble));
+            yd.backward(up.to(dtype).to(at::kDouble));
+            const double rel = dtype == at::kFloat ? 1e-6 : (dtype == at::kHalf ? 1e-3 : 8e-3);
+            EXPECT_LE(test::max_abs_diff(y.cpu().to(at::kDouble), yd), rel * yd.abs().max().item<double>())
+                << dtype << " dim " << dim;
+            EXPECT_LE(test::max_abs_diff(xg.grad().cpu().to(at::kDouble), xd.grad()),
+                      rel * xd.grad().abs().max().item<double>())
+                << dtype << " dim " << dim;
         }
     }
 }

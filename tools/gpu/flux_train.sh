@@ -7,7 +7,8 @@
 # median ms/step over the second half and peak GPU memory from metrics.jsonl.
 # Needs, in the checkout: .gpudeps.tar.xz and shared/fixtures (tools/gpu/prepare.sh) and the diffusers
 # wheel in .whl/ (only the folder maker imports diffusers). Carry [".gpudeps.tar.xz", "shared", ".whl"].
-#   OUT=$OUT tools/gpu/flux_train.sh        env: STEPS (20), RUNS ("gc nogc")
+#   OUT=$OUT tools/gpu/flux_train.sh        env: STEPS (20), RUNS ("gc nogc"), BASELINE (1: the diffusers
+#   step after dtune's, same card), BASELINE_MODES (lora1,lora1gc), COMPILE (0; 1: also under torch.compile)
 # Results: $OUT/flux_train.json (one row per run) and $OUT/flux_train_logs.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -63,5 +64,19 @@ print(json.dumps(out))
 PY
     grep -h 'loaded the\|cuda_graph\|text cache\|latent\|error' "$logs/$run.log" | head -8
 done
+# The diffusers + PEFT step on the same card (bench/diffusers_flux_baseline.py), eager and, with
+# COMPILE=1, under torch.compile in its own process.
+if [[ ${BASELINE:-1} == 1 ]]; then
+    timeout -k 10 300 python3 bench/diffusers_flux_baseline.py --modes "${BASELINE_MODES:-lora1,lora1gc}" --steps 8 \
+        >"$logs/diffusers_eager.log" 2>&1
+    grep RESULT "$logs/diffusers_eager.log" | sed 's/^RESULT/{"diffusers_eager":/; s/$/}/' | tee -a "$out/flux_train.json"
+    tail -3 "$logs/diffusers_eager.log"
+fi
+if [[ ${COMPILE:-0} == 1 ]]; then
+    timeout -k 10 480 python3 bench/diffusers_flux_baseline.py --modes "${BASELINE_MODES:-lora1,lora1gc}" --steps 8 \
+        --compile >"$logs/diffusers_compile.log" 2>&1
+    grep RESULT "$logs/diffusers_compile.log" | sed 's/^RESULT/{"diffusers_compile":/; s/$/}/' | tee -a "$out/flux_train.json"
+    tail -3 "$logs/diffusers_compile.log"
+fi
 echo "== done at $SECONDS s"
 tar czf "$out/flux_train_logs.tar.gz" -C "$W" logs $(cd "$W" && ls -d out-*/metrics.jsonl 2>/dev/null)
