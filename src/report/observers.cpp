@@ -1,8 +1,10 @@
 // Run observers (see observers.h).
 #include "report/observers.h"
+#include "report/step_profiler.h"
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <optional>
 #include <set>
 
@@ -15,6 +17,7 @@
 #include "io/image.h"
 #include "report/eval_loss.h"
 #include "report/html_report.h"
+#include "report/step_profiler.h"
 #include "report/validation.h"
 #include "train/dataset_source.h"
 #include "train/trainer.h"
@@ -228,6 +231,8 @@ void add_observers(train::Trainer& trainer, std::shared_ptr<notify::Notifier> no
         trainer.add_callback(eval);
     }
     trainer.add_callback(std::make_shared<ReportCallback>());
+    if (auto profiler = make_step_profiler(std::getenv("DTUNE_PROFILE_STEPS")))
+        trainer.add_callback(profiler);
 }
 
 }  // namespace dtune::report

@@ -322,12 +322,18 @@ TEST(ModelsGpu, HashDropoutKernelMatchesTheCpuAndReplaysInAGraph) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     const at::Device cuda(at::kCUDA, 0);
     const at::Tensor x = at::rand({3, 1000, 37}) + 0.5;
-    for (auto dtype : {at::kFloat, at::kBFloat16}) {
-        const at::Tensor cpu = hash_dropout(x.to(dtype), at::full({1}, 77, at::kLong), 12, 0.1, 5000);
-        const at::Tensor gpu =
-            hash_dropout(x.to(cuda, dtype), at::full({1}, 77, at::kLong).to(cuda), 12, 0.1, 5000).cpu();
-        EXPECT_TRUE(at::equal(gpu, cpu)) << c10::toString(dtype);
-    }
+    // 111,000 elements take the 16-byte packs; 91, and a view one element in (unaligned), the
+    // one-element kernel.
+    for (const auto& [start, length] : {std::pair<int64_t, int64_t>{0, 111000}, {0, 91}, {1, 4000}})
+        for (auto dtype : {at::kFloat, at::kBFloat16}) {
+            const at::Tensor flat = x.to(dtype).reshape({-1});
+            const at::Tensor cpu =
+                hash_dropout(flat.narrow(0, start, length), at::full({1}, 77, at::kLong), 12, 0.1, 5000);
+            const at::Tensor gpu = hash_dropout(flat.to(cuda).narrow(0, start, length),
+                                                at::full({1}, 77, at::kLong).to(cuda), 12, 0.1, 5000)
+                                       .cpu();
+            EXPECT_TRUE(at::equal(gpu, cpu)) << c10::toString(dtype) << " " << start << "+" << length;
+        }
 #ifdef DTUNE_WITH_CUDA
     const at::Tensor seed = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(cuda));
     const at::Tensor in = x.to(cuda).requires_grad_(true);

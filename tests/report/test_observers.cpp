@@ -22,6 +22,7 @@
 #include "report/eval_loss.h"
 #include "report/html_report.h"
 #include "report/observers.h"
+#include "report/step_profiler.h"
 #include "report/tensorboard.h"
 #include "report/validation.h"
 #include "support/http_listener.h"
@@ -183,6 +184,34 @@ TEST(Validation, PreviewsReachTheWebhookAsSimpleTunerSendsThem) {
 
 // A SimpleTuner config made for wandb trains; the metrics go to TensorBoard files, and the log says
 // once that wandb is not available.
+// DTUNE_PROFILE_STEPS's observer traces the steps asked for (CPU operators on a CPU run) into
+// <output_dir>/profile/trace_rank0.json, and a malformed range is refused naming the variable.
+TEST(Report, StepProfilerWritesATraceOfTheStepsAskedFor) {
+    test::TempDir dir;
+    const auto c = config(
+        dir.path(), {{"max_train_steps", 3}, {"checkpoint_step_interval", 0}, {"validation_prompt", ""}});
+    auto trainer = make_trainer(c);
+    trainer->add_callback(make_step_profiler("2:3"));
+    trainer->run();
+    const auto trace = dir / "profile" / "trace_rank0.json";
+    ASSERT_TRUE(std::filesystem::exists(trace));
+    const auto j = nlohmann::json::parse(fs::read_file(trace));
+    int64_t ops = 0;
+    for (const auto& e : j.at("traceEvents"))
+        if (e.value("name", "").rfind("aten::", 0) == 0) ++ops;
+    EXPECT_GT(ops, 100) << "the trace holds the steps' operators";
+    EXPECT_EQ(make_step_profiler(nullptr), nullptr);
+    EXPECT_EQ(make_step_profiler(""), nullptr);
+    for (const char* bad : {"x", "3:2", "0:1", "2-3"}) {
+        try {
+            make_step_profiler(bad);
+            ADD_FAILURE() << bad << " was accepted";
+        } catch (const UsageError& e) {
+            EXPECT_NE(std::string(e.what()).find("DTUNE_PROFILE_STEPS"), std::string::npos) << e.what();
+        }
+    }
+}
+
 TEST(Report, ReportToWandbWritesTensorBoardAndSaysSoOnce) {
     test::TempDir dir;
     const auto c = config(dir.path(), {{"report_to", "wandb"},

@@ -8,7 +8,8 @@
 # Needs, in the checkout: .gpudeps.tar.xz and shared/fixtures (tools/gpu/prepare.sh) and the diffusers
 # wheel in .whl/ (only the folder maker imports diffusers). Carry [".gpudeps.tar.xz", "shared", ".whl"].
 #   OUT=$OUT tools/gpu/flux_train.sh        env: STEPS (20), RUNS ("gc nogc"), BASELINE (1: the diffusers
-#   step after dtune's, same card), BASELINE_MODES (lora1,lora1gc), COMPILE (0; 1: also under torch.compile)
+#   step after dtune's, same card), BASELINE_MODES (lora1,lora1gc), COMPILE (0; 1: also under torch.compile),
+#   PROFILE (A:B: a Kineto trace of steps A..B of each run, summarised into the logs)
 # Results: $OUT/flux_train.json (one row per run) and $OUT/flux_train_logs.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -40,7 +41,7 @@ echo "== ready at $SECONDS s"
 for run in $RUNS; do
     gc=$([[ $run == gc ]] && echo true || echo false)
     o=$W/out-$run
-    timeout -k 10 200 build/release/bin/dtune train --model_family flux --pretrained_model_name_or_path "$W/flux" \
+    DTUNE_PROFILE_STEPS=${PROFILE:-} timeout -k 10 200 build/release/bin/dtune train --model_family flux --pretrained_model_name_or_path "$W/flux" \
         --data_backend_config "$W/mdb.json" --output_dir "$o" --max_train_steps "$STEPS" --model_type lora \
         --lora_rank 16 --train_batch_size 1 --optimizer adamw_bf16 --learning_rate 1e-4 --mixed_precision bf16 \
         --gradient_checkpointing "$gc" --checkpoint_step_interval 1000 --seed 42 --device cuda \
@@ -63,6 +64,12 @@ if half:
 print(json.dumps(out))
 PY
     grep -h 'loaded the\|cuda_graph\|text cache\|latent\|error' "$logs/$run.log" | head -8
+    if [[ -f $o/profile/trace_rank0.json ]]; then  # PROFILE=A:B (DTUNE_PROFILE_STEPS) traced steps A..B
+        span=${PROFILE#*:}; span=$(( span - ${PROFILE%%:*} + 1 ))
+        python3 bench/summarize_trace.py "$o/profile/trace_rank0.json" --steps "$span" --top 40 \
+            >"$logs/profile_$run.txt" 2>&1
+        head -60 "$logs/profile_$run.txt"
+    fi
 done
 # The diffusers + PEFT step on the same card (bench/diffusers_flux_baseline.py), eager and, with
 # COMPILE=1, under torch.compile in its own process.

@@ -1,6 +1,8 @@
 // Counter-based dropout on the GPU: out = in · scale where the hash keeps the element, else 0. One
 // pass, no mask tensor, no generator state: the seed is read from device memory (see
-// common/hash_dropout_math.h for the rule the CPU loop shares).
+// common/hash_dropout_math.h for the rule the CPU loop shares). 16-byte loads and stores where the
+// size and pointers allow (measured: the scalar form took 54 µs per Flux projection input on an
+// H200, 43 ms of a LoRA step with SimpleTuner's lora_dropout 0.1).
 #include <cstdint>
 
 #include "models/common/hash_dropout_math.h"
@@ -10,24 +12,39 @@
 namespace dtune::models::cuda {
 namespace {
 
-template <typename T>
-__global__ void hash_dropout_kernel(const T* __restrict__ in, T* __restrict__ out, int64_t n,
+// V consecutive elements per thread (a 16-byte pack when vectorised): the same keep decision per
+// element index as the scalar rule, so the mask does not depend on the vector width.
+template <typename T, int V>
+__global__ void hash_dropout_kernel(const T* __restrict__ in, T* __restrict__ out, int64_t packs,
                                     const int64_t* __restrict__ seed, uint64_t salt, int64_t index_offset,
                                     uint32_t threshold, float scale) {
     const uint64_t key = hash_dropout_math::layer_key(static_cast<uint64_t>(*seed), salt);
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < packs;
          i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-        const bool kept = hash_dropout_math::keep(key, static_cast<uint64_t>(index_offset + i), threshold);
-        out[i] = from_float<T>(kept ? to_float(in[i]) * scale : 0.0f);
+        const Pack<T, V> x = reinterpret_cast<const Pack<T, V>*>(in)[i];
+        Pack<T, V> y;
+        const uint64_t first = static_cast<uint64_t>(index_offset + i * V);
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const bool kept = hash_dropout_math::keep(key, first + k, threshold);
+            y.v[k] = from_float<T>(kept ? to_float(x.v[k]) * scale : 0.0f);
+        }
+        reinterpret_cast<Pack<T, V>*>(out)[i] = y;
     }
 }
 
 template <typename T>
 int launch(const void* in, void* out, int64_t n, const int64_t* seed, uint64_t salt, int64_t offset,
            uint32_t threshold, float scale, cudaStream_t s) {
-    constexpr int kThreads = 256;
-    hash_dropout_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, s>>>(
-        static_cast<const T*>(in), static_cast<T*>(out), n, seed, salt, offset, threshold, scale);
+    constexpr int kVec = 16 / sizeof(T), kThreads = 256;
+    const auto* x = static_cast<const T*>(in);
+    auto* y = static_cast<T*>(out);
+    if (n % kVec == 0 && aligned16(in) && aligned16(out))
+        hash_dropout_kernel<T, kVec><<<blocks_for(n / kVec, kThreads), kThreads, 0, s>>>(
+            x, y, n / kVec, seed, salt, offset, threshold, scale);
+    else
+        hash_dropout_kernel<T, 1>
+            <<<blocks_for(n, kThreads), kThreads, 0, s>>>(x, y, n, seed, salt, offset, threshold, scale);
     return static_cast<int>(cudaGetLastError());
 }
 
