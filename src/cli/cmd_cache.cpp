@@ -58,6 +58,8 @@ train::DatasetEncoders load_encoders(const TrainConfig& c, const stdfs::path& mo
     o.device = train::DataParallel::pick_device(c.text("device"), dist::read_dist_env(), cuda_device_count());
     o.vae_dtype = o.device.is_cuda() ? at::kBFloat16 : at::kFloat;
     o.text_encoder_precision = family::text_encoder_precision_from(c);
+    o.max_sequence_length =
+        c.opt_integer("tokenizer_max_length").value_or(0);  // Flux's T5 length, as train's
     return family::family_named(c.text("model_family")).load_data_encoders(o);
 }
 

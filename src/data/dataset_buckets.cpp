@@ -121,6 +121,7 @@ DatasetBuckets build_dataset_buckets(const DatasetConfig& config, const BucketBu
     in.repeats = config.repeats;
     in.repeats_set_by_user = config.repeats_set;
     in.allow_oversubscription = options.allow_dataset_oversubscription;
+    in.disable_bucket_pruning = options.disable_bucket_pruning;
     in.apply_padding = options.apply_padding;
     in.is_eval = config.dataset_type == DatasetType::kEval;
     out.plan = plan_epoch(in, sizes);

@@ -32,6 +32,7 @@ struct BucketBuildOptions {
     int rank = 0;
     int gradient_accumulation_steps = 1;
     bool allow_dataset_oversubscription = false;
+    bool disable_bucket_pruning = false;
     bool apply_padding = true;
     bool write_index = true;
     bool show_progress = false;

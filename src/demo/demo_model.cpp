@@ -2,8 +2,6 @@
 #include "demo/demo_model.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
-#include <torch/optim/adam.h>
 
 #include <map>
 #include <set>
@@ -11,8 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "core/fs.h"
 #include "core/log.h"
+#include "demo/demo_parts.h"
 #include "io/safetensors.h"
 #include "models/clip/clip_text_model.h"
 #include "models/common/config_json.h"
@@ -94,70 +92,6 @@ json vae_config(double scaling_factor) {
         {"use_post_quant_conv", true}};
 }
 
-json clip_config(bool projection, int64_t vocab, int64_t bos, int64_t eos, int64_t pad, const char* act) {
-    return json{{"architectures", {projection ? "CLIPTextModelWithProjection" : "CLIPTextModel"}},
-                {"model_type", "clip_text_model"},
-                {"hidden_act", act},
-                {"hidden_size", 32},
-                {"intermediate_size", 64},
-                {"num_attention_heads", 4},
-                {"num_hidden_layers", 3},
-                {"max_position_embeddings", 77},
-                {"projection_dim", 32},
-                {"layer_norm_eps", 1e-5},
-                {"vocab_size", vocab},
-                {"bos_token_id", bos},
-                {"eos_token_id", eos},
-                {"pad_token_id", pad}};
-}
-
-void write_json(const std::filesystem::path& path, const json& j) {
-    std::filesystem::create_directories(path.parent_path());
-    fs::write_file_atomic(path, j.dump(2) + "\n");
-}
-
-void write_tokenizer(const std::filesystem::path& dir, const std::string& vocab, const std::string& merges,
-                     const std::string& pad) {
-    std::filesystem::create_directories(dir);
-    fs::write_file_atomic(dir / "vocab.json", vocab);
-    fs::write_file_atomic(dir / "merges.txt", merges);
-    const json special{{"bos_token", "<|startoftext|>"},
-                       {"eos_token", "<|endoftext|>"},
-                       {"pad_token", pad},
-                       {"unk_token", "<|endoftext|>"}};
-    write_json(dir / "special_tokens_map.json", special);
-    json cfg = special;
-    cfg["tokenizer_class"] = "CLIPTokenizer";
-    cfg["model_max_length"] = 77;
-    write_json(dir / "tokenizer_config.json", cfg);
-}
-
-// Reconstruction (+ a small KL term keeping latents near unit scale) on the demo images, so that
-// decoded validation latents look like coloured shapes rather than noise. Returns the final MSE.
-double fit_vae(models::AutoencoderKL& vae, const at::Tensor& images, int steps, uint64_t seed) {
-    torch::optim::Adam opt(vae->parameters(), torch::optim::AdamOptions(2e-3));
-    auto gen = at::detail::createCPUGenerator(seed);
-    vae->train();
-    double mse = 0;
-    const int64_t n = images.size(0), batch = std::min<int64_t>(4, n);
-    for (int s = 0; s < steps; ++s) {
-        const at::Tensor idx = at::randperm(n, gen).slice(0, 0, batch);
-        const at::Tensor x = images.index_select(0, idx);  // [b, 3, H, W]
-        const auto post = vae->encode(x);
-        const at::Tensor z = post.mean + post.std * at::randn(post.mean.sizes(), gen);
-        const at::Tensor rec = vae->decode(z);
-        const at::Tensor l_rec = (rec - x).pow(2).mean();
-        const at::Tensor kl = 0.5 * (post.mean.pow(2) + post.logvar.exp() - 1 - post.logvar).mean();
-        const at::Tensor loss = l_rec + 1e-3 * kl;
-        opt.zero_grad();
-        loss.backward();
-        opt.step();
-        mse = l_rec.item<double>();
-    }
-    vae->eval();
-    return mse;
-}
-
 }  // namespace
 
 std::pair<std::string, std::string> make_demo_tokenizer(const std::vector<std::string>& words) {
@@ -210,8 +144,9 @@ std::string write_demo_model(const std::filesystem::path& dir, const std::vector
     const int64_t bos = vocab.at("<|startoftext|>").get<int64_t>(),
                   eos = vocab.at("<|endoftext|>").get<int64_t>();
     const int64_t bang = vocab.at("!").get<int64_t>();
-    write_tokenizer(dir / "tokenizer", vocab_text, merges, "<|endoftext|>");
-    write_tokenizer(dir / "tokenizer_2", vocab_text, merges, "!");  // SDXL's second tokenizer pads with "!"
+    write_clip_tokenizer(dir / "tokenizer", vocab_text, merges, "<|endoftext|>");
+    write_clip_tokenizer(dir / "tokenizer_2", vocab_text, merges,
+                         "!");  // SDXL's second tokenizer pads with "!"
 
     at::manual_seed(o.seed);  // module initialisers draw from the global generator
     const json te1 = clip_config(false, n_vocab, bos, eos, eos, "quick_gelu");

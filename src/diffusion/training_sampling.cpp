@@ -134,6 +134,28 @@ at::Tensor sample_timesteps(int64_t batch_size, int64_t num_train_timesteps,
     return at::multinomial(weights.to(generator.device()), batch_size, true, generator).cpu();
 }
 
+EmbeddedGuidanceOptions::Mode parse_embedded_guidance_mode(const std::string& name) {
+    if (name == "constant") return EmbeddedGuidanceOptions::Mode::kConstant;
+    if (name == "random-range") return EmbeddedGuidanceOptions::Mode::kRandomRange;
+    throw UsageError(
+        str("flux_guidance_mode \"", name, "\" is not supported; choose one of: constant, random-range"));
+}
+
+at::Tensor sample_embedded_guidance(int64_t batch_size, const EmbeddedGuidanceOptions& o,
+                                    at::Generator& generator) {
+    if (o.mode == EmbeddedGuidanceOptions::Mode::kConstant)
+        return at::full({batch_size}, o.value, at::TensorOptions().dtype(at::kFloat));
+    const at::Tensor u = at::rand({batch_size}, generator, on_generator(generator, at::kDouble)).cpu();
+    return (o.min + (o.max - o.min) * u).to(at::kFloat);  // [B]
+}
+
+FlowSigmaSchedule flow_sigma_schedule(const FlowMatchingOptions& o) {
+    if (!o.flux_fast_schedule && !o.beta && !o.uniform) return FlowSigmaSchedule::kLogitNormal;
+    if (o.uniform) return FlowSigmaSchedule::kUniform;
+    if (o.beta) return FlowSigmaSchedule::kBeta;
+    return FlowSigmaSchedule::kFluxFast;
+}
+
 at::Tensor apply_flow_shift(const at::Tensor& sigmas, double shift) {
     return (sigmas * shift) / (1 + (shift - 1) * sigmas);
 }
@@ -145,24 +167,52 @@ double flux_auto_shift(int64_t image_seq_len, const FlowMatchingOptions& o) {
     return std::exp(static_cast<double>(image_seq_len) * m + b);
 }
 
-at::Tensor sample_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& options,
-                              at::IntArrayRef latent_shape, at::Generator& generator) {
-    at::Tensor sigmas =
-        options.uniform ? at::rand({batch_size}, generator, on_generator(generator, at::kFloat)).cpu()
-                        : at::sigmoid(options.sigmoid_scale *
-                                      at::randn({batch_size}, generator, on_generator(generator, at::kFloat)))
-                              .cpu();
-    if (options.shift.has_value() && *options.shift > 0) return apply_flow_shift(sigmas, *options.shift);
-    if (options.auto_shift) {
-        DTUNE_CHECK(latent_shape.size() >= 2, "flow auto shift needs the latent shape [B, C, H, W]; got ",
+std::optional<double> flow_shift_for(const FlowMatchingOptions& o, at::IntArrayRef latent_shape) {
+    if (flow_sigma_schedule(o) == FlowSigmaSchedule::kFluxFast) return std::nullopt;
+    if (o.auto_shift) {
+        DTUNE_CHECK(latent_shape.size() >= 4, "flow auto shift needs the latent shape [B, C, H, W]; got ",
                     latent_shape);
         const int64_t h = latent_shape[latent_shape.size() - 2];
         const int64_t w = latent_shape[latent_shape.size() - 1];
         const int64_t frames = latent_shape.size() == 5 ? latent_shape[2] : 1;
-        const int64_t p = options.patch_size > 0 ? options.patch_size : 2;
-        return apply_flow_shift(sigmas, flux_auto_shift(frames * (h / p) * (w / p), options));
+        const int64_t p = o.patch_size > 0 ? o.patch_size : 2;
+        return flux_auto_shift(frames * (h / p) * (w / p), o);
     }
-    return sigmas;
+    if (o.shift.has_value() && *o.shift > 0) return *o.shift;
+    return std::nullopt;
+}
+
+at::Tensor sample_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& options,
+                              at::IntArrayRef latent_shape, at::Generator& generator) {
+    const at::TensorOptions f32 = on_generator(generator, at::kFloat);
+    at::Tensor sigmas;  // [B]
+    switch (flow_sigma_schedule(options)) {
+        case FlowSigmaSchedule::kLogitNormal:
+            sigmas = at::sigmoid(options.sigmoid_scale * at::randn({batch_size}, generator, f32)).cpu();
+            break;
+        case FlowSigmaSchedule::kUniform: sigmas = at::rand({batch_size}, generator, f32).cpu(); break;
+        case FlowSigmaSchedule::kBeta: {
+            DTUNE_CHECK_AS(UsageError, options.beta_alpha > 0 && options.beta_beta > 0,
+                           "flow_beta_schedule_alpha and flow_beta_schedule_beta must be > 0; got ",
+                           options.beta_alpha, " and ", options.beta_beta);
+            // torch.distributions.Beta(a, b).sample((B,)): the first coordinate of a Dirichlet draw with
+            // concentration [a, b] expanded to [B, 2] (float32), from the same gamma draws.
+            const at::Tensor concentration =
+                at::tensor({options.beta_alpha, options.beta_beta}, f32).expand({batch_size, 2});
+            sigmas = at::_sample_dirichlet(concentration, generator).select(1, 0).cpu();
+            break;
+        }
+        case FlowSigmaSchedule::kFluxFast: {
+            // random.choices([1.0] * 7 + [0.75, 0.5, 0.25], k=B), from our generator.
+            const at::Tensor table =
+                at::tensor({1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 0.75f, 0.5f, 0.25f});
+            const at::Tensor index =
+                at::randint(0, 10, {batch_size}, generator, on_generator(generator, at::kLong)).cpu();
+            return table.index_select(0, index);  // never shifted
+        }
+    }
+    const std::optional<double> shift = flow_shift_for(options, latent_shape);
+    return shift ? apply_flow_shift(sigmas, *shift) : sigmas;
 }
 
 at::Tensor flow_noisy_latents(const at::Tensor& x0, const at::Tensor& noise, const at::Tensor& sigmas) {

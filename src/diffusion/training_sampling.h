@@ -1,6 +1,7 @@
 // What a training step draws at random: the noise (with SimpleTuner's offset noise and input
 // perturbation), the DDPM timesteps (uniform, SimpleTuner's timestep bias, segmented across the batch)
-// and, for flow-matching models, the sigmas (logit-normal or uniform, with SD3/Flux's shift).
+// and, for flow-matching models, the sigmas (logit-normal, uniform, Beta or Flux's fast list, with
+// SD3/Flux's shift) and the embedded guidance of guidance-distilled networks (Flux [dev]).
 // Invariant: every random number comes from the at::Generator the caller passes, drawn on that
 // generator's device (then moved), so a run is reproducible from its seed and resumable from the
 // generator's state, and a CPU generator gives the same draws whatever device trains. Timesteps and
@@ -82,26 +83,65 @@ at::Tensor sample_timesteps(int64_t batch_size, int64_t num_train_timesteps,
 
 // ---- flow matching (SD3 / Flux) -----------------------------------------------------------------
 
+// The guidance scale a guidance-distilled network (Flux [dev]) is given during training, per sample:
+// SimpleTuner's flux_guidance_mode "constant" (flux_guidance_value) or "random-range" (uniform in
+// [flux_guidance_min, flux_guidance_max], Python's random.uniform: min + (max - min) * U).
+struct EmbeddedGuidanceOptions {
+    enum class Mode { kConstant, kRandomRange };
+    Mode mode = Mode::kConstant;
+    double value = 1.0;  // flux_guidance_value
+    double min = 0.0;    // flux_guidance_min
+    double max = 4.0;    // flux_guidance_max
+};
+// "constant" / "random-range"; UsageError naming flux_guidance_mode and the choices otherwise.
+EmbeddedGuidanceOptions::Mode parse_embedded_guidance_mode(const std::string& name);
+// [B] float32 on the CPU (the random range drawn in float64 from `generator`, as Python draws it).
+at::Tensor sample_embedded_guidance(int64_t batch_size, const EmbeddedGuidanceOptions& options,
+                                    at::Generator& generator);
+
+// Where the unshifted sigmas come from. SimpleTuner's order when several are switched on: uniform,
+// then Beta, then the fast list; logit-normal only when none is.
+enum class FlowSigmaSchedule { kLogitNormal, kUniform, kBeta, kFluxFast };
+
 struct FlowMatchingOptions {
-    double sigmoid_scale = 1.0;         // flow_sigmoid_scale
+    double sigmoid_scale = 1.0;         // flow_sigmoid_scale (logit-normal: sigmoid(scale * N(0, 1)))
     std::optional<double> shift = 3.0;  // flow_schedule_shift (> 0 to apply)
-    bool auto_shift = false;            // flow_schedule_auto_shift: shift from the image size
-    bool uniform = false;               // flow_use_uniform_schedule
-    // Flux's scheduler_config values for the auto shift.
+    // flow_schedule_auto_shift: the shift from the image size. It wins over a static shift (SimpleTuner
+    // sets flow_schedule_shift to 0 when both are given).
+    bool auto_shift = false;
+    bool uniform = false;             // flow_use_uniform_schedule: U(0, 1)
+    bool beta = false;                // flow_use_beta_schedule: Beta(beta_alpha, beta_beta)
+    double beta_alpha = 2.0;          // flow_beta_schedule_alpha
+    double beta_beta = 2.0;           // flow_beta_schedule_beta
+    bool flux_fast_schedule = false;  // sigma from {1 (7 of 10), 0.75, 0.5, 0.25}, never shifted
+    // The auto shift's anchors: the model's scheduler_config.json (Flux's values by default);
+    // SimpleTuner's patch size 2 (the scheduler config has none).
     int64_t base_image_seq_len = 256;
     int64_t max_image_seq_len = 4096;
     double base_shift = 0.5;
     double max_shift = 1.15;
     int64_t patch_size = 2;
+    // Networks with an embedded guidance input (Flux [dev]): the step draws one scale per sample and
+    // passes it as cond["guidance"] [B]. Unset: the network takes none.
+    std::optional<EmbeddedGuidanceOptions> guidance;
 };
+
+FlowSigmaSchedule flow_sigma_schedule(const FlowMatchingOptions& options);
 
 // sigma' = shift * sigma / (1 + (shift - 1) * sigma) (SD3 paper §5.3.2).
 at::Tensor apply_flow_shift(const at::Tensor& sigmas, double shift);
-// Flux's resolution-dependent shift exp(mu), mu linear in the token count between the two anchors.
+// Flux's resolution-dependent shift exp(mu), mu linear in the token count between the two anchors
+// (diffusers' calculate_shift).
 double flux_auto_shift(int64_t image_seq_len, const FlowMatchingOptions& options);
+// The shift sample_flow_sigmas applies for latents of `latent_shape` [B, C, H, W] (or [B, C, F, H,
+// W]): the auto shift when on, else the static one when > 0; nullopt when none (and always for the
+// fast list, which SimpleTuner never shifts).
+std::optional<double> flow_shift_for(const FlowMatchingOptions& options, at::IntArrayRef latent_shape);
 
-// [B] float32 sigmas in (0, 1): sigmoid(scale * N(0,1)) (logit-normal) or U(0,1), then shifted (static
-// shift if > 0, else the auto shift from `latent_shape` [B, C, H, W] when auto_shift is on).
+// [B] float32 sigmas on the CPU: the schedule's draw (flow_sigma_schedule), then the shift
+// (flow_shift_for). Logit-normal and uniform draw torch.randn / torch.rand from `generator`; Beta
+// draws torch.distributions.Beta's Dirichlet sample; the fast list one index in [0, 10) per sample.
+// Nothing is clamped (SimpleTuner does not clamp either): the fast list gives sigma 1 (pure noise).
 at::Tensor sample_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& options,
                               at::IntArrayRef latent_shape, at::Generator& generator);
 // (1 - sigma) x0 + sigma noise, sigma [B] broadcast over the rest.

@@ -118,6 +118,16 @@ void quantize_text_encoders(const std::vector<torch::nn::Module*>& encoders,
     }
 }
 
+std::string text_precision_identity(const std::array<std::string, 2>& precisions, std::size_t count) {
+    std::string out;
+    for (std::size_t i = 0; i < count && i < precisions.size(); ++i) {
+        const std::string key = str("text_encoder_", i + 1, "_precision");
+        const QuantPreset preset = parse_quant_preset(precisions[i], key);
+        if (preset.active()) out += str(" ", key, "=", preset.name);
+    }
+    return out;
+}
+
 void load_vae_encoder(const std::filesystem::path& model_dir, const std::filesystem::path& vae_override,
                       c10::Device device, c10::ScalarType dtype, data::DataEncoders& e) {
     namespace stdfs = std::filesystem;

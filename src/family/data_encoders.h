@@ -48,6 +48,11 @@ std::string text_encoder_identity(const std::filesystem::path& model_dir,
 void quantize_text_encoders(const std::vector<torch::nn::Module*>& encoders,
                             const std::array<std::string, 2>& precisions, std::string& identity);
 
+// What quantize_text_encoders appends to the identity for the first `count` encoders, without
+// loading or quantising anything (for encoders loaded only when a cache entry must be built).
+// Throws like it for an unknown preset.
+std::string text_precision_identity(const std::array<std::string, 2>& precisions, std::size_t count);
+
 // The model folder's VAE (or `vae_override`) as `e.vae`, with its identity and latent channels.
 void load_vae_encoder(const std::filesystem::path& model_dir, const std::filesystem::path& vae_override,
                       c10::Device device, c10::ScalarType dtype, data::DataEncoders& e);

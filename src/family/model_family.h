@@ -40,6 +40,10 @@
 #include "models/common/component.h"
 #include "validate/generation.h"
 
+namespace dtune::train {
+class TrainConfig;
+}
+
 namespace dtune::family {
 
 // name → [B, ...] (see the file comment). Ordered, so iteration (graph inputs, checkpoints) is stable.
@@ -71,6 +75,10 @@ struct TrainingObjective {
     Kind kind = Kind::kDiffusion;
     std::optional<diffusion::NoiseSchedule> schedule;  // kDiffusion
     diffusion::FlowMatchingOptions flow;               // kFlowMatching
+    // kFlowMatching: the model folder's FlowMatchEulerDiscreteScheduler config as written. Eval loss
+    // takes its fixed sigmas from it, with flow.shift as the static shift (SimpleTuner loads the
+    // scheduler with shift=flow_schedule_shift; report/eval_loss.h). nullopt: the folder has none.
+    std::optional<diffusion::FlowMatchConfig> flow_scheduler;
 
     TrainingObjective() = default;
     // A DDPM objective (implicit: tests and benchmarks pass a schedule where an objective is wanted).
@@ -156,6 +164,11 @@ class ModelFamily {
     // caption, no batch dimension) as the family's trainer does it.
     virtual void drop_caption(Conditioning& batch, int64_t row, const Conditioning& empty) const = 0;
     virtual TrainingObjective training_objective(const std::filesystem::path& model_dir) const = 0;
+    // A run's family keys applied to its loaded network and to the objective from
+    // training_objective (Flux: flow_*, flux_guidance_*, flux_attention_masked_training,
+    // fuse_qkv_projections). Called once by the trainer; the default applies nothing.
+    virtual void apply_training_config(const train::TrainConfig& /*config*/, Denoiser& /*denoiser*/,
+                                       TrainingObjective& /*objective*/) const {}
     virtual std::unique_ptr<ImageSampler> load_sampler(const std::filesystem::path& model_dir,
                                                        Denoiser& denoiser,
                                                        const SamplerLoadOptions& options) const = 0;
@@ -163,6 +176,10 @@ class ModelFamily {
     virtual std::unique_ptr<ImageSampler> open_pipeline(const PipelineSource& source) const = 0;
     // peft_lora_target_modules' default for this family.
     virtual std::vector<std::string> default_lora_targets() const = 0;
+    // ... and for a run (Flux: flux_lora_target's list); the default is default_lora_targets().
+    virtual std::vector<std::string> lora_targets(const train::TrainConfig& /*config*/) const {
+        return default_lora_targets();
+    }
     // model_type full: a diffusers folder with the trained network in denoiser_folder() and the
     // base's other components (family/export.h; `vae_dir` replaces the base's VAE), and the
     // family's single file.
@@ -175,6 +192,9 @@ class ModelFamily {
                                     const std::optional<std::filesystem::path>& vae_dir) const = 0;
     // The name of the single file export_single_file writes in output_dir ("" when none).
     virtual const char* single_file_name() const = 0;
+    // validation_preview's tiny autoencoder when validation_preview_model is unset: the Hugging Face
+    // id of a diffusers AutoencoderTiny for this family's latents (SimpleTuner's VALIDATION_PREVIEW_SPEC).
+    virtual const char* preview_decoder_id() const = 0;
 };
 
 // The family of SimpleTuner's model_family value; UsageError listing the known ones otherwise.

@@ -13,7 +13,9 @@
 #include "data/captions.h"
 #include "data/dataset_config.h"
 #include "data/storage.h"
+#include "diffusion/training_sampling.h"
 #include "family/data_encoders.h"
+#include "family/model_family.h"
 #include "io/image.h"
 #include "io/image_tensor.h"
 #include "models/common/pipeline_folder.h"
@@ -69,6 +71,78 @@ double eval_loss(family::Denoiser& model, const diffusion::NoiseSchedule& schedu
     return total / static_cast<double>(samples.size() * timesteps.size());
 }
 
+std::vector<double> flow_eval_timesteps(const diffusion::FlowMatchConfig& c, int64_t n,
+                                        int64_t image_seq_len) {
+    DTUNE_CHECK_AS(UsageError, n >= 1, "eval_timesteps ", n, " is invalid; use 1 or more");
+    const double T = static_cast<double>(c.num_train_timesteps);
+    // np.linspace(sigma_max·T, sigma_min·T, n) / T with sigma_max = 1. sigma_min is the scheduler's
+    // last training sigma: float32 1/T with dynamic shifting; with a static shift that sigma is
+    // already shifted, and SimpleTuner pins it back to 1/T (fix_flow_match_euler_schedule_bounds).
+    const double lo = c.use_dynamic_shifting ? static_cast<double>(static_cast<float>(1.0 / T)) : 1.0 / T;
+    std::optional<double> mu;
+    if (c.use_dynamic_shifting) mu = diffusion::flow_match_mu(c, image_seq_len);
+    std::vector<double> sigmas;
+    const double step = n > 1 ? (lo * T - T) / static_cast<double>(n - 1) : 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+        const double t = n > 1 && i == n - 1 ? lo * T : static_cast<double>(i) * step + T;
+        sigmas.push_back(diffusion::flow_match_shift_sigma(c, t / T, mu));
+    }
+    if (c.shift_terminal) {
+        const double scale = (1.0 - sigmas.back()) / (1.0 - *c.shift_terminal);
+        for (double& v : sigmas) v = 1.0 - (1.0 - v) / scale;
+    }
+    std::vector<double> out;  // float32 sigmas, then timesteps = sigmas · T in float32 (diffusers)
+    for (const double v : sigmas) {
+        const float sigma = c.invert_sigmas ? 1.0f - static_cast<float>(v) : static_cast<float>(v);
+        out.push_back(static_cast<double>(sigma * static_cast<float>(T)));
+    }
+    return out;
+}
+
+double flow_eval_loss(family::Denoiser& model, const diffusion::FlowMatchConfig& scheduler,
+                      const std::vector<EvalSample>& samples, int64_t num_timesteps) {
+    DTUNE_CHECK(!samples.empty(), "flow_eval_loss needs samples");
+    torch::nn::Module& net = model.module();
+    const bool was_training = net.is_training();
+    net.eval();
+    c10::InferenceMode guard;
+    const auto device = net.parameters().front().device();
+    const auto T = static_cast<float>(scheduler.num_train_timesteps);
+    double total = 0;
+    int64_t count = 0;
+    for (const auto& s : samples) {
+        const at::Tensor x0 = s.latents.to(at::kCPU, at::kFloat);  // [1, C, h, w]
+        const int64_t h = x0.size(2), w = x0.size(3);
+        DTUNE_CHECK_AS(UsageError, h % 2 == 0 && w % 2 == 0, "eval latents of ", x0.sizes(),
+                       " cannot be packed 2x2; give the eval dataset a resolution that is a multiple of 16");
+        // One draw per image, reused at every timestep (SimpleTuner seeds 0 before each batch).
+        at::Generator gen = at::detail::createCPUGenerator(0);
+        const at::Tensor noise = at::randn(x0.sizes(), gen, at::kFloat);  // [1, C, h, w]
+        const at::Tensor target = noise - x0;
+        family::Conditioning cond;
+        for (const auto& [name, c] : s.cond) cond[name] = c.to(device);
+        for (const double t : flow_eval_timesteps(scheduler, num_timesteps, (h / 2) * (w / 2))) {
+            const at::Tensor ts = at::full({1}, t, at::kFloat);
+            const at::Tensor noisy = diffusion::flow_noisy_latents(x0, noise, ts / T);  // sigma = t / T
+            const at::Tensor pred = model.forward(noisy.to(device), ts.to(device), cond);
+            total += (pred.to(at::kCPU, at::kFloat) - target).pow(2).mean().item<double>();
+            ++count;
+        }
+    }
+    if (was_training) net.train();
+    return total / static_cast<double>(count);
+}
+
+diffusion::FlowMatchConfig flow_eval_scheduler(const family::TrainingObjective& objective) {
+    DTUNE_CHECK_AS(UsageError, objective.flow_scheduler.has_value(),
+                   "eval loss of a flow-matching model takes its fixed sigmas from the model folder's "
+                   "scheduler/scheduler_config.json (FlowMatchEulerDiscreteScheduler), and this folder has "
+                   "none: add it, or set eval_loss_disable true");
+    diffusion::FlowMatchConfig c = *objective.flow_scheduler;
+    if (objective.flow.shift && *objective.flow.shift > 0) c.shift = *objective.flow.shift;
+    return c;
+}
+
 EvalLossCallback::EvalLossCallback(Options options) : options_(std::move(options)) {}
 EvalLossCallback::~EvalLossCallback() = default;
 
@@ -94,7 +168,11 @@ void EvalLossCallback::prepare(train::Trainer& trainer) {
     const auto backends = data::load_data_backend_config(options_.data_backend_config, args);
     const auto pf = models::PipelineFolder::open(options_.model_dir);
     const family::ModelFamily& fam = trainer.model_family();
-    const diffusion::NoiseSchedule& schedule = trainer.objective().ddpm("eval loss (eval datasets)");
+    const family::TrainingObjective& objective = trainer.objective();
+    if (objective.flow_matching())
+        flow_ = flow_eval_scheduler(objective);
+    else
+        schedule_.emplace(objective.ddpm("eval loss (eval datasets)"));
     family::DataEncoderOptions eo;
     eo.model_dir = options_.model_dir;
     eo.text_encoder_precision = family::text_encoder_precision_from(config);
@@ -141,10 +219,11 @@ void EvalLossCallback::prepare(train::Trainer& trainer) {
     }
     DTUNE_CHECK_AS(DataError, !samples_.empty(), options_.data_backend_config.string(),
                    ": the eval dataset has no readable images; add images or remove the eval entry");
-    schedule_.emplace(schedule);
-    prediction_ = config.is_null("prediction_type")
-                      ? schedule_->config().prediction_type
-                      : diffusion::parse_prediction_type(config.text("prediction_type"), "prediction_type");
+    if (schedule_)
+        prediction_ =
+            config.is_null("prediction_type")
+                ? schedule_->config().prediction_type
+                : diffusion::parse_prediction_type(config.text("prediction_type"), "prediction_type");
     log::info() << "eval loss: " << samples_.size() << " image(s) x " << options_.num_timesteps
                 << " timesteps";
 }
@@ -152,9 +231,13 @@ void EvalLossCallback::prepare(train::Trainer& trainer) {
 double EvalLossCallback::evaluate(train::Trainer& trainer, int64_t step) {
     last_step_ = step;
     if (samples_.empty()) prepare(trainer);
-    const auto ts = trailing_timesteps(schedule_->num_train_timesteps(), options_.num_timesteps);
-    const double loss =
-        eval_loss(trainer.model(), *schedule_, prediction_, samples_, ts, trainer.step_options().loss);
+    double loss = 0;
+    if (flow_) {
+        loss = flow_eval_loss(trainer.model(), *flow_, samples_, options_.num_timesteps);
+    } else {
+        const auto ts = trailing_timesteps(schedule_->num_train_timesteps(), options_.num_timesteps);
+        loss = eval_loss(trainer.model(), *schedule_, prediction_, samples_, ts, trainer.step_options().loss);
+    }
     if (!log_) log_ = std::make_unique<train::RunLog>(trainer.output_dir() / "eval.jsonl");
     log_->append({{"step", step},
                   {"eval_loss", loss},

@@ -4,10 +4,16 @@
 // timesteps. Logged to output_dir/eval.jsonl (and TensorBoard eval/loss) every eval_steps_interval
 // steps (validation_step_interval when unset) and at the end.
 //
+// A flow-matching family (Flux) is scored as SimpleTuner scores it: the fixed timesteps are the
+// training scheduler's set_timesteps(eval_timesteps) (the model folder's FlowMatchEulerDiscreteScheduler
+// with shift = flow_schedule_shift and sigmas from 1 to 1/T; with dynamic shifting, mu from each
+// image's token count), each image gets one noise draw (a generator seeded 0) reused at every
+// timestep, x = (1 - sigma) x0 + sigma noise with sigma = t / T, and the loss is the MSE against
+// noise - x0, as the flow-matching training step computes it.
+//
 // Invariants: the same weights give the same eval loss, bit for bit on the CPU; the pass runs under
 // no-grad with the model in eval mode and its own generators, so it never changes training. Eval
-// latents use the VAE posterior mean and prompts the family's text encoders (no CFG). A flow-matching
-// family has no DDPM schedule: its eval loss is refused with a clear error (fixed sigmas come with it).
+// latents use the VAE posterior mean and prompts the family's text encoders (no CFG).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -21,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "diffusion/flow_match.h"
 #include "diffusion/loss.h"
 #include "diffusion/noise_schedule.h"
 #include "train/callbacks.h"
@@ -29,7 +36,8 @@
 
 namespace dtune::family {
 class Denoiser;
-}
+struct TrainingObjective;
+}  // namespace dtune::family
 
 namespace dtune::report {
 
@@ -48,6 +56,21 @@ std::vector<int64_t> trailing_timesteps(int64_t num_train_timesteps, int64_t n);
 double eval_loss(family::Denoiser& model, const diffusion::NoiseSchedule& schedule,
                  diffusion::PredictionType prediction, const std::vector<EvalSample>& samples,
                  const std::vector<int64_t>& timesteps, const diffusion::LossOptions& loss = {});
+
+// Flow matching's fixed timesteps (sigma · T, descending; see the file comment) for latents of
+// `image_seq_len` 2×2-packed tokens: diffusers' set_timesteps(n, mu) on `scheduler` with SimpleTuner's
+// sigma bounds [1/T, 1]. Float32 values, as the scheduler holds them.
+std::vector<double> flow_eval_timesteps(const diffusion::FlowMatchConfig& scheduler, int64_t n,
+                                        int64_t image_seq_len);
+
+// The flow-matching eval loss: the mean over samples × timesteps (flow_eval_timesteps of each
+// sample's latent size) of MSE(prediction, noise - x0). Restores the model's train/eval mode.
+double flow_eval_loss(family::Denoiser& model, const diffusion::FlowMatchConfig& scheduler,
+                      const std::vector<EvalSample>& samples, int64_t num_timesteps);
+
+// The scheduler flow_eval_loss uses for `objective`: its flow_scheduler with flow.shift as the static
+// shift. UsageError when the family gave no scheduler config.
+diffusion::FlowMatchConfig flow_eval_scheduler(const family::TrainingObjective& objective);
 
 class EvalLossCallback final : public train::TrainCallback {
   public:
@@ -75,7 +98,8 @@ class EvalLossCallback final : public train::TrainCallback {
 
     Options options_;
     std::vector<EvalSample> samples_;
-    std::optional<diffusion::NoiseSchedule> schedule_;
+    std::optional<diffusion::NoiseSchedule> schedule_;  // DDPM families
+    std::optional<diffusion::FlowMatchConfig> flow_;    // flow-matching families
     diffusion::PredictionType prediction_ = diffusion::PredictionType::kEpsilon;
     std::function<void(int64_t, double)> sink_;
     int64_t last_step_ = -1;

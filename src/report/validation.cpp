@@ -90,6 +90,8 @@ ValidationSettings validation_settings(const train::TrainConfig& config) {
     s.resolutions = parse_validation_resolution(config.text("validation_resolution"));
     s.guidance = config.real("validation_guidance");
     s.guidance_rescale = config.real("validation_guidance_rescale");
+    s.true_cfg = config.real("validation_guidance_real");
+    s.true_cfg_start_step = config.integer("validation_no_cfg_until_timestep");
     s.steps = config.integer("validation_num_inference_steps");
     DTUNE_CHECK_AS(UsageError, s.steps >= 1, "validation_num_inference_steps ", s.steps,
                    " is invalid; use 1 or more");
@@ -123,7 +125,8 @@ ValidationSettings validation_settings(const train::TrainConfig& config) {
     return s;
 }
 
-std::optional<std::filesystem::path> find_preview_model(const std::string& configured, std::string& why) {
+std::optional<std::filesystem::path> find_preview_model(const std::string& configured,
+                                                        const family::ModelFamily& family, std::string& why) {
     namespace fsys = std::filesystem;
     if (!configured.empty()) {
         if (fsys::is_regular_file(fsys::path(configured) / "config.json")) return fsys::path(configured);
@@ -131,11 +134,12 @@ std::optional<std::filesystem::path> find_preview_model(const std::string& confi
                   "\" is not a diffusers AutoencoderTiny folder (no config.json there)");
         return std::nullopt;
     }
-    if (auto cached = find_hub_folder("madebyollin/taesdxl")) return cached;
-    why =
-        "madebyollin/taesdxl (SimpleTuner's SDXL preview decoder) is not in the Hugging Face cache; "
-        "download it (huggingface-cli download madebyollin/taesdxl --local-dir taesdxl) and set "
-        "validation_preview_model to that folder";
+    const std::string id = family.preview_decoder_id();
+    if (auto cached = find_hub_folder(id)) return cached;
+    const std::string local = id.substr(id.find('/') + 1);
+    why = str(id, " (SimpleTuner's ", family.name(),
+              " preview decoder) is not in the Hugging Face cache; download it (huggingface-cli download ",
+              id, " --local-dir ", local, ") and set validation_preview_model to that folder");
     return std::nullopt;
 }
 
@@ -197,6 +201,8 @@ std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& train
                 r.steps = settings_.steps;
                 r.guidance_scale = settings_.guidance;
                 r.guidance_rescale = settings_.guidance_rescale;
+                r.true_cfg_scale = settings_.true_cfg;
+                r.true_cfg_start_step = settings_.true_cfg_start_step;
                 r.sampler = settings_.sampler;
                 r.seed = settings_.seed;
                 r.num_images_per_prompt = settings_.num_images;
@@ -255,7 +261,8 @@ bool ValidationCallback::preview_ready(train::Trainer& trainer) {
         return false;
     }
     std::string why;
-    const auto folder = find_preview_model(settings_.preview_model, why);
+    const family::ModelFamily& family = trainer.model_family();
+    const auto folder = find_preview_model(settings_.preview_model, family, why);
     if (!folder) {
         log::warn() << "validation_preview: " << why << "; previews are off for this run";
         preview_failed_ = true;
@@ -265,12 +272,20 @@ bool ValidationCallback::preview_ready(train::Trainer& trainer) {
         models::ComponentLoadOptions o;
         o.device = trainer.device();
         preview_decoder_ = models::load_autoencoder_tiny(*folder, o);
+        // A decoder for another latent space (taesdxl's 4 channels on Flux's 16) cannot decode a
+        // single step: say which one fits instead of failing at the first preview.
+        const int64_t channels = (*preview_decoder_)->config().latent_channels;
+        DTUNE_CHECK_AS(UsageError, channels == family.latent_channels(), folder->string(), " decodes ",
+                       channels, "-channel latents and ", family.name(), " has ", family.latent_channels(),
+                       "; use ", family.preview_decoder_id(),
+                       " (or a copy of it) as validation_preview_model");
         log::info() << "validation_preview: decoding previews with " << folder->string() << " every "
                     << settings_.preview_steps << " sampler step(s)";
     } catch (const std::exception& e) {
         log::warn() << "validation_preview: could not load the tiny autoencoder " << folder->string() << ": "
                     << e.what() << "; previews are off for this run";
         preview_failed_ = true;
+        preview_decoder_.reset();
     }
     return !preview_failed_;
 }

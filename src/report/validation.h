@@ -26,7 +26,8 @@
 
 namespace dtune::family {
 class ImageSampler;
-}
+class ModelFamily;
+}  // namespace dtune::family
 namespace dtune::validate {
 struct StepLatents;
 }  // namespace dtune::validate
@@ -49,6 +50,10 @@ struct ValidationSettings {
     std::vector<std::pair<int, int>> resolutions;  // (width, height)
     double guidance = 7.5;
     double guidance_rescale = 0.0;
+    // validation_guidance_real: Flux's true CFG with the negative prompt when > 1, from sampler step
+    // validation_no_cfg_until_timestep on (SimpleTuner's pipeline); other families ignore it.
+    double true_cfg = 1.0;
+    int64_t true_cfg_start_step = 2;
     int64_t steps = 30;
     uint64_t seed = 0;
     std::string sampler = "ddim";  // SimpleTuner's SDXL default
@@ -65,12 +70,14 @@ struct ValidationSettings {
     std::filesystem::path clip_model;
 };
 
-// Where validation_preview's tiny autoencoder comes from: `configured` when set (a folder), else
-// madebyollin/taesdxl in the Hugging Face cache (HF_HUB_CACHE, HF_HOME/hub or
-// ~/.cache/huggingface/hub). nullopt with `why` filled when there is none.
-std::optional<std::filesystem::path> find_preview_model(const std::string& configured, std::string& why);
+// Where validation_preview's tiny autoencoder comes from: `configured` when set (a folder), else the
+// family's (ModelFamily::preview_decoder_id: madebyollin/taesdxl for SDXL, madebyollin/taef1 for
+// Flux) in the Hugging Face cache (HF_HUB_CACHE, HF_HOME/hub or ~/.cache/huggingface/hub). nullopt
+// with `why` filled when there is none.
+std::optional<std::filesystem::path> find_preview_model(const std::string& configured,
+                                                        const family::ModelFamily& family, std::string& why);
 
-// The preview PNG of latents [B, 4, h, w] (item 0) through `decode` (-> [-1, 1] images), converted
+// The preview PNG of latents [B, C, h, w] (item 0) through `decode` (-> [-1, 1] images), converted
 // as SimpleTuner converts it: /2 + 0.5, clamped to [0, 1], x255 truncated to uint8.
 io::RgbImage preview_image(const at::Tensor& decoded);
 

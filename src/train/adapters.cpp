@@ -61,7 +61,7 @@ models::LoRAConfig lora_config_from(const TrainConfig& config, const family::Mod
     c.init = models::parse_lora_init(config.text("lora_init_type"));
     c.use_dora = config.flag("use_dora");
     c.target_modules =
-        parse_lora_targets(config.raw("peft_lora_target_modules"), family.default_lora_targets());
+        parse_lora_targets(config.raw("peft_lora_target_modules"), family.lora_targets(config));
     // The initial adapters follow the run's seed (like SimpleTuner's seeding before PEFT injection).
     if (auto seed = config.opt_integer("seed")) c.init_seed = static_cast<uint64_t>(*seed) ^ 0x4c6f5241ULL;
     DTUNE_CHECK_AS(UsageError, config.text("lora_type") == "standard", "lora_type ", config.text("lora_type"),
@@ -75,10 +75,6 @@ LoRATraining::LoRATraining(torch::nn::Module& model, const TrainConfig& config,
       format_(models::parse_lora_format(config.text("lora_format"))),
       dropout_(config.real("lora_dropout") > 0),
       prefix_(family.denoiser_folder()) {
-    DTUNE_CHECK_AS(UsageError, format_ == models::LoRAFormat::kDiffusers || prefix_ == "unet",
-                   "lora_format comfyui writes kohya keys for SDXL's UNet; a ", family.name(),
-                   " LoRA is written in diffusers' layout (", prefix_,
-                   ".-prefixed keys, which ComfyUI also loads): set lora_format diffusers");
     const std::string init = config.text("init_lora");
     if (init.empty()) return;
     DTUNE_CHECK_AS(UsageError, std::filesystem::is_regular_file(init), "init_lora \"", init,

@@ -30,7 +30,7 @@ const std::vector<OptionSpec>& specs() {
     static const std::vector<OptionSpec> kSpecs = {
     {"model_family", OptionType::kString, "null", "model architecture (required): sdxl, or flux (Flux.1 [dev]/[schnell])", "sdxl,flux"},
     {"model_type", OptionType::kString, "\"full\"", "lora or full fine-tune", "full,lora"},
-    {"model_flavour", OptionType::kString, "null", "SDXL flavour (default base-1.0)", "base-1.0,refiner-1.0,base-0.9,refiner-0.9"},
+    {"model_flavour", OptionType::kString, "null", "SDXL: base-1.0 (default), refiner-1.0, base-0.9, refiner-0.9; Flux: dev or krea (trained alike), schnell (T5 256 tokens, needs flux_fast_schedule); the weights always come from pretrained_model_name_or_path", "base-1.0,refiner-1.0,base-0.9,refiner-0.9,dev,krea,schnell"},
     {"pretrained_model_name_or_path", OptionType::kString, "\"\"", "local diffusers model folder", nullptr},
     {"pretrained_vae_model_name_or_path", OptionType::kString, "\"madebyollin/sdxl-vae-fp16-fix\"", "VAE folder (a local folder; a hub id falls back to <model>/vae)", nullptr},
     {"output_dir", OptionType::kString, "\"simpletuner-results\"", "where checkpoints, metrics and outputs go", nullptr},
@@ -77,6 +77,7 @@ const std::vector<OptionSpec>& specs() {
     {"scheduled_sampling_sampler", OptionType::kString, "\"unipc\"", "scheduled sampling: the rollout sampler (every value takes the first-order DDIM/Euler step over one-timestep steps; README)", "unipc,unip,dpm,euler"},
     {"scheduled_sampling_order", OptionType::kInt, "2", "scheduled sampling: the sampler's order (see scheduled_sampling_sampler)", nullptr},
     {"base_model_precision", OptionType::kString, "\"no_change\"", "quantise the frozen UNet of a LoRA/DoRA: int8-quanto, int8-torchao (int8 weights), fp8-quanto, fp8-torchao (fp8 e4m3 weights, fp8 matmuls on Hopper); half the memory of bf16", nullptr},
+    {"quantize_via", OptionType::kString, "\"accelerator\"", "where base_model_precision quantises the frozen network: accelerator (on the training device) or cpu (in host memory, then moved: a lower GPU memory peak, the same quantisation)", "accelerator,cpu"},
     {"quantized_model_cache", OptionType::kString, "\"\"", "dtune: a folder for the quantised UNet of base_model_precision: the first run writes it, later runs load it instead of the full-precision weights (empty: off)", nullptr},
     {"text_encoder_1_precision", OptionType::kString, "\"no_change\"", "quantise text encoder 1 (CLIP-L): same values as base_model_precision", nullptr},
     {"text_encoder_2_precision", OptionType::kString, "\"no_change\"", "quantise text encoder 2 (OpenCLIP bigG): same values as base_model_precision", nullptr},
@@ -102,7 +103,24 @@ const std::vector<OptionSpec>& specs() {
     {"timestep_bias_end", OptionType::kInt, "1000", "range strategy: one past the last biased timestep", nullptr},
     {"timestep_bias_portion", OptionType::kFloat, "0.25", "earlier / later: the fraction of timesteps biased", nullptr},
     {"disable_segmented_timestep_sampling", OptionType::kBool, "false", "draw every sample's timestep from all timesteps (default: one segment of [0, T) per sample when the batch is > 1)", nullptr},
-    {"prediction_type", OptionType::kString, "null", "override the scheduler's prediction type", "epsilon,v_prediction,sample"},
+    {"prediction_type", OptionType::kString, "null", "override the scheduler's prediction type (SDXL: epsilon, v_prediction, sample); Flux trains flow_matching only", "epsilon,v_prediction,sample,flow_matching"},
+    {"flow_schedule_shift", OptionType::kFloat, "3.0", "flow matching: static shift s of the training sigmas, s*sigma/(1+(s-1)*sigma) (<= 0 or null: none)", nullptr},
+    {"flow_schedule_auto_shift", OptionType::kBool, "false", "flow matching: the shift from the image's token count (exp(mu), scheduler_config.json's base/max_shift line); replaces flow_schedule_shift", nullptr},
+    {"flow_sigmoid_scale", OptionType::kFloat, "1.0", "flow matching: logit-normal sigmas sigmoid(scale*N(0,1)) (the default schedule)", nullptr},
+    {"flow_use_uniform_schedule", OptionType::kBool, "false", "flow matching: sigmas U(0,1), then shifted (wins over the Beta and fast schedules)", nullptr},
+    {"flow_use_beta_schedule", OptionType::kBool, "false", "flow matching: sigmas Beta(flow_beta_schedule_alpha, flow_beta_schedule_beta), then shifted", nullptr},
+    {"flow_beta_schedule_alpha", OptionType::kFloat, "2.0", "flow matching: the Beta schedule's alpha", nullptr},
+    {"flow_beta_schedule_beta", OptionType::kFloat, "2.0", "flow matching: the Beta schedule's beta", nullptr},
+    {"flux_fast_schedule", OptionType::kBool, "false", "Flux: sigmas 1 (7 in 10), 0.75, 0.5 or 0.25, never shifted ([schnell]'s schedule; uniform and Beta win over it)", nullptr},
+    {"flux_guidance_mode", OptionType::kString, "\"constant\"", "Flux [dev]: the guidance embedded during training: constant (flux_guidance_value) or random-range (per sample, uniform in [flux_guidance_min, flux_guidance_max])", "constant,random-range"},
+    {"flux_guidance_value", OptionType::kFloat, "1.0", "Flux [dev]: the constant training guidance (1 keeps the guidance distillation; [schnell] has no guidance input)", nullptr},
+    {"flux_guidance_min", OptionType::kFloat, "0.0", "Flux [dev]: random-range's lower end", nullptr},
+    {"flux_guidance_max", OptionType::kFloat, "4.0", "Flux [dev]: random-range's upper end", nullptr},
+    {"flux_attention_masked_training", OptionType::kBool, "false", "Flux: leave T5's padding tokens out of the joint attention as keys, in training and validation", nullptr},
+    {"flux_lora_target", OptionType::kString, "\"all\"", "Flux LoRA layers (SimpleTuner's lists): all (both streams' attention), mmdit (image attention), context (text attention), context+ffs, all+ffs, all+ffs+embedder, ai-toolkit, tiny and nano (single blocks 7 and 20 / 7); peft_lora_target_modules wins", "mmdit,context,context+ffs,all,all+ffs,all+ffs+embedder,ai-toolkit,tiny,nano"},
+    {"fuse_qkv_projections", OptionType::kBool, "false", "Flux: each attention stream's q, k and v as one matmul over the stacked weights (the same products, no faster here; LoRA keeps its per-projection adapters, so its file loads in diffusers as usual)", nullptr},
+    {"tokenizer_max_length", OptionType::kInt, "null", "ignored with a warning, as in SimpleTuner: Flux's T5 takes 512 tokens (model_flavour schnell: 256), SDXL's CLIP 77; the config records the length used", nullptr},
+    {"disable_assistant_lora", OptionType::kBool, "false", "model_flavour schnell LoRA runs: train without SimpleTuner's assistant LoRA (dtune loads none and downloads nothing, so such runs must set it)", nullptr},
     {"caption_dropout_probability", OptionType::kFloat, "0.1", "probability of training on the empty caption", nullptr},
     {"use_ema", OptionType::kBool, "false", "exponential moving average of the trained weights", nullptr},
     {"ema_decay", OptionType::kFloat, "0.995", "EMA decay", nullptr},
@@ -112,6 +130,7 @@ const std::vector<OptionSpec>& specs() {
     {"ema_warmup_steps", OptionType::kInt, "0", "copy the weights into the EMA before this step, then use ema_decay", nullptr},
     {"ema_foreach_disable", OptionType::kBool, "false", "per-tensor EMA updates instead of foreach ops", nullptr},
     {"allow_dataset_oversubscription", OptionType::kBool, "false", "repeat small buckets to fill a batch", nullptr},
+    {"disable_bucket_pruning", OptionType::kBool, "false", "keep aspect buckets with fewer samples than train_batch_size (by default they are pruned, as SimpleTuner does)", nullptr},
     {"resolution", OptionType::kFloat, "1024", "dataset fallback resolution", nullptr},
     {"resolution_type", OptionType::kString, "\"pixel_area\"", "dataset fallback resolution type", "pixel,area,pixel_area"},
     {"vae_cache_disable", OptionType::kBool, "false", "encode latents on the fly every step (no latent cache)", nullptr},
@@ -141,11 +160,14 @@ const std::vector<OptionSpec>& specs() {
     {"validation_resolution", OptionType::kString, "\"256\"", "validation image size(s)", nullptr},
     {"validation_guidance", OptionType::kFloat, "7.5", "validation CFG scale", nullptr},
     {"validation_guidance_rescale", OptionType::kFloat, "0.0", "validation CFG rescale", nullptr},
+    {"validation_guidance_real", OptionType::kFloat, "1.0", "Flux validation: true CFG with validation_negative_prompt when > 1 (two transformer passes a step; validation_guidance stays the embedded guidance)", nullptr},
+    {"validation_no_cfg_until_timestep", OptionType::kInt, "2", "Flux validation with validation_guidance_real > 1: true CFG from this sampler step on", nullptr},
     {"validation_num_inference_steps", OptionType::kInt, "30", "validation sampler steps", nullptr},
     {"validation_negative_prompt", OptionType::kString, "\"blurry, cropped, ugly\"", "validation negative prompt", nullptr},
     {"validation_seed", OptionType::kInt, "null", "validation seed", nullptr},
     {"validation_noise_scheduler", OptionType::kString, "null", "validation sampler", nullptr},
     {"validation_disable", OptionType::kBool, "false", "disable validation", nullptr},
+    {"validation_disable_unconditional", OptionType::kBool, "false", "true: no validation image for the empty prompt (dtune renders none either way; SimpleTuner's extra unconditional image is not implemented)", nullptr},
     {"evaluation_type", OptionType::kString, "\"none\"", "score validation images: clip (CLIP score of each prompt's image, logged as clip/min, clip/max, clip/mean, clip/std) or none", "none,clip"},
     {"pretrained_evaluation_model_name_or_path", OptionType::kString, "\"openai/clip-vit-large-patch14-336\"", "the CLIP model for evaluation_type clip: a local CLIPModel folder, or a hub id already in the Hugging Face cache", nullptr},
     {"validation_preview", OptionType::kBool, "false", "send TAESD previews of validation sampling to raw webhooks as validation.image events (needs webhook_config)", nullptr},
@@ -250,6 +272,14 @@ const std::vector<OptionRange> kRanges = {
     {"validation_epoch_interval", 0, kInf, false, false, " (0 or null: none)"},
     {"validation_guidance", 0, kInf, false, false, ""},
     {"validation_guidance_rescale", 0, 1, false, false, ""},
+    {"validation_guidance_real", 1, kInf, false, false, " (1: no true CFG)"},
+    {"validation_no_cfg_until_timestep", 0, kInf, false, false, ""},
+    {"flow_beta_schedule_alpha", 0, kInf, true, false, ""},
+    {"flow_beta_schedule_beta", 0, kInf, true, false, ""},
+    {"flux_guidance_value", 0, kInf, false, false, ""},
+    {"flux_guidance_min", 0, kInf, false, false, ""},
+    {"flux_guidance_max", 0, kInf, false, false, ""},
+    {"tokenizer_max_length", 1, 1024, false, false, ""},
     {"validation_num_inference_steps", 1, kInf, false, false, ""},
     {"validation_preview_steps", 1, kInf, false, false, ""},
     {"validation_seed", 0, kMaxSeed, false, false, " (null: the training seed)"},
@@ -487,6 +517,65 @@ bool truthy(const json& value) {
         return !(v.empty() || v == "0" || v == "false" || v == "no" || v == "off" || v == "none");
     }
     return !value.is_null();
+}
+
+// Family-dependent values of shared keys (model_flavour, prediction_type, [schnell]'s needs).
+void check_family_values(const TrainConfig& c, Problems& problems) {
+    const std::string family = c.text("model_family");
+    const std::string flavour = c.text("model_flavour");
+    problems.run([&] {
+        if (flavour.empty()) return;
+        const bool flux_flavour = flavour == "dev" || flavour == "krea" || flavour == "schnell";
+        if (family == "flux" && !flux_flavour)
+            throw UsageError(str("option model_flavour = \"", flavour,
+                                 "\" is not a Flux flavour; choose dev, krea or schnell (kontext, fluxbooru "
+                                 "and libreflux are not supported by dtune)"));
+        if (family == "sdxl" && flux_flavour)
+            throw UsageError(str("option model_flavour = \"", flavour,
+                                 "\" is a Flux flavour; for SDXL choose base-1.0, refiner-1.0, base-0.9 or "
+                                 "refiner-0.9"));
+    });
+    problems.run([&] {
+        const std::string prediction = c.text("prediction_type");
+        if (prediction.empty()) return;
+        if (family == "flux" && prediction != "flow_matching")
+            throw UsageError(str("option prediction_type = \"", prediction,
+                                 "\" does not apply to Flux, which trains flow matching (toward noise - "
+                                 "latents); remove prediction_type or set it to flow_matching"));
+        if (family == "sdxl" && prediction == "flow_matching")
+            throw UsageError(
+                "option prediction_type = \"flow_matching\" is for flow-matching models (model_family "
+                "flux); SDXL trains epsilon, v_prediction or sample: remove prediction_type (the "
+                "scheduler's is used) or choose one of those");
+    });
+    // SimpleTuner's Flux check_user_config: [schnell] trains on the fast schedule, and its LoRA runs
+    // load an assistant LoRA from the hub unless told not to.
+    problems.run([&] {
+        if (family != "flux" || flavour != "schnell") return;
+        if (!c.flag("flux_fast_schedule"))
+            throw UsageError(
+                "option model_flavour = \"schnell\" needs flux_fast_schedule (SimpleTuner: \"Schnell "
+                "requires --flux_fast_schedule\"); set flux_fast_schedule true");
+        if (c.text("model_type") == "lora" && !c.flag("disable_assistant_lora"))
+            throw UsageError(
+                "option model_flavour = \"schnell\" with model_type lora makes SimpleTuner load its "
+                "assistant LoRA (ostris/FLUX.1-schnell-training-adapter), which dtune does not do; set "
+                "disable_assistant_lora true to train without it");
+    });
+    // Keys only a flow-matching Flux run reads: harmless elsewhere (SimpleTuner ignores them too),
+    // but a changed value is worth a word.
+    if (family == "sdxl") {
+        for (const auto& spec : specs()) {
+            const std::string name = spec.name;
+            const bool flux_only = name.rfind("flow_", 0) == 0 || name.rfind("flux_", 0) == 0 ||
+                                   name == "fuse_qkv_projections" || name == "validation_guidance_real" ||
+                                   name == "validation_no_cfg_until_timestep" ||
+                                   name == "disable_assistant_lora";
+            if (flux_only && c.raw(name) != json::parse(spec.default_json))
+                log::warn() << "option " << name << " = " << c.raw(name).dump()
+                            << " has no effect on SDXL (a Flux / flow-matching option)";
+        }
+    }
 }
 
 }  // namespace
@@ -732,6 +821,7 @@ void TrainConfig::validate() const {
         const double p = real("caption_dropout_probability");
         if (p < 0 || p > 1) throw UsageError(str("caption_dropout_probability = ", p, " must be in [0, 1]"));
     });
+    check_family_values(*this, problems);
     // Single values are range-checked as they are set (kRanges); what is left needs two keys.
     problems.run([&] {
         const std::string problem = resolution_range_problem(real("resolution"), text("resolution_type"));
@@ -789,7 +879,26 @@ void TrainConfig::finish() {
         }
     }
     if (is_null("model_flavour") && values_["model_family"] == "sdxl") values_["model_flavour"] = "base-1.0";
+    resolve_tokenizer_max_length();
     validate();
+}
+
+void TrainConfig::resolve_tokenizer_max_length() {
+    // SimpleTuner's check_user_config: Flux and SDXL ignore tokenizer_max_length with a warning;
+    // Flux then encodes 512 T5 tokens, 256 for model_flavour schnell. The resolved value is the
+    // length the text cache is built with (its identity includes it).
+    const std::string family = is_null("model_family") ? "" : text("model_family");
+    if (family != "flux" && family != "sdxl") return;
+    const std::optional<int64_t> given = opt_integer("tokenizer_max_length");
+    const std::optional<int64_t> used =
+        family == "flux" ? std::optional<int64_t>(text("model_flavour") == "schnell" ? 256 : 512)
+                         : std::nullopt;
+    if (given && given != used)
+        log::warn() << "tokenizer_max_length " << *given << " is ignored, as SimpleTuner ignores it: "
+                    << (family == "flux"
+                            ? str("Flux's T5 takes ", *used, " tokens", *used == 256 ? " for [schnell]" : "")
+                            : std::string("SDXL's CLIP takes 77 tokens"));
+    values_["tokenizer_max_length"] = used ? json(*used) : json(nullptr);
 }
 
 std::vector<std::string> TrainConfig::report_to_list() const {

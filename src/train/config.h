@@ -82,6 +82,8 @@ class TrainConfig {
     void load_stages(const nlohmann::json& file_options, const std::string& source,
                      const std::vector<std::string>& overrides);
     bool set_legacy(const std::string& key, const nlohmann::json& value, const std::string& source);
+    // tokenizer_max_length as SimpleTuner's model classes resolve it (config.cpp).
+    void resolve_tokenizer_max_length();
 
     nlohmann::json values_;
 };

@@ -101,6 +101,7 @@ void plan_dataset(LoadedDataset& d, const DatasetSourceOptions& o) {
     in.repeats = d.config.repeats;
     in.repeats_set_by_user = d.config.repeats_set;
     in.allow_oversubscription = o.allow_dataset_oversubscription;
+    in.disable_bucket_pruning = o.disable_bucket_pruning;
     in.apply_padding = o.apply_padding;
     std::map<std::string, int64_t> sizes;
     for (const auto& [key, paths] : buckets) sizes[key] = static_cast<int64_t>(paths.size());
@@ -149,6 +150,7 @@ LoadedDataset bucket_dataset(const data::DatasetConfig& config, const DatasetSou
     bo.rank = o.rank;
     bo.gradient_accumulation_steps = o.gradient_accumulation_steps;
     bo.allow_dataset_oversubscription = o.allow_dataset_oversubscription;
+    bo.disable_bucket_pruning = o.disable_bucket_pruning;
     bo.apply_padding = o.apply_padding;
     bo.write_index = write_index;
     bo.show_progress = o.show_progress && o.rank == 0;
@@ -325,6 +327,7 @@ void prepare_rebucketing(LoadedDataset& d, const DatasetSourceOptions& o) {
     in->check.repeats = d.config.repeats;
     in->check.repeats_set_by_user = d.config.repeats_set;
     in->check.allow_oversubscription = o.allow_dataset_oversubscription;
+    in->check.disable_bucket_pruning = o.disable_bucket_pruning;
     in->check.apply_padding = o.apply_padding;
     in->seed = o.seed;
     in->world_size = o.world_size;

@@ -51,7 +51,8 @@ struct DatasetSourceOptions {
     int train_batch_size = 1;     // per rank; a dataset's own train_batch_size wins
     int gradient_accumulation_steps = 1;
     bool allow_dataset_oversubscription = false;
-    bool apply_padding = true;  // SimpleTuner pads rank shares (see data/batch_plan.h)
+    bool disable_bucket_pruning = false;  // keep buckets smaller than the batch (data/batch_plan.h)
+    bool apply_padding = true;            // SimpleTuner pads rank shares (see data/batch_plan.h)
     uint64_t seed = 0;
     int prefetch_batches = 2;  // K batches prepared ahead by the loader thread (0: no thread)
     // Text encoder batch without a text_embeds entry (an entry's text_encoder_batch_size wins;

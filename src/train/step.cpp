@@ -173,13 +173,16 @@ at::Tensor roll_out(family::Denoiser& model, const TrainBatch& batch,
 
 namespace {
 
-// Flow matching (SD3 / Flux): sigmas from options.flow (logit-normal or uniform, shifted), noisy =
+// Flow matching (SD3 / Flux): sigmas from objective.flow (diffusion::sample_flow_sigmas), noisy =
 // (1 - sigma) x0 + sigma noise, the network sees sigma · 1000 and is trained toward noise - x0 with
-// a plain MSE, as SimpleTuner's flow-matching models are. A regularisation batch of a LoRA run
-// trains toward the base model's prediction, as for DDPM.
+// a plain MSE, as SimpleTuner's flow-matching models are. A guidance-distilled network (Flux [dev])
+// also gets one embedded guidance scale per sample as cond["guidance"] (objective.flow.guidance),
+// unless the batch carries its own. Draw order: noise, sigmas, guidance, each for the global batch
+// (every rank the same), this rank's rows kept. A regularisation batch of a LoRA run trains toward
+// the base model's prediction, as for DDPM.
 MicroStep flow_micro_step(family::Denoiser& model, const TrainBatch& batch,
                           const family::TrainingObjective& objective, const StepOptions& options,
-                          at::Generator& generator, const StepHooks& hooks) {
+                          int64_t global_step, at::Generator& generator, const StepHooks& hooks) {
     DTUNE_CHECK_AS(UsageError, !options.device_rng,
                    "flow-matching training draws its sigmas on the CPU; train without CUDA graphs");
     const at::Tensor latents = batch.latents.to(at::kFloat);  // [B, C, h, w]
@@ -189,23 +192,33 @@ MicroStep flow_micro_step(family::Denoiser& model, const TrainBatch& batch,
     auto global_shape = latents.sizes().vec();
     global_shape[0] = b * options.world_size;
     // Drawn for the global batch (every rank the same), this rank's rows kept.
-    const at::Tensor noise =
-        at::randn(global_shape, generator, at::kFloat).slice(0, lo, hi).to(latents.device());
-    const at::Tensor sigmas_cpu =
+    at::Tensor noise = at::randn(global_shape, generator, at::kFloat).slice(0, lo, hi).to(latents.device());
+    at::Tensor sigmas_cpu =
         diffusion::sample_flow_sigmas(b * options.world_size, objective.flow, latents.sizes(), generator)
-            .slice(0, lo, hi);  // [B] float32
+            .slice(0, lo, hi);       // [B] float32
+    if (options.fixed_flow_draws) {  // tests (step.h); the generator has drawn as always
+        const FlowDraws fixed = options.fixed_flow_draws(global_step, latents);
+        noise = fixed.noise.to(latents.device(), at::kFloat);  // [B, C, h, w]
+        sigmas_cpu = fixed.sigmas.to(at::kCPU, at::kFloat);    // [B]
+    }
     const at::Tensor sigmas = sigmas_cpu.to(latents.device());
     const at::Tensor noisy = diffusion::flow_noisy_latents(latents, noise, sigmas);  // [B, C, h, w]
     const at::Tensor t = diffusion::flow_timesteps(sigmas);                          // [B]
+    family::Conditioning cond = batch.cond;  // shares the tensors; only "guidance" is added
+    if (objective.flow.guidance && cond.count("guidance") == 0)  // a batch's own guidance wins
+        cond["guidance"] =
+            diffusion::sample_embedded_guidance(b * options.world_size, *objective.flow.guidance, generator)
+                .slice(0, lo, hi)
+                .to(latents.device());  // [B]
     at::Tensor target;
     if (batch.regularisation && hooks.adapters) {
         c10::NoGradGuard no_grad;
         AdaptersOff off(hooks.adapters);
-        target = predict(model, batch.cond, noisy, t, options).to(at::kFloat).detach();
+        target = predict(model, cond, noisy, t, options).to(at::kFloat).detach();
     } else {
         target = noise - latents;  // [B, C, h, w]
     }
-    const at::Tensor pred = predict(model, batch.cond, noisy, t, options).to(at::kFloat);
+    const at::Tensor pred = predict(model, cond, noisy, t, options).to(at::kFloat);
     MicroStep out;
     out.loss = (pred - target).pow(2).mean(std::vector<int64_t>{1, 2, 3}).mean();
     out.timesteps = diffusion::flow_timesteps(sigmas_cpu);
@@ -219,7 +232,8 @@ MicroStep micro_step(family::Denoiser& model, const TrainBatch& batch,
                      const family::TrainingObjective& objective, const StepOptions& options,
                      int64_t global_step, at::Generator& generator, const StepHooks& hooks) {
     if (hooks.before_forward) hooks.before_forward();
-    if (objective.flow_matching()) return flow_micro_step(model, batch, objective, options, generator, hooks);
+    if (objective.flow_matching())
+        return flow_micro_step(model, batch, objective, options, global_step, generator, hooks);
     const diffusion::NoiseSchedule& schedule = objective.ddpm("the diffusion step");
     const AdapterSwitch& adapters = hooks.adapters;
     const at::Tensor latents = batch.latents.to(at::kFloat);  // [B, C, h, w]

@@ -29,6 +29,15 @@ class ModelFamily;
 
 namespace dtune::train {
 
+// The random inputs of one flow-matching micro-batch.
+struct FlowDraws {
+    at::Tensor noise;   // [B, C, h, w] float32
+    at::Tensor sigmas;  // [B] float32 in [0, 1]
+};
+// Tests only (StepOptions::fixed_flow_draws): the draws for the micro-batch of `global_step` with
+// latents [B, C, h, w], so a reference loop outside dtune can train on the same inputs.
+using FlowDrawFn = std::function<FlowDraws(int64_t global_step, const at::Tensor& latents)>;
+
 struct StepOptions {
     diffusion::NoiseOptions noise;
     diffusion::TimestepSamplingOptions timesteps;
@@ -56,6 +65,9 @@ struct StepOptions {
     // scheduled_sampling_*: rolled-out inputs for some samples (diffusion/scheduled_sampling.h);
     // epsilon and v-prediction only, not with device_rng.
     diffusion::ScheduledSamplingOptions scheduled_sampling;
+    // Tests only (the Flux training parity test): replaces the flow-matching noise and sigmas after
+    // they are drawn, so the generator's stream is the same with or without it. Unset in every run.
+    FlowDrawFn fixed_flow_draws;
 };
 
 // SimpleTuner's caption dropout: each sample with probability p trains on the empty caption's

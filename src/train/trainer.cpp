@@ -143,6 +143,11 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     const bool lora_bf16_base = config_.text("model_type") == "lora" && device_.is_cuda() &&
                                 config_.text("mixed_precision") == "bf16";
     load.dtype = config_.text("optimizer") == "adamw_bf16" || lora_bf16_base ? at::kBFloat16 : at::kFloat;
+    // quantize_via cpu: a quantised base is loaded and quantised in host memory, then moved (init_common),
+    // so the GPU never holds its full-precision weights.
+    if (config_.text("quantize_via") == "cpu" &&
+        parse_quant_preset(config_.text("base_model_precision"), "base_model_precision").active())
+        load.device = c10::Device(c10::kCPU);
     family_ = &family_for(config_, model_dir_);
     const auto load_start = std::chrono::steady_clock::now();
     model_ = load_base_model(load, env.is_main());
@@ -152,6 +157,7 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count())
                 << " s";
     objective_ = family_->training_objective(model_dir_);
+    family_->apply_training_config(config_, *model_, objective_);  // the family's own keys (Flux: flux_*)
 
     // The data path: the family's encoders as callables, buckets and caches from multidatabackend.json.
     family::DataEncoderOptions eo;
@@ -160,12 +166,14 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     eo.device = device_;
     eo.vae_dtype = device_.is_cuda() ? at::kBFloat16 : at::kFloat;  // SimpleTuner's vae_dtype default
     eo.text_encoder_precision = family::text_encoder_precision_from(config_);
+    eo.max_sequence_length = config_.opt_integer("tokenizer_max_length").value_or(0);  // as resolved
     DatasetSourceOptions ds;
     ds.data_backend_config = config_.text("data_backend_config");
     ds.global = data_args_from_config(config_);
     ds.train_batch_size = static_cast<int>(config_.integer("train_batch_size"));
     ds.gradient_accumulation_steps = static_cast<int>(config_.integer("gradient_accumulation_steps"));
     ds.allow_dataset_oversubscription = config_.flag("allow_dataset_oversubscription");
+    ds.disable_bucket_pruning = config_.flag("disable_bucket_pruning");
     ds.seed = resolve_seed(config_);
     ds.prefetch_batches = config_.flag("dataloader_prefetch")
                               ? static_cast<int>(config_.integer("dataloader_prefetch_qlen"))
@@ -257,7 +265,8 @@ void Trainer::quantize_base_model() {
     base_quantized_ = true;
     const auto start = std::chrono::steady_clock::now();
     const models::QuantizeReport report = models::quantize_module(model_->module(), preset);
-    log::info() << "quantised the " << family_->network_name() << " on " << device_.str() << " ("
+    log::info() << "quantised the " << family_->network_name() << " on "
+                << model_->module().parameters().front().device().str() << " ("
                 << models::describe(report, preset) << ") in "
                 << format_metric(
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count())
@@ -300,6 +309,11 @@ void Trainer::init_common() {
     }
     model_->module().train();
     quantize_base_model();
+    if (model_->module().parameters().front().device() != device_) {  // quantize_via cpu
+        model_->module().to(device_);
+        log::info() << "moved the quantised " << family_->network_name() << " to " << device_.str()
+                    << " (quantize_via cpu)";
+    }
     const bool checkpointing = config_.flag("gradient_checkpointing");
     const auto interval = config_.opt_integer("gradient_checkpointing_interval");
     DTUNE_CHECK_AS(UsageError, !interval || *interval >= 1,

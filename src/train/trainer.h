@@ -93,6 +93,8 @@ class Trainer {
     const TrainConfig& config() const { return config_; }
     // What every step runs with: noise, timestep sampling, loss options (set up by the constructor).
     const StepOptions& step_options() const { return step_options_; }
+    // Tests only: fixed flow-matching noise and sigmas (StepOptions::fixed_flow_draws). Before run().
+    void set_fixed_flow_draws(FlowDrawFn draws) { step_options_.fixed_flow_draws = std::move(draws); }
     // Appends a row {"step": step, ...fields} to metrics.jsonl now (rank 0): what an observer
     // measures about a step after its row was written (validation's CLIP scores). Usable until the
     // end of on_train_end.

@@ -91,9 +91,11 @@ FluxPipeline::TextEmbeds FluxPipeline::encode(const std::vector<std::string>& pr
     TextEmbeds e;
     e.pooled = text_encoder_->forward(clip_ids, false).pooler_output.to(dtype);  // [B, 768]
     const at::Tensor t5_ids = tokenizer_2_.encode_batch(prompts, max_sequence_length).to(device_);
-    e.context = text_encoder_2_->forward(t5_ids).to(dtype);  // [B, L, D]
+    e.context = text_encoder_2_->forward(t5_ids).to(dtype);                          // [B, L, D]
+    e.mask = tokenizer_2_.attention_mask(prompts, max_sequence_length).to(device_);  // [B, L]
     e.pooled = e.pooled.repeat_interleave(per_prompt, 0);
     e.context = e.context.repeat_interleave(per_prompt, 0);
+    e.mask = e.mask.repeat_interleave(per_prompt, 0);
     return e;
 }
 
@@ -107,6 +109,8 @@ void check_request(const FluxRequest& r) {
     DTUNE_CHECK_AS(UsageError, r.num_images_per_prompt >= 1, "num_images_per_prompt must be 1 or more");
     DTUNE_CHECK_AS(UsageError, std::isfinite(r.true_cfg_scale), "true_cfg_scale ", r.true_cfg_scale,
                    " is invalid: use a finite number (> 1 with a negative prompt for true CFG, e.g. 4.0)");
+    DTUNE_CHECK_AS(UsageError, r.true_cfg_start_step >= 0, "true_cfg_start_step ", r.true_cfg_start_step,
+                   " is invalid: use 0 (every step) or more");
     DTUNE_CHECK_AS(
         UsageError,
         !r.negative_prompt || r.negative_prompt->size() == 1 || r.negative_prompt->size() == r.prompt.size(),
@@ -183,14 +187,18 @@ GenerationResult FluxPipeline::generate(const FluxRequest& r, const StepCallback
     const at::Tensor timesteps = sampler.timesteps().to(device_, dtype);  // [steps]
     for (int64_t i = 0; i < r.steps; ++i) {
         const at::Tensor t = timesteps[i].expand({b * n});
-        at::Tensor v =
-            transformer_->forward(latents, pos.context, pos.pooled, t / 1000, guidance, img_ids, txt_ids);
-        if (true_cfg) {  // a second pass, as diffusers runs it (not batched with the first)
+        at::Tensor v = transformer_->forward(latents, pos.context, pos.pooled, t / 1000, guidance, img_ids,
+                                             txt_ids, r.attention_mask ? pos.mask : at::Tensor());
+        if (true_cfg && i >= r.true_cfg_start_step) {  // a second pass, as diffusers runs it (not batched)
             const at::Tensor v_neg =
-                transformer_->forward(latents, neg.context, neg.pooled, t / 1000, guidance, img_ids, txt_ids);
+                transformer_->forward(latents, neg.context, neg.pooled, t / 1000, guidance, img_ids, txt_ids,
+                                      r.attention_mask ? neg.mask : at::Tensor());
             v = v_neg + r.true_cfg_scale * (v - v_neg);
         }
         latents = sampler.step(v, i, latents);
+        if (r.on_latents)
+            r.on_latents(StepLatents{i, r.steps, sampler.timesteps()[i].item<double>(),
+                                     models::flux_unpack_latents(latents, lh, lw).to(at::kFloat)});
         if (on_step) on_step(i + 1, r.steps);
     }
     GenerationResult out;

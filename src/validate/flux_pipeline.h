@@ -10,7 +10,10 @@
 // classifier-free guidance is FluxPipeline's opt-in: with a negative prompt and true_cfg_scale > 1
 // each step runs the transformer twice, v = v_neg + true_cfg_scale · (v − v_neg) (the negative pass
 // with the negative prompt's embeddings, everything else equal); otherwise one pass and the negative
-// prompt is not encoded. Seeds give the same image on any device (the noise is drawn on the CPU).
+// prompt is not encoded. SimpleTuner's validation starts true CFG at a later step
+// (true_cfg_start_step: its validation_no_cfg_until_timestep) and, for runs trained with
+// flux_attention_masked_training, masks T5's padding in the joint attention (attention_mask).
+// Seeds give the same image on any device (the noise is drawn on the CPU).
 #pragma once
 
 #include <filesystem>
@@ -39,6 +42,8 @@ struct FluxRequest {
     // and true_cfg_scale > 1. Otherwise a single transformer pass per step.
     std::optional<std::vector<std::string>> negative_prompt;
     double true_cfg_scale = 1.0;
+    int64_t true_cfg_start_step = 0;  // steps before it run the positive pass only (diffusers: 0)
+    bool attention_mask = false;      // T5's padding left out as keys in the joint attention
     int64_t width = 1024;
     int64_t height = 1024;
     int64_t steps = 28;
@@ -52,6 +57,9 @@ struct FluxRequest {
     // Free both text encoders once the prompts are encoded (their memory goes before the
     // transformer runs); a later generate() on this pipeline is then a UsageError.
     bool free_text_encoders = false;
+    // After every sampler step: the latents unpacked to [B*N, 16, h, w] float32, still shifted and
+    // scaled (what taef1 decodes: validation_preview).
+    std::function<void(const StepLatents&)> on_latents;
 };
 
 // Single files that replace a folder component's weights; its config (and the tokenizers) still come
@@ -92,6 +100,7 @@ class FluxPipeline {
     struct TextEmbeds {
         at::Tensor pooled;   // [B*N, 768] CLIP's pooled output
         at::Tensor context;  // [B*N, L, D] T5's sequence
+        at::Tensor mask;     // [B*N, L] T5's attention mask (1: a real token)
     };
     TextEmbeds encode(const std::vector<std::string>& prompts, int64_t max_sequence_length,
                       int64_t per_prompt);

@@ -23,7 +23,7 @@ struct StepLatents {
     int64_t step = 0;         // 0-based index of the sampler step that just ran
     int64_t total_steps = 0;  // steps of the whole sampling run
     double timestep = 0;      // the step's timestep (the scheduler's t)
-    at::Tensor latents;       // [B*N, 4, h, w] float32 on the pipeline's device
+    at::Tensor latents;       // [B*N, C, h, w] float32 on the pipeline's device (C: the VAE's channels)
 };
 
 struct GenerationRequest {
@@ -56,6 +56,7 @@ struct GenerationRequest {
     // Flux: true classifier-free guidance with negative_prompt when > 1 (two passes a step), T5's
     // prompt tokens, and freeing both text encoders once the prompts are encoded (one-shot use).
     double true_cfg_scale = 1.0;
+    int64_t true_cfg_start_step = 0;  // true CFG from this sampler step on (earlier steps: one pass)
     int64_t max_sequence_length = 512;
     bool free_text_encoders = false;
     // After each sampler step, with the latents the step produced (x_{t-1}, still scaled: what

@@ -32,6 +32,25 @@ TEST(AutoencoderTiny, DecodeAndEncodeMatchDiffusers) {
     EXPECT_LE(test::reported_diff("encode", encoded, want_enc), 1e-5 * want_enc.abs().max().item<double>());
 }
 
+// madebyollin/taef1's shape (tools/ref/gen_taef1_ref.py): 16 latent channels in and out, the
+// Flux latents as FluxPipeline holds them.
+TEST(AutoencoderTiny, Taef1ShapeMatchesDiffusers) {
+    AutoencoderTiny taef1 = load_autoencoder_tiny(kRef / "tiny-taef1");
+    EXPECT_EQ(taef1->config().latent_channels, 16);
+    const io::SafetensorsFile io(kRef / "taef1_io.safetensors");
+    torch::NoGradGuard no_grad;
+    const at::Tensor decoded = taef1->decode(test::fixture_tensor(io, "latents"));
+    const at::Tensor want = test::fixture_tensor(io, "decoded");
+    ASSERT_EQ(decoded.sizes(), want.sizes());
+    EXPECT_LE(test::reported_diff("decode", decoded, want), 1e-5 * want.abs().max().item<double>());
+    const at::Tensor encoded = taef1->encode(test::fixture_tensor(io, "image"));
+    const at::Tensor want_enc = test::fixture_tensor(io, "encoded");
+    ASSERT_EQ(encoded.sizes(), want_enc.sizes());
+    EXPECT_LE(test::reported_diff("encode", encoded, want_enc), 1e-5 * want_enc.abs().max().item<double>());
+    // SDXL's 4-channel latents are not taef1's: refused by shape, naming what it expects.
+    EXPECT_THROW(taef1->decode(at::zeros({1, 4, 6, 5})), Error);
+}
+
 TEST(AutoencoderTiny, RefusesAnotherClassNamingTheFolder) {
     test::TempDir dir;
     std::filesystem::create_directories(dir / "vae");

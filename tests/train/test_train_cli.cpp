@@ -302,10 +302,10 @@ TEST(TrainCli, BadMaxImagePixelsIsAUsageErrorAtStart) {
 
 TEST(TrainCli, UnimplementedOptionExitsWithUsageError) {
     Workspace w;
-    EXPECT_EQ(run_status(w.command("bad", "--quantize_via pipeline")), 2);
-    EXPECT_NE(fs::read_file(w.dir / "log.txt")
-                  .find("option quantize_via = \"pipeline\" is not implemented by dtune"),
-              std::string::npos);
+    EXPECT_EQ(run_status(w.command("bad", "--t5_padding zero")), 2);
+    EXPECT_NE(
+        fs::read_file(w.dir / "log.txt").find("option t5_padding = \"zero\" is not implemented by dtune"),
+        std::string::npos);
 }
 
 TEST(TrainCli, MissingDataBackendConfigNamesTheKey) {

@@ -15,8 +15,11 @@ images), then:
       run's, and diffusers' own kohya loader gives the same image;
   (d) Flux (with --ref, the tiny Flux.1 [dev] pipeline of tests/data/ref): a LoRA trained by
       `dtune train` (model_family flux) loads with FluxPipeline.load_lora_weights, changes the image
-      and gives `dtune sample --lora`'s image; a full fine-tune's `pipeline/` loads with
-      FluxPipeline.from_pretrained holding exactly the exported transformer.
+      and gives `dtune sample --lora`'s image; the same run with `lora_format comfyui` holds the
+      same tensors plus a `.alpha` per module and gives diffusers the same image; a DoRA run
+      (use_dora) loads with its trained `lora_magnitude_vector`s and gives `dtune sample --lora`'s
+      image; a full fine-tune's `pipeline/` loads with FluxPipeline.from_pretrained holding exactly
+      the exported transformer.
 
 Images are compared as the 8-bit values dtune writes (round(x * 255), as diffusers' numpy_to_pil):
 dtune's float32 pipeline matches diffusers to ~1e-5 on images (tests/validate parity), far below
@@ -201,6 +204,69 @@ def flux_image(pipe):
     return np.round(image * 255).astype(np.int16), image
 
 
+FLUX_LORA_ARGS = ["--model_type", "lora", "--lora_rank", "4", "--lora_alpha", "8", "--optimizer", "torch-adamw",
+                  "--learning_rate", "1e-1"]
+
+
+def flux_sample_lora(args, model, lora, out, log):
+    printed = run([args.dtune, "sample", "--model", model, "--prompt", PROMPT, "--width", "64", "--height", "64",
+                   "--steps", "2", "--guidance", "3.5", "--max_sequence_length", "32", "--seed", str(SEED),
+                   "--device", "cpu", "--output_dir", out, "--lora", lora], log)
+    png = [line for line in printed.splitlines() if line.endswith(".png")][0]
+    return np.asarray(Image.open(png).convert("RGB")).astype(np.int16)
+
+
+def check_flux_comfyui(args, work, configs, log, pipe, diffusers_out, diffusers_float):
+    """lora_format comfyui for Flux: SimpleTuner's layout (the diffusers keys plus `.alpha`), which
+    ComfyUI maps per projection; diffusers must read it to the same LoRA as the diffusers file."""
+    out = os.path.join(work, "flux_lora_comfy")
+    run([args.dtune, "train", "--config", configs[0], "--data_backend_config", configs[1], "--output_dir", out,
+         *FLUX_LORA_ARGS, "--lora_format", "comfyui"], log)
+    comfy = load_file(os.path.join(out, "pytorch_lora_weights.safetensors"))
+    plain = load_file(os.path.join(diffusers_out, "pytorch_lora_weights.safetensors"))
+    modules = [k[: -len(".lora_A.weight")] for k in plain if k.endswith(".lora_A.weight")]
+    check(set(comfy) == set(plain) | {m + ".alpha" for m in modules}
+          and all(torch.equal(comfy[k], plain[k]) for k in plain)
+          and {float(comfy[m + ".alpha"]) for m in modules} == {8.0},
+          f"(d) the comfyui Flux file is the diffusers file's {len(plain)} tensors plus alpha 8 for each of "
+          f"its {len(modules)} modules, all under transformer.")
+    pipe.load_lora_weights(out)
+    _, comfy_float = flux_image(pipe)
+    diff = np.abs(comfy_float - diffusers_float).max()
+    check(diff < 1e-6, f"(d) FluxPipeline.load_lora_weights of the comfyui file vs the diffusers file: max "
+          f"difference {diff:.1e}")
+
+
+def check_flux_dora(args, work, configs, log, pipe, model, plain):
+    """use_dora for Flux: PEFT's lora_magnitude_vector keys, loaded by diffusers as trained."""
+    out = os.path.join(work, "flux_dora")
+    run([args.dtune, "train", "--config", configs[0], "--data_backend_config", configs[1], "--output_dir", out,
+         *FLUX_LORA_ARGS, "--use_dora", "true"], log)
+    lora_file = os.path.join(out, "pytorch_lora_weights.safetensors")
+    saved = load_file(lora_file)
+    pipe.load_lora_weights(out)
+    loaded, moved = 0, 0.0
+    exact = True
+    for name, module in pipe.transformer.named_modules():
+        magnitude = getattr(module, "lora_magnitude_vector", None)
+        if not magnitude:
+            continue
+        got = next(iter(magnitude.values())).weight
+        key = f"transformer.{name}.lora_magnitude_vector"
+        exact = exact and key in saved and torch.equal(got, saved[key])
+        moved = max(moved, float((got - module.base_layer.weight.norm(dim=1)).abs().max()))
+        loaded += 1
+    expected = sum(k.endswith(".lora_magnitude_vector") for k in saved)
+    check(loaded == expected > 0 and exact and moved > 1e-3,
+          f"(d) FluxPipeline.load_lora_weights loads the {expected} DoRA magnitudes as trained "
+          f"({loaded} loaded, exact: {exact}, moved from the weight norms by up to {moved:.2e})")
+    with_dora, with_dora_float = flux_image(pipe)
+    changed = np.abs(with_dora_float - plain).max()
+    check(changed > 1e-3, f"(d) the Flux DoRA changes FluxPipeline's image (by up to {changed:.2e})")
+    ours = flux_sample_lora(args, model, lora_file, os.path.join(work, "sample_flux_dora"), log)
+    same_image(with_dora, ours, "(d) FluxPipeline.load_lora_weights (DoRA) vs dtune sample --lora")
+
+
 def check_flux(args, work, config, log):
     import shutil
     model = os.path.join(work, "tiny-flux")
@@ -222,8 +288,7 @@ def check_flux(args, work, config, log):
         json.dump(backends, f)
     out = os.path.join(work, "flux_lora")
     run([args.dtune, "train", "--config", flux_config, "--data_backend_config", flux_backends,
-         "--output_dir", out, "--model_type", "lora", "--lora_rank", "4", "--lora_alpha", "8",
-         "--optimizer", "torch-adamw", "--learning_rate", "1e-1"], log)
+         "--output_dir", out, *FLUX_LORA_ARGS], log)
     pipe = FluxPipeline.from_pretrained(model, torch_dtype=torch.float32)
     _, plain = flux_image(pipe)
     pipe.load_lora_weights(out)
@@ -238,6 +303,10 @@ def check_flux(args, work, config, log):
     png = [line for line in printed.splitlines() if line.endswith(".png")][0]
     ours = np.asarray(Image.open(png).convert("RGB")).astype(np.int16)
     same_image(with_lora, ours, "(d) FluxPipeline.load_lora_weights vs dtune sample --lora")
+    pipe.unload_lora_weights()
+    check_flux_comfyui(args, work, (flux_config, flux_backends), log, pipe, out, with_lora_float)
+    pipe.unload_lora_weights()
+    check_flux_dora(args, work, (flux_config, flux_backends), log, pipe, model, plain)
 
     full = os.path.join(work, "flux_full")
     run([args.dtune, "train", "--config", flux_config, "--data_backend_config", flux_backends,

@@ -3,9 +3,14 @@
 // matching.
 //
 // Conditioning names: prompt_embeds [B, L, 4096] (T5), pooled_prompt_embeds [B, 768] (CLIP-L),
-// attention_mask [B, L] (T5's padding, kept for flux_attention_masked_training; not applied by
-// default, as diffusers and SimpleTuner do), optionally guidance [B] (the embedded guidance of
-// [dev]; flux_guidance_value 1.0 when absent, SimpleTuner's training default).
+// attention_mask [B, L] (T5's padding, applied in the joint attention with
+// flux_attention_masked_training; not by default, as diffusers and SimpleTuner do), optionally
+// guidance [B] (the embedded guidance of [dev], drawn by the step from flux_guidance_*; 1.0 when
+// absent, SimpleTuner's training default).
+//
+// SimpleTuner's Flux keys (flux_*, flow_*, fuse_qkv_projections, tokenizer_max_length) reach the
+// family through apply_training_config and lora_targets; their meanings are in config.cpp's table
+// and README's "Flux options".
 #include "family/flux/flux_family.h"
 
 #include <optional>
@@ -14,6 +19,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/log.h"
 #include "family/data_encoders.h"
 #include "io/safetensors.h"
 #include "models/clip/clip_text_model.h"
@@ -24,6 +30,7 @@
 #include "models/t5/t5_encoder.h"
 #include "models/t5/t5_tokenizer.h"
 #include "models/vae/autoencoder_kl.h"
+#include "train/config.h"
 #include "validate/flux_pipeline.h"
 
 namespace dtune::family {
@@ -58,10 +65,18 @@ class FluxDenoiser final : public Denoiser {
         }
         const at::Tensor& img_ids = img_ids_;
         const at::Tensor txt_ids = at::zeros({context.size(1), 3}, opts);
+        at::Tensor text_mask;  // [B, L] with flux_attention_masked_training
+        if (settings_.mask_text) {
+            const auto it = cond.find("attention_mask");
+            DTUNE_CHECK_AS(DataError, it != cond.end(),
+                           "flux_attention_masked_training needs the T5 attention mask in the text cache, "
+                           "and this batch has none; delete the text cache folder so it is rebuilt");
+            text_mask = it->second;
+        }
         // The transformer takes sigmas in [0, 1]; the step passes sigma · 1000, as the pipeline does.
-        const at::Tensor v =
-            transformer_->forward(packed, context.to(dtype), cond.at("pooled_prompt_embeds").to(dtype),
-                                  (timesteps.to(at::kFloat) / 1000.0).to(dtype), guidance, img_ids, txt_ids);
+        const at::Tensor v = transformer_->forward(
+            packed, context.to(dtype), cond.at("pooled_prompt_embeds").to(dtype),
+            (timesteps.to(at::kFloat) / 1000.0).to(dtype), guidance, img_ids, txt_ids, text_mask);
         return models::flux_unpack_latents(v, h, w);  // [B, 16, h, w]
     }
     std::pair<int64_t, int64_t> set_gradient_checkpointing(bool enabled, int64_t interval) override {
@@ -71,8 +86,18 @@ class FluxDenoiser final : public Denoiser {
     c10::ScalarType dtype() const override { return transformer_->dtype(); }
     models::FluxTransformer2DModel& transformer() { return transformer_; }
 
+    // What a run's Flux keys set on the network (FluxFamily::apply_training_config); validation
+    // images follow them too.
+    struct Settings {
+        bool mask_text = false;   // flux_attention_masked_training
+        int64_t t5_tokens = 512;  // the text cache's T5 length (tokenizer_max_length as resolved)
+    };
+    void set_settings(const Settings& s) { settings_ = s; }
+    const Settings& settings() const { return settings_; }
+
   private:
     models::FluxTransformer2DModel transformer_;
+    Settings settings_;
     at::Tensor img_ids_;                  // [(h/2)(w/2), 3] of the last latent size
     std::pair<int64_t, int64_t> ids_hw_;  // that size
 };
@@ -83,6 +108,7 @@ validate::FluxRequest flux_request(const validate::GenerationRequest& r) {
     f.prompt = r.prompt;
     f.negative_prompt = r.negative_prompt;
     f.true_cfg_scale = r.true_cfg_scale;
+    f.true_cfg_start_step = r.true_cfg_start_step;
     f.width = r.width;
     f.height = r.height;
     f.steps = r.steps;
@@ -94,13 +120,15 @@ validate::FluxRequest flux_request(const validate::GenerationRequest& r) {
     f.decode = r.decode;
     f.vae_tiling = r.vae_tiling;
     f.free_text_encoders = r.free_text_encoders;
+    f.on_latents = r.on_latents;  // validation_preview
     return f;
 }
 
 // Validation images: diffusers' FluxPipeline around the live transformer.
 class FluxSampler final : public ImageSampler {
   public:
-    FluxSampler(const std::filesystem::path& model_dir, FluxDenoiser& denoiser, const SamplerLoadOptions& o) {
+    FluxSampler(const std::filesystem::path& model_dir, FluxDenoiser& denoiser, const SamplerLoadOptions& o)
+        : denoiser_(denoiser) {
         auto pf = models::PipelineFolder::open(model_dir);
         if (!o.vae_override.empty()) pf.set_vae_override(o.vae_override);
         const c10::ScalarType dtype = denoiser.dtype();
@@ -120,10 +148,16 @@ class FluxSampler final : public ImageSampler {
     }
     validate::GenerationResult generate(const validate::GenerationRequest& r,
                                         const validate::StepCallback& on_step) override {
-        return pipeline_->generate(flux_request(r), on_step);
+        // Prompts encoded as the text cache holds them (SimpleTuner validates from cached embeds),
+        // masked as in training.
+        validate::FluxRequest f = flux_request(r);
+        f.max_sequence_length = denoiser_.settings().t5_tokens;
+        f.attention_mask = denoiser_.settings().mask_text;
+        return pipeline_->generate(f, on_step);
     }
 
   private:
+    FluxDenoiser& denoiser_;
     std::unique_ptr<validate::FluxPipeline> pipeline_;
 };
 
@@ -157,6 +191,9 @@ class FluxFilePipeline final : public ImageSampler {
 };
 
 // CLIP-L's pooled output and T5's sequence, as FluxPipeline.encode_prompt computes them.
+// CLIP-L and T5 for the text cache. The tokenizers load at once (cheap); the encoders (T5-XXL is
+// 9.5 GB in bf16) only when the first caption must be encoded, so a run whose text cache is
+// complete never loads them (issue #23: a resumed or re-run job keeps that memory and time).
 struct FluxTextEncoders {
     std::optional<models::CLIPTokenizer> clip_tokenizer;
     models::CLIPTextModel clip{nullptr};
@@ -164,8 +201,23 @@ struct FluxTextEncoders {
     models::T5EncoderModel t5{nullptr};
     c10::Device device = c10::Device(c10::kCPU);
     int64_t max_length = 512;
+    std::filesystem::path clip_dir, t5_dir;
+    std::array<std::string, 2> precisions;
+
+    void load() {
+        log::info()
+            << "loading the Flux text encoders (CLIP-L, T5) to encode captions missing from the text cache";
+        const c10::ScalarType dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+        clip = models::load_clip_text_model(clip_dir, {dtype, device});
+        clip->eval();
+        t5 = models::load_t5_encoder(t5_dir, {dtype, device});
+        t5->eval();
+        std::string unused;  // the identity was written when the cache was opened
+        quantize_text_encoders({clip.get(), t5.get()}, precisions, unused);
+    }
 
     data::TextEmbeds encode(const std::vector<std::string>& captions) {
+        if (!t5) load();
         const at::NoGradGuard no_grad;
         std::vector<at::Tensor> ids;
         for (const auto& c : captions) ids.push_back(at::tensor(clip_tokenizer->encode(c, 77)));
@@ -194,16 +246,22 @@ class FluxFamily final : public ModelFamily {
     data::DataEncoders load_data_encoders(const DataEncoderOptions& options) const override;
     void drop_caption(Conditioning& batch, int64_t row, const Conditioning& empty) const override;
     TrainingObjective training_objective(const std::filesystem::path& model_dir) const override;
+    void apply_training_config(const train::TrainConfig& config, Denoiser& denoiser,
+                               TrainingObjective& objective) const override;
     std::unique_ptr<ImageSampler> load_sampler(const std::filesystem::path& model_dir, Denoiser& denoiser,
                                                const SamplerLoadOptions& options) const override;
     std::unique_ptr<ImageSampler> open_pipeline(const PipelineSource& source) const override {
         return std::make_unique<FluxFilePipeline>(source);
     }
     std::vector<std::string> default_lora_targets() const override;
+    std::vector<std::string> lora_targets(const train::TrainConfig& config) const override {
+        return flux_lora_target_modules(config.text("flux_lora_target"));
+    }
     void export_single_file(const std::filesystem::path& base, const torch::nn::Module& network,
                             const std::filesystem::path& out_file,
                             const std::optional<std::filesystem::path>& vae_dir) const override;
     const char* single_file_name() const override { return ""; }
+    const char* preview_decoder_id() const override { return "madebyollin/taef1"; }
 };
 
 }  // namespace
@@ -233,18 +291,16 @@ data::DataEncoders FluxFamily::load_data_encoders(const DataEncoderOptions& o) c
     load_vae_encoder(o.model_dir, o.vae_override, o.device, o.vae_dtype, e);
     const auto pf = models::PipelineFolder::open(o.model_dir);
     auto text = std::make_shared<FluxTextEncoders>();
-    const c10::ScalarType dtype = o.device.is_cuda() ? at::kBFloat16 : at::kFloat;
     text->clip_tokenizer.emplace(models::CLIPTokenizer::from_folder(pf.component("tokenizer").path));
-    text->clip = models::load_clip_text_model(pf.component("text_encoder").path, {dtype, o.device});
-    text->clip->eval();
     text->t5_tokenizer.emplace(models::T5Tokenizer::load(pf.component("tokenizer_2").path));
-    text->t5 = models::load_t5_encoder(pf.component("text_encoder_2").path, {dtype, o.device});
-    text->t5->eval();
+    text->clip_dir = pf.component("text_encoder").path;
+    text->t5_dir = pf.component("text_encoder_2").path;
+    text->precisions = o.text_encoder_precision;
     text->device = o.device;
     text->max_length = o.max_sequence_length > 0 ? o.max_sequence_length : 512;
     e.text_identity =
         text_encoder_identity(o.model_dir, "FluxTextEncoders") + str(" max_length=", text->max_length);
-    quantize_text_encoders({text->clip.get(), text->t5.get()}, o.text_encoder_precision, e.text_identity);
+    e.text_identity += text_precision_identity(o.text_encoder_precision, 2);
     e.text = [text](const std::vector<std::string>& captions) { return text->encode(captions); };
     e.text_tensor_names = {"attention_mask", "pooled_prompt_embeds", "prompt_embeds"};
     return e;
@@ -256,10 +312,64 @@ void FluxFamily::drop_caption(Conditioning& batch, int64_t row, const Conditioni
         if (auto it = batch.find(name); it != batch.end()) it->second[row].copy_(t);
 }
 
-TrainingObjective FluxFamily::training_objective(const std::filesystem::path&) const {
+TrainingObjective FluxFamily::training_objective(const std::filesystem::path& model_dir) const {
     TrainingObjective o;
     o.kind = TrainingObjective::Kind::kFlowMatching;
+    // The scheduler config gives eval loss its fixed sigmas (report/eval_loss.h).
+    const auto file = model_dir / "scheduler" / "scheduler_config.json";
+    if (std::filesystem::is_regular_file(file))
+        o.flow_scheduler =
+            diffusion::FlowMatchConfig::from_json(nlohmann::json::parse(fs::read_file(file)), file.string());
+    if (o.flow_scheduler) {  // flow_schedule_auto_shift's anchors, as SimpleTuner reads them
+        o.flow.base_image_seq_len = o.flow_scheduler->base_image_seq_len;
+        o.flow.max_image_seq_len = o.flow_scheduler->max_image_seq_len;
+        o.flow.base_shift = o.flow_scheduler->base_shift;
+        o.flow.max_shift = o.flow_scheduler->max_shift;
+    }
+    o.flow.guidance = diffusion::EmbeddedGuidanceOptions{};  // constant 1.0; [schnell]'s network ignores it
     return o;  // SimpleTuner's flow_* defaults (diffusion::FlowMatchingOptions)
+}
+
+void FluxFamily::apply_training_config(const train::TrainConfig& c, Denoiser& denoiser,
+                                       TrainingObjective& o) const {
+    diffusion::FlowMatchingOptions& f = o.flow;
+    f.shift = c.opt_real("flow_schedule_shift");
+    f.auto_shift = c.flag("flow_schedule_auto_shift");
+    f.sigmoid_scale = c.real("flow_sigmoid_scale");
+    f.uniform = c.flag("flow_use_uniform_schedule");
+    f.beta = c.flag("flow_use_beta_schedule");
+    f.beta_alpha = c.real("flow_beta_schedule_alpha");
+    f.beta_beta = c.real("flow_beta_schedule_beta");
+    f.flux_fast_schedule = c.flag("flux_fast_schedule");
+    diffusion::EmbeddedGuidanceOptions g;
+    g.mode = diffusion::parse_embedded_guidance_mode(c.text("flux_guidance_mode"));
+    g.value = c.real("flux_guidance_value");
+    g.min = c.real("flux_guidance_min");
+    g.max = c.real("flux_guidance_max");
+    f.guidance = g;
+
+    auto* flux = dynamic_cast<FluxDenoiser*>(&denoiser);
+    DTUNE_CHECK(flux != nullptr, "the Flux training keys need a Flux denoiser");
+    FluxDenoiser::Settings s;
+    s.mask_text = c.flag("flux_attention_masked_training");
+    s.t5_tokens = c.opt_integer("tokenizer_max_length").value_or(512);
+    flux->set_settings(s);
+    flux->transformer()->set_fused_qkv(c.flag("fuse_qkv_projections"));
+
+    const char* schedules[] = {"logit-normal", "uniform", "beta", "flux_fast_schedule"};
+    const auto shift = f.auto_shift ? std::string("auto (from the image size)")
+                                    : (f.shift && *f.shift > 0 ? str(*f.shift) : std::string("none"));
+    log::info() << "Flux training: sigmas " << schedules[static_cast<int>(diffusion::flow_sigma_schedule(f))]
+                << (diffusion::flow_sigma_schedule(f) == diffusion::FlowSigmaSchedule::kFluxFast
+                        ? std::string(" (never shifted)")
+                        : ", shift " + shift)
+                << "; guidance "
+                << (g.mode == diffusion::EmbeddedGuidanceOptions::Mode::kConstant
+                        ? str(g.value)
+                        : str("uniform in [", g.min, ", ", g.max, "]"))
+                << (flux->transformer()->config().guidance_embeds ? "" : " (unused: no guidance embedding)")
+                << "; T5 " << s.t5_tokens << " tokens"
+                << (s.mask_text ? ", padding masked in attention" : "");
 }
 
 std::unique_ptr<ImageSampler> FluxFamily::load_sampler(const std::filesystem::path& model_dir,
@@ -271,8 +381,40 @@ std::unique_ptr<ImageSampler> FluxFamily::load_sampler(const std::filesystem::pa
 }
 
 std::vector<std::string> FluxFamily::default_lora_targets() const {
-    // SimpleTuner's flux_lora_target "all": every attention projection of both stream kinds.
-    return {"to_k", "to_q", "to_v", "add_k_proj", "add_q_proj", "add_v_proj", "to_out.0", "to_add_out"};
+    return flux_lora_target_modules("all");  // SimpleTuner's flux_lora_target default
+}
+
+std::vector<std::string> flux_lora_target_modules(const std::string& target) {
+    // SimpleTuner's lists (helpers/models/flux/model.py, get_lora_target_layers) without "to_qkv" and
+    // "add_qkv_proj": those names exist only in a model whose projections were fused into new layers,
+    // and dtune keeps the separate q/k/v layers (fuse_qkv_projections only runs them as one matmul).
+    const std::vector<std::string> attention = {"to_k",       "to_q",       "to_v",     "add_k_proj",
+                                                "add_q_proj", "add_v_proj", "to_out.0", "to_add_out"};
+    const std::vector<std::string> context = {"add_k_proj", "add_q_proj", "add_v_proj", "to_add_out"};
+    const std::vector<std::string> ffs = {"ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                                          "ff_context.net.2"};
+    const auto join = [](std::vector<std::string> a, const std::vector<std::string>& b) {
+        a.insert(a.end(), b.begin(), b.end());
+        return a;
+    };
+    // An unknown name falls back to SimpleTuner's DEFAULT_LORA_TARGET there; "mmdit" is one.
+    if (target == "mmdit") return {"to_k", "to_q", "to_v", "to_out.0"};
+    if (target == "all") return attention;
+    if (target == "context") return context;
+    if (target == "context+ffs") return join(context, {"ff_context.net.0.proj", "ff_context.net.2"});
+    if (target == "all+ffs") return join(join(attention, ffs), {"proj_mlp", "proj_out"});
+    if (target == "all+ffs+embedder")
+        return join({"x_embedder"}, join(join(attention, ffs), {"proj_mlp", "proj_out"}));
+    if (target == "ai-toolkit")
+        return join(join(attention, ffs),
+                    {"norm.linear", "norm1.linear", "norm1_context.linear", "proj_mlp", "proj_out"});
+    // TheLastBen's small LoRAs: two (tiny) or one (nano) of FLUX.1's 38 single-stream blocks.
+    if (target == "tiny")
+        return {"single_transformer_blocks.7.proj_out", "single_transformer_blocks.20.proj_out"};
+    if (target == "nano") return {"single_transformer_blocks.7.proj_out"};
+    throw UsageError(str("flux_lora_target \"", target,
+                         "\" is not supported; choose one of: ", kFluxLoraTargets,
+                         " (controlnet needs ControlNet training, which dtune does not do)"));
 }
 
 void FluxFamily::export_single_file(const std::filesystem::path&, const torch::nn::Module&,

@@ -130,6 +130,7 @@ class SdxlFamily final : public ModelFamily {
                             const std::filesystem::path& out_file,
                             const std::optional<std::filesystem::path>& vae_dir) const override;
     const char* single_file_name() const override { return "sdxl_checkpoint.safetensors"; }
+    const char* preview_decoder_id() const override { return "madebyollin/taesdxl"; }
 };
 
 }  // namespace

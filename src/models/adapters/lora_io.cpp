@@ -405,6 +405,9 @@ void save_lora(const LoRAAdapters& adapters, const std::filesystem::path& file, 
     DTUNE_CHECK_AS(UsageError, adapters.size() > 0, "save_lora: no adapters to save to ", file.string());
     io::TensorList tensors;
     io::Metadata metadata{{"format", "pt"}};
+    // kohya names exist for the UNet only; ComfyUI reads a transformer's LoRA under its diffusers
+    // names (see the branch below).
+    const bool kohya = format == LoRAFormat::kComfyUI && prefix == "unet";
     for (const auto& e : adapters.entries()) {
         LoRALayer& layer = *e.layer;
         if (format == LoRAFormat::kDiffusers) {
@@ -418,6 +421,26 @@ void save_lora(const LoRAAdapters& adapters, const std::filesystem::path& file, 
                                  for_file(layer.up(), dtype));
             if (layer.use_dora())
                 tensors.emplace_back(base + ".lora_magnitude_vector", for_file(layer.magnitude(), dtype));
+        } else if (!kohya) {
+            // ComfyUI for a transformer (Flux), as SimpleTuner writes lora_format comfyui for it
+            // (convert_diffusers_to_comfyui keeping the "transformer." prefix): PEFT's names under the
+            // diffusers prefix plus a float32 `.alpha` per module. ComfyUI's Flux key map takes
+            // "transformer.<diffusers module>" and points q, k and v at their rows of BFL's fused qkv
+            // (and linear1) weight, so every projection keeps its own rank-r pair and the file applies
+            // exactly. kohya's fused layout (lora_unet_double_blocks_0_img_attn_qkv) would need one
+            // down matrix for q, k and v, which separate q/k/v LoRAs do not have (exact only at rank 3r
+            // with a block-diagonal up). DoRA magnitudes go in ComfyUI's `.dora_scale` [out, 1].
+            const std::string base = prefix + "." + e.module;
+            tensors.emplace_back(base + ".lora_A.weight", for_file(layer.down(), dtype));
+            tensors.emplace_back(base + ".lora_B.weight", for_file(layer.up(), dtype));
+            tensors.emplace_back(
+                base + ".alpha",
+                at::scalar_tensor(layer.scale() * static_cast<double>(layer.rank()), at::kFloat));
+            if (layer.use_dora()) {
+                std::vector<int64_t> shape(layer.base_weight().dim(), 1);
+                shape[0] = -1;
+                tensors.emplace_back(base + ".dora_scale", for_file(layer.magnitude().reshape(shape), dtype));
+            }
         } else {
             const std::string base = kohya_lora_name(e.module);
             tensors.emplace_back(base + ".lora_down.weight", for_file(layer.down(), dtype));
@@ -436,6 +459,9 @@ void save_lora(const LoRAAdapters& adapters, const std::filesystem::path& file, 
     }
     if (format == LoRAFormat::kDiffusers) {
         metadata["lora_adapter_metadata"] = diffusers_metadata(adapters, prefix).dump();
+    } else if (!kohya) {
+        // The alphas are in the `.alpha` tensors. No lora_adapter_metadata beside them: diffusers'
+        // load_lora_weights refuses a file with both, and without it loads this one too.
     } else {
         const auto& first = *adapters.entries().front().layer;
         metadata["ss_network_module"] = "networks.lora";

@@ -16,8 +16,10 @@
 // Write (save_lora): pytorch_lora_weights.safetensors in diffusers' layout (the first form above
 // for SDXL's unet; PEFT's lora_A/lora_B names under "transformer." for Flux, as FluxPipeline's
 // save_lora_weights writes them), plus `format: pt` and `lora_adapter_metadata` so diffusers'
-// load_lora_weights gets alpha; or
-// kohya/ComfyUI keys with a float32 `.alpha` per module (DoRA magnitudes as `.dora_scale`).
+// load_lora_weights gets alpha; or lora_format comfyui: for SDXL's unet kohya/ComfyUI keys with a
+// float32 `.alpha` per module (DoRA magnitudes as `.dora_scale`); for a transformer (Flux) the
+// diffusers layout's "transformer.<m>.lora_A/.lora_B" names plus the same `.alpha` / `.dora_scale`,
+// which ComfyUI maps onto its fused weights exactly (SimpleTuner's layout; see save_lora).
 #pragma once
 
 #include <filesystem>

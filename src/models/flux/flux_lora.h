@@ -1,7 +1,8 @@
 // Flux.1 transformer LoRA files in the three key layouts people share, read into diffusers' layout
 // (what models/adapters/lora_apply.h applies):
 //
-//   diffusers / PEFT  (FluxPipeline.save_lora_weights, SimpleTuner, ai-toolkit):
+//   diffusers / PEFT  (FluxPipeline.save_lora_weights, SimpleTuner, ai-toolkit; with a `.alpha` per
+//                      layer, SimpleTuner's and dtune's lora_format comfyui files):
 //       transformer.transformer_blocks.0.attn.to_q.lora_A.weight / .lora_B.weight   (read as they are)
 //   kohya / ComfyUI   (sd-scripts, ComfyUI):
 //       lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight / .lora_up.weight / .alpha

@@ -3,9 +3,14 @@
 #include "models/flux/flux_transformer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <torch/autograd.h>
 #include <torch/nn/modules/dropout.h>
 
+#include <array>
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <set>
 #include <string>
 
@@ -13,25 +18,66 @@
 #include "models/common/blocks.h"
 #include "models/common/checkpoint.h"
 #include "models/common/layers.h"
+#include "models/common/rope.h"
 #include "models/common/weights.h"
 
 namespace dtune::models {
 namespace {
 
-at::Tensor layer_norm(const at::Tensor& x) {  // no affine, eps 1e-6 (diffusers' AdaLN norms)
+// No affine, eps 1e-6 (diffusers' AdaLN norms). In x's dtype even under autocast, whose float32 rule
+// for layer_norm would cast x up, normalise and hand a float32 result to a Linear that casts it back:
+// the kernel keeps its statistics in float32 either way, and the next matmul sees the same bf16 input.
+at::Tensor layer_norm(const at::Tensor& x) {
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     return at::layer_norm(x, {x.size(-1)}, {}, {}, 1e-6);
 }
 
-// x [B, S, H, Dh] rotated by (cos, sin) [S, Dh]: pairs (x0, x1) -> (x0 cos - x1 sin, x1 cos + x0 sin).
+// x [B, S, H, Dh] rotated by (cos, sin) [S, Dh] (models/common/rope.h: fused on the GPU).
 at::Tensor apply_rope(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& rope) {
-    const at::Tensor cos = rope.first.unsqueeze(0).unsqueeze(2), sin = rope.second.unsqueeze(0).unsqueeze(2);
-    auto sizes = x.sizes().vec();
-    sizes.back() /= 2;
-    sizes.push_back(2);
-    const auto pair = x.reshape(sizes).unbind(-1);  // real, imaginary
-    const at::Tensor rotated = at::stack({-pair[1], pair[0]}, -1).flatten(3);
-    return (x.to(at::kFloat) * cos + rotated.to(at::kFloat) * sin).to(x.scalar_type());
+    return rotary_embedding(x, rope.first, rope.second);
 }
+
+// layer_norm(x) · (1 + scale) + shift, the AdaLN modulation; scale and shift [B, 1, D]. With one
+// sample they are layer_norm's affine weight and bias: one fused kernel (and one rounding) instead of
+// three passes over x, which for a batch of several samples are kept.
+at::Tensor modulate(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& shift) {
+    const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);  // as layer_norm
+    const int64_t d = x.size(-1);
+    if (x.size(0) == 1 && scale.numel() == d && shift.numel() == d && scale.scalar_type() == x.scalar_type())
+        return at::layer_norm(x, {d}, (1 + scale).reshape({d}), shift.reshape({d}), 1e-6);
+    return layer_norm(x) * (1 + scale) + shift;
+}
+
+// q, k and v of one stream [B, S, inner] each: with `fused`, one matmul over the three layers'
+// weights stacked for the call (diffusers' fuse_projections computes the same products with a
+// to_qkv copy of them), unless a layer carries an adapter or a quantised weight, which computes its
+// own output. Not faster than three matmuls at Flux's sizes (H200, LoRA on the text stream, 1024²:
+// 497 vs 484 ms/step, tools/gpu/flux_keys.sh); it is there for SimpleTuner configs that set it.
+std::array<at::Tensor, 3> project_qkv(const at::Tensor& x, AdaptableLinear& q, AdaptableLinear& k,
+                                      AdaptableLinear& v, bool fused) {
+    bool plain = fused;
+    for (const AdaptableLinear* l : {&q, &k, &v})
+        plain = plain && (*l)->adapter() == nullptr && !(*l)->weight_scale.defined() && (*l)->bias.defined();
+    if (!plain) return {q->forward(x), k->forward(x), v->forward(x)};
+    const at::Tensor weight = at::cat({q->weight, k->weight, v->weight}, 0);  // [3 inner, D]
+    const at::Tensor bias = at::cat({q->bias, k->bias, v->bias}, 0);          // [3 inner]
+    const auto out = at::linear(x, weight, bias).chunk(3, -1);
+    return {out[0], out[1], out[2]};
+}
+
+// Identity forward; backward hands on the output gradient densely packed in the [B, S, H, Dh] order
+// the attention output is stored in. A single block's cat([attention, mlp]) returns a slice of wider
+// rows as the attention's output gradient, and cuDNN's attention backward read out of bounds with it
+// (an illegal memory access at Flux's sizes, torch 2.11; bench/flux_attention_probe.py +strided).
+struct DenseOutputGrad : public torch::autograd::Function<DenseOutputGrad> {
+    static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& out) {  // [B, H, S, Dh]
+        return out.view_as(out);
+    }
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext*,
+                                                   torch::autograd::variable_list grads) {
+        return {grads[0].transpose(1, 2).contiguous().transpose(1, 2)};
+    }
+};
 
 // Six (double blocks) or three (single) modulation chunks of linear(silu(temb)), each [B, 1, D].
 std::vector<at::Tensor> modulation(AdaptableLinear& linear, const at::Tensor& temb, int64_t chunks) {
@@ -40,7 +86,27 @@ std::vector<at::Tensor> modulation(AdaptableLinear& linear, const at::Tensor& te
     return out;
 }
 
+// DTUNE_FLUX_ATTENTION=flash (read once) puts the training pass back on the flash kernel, for triage.
+FluxTrainingAttention initial_training_attention() {
+    const char* v = std::getenv("DTUNE_FLUX_ATTENTION");
+    if (v == nullptr || *v == '\0' || std::string(v) == "auto") return FluxTrainingAttention::kSdpaChoice;
+    DTUNE_CHECK_AS(
+        UsageError, std::string(v) == "flash", "DTUNE_FLUX_ATTENTION=", v,
+        " is not a choice: use flash (the flash kernel by name) or auto (SDPA's pick, the default)");
+    return FluxTrainingAttention::kFlash;
+}
+
+std::atomic<FluxTrainingAttention> g_training_attention{initial_training_attention()};
+
 }  // namespace
+
+void set_flux_training_attention(FluxTrainingAttention kernel) {
+    g_training_attention.store(kernel);
+}
+
+FluxTrainingAttention flux_training_attention() {
+    return g_training_attention.load();
+}
 
 FluxTransformerConfig FluxTransformerConfig::from_json(const ConfigReader& r) {
     FluxTransformerConfig c;
@@ -96,32 +162,39 @@ FluxAttentionImpl::FluxAttentionImpl(int64_t dim, int64_t heads, int64_t head_di
 }
 
 std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context,
-                                                             const std::pair<at::Tensor, at::Tensor>& rope) {
+                                                             const std::pair<at::Tensor, at::Tensor>& rope,
+                                                             const at::Tensor& key_mask) {
     const auto heads = [&](const at::Tensor& t) {
         return t.unflatten(-1, {heads_, head_dim_});
     };  // [B, S, H, Dh]
-    at::Tensor q = norm_q_->forward(heads(to_q_->forward(x)));
-    at::Tensor k = norm_k_->forward(heads(to_k_->forward(x)));
-    at::Tensor v = heads(to_v_->forward(x));
+    const auto image = project_qkv(x, to_q_, to_k_, to_v_, fused_qkv_);
+    at::Tensor q = norm_q_->forward(heads(image[0]));
+    at::Tensor k = norm_k_->forward(heads(image[1]));
+    at::Tensor v = heads(image[2]);
     const int64_t text = context.defined() ? context.size(1) : 0;
     if (context.defined()) {
-        q = at::cat({norm_added_q_->forward(heads(add_q_proj_->forward(context))), q}, 1);
-        k = at::cat({norm_added_k_->forward(heads(add_k_proj_->forward(context))), k}, 1);
-        v = at::cat({heads(add_v_proj_->forward(context)), v}, 1);
+        const auto added = project_qkv(context, add_q_proj_, add_k_proj_, add_v_proj_, fused_qkv_);
+        q = at::cat({norm_added_q_->forward(heads(added[0])), q}, 1);
+        k = at::cat({norm_added_k_->forward(heads(added[1])), k}, 1);
+        v = at::cat({heads(added[2]), v}, 1);
     }
     q = apply_rope(q, rope);
     k = apply_rope(k, rope);
-    // [B, H, S, Dh]. With gradients on a GPU in half precision the flash kernel is asked for by
-    // name: SDPA's own pick for head_dim 128 on Hopper is cuDNN's, whose backward failed with an
-    // illegal memory access at Flux's sizes (torch 2.11, H200; bench_flux --cudnn_attention 1).
+    // [B, H, S, Dh]. SDPA's own pick, cuDNN's kernel for head_dim 128 on Hopper (twice flash's speed
+    // at Flux's sizes), unless set_flux_training_attention / DTUNE_FLUX_ATTENTION=flash ask for the
+    // flash kernel by name while gradients are recorded. cuDNN's backward hit an illegal memory
+    // access in training before DenseOutputGrad (torch 2.11; bench_flux --cudnn_attention 1).
     const at::Tensor qh = q.transpose(1, 2), kh = k.transpose(1, 2), vh = v.transpose(1, 2);
-    const bool flash = q.is_cuda() && at::GradMode::is_enabled() &&
+    // The flash kernel takes no mask: a masked attention (key_mask) goes to SDPA's pick.
+    const bool flash = q.is_cuda() && at::GradMode::is_enabled() && !key_mask.defined() &&
+                       flux_training_attention() == FluxTrainingAttention::kFlash &&
                        (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
-    at::Tensor out = (flash ? std::get<0>(at::_scaled_dot_product_flash_attention(qh, kh, vh))
-                            : at::scaled_dot_product_attention(qh, kh, vh))
-                         .transpose(1, 2)
-                         .flatten(2, 3)
-                         .to(q.scalar_type());  // [B, S, H·Dh]
+    at::Tensor attended =
+        flash ? std::get<0>(at::_scaled_dot_product_flash_attention(qh, kh, vh))
+              : at::scaled_dot_product_attention(
+                    qh, kh, vh, key_mask.defined() ? std::optional<at::Tensor>(key_mask) : std::nullopt);
+    if (!flash && attended.requires_grad() && attended.is_cuda()) attended = DenseOutputGrad::apply(attended);
+    at::Tensor out = attended.transpose(1, 2).flatten(2, 3).to(q.scalar_type());  // [B, S, H·Dh]
     if (!context.defined()) return {out, at::Tensor()};
     const at::Tensor ctx = out.narrow(1, 0, text), img = out.narrow(1, text, out.size(1) - text);
     return {to_out_->forward(img.contiguous()), to_add_out_->forward(ctx.contiguous())};
@@ -149,18 +222,19 @@ FluxTransformerBlockImpl::FluxTransformerBlockImpl(int64_t dim, int64_t heads, i
 
 std::pair<at::Tensor, at::Tensor> FluxTransformerBlockImpl::forward(
     const at::Tensor& x, const at::Tensor& context, const at::Tensor& temb,
-    const std::pair<at::Tensor, at::Tensor>& rope) {
+    const std::pair<at::Tensor, at::Tensor>& rope, const at::Tensor& key_mask) {
     // shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp
     const auto m = modulation(norm1_, temb, 6);
     const auto c = modulation(norm1_context_, temb, 6);
-    const at::Tensor nx = layer_norm(x) * (1 + m[1]) + m[0];
-    const at::Tensor nc = layer_norm(context) * (1 + c[1]) + c[0];
-    auto [attn_x, attn_c] = attn_->forward(nx, nc, rope);
+    const at::Tensor nx = modulate(x, m[1], m[0]);
+    const at::Tensor nc = modulate(context, c[1], c[0]);
+    auto [attn_x, attn_c] = attn_->forward(nx, nc, rope, key_mask);
     const auto gelu = [](const at::Tensor& t) { return at::gelu(t, "tanh"); };
-    at::Tensor h = x + m[2] * attn_x;
-    h = h + m[5] * ff_out_->forward(gelu(ff_in_->forward(layer_norm(h) * (1 + m[4]) + m[3])));
-    at::Tensor e = context + c[2] * attn_c;
-    e = e + c[5] * ff_context_out_->forward(gelu(ff_context_in_->forward(layer_norm(e) * (1 + c[4]) + c[3])));
+    at::Tensor h = at::addcmul(x, m[2], attn_x);
+    h = at::addcmul(h, m[5], ff_out_->forward(gelu(ff_in_->forward(modulate(h, m[4], m[3])))));
+    at::Tensor e = at::addcmul(context, c[2], attn_c);
+    e = at::addcmul(e, c[5],
+                    ff_context_out_->forward(gelu(ff_context_in_->forward(modulate(e, c[4], c[3])))));
     if (e.scalar_type() == at::kHalf) e = e.clamp(-65504, 65504);
     return {e, h};
 }
@@ -175,12 +249,13 @@ FluxSingleTransformerBlockImpl::FluxSingleTransformerBlockImpl(int64_t dim, int6
 }
 
 at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& joint, const at::Tensor& temb,
-                                                   const std::pair<at::Tensor, at::Tensor>& rope) {
+                                                   const std::pair<at::Tensor, at::Tensor>& rope,
+                                                   const at::Tensor& key_mask) {
     const auto m = modulation(norm_, temb, 3);  // shift, scale, gate
-    const at::Tensor n = layer_norm(joint) * (1 + m[1]) + m[0];
+    const at::Tensor n = modulate(joint, m[1], m[0]);
     const at::Tensor mlp = at::gelu(proj_mlp_->forward(n), "tanh");
-    const at::Tensor attn = attn_->forward(n, {}, rope).first;
-    at::Tensor out = joint + m[2] * proj_out_->forward(at::cat({attn, mlp}, 2));
+    const at::Tensor attn = attn_->forward(n, {}, rope, key_mask).first;
+    at::Tensor out = at::addcmul(joint, m[2], proj_out_->forward(at::cat({attn, mlp}, 2)));
     if (out.scalar_type() == at::kHalf) out = out.clamp(-65504, 65504);
     return out;
 }
@@ -214,7 +289,7 @@ FluxTransformer2DModelImpl::FluxTransformer2DModelImpl(FluxTransformerConfig con
 at::Tensor FluxTransformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor& context,
                                                const at::Tensor& pooled, const at::Tensor& timestep,
                                                const at::Tensor& guidance, const at::Tensor& img_ids,
-                                               const at::Tensor& txt_ids) {
+                                               const at::Tensor& txt_ids, const at::Tensor& text_mask) {
     const auto& c = config_;
     const auto dtype = this->dtype();
     const auto device = x_embedder_->weight.device();
@@ -234,21 +309,33 @@ at::Tensor FluxTransformer2DModelImpl::forward(const at::Tensor& x, const at::Te
     temb = temb + text_embedder_->forward(pooled.to(device, dtype));
     at::Tensor e = context_embedder_->forward(context.to(device, dtype));
     const auto rope = flux_rope(at::cat({txt_ids, img_ids}, 0).to(device), c.axes_dims_rope);
+    // [B, 1, 1, T + N] bool: T5's padding left out as keys, every image token kept.
+    at::Tensor key_mask;
+    if (text_mask.defined()) {
+        const int64_t b = h.size(0), t = e.size(1), n = h.size(1);
+        DTUNE_CHECK_AS(UsageError,
+                       text_mask.dim() == 2 && text_mask.size(1) == t &&
+                           (text_mask.size(0) == b || text_mask.size(0) == 1),
+                       "Flux transformer: the text mask ", text_mask.sizes(), " must be [", b, ", ", t,
+                       "] (one entry per T5 token of the prompt embeddings)");
+        const at::Tensor text_keep = (text_mask.to(device) != 0).expand({b, t});
+        key_mask = at::cat({text_keep, at::ones({b, n}, text_keep.options())}, 1).view({b, 1, 1, t + n});
+    }
     const bool recompute = at::GradMode::is_enabled();
     for (size_t i = 0; i < blocks_.size(); ++i) {
         const std::shared_ptr<FluxTransformerBlockImpl> block = blocks_[i].ptr();
         if (!(recompute && i < checkpoint_double_.size() && checkpoint_double_[i])) {
-            std::tie(e, h) = block->forward(h, e, temb, rope);
+            std::tie(e, h) = block->forward(h, e, temb, rope, key_mask);
             continue;
         }
         // One output for the checkpoint: [context; image] along the sequence, split after.
         const int64_t text_len = e.size(1);
         const at::Tensor both = checkpointed(
             [block](const std::vector<at::Tensor>& in) {
-                const auto [ctx, img] = block->forward(in[0], in[1], in[2], {in[3], in[4]});
+                const auto [ctx, img] = block->forward(in[0], in[1], in[2], {in[3], in[4]}, in[5]);
                 return at::cat({ctx, img}, 1);
             },
-            {h, e, temb, rope.first, rope.second}, parameter_list(*block));
+            {h, e, temb, rope.first, rope.second, key_mask}, parameter_list(*block));
         e = both.narrow(1, 0, text_len);
         h = both.narrow(1, text_len, both.size(1) - text_len);
     }
@@ -257,19 +344,24 @@ at::Tensor FluxTransformer2DModelImpl::forward(const at::Tensor& x, const at::Te
     for (size_t i = 0; i < single_blocks_.size(); ++i) {
         const std::shared_ptr<FluxSingleTransformerBlockImpl> block = single_blocks_[i].ptr();
         if (!(recompute && i < checkpoint_single_.size() && checkpoint_single_[i])) {
-            joint = block->forward(joint, temb, rope);
+            joint = block->forward(joint, temb, rope, key_mask);
             continue;
         }
         joint = checkpointed(
             [block](const std::vector<at::Tensor>& in) {
-                return block->forward(in[0], in[1], {in[2], in[3]});
+                return block->forward(in[0], in[1], {in[2], in[3]}, in[4]);
             },
-            {joint, temb, rope.first, rope.second}, parameter_list(*block));
+            {joint, temb, rope.first, rope.second, key_mask}, parameter_list(*block));
     }
     h = joint.narrow(1, text, joint.size(1) - text);
     const auto mod = norm_out_->forward(at::silu(temb)).to(h.scalar_type()).chunk(2, 1);  // scale, shift
-    h = layer_norm(h) * (1 + mod[0].unsqueeze(1)) + mod[1].unsqueeze(1);
+    h = modulate(h, mod[0].unsqueeze(1), mod[1].unsqueeze(1));
     return proj_out_->forward(h);
+}
+
+void FluxTransformer2DModelImpl::set_fused_qkv(bool fused) {
+    for (auto& block : blocks_) block->attn()->set_fused_qkv(fused);
+    for (auto& block : single_blocks_) block->attn()->set_fused_qkv(fused);
 }
 
 void FluxTransformer2DModelImpl::set_gradient_checkpointing(bool enabled, int64_t interval) {

@@ -11,7 +11,11 @@
 //     MLP side by side, one output projection;
 //   norm_out (AdaLN-continuous) and proj_out on the image tokens -> [B, N, out].
 // Attention: per-head RMSNorm of q and k, rotary embeddings over 3 position axes (axes_dims_rope;
-// ids [S, 3]: 0 for text, (0, row, col) for image tokens), scaled dot-product attention.
+// ids [S, 3]: 0 for text, (0, row, col) for image tokens), scaled dot-product attention. With a
+// text mask (SimpleTuner's flux_attention_masked_training) the T5 padding tokens are left out as
+// keys in every block's joint attention ([text mask; ones for the image tokens]), so they do not
+// reach the image. With fused q/k/v (fuse_qkv_projections) each stream's three projections run as one
+// matmul over their stacked weights: the same products, one kernel.
 // Child modules carry diffusers' names, so a diffusers transformer/ folder loads by name; Linear
 // layers are adaptable (LoRA targets).
 #pragma once
@@ -63,16 +67,29 @@ TORCH_MODULE(FluxRMSNorm);
 
 // The joint attention of both block kinds (diffusers' FluxAttention): `added` gives the text
 // stream its own projections (double blocks); `pre_only` drops the output projection (single).
+// The attention kernel Flux's training pass (gradients recorded, on a GPU, in half precision) asks
+// for: SDPA's own choice (the default), which on Hopper is cuDNN's kernel (twice flash's speed at
+// Flux's sizes), or flash by name (DTUNE_FLUX_ATTENTION=flash at start, for triage). Process-wide.
+enum class FluxTrainingAttention { kFlash, kSdpaChoice };
+void set_flux_training_attention(FluxTrainingAttention kernel);
+FluxTrainingAttention flux_training_attention();
+
 class FluxAttentionImpl : public torch::nn::Module {
   public:
     FluxAttentionImpl(int64_t dim, int64_t heads, int64_t head_dim, bool added, bool pre_only);
     // x [B, N, D] (the whole joint sequence for single blocks); context [B, T, D] or undefined;
-    // rope (cos, sin) [T + N, head_dim]. Returns (image, text) outputs (text undefined without context).
+    // rope (cos, sin) [T + N, head_dim]; key_mask [B, 1, 1, T + N] bool (true: attended) or undefined.
+    // Returns (image, text) outputs (text undefined without context).
     std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context,
-                                              const std::pair<at::Tensor, at::Tensor>& rope);
+                                              const std::pair<at::Tensor, at::Tensor>& rope,
+                                              const at::Tensor& key_mask = {});
+    // One matmul for q, k and v of each stream (while none of the three carries an adapter or a
+    // quantised weight; such layers compute their own outputs).
+    void set_fused_qkv(bool fused) { fused_qkv_ = fused; }
 
   private:
     int64_t heads_, head_dim_;
+    bool fused_qkv_ = false;
     AdaptableLinear to_q_{nullptr}, to_k_{nullptr}, to_v_{nullptr}, to_out_{nullptr};
     AdaptableLinear add_q_proj_{nullptr}, add_k_proj_{nullptr}, add_v_proj_{nullptr}, to_add_out_{nullptr};
     FluxRMSNorm norm_q_{nullptr}, norm_k_{nullptr}, norm_added_q_{nullptr}, norm_added_k_{nullptr};
@@ -85,7 +102,9 @@ class FluxTransformerBlockImpl : public torch::nn::Module {
     // Returns (context, x).
     std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& context,
                                               const at::Tensor& temb,
-                                              const std::pair<at::Tensor, at::Tensor>& rope);
+                                              const std::pair<at::Tensor, at::Tensor>& rope,
+                                              const at::Tensor& key_mask = {});
+    FluxAttention& attn() { return attn_; }
 
   private:
     int64_t dim_;
@@ -100,7 +119,8 @@ class FluxSingleTransformerBlockImpl : public torch::nn::Module {
     FluxSingleTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim);
     // On the joint sequence [B, T + N, D].
     at::Tensor forward(const at::Tensor& joint, const at::Tensor& temb,
-                       const std::pair<at::Tensor, at::Tensor>& rope);
+                       const std::pair<at::Tensor, at::Tensor>& rope, const at::Tensor& key_mask = {});
+    FluxAttention& attn() { return attn_; }
 
   private:
     int64_t dim_;
@@ -115,11 +135,14 @@ class FluxTransformer2DModelImpl : public torch::nn::Module {
     explicit FluxTransformer2DModelImpl(FluxTransformerConfig config);
 
     // x [B, N, in]; context [B, T, joint]; pooled [B, pooled]; timestep [B] sigmas in [0, 1];
-    // guidance [B] (required with guidance_embeds, ignored otherwise); img_ids [N, 3]; txt_ids [T, 3].
+    // guidance [B] (required with guidance_embeds, ignored otherwise); img_ids [N, 3]; txt_ids [T, 3];
+    // text_mask [B, T] (T5's attention mask: nonzero = a real token) or undefined for no masking.
     // Returns [B, N, out] in the weights' dtype.
     at::Tensor forward(const at::Tensor& x, const at::Tensor& context, const at::Tensor& pooled,
                        const at::Tensor& timestep, const at::Tensor& guidance, const at::Tensor& img_ids,
-                       const at::Tensor& txt_ids);
+                       const at::Tensor& txt_ids, const at::Tensor& text_mask = {});
+    // fuse_qkv_projections for every attention (FluxAttentionImpl::set_fused_qkv).
+    void set_fused_qkv(bool fused);
 
     const FluxTransformerConfig& config() const { return config_; }
     c10::ScalarType dtype() const { return x_embedder_->dtype(); }
