@@ -139,7 +139,10 @@ diffusion::FlowMatchConfig flow_eval_scheduler(const family::TrainingObjective& 
                    "scheduler/scheduler_config.json (FlowMatchEulerDiscreteScheduler), and this folder has "
                    "none: add it, or set eval_loss_disable true");
     diffusion::FlowMatchConfig c = *objective.flow_scheduler;
-    if (objective.flow.shift && *objective.flow.shift > 0) c.shift = *objective.flow.shift;
+    // flow_schedule_auto_shift: SimpleTuner zeroes flow_schedule_shift, so the folder's own shift
+    // (and dynamic shifting) stay; otherwise the static training shift replaces the folder's.
+    if (!objective.flow.auto_shift && objective.flow.shift && *objective.flow.shift > 0)
+        c.shift = *objective.flow.shift;
     return c;
 }
 

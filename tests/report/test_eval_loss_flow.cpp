@@ -79,6 +79,11 @@ TEST(EvalLossFlow, ShiftComesFromTheRunAndAMissingSchedulerIsRefused) {
         family::flux_family().training_objective(kRef / "tiny-flux-pipeline");
     objective.flow.shift = 1.5;  // flow_schedule_shift replaces the folder's 3.0, as SimpleTuner loads it
     EXPECT_DOUBLE_EQ(flow_eval_scheduler(objective).shift, 1.5);
+    // With flow_schedule_auto_shift SimpleTuner zeroes the static shift: the folder's (3.0) stays.
+    objective.flow.auto_shift = true;
+    EXPECT_DOUBLE_EQ(flow_eval_scheduler(objective).shift, objective.flow_scheduler->shift);
+    EXPECT_NE(flow_eval_scheduler(objective).shift, 1.5);
+    objective.flow.auto_shift = false;
     objective.flow_scheduler.reset();
     try {
         (void)flow_eval_scheduler(objective);
