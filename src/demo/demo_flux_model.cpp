@@ -43,31 +43,6 @@ json flux_transformer_config() {
                 {"pooled_projection_dim", kClipWidth}};
 }
 
-json flux_vae_config(double scaling_factor, double shift_factor) {
-    // Flux's autoencoder: 16 latent channels, no quant convs, latents (z - shift) * scaling.
-    return json{
-        {"_class_name", "AutoencoderKL"},
-        {"act_fn", "silu"},
-        {"block_out_channels", {16, 16, 32, 32}},
-        {"down_block_types",
-         {"DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"}},
-        {"up_block_types", {"UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"}},
-        {"force_upcast", true},
-        {"in_channels", 3},
-        {"out_channels", 3},
-        {"latent_channels", 16},
-        {"latents_mean", nullptr},
-        {"latents_std", nullptr},
-        {"layers_per_block", 1},
-        {"mid_block_add_attention", true},
-        {"norm_num_groups", 16},
-        {"sample_size", 64},
-        {"scaling_factor", scaling_factor},
-        {"shift_factor", shift_factor},
-        {"use_quant_conv", false},
-        {"use_post_quant_conv", false}};
-}
-
 json t5_config(int64_t vocab) {
     // transformers' T5Config for a T5 v1.1 encoder (gated GELU), as google/t5-v1_1-xxl's at toy size.
     return json{{"architectures", {"T5EncoderModel"}},
@@ -209,8 +184,8 @@ std::string write_demo_flux_model(const std::filesystem::path& dir, const std::v
     io::save_safetensors(dir / "transformer" / "diffusion_pytorch_model.safetensors",
                          models::state_dict(*transformer));
 
-    models::AutoencoderKL vae(
-        models::AutoencoderKLConfig::from_json(models::ConfigReader(flux_vae_config(1.0, 0.0), "demo vae")));
+    models::AutoencoderKL vae(models::AutoencoderKLConfig::from_json(
+        models::ConfigReader(demo_vae_config(16, 1.0, 0.0), "demo vae")));
     double scaling = 0.3611, shift = 0.1159, fit_mse = -1;  // FLUX.1's values when nothing is fitted
     if (o.vae_fit_images.defined() && o.vae_fit_steps > 0) {
         fit_mse = fit_vae(vae, o.vae_fit_images, o.vae_fit_steps, o.seed);
@@ -219,7 +194,7 @@ std::string write_demo_flux_model(const std::filesystem::path& dir, const std::v
         shift = z.mean().item<double>();  // zero-mean, unit-variance latents, as Flux's shift and scale aim
         scaling = 1.0 / std::max(1e-3, (z - shift).std().item<double>());
     }
-    write_json(dir / "vae" / "config.json", flux_vae_config(scaling, shift));
+    write_json(dir / "vae" / "config.json", demo_vae_config(16, scaling, shift));
     io::save_safetensors(dir / "vae" / "diffusion_pytorch_model.safetensors", models::state_dict(*vae));
 
     write_json(dir / "scheduler" / "scheduler_config.json", flux_scheduler_config());

@@ -71,27 +71,6 @@ json unet_config(int64_t cross_dim, int64_t pooled_dim) {
                 {"freq_shift", 0}};
 }
 
-json vae_config(double scaling_factor) {
-    return json{
-        {"_class_name", "AutoencoderKL"},
-        {"act_fn", "silu"},
-        {"block_out_channels", {16, 16, 32, 32}},
-        {"down_block_types",
-         {"DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"}},
-        {"up_block_types", {"UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"}},
-        {"force_upcast", true},
-        {"in_channels", 3},
-        {"out_channels", 3},
-        {"latent_channels", 4},
-        {"layers_per_block", 1},
-        {"norm_num_groups", 16},
-        {"sample_size", 64},
-        {"scaling_factor", scaling_factor},
-        {"mid_block_add_attention", true},
-        {"use_quant_conv", true},
-        {"use_post_quant_conv", true}};
-}
-
 }  // namespace
 
 std::pair<std::string, std::string> make_demo_tokenizer(const std::vector<std::string>& words) {
@@ -171,7 +150,7 @@ std::string write_demo_model(const std::filesystem::path& dir, const std::vector
     for (const auto& p : unet->parameters()) unet_params += p.numel();
 
     models::AutoencoderKL vae(
-        models::AutoencoderKLConfig::from_json(models::ConfigReader(vae_config(1.0), "demo vae")));
+        models::AutoencoderKLConfig::from_json(models::ConfigReader(demo_vae_config(4, 1.0), "demo vae")));
     double scaling = 0.13025, fit_mse = -1;
     if (o.vae_fit_images.defined() && o.vae_fit_steps > 0) {
         fit_mse = fit_vae(vae, o.vae_fit_images, o.vae_fit_steps, o.seed);
@@ -179,7 +158,7 @@ std::string write_demo_model(const std::filesystem::path& dir, const std::vector
         const at::Tensor z = vae->encode(o.vae_fit_images).mean;  // [N, 4, h, w]
         scaling = 1.0 / std::max(1e-3, z.std().item<double>());  // unit-variance latents, as SD chose 0.18215
     }
-    write_json(dir / "vae" / "config.json", vae_config(scaling));
+    write_json(dir / "vae" / "config.json", demo_vae_config(4, scaling));
     io::save_safetensors(dir / "vae" / "diffusion_pytorch_model.safetensors", models::state_dict(*vae));
 
     write_json(dir / "scheduler" / "scheduler_config.json", json{{"_class_name", "EulerDiscreteScheduler"},

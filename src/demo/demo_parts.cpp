@@ -73,4 +73,32 @@ double fit_vae(models::AutoencoderKL& vae, const at::Tensor& images, int steps, 
     return mse;
 }
 
+nlohmann::json demo_vae_config(int64_t latent_channels, double scaling_factor,
+                               std::optional<double> shift_factor) {
+    nlohmann::json j{
+        {"_class_name", "AutoencoderKL"},
+        {"act_fn", "silu"},
+        {"block_out_channels", {16, 16, 32, 32}},
+        {"down_block_types",
+         {"DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"}},
+        {"up_block_types", {"UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"}},
+        {"force_upcast", true},
+        {"in_channels", 3},
+        {"out_channels", 3},
+        {"latent_channels", latent_channels},
+        {"layers_per_block", 1},
+        {"mid_block_add_attention", true},
+        {"norm_num_groups", 16},
+        {"sample_size", 64},
+        {"scaling_factor", scaling_factor},
+        {"use_quant_conv", !shift_factor.has_value()},
+        {"use_post_quant_conv", !shift_factor.has_value()}};
+    if (shift_factor) {
+        j["shift_factor"] = *shift_factor;
+        j["latents_mean"] = nullptr;
+        j["latents_std"] = nullptr;
+    }
+    return j;
+}
+
 }  // namespace dtune::demo

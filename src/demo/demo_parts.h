@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
@@ -30,6 +31,12 @@ nlohmann::json clip_config(bool projection, int64_t vocab, int64_t bos, int64_t 
 // Reconstruction (+ a small KL term keeping latents near unit scale) on `images` ([N, 3, H, W] in
 // [-1, 1]), so that decoded validation latents look like coloured shapes rather than noise. Leaves
 // the VAE in eval mode; returns the final reconstruction MSE.
+// The demo autoencoder's config.json: 4 levels of 16/16/32/32 channels, one layer each. SDXL's (4
+// latent channels, quant convs) without `shift_factor`; Flux's (16 channels, no quant convs,
+// latents (z - shift) · scaling) with it.
+nlohmann::json demo_vae_config(int64_t latent_channels, double scaling_factor,
+                               std::optional<double> shift_factor = std::nullopt);
+
 double fit_vae(models::AutoencoderKL& vae, const at::Tensor& images, int steps, uint64_t seed);
 
 }  // namespace dtune::demo

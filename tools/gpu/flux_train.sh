@@ -7,7 +7,8 @@
 # median ms/step over the second half and peak GPU memory from metrics.jsonl.
 # Needs, in the checkout: .gpudeps.tar.xz and shared/fixtures (tools/gpu/prepare.sh) and the diffusers
 # wheel in .whl/ (only the folder maker imports diffusers). Carry [".gpudeps.tar.xz", "shared", ".whl"].
-#   OUT=$OUT tools/gpu/flux_train.sh        env: STEPS (20), RUNS ("gc nogc"), BASELINE (1: the diffusers
+#   OUT=$OUT tools/gpu/flux_train.sh        env: STEPS (20), RUNS ("gc nogc"; also masked, context, fused,
+#   keys: see the loop), FLUX (an existing make_random_flux_pipeline.py folder to reuse), BASELINE (1: the diffusers
 #   step after dtune's, same card), BASELINE_MODES (lora1,lora1gc), COMPILE (0; 1: also under torch.compile),
 #   PROFILE (A:B: a Kineto trace of steps A..B of each run, summarised into the logs)
 # Results: $OUT/flux_train.json (one row per run) and $OUT/flux_train_logs.tar.gz.
@@ -24,7 +25,8 @@ whl=$(ls .whl/diffusers-*.whl 2>/dev/null | head -1)
     >"$logs/pip.log" 2>&1 && export PYTHONPATH=/tmp/site_diffusers${PYTHONPATH:+:$PYTHONPATH}
 (PRESET=release OUT=$logs timeout -k 10 300 tools/gpu/build.sh dtune >"$logs/build.txt" 2>&1; echo $? >"$logs/build.rc") &
 build_pid=$!
-timeout -k 10 240 python3 tools/ref/make_random_flux_pipeline.py "$W/flux" --device cuda --seed 1 >"$logs/make.log" 2>&1 ||
+flux=${FLUX:-$W/flux}
+[[ -f $flux/model_index.json ]] || timeout -k 10 240 python3 tools/ref/make_random_flux_pipeline.py "$flux" --device cuda --seed 1 >"$logs/make.log" 2>&1 ||
     { tail -20 "$logs/make.log"; exit 1; }
 python3 tools/gpu/make_images.py "$W/images" --count 8 >/dev/null
 wait $build_pid
@@ -39,12 +41,23 @@ JSON
 echo "== ready at $SECONDS s"
 : >"$out/flux_train.json"
 for run in $RUNS; do
-    gc=$([[ $run == gc ]] && echo true || echo false)
+    # gc / nogc: SimpleTuner's defaults with and without checkpointing; the others checkpoint and
+    # add SimpleTuner's Flux keys: masked (flux_attention_masked_training), context
+    # (flux_lora_target context), fused (the same with fuse_qkv_projections), keys (random-range
+    # guidance, Beta sigmas, auto shift: the draws' cost).
+    gc=$([[ $run == nogc ]] && echo false || echo true)
+    case $run in
+        masked) keys="--flux_attention_masked_training true" ;;
+        context) keys="--flux_lora_target context" ;;
+        fused) keys="--flux_lora_target context --fuse_qkv_projections true" ;;
+        keys) keys="--flux_guidance_mode random-range --flow_use_beta_schedule true --flow_schedule_auto_shift true" ;;
+        *) keys="" ;;
+    esac
     o=$W/out-$run
-    DTUNE_PROFILE_STEPS=${PROFILE:-} timeout -k 10 200 build/release/bin/dtune train --model_family flux --pretrained_model_name_or_path "$W/flux" \
+    DTUNE_PROFILE_STEPS=${PROFILE:-} timeout -k 10 200 build/release/bin/dtune train --model_family flux --pretrained_model_name_or_path "$flux" \
         --data_backend_config "$W/mdb.json" --output_dir "$o" --max_train_steps "$STEPS" --model_type lora \
         --lora_rank 16 --train_batch_size 1 --optimizer adamw_bf16 --learning_rate 1e-4 --mixed_precision bf16 \
-        --gradient_checkpointing "$gc" --checkpoint_step_interval 1000 --seed 42 --device cuda \
+        --gradient_checkpointing "$gc" --checkpoint_step_interval 1000 --seed 42 --device cuda $keys \
         >"$logs/$run.log" 2>&1
     rc=$?
     python3 - "$o/metrics.jsonl" "$run" "$rc" <<'PY' | tee -a "$out/flux_train.json"

@@ -408,6 +408,22 @@ void save_lora(const LoRAAdapters& adapters, const std::filesystem::path& file, 
     // kohya names exist for the UNet only; ComfyUI reads a transformer's LoRA under its diffusers
     // names (see the branch below).
     const bool kohya = format == LoRAFormat::kComfyUI && prefix == "unet";
+    // One module of a ComfyUI file: the factors under `down` / `up`, kohya's `.alpha` (its scale is
+    // alpha / r, so the alpha that gives this layer's scale), and DoRA's magnitudes as `.dora_scale`,
+    // one per output channel: [out, 1(, 1, 1)].
+    const auto comfyui_module = [&](LoRALayer& layer, const std::string& base, const char* down,
+                                    const char* up) {
+        tensors.emplace_back(base + down, for_file(layer.down(), dtype));
+        tensors.emplace_back(base + up, for_file(layer.up(), dtype));
+        tensors.emplace_back(
+            base + ".alpha",
+            at::scalar_tensor(layer.scale() * static_cast<double>(layer.rank()), at::kFloat));
+        if (layer.use_dora()) {
+            std::vector<int64_t> shape(layer.base_weight().dim(), 1);
+            shape[0] = -1;
+            tensors.emplace_back(base + ".dora_scale", for_file(layer.magnitude().reshape(shape), dtype));
+        }
+    };
     for (const auto& e : adapters.entries()) {
         LoRALayer& layer = *e.layer;
         if (format == LoRAFormat::kDiffusers) {
@@ -430,31 +446,9 @@ void save_lora(const LoRAAdapters& adapters, const std::filesystem::path& file, 
             // exactly. kohya's fused layout (lora_unet_double_blocks_0_img_attn_qkv) would need one
             // down matrix for q, k and v, which separate q/k/v LoRAs do not have (exact only at rank 3r
             // with a block-diagonal up). DoRA magnitudes go in ComfyUI's `.dora_scale` [out, 1].
-            const std::string base = prefix + "." + e.module;
-            tensors.emplace_back(base + ".lora_A.weight", for_file(layer.down(), dtype));
-            tensors.emplace_back(base + ".lora_B.weight", for_file(layer.up(), dtype));
-            tensors.emplace_back(
-                base + ".alpha",
-                at::scalar_tensor(layer.scale() * static_cast<double>(layer.rank()), at::kFloat));
-            if (layer.use_dora()) {
-                std::vector<int64_t> shape(layer.base_weight().dim(), 1);
-                shape[0] = -1;
-                tensors.emplace_back(base + ".dora_scale", for_file(layer.magnitude().reshape(shape), dtype));
-            }
+            comfyui_module(layer, prefix + "." + e.module, ".lora_A.weight", ".lora_B.weight");
         } else {
-            const std::string base = kohya_lora_name(e.module);
-            tensors.emplace_back(base + ".lora_down.weight", for_file(layer.down(), dtype));
-            tensors.emplace_back(base + ".lora_up.weight", for_file(layer.up(), dtype));
-            // kohya's scale is alpha / r, so write the alpha that gives this layer's scale.
-            tensors.emplace_back(
-                base + ".alpha",
-                at::scalar_tensor(layer.scale() * static_cast<double>(layer.rank()), at::kFloat));
-            if (layer.use_dora()) {
-                // ComfyUI reads dora_scale as one magnitude per output channel: [out, 1(, 1, 1)].
-                std::vector<int64_t> shape(layer.base_weight().dim(), 1);
-                shape[0] = -1;
-                tensors.emplace_back(base + ".dora_scale", for_file(layer.magnitude().reshape(shape), dtype));
-            }
+            comfyui_module(layer, kohya_lora_name(e.module), ".lora_down.weight", ".lora_up.weight");
         }
     }
     if (format == LoRAFormat::kDiffusers) {

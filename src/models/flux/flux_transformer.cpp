@@ -52,7 +52,8 @@ at::Tensor modulate(const at::Tensor& x, const at::Tensor& scale, const at::Tens
 // weights stacked for the call (diffusers' fuse_projections computes the same products with a
 // to_qkv copy of them), unless a layer carries an adapter or a quantised weight, which computes its
 // own output. Not faster than three matmuls at Flux's sizes (H200, LoRA on the text stream, 1024²:
-// 497 vs 484 ms/step, tools/gpu/flux_keys.sh); it is there for SimpleTuner configs that set it.
+// 497 vs 484 ms/step, RUNS="context fused" tools/gpu/flux_train.sh); it is there for SimpleTuner configs that
+// set it.
 std::array<at::Tensor, 3> project_qkv(const at::Tensor& x, AdaptableLinear& q, AdaptableLinear& k,
                                       AdaptableLinear& v, bool fused) {
     bool plain = fused;
