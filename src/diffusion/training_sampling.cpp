@@ -141,12 +141,29 @@ EmbeddedGuidanceOptions::Mode parse_embedded_guidance_mode(const std::string& na
         str("flux_guidance_mode \"", name, "\" is not supported; choose one of: constant, random-range"));
 }
 
+namespace {
+
+// Python's random.uniform(min, max) from a float64 U(0, 1) draw u [B].
+at::Tensor guidance_from_uniform(const at::Tensor& u, const EmbeddedGuidanceOptions& o) {
+    return (o.min + (o.max - o.min) * u).to(at::kFloat);  // [B]
+}
+
+}  // namespace
+
 at::Tensor sample_embedded_guidance(int64_t batch_size, const EmbeddedGuidanceOptions& o,
                                     at::Generator& generator) {
     if (o.mode == EmbeddedGuidanceOptions::Mode::kConstant)
         return at::full({batch_size}, o.value, at::TensorOptions().dtype(at::kFloat));
-    const at::Tensor u = at::rand({batch_size}, generator, on_generator(generator, at::kDouble)).cpu();
-    return (o.min + (o.max - o.min) * u).to(at::kFloat);  // [B]
+    return guidance_from_uniform(
+        at::rand({batch_size}, generator, on_generator(generator, at::kDouble)).cpu(), o);
+}
+
+at::Tensor sample_embedded_guidance_on(const at::Device& device, int64_t batch_size,
+                                       const EmbeddedGuidanceOptions& o) {
+    const auto on = at::TensorOptions().device(device);
+    if (o.mode == EmbeddedGuidanceOptions::Mode::kConstant)
+        return at::full({batch_size}, o.value, on.dtype(at::kFloat));
+    return guidance_from_uniform(at::rand({batch_size}, on.dtype(at::kDouble)), o);
 }
 
 FlowSigmaSchedule flow_sigma_schedule(const FlowMatchingOptions& o) {
@@ -182,13 +199,28 @@ std::optional<double> flow_shift_for(const FlowMatchingOptions& o, at::IntArrayR
     return std::nullopt;
 }
 
+namespace {
+
+// Both draws share these: logit-normal sigmas from N(0, 1) draws, and the shift.
+at::Tensor logit_normal_sigmas(const at::Tensor& normal, const FlowMatchingOptions& o) {
+    return at::sigmoid(o.sigmoid_scale * normal);
+}
+
+at::Tensor shifted_flow_sigmas(const at::Tensor& sigmas, const FlowMatchingOptions& o,
+                               at::IntArrayRef latent_shape) {
+    const std::optional<double> shift = flow_shift_for(o, latent_shape);
+    return shift ? apply_flow_shift(sigmas, *shift) : sigmas;
+}
+
+}  // namespace
+
 at::Tensor sample_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& options,
                               at::IntArrayRef latent_shape, at::Generator& generator) {
     const at::TensorOptions f32 = on_generator(generator, at::kFloat);
     at::Tensor sigmas;  // [B]
     switch (flow_sigma_schedule(options)) {
         case FlowSigmaSchedule::kLogitNormal:
-            sigmas = at::sigmoid(options.sigmoid_scale * at::randn({batch_size}, generator, f32)).cpu();
+            sigmas = logit_normal_sigmas(at::randn({batch_size}, generator, f32), options).cpu();
             break;
         case FlowSigmaSchedule::kUniform: sigmas = at::rand({batch_size}, generator, f32).cpu(); break;
         case FlowSigmaSchedule::kBeta: {
@@ -211,8 +243,25 @@ at::Tensor sample_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& opt
             return table.index_select(0, index);  // never shifted
         }
     }
-    const std::optional<double> shift = flow_shift_for(options, latent_shape);
-    return shift ? apply_flow_shift(sigmas, *shift) : sigmas;
+    return shifted_flow_sigmas(sigmas, options, latent_shape);
+}
+
+bool flow_sigmas_drawable_on_device(const FlowMatchingOptions& options) {
+    const FlowSigmaSchedule s = flow_sigma_schedule(options);
+    return s == FlowSigmaSchedule::kLogitNormal || s == FlowSigmaSchedule::kUniform;
+}
+
+at::Tensor sample_flow_sigmas_on(const at::Device& device, int64_t batch_size,
+                                 const FlowMatchingOptions& options, at::IntArrayRef latent_shape) {
+    DTUNE_CHECK_AS(UsageError, flow_sigmas_drawable_on_device(options),
+                   "drawing flow-matching sigmas on the device (CUDA graphs) supports the logit-normal and "
+                   "uniform schedules only; unset flow_use_beta_schedule and flux_fast_schedule, or train "
+                   "without CUDA graphs");
+    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+    const at::Tensor sigmas = flow_sigma_schedule(options) == FlowSigmaSchedule::kUniform
+                                  ? at::rand({batch_size}, f32)
+                                  : logit_normal_sigmas(at::randn({batch_size}, f32), options);  // [B]
+    return shifted_flow_sigmas(sigmas, options, latent_shape);
 }
 
 at::Tensor flow_noisy_latents(const at::Tensor& x0, const at::Tensor& noise, const at::Tensor& sigmas) {

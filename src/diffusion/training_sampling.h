@@ -5,7 +5,8 @@
 // Invariant: every random number comes from the at::Generator the caller passes, drawn on that
 // generator's device (then moved), so a run is reproducible from its seed and resumable from the
 // generator's state, and a CPU generator gives the same draws whatever device trains. Timesteps and
-// sigmas come back on the CPU.
+// sigmas come back on the CPU. The *_on variants are the exception: they draw on the given device
+// with its default generator and never touch the host (CUDA graphs, train::StepOptions::device_rng).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -98,6 +99,10 @@ EmbeddedGuidanceOptions::Mode parse_embedded_guidance_mode(const std::string& na
 // [B] float32 on the CPU (the random range drawn in float64 from `generator`, as Python draws it).
 at::Tensor sample_embedded_guidance(int64_t batch_size, const EmbeddedGuidanceOptions& options,
                                     at::Generator& generator);
+// The same on `device` with its default generator (one float64 uniform per sample for the random
+// range, nothing for a constant): no host work, so a CUDA graph can capture it. [B] float32 there.
+at::Tensor sample_embedded_guidance_on(const at::Device& device, int64_t batch_size,
+                                       const EmbeddedGuidanceOptions& options);
 
 // Where the unshifted sigmas come from. SimpleTuner's order when several are switched on: uniform,
 // then Beta, then the fast list; logit-normal only when none is.
@@ -144,6 +149,15 @@ std::optional<double> flow_shift_for(const FlowMatchingOptions& options, at::Int
 // Nothing is clamped (SimpleTuner does not clamp either): the fast list gives sigma 1 (pure noise).
 at::Tensor sample_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& options,
                               at::IntArrayRef latent_shape, at::Generator& generator);
+// Whether sample_flow_sigmas_on can draw the schedule: logit-normal and uniform are one device op
+// each; Beta's gamma draws and the fast list's table lookup stay on the host path.
+bool flow_sigmas_drawable_on_device(const FlowMatchingOptions& options);
+// sample_flow_sigmas on `device` with its default generator ([B] float32 there): the same
+// distributions (one randn or rand of [B]) and the same shift, which flow_shift_for computes on the
+// host from the latent shape (fixed per captured batch shape), so a CUDA graph can capture it.
+// UsageError for Beta or the fast list (flow_sigmas_drawable_on_device).
+at::Tensor sample_flow_sigmas_on(const at::Device& device, int64_t batch_size,
+                                 const FlowMatchingOptions& options, at::IntArrayRef latent_shape);
 // (1 - sigma) x0 + sigma noise, sigma [B] broadcast over the rest.
 at::Tensor flow_noisy_latents(const at::Tensor& x0, const at::Tensor& noise, const at::Tensor& sigmas);
 // Timesteps the transformer sees: sigma * 1000.

@@ -173,56 +173,87 @@ at::Tensor roll_out(family::Denoiser& model, const TrainBatch& batch,
 
 namespace {
 
-// Flow matching (SD3 / Flux): sigmas from objective.flow (diffusion::sample_flow_sigmas), noisy =
-// (1 - sigma) x0 + sigma noise, the network sees sigma · 1000 and is trained toward noise - x0 with
-// a plain MSE, as SimpleTuner's flow-matching models are. A guidance-distilled network (Flux [dev])
-// also gets one embedded guidance scale per sample as cond["guidance"] (objective.flow.guidance),
-// unless the batch carries its own. Draw order: noise, sigmas, guidance, each for the global batch
-// (every rank the same), this rank's rows kept. A regularisation batch of a LoRA run trains toward
-// the base model's prediction, as for DDPM.
+// The random inputs of one flow-matching micro-batch (draw_flow).
+struct FlowStepDraws {
+    at::Tensor noise;     // [B, C, h, w] float32
+    at::Tensor sigmas;    // [B] float32 (on the CPU without device_rng: MicroStep::timesteps stays there)
+    at::Tensor guidance;  // [B] float32; undefined unless `draw_guidance`
+};
+
+// Draw order: noise, sigmas, guidance (when `draw_guidance`), each for the global batch (every rank
+// the same), this rank's rows kept. From `generator` on the CPU, or with options.device_rng from the
+// latents' device's default generator, with the same distributions (diffusion::sample_flow_sigmas_on,
+// sample_embedded_guidance_on) and no host work, so a CUDA graph captures the draws with the step.
+FlowStepDraws draw_flow(const at::Tensor& latents, const diffusion::FlowMatchingOptions& flow,
+                        const StepOptions& options, int64_t global_step, bool draw_guidance,
+                        at::Generator& generator) {
+    const int64_t b = latents.size(0), n = b * options.world_size, lo = options.rank * b, hi = lo + b;
+    auto global_shape = latents.sizes().vec();
+    global_shape[0] = n;
+    FlowStepDraws d;
+    if (options.device_rng) {
+        DTUNE_CHECK(
+            !options.fixed_flow_draws,
+            "fixed_flow_draws (a test hook) replaces the CPU draws; it does not combine with device_rng");
+        const at::Device device = latents.device();
+        d.noise = at::randn(global_shape, latents.options()).slice(0, lo, hi);  // [B, C, h, w]
+        d.sigmas =
+            diffusion::sample_flow_sigmas_on(device, n, flow, latents.sizes()).slice(0, lo, hi);  // [B]
+        if (draw_guidance)
+            d.guidance = diffusion::sample_embedded_guidance_on(device, n, *flow.guidance).slice(0, lo, hi);
+        return d;
+    }
+    d.noise = at::randn(global_shape, generator, at::kFloat).slice(0, lo, hi).to(latents.device());
+    d.sigmas = diffusion::sample_flow_sigmas(n, flow, latents.sizes(), generator).slice(0, lo, hi);  // [B]
+    if (options.fixed_flow_draws) {  // tests (step.h); the generator has drawn as always
+        const FlowDraws fixed = options.fixed_flow_draws(global_step, latents);
+        d.noise = fixed.noise.to(latents.device(), at::kFloat);  // [B, C, h, w]
+        d.sigmas = fixed.sigmas.to(at::kCPU, at::kFloat);        // [B]
+    }
+    if (draw_guidance)
+        d.guidance = diffusion::sample_embedded_guidance(n, *flow.guidance, generator)
+                         .slice(0, lo, hi)
+                         .to(latents.device());  // [B]
+    return d;
+}
+
+// Flow matching (SD3 / Flux): sigmas from objective.flow (draw_flow), noisy = (1 - sigma) x0 +
+// sigma noise, the network sees sigma · 1000 and is trained toward noise - x0 with a plain MSE, as
+// SimpleTuner's flow-matching models are. A guidance-distilled network (Flux [dev]) also gets one
+// embedded guidance scale per sample as cond["guidance"] (objective.flow.guidance), unless the batch
+// carries its own. A regularisation batch of a LoRA run trains toward the base model's prediction,
+// as for DDPM.
 MicroStep flow_micro_step(family::Denoiser& model, const TrainBatch& batch,
                           const family::TrainingObjective& objective, const StepOptions& options,
                           int64_t global_step, at::Generator& generator, const StepHooks& hooks) {
-    DTUNE_CHECK_AS(UsageError, !options.device_rng,
-                   "flow-matching training draws its sigmas on the CPU; train without CUDA graphs");
     const at::Tensor latents = batch.latents.to(at::kFloat);  // [B, C, h, w]
-    const int64_t b = latents.size(0), lo = options.rank * b, hi = lo + b;
     DTUNE_CHECK_AS(UsageError, latents.size(2) % 2 == 0 && latents.size(3) % 2 == 0, "latents of ",
                    latents.sizes(), " cannot be packed 2x2; image sizes must be multiples of 16");
-    auto global_shape = latents.sizes().vec();
-    global_shape[0] = b * options.world_size;
-    // Drawn for the global batch (every rank the same), this rank's rows kept.
-    at::Tensor noise = at::randn(global_shape, generator, at::kFloat).slice(0, lo, hi).to(latents.device());
-    at::Tensor sigmas_cpu =
-        diffusion::sample_flow_sigmas(b * options.world_size, objective.flow, latents.sizes(), generator)
-            .slice(0, lo, hi);       // [B] float32
-    if (options.fixed_flow_draws) {  // tests (step.h); the generator has drawn as always
-        const FlowDraws fixed = options.fixed_flow_draws(global_step, latents);
-        noise = fixed.noise.to(latents.device(), at::kFloat);  // [B, C, h, w]
-        sigmas_cpu = fixed.sigmas.to(at::kCPU, at::kFloat);    // [B]
-    }
-    const at::Tensor sigmas = sigmas_cpu.to(latents.device());
-    const at::Tensor noisy = diffusion::flow_noisy_latents(latents, noise, sigmas);  // [B, C, h, w]
-    const at::Tensor t = diffusion::flow_timesteps(sigmas);                          // [B]
+    const bool draw_guidance =
+        objective.flow.guidance && batch.cond.count("guidance") == 0;  // a batch's own wins
+    const FlowStepDraws d =
+        draw_flow(latents, objective.flow, options, global_step, draw_guidance, generator);
+    const at::Tensor sigmas = d.sigmas.to(latents.device());                           // [B]
+    const at::Tensor noisy = diffusion::flow_noisy_latents(latents, d.noise, sigmas);  // [B, C, h, w]
+    const at::Tensor t = diffusion::flow_timesteps(sigmas);                            // [B]
     family::Conditioning cond = batch.cond;  // shares the tensors; only "guidance" is added
-    if (objective.flow.guidance && cond.count("guidance") == 0)  // a batch's own guidance wins
-        cond["guidance"] =
-            diffusion::sample_embedded_guidance(b * options.world_size, *objective.flow.guidance, generator)
-                .slice(0, lo, hi)
-                .to(latents.device());  // [B]
+    if (draw_guidance) cond["guidance"] = d.guidance;
     at::Tensor target;
     if (batch.regularisation && hooks.adapters) {
         c10::NoGradGuard no_grad;
         AdaptersOff off(hooks.adapters);
         target = predict(model, cond, noisy, t, options).to(at::kFloat).detach();
     } else {
-        target = noise - latents;  // [B, C, h, w]
+        target = d.noise - latents;  // [B, C, h, w]
     }
     const at::Tensor pred = predict(model, cond, noisy, t, options).to(at::kFloat);
     MicroStep out;
     out.loss = (pred - target).pow(2).mean(std::vector<int64_t>{1, 2, 3}).mean();
-    out.timesteps = diffusion::flow_timesteps(sigmas_cpu);
+    out.timesteps = diffusion::flow_timesteps(d.sigmas);  // where drawn (step.h)
     out.target = target;
+    out.noise = d.noise;
+    out.sigmas = sigmas;
+    out.guidance = d.guidance;
     return out;
 }
 

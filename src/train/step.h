@@ -54,6 +54,9 @@ struct StepOptions {
     // Draw noise and timesteps (uniform over [0, T)) on the latents' device with its default
     // generator instead of the CPU generator passed in: no host work or copies, so a CUDA graph can
     // capture the step. Plain noise only (no offset noise, input perturbation or timestep bias).
+    // Flow matching: noise, sigmas (logit-normal or uniform, shifted; not Beta or the fast list) and
+    // the embedded guidance, in that order, with the CPU path's distributions. On a CPU device the
+    // CPU's default generator draws (tests).
     bool device_rng = false;
     // grad_clip_method value: max_grad_norm clamps each gradient element instead of scaling by
     // the global norm (the norm is still measured and reported).
@@ -66,7 +69,8 @@ struct StepOptions {
     // epsilon and v-prediction only, not with device_rng.
     diffusion::ScheduledSamplingOptions scheduled_sampling;
     // Tests only (the Flux training parity test): replaces the flow-matching noise and sigmas after
-    // they are drawn, so the generator's stream is the same with or without it. Unset in every run.
+    // they are drawn, so the generator's stream is the same with or without it. Unset in every run;
+    // not with device_rng.
     FlowDrawFn fixed_flow_draws;
 };
 
@@ -82,8 +86,12 @@ int64_t apply_caption_dropout(const family::ModelFamily& family, TrainBatch& bat
 struct MicroStep {
     at::Tensor loss;       // scalar float32 with the graph attached
     at::Tensor timesteps;  // [B] int64 (CPU; on the latents' device with device_rng); flow matching:
-                           // sigma · 1000 [B] float32
+                           // sigma · 1000 [B] float32 (likewise). Tests read it; the trainer does not.
     at::Tensor target;     // [B, C, h, w] float32, what the prediction was compared with (no graph)
+    // Flow matching only, on the latents' device: the draws the step trained on (noise [B, C, h, w],
+    // sigmas [B] float32) and the embedded guidance [B] it drew (undefined when the batch carried
+    // its own or the network takes none).
+    at::Tensor noise, sigmas, guidance;
 };
 
 // Switches a LoRA run's adapters off (false) and back on (true); empty for a full fine-tune.

@@ -4,8 +4,8 @@
 // What stays outside the graph: the batch (data loader, caption dropout from the CPU generator),
 // the LR (AdamW and adamw_bf16 read it from device tensors refreshed before each replay, so
 // schedules do not recapture), adamw_bf16's rare weight-decay kernels, the EMA update, metrics and
-// checkpoints. Noise, timesteps and the LoRA dropout seed come from the CUDA default generator
-// (StepOptions::device_rng), whose
+// checkpoints. Noise, timesteps (flow matching: sigmas and the embedded guidance) and the LoRA
+// dropout seed come from the CUDA default generator (StepOptions::device_rng), whose
 // state every checkpoint already saves (capture_rng_states), so a resumed run continues the same random
 // streams at the exact step; it is not bit-identical to an uninterrupted run because the GPU kernels are not
 // deterministic.
@@ -20,6 +20,8 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "diffusion/training_sampling.h"
+#include "family/model_family.h"
 #include "train/adapters.h"
 #include "train/data_parallel.h"
 #include "train/graph_step.h"
@@ -27,7 +29,8 @@
 
 namespace dtune::train {
 
-std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int world_size, int zero_stage) {
+std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int world_size, int zero_stage,
+                               const family::TrainingObjective* objective) {
     const std::string fix = "; otherwise the run trains without CUDA graphs";
     if (!device.is_cuda()) return str("device is ", device.str(), " (CUDA graphs need a CUDA device)");
     if (world_size > 1 && zero_stage > 0)
@@ -70,6 +73,37 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
                fix + ")";
     if (c.opt_real("snr_gamma").value_or(0) > 0)
         return "snr_gamma is set (min-SNR weights read the timesteps on the host; unset it" + fix + ")";
+    if (objective && objective->flow_matching()) {
+        // flow_sigma_schedule's precedence: uniform wins over both, Beta over the fast list.
+        switch (diffusion::flow_sigma_schedule(objective->flow)) {
+            case diffusion::FlowSigmaSchedule::kBeta:
+                return "flow_use_beta_schedule is on (Beta sigmas come from gamma draws the graph does not "
+                       "make; the logit-normal default and flow_use_uniform_schedule are graphed" +
+                       fix + ")";
+            case diffusion::FlowSigmaSchedule::kFluxFast:
+                return "flux_fast_schedule is on (its sigma list is drawn on the host, not in the graph; the "
+                       "logit-normal default and flow_use_uniform_schedule are graphed" +
+                       fix + ")";
+            case diffusion::FlowSigmaSchedule::kLogitNormal:
+            case diffusion::FlowSigmaSchedule::kUniform: break;
+        }
+    }
+    return {};
+}
+
+// The one place for graphed steps that run only when cuda_graph is true. Flow matching's graphed
+// step (device draws of noise, sigmas and guidance) was written without a GPU to run it on: a GPU
+// run of CudaGraphFluxGpu (tests/train/test_trainer_graph_gpu.cpp) passing lifts this rule, after
+// which cuda_graph auto graphs flow matching like DDPM.
+std::string cuda_graph_fallback(const TrainConfig& c, const family::TrainingObjective& objective,
+                                c10::Device device, int world_size, int zero_stage) {
+    const std::string mode = c.text("cuda_graph");
+    if (mode == "false") return "cuda_graph is false";
+    std::string blocker = cuda_graph_blocker(c, device, world_size, zero_stage, &objective);
+    if (!blocker.empty()) return blocker;
+    if (mode != "true" && objective.flow_matching())
+        return "flow matching under CUDA graphs is new and not yet checked on a GPU; set cuda_graph true to "
+               "use it";
     return {};
 }
 
@@ -78,9 +112,8 @@ void Trainer::init_graph() {
     graph_status_ = {};
     graph_status_.requested = mode;
     if (mode == "false") return;
-    std::string blocker = cuda_graph_blocker(config_, device_, world_size(), dp_->zero_stage());
-    if (blocker.empty() && objective_.flow_matching())
-        blocker = "flow-matching training draws its sigmas on the CPU (not yet captured in a graph)";
+    const std::string blocker =
+        cuda_graph_fallback(config_, objective_, device_, world_size(), dp_->zero_stage());
     if (!blocker.empty()) {
         graph_status_.fallback = blocker;
         // Asked for explicitly: a warning (and a metrics.jsonl / report.html entry). Left at auto

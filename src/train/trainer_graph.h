@@ -9,14 +9,26 @@
 
 #include <string>
 
+namespace dtune::family {
+struct TrainingObjective;
+}  // namespace dtune::family
+
 namespace dtune::train {
 
 class TrainConfig;
 
 // Empty when a run on `device` with `world_size` processes (ZeRO stage `zero_stage`) can use the
 // graphed step; otherwise the first unmet condition, phrased for the log ("... ; set X to train
-// with CUDA graphs").
+// with CUDA graphs"). `objective` (when given) adds the objective's own conditions: flow matching's
+// sigma schedule must be one the device draws (logit-normal or uniform).
 std::string cuda_graph_blocker(const TrainConfig& config, c10::Device device, int world_size,
-                               int zero_stage = 0);
+                               int zero_stage = 0, const family::TrainingObjective* objective = nullptr);
+
+// Why the run trains eagerly under the config's cuda_graph (auto | true), as Trainer::graph_status()
+// reports it on `device`; empty when it uses graphs. cuda_graph_blocker's conditions first, then
+// the objectives graphed only on request: with cuda_graph auto, flow matching stays eager until its
+// graphed step has been checked on a GPU.
+std::string cuda_graph_fallback(const TrainConfig& config, const family::TrainingObjective& objective,
+                                c10::Device device, int world_size, int zero_stage = 0);
 
 }  // namespace dtune::train

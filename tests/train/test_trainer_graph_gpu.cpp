@@ -4,14 +4,19 @@
 // LR, DTUNE_CUDA_GRAPH_WARMUP above the step count) within float32 reordering tolerance, for
 // SimpleTuner's defaults (clip by value at 2, lora_dropout 0.1: masks from the device seed) and
 // for other step options. The loss is read back only every metrics_interval steps (NaN in the
-// reports between). Skipped without CUDA.
+// reports between). The same for Flux.1 (the tiny pipeline's transformer, LoRA, flow matching with
+// sigmas and embedded guidance drawn on the GPU) with cuda_graph true, and cuda_graph auto keeping a
+// Flux run eager until this test has passed on a GPU (trainer_graph.cpp, cuda_graph_fallback).
+// Skipped without CUDA.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
 
+#include "family/flux/flux_family.h"
 #include "train/graph_step.h"
+#include "train/trainer_graph.h"
 #include "trainer_test_util.h"
 
 namespace dtune::train {
@@ -31,8 +36,29 @@ struct GraphRun {
     nlohmann::json last_metrics;  // metrics.jsonl's last row
 };
 
-GraphRun train_cuda(const char* warmup, int64_t metrics_interval, const nlohmann::json& options) {
+// Runs `trainer` (output in `dir`) with DTUNE_CUDA_GRAPH_WARMUP set to `warmup`; expects a graphed run.
+GraphRun run_graphed(Trainer& trainer, const std::filesystem::path& dir, const char* warmup) {
     setenv("DTUNE_CUDA_GRAPH_WARMUP", warmup, 1);
+    auto log = std::make_shared<LossLog>();
+    trainer.add_callback(log);
+    trainer.run();
+    unsetenv("DTUNE_CUDA_GRAPH_WARMUP");
+    GraphRun out;
+    std::ifstream metrics(dir / "metrics.jsonl");
+    for (std::string line; std::getline(metrics, line);)
+        if (!line.empty()) out.last_metrics = nlohmann::json::parse(line);
+    out.losses = log->losses;
+    for (const auto& p : trainer.trainable_parameters()) out.weights.push_back(p.tensor.detach().cpu());
+    EXPECT_NE(trainer.graphed_step(), nullptr) << "the run should meet every cuda_graph condition";
+    EXPECT_EQ(trainer.graph_status().fallback, "");
+    if (trainer.graphed_step()) {
+        out.replays = trainer.graphed_step()->replays();
+        out.eager = trainer.graphed_step()->eager_steps();
+    }
+    return out;
+}
+
+GraphRun train_cuda(const char* warmup, int64_t metrics_interval, const nlohmann::json& options) {
     test::TempDir dir;
     nlohmann::json j{{"model_type", "lora"},          {"lora_rank", 4},
                      {"deterministic", false},        {"lr_scheduler", "linear"},
@@ -49,33 +75,12 @@ GraphRun train_cuda(const char* warmup, int64_t metrics_interval, const nlohmann
     o.device = c10::Device(c10::kCUDA, 0);
     Trainer trainer(config, testutil::sdxl_model(unet), testutil::tiny_schedule(),
                     std::make_unique<SyntheticBatchSource>(o));
-    auto log = std::make_shared<LossLog>();
-    trainer.add_callback(log);
-    trainer.run();
-    unsetenv("DTUNE_CUDA_GRAPH_WARMUP");
-    GraphRun out;
-    std::ifstream metrics(dir.path() / "metrics.jsonl");
-    for (std::string line; std::getline(metrics, line);)
-        if (!line.empty()) out.last_metrics = nlohmann::json::parse(line);
-    out.losses = log->losses;
-    for (const auto& p : trainer.trainable_parameters()) out.weights.push_back(p.tensor.detach().cpu());
-    EXPECT_NE(trainer.graphed_step(), nullptr) << "the run should meet every cuda_graph condition";
-    EXPECT_EQ(trainer.graph_status().fallback, "");
-    if (trainer.graphed_step()) {
-        out.replays = trainer.graphed_step()->replays();
-        out.eager = trainer.graphed_step()->eager_steps();
-    }
-    return out;
+    return run_graphed(trainer, dir.path(), warmup);
 }
 
-// (name, config keys as JSON)
-class CudaGraphTrainerGpu : public ::testing::TestWithParam<std::pair<const char*, const char*>> {};
-
-TEST_P(CudaGraphTrainerGpu, ReplaysAndMatchesTheEagerRun) {
-    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-    const nlohmann::json options = nlohmann::json::parse(GetParam().second);
-    const GraphRun eager = train_cuda("1000", 1, options);
-    const GraphRun graph = train_cuda("2", 2, options);
+// Checks a graphed run against the same run kept eager with the graph's settings: warm-up and replay
+// counts, per-step losses (NaN outside metrics_interval 2) and the final trainable weights.
+void expect_graph_matches_eager(const GraphRun& eager, const GraphRun& graph) {
     EXPECT_EQ(eager.replays, 0);
     EXPECT_EQ(eager.eager, kSteps);
     // Two warm-up steps, then every step (the capture's included) replays; a recapture on each LR
@@ -97,6 +102,7 @@ TEST_P(CudaGraphTrainerGpu, ReplaysAndMatchesTheEagerRun) {
         EXPECT_NEAR(g, e, 1e-3 * std::abs(e) + 1e-6) << "step " << i + 1;
     }
     ASSERT_EQ(eager.weights.size(), graph.weights.size());
+    ASSERT_FALSE(eager.weights.empty());
     // Relative to the tensor's norm: Adam's first steps move an element by about +-lr whatever its
     // gradient's size, so a near-zero gradient whose sign the GPU's reduction order flips may differ
     // by 2 lr in one element; a stale or wrong LR (or different noise) moves whole tensors. On an
@@ -107,6 +113,17 @@ TEST_P(CudaGraphTrainerGpu, ReplaysAndMatchesTheEagerRun) {
         const double norm = eager.weights[i].norm().item<double>();
         EXPECT_LE(diff, 1e-1 * norm + 1e-7) << "tensor " << i << " (norm " << norm << ")";
     }
+}
+
+// (name, config keys as JSON)
+class CudaGraphTrainerGpu : public ::testing::TestWithParam<std::pair<const char*, const char*>> {};
+
+TEST_P(CudaGraphTrainerGpu, ReplaysAndMatchesTheEagerRun) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const nlohmann::json options = nlohmann::json::parse(GetParam().second);
+    const GraphRun eager = train_cuda("1000", 1, options);
+    const GraphRun graph = train_cuda("2", 2, options);
+    expect_graph_matches_eager(eager, graph);
 }
 
 // cuda_graph left at auto with SimpleTuner's step defaults; explicit norm clipping without dropout;
@@ -120,6 +137,108 @@ INSTANTIATE_TEST_SUITE_P(
                       std::pair{"DoRAValueClip", R"({"use_dora": true, "max_grad_norm": 0.01})"},
                       std::pair{"CheckpointingWithDropout", R"({"gradient_checkpointing": true})"}),
     [](const auto& info) { return std::string(info.param.first); });
+
+// ---- Flux.1: flow matching ----------------------------------------------------------------------
+
+const std::filesystem::path kFluxPipeline =
+    std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref" / "tiny-flux-pipeline";
+
+// A Flux LoRA run on the tiny pipeline's transformer (float32 on CUDA, batch 2 of 16 x 8 x 8 latents
+// and random T5 / CLIP embeddings in its widths), with the family's training keys applied.
+std::unique_ptr<Trainer> flux_trainer(const std::filesystem::path& dir, int64_t metrics_interval,
+                                      const nlohmann::json& options) {
+    TrainConfig config;
+    nlohmann::json j{{"model_family", "flux"},
+                     {"output_dir", dir.string()},
+                     {"model_type", "lora"},
+                     {"lora_rank", 4},
+                     {"optimizer", "torch-adamw"},
+                     {"learning_rate", 1e-3},
+                     {"lr_scheduler", "linear"},
+                     {"train_batch_size", 2},
+                     {"max_train_steps", kSteps},
+                     {"checkpoint_step_interval", 0},
+                     {"mixed_precision", "no"},
+                     {"gradient_checkpointing", false},
+                     {"deterministic", false},
+                     {"seed", 1234},
+                     {"metrics_interval", metrics_interval},
+                     {"cuda_graph", true}};
+    j.update(options);
+    config.merge_json(j, "flux graph test");
+    config.validate();
+    const family::ModelFamily& flux = family::flux_family();
+    const c10::Device cuda(c10::kCUDA, 0);
+    auto model = flux.load_denoiser(kFluxPipeline / "transformer", {at::kFloat, cuda});
+    family::TrainingObjective objective = flux.training_objective(kFluxPipeline);
+    flux.apply_training_config(config, *model, objective);
+    SyntheticBatchOptions o;
+    o.batch_size = 2;
+    o.latent_channels = 16;
+    o.latent_size = 8;
+    o.tokens = 8;
+    o.dim = 24;         // joint_attention_dim (T5's width in the tiny pipeline)
+    o.pooled_dim = 32;  // pooled_projection_dim (CLIP-L's)
+    o.device = cuda;
+    return std::make_unique<Trainer>(config, std::move(model), std::move(objective),
+                                     std::make_unique<SyntheticBatchSource>(o));
+}
+
+GraphRun train_flux_cuda(const char* warmup, int64_t metrics_interval, const nlohmann::json& options) {
+    test::TempDir dir;
+    auto trainer = flux_trainer(dir.path(), metrics_interval, options);
+    return run_graphed(*trainer, dir.path(), warmup);
+}
+
+// (name, config keys as JSON)
+class CudaGraphFluxGpu : public ::testing::TestWithParam<std::pair<const char*, const char*>> {};
+
+TEST_P(CudaGraphFluxGpu, ReplaysAndMatchesTheEagerRun) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const nlohmann::json options = nlohmann::json::parse(GetParam().second);
+    // The eager reference keeps the graph's settings (device draws of noise, sigmas and guidance).
+    const GraphRun eager = train_flux_cuda("1000", 1, options);
+    const GraphRun graph = train_flux_cuda("2", 2, options);
+    expect_graph_matches_eager(eager, graph);
+    // LoRA B starts at zero: the graphed run trained.
+    double moved = 0;
+    for (const at::Tensor& w : graph.weights) moved = std::max(moved, w.abs().max().item<double>());
+    EXPECT_GT(moved, 0.0);
+}
+
+// SimpleTuner's Flux defaults (logit-normal sigmas, shift 3, constant guidance 1, clip by value,
+// lora_dropout 0.1); guidance drawn per sample on the GPU; uniform sigmas with the auto shift and
+// norm clipping.
+INSTANTIATE_TEST_SUITE_P(
+    Options, CudaGraphFluxGpu,
+    ::testing::Values(std::pair{"FluxDefaults", R"({})"},
+                      std::pair{"RandomRangeGuidance", R"({"flux_guidance_mode": "random-range",
+                                                           "flux_guidance_min": 1.0, "flux_guidance_max": 4.0})"},
+                      std::pair{"UniformAutoShiftNormClip", R"({"flow_use_uniform_schedule": true,
+                                                                "flow_schedule_auto_shift": true,
+                                                                "grad_clip_method": "norm", "max_grad_norm": 1.0,
+                                                                "lora_dropout": 0.0})"}),
+    [](const auto& info) { return std::string(info.param.first); });
+
+// Until CudaGraphFluxGpu has passed on a GPU, cuda_graph auto trains a Flux run eagerly and says
+// why; the Beta schedule stays eager with cuda_graph true too.
+TEST(CudaGraphFluxGpuFallback, AutoAndBetaStayEager) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const std::vector<std::pair<nlohmann::json, std::string>> cases = {
+        {{{"cuda_graph", "auto"}}, "flow matching under CUDA graphs is new"},
+        {{{"flow_use_beta_schedule", true}}, "flow_use_beta_schedule is on"},
+    };
+    for (const auto& [options, reason] : cases) {
+        test::TempDir dir;
+        nlohmann::json o = options;
+        o["max_train_steps"] = 2;
+        auto trainer = flux_trainer(dir.path(), 1, o);
+        trainer->run();
+        EXPECT_EQ(trainer->graphed_step(), nullptr) << options.dump();
+        EXPECT_EQ(trainer->graph_status().fallback.rfind(reason, 0), 0u)
+            << options.dump() << " gave: " << trainer->graph_status().fallback;
+    }
+}
 
 }  // namespace
 }  // namespace dtune::train
