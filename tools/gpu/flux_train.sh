@@ -8,7 +8,7 @@
 # Needs, in the checkout: .gpudeps.tar.xz and shared/fixtures (tools/gpu/prepare.sh) and the diffusers
 # wheel in .whl/ (only the folder maker imports diffusers). Carry [".gpudeps.tar.xz", "shared", ".whl"].
 #   OUT=$OUT tools/gpu/flux_train.sh        env: STEPS (20), RUNS ("gc nogc"; also masked, context, fused,
-#   keys: see the loop), FLUX (an existing make_random_flux_pipeline.py folder to reuse), BASELINE (1: the diffusers
+#   keys, graph, graphnogc: see the loop), FLUX (an existing make_random_flux_pipeline.py folder to reuse), BASELINE (1: the diffusers
 #   step after dtune's, same card), BASELINE_MODES (lora1,lora1gc), COMPILE (0; 1: also under torch.compile),
 #   PROFILE (A:B: a Kineto trace of steps A..B of each run, summarised into the logs)
 # Results: $OUT/flux_train.json (one row per run) and $OUT/flux_train_logs.tar.gz.
@@ -44,13 +44,15 @@ for run in $RUNS; do
     # gc / nogc: SimpleTuner's defaults with and without checkpointing; the others checkpoint and
     # add SimpleTuner's Flux keys: masked (flux_attention_masked_training), context
     # (flux_lora_target context), fused (the same with fuse_qkv_projections), keys (random-range
-    # guidance, Beta sigmas, auto shift: the draws' cost).
-    gc=$([[ $run == nogc ]] && echo false || echo true)
+    # guidance, Beta sigmas, auto shift: the draws' cost); graph / graphnogc: cuda_graph true.
+    gc=$([[ $run == nogc || $run == graphnogc ]] && echo false || echo true)
     case $run in
         masked) keys="--flux_attention_masked_training true" ;;
         context) keys="--flux_lora_target context" ;;
         fused) keys="--flux_lora_target context --fuse_qkv_projections true" ;;
         keys) keys="--flux_guidance_mode random-range --flow_use_beta_schedule true --flow_schedule_auto_shift true" ;;
+        graph) keys="--cuda_graph true" ;;      # checkpointing, the step as one CUDA graph
+        graphnogc) keys="--cuda_graph true" ;;  # the same without checkpointing
         *) keys="" ;;
     esac
     o=$W/out-$run
