@@ -187,7 +187,7 @@ const std::vector<OptionSpec>& specs() {
     {"offload_optimizer_device", OptionType::kString, "null", "dtune: none, or cpu to keep the optimizer state and its update in host memory (default: accelerate's deepspeed_config.offload_optimizer_device via dtune launch, else none)", "none,cpu"},
     {"zero_stage", OptionType::kInt, "null", "dtune: ZeRO stage for multi-GPU runs, 0, 1 or 2 (default: accelerate's deepspeed_config.zero_stage via dtune launch, else 0)", nullptr},
     {"cuda_graph", OptionType::kString, "\"auto\"", "dtune: train each batch shape's whole step as one CUDA graph; auto = on CUDA whenever the run's options allow it (fused AdamW or adamw_bf16, bf16/no, plain noise, no accumulation; flow matching (Flux) only with true for now), true = also warn when they do not, false = never", "auto,true,false"},
-    {"export_single_file", OptionType::kBool, "false", "dtune: full fine-tunes also write output_dir/sdxl_checkpoint.safetensors (single-file SDXL)", nullptr},
+    {"export_single_file", OptionType::kBool, "false", "dtune: full fine-tunes also write one file: SDXL output_dir/sdxl_checkpoint.safetensors (UNet, VAE and text encoders, ldm keys); Flux output_dir/flux_transformer.safetensors (the transformer in Black Forest Labs' layout, as flux1-dev.safetensors)", nullptr},
     };
     return kSpecs;
 }

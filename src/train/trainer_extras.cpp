@@ -59,9 +59,10 @@ void Trainer::init_extras() {
         for (auto& [name, tensor] : lora_->trainable()) params.push_back({name, tensor});
         set_trainable_parameters(std::move(params));
     }
-    DTUNE_CHECK_AS(UsageError, !lora || !config_.flag("export_single_file"),
-                   "export_single_file writes a full SDXL checkpoint and needs model_type full; for a "
-                   "LoRA use pytorch_lora_weights.safetensors (lora_format comfyui for ComfyUI)");
+    DTUNE_CHECK_AS(
+        UsageError, !lora || !config_.flag("export_single_file"),
+        "export_single_file writes the fully fine-tuned model as one file and needs model_type full; "
+        "for a LoRA use pytorch_lora_weights.safetensors (lora_format comfyui for ComfyUI)");
     if (config_.text("mixed_precision") == "fp16") {
         scaler_ = std::make_unique<LossScaler>();
         if (!device_.is_cuda())

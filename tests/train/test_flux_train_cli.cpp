@@ -178,6 +178,48 @@ std::vector<uint8_t> sample_with(const FluxWorkspace& w, const stdfs::path& lora
     return io::read_image(w.dir / out / "sample_3_0.png").pixels;  // sample_<seed>_<i>
 }
 
+// export_single_file on a Flux full fine-tune writes the transformer in Black Forest Labs' layout
+// (flux1-dev.safetensors' keys): `dtune sample` of that file with the exported folder's config gives
+// the folder's own image, bit for bit; the fused layers hold q, k, v stacked; a LoRA run refuses it.
+TEST(FluxTrainCli, ExportSingleFileWritesTheBlackForestLabsLayout) {
+    FluxWorkspace w;
+    ASSERT_EQ(
+        run_status(w.command("full", "--model_type full --max_train_steps 1 --export_single_file true")), 0)
+        << w.log();
+    const auto out = w.dir / "full";
+    const auto file = out / "flux_transformer.safetensors";
+    ASSERT_TRUE(stdfs::exists(file)) << w.log();
+    const auto bfl = tensors_of(file);
+    const auto diffusers =
+        tensors_of(out / "pipeline" / "transformer" / "diffusion_pytorch_model.safetensors");
+    ASSERT_TRUE(bfl.count("double_blocks.0.img_attn.qkv.weight"));
+    EXPECT_TRUE(at::equal(bfl.at("double_blocks.0.img_attn.qkv.weight"),
+                          at::cat({diffusers.at("transformer_blocks.0.attn.to_q.weight"),
+                                   diffusers.at("transformer_blocks.0.attn.to_k.weight"),
+                                   diffusers.at("transformer_blocks.0.attn.to_v.weight")})));
+    const auto halves = diffusers.at("norm_out.linear.weight").chunk(2, 0);
+    EXPECT_TRUE(at::equal(bfl.at("final_layer.adaLN_modulation.1.weight"), at::cat({halves[1], halves[0]})));
+    for (const auto& [name, t] : bfl) EXPECT_EQ(name.find("transformer_blocks"), std::string::npos) << name;
+
+    const auto sample = [&](const std::string& model, const std::string& extra, const std::string& dir) {
+        const std::string cmd =
+            std::string(DTUNE_BIN) + " sample --model '" + model + "' " + extra +
+            " --prompt 'a flux photo' --width 32 --height 32 --steps 2 --seed 3 --device cpu "
+            "--output_dir '" +
+            (w.dir / dir).string() + "' >/dev/null 2>>'" + (w.dir / "log.txt").string() + "'";
+        EXPECT_EQ(run_status(cmd), 0) << w.log();
+        return io::read_image(w.dir / dir / "sample_3_0.png").pixels;
+    };
+    const auto from_folder = sample((out / "pipeline").string(), "", "s_folder");
+    const auto from_file =
+        sample(file.string(), "--config_folder '" + (out / "pipeline").string() + "'", "s_file");
+    EXPECT_EQ(from_folder, from_file) << "the single file must load to the exported transformer";
+    EXPECT_NE(
+        run_status(w.command("lora", "--model_type lora --max_train_steps 1 --export_single_file true")), 0);
+    EXPECT_NE(w.log().find("export_single_file writes the fully fine-tuned model"), std::string::npos)
+        << w.log();
+}
+
 // lora_format comfyui for Flux is SimpleTuner's: the diffusers file's "transformer." PEFT keys, the
 // same factors, plus a float32 `.alpha` per module (ComfyUI maps transformer.<diffusers module> onto
 // the slices of its fused weights, so each projection applies exactly). dtune reads it back to the

@@ -26,6 +26,7 @@
 #include "models/clip/clip_tokenizer.h"
 #include "models/common/pipeline_folder.h"
 #include "models/common/quantize.h"
+#include "models/common/weights.h"
 #include "models/flux/flux_transformer.h"
 #include "models/t5/t5_encoder.h"
 #include "models/t5/t5_tokenizer.h"
@@ -260,7 +261,7 @@ class FluxFamily final : public ModelFamily {
     void export_single_file(const std::filesystem::path& base, const torch::nn::Module& network,
                             const std::filesystem::path& out_file,
                             const std::optional<std::filesystem::path>& vae_dir) const override;
-    const char* single_file_name() const override { return ""; }
+    const char* single_file_name() const override { return "flux_transformer.safetensors"; }
     const char* preview_decoder_id() const override { return "madebyollin/taef1"; }
 };
 
@@ -417,13 +418,21 @@ std::vector<std::string> flux_lora_target_modules(const std::string& target) {
                          " (controlnet needs ControlNet training, which dtune does not do)"));
 }
 
-void FluxFamily::export_single_file(const std::filesystem::path&, const torch::nn::Module&,
-                                    const std::filesystem::path&,
+void FluxFamily::export_single_file(const std::filesystem::path&, const torch::nn::Module& network,
+                                    const std::filesystem::path& out_file,
                                     const std::optional<std::filesystem::path>&) const {
-    throw UsageError(
-        "export_single_file writes SDXL checkpoints; a Flux run exports the diffusers folder "
-        "output_dir/pipeline "
-        "(set export_single_file false)");
+    // The transformer alone, as Black Forest Labs ship flux1-dev.safetensors: what ComfyUI's
+    // diffusion-model loader and `dtune sample --model FILE --config_folder ...` read. The text
+    // encoders and the VAE stay the base model's (the pipeline folder export has them).
+    const auto* transformer = dynamic_cast<const models::FluxTransformer2DModelImpl*>(&network);
+    DTUNE_CHECK_AS(UsageError, transformer != nullptr,
+                   "export_single_file for Flux writes a FluxTransformer2DModel; got another network");
+    const io::TensorList tensors =
+        models::flux_diffusers_to_bfl(models::state_dict(network), transformer->config());
+    if (!out_file.parent_path().empty()) std::filesystem::create_directories(out_file.parent_path());
+    io::save_safetensors(out_file, tensors, {{"format", "pt"}});
+    log::info() << "wrote the Flux transformer single file " << out_file.string()
+                << " (Black Forest Labs' layout, " << tensors.size() << " tensors)";
 }
 
 bool is_flux_transformer_file(const std::filesystem::path& file) {

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <set>
 #include <string>
 
@@ -564,6 +565,43 @@ io::TensorList flux_bfl_to_diffusers(const io::WeightSource& file, const FluxTra
                           from = str("single_blocks.", i, ".");
         out.emplace_back(to + "norm_q.weight", get(from + "norm.query_norm.scale"));
         out.emplace_back(to + "norm_k.weight", get(from + "norm.key_norm.scale"));
+    }
+    return out;
+}
+
+io::TensorList flux_diffusers_to_bfl(const io::TensorList& state, const FluxTransformerConfig& c) {
+    std::map<std::string, at::Tensor> by_name;
+    for (const auto& [name, t] : state) by_name[name] = t;
+    const auto get = [&](const std::string& key) {
+        const auto it = by_name.find(key);
+        DTUNE_CHECK_AS(UsageError, it != by_name.end(), "Flux single-file export: the transformer has no ",
+                       key, "; it does not match its config");
+        return it->second;
+    };
+    io::TensorList out;
+    for (const FluxBflLinear& layer : flux_bfl_linear_layers(c))
+        for (const std::string part : {".weight", ".bias"}) {
+            std::vector<at::Tensor> rows;
+            for (const auto& p : layer.parts) rows.push_back(get(p.first + part));
+            at::Tensor t = rows.size() == 1 ? rows.front() : at::cat(rows, 0);
+            if (layer.swap_halves) {
+                const auto halves = t.chunk(2, 0);
+                t = at::cat({halves[1], halves[0]}, 0);
+            }
+            out.emplace_back(layer.bfl + part, t);
+        }
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+        const std::string from = str("transformer_blocks.", i, ".attn."), to = str("double_blocks.", i, ".");
+        out.emplace_back(to + "img_attn.norm.query_norm.scale", get(from + "norm_q.weight"));
+        out.emplace_back(to + "img_attn.norm.key_norm.scale", get(from + "norm_k.weight"));
+        out.emplace_back(to + "txt_attn.norm.query_norm.scale", get(from + "norm_added_q.weight"));
+        out.emplace_back(to + "txt_attn.norm.key_norm.scale", get(from + "norm_added_k.weight"));
+    }
+    for (int64_t i = 0; i < c.num_single_layers; ++i) {
+        const std::string from = str("single_transformer_blocks.", i, ".attn."),
+                          to = str("single_blocks.", i, ".");
+        out.emplace_back(to + "norm.query_norm.scale", get(from + "norm_q.weight"));
+        out.emplace_back(to + "norm.key_norm.scale", get(from + "norm_k.weight"));
     }
     return out;
 }

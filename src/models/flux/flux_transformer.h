@@ -204,6 +204,11 @@ std::vector<FluxBflLinear> flux_bfl_linear_layers(const FluxTransformerConfig& c
 // the final AdaLN's (shift, scale) halves swapped. DataError naming the file for a missing key.
 io::TensorList flux_bfl_to_diffusers(const io::WeightSource& file, const FluxTransformerConfig& config,
                                      const std::string& origin);
+// The inverse: a diffusers-named state dict of a transformer with this config as Black Forest Labs'
+// layout (flux1-dev.safetensors' keys, bare, as ComfyUI's diffusion_models loader reads them): q/k/v
+// (and the single blocks' MLP input) rows stacked into the fused layers, the final AdaLN's halves
+// swapped back. UsageError naming the key for a tensor the state dict lacks.
+io::TensorList flux_diffusers_to_bfl(const io::TensorList& state, const FluxTransformerConfig& config);
 // FLUX.1's transformer config for a BFL-layout file: [dev]'s shape, the file's block counts and
 // guidance embedding.
 // `any_head_size` accepts heads other than FLUX.1's 128 (for reporting; the RoPE axes are then
