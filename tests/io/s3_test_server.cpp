@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -89,95 +90,108 @@ std::unique_ptr<S3TestServer> S3TestServer::start(S3ServerKind kind) {
                       << " (scripts/setup.sh does this)";
         return nullptr;
     }
-    std::unique_ptr<S3TestServer> s(new S3TestServer());
-    s->dir_ = std::make_unique<TempDir>();
-    s->name_ = seaweed ? "seaweedfs" : "moto";
-    const int base = free_port_block(seaweed ? 6 : 1);
-    if (base == 0) {
-        ADD_FAILURE() << "no free loopback ports for " << binary;
-        return nullptr;
-    }
-    std::vector<std::string> args;
-    if (seaweed) {
-        const std::string config = (s->dir_->path() / "s3.json").string();
-        std::ofstream(config) << R"({"identities":[{"name":"dtune","credentials":[{"accessKey":")"
-                              << kAccessKey << R"(","secretKey":")" << kSecretKey
-                              << R"("}],"actions":["Admin","Read","Write","List","Tagging"]}]})";
-        std::filesystem::create_directories(s->dir_->path() / "data");
-        s->port_ = base + 3;
-        // Some components ignore TMPDIR and leave gRPC sockets in /tmp; ours are removed on stop.
-        for (const auto& [component, offset] : std::vector<std::pair<std::string, int>>{
-                 {"master", 0}, {"volume", 1}, {"filer", 2}, {"s3", 3}, {"admin", 5}})
-            s->leftovers_.push_back("/tmp/seaweedfs-" + component + "-grpc-" +
-                                    std::to_string(base + offset + 10000) + ".sock");
-        args = {exe,
-                "mini",
-                "-dir=" + (s->dir_->path() / "data").string(),
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
-                "-master.port=" + std::to_string(base),
-                "-volume.port=" + std::to_string(base + 1),
-                "-filer.port=" + std::to_string(base + 2),
-                "-s3.port=" + std::to_string(base + 3),
-                "-webdav.port=" + std::to_string(base + 4),
-                "-admin.port=" + std::to_string(base + 5),
-                "-s3.port.iceberg=0",
-                "-s3.port.lance=0",
-                "-s3.domainName=localhost",
-                "-filer.localSocket=" + (s->dir_->path() / "filer.sock").string(),
-                "-s3.localSocket=" + (s->dir_->path() / "s3.sock").string(),
-                "-master.telemetry=false",
-                "-s3.config=" + config};
-    } else {
-        s->port_ = base;
-        args = {exe, "-H", "127.0.0.1", "-p", std::to_string(base)};
-    }
-    s->endpoint_ = "http://127.0.0.1:" + std::to_string(s->port_);
+    constexpr int kAttempts = 3;
+    for (int attempt = 1; attempt <= kAttempts; ++attempt) {
+        std::unique_ptr<S3TestServer> s(new S3TestServer());
+        s->dir_ = std::make_unique<TempDir>();
+        s->name_ = seaweed ? "seaweedfs" : "moto";
+        const int base = free_port_block(seaweed ? 6 : 1);
+        if (base == 0) {
+            ADD_FAILURE() << "no free loopback ports for " << binary;
+            return nullptr;
+        }
+        std::vector<std::string> args;
+        if (seaweed) {
+            const std::string config = (s->dir_->path() / "s3.json").string();
+            std::ofstream(config) << R"({"identities":[{"name":"dtune","credentials":[{"accessKey":")"
+                                  << kAccessKey << R"(","secretKey":")" << kSecretKey
+                                  << R"("}],"actions":["Admin","Read","Write","List","Tagging"]}]})";
+            std::filesystem::create_directories(s->dir_->path() / "data");
+            s->port_ = base + 3;
+            // Some components ignore TMPDIR and leave gRPC sockets in /tmp; ours are removed on stop.
+            for (const auto& [component, offset] : std::vector<std::pair<std::string, int>>{
+                     {"master", 0}, {"volume", 1}, {"filer", 2}, {"s3", 3}, {"admin", 5}})
+                s->leftovers_.push_back("/tmp/seaweedfs-" + component + "-grpc-" +
+                                        std::to_string(base + offset + 10000) + ".sock");
+            args = {exe,
+                    "mini",
+                    "-dir=" + (s->dir_->path() / "data").string(),
+                    "-ip=127.0.0.1",
+                    "-ip.bind=127.0.0.1",
+                    "-master.port=" + std::to_string(base),
+                    "-volume.port=" + std::to_string(base + 1),
+                    "-filer.port=" + std::to_string(base + 2),
+                    "-s3.port=" + std::to_string(base + 3),
+                    "-webdav.port=" + std::to_string(base + 4),
+                    "-admin.port=" + std::to_string(base + 5),
+                    "-s3.port.iceberg=0",
+                    "-s3.port.lance=0",
+                    "-s3.domainName=localhost",
+                    "-filer.localSocket=" + (s->dir_->path() / "filer.sock").string(),
+                    "-s3.localSocket=" + (s->dir_->path() / "s3.sock").string(),
+                    "-master.telemetry=false",
+                    "-s3.config=" + config};
+        } else {
+            s->port_ = base;
+            args = {exe, "-H", "127.0.0.1", "-p", std::to_string(base)};
+        }
+        s->endpoint_ = "http://127.0.0.1:" + std::to_string(s->port_);
 
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    const std::string log = s->log_path();
-    posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&actions, 1, 2);
-    posix_spawn_file_actions_addchdir_np(&actions, s->dir_->path().c_str());
-    posix_spawnattr_t attr;
-    posix_spawnattr_init(&attr);
-    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);  // own group: killed as a whole
-    posix_spawnattr_setpgroup(&attr, 0);
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    // TMPDIR: SeaweedFS puts its gRPC unix sockets there; keep them inside the test's folder.
-    std::vector<std::string> env_strings = {"TMPDIR=" + s->dir_->path().string()};
-    for (char** e = environ; *e; ++e)
-        if (std::strncmp(*e, "TMPDIR=", 7) != 0) env_strings.emplace_back(*e);
-    std::vector<char*> envp;
-    for (auto& e : env_strings) envp.push_back(e.data());
-    envp.push_back(nullptr);
-    const int rc = posix_spawn(&s->pid_, exe.c_str(), &actions, &attr, argv.data(), envp.data());
-    posix_spawn_file_actions_destroy(&actions);
-    posix_spawnattr_destroy(&attr);
-    if (rc != 0) {
-        ADD_FAILURE() << "could not start " << exe << ": " << std::strerror(rc);
-        s->pid_ = -1;
-        return nullptr;
-    }
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-    while (!answers_http(s->port_)) {
-        int status = 0;
-        if (::waitpid(s->pid_, &status, WNOHANG) == s->pid_) {
+        posix_spawn_file_actions_t actions;
+        posix_spawn_file_actions_init(&actions);
+        const std::string log = s->log_path();
+        posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        posix_spawn_file_actions_adddup2(&actions, 1, 2);
+        posix_spawn_file_actions_addchdir_np(&actions, s->dir_->path().c_str());
+        posix_spawnattr_t attr;
+        posix_spawnattr_init(&attr);
+        posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETPGROUP);  // own group: killed as a whole
+        posix_spawnattr_setpgroup(&attr, 0);
+        std::vector<char*> argv;
+        for (auto& a : args) argv.push_back(a.data());
+        argv.push_back(nullptr);
+        // TMPDIR: SeaweedFS puts its gRPC unix sockets there; keep them inside the test's folder.
+        std::vector<std::string> env_strings = {"TMPDIR=" + s->dir_->path().string()};
+        for (char** e = environ; *e; ++e)
+            if (std::strncmp(*e, "TMPDIR=", 7) != 0) env_strings.emplace_back(*e);
+        std::vector<char*> envp;
+        for (auto& e : env_strings) envp.push_back(e.data());
+        envp.push_back(nullptr);
+        const int rc = posix_spawn(&s->pid_, exe.c_str(), &actions, &attr, argv.data(), envp.data());
+        posix_spawn_file_actions_destroy(&actions);
+        posix_spawnattr_destroy(&attr);
+        if (rc != 0) {
+            ADD_FAILURE() << "could not start " << exe << ": " << std::strerror(rc);
             s->pid_ = -1;
-            ADD_FAILURE() << binary << " exited during startup; its log: " << log;
             return nullptr;
         }
-        if (std::chrono::steady_clock::now() > deadline) {
-            ADD_FAILURE() << binary << " did not answer on port " << s->port_
-                          << " within 120 s; log: " << log;
-            return nullptr;
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+        while (!answers_http(s->port_)) {
+            int status = 0;
+            if (::waitpid(s->pid_, &status, WNOHANG) == s->pid_) {
+                s->pid_ = -1;
+                // Usually a port taken between free_port_block's check and the server's bind (the
+                // ports are probed, then bound by another process; parallel tests open sockets too):
+                // start again on other ports, and fail only when that keeps happening.
+                std::ifstream in(log);
+                std::string tail((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+                if (tail.size() > 2000) tail = tail.substr(tail.size() - 2000);
+                if (attempt < kAttempts) break;
+                ADD_FAILURE() << binary << " exited during startup " << kAttempts
+                              << " times; the last log ends:\n"
+                              << tail;
+                return nullptr;
+            }
+            if (std::chrono::steady_clock::now() > deadline) {
+                ADD_FAILURE() << binary << " did not answer on port " << s->port_
+                              << " within 120 s; log: " << log;
+                return nullptr;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(100));
         }
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        if (s->pid_ > 0) return s;
     }
-    return s;
+    return nullptr;
 }
 
 S3TestServer::~S3TestServer() {
