@@ -98,16 +98,21 @@ FluxTrainingAttention initial_training_attention() {
     return FluxTrainingAttention::kFlash;
 }
 
-std::atomic<FluxTrainingAttention> g_training_attention{initial_training_attention()};
+// Read on first use, not during static initialisation: a bad value must reach the CLI as a
+// UsageError (exit 2 naming the variable), not terminate the process before main.
+std::atomic<FluxTrainingAttention>& training_attention() {
+    static std::atomic<FluxTrainingAttention> kernel{initial_training_attention()};
+    return kernel;
+}
 
 }  // namespace
 
 void set_flux_training_attention(FluxTrainingAttention kernel) {
-    g_training_attention.store(kernel);
+    training_attention().store(kernel);
 }
 
 FluxTrainingAttention flux_training_attention() {
-    return g_training_attention.load();
+    return training_attention().load();
 }
 
 FluxTransformerConfig FluxTransformerConfig::from_json(const ConfigReader& r) {
@@ -440,6 +445,25 @@ struct BflKeys {
     bool has(const std::string& k) const { return keys.count(prefix + k) != 0; }
 };
 
+// The per-head q/k RMSNorm scales: (diffusers key, BFL key) pairs, read by both conversions.
+std::vector<std::pair<std::string, std::string>> norm_scale_keys(const FluxTransformerConfig& c) {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (int64_t i = 0; i < c.num_layers; ++i) {
+        const std::string d = str("transformer_blocks.", i, ".attn."), b = str("double_blocks.", i, ".");
+        out.emplace_back(d + "norm_q.weight", b + "img_attn.norm.query_norm.scale");
+        out.emplace_back(d + "norm_k.weight", b + "img_attn.norm.key_norm.scale");
+        out.emplace_back(d + "norm_added_q.weight", b + "txt_attn.norm.query_norm.scale");
+        out.emplace_back(d + "norm_added_k.weight", b + "txt_attn.norm.key_norm.scale");
+    }
+    for (int64_t i = 0; i < c.num_single_layers; ++i) {
+        const std::string d = str("single_transformer_blocks.", i, ".attn."),
+                          b = str("single_blocks.", i, ".");
+        out.emplace_back(d + "norm_q.weight", b + "norm.query_norm.scale");
+        out.emplace_back(d + "norm_k.weight", b + "norm.key_norm.scale");
+    }
+    return out;
+}
+
 int64_t count_blocks(const BflKeys& k, const std::string& stem, const char* probe) {
     int64_t n = 0;
     while (k.has(str(stem, n, ".", probe))) ++n;
@@ -552,20 +576,7 @@ io::TensorList flux_bfl_to_diffusers(const io::WeightSource& file, const FluxTra
                 lo += rows;
             }
         }
-    // The per-head q/k RMSNorm scales.
-    for (int64_t i = 0; i < c.num_layers; ++i) {
-        const std::string to = str("transformer_blocks.", i, ".attn."), from = str("double_blocks.", i, ".");
-        out.emplace_back(to + "norm_q.weight", get(from + "img_attn.norm.query_norm.scale"));
-        out.emplace_back(to + "norm_k.weight", get(from + "img_attn.norm.key_norm.scale"));
-        out.emplace_back(to + "norm_added_q.weight", get(from + "txt_attn.norm.query_norm.scale"));
-        out.emplace_back(to + "norm_added_k.weight", get(from + "txt_attn.norm.key_norm.scale"));
-    }
-    for (int64_t i = 0; i < c.num_single_layers; ++i) {
-        const std::string to = str("single_transformer_blocks.", i, ".attn."),
-                          from = str("single_blocks.", i, ".");
-        out.emplace_back(to + "norm_q.weight", get(from + "norm.query_norm.scale"));
-        out.emplace_back(to + "norm_k.weight", get(from + "norm.key_norm.scale"));
-    }
+    for (const auto& [diffusers, bfl] : norm_scale_keys(c)) out.emplace_back(diffusers, get(bfl));
     return out;
 }
 
@@ -590,19 +601,7 @@ io::TensorList flux_diffusers_to_bfl(const io::TensorList& state, const FluxTran
             }
             out.emplace_back(layer.bfl + part, t);
         }
-    for (int64_t i = 0; i < c.num_layers; ++i) {
-        const std::string from = str("transformer_blocks.", i, ".attn."), to = str("double_blocks.", i, ".");
-        out.emplace_back(to + "img_attn.norm.query_norm.scale", get(from + "norm_q.weight"));
-        out.emplace_back(to + "img_attn.norm.key_norm.scale", get(from + "norm_k.weight"));
-        out.emplace_back(to + "txt_attn.norm.query_norm.scale", get(from + "norm_added_q.weight"));
-        out.emplace_back(to + "txt_attn.norm.key_norm.scale", get(from + "norm_added_k.weight"));
-    }
-    for (int64_t i = 0; i < c.num_single_layers; ++i) {
-        const std::string from = str("single_transformer_blocks.", i, ".attn."),
-                          to = str("single_blocks.", i, ".");
-        out.emplace_back(to + "norm.query_norm.scale", get(from + "norm_q.weight"));
-        out.emplace_back(to + "norm.key_norm.scale", get(from + "norm_k.weight"));
-    }
+    for (const auto& [diffusers, bfl] : norm_scale_keys(c)) out.emplace_back(bfl, get(diffusers));
     return out;
 }
 
