@@ -8,7 +8,7 @@
 # Needs, in the checkout: .gpudeps.tar.xz and shared/fixtures (tools/gpu/prepare.sh) and the diffusers
 # wheel in .whl/ (only the folder maker imports diffusers). Carry [".gpudeps.tar.xz", "shared", ".whl"].
 #   OUT=$OUT tools/gpu/flux_train.sh        env: STEPS (20), RUNS ("gc nogc"; also masked, context, fused,
-#   keys, graph, graphnogc: see the loop), FLUX (an existing make_random_flux_pipeline.py folder to reuse), BASELINE (1: the diffusers
+#   keys, graph, graphnogc, int8, fp8: see the loop), RUN_LIMIT (240 s a run), FLUX (an existing make_random_flux_pipeline.py folder to reuse), BASELINE (1: the diffusers
 #   step after dtune's, same card), BASELINE_MODES (lora1,lora1gc), COMPILE (0; 1: also under torch.compile),
 #   PROFILE (A:B: a Kineto trace of steps A..B of each run, summarised into the logs)
 # Results: $OUT/flux_train.json (one row per run) and $OUT/flux_train_logs.tar.gz.
@@ -44,7 +44,8 @@ for run in $RUNS; do
     # gc / nogc: SimpleTuner's defaults with and without checkpointing; the others checkpoint and
     # add SimpleTuner's Flux keys: masked (flux_attention_masked_training), context
     # (flux_lora_target context), fused (the same with fuse_qkv_projections), keys (random-range
-    # guidance, Beta sigmas, auto shift: the draws' cost); graph / graphnogc: cuda_graph true.
+    # guidance, Beta sigmas, auto shift: the draws' cost); graph / graphnogc: cuda_graph true;
+    # int8 / fp8: a quantised frozen base (int8-quanto / fp8-torchao), quantised in host memory.
     gc=$([[ $run == nogc || $run == graphnogc ]] && echo false || echo true)
     case $run in
         masked) keys="--flux_attention_masked_training true" ;;
@@ -53,10 +54,12 @@ for run in $RUNS; do
         keys) keys="--flux_guidance_mode random-range --flow_use_beta_schedule true --flow_schedule_auto_shift true" ;;
         graph) keys="--cuda_graph true" ;;      # checkpointing, the step as one CUDA graph
         graphnogc) keys="--cuda_graph true" ;;  # the same without checkpointing
+        int8) keys="--base_model_precision int8-quanto --quantize_via cpu" ;;  # the 24 GB recipe
+        fp8) keys="--base_model_precision fp8-torchao --quantize_via cpu" ;;
         *) keys="" ;;
     esac
     o=$W/out-$run
-    DTUNE_PROFILE_STEPS=${PROFILE:-} timeout -k 10 200 build/release/bin/dtune train --model_family flux --pretrained_model_name_or_path "$flux" \
+    DTUNE_PROFILE_STEPS=${PROFILE:-} timeout -k 10 ${RUN_LIMIT:-240} build/release/bin/dtune train --model_family flux --pretrained_model_name_or_path "$flux" \
         --data_backend_config "$W/mdb.json" --output_dir "$o" --max_train_steps "$STEPS" --model_type lora \
         --lora_rank 16 --train_batch_size 1 --optimizer adamw_bf16 --learning_rate 1e-4 --mixed_precision bf16 \
         --gradient_checkpointing "$gc" --checkpoint_step_interval 1000 --seed 42 --device cuda $keys \
