@@ -20,4 +20,13 @@ std::optional<double> peak_gpu_memory_gib(c10::Device device) {
 #endif
 }
 
+void reset_peak_gpu_memory(c10::Device device) {
+#if defined(DTUNE_WITH_CUDA)
+    if (!device.is_cuda()) return;
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.has_index() ? device.index() : 0);
+#else
+    (void)device;
+#endif
+}
+
 }  // namespace dtune

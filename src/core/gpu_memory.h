@@ -8,7 +8,11 @@
 
 namespace dtune {
 
-// Peak bytes allocated by the caching allocator on `device` since start, in GiB.
+// Peak bytes allocated by the caching allocator on `device` since start (or the last reset), in GiB.
 std::optional<double> peak_gpu_memory_gib(c10::Device device);
+
+// Starts a new peak from what is allocated now (the trainer: after loading and caching, so that
+// metrics.jsonl reports the training steps' peak). No-op where peak_gpu_memory_gib is nullopt.
+void reset_peak_gpu_memory(c10::Device device);
 
 }  // namespace dtune

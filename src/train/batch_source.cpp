@@ -10,6 +10,18 @@ namespace dtune::train {
 SyntheticBatchSource::SyntheticBatchSource(SyntheticBatchOptions options) : options_(options) {}
 
 TrainBatch SyntheticBatchSource::next(at::Generator& generator) {
+    const int64_t n = options_.distinct_batches;
+    if (n <= 0) return draw(generator);
+    const auto i = static_cast<std::size_t>(served_ % n);
+    if (i >= drawn_.size()) {
+        drawn_.push_back(draw(generator));
+        return drawn_.back();
+    }
+    ++served_;
+    return drawn_[i];
+}
+
+TrainBatch SyntheticBatchSource::draw(at::Generator& generator) {
     const auto& o = options_;
     const auto cpu = at::TensorOptions().dtype(at::kFloat);
     // Drawn for the global batch of world_size * B rows; this rank keeps rows [rank*B, (rank+1)*B).

@@ -75,6 +75,9 @@ struct SyntheticBatchOptions {
     int64_t dim = 64;
     int64_t pooled_dim = 32;
     int64_t batches_per_epoch = 4;
+    // 0: every batch is drawn anew; N: the first N batches are drawn and then served in turn (the
+    // benchmarks: no host work per step; a resumed run draws them again).
+    int64_t distinct_batches = 0;
     c10::Device device = c10::Device(c10::kCPU);
     int rank = 0;
     int world_size = 1;
@@ -92,8 +95,11 @@ class SyntheticBatchSource final : public BatchSource {
     void load_state(const nlohmann::json& state) override;
 
   private:
+    TrainBatch draw(at::Generator& generator);
+
     SyntheticBatchOptions options_;
     int64_t served_ = 0;
+    std::vector<TrainBatch> drawn_;  // distinct_batches > 0: the batches served in turn
 };
 
 // The real data path (multidatabackend.json, buckets, caches, text encoders) is

@@ -106,7 +106,8 @@ c10::Device parse_train_device(const std::string& name) {
     return parse_device(name);
 }
 
-Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
+// pretrained_model_name_or_path must be a local folder: model_dir_.
+void Trainer::check_model_dir() {
     model_dir_ = config_.text("pretrained_model_name_or_path");
     DTUNE_CHECK_AS(UsageError, !model_dir_.empty(),
                    "pretrained_model_name_or_path is required; point it at a diffusers SDXL folder");
@@ -121,15 +122,11 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
                    "; dtune reads diffusers folders only (no hub downloads): download the model (e.g. "
                    "huggingface-cli download <repo> --local-dir DIR) and pass DIR, or try `dtune demo`'s "
                    "dtune-demo/model first");
-    DTUNE_CHECK_AS(UsageError, !config_.is_null("data_backend_config"),
-                   "data_backend_config is required; point it at your multidatabackend.json");
-    // Relative paths are taken from the working directory, as SimpleTuner does.
-    DTUNE_CHECK_AS(DataError, std::filesystem::is_regular_file(config_.text("data_backend_config")),
-                   "data_backend_config \"", config_.text("data_backend_config"),
-                   "\" is not a readable file (relative paths start at the working directory ",
-                   std::filesystem::current_path().string(), "); fix the path in config.json");
-    fs::require_writable_dir(config_.text("output_dir"), "output_dir");
-    const std::filesystem::path vae_folder = vae_dir(config_, model_dir_);  // before any model loads
+}
+
+// Everything before the data path: the output_dir lock, the data-parallel job, the device and the
+// network (quantised in host memory with quantize_via cpu), with the family's training keys applied.
+void Trainer::load_network() {
     const dist::DistEnv env = dist::read_dist_env();
     // Before any cache or checkpoint work: a second run on this output_dir stops here (exit 2).
     // Rank 0 holds the lock for the whole job; the other ranks, on this node or others, share it.
@@ -158,6 +155,20 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
                 << " s";
     objective_ = family_->training_objective(model_dir_);
     family_->apply_training_config(config_, *model_, objective_);  // the family's own keys (Flux: flux_*)
+}
+
+Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
+    check_model_dir();
+    DTUNE_CHECK_AS(UsageError, !config_.is_null("data_backend_config"),
+                   "data_backend_config is required; point it at your multidatabackend.json");
+    // Relative paths are taken from the working directory, as SimpleTuner does.
+    DTUNE_CHECK_AS(DataError, std::filesystem::is_regular_file(config_.text("data_backend_config")),
+                   "data_backend_config \"", config_.text("data_backend_config"),
+                   "\" is not a readable file (relative paths start at the working directory ",
+                   std::filesystem::current_path().string(), "); fix the path in config.json");
+    fs::require_writable_dir(config_.text("output_dir"), "output_dir");
+    const std::filesystem::path vae_folder = vae_dir(config_, model_dir_);  // before any model loads
+    load_network();
 
     // The data path: the family's encoders as callables, buckets and caches from multidatabackend.json.
     family::DataEncoderOptions eo;
@@ -186,6 +197,15 @@ Trainer::Trainer(TrainConfig config) : config_(std::move(config)) {
     source_ = std::make_unique<DatasetBatchSource>(ds, family_->load_data_encoders(eo));
     const uint64_t resolved_seed = ds.seed;
     config_.set("seed", std::to_string(resolved_seed), "resolved seed");
+    init_common();
+}
+
+Trainer::Trainer(TrainConfig config, std::unique_ptr<BatchSource> source) : config_(std::move(config)) {
+    check_model_dir();
+    fs::require_writable_dir(config_.text("output_dir"), "output_dir");
+    load_network();
+    source_ = std::move(source);
+    config_.set("seed", std::to_string(resolve_seed(config_)), "resolved seed");
     init_common();
 }
 
@@ -774,6 +794,13 @@ TrainResult Trainer::run_loop() {
     const int64_t images_per_step = config_.integer("train_batch_size") *
                                     config_.integer("gradient_accumulation_steps") * dp_->world_size();
     for (auto& cb : callbacks_) cb->on_train_start(*this);
+    // metrics.jsonl's gpu_memory_gib is the steps' peak (validation's included); loading, the caches'
+    // encoders and quantisation peak before it, said here once.
+    if (const auto setup_peak = peak_gpu_memory_gib(device_)) {
+        log::info() << "GPU memory before the first step: peak " << format_metric(*setup_peak)
+                    << " GiB while loading and caching; metrics.jsonl reports the training peak from here";
+        reset_peak_gpu_memory(device_);
+    }
     ProgressOptions progress_options{"training", "step"};
     progress_options.quiet = !is_main_process();
     Progress progress(total_steps_, progress_options);

@@ -72,6 +72,9 @@ class Trainer {
     // config's model_family.
     Trainer(TrainConfig config, std::unique_ptr<family::Denoiser> model, family::TrainingObjective objective,
             std::unique_ptr<BatchSource> source);
+    // The network loaded from pretrained_model_name_or_path exactly as the first constructor does
+    // (dtype, quantisation, the family's keys), batches from `source` (bench/bench_trainer.cpp).
+    Trainer(TrainConfig config, std::unique_ptr<BatchSource> source);
     ~Trainer();
 
     // The LoRA hook: these tensors (leaf, requires_grad) are optimized and checkpointed instead of
@@ -153,6 +156,10 @@ class Trainer {
     void init_extras();
     // base_model_precision: quantises the frozen network in place (before LoRA injection), once.
     void quantize_base_model();
+    // The constructors' shared start (trainer.cpp): pretrained_model_name_or_path checked, then the
+    // network loaded as `dtune train` loads it.
+    void check_model_dir();
+    void load_network();
     // The network of model_dir_: from the quantized_model_cache file when one matches, else loaded
     // (and, with a cache folder, quantised and written there by the main process).
     std::unique_ptr<family::Denoiser> load_base_model(const models::ComponentLoadOptions& load,

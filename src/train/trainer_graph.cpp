@@ -91,20 +91,13 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
     return {};
 }
 
-// The one place for graphed steps that run only when cuda_graph is true. Flow matching's graphed
-// step (device draws of noise, sigmas and guidance) was written without a GPU to run it on: a GPU
-// run of CudaGraphFluxGpu (tests/train/test_trainer_graph_gpu.cpp) passing lifts this rule, after
-// which cuda_graph auto graphs flow matching like DDPM.
+// Why the step trains eagerly ("" when it is graphed): cuda_graph false, else the blocker. Flow
+// matching's graphed step (device draws of noise, sigmas and guidance) is graphed under auto like
+// DDPM's since CudaGraphFluxGpu (tests/train/test_trainer_graph_gpu.cpp) passed on an H200.
 std::string cuda_graph_fallback(const TrainConfig& c, const family::TrainingObjective& objective,
                                 c10::Device device, int world_size, int zero_stage) {
-    const std::string mode = c.text("cuda_graph");
-    if (mode == "false") return "cuda_graph is false";
-    std::string blocker = cuda_graph_blocker(c, device, world_size, zero_stage, &objective);
-    if (!blocker.empty()) return blocker;
-    if (mode != "true" && objective.flow_matching())
-        return "flow matching under CUDA graphs is new and not yet checked on a GPU; set cuda_graph true to "
-               "use it";
-    return {};
+    if (c.text("cuda_graph") == "false") return "cuda_graph is false";
+    return cuda_graph_blocker(c, device, world_size, zero_stage, &objective);
 }
 
 void Trainer::init_graph() {

@@ -240,7 +240,7 @@ TrainConfig flux_config(const stdfs::path& out, const nlohmann::json& extra) {
     return c;
 }
 
-TEST(CudaGraphFlow, BlockersAndAutoStaysEagerUntilCheckedOnAGpu) {
+TEST(CudaGraphFlow, BlockersAndAutoGraphsFlowMatching) {
     test::TempDir dir;
     const c10::Device cuda(c10::kCUDA, 0);  // a Device value only: no CUDA needed
     const auto flux_model = family::flux_family().load_denoiser(kRef / "tiny-flux-dev", {});
@@ -249,15 +249,12 @@ TEST(CudaGraphFlow, BlockersAndAutoStaysEagerUntilCheckedOnAGpu) {
         family::flux_family().apply_training_config(c, *flux_model, o);
         return o;
     };
-    const std::string unchecked =
-        "flow matching under CUDA graphs is new and not yet checked on a GPU; set cuda_graph true to use it";
-
     const TrainConfig on = flux_config(dir.path(), {{"cuda_graph", true}});
     const TrainConfig automatic = flux_config(dir.path(), {{"cuda_graph", "auto"}});
     const family::TrainingObjective flow = objective_for(on);
     EXPECT_EQ(cuda_graph_blocker(on, cuda, 1, 0, &flow), "");
-    EXPECT_EQ(cuda_graph_fallback(on, flow, cuda, 1), "");  // cuda_graph true: graphed
-    EXPECT_EQ(cuda_graph_fallback(automatic, flow, cuda, 1), unchecked);
+    EXPECT_EQ(cuda_graph_fallback(on, flow, cuda, 1), "");         // cuda_graph true: graphed
+    EXPECT_EQ(cuda_graph_fallback(automatic, flow, cuda, 1), "");  // auto: graphed as DDPM is
     EXPECT_EQ(cuda_graph_fallback(flux_config(dir.path(), {{"cuda_graph", false}}), flow, cuda, 1),
               "cuda_graph is false");
     EXPECT_EQ(cuda_graph_fallback(on, flow, c10::Device(c10::kCPU), 1).rfind("device is cpu", 0), 0u);

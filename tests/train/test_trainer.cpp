@@ -442,6 +442,55 @@ TEST(TrainMetrics, RowsEveryIntervalWithTheWindowsThroughput) {
 }
 
 // A stop before the run's first step has nothing new to save: no checkpoint-0 (issue #20).
+// bench_trainer's constructor: the network loaded from pretrained_model_name_or_path as `dtune train`
+// loads it, batches from the given source. Trained on the same batches it ends on the same weights
+// as a run whose UNet the test loaded itself; with distinct_batches the source serves its first
+// batches in turn.
+TEST(TrainBench, SyntheticSourceConstructorLoadsTheNetworkAsTrainDoes) {
+    const auto cycling = [] {
+        SyntheticBatchOptions o;
+        o.batch_size = 2;
+        o.latent_size = 8;
+        o.dim = 64;
+        o.pooled_dim = 32;
+        o.distinct_batches = 2;
+        return std::make_unique<SyntheticBatchSource>(o);
+    };
+    auto source = cycling();
+    at::Generator g = at::detail::createCPUGenerator(7);
+    const TrainBatch b0 = source->next(g), b1 = source->next(g), b2 = source->next(g);
+    EXPECT_TRUE(at::equal(b0.latents, b2.latents));
+    EXPECT_FALSE(at::equal(b0.latents, b1.latents));
+
+    test::TempDir by_hand, by_path;
+    const std::string extra = R"({"model_type": "lora", "lora_rank": 4, "checkpoint_step_interval": 0})";
+    TrainConfig config = config_with(by_hand.path(), 2, extra);
+    Trainer hand(config, testutil::sdxl_model(tiny_unet()), tiny_schedule(), cycling());
+    hand.run();
+    TrainConfig with_path = config_with(by_path.path(), 2, extra);
+    with_path.set("pretrained_model_name_or_path", testutil::tiny_model().string(), "test");
+    Trainer loaded(with_path, cycling());
+    const TrainResult r = loaded.run();
+    EXPECT_EQ(r.global_step, 2);
+    const io::TensorList a = models::state_dict(*testutil::unet_of(hand));
+    const io::TensorList b = models::state_dict(*testutil::unet_of(loaded));
+    ASSERT_EQ(a.size(), b.size());
+    int64_t differing = 0, trained = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        ASSERT_EQ(a[i].first, b[i].first);
+        differing += at::equal(a[i].second, b[i].second) ? 0 : 1;
+        // LoRA B starts at zero: a nonzero one trained.
+        if (a[i].first.find("lora_B") != std::string::npos && a[i].second.abs().max().item<double>() > 0)
+            ++trained;
+    }
+    EXPECT_EQ(differing, 0);
+    EXPECT_GT(trained, 0);
+    // A missing model folder is named, as `dtune train` names it.
+    TrainConfig missing = config_with(by_path.path() / "again", 1, extra);
+    missing.set("pretrained_model_name_or_path", (by_path.path() / "nowhere").string(), "test");
+    EXPECT_THROW(Trainer(missing, cycling()), DataError);
+}
+
 TEST(TrainSignals, StopRequestBeforeTheFirstStepReportsInterruptedWithoutACheckpoint) {
     test::TempDir dir;
     install_stop_signal_handlers();

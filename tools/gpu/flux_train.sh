@@ -10,7 +10,7 @@
 #   OUT=$OUT tools/gpu/flux_train.sh        env: STEPS (20), RUNS ("gc nogc"; also masked, context, fused,
 #   keys, graph, graphnogc, int8, fp8: see the loop), RUN_LIMIT (240 s a run), FLUX (an existing make_random_flux_pipeline.py folder to reuse), BASELINE (1: the diffusers
 #   step after dtune's, same card), BASELINE_MODES (lora1,lora1gc), COMPILE (0; 1: also under torch.compile),
-#   PROFILE (A:B: a Kineto trace of steps A..B of each run, summarised into the logs)
+#   BENCH (1: each run's options again through bench/bench_trainer, synthetic batches), PROFILE (A:B: a Kineto trace of steps A..B of each run, summarised into the logs)
 # Results: $OUT/flux_train.json (one row per run) and $OUT/flux_train_logs.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,7 +23,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$logs/gpu.
 whl=$(ls .whl/diffusers-*.whl 2>/dev/null | head -1)
 [[ -n $whl ]] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_diffusers "$whl" \
     >"$logs/pip.log" 2>&1 && export PYTHONPATH=/tmp/site_diffusers${PYTHONPATH:+:$PYTHONPATH}
-(PRESET=release OUT=$logs timeout -k 10 300 tools/gpu/build.sh dtune >"$logs/build.txt" 2>&1; echo $? >"$logs/build.rc") &
+(PRESET=release OUT=$logs timeout -k 10 300 tools/gpu/build.sh dtune bench_trainer >"$logs/build.txt" 2>&1; echo $? >"$logs/build.rc") &
 build_pid=$!
 flux=${FLUX:-$W/flux}
 [[ -f $flux/model_index.json ]] || timeout -k 10 240 python3 tools/ref/make_random_flux_pipeline.py "$flux" --device cuda --seed 1 >"$logs/make.log" 2>&1 ||
@@ -59,11 +59,11 @@ for run in $RUNS; do
         *) keys="" ;;
     esac
     o=$W/out-$run
-    DTUNE_PROFILE_STEPS=${PROFILE:-} timeout -k 10 ${RUN_LIMIT:-240} build/release/bin/dtune train --model_family flux --pretrained_model_name_or_path "$flux" \
-        --data_backend_config "$W/mdb.json" --output_dir "$o" --max_train_steps "$STEPS" --model_type lora \
-        --lora_rank 16 --train_batch_size 1 --optimizer adamw_bf16 --learning_rate 1e-4 --mixed_precision bf16 \
-        --gradient_checkpointing "$gc" --checkpoint_step_interval 1000 --seed 42 --device cuda $keys \
-        >"$logs/$run.log" 2>&1
+    args=(--model_family flux --pretrained_model_name_or_path "$flux" --output_dir "$o" --max_train_steps "$STEPS"
+        --model_type lora --lora_rank 16 --train_batch_size 1 --optimizer adamw_bf16 --learning_rate 1e-4
+        --mixed_precision bf16 --gradient_checkpointing "$gc" --checkpoint_step_interval 1000 --seed 42 --device cuda $keys)
+    DTUNE_PROFILE_STEPS=${PROFILE:-} timeout -k 10 ${RUN_LIMIT:-240} build/release/bin/dtune train "${args[@]}" \
+        --data_backend_config "$W/mdb.json" >"$logs/$run.log" 2>&1
     rc=$?
     python3 - "$o/metrics.jsonl" "$run" "$rc" <<'PY' | tee -a "$out/flux_train.json"
 import json, math, statistics, sys
@@ -82,6 +82,13 @@ if half:
 print(json.dumps(out))
 PY
     grep -h 'loaded the\|cuda_graph\|text cache\|latent\|error' "$logs/$run.log" | head -8
+    # BENCH=1: the same options through bench_trainer (the real Trainer, synthetic batches of the
+    # same shapes): `dtune train` should come within 5% of it.
+    if [[ ${BENCH:-1} == 1 ]]; then
+        timeout -k 10 ${RUN_LIMIT:-240} build/release/bench/bench_trainer "${args[@]}" --output_dir "$W/bench-$run" \
+            >"$logs/bench_$run.log" 2>&1
+        tail -1 "$logs/bench_$run.log" | grep '^{' | sed "s/^{/{\"run\": \"$run\", /" | tee -a "$out/flux_train.json"
+    fi
     if [[ -f $o/profile/trace_rank0.json ]]; then  # PROFILE=A:B (DTUNE_PROFILE_STEPS) traced steps A..B
         span=${PROFILE#*:}; span=$(( span - ${PROFILE%%:*} + 1 ))
         python3 bench/summarize_trace.py "$o/profile/trace_rank0.json" --steps "$span" --top 40 \
