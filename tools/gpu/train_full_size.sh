@@ -5,6 +5,7 @@
 # mode: lora (rank 16, batch 4) or full (batch 1, adamw_bf16). Prints the last metrics line and a
 # JSON summary (median ms/step over the second half of the run, peak memory, final loss).
 # NPROC=2 runs it data-parallel through `dtune launch --nproc_per_node 2` (batch is per GPU).
+# BENCH_TRAINER=1 also runs the options through bench/bench_trainer (build it) and adds its ms/step.
 set -euo pipefail
 build=$1 work=$2 mode=$3 steps=${4:-200}
 shift $(( $# < 4 ? $# : 4 ))
@@ -44,19 +45,32 @@ if [[ $mode == lora ]]; then
 else
   args=(--model_type full --train_batch_size 1 --optimizer adamw_bf16 --learning_rate 1e-5)
 fi
-"${run[@]}" --model_family sdxl --pretrained_model_name_or_path "$work/sdxl" \
-  --data_backend_config "$work/mdb.json" --output_dir "$out" --max_train_steps "$steps" \
-  --mixed_precision bf16 --gradient_checkpointing false --checkpoint_step_interval "$steps" \
-  --seed 42 --device cuda --caption_dropout_probability 0.1 --lr_scheduler constant \
-  "${args[@]}" "$@"
-batch=$(( ($([[ $mode == lora ]] && echo 4 || echo 1)) * nproc ))
-python3 - "$out/metrics.jsonl" "$mode" "$batch" <<'PY'
-import json, math, statistics, sys
+common=(--model_family sdxl --pretrained_model_name_or_path "$work/sdxl" --output_dir "$out" --max_train_steps "$steps"
+  --mixed_precision bf16 --gradient_checkpointing false --checkpoint_step_interval "$steps"
+  --seed 42 --device cuda --caption_dropout_probability 0.1 --lr_scheduler constant "${args[@]}" "$@")
+"${run[@]}" "${common[@]}" --data_backend_config "$work/mdb.json"
+# BENCH_TRAINER=1 (one process): the same options through bench/bench_trainer (the real Trainer,
+# synthetic batches of SDXL's shapes); its ms/step joins the summary as bench_trainer_ms.
+bench_json=$out-bench.json
+rm -f "$bench_json"
+if [[ ${BENCH_TRAINER:-0} == 1 && $nproc == 1 ]]; then
+  rm -rf "$out-bench"
+  "$build/bench/bench_trainer" "${common[@]}" --output_dir "$out-bench" >"$out-bench.log" 2>&1
+  tail -1 "$out-bench.log" | grep '^{' >"$bench_json" || tail -3 "$out-bench.log" >&2
+fi
+per_gpu=$([[ $mode == lora ]] && echo 4 || echo 1)
+extra=("$@")
+for i in "${!extra[@]}"; do [[ ${extra[$i]} == --train_batch_size ]] && per_gpu=${extra[$((i + 1))]}; done
+batch=$(( per_gpu * nproc ))
+python3 - "$out/metrics.jsonl" "$mode" "$batch" "$bench_json" <<'PY'
+import json, math, os, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]
 half = rows[len(rows) // 2:]  # past warm-up and caching
 ips = statistics.median(r["img_per_s"] for r in half)
 print(json.dumps({"mode": sys.argv[2], "images_per_step": int(sys.argv[3]), "steps": rows[-1]["step"], "final_loss": rows[-1]["loss"],
                   "all_finite": all(math.isfinite(r["loss"]) for r in rows),
                   "img_per_s_median": ips, "ms_per_step_median": 1000.0 * int(sys.argv[3]) / ips,
-                  "peak_gpu_gib": max(r.get("gpu_memory_gib", 0) for r in rows)}))
+                  "peak_gpu_gib": max(r.get("gpu_memory_gib", 0) for r in rows),
+                  **({"bench_trainer_ms": json.load(open(sys.argv[4]))["ms_per_step_median"]}
+                     if os.path.exists(sys.argv[4]) else {})}))
 PY
