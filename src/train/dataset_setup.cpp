@@ -23,6 +23,17 @@ namespace {
 
 namespace stdfs = std::filesystem;
 
+// SimpleTuner tops every rank's share of a bucket up to ceil(n / world) with the bucket's last
+// image, so that its independent per-rank samplers yield equal batch counts. dtune serves one
+// global sampler whose batches every rank slices, so ranks are in step by construction, and the
+// short last batch of a bucket is filled with already-seen images as in one process (§3.5): the
+// batches per epoch are the same, ceil(ceil(n / world) / b) = ceil(n / (world * b)). Padding here
+// would only add the duplicate to the global list, which changes its length, hence the shuffled
+// order, and so the samples of every step with world size (8 images on 3 ranks x batch 1 were
+// served in another order than on 1 process x batch 3). Oversubscribed buckets keep their
+// schedule (data/batch_plan.h), which does not depend on this flag.
+constexpr bool kPadRankShares = false;
+
 void barrier(const DatasetSourceOptions& o) {
     if (o.barrier) o.barrier();
 }
@@ -102,7 +113,7 @@ void plan_dataset(LoadedDataset& d, const DatasetSourceOptions& o) {
     in.repeats_set_by_user = d.config.repeats_set;
     in.allow_oversubscription = o.allow_dataset_oversubscription;
     in.disable_bucket_pruning = o.disable_bucket_pruning;
-    in.apply_padding = o.apply_padding;
+    in.apply_padding = kPadRankShares;
     std::map<std::string, int64_t> sizes;
     for (const auto& [key, paths] : buckets) sizes[key] = static_cast<int64_t>(paths.size());
     d.plan = data::plan_epoch(in, sizes);
@@ -110,7 +121,7 @@ void plan_dataset(LoadedDataset& d, const DatasetSourceOptions& o) {
     d.global.clear();
     for (int r = 0; r < o.world_size; ++r)
         for (auto& [key, list] :
-             data::rank_bucket_lists(buckets, d.plan, d.config.id, o.seed, o.world_size, r, o.apply_padding))
+             data::rank_bucket_lists(buckets, d.plan, d.config.id, o.seed, o.world_size, r, kPadRankShares))
             d.global[key].insert(d.global[key].end(), list.begin(), list.end());
     // SimpleTuner's later check (_handle_config_versioning): every bucket pruned or excluded.
     if (d.global.empty() && d.plan.total_samples == 0 && !d.excluded_before_bucketing.empty()) {
@@ -151,7 +162,7 @@ LoadedDataset bucket_dataset(const data::DatasetConfig& config, const DatasetSou
     bo.gradient_accumulation_steps = o.gradient_accumulation_steps;
     bo.allow_dataset_oversubscription = o.allow_dataset_oversubscription;
     bo.disable_bucket_pruning = o.disable_bucket_pruning;
-    bo.apply_padding = o.apply_padding;
+    bo.apply_padding = kPadRankShares;
     bo.write_index = write_index;
     bo.show_progress = o.show_progress && o.rank == 0;
     bo.math = o.math;
@@ -328,7 +339,7 @@ void prepare_rebucketing(LoadedDataset& d, const DatasetSourceOptions& o) {
     in->check.repeats_set_by_user = d.config.repeats_set;
     in->check.allow_oversubscription = o.allow_dataset_oversubscription;
     in->check.disable_bucket_pruning = o.disable_bucket_pruning;
-    in->check.apply_padding = o.apply_padding;
+    in->check.apply_padding = kPadRankShares;
     in->seed = o.seed;
     in->world_size = o.world_size;
     d.rebucket = std::move(in);

@@ -13,8 +13,11 @@
 // rank's bucket list, batch = train_batch_size × world_size); each step picks a dataset with
 // data::choose_dataset (seeded by seed + micro-batch index, so every rank picks the same one) and
 // rank r takes slice [r·bs, (r+1)·bs) of the global batch: ranks serve disjoint parts of one batch
-// of one bucket (same shapes everywhere). A background thread prepares the next K batches (cache
-// reads or decode + encode, text embeds, collate, pinned memory on CUDA).
+// of one bucket (same shapes everywhere). The global lists are never padded (SimpleTuner's
+// apply_padding; see kPadRankShares in dataset_setup.cpp), so N ranks x bs serve exactly the
+// batches one process with N·bs serves, whether or not N divides a bucket's size. A background
+// thread prepares the next K batches (cache reads or decode + encode, text embeds, collate, pinned
+// memory on CUDA).
 //
 // Per-draw variants (data/sample_variants.h): with random_flip a draw is mirrored by the same
 // per-sample generator; with crop_aspect random the planner re-buckets each dataset at every epoch
@@ -52,7 +55,6 @@ struct DatasetSourceOptions {
     int gradient_accumulation_steps = 1;
     bool allow_dataset_oversubscription = false;
     bool disable_bucket_pruning = false;  // keep buckets smaller than the batch (data/batch_plan.h)
-    bool apply_padding = true;            // SimpleTuner pads rank shares (see data/batch_plan.h)
     uint64_t seed = 0;
     int prefetch_batches = 2;  // K batches prepared ahead by the loader thread (0: no thread)
     // Text encoder batch without a text_embeds entry (an entry's text_encoder_batch_size wins;

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <memory>
 #include <set>
 
 #include "core/error.h"
@@ -323,6 +324,40 @@ TEST(DatasetSource, TwoRanksServeDisjointSlicesOfTheSameGlobalBatch) {
     }
     EXPECT_EQ(all.size(), 16u);
     EXPECT_EQ(std::set<std::string>(all.begin(), all.end()).size(), 16u);  // an epoch covers every image once
+}
+
+TEST(DatasetSource, ThreeRanksServeTheOneProcessBatchesWhenThreeDoesNotDivideTheBuckets) {
+    // 7 wide and 5 tall images on 3 ranks x batch 1 against 1 process x batch 3. SimpleTuner's
+    // padding (the bucket's last image added to the short rank shares) made the global lists 9 and
+    // 6 long instead of 7 and 5, so they were shuffled otherwise and the very first global batch
+    // held other images than one process's (step 1 logged another loss).
+    Workspace s(7, 5);
+    std::vector<std::unique_ptr<DatasetBatchSource>> ranks;
+    for (int r = 0; r < 3; ++r) {
+        auto o = s.options(1);
+        o.world_size = 3;
+        o.rank = r;
+        ranks.push_back(std::make_unique<DatasetBatchSource>(o, fake_encoders(std::make_shared<Counters>())));
+    }
+    DatasetBatchSource whole(s.options(3), fake_encoders(std::make_shared<Counters>()));
+    ASSERT_EQ(whole.batches_per_epoch(), 3 + 2);  // ceil(7 / 3) + ceil(5 / 3)
+    for (const auto& r : ranks) EXPECT_EQ(r->batches_per_epoch(), whole.batches_per_epoch());
+    EXPECT_EQ(ranks[0]->cache_reports().at(0).samples, 12);  // nothing padded
+    auto g = unused_generator();
+    std::multiset<std::string> epoch;
+    for (int i = 0; i < 2 * whole.batches_per_epoch(); ++i) {  // two epochs, short batches filled
+        const TrainBatch w = whole.next(g);
+        std::vector<std::string> joined, captions;
+        for (const auto& r : ranks) {
+            const TrainBatch b = r->next(g);
+            joined.insert(joined.end(), b.paths.begin(), b.paths.end());
+            captions.insert(captions.end(), b.captions.begin(), b.captions.end());
+        }
+        EXPECT_EQ(joined, w.paths) << "global batch " << i;
+        EXPECT_EQ(captions, w.captions) << "global batch " << i;
+        if (i < whole.batches_per_epoch()) epoch.insert(joined.begin(), joined.end());
+    }
+    EXPECT_EQ(std::set<std::string>(epoch.begin(), epoch.end()).size(), 12u);  // every image once an epoch
 }
 
 }  // namespace
