@@ -87,6 +87,14 @@ class SingleGroup final : public Group {
     }
     void broadcast_(at::Tensor&, int) override {}
     std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override { return {tensor.clone()}; }
+    std::unique_ptr<Pending> all_gather_into_async(at::Tensor& out, const at::Tensor& shard) override {
+        out.copy_(shard);
+        return all_reduce_sum_async(out);
+    }
+    std::unique_ptr<Pending> reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in) override {
+        out.copy_(in);
+        return all_reduce_sum_async(out);
+    }
     void shutdown() override {}
 };
 
@@ -179,6 +187,56 @@ class C10dGroup final : public Group {
         wait(backend_->allgather(outputs, inputs));
         return outputs[0];
     }
+    std::unique_ptr<Pending> all_gather_into_async(at::Tensor& out, const at::Tensor& shard) override {
+        check_open();
+        Trace trace(rank(), "all_gather_into", &out);
+        DTUNE_CHECK(
+            out.is_contiguous() && shard.is_contiguous() && out.numel() == shard.numel() * world_size(),
+            "dist: all_gather_into needs a contiguous [", world_size(), " x ", shard.numel(),
+            "] output, got ", out.sizes());
+        if (name_ == std::string("gloo")) {
+            // Gloo's flat all-gather runs its work inside wait(), which the sliced wait below calls
+            // repeatedly: use the list form with views of `out` as the outputs instead.
+            std::vector<at::Tensor> inputs{shard};
+            std::vector<std::vector<at::Tensor>> outputs(1);
+            for (int r = 0; r < world_size(); ++r)
+                outputs[0].push_back(out.narrow(0, r * shard.numel(), shard.numel()));
+            return std::make_unique<WorkPending>(*this, backend_->allgather(outputs, inputs));
+        }
+        at::Tensor input = shard;  // (the backend takes non-const references)
+        return std::make_unique<WorkPending>(*this, backend_->_allgather_base(out, input));
+    }
+    std::unique_ptr<Pending> reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in) override {
+        check_open();
+        Trace trace(rank(), "reduce_scatter_sum", &in);
+        DTUNE_CHECK(out.is_contiguous() && in.is_contiguous() && in.numel() == out.numel() * world_size(),
+                    "dist: reduce_scatter needs a contiguous [", world_size(), " x ", out.numel(),
+                    "] input, got ", in.sizes());
+        if (name_ == std::string("gloo")) {
+            // Gloo's reduce-scatter runs inside wait() (see all_gather_into_async): an all-reduce of
+            // `in`, then this rank's slice copied out (CPU tests; twice the traffic of NCCL's).
+            struct SliceAfter final : Pending {
+                std::unique_ptr<Pending> reduce;
+                at::Tensor out, slice;
+                void wait() override {
+                    reduce->wait();
+                    out.copy_(slice);
+                }
+                bool ready() override { return reduce->ready(); }
+            };
+            auto p = std::make_unique<SliceAfter>();
+            std::vector<at::Tensor> tensors{in};
+            c10d::AllreduceOptions opts;
+            opts.reduceOp = c10d::ReduceOp::SUM;
+            p->reduce = std::make_unique<WorkPending>(*this, backend_->allreduce(tensors, opts));
+            p->out = out;
+            p->slice = in.narrow(0, rank() * out.numel(), out.numel());
+            return p;
+        }
+        c10d::ReduceScatterOptions opts;
+        opts.reduceOp = c10d::ReduceOp::SUM;
+        return std::make_unique<WorkPending>(*this, backend_->_reduce_scatter_base(out, in, opts));
+    }
     void shutdown() override {
         if (!backend_) return;
         if (peer_fault()) return abort();
@@ -262,6 +320,7 @@ class C10dGroup final : public Group {
         DTUNE_CHECK(backend_, "dist: collective called after shutdown() on rank ", rank(),
                     "; call shutdown() only at the end of the job");
         throw_if_peer_failed();
+        count_collective();  // every collective starts here
     }
     // Runs once, on the watcher thread (or in a failed collective's check): says why this rank
     // stops, unblocks NCCL, and bounds the time left to this process.

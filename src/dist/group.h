@@ -15,7 +15,9 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -70,6 +72,12 @@ class Group {
     virtual void broadcast_(at::Tensor& tensor, int root) = 0;
     // Every rank's `tensor` (same shape everywhere), in rank order.
     virtual std::vector<at::Tensor> all_gather(const at::Tensor& tensor) = 0;
+    // ZeRO-3 (zero3.h): `out` [world_size * n] gets every rank's `shard` [n], in rank order; both
+    // contiguous, same dtype and device. The collective writes `out` in place.
+    virtual std::unique_ptr<Pending> all_gather_into_async(at::Tensor& out, const at::Tensor& shard) = 0;
+    // ZeRO-3: `out` [n] gets the sum over ranks of rank r's slice [r * n, (r + 1) * n) of `in`
+    // [world_size * n]; `in` is scratch afterwards.
+    virtual std::unique_ptr<Pending> reduce_scatter_sum_async(at::Tensor& out, at::Tensor& in) = 0;
     // Ends the backend and the store after a normal run (idempotent; also run by the destructor
     // when no exception is in flight and no peer failed).
     virtual void shutdown() = 0;
@@ -89,9 +97,15 @@ class Group {
     // collective still pending would block the join.
     virtual void abort() {}
 
+    // Collectives this rank has issued (barriers included; none for one process, where every
+    // collective is the identity): tests count what a code path costs in calls, not in bytes.
+    std::size_t collectives_issued() const { return collectives_.load(std::memory_order_relaxed); }
+
   protected:
     explicit Group(DistEnv env) : env_(std::move(env)) {}
+    void count_collective() const { collectives_.fetch_add(1, std::memory_order_relaxed); }
     DistEnv env_;
+    mutable std::atomic<std::size_t> collectives_{0};
 };
 
 // Creates the group for `env`: single-process when env.world_size == 1, else TCPStore + backend.

@@ -144,14 +144,23 @@ AccelerateConfig parse_accelerate_config(const std::string& text, const std::str
     if (c.distributed_type) {
         const std::string& t = *c.distributed_type;
         if (t != "NO" && t != "MULTI_GPU" && t != "DEEPSPEED" && t != "MULTI_CPU")
-            throw UsageError(
-                str(path, ": distributed_type: '", t, "' is not supported; dtune runs NO, MULTI_GPU, ",
-                    "MULTI_CPU and DEEPSPEED (ZeRO stage 1/2 on its own reducer) - set one of these"));
+            throw UsageError(str(
+                path, ": distributed_type: '", t, "' is not supported; dtune runs NO, MULTI_GPU, ",
+                "MULTI_CPU and DEEPSPEED (ZeRO stages 1-3 on its own engine; for FSDP set DEEPSPEED with ",
+                "deepspeed_config.zero_stage 3, or fsdp_enable in config.json) - set one of these"));
     }
-    if (c.zero_stage && *c.zero_stage > 2)
+    if (c.zero_stage && (*c.zero_stage < 0 || *c.zero_stage > 3))
         throw UsageError(
             str(path, ": deepspeed_config.zero_stage: ", *c.zero_stage,
-                " is not supported; dtune shards optimizer state (1) and gradients (2): use 1 or 2"));
+                " is not a ZeRO stage; dtune shards optimizer state (1), gradients (2) and parameters (3): ",
+                "use 0 to 3"));
+    c.offload_param_device = get_str(kv, "deepspeed_config.offload_param_device");
+    if (c.offload_param_device && *c.offload_param_device != "none")
+        throw UsageError(
+            str(path, ": deepspeed_config.offload_param_device: '", *c.offload_param_device,
+                "' is not supported; dtune's ZeRO-3 keeps each rank's parameter shard (1/N of ",
+                "the weights) on its GPU: set it to none and add GPUs, or offload the optimizer ",
+                "instead (offload_optimizer_device: cpu)"));
     return c;
 }
 
@@ -255,6 +264,7 @@ LaunchConfig resolve_launch_config(const LaunchOptions& o, const std::optional<A
         if (acc->zero_stage) c.extra_env["DTUNE_ZERO_STAGE"] = std::to_string(*acc->zero_stage);
         if (acc->offload_optimizer_device)
             c.extra_env["DTUNE_OFFLOAD_OPTIMIZER_DEVICE"] = *acc->offload_optimizer_device;
+        if (acc->offload_param_device) c.extra_env["DTUNE_OFFLOAD_PARAM_DEVICE"] = *acc->offload_param_device;
         if (acc->gradient_accumulation_steps)
             c.extra_env["DTUNE_GRADIENT_ACCUMULATION_STEPS"] =
                 std::to_string(*acc->gradient_accumulation_steps);

@@ -28,6 +28,7 @@ struct AccelerateConfig {
     std::optional<std::string> mixed_precision;           // no / fp16 / bf16
     std::optional<std::string> distributed_type;          // MULTI_GPU, DEEPSPEED, NO, ...
     std::optional<int> zero_stage;                        // deepspeed_config.zero_stage
+    std::optional<std::string> offload_param_device;      // deepspeed_config.offload_param_device (none)
     std::optional<std::string> offload_optimizer_device;  // deepspeed_config.offload_optimizer_device
     std::optional<int> gradient_accumulation_steps;
     std::optional<double> gradient_clipping;
@@ -35,7 +36,7 @@ struct AccelerateConfig {
 
 // Parses accelerate's YAML (text of `path`). Throws UsageError (a configuration error, exit code 2) naming
 // the file and key when a value has the wrong type, or distributed_type is one dtune does not run (FSDP,
-// TPU...).
+// TPU...: FSDP's sharding is reached through DEEPSPEED zero_stage 3 or config.json's fsdp_enable).
 AccelerateConfig parse_accelerate_config(const std::string& text, const std::string& path);
 
 // The command line of `dtune launch` before resolution (unset = not given).

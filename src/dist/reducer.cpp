@@ -3,6 +3,7 @@
 #include "dist/reducer.h"
 
 #include <ATen/core/grad_mode.h>
+#include <ATen/ops/_foreach_copy.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -14,6 +15,16 @@
 #include "core/error.h"
 
 namespace dtune::dist {
+
+namespace {
+
+struct ReadyHook final : torch::autograd::PostAccumulateGradHook {
+    explicit ReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
+    void operator()(const torch::autograd::Variable&) override { fn_(); }
+    std::function<void()> fn_;
+};
+
+}  // namespace
 
 GradReducer::GradReducer(Group& group, std::vector<at::Tensor> params, ReducerOptions options)
     : group_(group), params_(std::move(params)) {
@@ -40,115 +51,148 @@ GradReducer::GradReducer(Group& group, std::vector<at::Tensor> params, ReducerOp
         bytes += size;
     }
     if (!current.empty()) close_bucket();
+
+    flats_.assign(buckets_.size(), at::Tensor());
+    if (group_.world_size() <= 1) return;  // one process: autograd keeps its own gradients
+    owns_ = true;
+    bucket_of_.assign(params_.size(), 0);
+    offset_.assign(params_.size(), 0);
+    views_.assign(params_.size(), at::Tensor());
+    bucket_numel_.assign(buckets_.size(), 0);
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+        for (std::size_t k : buckets_[b]) {
+            bucket_of_[k] = b;
+            offset_[k] = bucket_numel_[b];
+            bucket_numel_[b] += params_[k].numel();
+        }
+    used_.assign(params_.size(), 0);
+    fired_.assign(params_.size(), 0);
+    remaining_.assign(buckets_.size(), 0);
+    launched_.assign(buckets_.size(), 0);
+    reset_round();
+    {
+        at::NoGradGuard no_grad;
+        for (std::size_t b = 0; b < buckets_.size(); ++b)
+            if (persistent(b)) materialise(b);
+    }
+    // Every parameter: a post-accumulate hook (used flags; launches with overlap). ZeRO-2, other
+    // ranks' parameters: a pre-accumulate hook that allocates the bucket before autograd would
+    // allocate a gradient of its own.
+    for (std::size_t k = 0; k < params_.size(); ++k) {
+        if (!params_[k].requires_grad()) continue;  // never gets a gradient: counts as unused
+        torch::autograd::impl::set_post_acc_grad_hooks(
+            params_[k], std::make_unique<ReadyHook>([this, k] { on_grad_ready(k); }));
+        if (!persistent(bucket_of_[k]))
+            pre_hooks_.emplace_back(
+                k, params_[k].register_hook([this, k](const at::Tensor&) { on_grad_arriving(k); }));
+    }
 }
 
 GradReducer::~GradReducer() {
-    if (!overlap_) return;
-    for (auto& p : params_) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+    if (owns_) remove_hooks();
 }
 
-// [sum numel + n]: the gradients (zeros where undefined) then one "used" flag per parameter.
-at::Tensor GradReducer::pack(const std::vector<std::size_t>& bucket) const {
-    std::vector<at::Tensor> parts;
-    parts.reserve(bucket.size() + 1);
-    const at::Tensor& first = params_[bucket[0]];
-    auto used = at::zeros({static_cast<long>(bucket.size())}, first.options());
-    for (std::size_t j = 0; j < bucket.size(); ++j) {
-        const at::Tensor& p = params_[bucket[j]];
-        const at::Tensor& g = p.grad();
-        if (g.defined()) {
-            parts.push_back(g.detach().reshape({-1}).to(p.scalar_type()));
-            used[static_cast<long>(j)].fill_(1);
-        } else {
-            parts.push_back(at::zeros({p.numel()}, p.options()));
-        }
-    }
-    parts.push_back(used);
-    return at::cat(parts);
+void GradReducer::remove_hooks() {
+    for (auto& p : params_)
+        if (p.requires_grad()) torch::autograd::impl::set_post_acc_grad_hooks(p, nullptr);
+    for (const auto& [k, position] : pre_hooks_) params_[k].remove_hook(position);
+    pre_hooks_.clear();
 }
 
-// Non-sharded: copies into the existing gradients (a new one is a clone, so that one view does not
-// keep the whole bucket alive). ZeRO-2: the owner's gradients become views of `flat`, which holds
-// only its own parameters.
-void GradReducer::unpack(const std::vector<std::size_t>& bucket, const at::Tensor& flat) {
-    long total = flat.numel() - static_cast<long>(bucket.size());
-    // [n] how many ranks had a grad; read once on the host (one sync per bucket, not per parameter).
-    auto used = flat.slice(0, total).to(at::kCPU).to(at::kDouble).contiguous();
-    const double* used_count = used.data_ptr<double>();
-    long offset = 0;
-    for (std::size_t j = 0; j < bucket.size(); ++j) {
-        at::Tensor& p = params_[bucket[j]];
-        long n = p.numel();
-        auto averaged = flat.slice(0, offset, offset + n).view(p.sizes());
-        offset += n;
-        if (used_count[j] == 0) continue;  // unused on every rank
-        if (p.grad().defined())
-            p.mutable_grad().copy_(averaged);
-        else
-            p.mutable_grad() = sharded() ? averaged : averaged.clone();
+// Allocates bucket b ([numel + n] zeros: the gradients, then the used flags) and makes it the grad
+// of each of its parameters that has none (a grad a caller set is adopted at launch instead).
+void GradReducer::materialise(std::size_t b) {
+    const at::Tensor& first = params_[buckets_[b][0]];
+    const long flags = static_cast<long>(buckets_[b].size());
+    flats_[b] = at::zeros({bucket_numel_[b] + flags}, first.options());
+    for (std::size_t k : buckets_[b]) {
+        at::Tensor& p = params_[k];
+        views_[k] = flats_[b].slice(0, offset_[k], offset_[k] + p.numel()).view(p.sizes());
+        if (!p.grad().defined()) p.mutable_grad() = views_[k];
     }
+}
+
+// Makes parameter k's grad its view again: a grad a caller set (or autograd allocated after the
+// caller dropped ours) is copied in and counts as used; no grad at all leaves a zero view.
+void GradReducer::adopt_grad(std::size_t k) {
+    at::Tensor& p = params_[k];
+    const at::Tensor& g = p.grad();
+    if (g.defined() && g.is_same(views_[k])) return;
+    if (g.defined()) {
+        views_[k].copy_(g);
+        used_[k] = 1;
+    } else {
+        views_[k].zero_();
+    }
+    p.mutable_grad() = views_[k];
 }
 
 void GradReducer::launch(std::size_t b) {
-    flats_[b] = pack(buckets_[b]);
+    at::NoGradGuard no_grad;
+    if (!flats_[b].defined()) materialise(b);  // ZeRO-2: no gradient of this bucket arrived here
+    const auto& bucket = buckets_[b];
+    bool all = true, none = true;
+    for (std::size_t k : bucket) {
+        adopt_grad(k);
+        all = all && used_[k];
+        none = none && !used_[k];
+    }
+    // The used flags behind the gradients: a fill in the common cases, else one small upload
+    // (pageable memory: staged at once, so the host tensor may go; no stream synchronisation).
+    at::Tensor flags = flats_[b].slice(0, bucket_numel_[b]);
+    if (all || none) {
+        flags.fill_(all ? 1 : 0);
+    } else {
+        auto host = at::empty({static_cast<long>(bucket.size())}, at::TensorOptions().dtype(at::kFloat));
+        float* h = host.data_ptr<float>();
+        for (std::size_t j = 0; j < bucket.size(); ++j) h[j] = used_[bucket[j]] ? 1.0f : 0.0f;
+        flags.copy_(host, /*non_blocking=*/true);
+    }
+    launched_[b] = 1;
     if (!sharded()) {
         works_[b] = group_.all_reduce_sum_async(flats_[b]);
         return;
     }
-    // ZeRO-2: the flat copy is all this rank needs; the owner gets the sum back in reduce().
-    for (std::size_t k : buckets_[b]) params_[k].mutable_grad() = at::Tensor();
+    // ZeRO-2: another rank's gradients leave the parameters now; the owner keeps its views.
+    if (!persistent(b))
+        for (std::size_t k : bucket) params_[k].mutable_grad() = at::Tensor();
     works_[b] = group_.reduce_sum_async(flats_[b], bucket_owner_[b]);
 }
 
-// ZeRO-2, from the hooks: drops the flat copies of other ranks' buckets whose reduce has finished,
-// in launch order (stops at the first one still in flight).
+// ZeRO-2, from the hooks: frees other ranks' buckets whose reduce has finished, in launch order
+// (stops at the first one still in flight).
 void GradReducer::release_finished() {
     for (; next_release_ < next_launch_; ++next_release_) {
         const std::size_t b = next_release_;
-        if (bucket_owner_[b] == group_.rank()) continue;  // kept: this rank's own gradients
+        if (persistent(b)) continue;  // kept: this rank's own gradients
         if (!works_[b]->ready()) break;
         works_[b].reset();
         flats_[b] = at::Tensor();
+        for (std::size_t k : buckets_[b]) views_[k] = at::Tensor();
         ++released_early_;
     }
 }
 
+// Caller holds mutex_ (or no hook can run yet).
 void GradReducer::reset_round() {
     armed_ = false;
     next_launch_ = 0;
     next_release_ = 0;
     released_early_ = 0;
+    std::fill(used_.begin(), used_.end(), 0);
     std::fill(fired_.begin(), fired_.end(), 0);
+    std::fill(launched_.begin(), launched_.end(), 0);
     for (std::size_t b = 0; b < remaining_.size(); ++b) remaining_[b] = buckets_[b].size();
-    flats_.assign(buckets_.size(), at::Tensor());
     works_.clear();
     works_.resize(buckets_.size());
     twice_.clear();
     hook_launches_ = 0;
 }
 
-namespace {
-
-struct ReadyHook final : torch::autograd::PostAccumulateGradHook {
-    explicit ReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-    void operator()(const torch::autograd::Variable&) override { fn_(); }
-    std::function<void()> fn_;
-};
-
-}  // namespace
-
 void GradReducer::enable_overlap() {
-    if (group_.world_size() <= 1 || overlap_) return;
+    if (!owns_ || overlap_) return;
+    std::lock_guard lock(mutex_);
     overlap_ = true;
-    bucket_of_.assign(params_.size(), 0);
-    for (std::size_t b = 0; b < buckets_.size(); ++b)
-        for (std::size_t k : buckets_[b]) bucket_of_[k] = b;
-    fired_.assign(params_.size(), 0);
-    remaining_.assign(buckets_.size(), 0);
-    reset_round();
-    for (std::size_t k = 0; k < params_.size(); ++k)
-        torch::autograd::impl::set_post_acc_grad_hooks(
-            params_[k], std::make_unique<ReadyHook>([this, k] { on_grad_ready(k); }));
 }
 
 void GradReducer::arm() {
@@ -157,9 +201,18 @@ void GradReducer::arm() {
     armed_ = true;
 }
 
+void GradReducer::on_grad_arriving(std::size_t k) {
+    std::lock_guard lock(mutex_);
+    const std::size_t b = bucket_of_[k];
+    if (flats_[b].defined() || launched_[b]) return;
+    at::NoGradGuard no_grad;
+    materialise(b);
+}
+
 void GradReducer::on_grad_ready(std::size_t k) {
     std::lock_guard lock(mutex_);
-    if (!armed_) return;  // a micro-step before the last: gradients only accumulate
+    used_[k] = 1;
+    if (!armed_) return;  // no overlap, or a micro-step before the last: gradients only accumulate
     if (fired_[k]++ > 0) {
         if (twice_.empty()) twice_ = std::to_string(k);
         return;
@@ -173,18 +226,36 @@ void GradReducer::on_grad_ready(std::size_t k) {
     if (sharded()) release_finished();
 }
 
+// After the waits: a parameter no rank used loses its grad. Read back only for kept buckets where
+// this rank did not use every parameter (elsewhere its own flag makes every count >= 1).
+void GradReducer::resolve_unused() {
+    last_host_reads_ = 0;
+    std::vector<std::size_t> unresolved;
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        if (!persistent(b)) continue;
+        for (std::size_t k : buckets_[b])
+            if (!used_[k]) {
+                unresolved.push_back(b);
+                break;
+            }
+    }
+    if (unresolved.empty()) return;
+    std::vector<at::Tensor> parts;
+    for (std::size_t b : unresolved)
+        parts.push_back(flats_[b].slice(0, bucket_numel_[b]).to(flats_[unresolved[0]].device(), at::kFloat));
+    const at::Tensor counts = at::cat(parts).to(at::kCPU).contiguous();  // [sum n] ranks that used each
+    last_host_reads_ = 1;
+    const float* count = counts.data_ptr<float>();
+    for (std::size_t b : unresolved)
+        for (std::size_t k : buckets_[b])
+            if (*count++ == 0) params_[k].mutable_grad() = at::Tensor();
+}
+
 void GradReducer::reduce() {
-    if (group_.world_size() <= 1) return;
+    if (!owns_) return;
     std::string twice;
     {
         std::lock_guard lock(mutex_);
-        if (!armed_) {  // no overlap this round: everything is launched now
-            next_launch_ = 0;
-            flats_.assign(buckets_.size(), at::Tensor());
-            works_.clear();
-            works_.resize(buckets_.size());
-            released_early_ = 0;
-        }
         armed_ = false;  // a late hook must not launch anything now
         while (next_launch_ < buckets_.size()) launch(next_launch_++);
         twice = twice_;
@@ -196,18 +267,52 @@ void GradReducer::reduce() {
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
         if (!works_[b]) continue;  // ZeRO-2: another rank's bucket, already released
         works_[b]->wait();
-        if (sharded() && bucket_owner_[b] != group_.rank()) {
-            flats_[b] = at::Tensor();  // the owner has the sum; nothing of it stays here
+        works_[b].reset();
+        if (!persistent(b)) {  // the owner has the sum; nothing of it stays here
+            flats_[b] = at::Tensor();
+            for (std::size_t k : buckets_[b]) views_[k] = at::Tensor();
             continue;
         }
-        long grads = flats_[b].numel() - static_cast<long>(buckets_[b].size());
-        flats_[b].slice(0, 0, grads).div_(n_ranks);
-        unpack(buckets_[b], flats_[b]);
+        flats_[b].slice(0, 0, bucket_numel_[b]).div_(n_ranks);  // the mean, in place in the grads
     }
-    if (overlap_) reset_round();
+    resolve_unused();
+    {
+        std::lock_guard lock(mutex_);
+        reset_round();
+    }
     DTUNE_CHECK(twice.empty(), "dist: the gradient of parameter #", twice,
                 " was accumulated twice in one backward, after its bucket's all-reduce had started; ",
                 "set DTUNE_DDP_OVERLAP=0 to reduce after backward instead");
+}
+
+void GradReducer::zero_grad() {
+    if (!owns_) return;
+    std::lock_guard lock(mutex_);
+    at::NoGradGuard no_grad;
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        if (persistent(b)) {
+            flats_[b].zero_();
+            for (std::size_t k : buckets_[b]) params_[k].mutable_grad() = views_[k];
+            continue;
+        }
+        flats_[b] = at::Tensor();  // left over from a round that never reached reduce()
+        for (std::size_t k : buckets_[b]) {
+            views_[k] = at::Tensor();
+            params_[k].mutable_grad() = at::Tensor();
+        }
+    }
+    reset_round();
+}
+
+void GradReducer::release_gradients() {
+    if (!owns_) return;
+    std::lock_guard lock(mutex_);
+    remove_hooks();
+    owns_ = false;
+    overlap_ = false;
+    flats_.assign(buckets_.size(), at::Tensor());
+    views_.assign(params_.size(), at::Tensor());
+    reset_round();
 }
 
 void all_reduce_gradients_flat(Group& group, const std::vector<at::Tensor>& params,
@@ -247,19 +352,77 @@ void all_reduce_gradients_flat(Group& group, const std::vector<at::Tensor>& para
     }
 }
 
-void broadcast_parameters(Group& group, const std::vector<at::Tensor>& params, int root) {
+namespace {
+
+// One broadcast of params[bucket] from `root`. A lone contiguous parameter goes in place; anything
+// else through a flat tensor: `staging` when it is large enough (same dtype and device), else a
+// temporary. Stream order makes reuse safe on NCCL: Pending::wait() queues the rest of the
+// current stream behind the collective, and the next pack into the staging tensor is queued there.
+void broadcast_bucket(Group& group, const std::vector<at::Tensor>& params,
+                      const std::vector<std::size_t>& bucket, int root, at::Tensor* staging) {
+    const at::Tensor& first = params[bucket[0]];
+    if (bucket.size() == 1 && first.is_contiguous()) {
+        at::Tensor t = first.detach();
+        group.broadcast_(t, root);
+        return;
+    }
+    long total = 0;
+    for (std::size_t k : bucket) total += params[k].numel();
+    at::Tensor flat;
+    if (staging && staging->defined() && staging->numel() >= total)
+        flat = staging->slice(0, 0, total);
+    else
+        flat = at::empty({total}, first.options());
+    std::vector<at::Tensor> parts, targets;
+    parts.reserve(bucket.size());
+    targets.reserve(bucket.size());
+    long offset = 0;
+    for (std::size_t k : bucket) {
+        const at::Tensor& p = params[k];
+        parts.push_back(flat.slice(0, offset, offset + p.numel()).view(p.sizes()));
+        targets.push_back(p.detach());
+        offset += p.numel();
+    }
+    if (group.rank() == root) at::_foreach_copy_(parts, targets);  // pack
+    group.broadcast_(flat, root);
+    if (group.rank() != root) at::_foreach_copy_(targets, parts);  // unpack
+}
+
+// Consecutive runs of `indices` of one dtype and device, at most `bucket_bytes` each (a larger
+// parameter alone).
+std::vector<std::vector<std::size_t>> runs_of(const std::vector<at::Tensor>& params,
+                                              const std::vector<std::size_t>& indices,
+                                              std::size_t bucket_bytes) {
+    std::vector<std::vector<std::size_t>> out;
+    std::vector<std::size_t> current;
+    std::size_t bytes = 0;
+    for (std::size_t k : indices) {
+        const at::Tensor& p = params[k];
+        const std::size_t size = static_cast<std::size_t>(p.numel()) * p.element_size();
+        const bool compatible = current.empty() || (params[current[0]].scalar_type() == p.scalar_type() &&
+                                                    params[current[0]].device() == p.device());
+        if (!current.empty() && (!compatible || bytes + size > bucket_bytes)) {
+            out.push_back(std::move(current));
+            current.clear();
+            bytes = 0;
+        }
+        current.push_back(k);
+        bytes += size;
+    }
+    if (!current.empty()) out.push_back(std::move(current));
+    return out;
+}
+
+}  // namespace
+
+void broadcast_parameters(Group& group, const std::vector<at::Tensor>& params, int root,
+                          std::size_t bucket_bytes) {
     if (group.world_size() <= 1) return;
     at::NoGradGuard no_grad;
-    for (const auto& p : params) {
-        at::Tensor t = p.detach();
-        if (t.is_contiguous()) {
-            group.broadcast_(t, root);
-        } else {
-            at::Tensor c = t.contiguous();
-            group.broadcast_(c, root);
-            t.copy_(c);
-        }
-    }
+    std::vector<std::size_t> all(params.size());
+    std::iota(all.begin(), all.end(), 0);
+    for (const auto& bucket : runs_of(params, all, bucket_bytes))
+        broadcast_bucket(group, params, bucket, root, nullptr);
 }
 
 void check_parameters_identical(Group& group, const std::vector<at::Tensor>& params,
@@ -331,14 +494,45 @@ std::vector<std::size_t> ZeroPartition::owned_by(int rank) const {
     return out;
 }
 
-void ZeroPartition::sync_parameters(Group& group, const std::vector<at::Tensor>& params) const {
+std::vector<std::vector<std::size_t>> ZeroPartition::sync_buckets(const std::vector<at::Tensor>& params,
+                                                                  std::size_t bucket_bytes) const {
+    DTUNE_CHECK(params.size() == owner_.size(), "ZeroPartition: ", params.size(),
+                " parameters for a partition of ", owner_.size());
+    const int ranks = owner_.empty() ? 0 : *std::max_element(owner_.begin(), owner_.end()) + 1;
+    std::vector<std::vector<std::size_t>> out;
+    for (int r = 0; r < ranks; ++r)
+        for (auto& run : runs_of(params, owned_by(r), bucket_bytes)) out.push_back(std::move(run));
+    return out;
+}
+
+void ZeroPartition::sync_parameters(Group& group, const std::vector<at::Tensor>& params,
+                                    std::size_t bucket_bytes) {
     if (group.world_size() <= 1) return;
     at::NoGradGuard no_grad;
-    for (std::size_t i = 0; i < params.size(); ++i) {
-        at::Tensor t = params[i].detach();
-        at::Tensor c = t.is_contiguous() ? t : t.contiguous();
-        group.broadcast_(c, owner_[i]);
-        if (!t.is_contiguous()) t.copy_(c);
+    for (const auto& bucket : sync_buckets(params, bucket_bytes)) {
+        const at::Tensor& first = params[bucket[0]];
+        at::Tensor* staging = nullptr;
+        if (bucket.size() > 1) {
+            for (auto& s : staging_)
+                if (s.scalar_type() == first.scalar_type() && s.device() == first.device()) staging = &s;
+            if (!staging) {
+                // Sized once, for the largest bucket it can serve: bucket_bytes (or less when the
+                // parameters of this dtype are fewer).
+                long most = 0;
+                for (const auto& b : sync_buckets(params, bucket_bytes)) {
+                    const at::Tensor& f = params[b[0]];
+                    if (b.size() < 2 || f.scalar_type() != first.scalar_type() ||
+                        f.device() != first.device())
+                        continue;
+                    long n = 0;
+                    for (std::size_t k : b) n += params[k].numel();
+                    most = std::max(most, n);
+                }
+                staging_.push_back(at::empty({most}, first.options()));
+                staging = &staging_.back();
+            }
+        }
+        broadcast_bucket(group, params, bucket, owner_[bucket[0]], staging);
     }
 }
 

@@ -1,29 +1,39 @@
-// Data-parallel gradient averaging (libtorch has no C++ DDP) and the ZeRO-1 parameter partition.
+// Data-parallel gradient averaging (libtorch has no C++ DDP) and the ZeRO-1/2 parameter partition.
 //
-// GradReducer: gradients packed into buckets of ~bucket_bytes (parameters in reverse order, the
-// order backward produces them; one dtype and device per bucket), each bucket all-reduced
-// asynchronously as one flat tensor, then averaged and copied back. A parameter whose grad is
-// undefined on a rank contributes zeros there; after the reduction its grad is defined on every
-// rank iff it was defined on at least one (a per-parameter "used" count rides in the bucket), so
-// all ranks stay identical. For gradient accumulation call reduce() only on the final micro-step.
-// With enable_overlap(), a post-accumulate-grad hook on every parameter launches a bucket's
-// all-reduce during the armed backward as soon as all of its gradients are final, buckets
-// strictly in order (so every rank issues the same sequence even when a parameter is unused on
-// one of them); reduce() launches the rest and waits. A parameter whose gradient is accumulated
-// twice in one backward (shared weights across recomputed segments) makes reduce() throw.
+// GradReducer: the gradients live in persistent flat buckets of ~bucket_bytes (parameters in
+// reverse order, the order backward produces them; one dtype and device per bucket), allocated
+// once: every parameter's `.grad` is a view into its bucket, so backward accumulates in place and
+// the bucket is all-reduced and averaged as it stands (no pack or unpack copy). zero_grad() zeroes
+// the buckets in place and puts back any view a caller replaced or dropped (an optimizer's
+// set-to-none zero_grad); a gradient found replaced at launch is copied into its view, so callers
+// that manage `.grad` themselves still get the right sums. With one process nothing is owned.
+//
+// Unused parameters: after the reduction a parameter's grad is defined on every rank iff some rank
+// produced one (the optimizers skip undefined gradients). Each bucket carries one "used" flag per
+// parameter behind its gradients (set from the post-accumulate-grad hooks, so no host read), summed
+// by the same collective. A rank reads those counts back to the host only when one of its own
+// parameters in a kept bucket was unused locally (then at most one read per step, all buckets in
+// one copy); when it used every parameter, every count is known to be >= 1 without a read.
+//
+// Overlap (enable_overlap()): during the armed backward a bucket's collective starts as soon as
+// all of its gradients are final, buckets strictly in order (so every rank issues the same
+// sequence even when a parameter is unused on one of them); reduce() launches the rest and waits.
+// A parameter whose gradient is accumulated twice in one armed backward (shared weights across
+// recomputed segments) makes reduce() throw. Gradient accumulation: gradients add up in the
+// buckets over the micro-steps; arm() and reduce() on the final one only.
 //
 // ZeRO-2 (ReducerOptions::owners set): each bucket holds the parameters of one owner rank only and
-// is reduced (summed) to that rank instead of all-reduced. Launching a bucket copies its gradients
-// into the bucket's flat tensor and drops them from the parameters on every rank; after the
-// reduction only the owner gets them back (as views of the flat tensor), so a rank ends the
-// reduction holding the gradients of the parameters it owns and no others. A bucket another rank
-// owns is dropped as soon as its reduce has finished (checked from the hooks while backward runs),
-// so its memory comes back before backward ends.
+// is reduced (summed) to that rank instead of all-reduced. The owner's buckets are persistent; a
+// bucket another rank owns is allocated when its first gradient arrives (a pre-accumulation hook
+// installs the views, so autograd still writes straight into it), its gradients are dropped from
+// the parameters when it is launched, and it is freed as soon as its reduce has finished (checked
+// from the hooks while backward runs), so its memory comes back before backward ends.
 //
 // ZeroPartition (ZeRO-1/2): each parameter belongs to one rank, which alone keeps its optimizer
-// state and updates it; sync_parameters() broadcasts every parameter from its owner after the step.
-// The caller must clear the gradients of ALL parameters before the next step (the sharded
-// optimizer's zero_grad only sees its own).
+// state and updates it; sync_parameters() then copies every parameter from its owner in flat
+// buckets (per owner, in parameter order, one broadcast each; see sync_buckets), not one
+// collective per parameter. The caller must clear the gradients of ALL parameters before the next
+// step (the sharded optimizer's zero_grad only sees its own): GradReducer::zero_grad().
 #pragma once
 
 #include <ATen/ATen.h>
@@ -32,6 +42,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dist/group.h"
@@ -55,23 +66,43 @@ class GradReducer {
 
     // Averages every parameter's gradient over the ranks (no-op for one process).
     void reduce();
-    // Installs the post-accumulate-grad hooks (once; no-op for one process).
+    // Launches buckets from the hooks during the armed backward (no-op for one process).
     void enable_overlap();
     // The next backward is the last before reduce(): its hooks launch buckets.
     void arm();
+    // Zeroes every persistent bucket in place and points each parameter's grad at its view again
+    // (ZeRO-2: other ranks' parameters get no grad); starts a new accumulation round.
+    void zero_grad();
+    // Hands the gradients back to autograd for good (the graphed step keeps its own static
+    // gradients): hooks removed, buckets no longer referenced here; grads are left as they are.
+    void release_gradients();
+    // Whether the parameters' grads are views of this reducer's buckets (world size > 1 and not
+    // released).
+    bool owns_gradients() const { return owns_; }
+
     // Buckets the hooks launched while backward ran, in the last reduce() (tests, logs).
     std::size_t overlapped_buckets() const { return last_overlapped_; }
     // Parameter indices per bucket, in launch order (for tests and logs).
     const std::vector<std::vector<std::size_t>>& buckets() const { return buckets_; }
+    // Bucket `b`'s flat tensor, [gradients | one used flag per parameter]; undefined for a ZeRO-2
+    // bucket of another rank outside backward (tests).
+    const at::Tensor& bucket_tensor(std::size_t b) const { return flats_[b]; }
     // ZeRO-2: buckets of other ranks dropped while backward ran, in the last reduce() (tests, logs).
     std::size_t released_early() const { return last_released_early_; }
+    // Used-count reads back to the host in the last reduce(): 0 when this rank used every
+    // parameter of its kept buckets, else 1 (tests).
+    std::size_t host_reads() const { return last_host_reads_; }
 
   private:
     bool sharded() const { return !bucket_owner_.empty(); }
+    bool persistent(std::size_t b) const { return !sharded() || bucket_owner_[b] == group_.rank(); }
+    void materialise(std::size_t b);
+    void adopt_grad(std::size_t k);
     void release_finished();
-    at::Tensor pack(const std::vector<std::size_t>& bucket) const;
-    void unpack(const std::vector<std::size_t>& bucket, const at::Tensor& flat);
+    void resolve_unused();
+    void remove_hooks();
 
+    void on_grad_arriving(std::size_t param);
     void on_grad_ready(std::size_t param);
     void launch(std::size_t bucket);
     void reset_round();
@@ -79,21 +110,29 @@ class GradReducer {
     Group& group_;
     std::vector<at::Tensor> params_;
     std::vector<std::vector<std::size_t>> buckets_;
-    std::vector<int> bucket_owner_;  // ZeRO-2: the rank each bucket is reduced to; empty otherwise
-    // Overlap state of the current round (guarded by mutex_: hooks run on autograd threads).
+    std::vector<int> bucket_owner_;   // ZeRO-2: the rank each bucket is reduced to; empty otherwise
+    std::vector<long> bucket_numel_;  // per bucket: gradient elements (the flags follow)
+    std::vector<std::size_t> bucket_of_;
+    std::vector<long> offset_;       // per parameter: where its gradient starts in its bucket
+    std::vector<at::Tensor> views_;  // per parameter: its gradient's view (undefined: bucket absent)
+    std::vector<at::Tensor> flats_;  // per bucket: [numel + n] (ZeRO-2 foreign: while in use only)
+    std::vector<std::pair<std::size_t, unsigned>> pre_hooks_;  // ZeRO-2: (parameter, hook position)
+    bool owns_ = false;
+    // Round state (guarded by mutex_: hooks run on autograd threads).
     bool overlap_ = false;
     bool armed_ = false;
     std::mutex mutex_;
-    std::vector<std::size_t> bucket_of_;
-    std::vector<int> fired_;              // per parameter: hook calls this round
+    std::vector<char> used_;              // per parameter: a gradient arrived this round (any micro-step)
+    std::vector<int> fired_;              // per parameter: hook calls in the armed backward
     std::vector<std::size_t> remaining_;  // per bucket: parameters not ready yet
+    std::vector<char> launched_;          // per bucket: its collective was started this round
     std::size_t next_launch_ = 0;
     std::size_t next_release_ = 0;  // ZeRO-2: the first launched bucket not yet checked for release
-    std::vector<at::Tensor> flats_;
     std::vector<std::unique_ptr<Pending>> works_;
     std::string twice_;  // a parameter whose hook fired twice this round
     std::size_t hook_launches_ = 0, last_overlapped_ = 0;
     std::size_t released_early_ = 0, last_released_early_ = 0;
+    std::size_t last_host_reads_ = 0;
 };
 
 // Averages the gradients of `params` over the ranks in flat all-reduces of at most `bucket_bytes`
@@ -103,8 +142,10 @@ class GradReducer {
 void all_reduce_gradients_flat(Group& group, const std::vector<at::Tensor>& params,
                                std::size_t bucket_bytes = std::size_t{64} << 20);
 
-// Copies rank `root`'s values into every rank's parameters (start of training: identical weights).
-void broadcast_parameters(Group& group, const std::vector<at::Tensor>& params, int root = 0);
+// Copies rank `root`'s values into every rank's parameters (start of training: identical weights),
+// in flat buckets of at most `bucket_bytes` (one broadcast each).
+void broadcast_parameters(Group& group, const std::vector<at::Tensor>& params, int root = 0,
+                          std::size_t bucket_bytes = std::size_t{64} << 20);
 
 // Throws Error naming the first parameter (by `names`, else index) whose values differ between
 // ranks by more than `tolerance` (max abs over elements of the difference to rank 0).
@@ -128,12 +169,24 @@ class ZeroPartition {
     const std::vector<int>& owners() const { return owner_; }
     // Indices of the parameters `rank` updates, in parameter order.
     std::vector<std::size_t> owned_by(int rank) const;
-    // After each rank stepped its own parameters: broadcast each parameter from its owner.
-    void sync_parameters(Group& group, const std::vector<at::Tensor>& params) const;
+    // The broadcasts sync_parameters issues, in order: per owner rank (0..N-1), its parameters in
+    // parameter order cut into runs of one dtype and device of at most `bucket_bytes` (a larger
+    // parameter alone). The same on every rank.
+    std::vector<std::vector<std::size_t>> sync_buckets(const std::vector<at::Tensor>& params,
+                                                       std::size_t bucket_bytes = kSyncBucketBytes) const;
+    // After each rank stepped its own parameters: one broadcast per sync bucket from its owner
+    // (bit-exact copies). A bucket of several parameters goes through a flat staging tensor kept
+    // between calls (at most bucket_bytes per dtype and device); a lone parameter is broadcast in
+    // place when it is contiguous.
+    void sync_parameters(Group& group, const std::vector<at::Tensor>& params,
+                         std::size_t bucket_bytes = kSyncBucketBytes);
+
+    static constexpr std::size_t kSyncBucketBytes = std::size_t{64} << 20;
 
   private:
     void assign_contiguous(const std::vector<at::Tensor>& params, int world_size);
     std::vector<int> owner_;
+    std::vector<at::Tensor> staging_;  // sync_parameters: one flat buffer per dtype and device
 };
 
 }  // namespace dtune::dist

@@ -257,8 +257,9 @@ void EvalLossCallback::on_train_start(train::Trainer& trainer) {
 }
 
 void EvalLossCallback::on_step_end(train::Trainer& trainer, const train::StepReport& report) {
-    if (trainer.is_main_process() && options_.interval > 0 && report.step % options_.interval == 0)
-        evaluate(trainer, report.step);
+    if (options_.interval <= 0 || report.step % options_.interval != 0) return;
+    const std::shared_ptr<void> whole_weights = trainer.whole_weights();  // zero_stage 3: every rank gathers
+    if (trainer.is_main_process()) evaluate(trainer, report.step);
 }
 
 void EvalLossCallback::on_train_end(train::Trainer& trainer, const train::TrainResult& result) {

@@ -180,7 +180,11 @@ std::vector<std::filesystem::path> ValidationCallback::run(train::Trainer& train
     std::vector<std::filesystem::path> written;
     std::map<std::string, double> clip_scores;  // shortname -> score (evaluation_type clip)
     last_step_ = step;
-    if (!trainer.is_main_process() || settings_.prompts.empty()) return written;
+    if (settings_.prompts.empty()) return written;
+    // zero_stage 3: every rank helps gather the whole weights (this runs on every rank at the same
+    // step); rank 0 samples with them. A no-op otherwise.
+    const std::shared_ptr<void> whole_weights = trainer.whole_weights();
+    if (!trainer.is_main_process()) return written;
     if (!pipeline_)  // shares the trainer's network, so it samples the live weights
         pipeline_ = trainer.model_family().load_sampler(model_dir_, trainer.model(), {trainer.device()});
     const auto dir = trainer.output_dir() / "validation_images";

@@ -185,7 +185,11 @@ const std::vector<OptionSpec>& specs() {
     {"device", OptionType::kString, "\"auto\"", "dtune: cpu, cuda, cuda:N or auto", nullptr},
     {"metrics_interval", OptionType::kInt, "1", "dtune: write metrics.jsonl every N steps", nullptr},
     {"offload_optimizer_device", OptionType::kString, "null", "dtune: none, or cpu to keep the optimizer state and its update in host memory (default: accelerate's deepspeed_config.offload_optimizer_device via dtune launch, else none)", "none,cpu"},
-    {"zero_stage", OptionType::kInt, "null", "dtune: ZeRO stage for multi-GPU runs, 0, 1 or 2 (default: accelerate's deepspeed_config.zero_stage via dtune launch, else 0)", nullptr},
+    {"zero_stage", OptionType::kInt, "null", "dtune: ZeRO stage for multi-GPU runs, 0, 1, 2 or 3 (3: parameters sharded too; default: accelerate's deepspeed_config.zero_stage via dtune launch, else 0)", nullptr},
+    {"offload_param_device", OptionType::kString, "null", "dtune: ZeRO-3 parameter offload (accelerate's deepspeed_config.offload_param_device); only none: parameter shards stay on the training device", nullptr},
+    {"fsdp_enable", OptionType::kBool, "false", "FSDP: true runs dtune's ZeRO stage 3 (parameters, gradients and optimizer state sharded by block)", nullptr},
+    {"fsdp_version", OptionType::kInt, "2", "FSDP version: 1 and 2 both run dtune's ZeRO stage 3", nullptr},
+    {"fsdp_reshard_after_forward", OptionType::kBool, "true", "ZeRO-3/FSDP: free a block's gathered parameters after its forward and gather them again for its backward (false: keep them until its backward: less communication, more memory)", nullptr},
     {"cuda_graph", OptionType::kString, "\"auto\"", "dtune: train each batch shape's whole step as one CUDA graph; auto = on CUDA whenever the run's options allow it (fused AdamW or adamw_bf16, bf16/no, plain noise, no accumulation; flow matching (Flux) only with true for now), true = also warn when they do not, false = never", "auto,true,false"},
     {"export_single_file", OptionType::kBool, "false", "dtune: full fine-tunes also write one file: SDXL output_dir/sdxl_checkpoint.safetensors (UNet, VAE and text encoders, ldm keys); Flux output_dir/flux_transformer.safetensors (the transformer in Black Forest Labs' layout, as flux1-dev.safetensors)", nullptr},
     };
@@ -288,7 +292,8 @@ const std::vector<OptionRange> kRanges = {
     {"num_eval_images", 1, kInf, false, false, ""},
     {"eval_timesteps", 1, kInf, false, false, ""},
     {"metrics_interval", 1, kInf, false, false, ""},
-    {"zero_stage", 0, 2, false, false, ""},
+    {"zero_stage", 0, 3, false, false, ""},
+    {"fsdp_version", 1, 2, false, false, ""},
 };
 // clang-format on
 

@@ -17,12 +17,17 @@
 #include "dist/reducer.h"
 #include "health/breaker.h"
 #include "train/config.h"
+#include "train/zero3_model.h"  // ShardedModel (the destructor)
 
 namespace dtune::train {
 
 int resolve_zero_stage(const TrainConfig& config) {
     std::string origin = "zero_stage in the config";
     std::optional<int64_t> stage = config.opt_integer("zero_stage");
+    if (!stage && config.flag("fsdp_enable")) {
+        stage = 3;  // SimpleTuner's FSDP (version 1 or 2): full sharding of parameters
+        origin = "fsdp_enable true";
+    }
     if (!stage) {
         const char* env = std::getenv("DTUNE_ZERO_STAGE");
         if (!env || !*env) return 0;
@@ -31,9 +36,13 @@ int resolve_zero_stage(const TrainConfig& config) {
         stage = std::strtol(env, &end, 10);
         DTUNE_CHECK_AS(UsageError, end && *end == '\0', origin, " is not a number; use 0, 1 or 2");
     }
-    DTUNE_CHECK_AS(UsageError, *stage >= 0 && *stage <= 2, origin, " is ", *stage,
+    DTUNE_CHECK_AS(UsageError, *stage >= 0 && *stage <= 3, origin, " is ", *stage,
                    "; dtune implements ZeRO stage 0 (plain data parallel), 1 (sharded optimizer ",
-                   "state) and 2 (sharded optimizer state and gradients); use the lowest that fits");
+                   "state), 2 (sharded optimizer state and gradients) and 3 (also sharded parameters); ",
+                   "use the lowest that fits");
+    DTUNE_CHECK_AS(UsageError, *stage == 3 || !config.flag("fsdp_enable"),
+                   "fsdp_enable is true (FSDP: sharded parameters, dtune's ZeRO stage 3) but ", origin,
+                   " is ", *stage, "; drop one of them, or set zero_stage 3");
     return static_cast<int>(*stage);
 }
 
@@ -109,6 +118,7 @@ DataParallel::DataParallel(const dist::DistEnv& env, c10::Device device, int zer
 
 DataParallel::~DataParallel() {
     reducer_.reset();
+    zero3_.reset();
     if (!group_) return;
     if (std::uncaught_exceptions() > 0) {
         // An error outside the training loop (data setup, checkpoint load...): its message is on
@@ -168,6 +178,10 @@ void DataParallel::attach(std::vector<at::Tensor> params) {
     dist::ReducerOptions reducer_options;
     if (zero_stage_ == 2) reducer_options.owners = partition_->owners();
     reducer_ = std::make_unique<dist::GradReducer>(*group_, params_, reducer_options);
+    if (partition_ && env_.rank == 0)
+        log::info() << "ZeRO-" << zero_stage_ << ": " << reducer_->buckets().size() << " gradient buckets; "
+                    << "parameters synchronised in " << partition_->sync_buckets(params_).size()
+                    << " broadcasts per step (" << params_.size() << " parameters)";
     const char* overlap = std::getenv("DTUNE_DDP_OVERLAP");
     if (!(overlap && std::string(overlap) == "0")) reducer_->enable_overlap();
 }
@@ -186,12 +200,21 @@ void DataParallel::reduce_gradients() {
 }
 
 void DataParallel::all_reduce_gradients_capturable(const std::vector<at::Tensor>& params) {
+    // The graphed step keeps its gradients at the graph's static addresses: the reducer's buckets
+    // would only double the gradient memory, so they go on first use.
+    if (reducer_) reducer_->release_gradients();
     dist::all_reduce_gradients_flat(*group_, params);
 }
 
 void DataParallel::after_step() {
-    if (partition_) partition_->sync_parameters(*group_, params_);
-    for (auto& p : params_) p.mutable_grad() = at::Tensor();
+    if (zero3_) zero3_after_step();
+    if (partition_) partition_->sync_parameters(*group_, params_);  // few flat broadcasts
+    // Buckets zeroed in place, every grad a view of its bucket again (the optimizer's zero_grad
+    // dropped them); without the reducer's buckets (one process, graphed step) grads are dropped.
+    if (reducer_ && reducer_->owns_gradients())
+        reducer_->zero_grad();
+    else
+        for (auto& p : params_) p.mutable_grad() = at::Tensor();
 }
 
 StepAgreement DataParallel::agree(double loss, bool stop, int fault_gpu) {

@@ -1,7 +1,8 @@
 // Data-parallel training for the trainer: joins the job the torchrun variables describe (`dtune
 // launch` or torchrun), gives every rank rank 0's starting weights, averages the gradients of the
 // trainable parameters after backward (dist::GradReducer, ~25 MB buckets), partitions optimizer
-// state with ZeRO-1 (and the gradients too with ZeRO-2: reduced to their owner only), and makes every
+// state with ZeRO-1 (and the gradients too with ZeRO-2: reduced to their owner only; ZeRO-3 shards
+// the parameters as well, see attach_sharded and dist/zero3.h), and makes every
 // per-step decision (stop, GPU fault, the logged loss) with one small all-reduce so that all ranks
 // leave the loop at the same step. A rank that fails publishes why on the group's fault channel
 // (report_failure; also done for any exception that unwinds through the destructor), so the others
@@ -29,11 +30,19 @@ namespace dtune::dist {
 class Group;
 class GradReducer;
 class ZeroPartition;
+struct Zero3Options;
+struct Zero3Slice;
+class Zero3Engine;
 }  // namespace dtune::dist
+
+namespace torch::nn {
+class Module;
+}  // namespace torch::nn
 
 namespace dtune::train {
 
 class TrainConfig;
+class ShardedModel;
 
 // What the ranks agreed on after a step.
 struct StepAgreement {
@@ -45,8 +54,14 @@ struct StepAgreement {
 };
 
 // zero_stage from config.json, else DTUNE_ZERO_STAGE (set by `dtune launch --accelerate_config`
-// from deepspeed_config.zero_stage), else 0. UsageError for a stage other than 0, 1 or 2.
+// from deepspeed_config.zero_stage), else 0; SimpleTuner's fsdp_enable true means 3. UsageError for
+// a stage other than 0..3, or fsdp_enable with another zero_stage.
 int resolve_zero_stage(const TrainConfig& config);
+
+// ZeRO-3 settings from SimpleTuner's fsdp_* keys and accelerate's offload_param_device
+// (DTUNE_OFFLOAD_PARAM_DEVICE): reshard_after_forward from fsdp_reshard_after_forward; UsageError
+// naming the key for what the engine does not do (parameter offload, other wrap policies).
+dist::Zero3Options resolve_zero3_options(const TrainConfig& config);
 
 // offload_optimizer_device from config.json, else DTUNE_OFFLOAD_OPTIMIZER_DEVICE (set by `dtune launch
 // --accelerate_config` from deepspeed_config.offload_optimizer_device), else none. true for "cpu"
@@ -81,6 +96,26 @@ class DataParallel {
     // Broadcasts rank 0's values of `params` to every rank and prepares the reducer (and the ZeRO
     // partition). Call once, before the optimizer is built.
     void attach(std::vector<at::Tensor> params);
+    // ZeRO-3, instead of attach(): rank 0's weights everywhere, then the trainable parameters
+    // (`names`, `params`, from `model`) sharded by unit (train/zero3_model.h); afterwards 1/N of
+    // them is resident between steps and the optimizer updates zero3_slices().
+    void attach_sharded(torch::nn::Module& model, const std::vector<std::string>& names,
+                        std::vector<at::Tensor> params, const dist::Zero3Options& options);
+    bool sharded_parameters() const { return zero3_ != nullptr; }
+    dist::Zero3Engine* zero3_engine();
+    // This rank's parameter slices (ZeRO-3; empty otherwise): the optimizer's parameters.
+    const std::vector<dist::Zero3Slice>& zero3_slices() const;
+    // The tensors whose gradients the step clips, unscales and the optimizer updates: ZeRO-3 this
+    // rank's slices, otherwise `params`.
+    std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& params) const;
+    // ZeRO-3, around every micro-step: gathers the root unit before the forward; after the
+    // backward, finishes the reduce-scatter into the shard gradients. No-ops otherwise.
+    void before_forward();
+    void after_backward();
+    // Whole weights on every rank (ZeRO-3: collective, every rank must call it) until
+    // release_weights(). Returns false when nothing was gathered (not sharded, or already whole).
+    bool gather_weights();
+    void release_weights();
     // Whether this rank's optimizer updates parameter `index` of attach()'s list (ZeRO-1/2: only
     // the ones it owns; otherwise all).
     bool updates(std::size_t index) const;
@@ -95,8 +130,10 @@ class DataParallel {
     // The gradient average with no host synchronisation (inside a CUDA graph capture): one flat
     // all-reduce per 64 MB of `params`' gradients, no overlap with backward.
     void all_reduce_gradients_capturable(const std::vector<at::Tensor>& params);
-    // After the optimizer step: ZeRO-1 broadcasts each parameter from its owner; then drops the
-    // gradients of every attached parameter (the sharded optimizer's zero_grad sees only its own).
+    // After the optimizer step: ZeRO-1/2 copy the parameters from their owners (one broadcast per
+    // ~64 MB run of an owner's parameters); then clears the gradients of every attached parameter
+    // (the sharded optimizer's zero_grad sees only its own): with several ranks the reducer's
+    // buckets are zeroed in place and the grads are views of them again, else grads are dropped.
     void after_step();
     // Gradient clipping by norm over the attached parameters (`params`, attach()'s order): the
     // global norm of all gradients, returned (undefined when no parameter has a gradient). ZeRO-2:
@@ -131,6 +168,9 @@ class DataParallel {
 
   private:
     void report_gradient_shard();  // ZeRO-2, first reduction: what this rank holds (log)
+    void zero3_after_step();       // ZeRO-3: drops the shard gradients
+    // ZeRO-3: the norm over every rank's slices (each element is on one rank): one all-reduce.
+    at::Tensor sharded_clip_grad_norm(const std::vector<at::Tensor>& slices, double max_norm);
 
     dist::DistEnv env_;
     c10::Device device_;
@@ -138,6 +178,7 @@ class DataParallel {
     std::unique_ptr<dist::Group> group_;
     std::unique_ptr<dist::GradReducer> reducer_;
     std::unique_ptr<dist::ZeroPartition> partition_;
+    std::unique_ptr<ShardedModel> zero3_;
     std::vector<at::Tensor> params_;
     bool shard_reported_ = false;
     bool failed_ = false;  // report_failure() ran: end with abort(), not a normal shutdown

@@ -16,6 +16,7 @@
 namespace dtune::train {
 
 at::Tensor DataParallel::clip_grad_norm_async(const std::vector<at::Tensor>& params, double max_norm) {
+    if (zero3_) return sharded_clip_grad_norm(params, max_norm);  // data_parallel_zero3.cpp
     if (zero_stage_ < 2) return train::clip_grad_norm_async(params, max_norm);
     at::NoGradGuard no_grad;
     const auto n = static_cast<long>(params.size());

@@ -45,4 +45,12 @@ void inject_step_error(int rank, int64_t step) {
                              " at step " + std::to_string(step));
 }
 
+InjectPoint inject_point() {
+    const char* env = std::getenv("DTUNE_INJECT_POINT");
+    if (!env || !*env || std::string(env) == "step") return InjectPoint::kStep;
+    DTUNE_CHECK_AS(UsageError, std::string(env) == "zero3_gather", "DTUNE_INJECT_POINT='", env,
+                   "' is not step or zero3_gather");
+    return InjectPoint::kZero3Gather;
+}
+
 }  // namespace dtune::train

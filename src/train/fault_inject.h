@@ -13,4 +13,11 @@ namespace dtune::train {
 // Throws as DTUNE_INJECT_STEP_ERROR asks when (rank, step) match; UsageError for a malformed value.
 void inject_step_error(int rank, int64_t step);
 
+// Where the failure is injected, from DTUNE_INJECT_POINT (read once at the start of training):
+// kStep (unset or "step") before the step's forward; kZero3Gather ("zero3_gather") instead of the
+// step's start, just before that rank's 3rd ZeRO-3 all-gather of the step (mid-forward), so the
+// other ranks wait inside the all-gather. UsageError for another value.
+enum class InjectPoint { kStep, kZero3Gather };
+InjectPoint inject_point();
+
 }  // namespace dtune::train

@@ -35,7 +35,10 @@ class Optimizer {
     virtual const char* name() const = 0;
     // One update of every parameter that has a gradient.
     virtual void step() = 0;
-    // Drops the gradients (set to undefined, like torch's set_to_none).
+    // Drops the gradients (set to undefined, like torch's set_to_none). With several ranks the
+    // gradients are views of dist::GradReducer's buckets: DataParallel::after_step() zeroes the
+    // buckets in place and makes the views the grads again (one fill per bucket, not one per
+    // parameter), so dropping them here costs nothing and frees nothing.
     void zero_grad();
 
     std::vector<ParamGroup>& param_groups() { return groups_; }

@@ -33,6 +33,7 @@
 #include "train/optimizer_offload.h"
 #include "train/run_logs.h"
 #include "train/signals.h"
+#include "train/zero3_model.h"
 
 namespace dtune::train {
 namespace {
@@ -63,12 +64,6 @@ std::filesystem::path vae_dir(const TrainConfig& config, const std::filesystem::
     log::info() << "pretrained_vae_model_name_or_path " << vae.string()
                 << " is not a local folder; using the model's own VAE " << (model_dir / "vae").string();
     return model_dir / "vae";
-}
-
-std::vector<at::Tensor> tensors_of(const std::vector<NamedTensor>& named) {
-    std::vector<at::Tensor> out;
-    for (const auto& p : named) out.push_back(p.tensor);
-    return out;
 }
 
 void log_fault_stop(const StepAgreement& agreed, int64_t step) {
@@ -452,11 +447,15 @@ void Trainer::add_callback(std::shared_ptr<TrainCallback> callback) {
 
 void Trainer::build_optimizer() {
     ParamGroup group;
-    for (std::size_t i = 0; i < trainable_.size(); ++i) {
+    for (std::size_t i = 0; i < trainable_.size() && !dp_->sharded_parameters(); ++i) {
         const auto& p = trainable_[i];
         if (!dp_->updates(i)) continue;  // ZeRO-1: another rank keeps this one's state
         group.names.push_back(p.name);
         group.params.push_back(p.tensor);
+    }
+    for (const auto& s : dp_->zero3_slices()) {  // ZeRO-3: this rank's slices of the parameters
+        group.names.push_back(s.name);
+        group.params.push_back(s.value);
     }
     group.lr = config_.real("learning_rate");
     group.weight_decay = config_.real("adam_weight_decay");
@@ -543,7 +542,8 @@ void Trainer::resume() {
 
 double Trainer::train_one_step(double& grad_norm) {
     const int64_t accum = config_.integer("gradient_accumulation_steps");
-    inject_step_error(dp_->rank(), global_step_ + 1);  // DTUNE_INJECT_STEP_ERROR (tests)
+    if (!arm_gather_fault_injection())  // ZeRO-3: at the step's 3rd all-gather instead (trainer_zero3.cpp)
+        inject_step_error(dp_->rank(), global_step_ + 1);  // DTUNE_INJECT_STEP_ERROR (tests)
     double loss_sum = 0, regularisation_sum = 0;
     int64_t regularisation_batches = 0;
     // LoRA: this forward's dropout seed; regularisation batches train toward the base model's
@@ -553,10 +553,12 @@ double Trainer::train_one_step(double& grad_norm) {
         TrainBatch batch = next_batch(micro);
         apply_caption_dropout(*family_, batch, empty_prompt_, step_options_.caption_dropout_probability,
                               *generator_, dp_->rank(), dp_->world_size());
+        dp_->before_forward();  // ZeRO-3: the root unit's weights
         MicroStep m = micro_step(*model_, batch, objective_, step_options_, global_step_, *generator_, hooks);
         if (micro == accum - 1) dp_->arm_reduction();  // reduce during the last backward
         const at::Tensor loss = m.loss / static_cast<double>(accum);
         (scaler_ ? scaler_->scale_loss(loss) : loss).backward();
+        dp_->after_backward();  // ZeRO-3: this micro-step's gradients reduce-scattered into the shards
         // Read after backward is queued, so the GPU is never idle waiting for the host's check.
         const double value = m.loss.item<double>();
         if (batch.regularisation) {
@@ -579,6 +581,7 @@ double Trainer::train_one_step(double& grad_norm) {
     dp_->reduce_gradients();  // average over the ranks once, after the last micro-step
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
+    params = dp_->gradient_holders(params);                   // ZeRO-3: this rank's slices hold the gradients
     step_overflowed_ = scaler_ && !scaler_->unscale(params);  // fp16: gradients / scale, inf check
     if (scaler_) step_overflowed_ = dp_->gradients_overflowed(step_overflowed_);  // ZeRO-2: any shard
     // One multi-tensor norm and one read-back per step (not one per parameter); the same clip as
@@ -625,6 +628,7 @@ void Trainer::save_after_fetch_error() noexcept {
 }
 
 void Trainer::save(const std::string& why) {
+    const std::shared_ptr<void> whole = whole_weights();  // ZeRO-3: rank 0 writes the whole weights
     const bool zero = dp_->zero_stage() >= 1;
     const int world = dp_->world_size();
     // This rank's own files: its RNG states (ranks >= 1; rank 0's are random_states.safetensors)
@@ -642,7 +646,10 @@ void Trainer::save(const std::string& why) {
         }
         if (zero) {
             io::TensorList opt;
-            for (const auto& [k, v] : optimizer_->state_dict()) opt.emplace_back(k, v);
+            TensorMap state = optimizer_->state_dict();
+            // ZeRO-3: slices keyed "<parameter>@<first element>.<state>" (zero3_model.h)
+            if (dp_->sharded_parameters()) state = sliced_state_for_save(state, dp_->zero3_slices());
+            for (const auto& [k, v] : state) opt.emplace_back(k, v);
             io::save_safetensors(tmp / optimizer_shard_file(rank_, world), opt);
         }
     };
@@ -690,6 +697,7 @@ void Trainer::load_full_weights(const LoadedCheckpoint& ckpt) {
                    weights, "; it was written by a different model_type or model_family");
     const auto file = ckpt.dir / weights;
     std::map<std::string, at::Tensor> by_name(it_w->second.begin(), it_w->second.end());
+    if (dp_->sharded_parameters()) return load_sharded_weights(file, by_name);  // trainer_zero3.cpp
     at::NoGradGuard no_grad;
     std::vector<at::Tensor> copied;
     for (auto& p : trainable_) {
@@ -719,7 +727,8 @@ void Trainer::load_optimizer_state(const LoadedCheckpoint& ckpt) {
         found = true;
         for (const auto& [k, v] : tensors) {
             const auto dot = k.rfind('.');
-            const std::string name = dot == std::string::npos ? k : k.substr(0, dot);
+            std::string name = dot == std::string::npos ? k : k.substr(0, dot);
+            if (const auto at = name.rfind('@'); at != std::string::npos) name.resize(at);  // ZeRO-3 slice
             // Unknown names go through, so that load_state_dict reports them.
             if (mine.count(name) || !all.count(name)) opt[k] = v.to(device_);
         }
@@ -727,6 +736,12 @@ void Trainer::load_optimizer_state(const LoadedCheckpoint& ckpt) {
     DTUNE_CHECK_AS(DataError, found, "checkpoint ", ckpt.dir.string(),
                    " has no optimizer state (optimizer.safetensors or optimizer-shard-*); resume from ",
                    "another checkpoint");
+    // ZeRO-3 shards hold slices ("<parameter>@<begin>.<state>"): whole per-parameter state first,
+    // then this rank's slices of it when it runs ZeRO-3 itself (any world size either way).
+    std::map<std::string, std::vector<int64_t>> shapes;
+    for (const auto& p : trainable_) shapes[p.name] = p.tensor.sizes().vec();
+    opt = merge_sliced_state(opt, shapes);
+    if (dp_->sharded_parameters()) opt = state_for_slices(opt, dp_->zero3_slices());
     optimizer_->load_state_dict(opt);
 }
 
@@ -773,7 +788,7 @@ TrainResult Trainer::run() {
 }
 
 TrainResult Trainer::run_loop() {
-    dp_->attach(tensors_of(trainable_));  // rank 0's weights everywhere; reducer; ZeRO partition
+    attach_data_parallel();  // rank 0's weights everywhere; reducer; ZeRO partition or ZeRO-3 shards
     build_optimizer();
     start_ema();
     resume();
@@ -879,6 +894,9 @@ TrainResult Trainer::run_loop() {
     }
     progress.finish();
     if (result.outcome == TrainOutcome::kCompleted) {
+        // ZeRO-3: the whole weights stay in the model from here on (final save, exports, the last
+        // validation); a no-op otherwise.
+        dp_->gather_weights();
         // Optional (tests, debugging): every rank must hold exactly rank 0's weights.
         if (std::getenv("DTUNE_CHECK_RANK_WEIGHTS")) dp_->check_identical({}, 0.0);
         save("end of training");

@@ -113,6 +113,10 @@ class Trainer {
     // With use_ema: puts the EMA weights into the model until the guard ends (validation with EMA
     // weights); without EMA (or before run() starts) a no-op guard. Do not train while it lives.
     EMAWeightsGuard use_ema_weights();
+    // ZeRO-3: the whole weights are in the model until the guard ends (gathered from every rank:
+    // every rank must call this at the same point, as callbacks run on every rank). Otherwise, or
+    // when they are already whole, a guard that does nothing.
+    std::shared_ptr<void> whole_weights();
     const EMAModel* ema() const { return ema_.get(); }
     // model_type lora: the injected adapters (nullptr for a full fine-tune).
     LoRATraining* lora() { return lora_.get(); }
@@ -144,6 +148,16 @@ class Trainer {
     void append_metrics(const StepReport& report);
     void write_final_outputs();
     void init_data_parallel(const dist::DistEnv& env);
+    // trainer_zero3.cpp: what zero_stage 3 cannot run with (UsageError naming the key), attaching
+    // the model to data parallelism (sharded or not), and the sharded weights' resume.
+    void check_zero3_support() const;
+    void attach_data_parallel();
+    void load_sharded_weights(const std::filesystem::path& file,
+                              const std::map<std::string, at::Tensor>& by_name);
+    // DTUNE_INJECT_POINT=zero3_gather (tests): arms DTUNE_INJECT_STEP_ERROR at this step's 3rd
+    // all-gather; false when the failure belongs at the step's start.
+    bool arm_gather_fault_injection();
+    std::optional<bool> inject_at_gather_;  // DTUNE_INJECT_POINT, read once
     // A full fine-tune's weights from a checkpoint: every trainable tensor present, with the model's
     // shape and dtype, and finite (DataError naming the file and the tensor otherwise).
     void load_full_weights(const LoadedCheckpoint& ckpt);

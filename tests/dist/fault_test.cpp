@@ -113,7 +113,9 @@ TEST(FaultChannel, PeerFailureEndsABlockedAllReduceWithinPollIntervals) {
         const double waited = seconds_since(published);
         std::printf("blocked all-reduce ended %.3f s after the peer published its fault (poll 0.2 s)\n",
                     waited);
-        EXPECT_LT(waited, 1.0);
+        // A few polls when idle (0.1-0.2 s); a loaded 2-core machine running the suite in parallel
+        // has taken 1.6 s. Either way far below the 60 s collective timeout it replaces.
+        EXPECT_LT(waited, 5.0);
         EXPECT_EQ(e.record().rank, 1);
         EXPECT_EQ(static_cast<int>(e.code()), 75);
         EXPECT_EQ(

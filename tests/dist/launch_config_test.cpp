@@ -98,8 +98,20 @@ TEST(AccelerateConfig, FlattensNestedKeysAndStripsComments) {
     EXPECT_EQ(kv.size(), 3u);
 }
 
-// A bad accelerate config is a configuration error (exit code 2), like a bad flag: FSDP, ZeRO-3,
-// fp8 and bad values used to be DataErrors (exit code 3, "bad input data").
+// A bad accelerate config is a configuration error (exit code 2), like a bad flag: FSDP, ZeRO stage
+// 4, parameter offload, fp8 and bad values used to be DataErrors (exit code 3, "bad input data").
+// ZeRO-3 reaches the trainer as DTUNE_ZERO_STAGE=3; offload_param_device none passes through.
+TEST(AccelerateConfig, ZeroStage3IsPassedToTheRanks) {
+    const auto acc =
+        parse_accelerate_config("deepspeed_config:\n  zero_stage: 3\n  offload_param_device: none\n", "c");
+    EXPECT_EQ(acc.zero_stage, 3);
+    LaunchOptions o;
+    o.command = {"train"};
+    const auto c = resolve_launch_config(o, acc, 2);
+    EXPECT_EQ(c.extra_env.at("DTUNE_ZERO_STAGE"), "3");
+    EXPECT_EQ(c.extra_env.at("DTUNE_OFFLOAD_PARAM_DEVICE"), "none");
+}
+
 TEST(AccelerateConfig, BadValuesNameTheFileAndKey) {
     try {
         parse_accelerate_config("num_machines: two\n", "cfg.yaml");
@@ -108,7 +120,15 @@ TEST(AccelerateConfig, BadValuesNameTheFileAndKey) {
         EXPECT_NE(std::string(e.what()).find("cfg.yaml: num_machines"), std::string::npos) << e.what();
     }
     EXPECT_THROW(parse_accelerate_config("distributed_type: FSDP\n", "c"), UsageError);
-    EXPECT_THROW(parse_accelerate_config("deepspeed_config:\n  zero_stage: 3\n", "c"), UsageError);
+    EXPECT_THROW(parse_accelerate_config("deepspeed_config:\n  zero_stage: 4\n", "c"), UsageError);
+    try {
+        parse_accelerate_config("deepspeed_config:\n  offload_param_device: cpu\n", "acc.yaml");
+        FAIL() << "parameter offload accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("acc.yaml: deepspeed_config.offload_param_device"),
+                  std::string::npos)
+            << e.what();
+    }
     EXPECT_THROW(parse_accelerate_config("mixed_precision: fp8\n", "c"), UsageError);
     try {
         parse_accelerate_config("deepspeed_config:\n  offload_optimizer_device: nvme\n", "acc.yaml");

@@ -181,7 +181,7 @@ TEST(TrainConfig, SimpleTunerKeysAtTheirDefaultLoad) {
         "--fuse_optimizer": false, "--optimizer_release_gradients": false,
         "--disable_multiprocessing": false,
         "--pretrained_evaluation_model_name_or_path": "openai/clip-vit-large-patch14-336"})"));
-    for (const char* key : {"eval_epoch_interval", "fuse_optimizer", "fsdp_enable", "dynamo_mode"}) {
+    for (const char* key : {"eval_epoch_interval", "fuse_optimizer", "fsdp_cpu_offload", "dynamo_mode"}) {
         const std::string m = usage_message([&] {
             load_text(dir, R"({"model_family": "sdxl"})", {str("--", key), "2"});
         });
@@ -442,8 +442,10 @@ TEST(TrainConfig, OutOfRangeNumbersNameTheKeyAndTheAllowedRange) {
         << m;
     m = with({"--lora_rank", "0"});
     EXPECT_NE(m.find("option lora_rank = 0 is out of range; allowed: at least 1"), std::string::npos) << m;
-    m = with({"--zero_stage", "3"});
-    EXPECT_NE(m.find("option zero_stage = 3 is out of range; allowed: 0 to 2"), std::string::npos) << m;
+    m = with({"--zero_stage", "4"});
+    EXPECT_NE(m.find("option zero_stage = 4 is out of range; allowed: 0 to 3"), std::string::npos) << m;
+    m = with({"--fsdp_version", "3"});
+    EXPECT_NE(m.find("option fsdp_version = 3 is out of range; allowed: 1 to 2"), std::string::npos) << m;
     // The edges of a range, and null (SimpleTuner's None), are accepted.
     for (const auto& ok :
          std::vector<std::vector<std::string>>{{"--seed", "-1"},

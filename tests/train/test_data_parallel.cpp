@@ -10,6 +10,7 @@
 #include "dist/env.h"
 #include "dist/group.h"
 #include "dist/reducer.h"
+#include "dist/zero3.h"
 #include "family/sdxl/sdxl_family.h"
 #include "train/batch_source.h"
 #include "train/config.h"
@@ -89,11 +90,42 @@ TEST(DataParallelConfig, ZeroStageFromConfigOrLauncher) {
     EXPECT_THROW(resolve_zero_stage(c), UsageError);
     c.set("zero_stage", "0", "test");  // the config wins over the launcher's variable
     EXPECT_EQ(resolve_zero_stage(c), 0);
-    EXPECT_THROW(c.set("zero_stage", "3", "test"), UsageError);  // refused as the config is read
-    ::setenv("DTUNE_ZERO_STAGE", "3", 1);
+    EXPECT_THROW(c.set("zero_stage", "4", "test"), UsageError);  // refused as the config is read
+    ::setenv("DTUNE_ZERO_STAGE", "4", 1);
     c.set("zero_stage", "null", "test");
     EXPECT_THROW(resolve_zero_stage(c), UsageError);  // and from the launcher's variable
+    ::setenv("DTUNE_ZERO_STAGE", "3", 1);             // deepspeed_config.zero_stage 3
+    EXPECT_EQ(resolve_zero_stage(c), 3);
     ::unsetenv("DTUNE_ZERO_STAGE");
+}
+
+// SimpleTuner's FSDP keys map onto ZeRO-3; a contradicting zero_stage, and parameter offload, are
+// refused naming the key.
+TEST(DataParallelConfig, FsdpKeysMapOntoZeroStage3) {
+    ::unsetenv("DTUNE_ZERO_STAGE");
+    ::unsetenv("DTUNE_OFFLOAD_PARAM_DEVICE");
+    TrainConfig c;
+    c.set("fsdp_enable", "true", "test");
+    EXPECT_EQ(resolve_zero_stage(c), 3);
+    EXPECT_TRUE(resolve_zero3_options(c).reshard_after_forward);
+    c.set("fsdp_reshard_after_forward", "false", "test");
+    EXPECT_FALSE(resolve_zero3_options(c).reshard_after_forward);
+    c.set("zero_stage", "2", "test");
+    try {
+        resolve_zero_stage(c);
+        FAIL() << "fsdp_enable with zero_stage 2 accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("fsdp_enable is true"), std::string::npos) << e.what();
+    }
+    c.set("offload_param_device", "cpu", "test");
+    try {
+        resolve_zero3_options(c);
+        FAIL() << "parameter offload accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("offload_param_device in the config is 'cpu'"),
+                  std::string::npos)
+            << e.what();
+    }
 }
 
 std::vector<at::Tensor> tensors_of_sizes(const std::vector<long>& sizes) {

@@ -192,11 +192,11 @@ at::Tensor Transformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor
         const bool checkpoint = grad && !options_.checkpoint_blocks.empty() && options_.checkpoint_blocks[i];
         if (checkpoint) {
             auto fn = [impl = block.ptr()](const std::vector<at::Tensor>& in) {
-                return impl->forward(in[0], in[1]);
+                return run_unit(*impl, [&] { return impl->forward(in[0], in[1]); });
             };
             t = checkpointed(fn, {t, context}, parameter_list(*block));
         } else {
-            t = block->forward(t, context);
+            t = run_unit(*block, [&] { return block->forward(t, context); });
         }
     }
     if (proj_out_linear_) t = proj_out_linear_->forward(t);

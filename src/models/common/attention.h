@@ -18,6 +18,7 @@
 
 #include "models/common/adaptable.h"
 #include "models/common/checkpoint.h"
+#include "models/common/unit_hooks.h"
 
 namespace dtune::models {
 
@@ -95,7 +96,7 @@ struct TransformerBlockOptions {
 };
 
 // Pre-LayerNorm self-attention, cross-attention and GEGLU feed-forward, each with a residual.
-class BasicTransformerBlockImpl : public torch::nn::Module {
+class BasicTransformerBlockImpl : public torch::nn::Module, public HookableUnit {
   public:
     explicit BasicTransformerBlockImpl(const TransformerBlockOptions& options);
     at::Tensor forward(const at::Tensor& x, const at::Tensor& context);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "models/common/adaptable.h"
+#include "models/common/unit_hooks.h"
 
 namespace dtune::models {
 
@@ -62,7 +63,7 @@ struct ResnetBlock2DOptions {
 
 // GroupNorm -> SiLU -> conv -> (+ time embedding) -> GroupNorm -> SiLU -> conv, plus a 1x1
 // shortcut when the channel count changes; the sum is divided by output_scale_factor.
-class ResnetBlock2DImpl : public torch::nn::Module {
+class ResnetBlock2DImpl : public torch::nn::Module, public HookableUnit {
   public:
     explicit ResnetBlock2DImpl(const ResnetBlock2DOptions& options);
     // temb: [B, temb_channels] or undefined.

@@ -1,6 +1,8 @@
 // A custom autograd Function that recomputes its body in backward.
 #include "models/common/checkpoint.h"
 
+#include "models/common/unit_hooks.h"
+
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -98,6 +100,7 @@ struct Recompute : torch::autograd::Function<Recompute> {
         {
             at::AutoGradMode enable(true);
             const ForwardAutocast autocast(*body);
+            const RecomputeScope recomputing;  // unit hooks (unit_hooks.h) see a recomputation
             out = body->fn(expand(*body, inputs));
         }
         variable_list result(body->n_inputs + body->params.size() + 1);  // + the non-tensor `body` arg

@@ -332,15 +332,18 @@ at::Tensor FluxTransformer2DModelImpl::forward(const at::Tensor& x, const at::Te
     for (size_t i = 0; i < blocks_.size(); ++i) {
         const std::shared_ptr<FluxTransformerBlockImpl> block = blocks_[i].ptr();
         if (!(recompute && i < checkpoint_double_.size() && checkpoint_double_[i])) {
-            std::tie(e, h) = block->forward(h, e, temb, rope, key_mask);
+            std::tie(e, h) =
+                run_unit_pair(*block, [&] { return block->forward(h, e, temb, rope, key_mask); });
             continue;
         }
         // One output for the checkpoint: [context; image] along the sequence, split after.
         const int64_t text_len = e.size(1);
         const at::Tensor both = checkpointed(
             [block](const std::vector<at::Tensor>& in) {
-                const auto [ctx, img] = block->forward(in[0], in[1], in[2], {in[3], in[4]}, in[5]);
-                return at::cat({ctx, img}, 1);
+                return run_unit(*block, [&] {
+                    const auto [ctx, img] = block->forward(in[0], in[1], in[2], {in[3], in[4]}, in[5]);
+                    return at::cat({ctx, img}, 1);
+                });
             },
             {h, e, temb, rope.first, rope.second, key_mask}, parameter_list(*block));
         e = both.narrow(1, 0, text_len);
@@ -351,12 +354,12 @@ at::Tensor FluxTransformer2DModelImpl::forward(const at::Tensor& x, const at::Te
     for (size_t i = 0; i < single_blocks_.size(); ++i) {
         const std::shared_ptr<FluxSingleTransformerBlockImpl> block = single_blocks_[i].ptr();
         if (!(recompute && i < checkpoint_single_.size() && checkpoint_single_[i])) {
-            joint = block->forward(joint, temb, rope, key_mask);
+            joint = run_unit(*block, [&] { return block->forward(joint, temb, rope, key_mask); });
             continue;
         }
         joint = checkpointed(
             [block](const std::vector<at::Tensor>& in) {
-                return block->forward(in[0], in[1], {in[2], in[3]}, in[4]);
+                return run_unit(*block, [&] { return block->forward(in[0], in[1], {in[2], in[3]}, in[4]); });
             },
             {joint, temb, rope.first, rope.second, key_mask}, parameter_list(*block));
     }

@@ -96,7 +96,7 @@ class FluxAttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(FluxAttention);
 
-class FluxTransformerBlockImpl : public torch::nn::Module {
+class FluxTransformerBlockImpl : public torch::nn::Module, public HookableUnit {
   public:
     FluxTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim);
     // Returns (context, x).
@@ -114,7 +114,7 @@ class FluxTransformerBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(FluxTransformerBlock);
 
-class FluxSingleTransformerBlockImpl : public torch::nn::Module {
+class FluxSingleTransformerBlockImpl : public torch::nn::Module, public HookableUnit {
   public:
     FluxSingleTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim);
     // On the joint sequence [B, T + N, D].

@@ -5,6 +5,7 @@
 #include <torch/nn/modules/container/modulelist.h>
 
 #include "models/common/checkpoint.h"
+#include "models/common/unit_hooks.h"
 
 namespace dtune::models {
 
@@ -38,11 +39,11 @@ at::Tensor UNetBlockBase::run_resnet(std::size_t i, const at::Tensor& x, const a
     const bool checkpoint = !resnet_checkpointing_.empty() && resnet_checkpointing_[i];
     if (checkpoint && at::GradMode::is_enabled()) {
         auto fn = [impl = resnet.ptr()](const std::vector<at::Tensor>& in) {
-            return impl->forward(in[0], in[1]);
+            return run_unit(*impl, [&] { return impl->forward(in[0], in[1]); });
         };
         return checkpointed(fn, {x, temb}, parameter_list(*resnet));
     }
-    return resnet->forward(x, temb);
+    return run_unit(*resnet, [&] { return resnet->forward(x, temb); });
 }
 
 at::Tensor UNetBlockBase::run_attention(std::size_t i, const at::Tensor& x, const at::Tensor& context) {
