@@ -13,18 +13,9 @@
 #include <numeric>
 
 #include "core/error.h"
+#include "dist/ready_hook.h"
 
 namespace dtune::dist {
-
-namespace {
-
-struct ReadyHook final : torch::autograd::PostAccumulateGradHook {
-    explicit ReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-    void operator()(const torch::autograd::Variable&) override { fn_(); }
-    std::function<void()> fn_;
-};
-
-}  // namespace
 
 GradReducer::GradReducer(Group& group, std::vector<at::Tensor> params, ReducerOptions options)
     : group_(group), params_(std::move(params)) {

@@ -11,15 +11,10 @@
 #include <functional>
 
 #include "core/error.h"
+#include "dist/ready_hook.h"
 
 namespace dtune::dist {
 namespace {
-
-struct ReadyHook final : torch::autograd::PostAccumulateGradHook {
-    explicit ReadyHook(std::function<void()> fn) : fn_(std::move(fn)) {}
-    void operator()(const torch::autograd::Variable&) override { fn_(); }
-    std::function<void()> fn_;
-};
 
 // Gives a released storage its bytes back (same StorageImpl: every view of it sees the new bytes).
 void allocate_storage(const at::Tensor& flat) {
