@@ -29,6 +29,17 @@ using test::line_with;
 using test::run_shell;
 using test::ShellRun;
 
+// `dtune train --config config --output_dir out extra` in one process (ranks 0), or under `dtune
+// launch` with `ranks` processes on a free port.
+inline std::string train_command(const std::filesystem::path& config, const std::filesystem::path& out,
+                                 int ranks, const std::string& extra) {
+    const std::string train_args =
+        "train --config '" + config.string() + "' --output_dir '" + out.string() + "' " + extra;
+    if (ranks == 0) return std::string(DTUNE_BIN) + " " + train_args;
+    return std::string(DTUNE_BIN) + " launch --grace_period 3 --nproc_per_node " + std::to_string(ranks) +
+           " --master_port " + std::to_string(free_port()) + " -- " + train_args;
+}
+
 struct Workspace {
     test::TempDir dir;
     std::filesystem::path config;
@@ -78,11 +89,7 @@ struct Workspace {
 
     // `dtune train` in one process, or under `dtune launch` with `ranks` processes.
     std::string train(int ranks, const std::string& out_name, const std::string& extra) const {
-        const std::string train_args =
-            "train --config '" + config.string() + "' --output_dir '" + out(out_name).string() + "' " + extra;
-        if (ranks == 0) return std::string(DTUNE_BIN) + " " + train_args;
-        return std::string(DTUNE_BIN) + " launch --grace_period 3 --nproc_per_node " + std::to_string(ranks) +
-               " --master_port " + std::to_string(free_port()) + " -- " + train_args;
+        return train_command(config, out(out_name), ranks, extra);
     }
 };
 

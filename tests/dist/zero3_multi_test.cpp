@@ -21,6 +21,7 @@
 
 #include "core/fs.h"
 #include "dist/train_launch_util.h"
+#include "support/tiny_flux_data.h"
 
 namespace dtune {
 namespace {
@@ -321,39 +322,12 @@ struct FluxWorkspace {
     std::filesystem::path config = dir / "config.json";
 
     FluxWorkspace() {
-        namespace stdfs = std::filesystem;
-        const stdfs::path ref = stdfs::path(DTUNE_TEST_DATA_DIR) / "ref";
-        stdfs::copy(ref / "tiny-flux-pipeline", model, stdfs::copy_options::recursive);
-        stdfs::copy(ref / "tiny-flux-vae", model / "vae", stdfs::copy_options::recursive);
-        for (const char* part : {"text_encoder", "tokenizer"})
-            stdfs::copy(test::fixtures_dir() / "tiny-sdxl" / part, model / part,
-                        stdfs::copy_options::recursive);
-        const auto images = dir / "images";
-        stdfs::create_directories(images);
-        for (int i = 0; i < 4; ++i) {
-            io::RgbImage img(64, 64);
-            for (size_t p = 0; p < img.pixels.size(); ++p)
-                img.pixels[p] = static_cast<uint8_t>((p * 11 + i * 29) % 256);
-            io::write_image(images / ("a flux photo " + std::to_string(i) + ".png"), img);
-        }
-        const nlohmann::json backends =
-            nlohmann::json::array({{{"id", "tiny"},
-                                    {"type", "local"},
-                                    {"instance_data_dir", images.string()},
-                                    {"resolution", 64},
-                                    {"resolution_type", "pixel"},
-                                    {"caption_strategy", "filename"},
-                                    {"cache_dir_vae", (dir / "cache_vae").string()}},
-                                   {{"id", "text"},
-                                    {"type", "local"},
-                                    {"dataset_type", "text_embeds"},
-                                    {"default", true},
-                                    {"cache_dir", (dir / "cache_text").string()}}});
-        fs::write_file_atomic(dir / "multidatabackend.json", backends.dump(2));
+        const test::TinyFluxData data =
+            test::write_tiny_flux_data(dir.path(), std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref");
         const nlohmann::json cfg = {{"model_family", "flux"},
                                     {"model_type", "full"},
-                                    {"pretrained_model_name_or_path", model.string()},
-                                    {"data_backend_config", (dir / "multidatabackend.json").string()},
+                                    {"pretrained_model_name_or_path", data.model.string()},
+                                    {"data_backend_config", data.backends.string()},
                                     {"checkpointing_steps", 2},
                                     {"learning_rate", 0.05},
                                     {"lr_scheduler", "constant"},
@@ -369,11 +343,7 @@ struct FluxWorkspace {
     std::filesystem::path out(const std::string& name) const { return dir.path() / name; }
 
     std::string train(int ranks, const std::string& out_name, const std::string& extra) const {
-        const std::string args =
-            "train --config '" + config.string() + "' --output_dir '" + out(out_name).string() + "' " + extra;
-        if (ranks == 0) return std::string(DTUNE_BIN) + " " + args;
-        return std::string(DTUNE_BIN) + " launch --grace_period 3 --nproc_per_node " + std::to_string(ranks) +
-               " --master_port " + std::to_string(free_port()) + " -- " + args;
+        return train_command(config, out(out_name), ranks, extra);
     }
 };
 

@@ -18,6 +18,7 @@
 #include "support/http_listener.h"
 #include "support/shell.h"
 #include "support/test_support.h"
+#include "support/tiny_flux_data.h"
 
 namespace dtune {
 namespace {
@@ -33,35 +34,9 @@ struct FluxWorkspace {
     stdfs::path config = dir / "config.json";
 
     explicit FluxWorkspace(bool name_the_family = true) {
-        stdfs::copy(kRef / "tiny-flux-pipeline", model, stdfs::copy_options::recursive);
-        stdfs::copy(kRef / "tiny-flux-vae", model / "vae", stdfs::copy_options::recursive);
-        for (const char* part : {"text_encoder", "tokenizer"})
-            stdfs::copy(test::fixtures_dir() / "tiny-sdxl" / part, model / part,
-                        stdfs::copy_options::recursive);
-        const auto images = dir / "images";
-        stdfs::create_directories(images);
-        for (int i = 0; i < 4; ++i) {
-            io::RgbImage img(64, 64);
-            for (size_t p = 0; p < img.pixels.size(); ++p)
-                img.pixels[p] = static_cast<uint8_t>((p * 11 + i * 29) % 256);
-            io::write_image(images / ("a flux photo " + std::to_string(i) + ".png"), img);
-        }
-        const nlohmann::json backends =
-            nlohmann::json::array({{{"id", "tiny"},
-                                    {"type", "local"},
-                                    {"instance_data_dir", images.string()},
-                                    {"resolution", 64},
-                                    {"resolution_type", "pixel"},
-                                    {"caption_strategy", "filename"},
-                                    {"cache_dir_vae", (dir / "cache_vae").string()}},
-                                   {{"id", "text"},
-                                    {"type", "local"},
-                                    {"dataset_type", "text_embeds"},
-                                    {"default", true},
-                                    {"cache_dir", (dir / "cache_text").string()}}});
-        fs::write_file_atomic(dir / "multidatabackend.json", backends.dump(2));
-        nlohmann::json cfg = {{"pretrained_model_name_or_path", model.string()},
-                              {"data_backend_config", (dir / "multidatabackend.json").string()},
+        const test::TinyFluxData data = test::write_tiny_flux_data(dir.path(), kRef);
+        nlohmann::json cfg = {{"pretrained_model_name_or_path", data.model.string()},
+                              {"data_backend_config", data.backends.string()},
                               {"train_batch_size", 2},
                               {"checkpointing_steps", 1},
                               {"learning_rate", 1e-3},
