@@ -78,7 +78,9 @@ int run(int argc, char** argv) {
     train::TrainConfig config = train::TrainConfig::load({}, words);
     const std::filesystem::path out = config.text("output_dir");
     train::SyntheticBatchOptions shapes = family_shapes(config, res);
-    shapes.device = c10::Device(config.text("device") == "cpu" ? c10::kCPU : c10::kCUDA);
+    // Where the trainer will train: the CPU when asked for or when there is no GPU (device auto).
+    const bool cpu = config.text("device") == "cpu" || !at::hasCUDA();
+    shapes.device = c10::Device(cpu ? c10::kCPU : c10::kCUDA);
     train::Trainer trainer(std::move(config), std::make_unique<train::SyntheticBatchSource>(shapes));
     const train::TrainResult result = trainer.run();
 
