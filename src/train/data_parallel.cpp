@@ -196,6 +196,12 @@ void DataParallel::arm_reduction() {
 
 void DataParallel::reduce_gradients() {
     if (reducer_) reducer_->reduce();
+    if (reducer_ && !overlap_reported_ && env_.rank == 0 && reducer_->owns_gradients()) {
+        overlap_reported_ = true;
+        log::info() << "data parallel: " << reducer_->overlapped_buckets() << " of "
+                    << reducer_->buckets().size()
+                    << " gradient buckets started their reduction during the backward";
+    }
     if (zero_stage_ == 2 && !shard_reported_) report_gradient_shard();
 }
 
@@ -206,9 +212,22 @@ void DataParallel::all_reduce_gradients_capturable(const std::vector<at::Tensor>
     dist::all_reduce_gradients_flat(*group_, params);
 }
 
+bool DataParallel::graph_reduces_in_buckets() const {
+    if (!reducer_ || !reducer_->owns_gradients() || zero_stage_ > 1) return false;
+    const char* env = std::getenv("DTUNE_GRAPH_REDUCER");
+    return !(env && std::string(env) == "0");
+}
+
+void DataParallel::zero_gradients_in_step() {
+    if (!reducer_) return;
+    reducer_->zero_grad();
+    step_clears_gradients_ = true;
+}
+
 void DataParallel::after_step() {
     if (zero3_) zero3_after_step();
     if (partition_) partition_->sync_parameters(*group_, params_);  // few flat broadcasts
+    if (step_clears_gradients_) return;  // the graphed step zeroed its buckets already
     // Buckets zeroed in place, every grad a view of its bucket again (the optimizer's zero_grad
     // dropped them); without the reducer's buckets (one process, graphed step) grads are dropped.
     if (reducer_ && reducer_->owns_gradients())

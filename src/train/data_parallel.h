@@ -128,8 +128,21 @@ class DataParallel {
     // only the gradients of the parameters it owns.
     void reduce_gradients();
     // The gradient average with no host synchronisation (inside a CUDA graph capture): one flat
-    // all-reduce per 64 MB of `params`' gradients, no overlap with backward.
+    // all-reduce per 64 MB of `params`' gradients, no overlap with backward. The fallback of the
+    // graphed step when graph_reduces_in_buckets() is false.
     void all_reduce_gradients_capturable(const std::vector<at::Tensor>& params);
+    // The graphed data-parallel step (zero_stage 0 or 1, several ranks) keeps the reducer: the grads are
+    // views of its persistent buckets (static addresses, so a graph can hold them), the armed
+    // backward's hooks launch each bucket's all-reduce as soon as it is final (captured with the
+    // rest, so the collectives overlap the backward on every replay), and the step zeroes the
+    // buckets in place at its end (zero_gradients_in_step). ZeRO-1 the same (its parameter
+    // broadcasts run in after_step, after the replay). False with one process, with ZeRO-2/3, or
+    // with DTUNE_GRAPH_REDUCER=0 (then: all_reduce_gradients_capturable after backward).
+    bool graph_reduces_in_buckets() const;
+    // Called by the graphed step after its optimizer step (inside the capture): the buckets zeroed
+    // in place and the grads views of them again. From then on after_step() leaves the gradients
+    // alone (the step already cleared them, on replays too).
+    void zero_gradients_in_step();
     // After the optimizer step: ZeRO-1/2 copy the parameters from their owners (one broadcast per
     // ~64 MB run of an owner's parameters); then clears the gradients of every attached parameter
     // (the sharded optimizer's zero_grad sees only its own): with several ranks the reducer's
@@ -182,6 +195,9 @@ class DataParallel {
     std::vector<at::Tensor> params_;
     bool shard_reported_ = false;
     bool failed_ = false;  // report_failure() ran: end with abort(), not a normal shutdown
+    // zero_gradients_in_step() ran: the graphed step zeroes the gradients, after_step() leaves them.
+    bool step_clears_gradients_ = false;
+    bool overlap_reported_ = false;  // reduce_gradients() logged the buckets started in backward
 };
 
 // Per-rank checkpoint file names.

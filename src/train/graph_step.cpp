@@ -141,6 +141,7 @@ StepTensors GraphedStep::run(family::Denoiser& model, const TrainBatch& batch,
         e.lrs = lrs;
         e.max_grad_norm = max_grad_norm;
         optimizer.zero_grad();
+        if (hooks.clear_gradients) hooks.clear_gradients();
         // The graph's private pool cannot reuse blocks the eager steps left cached; hand them back
         // first, or a large step fails its capture for want of memory that is only fragmented.
         c10::cuda::CUDACachingAllocator::emptyCache();
@@ -195,6 +196,7 @@ StepTensors GraphedStep::run(family::Denoiser& model, const TrainBatch& batch,
                 gen.graphsafe_set_state(fresh);
             }
             optimizer.zero_grad();
+            if (hooks.clear_gradients) hooks.clear_gradients();
             return eager();
         }
     } else {

@@ -315,6 +315,7 @@ StepTensors optimizer_step_async(family::Denoiser& model, const TrainBatch& batc
                                  const std::vector<at::Tensor>& params, double max_grad_norm,
                                  const StepHooks& hooks) {
     MicroStep m = micro_step(model, batch, objective, options, global_step, generator, hooks);
+    if (hooks.before_backward) hooks.before_backward();
     m.loss.backward();
     if (hooks.after_backward) hooks.after_backward();
     StepTensors out;
@@ -322,6 +323,7 @@ StepTensors optimizer_step_async(family::Denoiser& model, const TrainBatch& batc
     out.grad_norm = clip_gradients(params, max_grad_norm, options.clip_by_value);
     optimizer.step();
     optimizer.zero_grad();
+    if (hooks.clear_gradients) hooks.clear_gradients();
     return out;
 }
 

@@ -100,9 +100,14 @@ using AdapterSwitch = std::function<void(bool enabled)>;
 // What the trainer plugs into a step; every member is optional. The eager step and the CUDA-graph
 // step call the same hooks at the same points, so a graph captures them with the rest.
 struct StepHooks {
-    AdapterSwitch adapters;                // regularisation batches: the teacher forward, adapters off
-    std::function<void()> before_forward;  // LoRA dropout: this forward's seed (LoRATraining::begin_forward)
-    std::function<void()> after_backward;  // data parallel: the gradient average
+    AdapterSwitch adapters;                 // regularisation batches: the teacher forward, adapters off
+    std::function<void()> before_forward;   // LoRA dropout: this forward's seed (LoRATraining::begin_forward)
+    std::function<void()> before_backward;  // data parallel: arm the reducer (buckets launch during backward)
+    std::function<void()> after_backward;   // data parallel: the gradient average
+    // After every optimizer.zero_grad() of the step (and of GraphedStep before a capture): the
+    // graphed data-parallel step zeroes the reducer's gradient buckets in place and makes the
+    // grads views of them again, so the next backward accumulates into them.
+    std::function<void()> clear_gradients;
 };
 
 // Forward of one micro-batch: loss = per-sample loss averaged over the batch. A regularisation

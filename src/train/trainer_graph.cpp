@@ -33,10 +33,13 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
                                const family::TrainingObjective* objective) {
     const std::string fix = "; otherwise the run trains without CUDA graphs";
     if (!device.is_cuda()) return str("device is ", device.str(), " (CUDA graphs need a CUDA device)");
-    if (world_size > 1 && zero_stage > 0)
+    // zero_stage 1 graphs like 0 (the same all-reduce; the optimizer updates this rank's share and
+    // the parameter broadcasts follow the replay); 2 and 3 reduce into per-owner or per-unit
+    // buffers allocated and freed while backward runs.
+    if (world_size > 1 && zero_stage > 1)
         return str("zero_stage is ", zero_stage, " with ", world_size,
-                   " ranks (the sharded optimizer step and the parameter exchange after it are not "
-                   "captured; zero_stage 0 graphs the data-parallel step",
+                   " ranks (its gradient buffers come and go during backward, which a graph cannot "
+                   "hold; zero_stage 0 and 1 graph the data-parallel step",
                    fix, ")");
     if (resolve_offload_optimizer(c))
         return "offload_optimizer_device is cpu (the optimizer step runs on the host between two waits for "
@@ -170,10 +173,16 @@ double Trainer::train_graphed_step(double lr, double& grad_norm) {
     optimizer_->upload_lr();  // before the replay, on the same stream
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
-    // Data parallel: the gradient average is part of the graph (NCCL collectives are captured).
+    // Data parallel: the gradient average is part of the graph (NCCL collectives are captured),
+    // overlapping the backward through the reducer's buckets (DataParallel::graph_reduces_in_buckets).
     StepHooks hooks = step_hooks();
-    if (world_size() > 1)
+    if (dp_->graph_reduces_in_buckets()) {
+        hooks.before_backward = [this] { dp_->arm_reduction(); };
+        hooks.after_backward = [this] { dp_->reduce_gradients(); };
+        hooks.clear_gradients = [this] { dp_->zero_gradients_in_step(); };
+    } else if (world_size() > 1) {
         hooks.after_backward = [this, &params] { dp_->all_reduce_gradients_capturable(params); };
+    }
     const StepTensors out = graph_->run(*model_, batch, objective_, step_options_, global_step_, *generator_,
                                         *optimizer_, params, config_.real("max_grad_norm"), hooks);
     optimizer_->after_step();  // adamw_bf16: the weight decays that came due (host-decided)

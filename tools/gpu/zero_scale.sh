@@ -6,7 +6,8 @@
 # 1024², gradient checkpointing, zero_stage 3) on 2 and 4 GPUs. img/s, ms/step and rank 0's peak
 # memory (metrics.jsonl: the steps' peak) per run; one JSON line each in $OUT/zero_scale.jsonl.
 #   OUT=$OUT tools/gpu/zero_scale.sh     env: STEPS (20), STAGES ("0 1 2 3"), GPUS ("1 2 4", capped at
-#   the machine's count), LORA (1), FLUX (0), FLUX_STEPS (6), CAP (240 s a run)
+#   the machine's count), LORA (1), FLUX (0), FLUX_STEPS (6), CAP (240 s a run), FLAT_GPUS (""),
+#   GRAPH_TEST (0: 1 builds and runs dist_graph_gpu_tests first)
 # Carry [".gpudeps.tar.xz", "shared", ".whl"] (the Flux folder maker imports diffusers).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -15,8 +16,14 @@ OUT=${OUT:-out/zero}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 W=/tmp/zero_scale STEPS=${STEPS:-20} CAP=${CAP:-240} STAGES=${STAGES:-"0 1 2 3"}
 have=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
-OUT=$OUT tools/gpu/build.sh dtune make_random_pipeline >/dev/null || { tail -40 "$OUT/build.log"; exit 1; }
+targets=(dtune make_random_pipeline)
+[[ ${GRAPH_TEST:-0} == 1 ]] && targets+=(dist_graph_gpu_tests)
+OUT=$OUT tools/gpu/build.sh "${targets[@]}" >/dev/null || { tail -40 "$OUT/build.log"; exit 1; }
 echo "== build done at $SECONDS s"
+if [[ ${GRAPH_TEST:-0} == 1 ]]; then  # the graphed 2-GPU step against eager and one GPU (label gpu)
+    timeout -k 10 300 build/dev/tests/dist/dist_graph_gpu_tests >"$OUT/graph_gpu_test.log" 2>&1
+    echo "graph gpu test exit $?: $(grep -E 'graphed 2 GPUs|PASSED|FAILED' "$OUT/graph_gpu_test.log" | tr '\n' ' ')"
+fi
 gpus=()
 for n in ${GPUS:-1 2 4}; do (( n <= have )) && gpus+=("$n"); done
 row() {  # label, log, exit code, seconds: train_full_size.sh's JSON line + the run's label
@@ -33,6 +40,16 @@ for n in "${gpus[@]}"; do
             >"$OUT/full_${n}gpu_zero$z.log" 2>&1
         row "sdxl full, $n GPUs, zero_stage $z" "$OUT/full_${n}gpu_zero$z.log" $? $((SECONDS - t0))
     done
+done
+# FLAT_GPUS: zero_stage 0 again on these GPU counts with DTUNE_GRAPH_REDUCER=0 (the graph's former
+# flat all-reduce after backward), against the overlapped bucket all-reduce above.
+for n in ${FLAT_GPUS:-}; do
+    (( n <= have )) || continue
+    t0=$SECONDS
+    DTUNE_GRAPH_REDUCER=0 NPROC=$n timeout -k 20 "$CAP" tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" \
+        --zero_stage 0 >"$OUT/full_${n}gpu_zero0_flat.log" 2>&1
+    row "sdxl full, $n GPUs, zero_stage 0, flat all-reduce after backward" "$OUT/full_${n}gpu_zero0_flat.log" $? \
+        $((SECONDS - t0))
 done
 if [[ ${LORA:-1} == 1 ]]; then
     for n in 1 "${gpus[-1]}"; do
