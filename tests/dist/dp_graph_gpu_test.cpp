@@ -35,11 +35,15 @@ TEST(DataParallelGraphGpu, TwoRanksCaptureTheOverlappedAllReduceAndEqualOneGpu) 
     if (cuda_devices() < 2) GTEST_SKIP() << "needs two CUDA devices, found " << cuda_devices();
     Workspace w;
     // AdamW in float32 (deterministic off: its per-tensor path is not graph-safe); 10 steps, so
-    // each of the 2-rank graphed runs replays 8 times after 2 warm-up steps.
+    // each of the 2-rank graphed runs replays 8 times after 2 warm-up steps. adam_epsilon 1 keeps
+    // the update linear in small gradients: with the default 1e-8 an element whose gradient is
+    // near zero moves by about +-lr whichever sign the GPU's summation order gives it (measured:
+    // 2e-3 apart after 10 steps of lr 1e-3), which would hide a wrong step; now, as with SGD in the
+    // CPU tests, summation order stays at float rounding while a wrong gradient moves whole tensors.
     const std::string common =
-        "--device cuda --mixed_precision no --optimizer torch-adamw --learning_rate 1e-3 --deterministic "
-        "false "
-        "--cuda_graph true --max_train_steps 10 --checkpointing_steps 100 --max_grad_norm 1 ";
+        "--device cuda --mixed_precision no --optimizer torch-adamw --learning_rate 1e-2 --adam_epsilon 1 "
+        "--deterministic false --cuda_graph true --max_train_steps 10 --checkpointing_steps 100 "
+        "--max_grad_norm 1 ";
     const std::string env = "NCCL_NVLS_ENABLE=0 ";
     const auto graphed = run_shell(env + "DTUNE_CUDA_GRAPH_WARMUP=2 " +
                                    w.train(2, "graphed", common + "--train_batch_size 1"));
@@ -84,11 +88,11 @@ TEST(DataParallelGraphGpu, TwoRanksCaptureTheOverlappedAllReduceAndEqualOneGpu) 
         "graphed 2 GPUs vs eager %.3g, vs flat all-reduce %.3g, vs 1 GPU batch 2 %.3g, vs ZeRO-1 %.3g; "
         "moved %.3g\n",
         vs_eager, vs_flat, vs_one, vs_zero1, moved);
-    EXPECT_GT(moved, 3e-3);
-    EXPECT_LE(vs_eager, 1e-4);
-    EXPECT_LE(vs_flat, 1e-4);
-    EXPECT_LE(vs_one, 1e-4);
-    EXPECT_LE(vs_zero1, 1e-4);
+    EXPECT_GT(moved, 1e-3);
+    EXPECT_LE(vs_eager, 2e-5 + 2e-3 * moved);
+    EXPECT_LE(vs_flat, 2e-5 + 2e-3 * moved);
+    EXPECT_LE(vs_one, 2e-5 + 2e-3 * moved);
+    EXPECT_LE(vs_zero1, 2e-5 + 2e-3 * moved);
 }
 
 }  // namespace

@@ -35,11 +35,15 @@ cat > "$work/mdb.json" <<JSON
   {"id": "text", "type": "local", "dataset_type": "text_embeds", "default": true, "cache_dir": "$work/cache/text"}
 ]
 JSON
-nproc=${NPROC:-1}
+nproc=${NPROC:-1} nnodes=${NNODES:-1} node_rank=${NODE_RANK:-0}
 out=$work/out-$mode-$nproc-${BUCKETS:-1}
 run=("$build/bin/dtune" train)
 (( nproc > 1 )) && run=("$build/bin/dtune" launch --nproc_per_node "$nproc" -- train)
-rm -rf "$out"
+# NNODES=2 NODE_RANK=0|1 MASTER_PORT=p: one of two `dtune launch --node_rank` processes on this
+# host (start node 1 in the background first, with its own CUDA_VISIBLE_DEVICES); they share $out.
+(( nnodes > 1 )) && run=("$build/bin/dtune" launch --nnodes "$nnodes" --node_rank "$node_rank" --master_addr 127.0.0.1
+  --master_port "${MASTER_PORT:-29500}" --nproc_per_node "$nproc" -- train)
+(( node_rank == 0 )) && rm -rf "$out"
 if [[ $mode == lora ]]; then
   args=(--model_type lora --lora_rank 16 --train_batch_size 4 --optimizer torch-adamw --learning_rate 1e-4)
 else
@@ -49,6 +53,7 @@ common=(--model_family sdxl --pretrained_model_name_or_path "$work/sdxl" --outpu
   --mixed_precision bf16 --gradient_checkpointing false --checkpoint_step_interval "$steps"
   --seed 42 --device cuda --caption_dropout_probability 0.1 --lr_scheduler constant "${args[@]}" "$@")
 "${run[@]}" "${common[@]}" --data_backend_config "$work/mdb.json"
+(( node_rank == 0 )) || exit 0  # node 0 prints the summary
 # BENCH_TRAINER=1 (one process): the same options through bench/bench_trainer (the real Trainer,
 # synthetic batches of SDXL's shapes); its ms/step joins the summary as bench_trainer_ms.
 bench_json=$out-bench.json
@@ -61,7 +66,7 @@ fi
 per_gpu=$([[ $mode == lora ]] && echo 4 || echo 1)
 extra=("$@")
 for i in "${!extra[@]}"; do [[ ${extra[$i]} == --train_batch_size ]] && per_gpu=${extra[$((i + 1))]}; done
-batch=$(( per_gpu * nproc ))
+batch=$(( per_gpu * nproc * nnodes ))
 python3 - "$out/metrics.jsonl" "$mode" "$batch" "$bench_json" <<'PY'
 import json, math, os, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1])]

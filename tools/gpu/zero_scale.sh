@@ -7,7 +7,7 @@
 # memory (metrics.jsonl: the steps' peak) per run; one JSON line each in $OUT/zero_scale.jsonl.
 #   OUT=$OUT tools/gpu/zero_scale.sh     env: STEPS (20), STAGES ("0 1 2 3"), GPUS ("1 2 4", capped at
 #   the machine's count), LORA (1), FLUX (0), FLUX_STEPS (6), CAP (240 s a run), FLAT_GPUS (""),
-#   GRAPH_TEST (0: 1 builds and runs dist_graph_gpu_tests first)
+#   GRAPH_TEST (0: 1 builds and runs dist_graph_gpu_tests first), TWO_NODE (0), TWO_NODE_STAGE (1)
 # Carry [".gpudeps.tar.xz", "shared", ".whl"] (the Flux folder maker imports diffusers).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -51,6 +51,18 @@ for n in ${FLAT_GPUS:-}; do
     row "sdxl full, $n GPUs, zero_stage 0, flat all-reduce after backward" "$OUT/full_${n}gpu_zero0_flat.log" $? \
         $((SECONDS - t0))
 done
+# TWO_NODE=1 (4 GPUs): the same full fine-tune as two `dtune launch --nnodes 2 --node_rank` processes of
+# 2 GPUs each on this host (GPUs 0,1 and 2,3; one shared output_dir), zero_stage TWO_NODE_STAGE (1).
+if [[ ${TWO_NODE:-0} == 1 ]] && (( have >= 4 )); then
+    t0=$SECONDS port=$((29000 + RANDOM % 1000)) z=${TWO_NODE_STAGE:-1}
+    CUDA_VISIBLE_DEVICES=2,3 NNODES=2 NODE_RANK=1 MASTER_PORT=$port NPROC=2 timeout -k 20 "$CAP" \
+        tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" --zero_stage "$z" >"$OUT/two_node_1.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=0,1 NNODES=2 NODE_RANK=0 MASTER_PORT=$port NPROC=2 timeout -k 20 "$CAP" \
+        tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" --zero_stage "$z" >"$OUT/two_node_0.log" 2>&1
+    rc=$?
+    wait
+    row "sdxl full, 2 nodes x 2 GPUs on one host, zero_stage $z" "$OUT/two_node_0.log" $rc $((SECONDS - t0))
+fi
 if [[ ${LORA:-1} == 1 ]]; then
     for n in 1 "${gpus[-1]}"; do
         t0=$SECONDS
