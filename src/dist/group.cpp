@@ -153,6 +153,15 @@ class C10dGroup final : public Group {
         opts.reduceOp = c10d::ReduceOp::SUM;
         return std::make_unique<WorkPending>(*this, backend_->allreduce(tensors, opts));
     }
+    std::unique_ptr<Pending> all_reduce_avg_async(at::Tensor& tensor) override {
+        if (name_ != std::string("nccl")) return nullptr;
+        check_open();
+        Trace trace(rank(), "all_reduce_avg", &tensor);
+        std::vector<at::Tensor> tensors{tensor};
+        c10d::AllreduceOptions opts;
+        opts.reduceOp = c10d::ReduceOp::AVG;
+        return std::make_unique<WorkPending>(*this, backend_->allreduce(tensors, opts));
+    }
     void all_reduce_max_(at::Tensor& tensor) override {
         check_open();
         Trace trace(rank(), "all_reduce_max", &tensor);

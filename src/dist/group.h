@@ -65,6 +65,9 @@ class Group {
     virtual std::unique_ptr<Pending> all_reduce_sum_async(at::Tensor& tensor) = 0;
     void all_reduce_sum_(at::Tensor& tensor) { all_reduce_sum_async(tensor)->wait(); }
     void all_reduce_mean_(at::Tensor& tensor);
+    // In place: the mean over ranks in one collective where the backend averages itself (NCCL's
+    // ncclAvg), so no division pass follows; nullptr where it does not (Gloo: sum, then divide).
+    virtual std::unique_ptr<Pending> all_reduce_avg_async(at::Tensor&) { return nullptr; }
     virtual void all_reduce_max_(at::Tensor& tensor) = 0;
     // In place on `root`: the sum over ranks (the other ranks' `tensor` is scratch afterwards).
     virtual std::unique_ptr<Pending> reduce_sum_async(at::Tensor& tensor, int root) = 0;

@@ -141,7 +141,11 @@ void GradReducer::launch(std::size_t b) {
     }
     launched_[b] = 1;
     if (!sharded()) {
-        works_[b] = group_.all_reduce_sum_async(flats_[b]);
+        // NCCL averages in the collective (the used flags become count / N: still 0 exactly when
+        // no rank used the parameter); Gloo sums, and reduce() divides.
+        works_[b] = group_.all_reduce_avg_async(flats_[b]);
+        averaged_ = works_[b] != nullptr;
+        if (!averaged_) works_[b] = group_.all_reduce_sum_async(flats_[b]);
         return;
     }
     // ZeRO-2: another rank's gradients leave the parameters now; the owner keeps its views.
@@ -264,7 +268,7 @@ void GradReducer::reduce() {
             for (std::size_t k : buckets_[b]) views_[k] = at::Tensor();
             continue;
         }
-        flats_[b].slice(0, 0, bucket_numel_[b]).div_(n_ranks);  // the mean, in place in the grads
+        if (!averaged_) flats_[b].slice(0, 0, bucket_numel_[b]).div_(n_ranks);  // the mean, in place
     }
     resolve_unused();
     {

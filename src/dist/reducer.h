@@ -118,6 +118,7 @@ class GradReducer {
     std::vector<at::Tensor> flats_;  // per bucket: [numel + n] (ZeRO-2 foreign: while in use only)
     std::vector<std::pair<std::size_t, unsigned>> pre_hooks_;  // ZeRO-2: (parameter, hook position)
     bool owns_ = false;
+    bool averaged_ = false;  // the backend averaged the last launched bucket (NCCL): no division
     // Round state (guarded by mutex_: hooks run on autograd threads).
     bool overlap_ = false;
     bool armed_ = false;
