@@ -7,7 +7,8 @@
 # memory (metrics.jsonl: the steps' peak) per run; one JSON line each in $OUT/zero_scale.jsonl.
 #   OUT=$OUT tools/gpu/zero_scale.sh     env: STEPS (20), STAGES ("0 1 2 3"), GPUS ("1 2 4", capped at
 #   the machine's count), LORA (1), FLUX (0), FLUX_STEPS (6), CAP (240 s a run), FLAT_GPUS (""),
-#   GRAPH_TEST (0: 1 builds and runs dist_graph_gpu_tests first), TWO_NODE (0), TWO_NODE_STAGE (1)
+#   GRAPH_TEST (0: 1 builds and runs dist_graph_gpu_tests first), TWO_NODE (0), TWO_NODE_STAGE (1),
+#   FULL_EXTRA (more train_full_size.sh options for the SDXL full runs, e.g. "--gradient_checkpointing true")
 # Carry [".gpudeps.tar.xz", "shared", ".whl"] (the Flux folder maker imports diffusers).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -37,8 +38,9 @@ for n in "${gpus[@]}"; do
         (( n == 1 && z != 0 )) && continue  # one GPU: ZeRO has nothing to shard
         t0=$SECONDS
         NPROC=$n timeout -k 20 "$CAP" tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" --zero_stage "$z" \
-            >"$OUT/full_${n}gpu_zero$z.log" 2>&1
-        row "sdxl full, $n GPUs, zero_stage $z" "$OUT/full_${n}gpu_zero$z.log" $? $((SECONDS - t0))
+            ${FULL_EXTRA:-} >"$OUT/full_${n}gpu_zero$z.log" 2>&1
+        row "sdxl full, $n GPUs, zero_stage $z${FULL_EXTRA:+, $FULL_EXTRA}" "$OUT/full_${n}gpu_zero$z.log" $? \
+            $((SECONDS - t0))
     done
 done
 # FLAT_GPUS: zero_stage 0 again on these GPU counts with DTUNE_GRAPH_REDUCER=0 (the graph's former
