@@ -155,12 +155,13 @@ AccelerateConfig parse_accelerate_config(const std::string& text, const std::str
                 " is not a ZeRO stage; dtune shards optimizer state (1), gradients (2) and parameters (3): ",
                 "use 0 to 3"));
     c.offload_param_device = get_str(kv, "deepspeed_config.offload_param_device");
-    if (c.offload_param_device && *c.offload_param_device != "none")
-        throw UsageError(
-            str(path, ": deepspeed_config.offload_param_device: '", *c.offload_param_device,
-                "' is not supported; dtune's ZeRO-3 keeps each rank's parameter shard (1/N of ",
-                "the weights) on its GPU: set it to none and add GPUs, or offload the optimizer ",
-                "instead (offload_optimizer_device: cpu)"));
+    if (c.offload_param_device && *c.offload_param_device != "none" && *c.offload_param_device != "cpu")
+        throw UsageError(str(path, ": deepspeed_config.offload_param_device: '", *c.offload_param_device,
+                             "' is not supported; dtune offloads parameter shards to the cpu (or none)"));
+    if (c.offload_param_device == "cpu" && c.zero_stage != 3)
+        throw UsageError(str(path, ": deepspeed_config.offload_param_device: cpu needs deepspeed_config.",
+                             "zero_stage: 3 (parameters are offloaded only when they are sharded); set ",
+                             "zero_stage to 3, or offload_param_device to none"));
     return c;
 }
 

@@ -263,6 +263,9 @@ void EvalLossCallback::on_step_end(train::Trainer& trainer, const train::StepRep
 }
 
 void EvalLossCallback::on_train_end(train::Trainer& trainer, const train::TrainResult& result) {
+    // zero_stage 3 with a LoRA: the base is still sharded here, every rank gathers (else a no-op)
+    const std::shared_ptr<void> whole_weights =
+        result.outcome == train::TrainOutcome::kCompleted ? trainer.whole_weights() : nullptr;
     if (trainer.is_main_process() && result.outcome == train::TrainOutcome::kCompleted &&
         last_step_ != result.global_step)
         evaluate(trainer, result.global_step);

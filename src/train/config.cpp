@@ -186,7 +186,7 @@ const std::vector<OptionSpec>& specs() {
     {"metrics_interval", OptionType::kInt, "1", "dtune: write metrics.jsonl every N steps", nullptr},
     {"offload_optimizer_device", OptionType::kString, "null", "dtune: none, or cpu to keep the optimizer state and its update in host memory (default: accelerate's deepspeed_config.offload_optimizer_device via dtune launch, else none)", "none,cpu"},
     {"zero_stage", OptionType::kInt, "null", "dtune: ZeRO stage for multi-GPU runs, 0, 1, 2 or 3 (3: parameters sharded too; default: accelerate's deepspeed_config.zero_stage via dtune launch, else 0)", nullptr},
-    {"offload_param_device", OptionType::kString, "null", "dtune: ZeRO-3 parameter offload (accelerate's deepspeed_config.offload_param_device); only none: parameter shards stay on the training device", nullptr},
+    {"offload_param_device", OptionType::kString, "null", "dtune: none, or cpu to keep each rank's ZeRO-3 parameter shards in pinned host memory, copied to the device before each gather (needs zero_stage 3, and offload_optimizer_device cpu for a full fine-tune; default: accelerate's deepspeed_config.offload_param_device via dtune launch, else none)", nullptr},
     {"fsdp_enable", OptionType::kBool, "false", "FSDP: true runs dtune's ZeRO stage 3 (parameters, gradients and optimizer state sharded by block)", nullptr},
     {"fsdp_version", OptionType::kInt, "2", "FSDP version: 1 and 2 both run dtune's ZeRO stage 3", nullptr},
     {"fsdp_reshard_after_forward", OptionType::kBool, "true", "ZeRO-3/FSDP: free a block's gathered parameters after its forward and gather them again for its backward (false: keep them until its backward: less communication, more memory)", nullptr},

@@ -43,6 +43,12 @@ int resolve_zero_stage(const TrainConfig& config) {
     DTUNE_CHECK_AS(UsageError, *stage == 3 || !config.flag("fsdp_enable"),
                    "fsdp_enable is true (FSDP: sharded parameters, dtune's ZeRO stage 3) but ", origin,
                    " is ", *stage, "; drop one of them, or set zero_stage 3");
+    // Parameters are offloaded by the ZeRO-3 engine only (resolve_zero3_options reads the key there).
+    const std::string param_device = config.text("offload_param_device");
+    DTUNE_CHECK_AS(UsageError, *stage == 3 || param_device.empty() || param_device == "none",
+                   "offload_param_device is '", param_device, "' but ", origin, " is ", *stage,
+                   "; parameters are offloaded only when they are sharded: set zero_stage 3, or ",
+                   "offload_param_device none");
     return static_cast<int>(*stage);
 }
 

@@ -55,12 +55,14 @@ struct StepAgreement {
 
 // zero_stage from config.json, else DTUNE_ZERO_STAGE (set by `dtune launch --accelerate_config`
 // from deepspeed_config.zero_stage), else 0; SimpleTuner's fsdp_enable true means 3. UsageError for
-// a stage other than 0..3, or fsdp_enable with another zero_stage.
+// a stage other than 0..3, fsdp_enable with another zero_stage, or offload_param_device cpu with a
+// stage other than 3.
 int resolve_zero_stage(const TrainConfig& config);
 
-// ZeRO-3 settings from SimpleTuner's fsdp_* keys and accelerate's offload_param_device
-// (DTUNE_OFFLOAD_PARAM_DEVICE): reshard_after_forward from fsdp_reshard_after_forward; UsageError
-// naming the key for what the engine does not do (parameter offload, other wrap policies).
+// ZeRO-3 settings from SimpleTuner's fsdp_* keys, accelerate's offload_param_device
+// (DTUNE_OFFLOAD_PARAM_DEVICE: none or cpu) and DTUNE_ZERO3_PREFETCH (blocks gathered ahead, default
+// 1, 0 off): reshard_after_forward from fsdp_reshard_after_forward; UsageError naming the key or
+// variable for what the engine does not do (nvme offload, a bad prefetch depth).
 dist::Zero3Options resolve_zero3_options(const TrainConfig& config);
 
 // offload_optimizer_device from config.json, else DTUNE_OFFLOAD_OPTIMIZER_DEVICE (set by `dtune launch
@@ -101,7 +103,15 @@ class DataParallel {
     // them is resident between steps and the optimizer updates zero3_slices().
     void attach_sharded(torch::nn::Module& model, const std::vector<std::string>& names,
                         std::vector<at::Tensor> params, const dist::Zero3Options& options);
-    bool sharded_parameters() const { return zero3_ != nullptr; }
+    // ZeRO-3 for a LoRA, instead of attach(): the frozen base (`base_names`, `base_params`, from
+    // `model`) sharded by unit with no gradients, and the adapters (`trainable`) replicated: rank
+    // 0's values everywhere, gradients averaged by the reducer, the optimizer on whole tensors,
+    // as plain data parallelism does. zero3_slices() is then empty.
+    void attach_sharded_base(torch::nn::Module& model, const std::vector<std::string>& base_names,
+                             std::vector<at::Tensor> base_params, std::vector<at::Tensor> trainable,
+                             const dist::Zero3Options& options);
+    // Whether the trainable parameters are sharded (ZeRO-3 full fine-tune; not a LoRA's base).
+    bool sharded_parameters() const { return zero3_ != nullptr && !sharded_base_only_; }
     dist::Zero3Engine* zero3_engine();
     // This rank's parameter slices (ZeRO-3; empty otherwise): the optimizer's parameters.
     const std::vector<dist::Zero3Slice>& zero3_slices() const;
@@ -192,6 +202,7 @@ class DataParallel {
     std::unique_ptr<dist::GradReducer> reducer_;
     std::unique_ptr<dist::ZeroPartition> partition_;
     std::unique_ptr<ShardedModel> zero3_;
+    bool sharded_base_only_ = false;  // attach_sharded_base: zero3_ holds a frozen base
     std::vector<at::Tensor> params_;
     bool shard_reported_ = false;
     bool failed_ = false;  // report_failure() ran: end with abort(), not a normal shutdown

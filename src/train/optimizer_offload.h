@@ -18,7 +18,8 @@ class CpuOffloadOptimizer : public Optimizer {
     using Factory = std::function<std::unique_ptr<Optimizer>(std::vector<ParamGroup> host_groups)>;
 
     // `groups` hold the training parameters (any device). Their CPU copies (pinned when the
-    // parameters are on a GPU, so the copies back are asynchronous) are made here.
+    // parameters are on a GPU, so the copies back are asynchronous) are made here; a parameter
+    // already in pinned host memory (ZeRO-3's offloaded shards) is updated in place, with no copy.
     CpuOffloadOptimizer(std::vector<ParamGroup> groups, const Factory& make_host_optimizer);
     const char* name() const override { return name_.c_str(); }
     // Copies the gradients to the host (one wait for the GPU), updates there, queues the copies of
@@ -41,9 +42,10 @@ class CpuOffloadOptimizer : public Optimizer {
 
   private:
     struct Slot {
-        at::Tensor param;      // the training parameter
-        at::Tensor host;       // its CPU copy, which the host optimizer updates
-        at::Tensor host_grad;  // reusable host buffer for its gradient
+        at::Tensor param;       // the training parameter
+        at::Tensor host;        // its CPU copy, which the host optimizer updates
+        at::Tensor host_grad;   // reusable host buffer for its gradient
+        bool in_place = false;  // the parameter is in pinned host memory: host is the parameter itself
     };
     std::unique_ptr<Optimizer> host_;
     std::vector<std::vector<Slot>> slots_;  // per group, per parameter

@@ -628,7 +628,8 @@ void Trainer::save_after_fetch_error() noexcept {
 }
 
 void Trainer::save(const std::string& why) {
-    const std::shared_ptr<void> whole = whole_weights();  // ZeRO-3: rank 0 writes the whole weights
+    // ZeRO-3: rank 0 writes the whole weights (a LoRA's checkpoint holds its replicated adapters only)
+    const std::shared_ptr<void> whole = lora_ ? nullptr : whole_weights();
     const bool zero = dp_->zero_stage() >= 1;
     const int world = dp_->world_size();
     // This rank's own files: its RNG states (ranks >= 1; rank 0's are random_states.safetensors)
@@ -895,8 +896,9 @@ TrainResult Trainer::run_loop() {
     progress.finish();
     if (result.outcome == TrainOutcome::kCompleted) {
         // ZeRO-3: the whole weights stay in the model from here on (final save, exports, the last
-        // validation); a no-op otherwise.
-        dp_->gather_weights();
+        // validation); a no-op otherwise. A LoRA's outputs are its adapters: its base stays sharded
+        // (the last validation and eval loss gather it themselves).
+        if (!lora_) dp_->gather_weights();
         // Optional (tests, debugging): every rank must hold exactly rank 0's weights.
         if (std::getenv("DTUNE_CHECK_RANK_WEIGHTS")) dp_->check_identical({}, 0.0);
         save("end of training");

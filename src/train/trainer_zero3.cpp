@@ -2,10 +2,15 @@
 // supports, attaching the model's parameters as shards, resuming the shards from whole weights, and
 // whole weights on demand for checkpoints, validation and exports.
 //
-// Checkpoints of a ZeRO-3 run hold the whole weights (rank 0 writes them after a gather, so a
-// checkpoint folder is a plain diffusers UNet as for any other run) and one optimizer shard file
-// per rank, written by every rank in parallel and keyed by parameter name and element offset; any
-// world size, sharded or not, resumes from them exactly (zero3_model.h).
+// Checkpoints of a ZeRO-3 full fine-tune hold the whole weights (rank 0 writes them after a gather,
+// so a checkpoint folder is a plain diffusers UNet as for any other run) and one optimizer shard
+// file per rank, written by every rank in parallel and keyed by parameter name and element offset;
+// any world size, sharded or not, resumes from them exactly (zero3_model.h).
+//
+// A LoRA under ZeRO-3 shards its frozen base only; the adapters, their optimizer state and EMA are
+// whole and the same on every rank, so its checkpoints are a plain LoRA run's (rank 0 writes the
+// adapter file, with no gather of the base; each rank's optimizer shard file holds the whole
+// adapter state) and resume on any world size.
 #include <set>
 
 #include "core/error.h"
@@ -21,21 +26,20 @@ namespace dtune::train {
 
 void Trainer::check_zero3_support() const {
     const char* why = "zero_stage 3 (or fsdp_enable)";
-    DTUNE_CHECK_AS(
-        UsageError, !lora_, why,
-        " with model_type lora is not implemented yet (the frozen base would be sharded and the ",
-        "adapters replicated); a LoRA's trainable state is small: use zero_stage 0, or model_type full");
-    DTUNE_CHECK_AS(UsageError, !config_.flag("use_ema"), why,
-                   " with use_ema is not implemented (the EMA copy would need the whole weights on every ",
-                   "rank); set use_ema false, or use zero_stage 2 with EMA");
     DTUNE_CHECK_AS(UsageError, !base_quantized_, why,
                    " cannot shard a quantised base model (base_model_precision ",
                    config_.text("base_model_precision"), "); set base_model_precision no_change");
-    DTUNE_CHECK_AS(
-        UsageError, !offload_optimizer_, why,
-        " with offload_optimizer_device cpu is not implemented yet; each rank already keeps only ",
-        "1/N of the optimizer state: set offload_optimizer_device none, or use zero_stage 2 with the ",
-        "offload");
+    // A LoRA's adapters are whole and replicated: their optimizer (any, offloaded or not), state
+    // and EMA are plain data parallelism's; the frozen base's shards may live in host memory
+    // (offload_param_device cpu) since no optimizer updates them.
+    if (lora_) return;
+    DTUNE_CHECK_AS(UsageError, !config_.flag("use_ema"), why,
+                   " with use_ema is not implemented for model_type full (the EMA copy would need the ",
+                   "whole weights on every rank); set use_ema false, or use zero_stage 2 with EMA");
+    DTUNE_CHECK_AS(UsageError, offload_optimizer_ || !resolve_zero3_options(config_).offload_params, why,
+                   " with offload_param_device cpu needs offload_optimizer_device cpu too: the parameter ",
+                   "shards, which the optimizer updates, are then in host memory, and so must its state ",
+                   "and update be; set offload_optimizer_device cpu, or offload_param_device none");
     const std::string optimizer = config_.text("optimizer");
     static const std::set<std::string> kElementwise = {"torch-adamw", "optimi-adamw", "adamw_bf16",
                                                        "optimi-lion", "torch-sgd"};
@@ -57,7 +61,21 @@ void Trainer::attach_data_parallel() {
         return;
     }
     check_zero3_support();
-    dp_->attach_sharded(model_->module(), names, std::move(tensors), resolve_zero3_options(config_));
+    if (!lora_) {
+        dp_->attach_sharded(model_->module(), names, std::move(tensors), resolve_zero3_options(config_));
+        return;
+    }
+    // A LoRA: the base (every parameter but the adapters) is sharded, the adapters replicated.
+    const std::set<std::string> adapters(names.begin(), names.end());
+    std::vector<std::string> base_names;
+    std::vector<at::Tensor> base;
+    for (const auto& item : model_->module().named_parameters()) {
+        if (adapters.count(item.key())) continue;
+        base_names.push_back(item.key());
+        base.push_back(item.value());
+    }
+    dp_->attach_sharded_base(model_->module(), base_names, std::move(base), std::move(tensors),
+                             resolve_zero3_options(config_));
 }
 
 void Trainer::load_sharded_weights(const std::filesystem::path& file,

@@ -1,6 +1,13 @@
 // Units of a model for the ZeRO-3 engine (see zero3_model.h).
 #include "train/zero3_model.h"
 
+#include <ATen/SequenceNumber.h>
+#include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include <atomic>
+#include <functional>
 #include <set>
 
 #include "core/error.h"
@@ -10,7 +17,8 @@ namespace dtune::train {
 
 ShardedModel::ShardedModel(dist::Group& group, torch::nn::Module& model,
                            const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
-                           dist::Zero3Options options) {
+                           dist::Zero3Options options, bool frozen)
+    : frozen_(frozen) {
     DTUNE_CHECK(names.size() == params.size(), "ZeRO-3: ", names.size(), " names for ", params.size(),
                 " parameters");
     std::map<std::string, std::size_t> by_name;
@@ -21,9 +29,10 @@ ShardedModel::ShardedModel(dist::Group& group, torch::nn::Module& model,
     for (const auto& [unit_name, module] : models::find_units(model)) {
         dist::Zero3Unit unit;
         unit.name = unit_name;
+        unit.frozen = frozen;
         for (const auto& item : module->named_parameters(/*recurse=*/true)) {
             const auto it = by_name.find(unit_name + "." + item.key());
-            if (it == by_name.end()) continue;  // frozen
+            if (it == by_name.end()) continue;  // not sharded (frozen, or a LoRA's adapter)
             DTUNE_CHECK(!taken[it->second], "ZeRO-3: parameter ", it->first, " is in two units");
             taken[it->second] = true;
             unit.names.push_back(it->first);
@@ -36,6 +45,7 @@ ShardedModel::ShardedModel(dist::Group& group, torch::nn::Module& model,
     dist::Zero3Unit root;
     root.name = "root";
     root.whole_step = true;
+    root.frozen = frozen;
     for (std::size_t i = 0; i < params.size(); ++i)
         if (!taken[i]) {
             root.names.push_back(names[i]);
@@ -45,13 +55,15 @@ ShardedModel::ShardedModel(dist::Group& group, torch::nn::Module& model,
     if (!root.params.empty()) units.push_back(std::move(root));
     engine_ = std::make_unique<dist::Zero3Engine>(group, std::move(units), options);
     modules_ = std::move(unit_modules);
+    start_.assign(modules_.size(), 0);
     for (std::size_t u = 0; u < modules_.size(); ++u) {
         index_[modules_[u].get()] = u;
         models::set_unit_hooks(*modules_[u], this);
     }
     if (group.rank() == 0)
         log::info() << "ZeRO-3: " << blocks << " blocks + a root unit, "
-                    << engine_->full_parameter_bytes() / (1 << 20) << " MiB of parameters, "
+                    << engine_->full_parameter_bytes() / (1 << 20) << " MiB of "
+                    << (frozen ? "frozen base weights" : "parameters") << ", "
                     << engine_->shard_bytes() / (1 << 20) << " MiB kept per rank (world size "
                     << group.world_size() << ")";
 }
@@ -62,13 +74,69 @@ ShardedModel::~ShardedModel() {
 
 void ShardedModel::before_unit(const torch::nn::Module& unit, bool recompute) {
     const auto it = index_.find(&unit);
-    if (it != index_.end()) engine_->before_unit(it->second, recompute);
+    if (it == index_.end()) return;
+    // Nodes recorded from here on (on this thread) belong to this run of the unit.
+    if (frozen_) start_[it->second] = at::sequence_number::peek();
+    engine_->before_unit(it->second, recompute);
 }
 
 void ShardedModel::after_unit(const torch::nn::Module& unit, bool recompute,
                               const std::vector<at::Tensor>& outputs) {
     const auto it = index_.find(&unit);
-    if (it != index_.end()) engine_->after_unit(it->second, recompute, outputs);
+    if (it == index_.end()) return;
+    engine_->after_unit(it->second, recompute, outputs);
+    if (frozen_ && at::GradMode::is_enabled()) watch_backward(it->second, start_[it->second], outputs);
+}
+
+namespace {
+
+// Counts down the recorded nodes of one run of a frozen unit as backward runs them.
+struct Countdown {
+    std::atomic<std::size_t> left{0};
+    std::function<void()> done;
+};
+
+struct CountdownHook final : torch::autograd::FunctionPostHook {
+    explicit CountdownHook(std::shared_ptr<Countdown> c) : countdown(std::move(c)) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                              const torch::autograd::variable_list&) override {
+        if (countdown->left.fetch_sub(1) == 1) countdown->done();
+        return outputs;
+    }
+    std::shared_ptr<Countdown> countdown;
+};
+
+}  // namespace
+
+void ShardedModel::watch_backward(std::size_t u, uint64_t start, const std::vector<at::Tensor>& outputs) {
+    const uint64_t end = at::sequence_number::peek();
+    // Nodes point only at nodes recorded before them, so the unit's nodes are exactly those
+    // reachable from its outputs without leaving [start, end) (AccumulateGrad nodes, numbered
+    // UINT64_MAX, and nodes of earlier units fall outside).
+    const auto inside = [&](const torch::autograd::Node* n) {
+        return n && n->sequence_nr() >= start && n->sequence_nr() < end;
+    };
+    std::vector<torch::autograd::Node*> nodes, stack;
+    std::set<const torch::autograd::Node*> seen;
+    for (const at::Tensor& out : outputs)
+        if (out.defined() && inside(out.grad_fn().get()) && seen.insert(out.grad_fn().get()).second)
+            stack.push_back(out.grad_fn().get());
+    while (!stack.empty()) {
+        torch::autograd::Node* n = stack.back();
+        stack.pop_back();
+        nodes.push_back(n);
+        for (const auto& edge : n->next_edges())
+            if (inside(edge.function.get()) && seen.insert(edge.function.get()).second)
+                stack.push_back(edge.function.get());
+    }
+    if (nodes.empty()) {  // its backward reads none of its weights
+        engine_->backward_done(u);
+        return;
+    }
+    auto countdown = std::make_shared<Countdown>();
+    countdown->left = nodes.size();
+    countdown->done = [this, u] { engine_->backward_done(u); };
+    for (torch::autograd::Node* n : nodes) n->add_post_hook(std::make_unique<CountdownHook>(countdown));
 }
 
 }  // namespace dtune::train

@@ -1,15 +1,28 @@
 // Binds a model to the ZeRO-3 engine (dist/zero3.h): its units are the model's hookable blocks
-// (models::find_units: ResNet and transformer blocks), each with the trainable parameters under
-// it, plus one root unit for every other trainable parameter; the engine is called from the
-// model's unit hook points (models/common/unit_hooks.h), so model code knows nothing of ZeRO.
+// (models::find_units: ResNet and transformer blocks), each with the given parameters under it,
+// plus one root unit for every other given parameter; the engine is called from the model's unit
+// hook points (models/common/unit_hooks.h), so model code knows nothing of ZeRO.
 //
-// Invariants: every trainable parameter is in exactly one unit; units are listed in the model's
+// Two uses: a full fine-tune shards the trainable parameters; a LoRA shards its frozen base
+// (`frozen`), while the adapters, registered on the base layers inside the units, are left out of
+// the flat buffers (they are not among the given parameters) and stay replicated. A LoRA layer
+// reads its base weight through the layer's own tensor, whose data the engine points into the
+// unit's flat buffer, so the adapter always wraps the gathered weight.
+//
+// A frozen unit's backward produces no parameter gradient to tell when it is over, so its end is
+// read from the autograd graph: the nodes its forward recorded (sequence numbers between the
+// unit's start and end on the recording thread, reachable from its outputs) each get a post hook,
+// and when the last has run the unit is released (Zero3Engine::backward_done). With gradient
+// checkpointing the same is done for the recomputation's graph, inside the checkpoint's backward.
+//
+// Invariants: every given parameter is in exactly one unit; units are listed in the model's
 // registration order (the same on every rank); the hooks are unregistered by the destructor.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -22,9 +35,10 @@ namespace dtune::train {
 
 class ShardedModel final : public models::UnitHooks {
   public:
-    // `names`/`params`: the trainable parameters (named as in model.named_parameters()).
+    // `names`/`params`: the parameters to shard (named as in model.named_parameters()): the
+    // trainable ones, or with `frozen` a LoRA's frozen base (no gradients, see the file comment).
     ShardedModel(dist::Group& group, torch::nn::Module& model, const std::vector<std::string>& names,
-                 const std::vector<at::Tensor>& params, dist::Zero3Options options);
+                 const std::vector<at::Tensor>& params, dist::Zero3Options options, bool frozen = false);
     ~ShardedModel() override;
     ShardedModel(const ShardedModel&) = delete;
     ShardedModel& operator=(const ShardedModel&) = delete;
@@ -37,9 +51,15 @@ class ShardedModel final : public models::UnitHooks {
                     const std::vector<at::Tensor>& outputs) override;
 
   private:
+    // Frozen units: post hooks on the nodes unit `u`'s run recorded since `start`; the last one
+    // to run calls backward_done(u).
+    void watch_backward(std::size_t u, uint64_t start, const std::vector<at::Tensor>& outputs);
+
     std::vector<std::shared_ptr<torch::nn::Module>> modules_;  // registered units (kept alive)
     std::map<const torch::nn::Module*, std::size_t> index_;    // unit module -> engine unit
     std::unique_ptr<dist::Zero3Engine> engine_;
+    bool frozen_ = false;
+    std::vector<uint64_t> start_;  // frozen: each unit's first sequence number of its current run
 };
 
 }  // namespace dtune::train

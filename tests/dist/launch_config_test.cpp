@@ -100,7 +100,7 @@ TEST(AccelerateConfig, FlattensNestedKeysAndStripsComments) {
 
 // A bad accelerate config is a configuration error (exit code 2), like a bad flag: FSDP, ZeRO stage
 // 4, parameter offload, fp8 and bad values used to be DataErrors (exit code 3, "bad input data").
-// ZeRO-3 reaches the trainer as DTUNE_ZERO_STAGE=3; offload_param_device none passes through.
+// ZeRO-3 reaches the trainer as DTUNE_ZERO_STAGE=3; offload_param_device none or cpu passes through.
 TEST(AccelerateConfig, ZeroStage3IsPassedToTheRanks) {
     const auto acc =
         parse_accelerate_config("deepspeed_config:\n  zero_stage: 3\n  offload_param_device: none\n", "c");
@@ -110,6 +110,13 @@ TEST(AccelerateConfig, ZeroStage3IsPassedToTheRanks) {
     const auto c = resolve_launch_config(o, acc, 2);
     EXPECT_EQ(c.extra_env.at("DTUNE_ZERO_STAGE"), "3");
     EXPECT_EQ(c.extra_env.at("DTUNE_OFFLOAD_PARAM_DEVICE"), "none");
+    // Parameter offload (ZeRO-3 only) reaches the ranks the same way.
+    const auto offload = parse_accelerate_config(
+        "deepspeed_config:\n  zero_stage: 3\n  offload_param_device: cpu\n  offload_optimizer_device: cpu\n",
+        "c");
+    const auto oc = resolve_launch_config(o, offload, 2);
+    EXPECT_EQ(oc.extra_env.at("DTUNE_OFFLOAD_PARAM_DEVICE"), "cpu");
+    EXPECT_EQ(oc.extra_env.at("DTUNE_OFFLOAD_OPTIMIZER_DEVICE"), "cpu");
 }
 
 TEST(AccelerateConfig, BadValuesNameTheFileAndKey) {
@@ -121,13 +128,16 @@ TEST(AccelerateConfig, BadValuesNameTheFileAndKey) {
     }
     EXPECT_THROW(parse_accelerate_config("distributed_type: FSDP\n", "c"), UsageError);
     EXPECT_THROW(parse_accelerate_config("deepspeed_config:\n  zero_stage: 4\n", "c"), UsageError);
-    try {
-        parse_accelerate_config("deepspeed_config:\n  offload_param_device: cpu\n", "acc.yaml");
-        FAIL() << "parameter offload accepted";
-    } catch (const UsageError& e) {
-        EXPECT_NE(std::string(e.what()).find("acc.yaml: deepspeed_config.offload_param_device"),
-                  std::string::npos)
-            << e.what();
+    for (const char* yaml : {"deepspeed_config:\n  offload_param_device: nvme\n  zero_stage: 3\n",
+                             "deepspeed_config:\n  offload_param_device: cpu\n  zero_stage: 2\n"}) {
+        try {
+            parse_accelerate_config(yaml, "acc.yaml");
+            FAIL() << "parameter offload accepted: " << yaml;
+        } catch (const UsageError& e) {
+            EXPECT_NE(std::string(e.what()).find("acc.yaml: deepspeed_config.offload_param_device"),
+                      std::string::npos)
+                << e.what();
+        }
     }
     EXPECT_THROW(parse_accelerate_config("mixed_precision: fp8\n", "c"), UsageError);
     try {

@@ -7,7 +7,13 @@
 //  - an SGD step on the slices, gathered back, equals the unsharded step;
 //  - parameter bytes resident per rank: the shards only (~1/N, padding < N elements per unit)
 //    between steps, and after the forward only the root unit gathered on top (blocks released);
-//    computed from the engine's storages, not hard-coded.
+//    computed from the engine's storages, not hard-coded;
+//  - prefetch (the next units' gathers issued ahead of use): the same gradients and step, bit for
+//    bit, as gathering each unit when it is needed, with every block but the first of each pass
+//    prefetched, no gather wasted, and at most `prefetch` units gathered ahead at once; with the
+//    blocks run out of the predicted order (permuted, one skipped) still the unsharded results;
+//  - parameter offload: shards in host memory, nothing resident on the device between steps, the
+//    same results bit for bit.
 #include <gtest/gtest.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
@@ -57,9 +63,15 @@ struct StackImpl : torch::nn::Module {
                 0.3);
         }
     }
-    at::Tensor forward(const at::Tensor& x, bool checkpointing) {
+    // `order`: the blocks to run, in this order (empty: all, in registration order).
+    at::Tensor forward(const at::Tensor& x, bool checkpointing, const std::vector<int>& order = {}) {
         at::Tensor h = proj_in(x);
-        for (auto& block : blocks) {
+        std::vector<Block> run = blocks;
+        if (!order.empty()) {
+            run.clear();
+            for (const int i : order) run.push_back(blocks[static_cast<std::size_t>(i)]);
+        }
+        for (auto& block : run) {
             if (checkpointing) {
                 auto fn = [impl = block.ptr()](const std::vector<at::Tensor>& in) {
                     return models::run_unit(*impl, [&] { return impl->forward(in[0]); });
@@ -85,18 +97,23 @@ struct Case {
     int world = 2;
     bool checkpointing = false;
     bool reshard = true;
+    int prefetch = 1;
+    bool offload = false;
+    // The block order of each micro-step (empty: all blocks in order); its size is the number of
+    // micro-steps (default 2).
+    std::vector<std::vector<int>> orders = {{}, {}};
 };
 
 struct RankResult {
     std::map<std::string, std::vector<std::pair<int64_t, at::Tensor>>> slice_grads;  // name -> (begin, grad)
     std::map<std::string, at::Tensor> stepped;  // whole weights after SGD
     int64_t resident_between = 0, shard = 0, full = 0, resident_after_forward = 0, root_bytes = 0;
-    int64_t gathers = 0;
-    std::size_t units = 0;
+    int64_t host_between = 0;
+    int64_t gathers = 0, prefetched = 0;
+    std::size_t units = 0, peak_gathered = 0, peak_prefetched = 0;
 };
 
 constexpr double kLr = 0.1;
-constexpr int kMicro = 2;
 
 RankResult run_rank(int rank, int port, const Case& c) {
     dist::DistEnv env;
@@ -108,6 +125,7 @@ RankResult run_rank(int rank, int port, const Case& c) {
     env.launched = true;
     dist::GroupOptions options;
     options.fault_poll_interval = std::chrono::milliseconds(100);
+    options.collective_timeout = std::chrono::seconds(60);  // a mismatched collective fails, not hangs
     auto group = dist::init_group(env, options);
     Stack model;
     std::vector<std::string> names;
@@ -118,6 +136,8 @@ RankResult run_rank(int rank, int port, const Case& c) {
     }
     dist::Zero3Options zo;
     zo.reshard_after_forward = c.reshard;
+    zo.prefetch = c.prefetch;
+    zo.offload_params = c.offload;
     train::ShardedModel sharded(*group, *model, names, params, zo);
     dist::Zero3Engine& engine = sharded.engine();
     RankResult r;
@@ -128,15 +148,24 @@ RankResult run_rank(int rank, int port, const Case& c) {
         if (engine.unit(u).whole_step)
             for (const auto& p : engine.unit(u).params) r.root_bytes += p.numel() * 4;
     const int64_t gathers_before = engine.gathers();
-    for (int m = 0; m < kMicro; ++m) {
+    const auto micro = static_cast<int>(c.orders.size());
+    for (int m = 0; m < micro; ++m) {
         engine.begin_forward();
-        const at::Tensor loss = model->forward(batch_of(rank, m), c.checkpointing).square().mean() / kMicro;
+        const at::Tensor loss =
+            model->forward(batch_of(rank, m), c.checkpointing, c.orders[static_cast<std::size_t>(m)])
+                .square()
+                .mean() /
+            micro;
         if (m == 0) r.resident_after_forward = engine.resident_parameter_bytes();
         loss.backward();
         engine.finish_backward();
     }
     r.gathers = engine.gathers() - gathers_before;
+    r.prefetched = engine.prefetched_gathers();
+    r.peak_gathered = engine.peak_gathered_units();
+    r.peak_prefetched = engine.peak_prefetched_units();
     r.resident_between = engine.resident_parameter_bytes();
+    r.host_between = engine.host_parameter_bytes();
     {
         at::NoGradGuard no_grad;
         for (const auto& s : engine.slices()) {
@@ -153,15 +182,25 @@ RankResult run_rank(int rank, int port, const Case& c) {
     return r;
 }
 
-void check_case(const Case& c) {
+bool in_order(const Case& c) {
+    for (const auto& o : c.orders)
+        if (!o.empty()) return false;
+    return true;
+}
+
+std::vector<RankResult> check_case(const Case& c) {
     SCOPED_TRACE(testing::Message() << c.world << " ranks, checkpointing " << c.checkpointing << ", reshard "
-                                    << c.reshard);
+                                    << c.reshard << ", prefetch " << c.prefetch << ", offload " << c.offload
+                                    << (in_order(c) ? "" : ", blocks out of order"));
+    const auto micro = static_cast<int>(c.orders.size());
     // Reference: one process, the union of the ranks' batches (the mean of the per-rank means).
     Stack reference;
-    for (int m = 0; m < kMicro; ++m) {
+    for (int m = 0; m < micro; ++m) {
         std::vector<at::Tensor> xs;
         for (int r = 0; r < c.world; ++r) xs.push_back(batch_of(r, m));
-        (reference->forward(at::cat(xs), false).square().mean() / kMicro).backward();
+        (reference->forward(at::cat(xs), false, c.orders[static_cast<std::size_t>(m)]).square().mean() /
+         micro)
+            .backward();
     }
     std::map<std::string, at::Tensor> ref_grad, ref_stepped;
     for (const auto& item : reference->named_parameters()) {
@@ -199,22 +238,56 @@ void check_case(const Case& c) {
 
     for (const auto& r : results) {
         EXPECT_EQ(r.units, static_cast<std::size_t>(kBlocks + 1));
-        // Between steps: the shards only, 1/N of the parameters plus < N padding elements per unit.
-        EXPECT_EQ(r.resident_between, r.shard);
+        // Between steps: the shards only, 1/N of the parameters plus < N padding elements per unit
+        // (offloaded: in host memory, none on the device).
+        const int64_t on_device = c.offload ? 0 : r.shard;
+        EXPECT_EQ(r.resident_between, on_device);
+        EXPECT_EQ(r.host_between, c.offload ? r.shard : 0);
         EXPECT_GE(r.shard * c.world, r.full);
         EXPECT_LT(r.shard * c.world, r.full + static_cast<int64_t>(c.world * r.units * 4));
-        // After the forward, only the root unit (whole step) is gathered when blocks reshard; all
-        // of them otherwise.
+        // After the first forward (which has no prediction to prefetch by), only the root unit
+        // (whole step) is gathered when blocks reshard; all of them otherwise.
         const int64_t root_padded = r.root_bytes + static_cast<int64_t>(c.world) * 4;
         if (c.reshard) {
-            EXPECT_GE(r.resident_after_forward, r.shard + r.root_bytes);
-            EXPECT_LE(r.resident_after_forward, r.shard + root_padded);
+            EXPECT_GE(r.resident_after_forward, on_device + r.root_bytes);
+            EXPECT_LE(r.resident_after_forward, on_device + root_padded);
         } else {
-            EXPECT_GE(r.resident_after_forward, r.shard + r.full);
+            EXPECT_GE(r.resident_after_forward, on_device + r.full);
         }
+        // Never more units gathered ahead of their use than the prefetch depth.
+        EXPECT_LE(r.peak_prefetched, static_cast<std::size_t>(c.prefetch));
+        if (c.prefetch == 0) {
+            EXPECT_EQ(r.prefetched, 0);
+        }
+        if (!in_order(c)) continue;
         // Gathers per micro-step: root + each block in forward, + each block again in backward
-        // (output-gradient hook, or the checkpoint's recomputation) when resharding.
-        EXPECT_EQ(r.gathers, kMicro * (1 + kBlocks + (c.reshard ? kBlocks : 0)));
+        // (output-gradient hook, or the checkpoint's recomputation) when resharding; in order, the
+        // prefetch wastes none.
+        EXPECT_EQ(r.gathers, micro * (1 + kBlocks + (c.reshard ? kBlocks : 0)));
+        if (c.prefetch > 0 && c.reshard) {
+            // Prefetched: every block of each forward but the first (which records the order), and
+            // every block of each backward but the last forward block, whose gradient starts it.
+            EXPECT_EQ(r.prefetched, (micro - 1) * kBlocks + micro * (kBlocks - 1));
+            EXPECT_EQ(r.peak_prefetched, static_cast<std::size_t>(std::min(c.prefetch, kBlocks - 1)));
+        }
+    }
+    return results;
+}
+
+// Slice gradients and stepped weights of two runs of the same batches: equal bit for bit.
+void expect_identical(const std::vector<RankResult>& a, const std::vector<RankResult>& b, const char* what) {
+    ASSERT_EQ(a.size(), b.size());
+    for (std::size_t r = 0; r < a.size(); ++r) {
+        ASSERT_EQ(a[r].slice_grads.size(), b[r].slice_grads.size());
+        for (const auto& [name, pieces] : a[r].slice_grads) {
+            const auto& other = b[r].slice_grads.at(name);
+            ASSERT_EQ(pieces.size(), other.size()) << name;
+            for (std::size_t i = 0; i < pieces.size(); ++i)
+                EXPECT_TRUE(at::equal(pieces[i].second, other[i].second))
+                    << what << ": rank " << r << " " << name;
+        }
+        for (const auto& [name, w] : a[r].stepped)
+            EXPECT_TRUE(at::equal(w, b[r].stepped.at(name))) << what << ": rank " << r << " " << name;
     }
 }
 
@@ -233,6 +306,65 @@ TEST(Zero3Engine, ThreeRanksWithoutCheckpointing) {
 TEST(Zero3Engine, TwoRanksKeepingBlocksGatheredAfterForward) {
     check_case({2, false, false});
     check_case({2, true, false});
+}
+
+// Prefetch 1 and 2 against gathering on demand (prefetch 0), with and without gradient
+// checkpointing: identical results; the prefetched units add at most `prefetch` to the peak of
+// units gathered at once.
+TEST(Zero3Engine, PrefetchEqualsGatheringOnDemand) {
+    for (const bool checkpointing : {false, true}) {
+        Case c{2, checkpointing, true};
+        c.prefetch = 0;
+        const auto sync = check_case(c);
+        for (const int depth : {1, 2}) {
+            c.prefetch = depth;
+            const auto ahead = check_case(c);
+            expect_identical(sync, ahead, checkpointing ? "prefetch, checkpointing" : "prefetch");
+            for (std::size_t r = 0; r < ahead.size(); ++r) {
+                std::printf(
+                    "checkpointing %d, prefetch %d, rank %zu: %lld of %lld gathers prefetched, peak %zu "
+                    "blocks gathered (%zu on demand)\n",
+                    checkpointing, depth, r, static_cast<long long>(ahead[r].prefetched),
+                    static_cast<long long>(ahead[r].gathers), ahead[r].peak_gathered, sync[r].peak_gathered);
+                EXPECT_GT(ahead[r].prefetched, 0);
+                EXPECT_LE(ahead[r].peak_gathered, sync[r].peak_gathered + static_cast<std::size_t>(depth));
+                EXPECT_GT(ahead[r].peak_gathered, sync[r].peak_gathered);
+            }
+        }
+    }
+}
+
+// The blocks run out of the predicted order: the second micro-step permutes them, the third skips
+// one (its gradient is then only the first two micro-steps'), and with 3 ranks. Prefetched
+// gathers that were not needed next are dropped and the units gathered when used: the unsharded
+// results, the same as on demand, and no rank waits on a collective the others did not issue.
+TEST(Zero3Engine, BlocksOutOfThePredictedOrderAreGatheredOnDemand) {
+    for (const bool checkpointing : {false, true}) {
+        Case c{3, checkpointing, true};
+        c.orders = {{}, {2, 0, 3, 1}, {0, 1, 3}, {3, 2, 1, 0}};
+        c.prefetch = 0;
+        const auto sync = check_case(c);
+        c.prefetch = 1;
+        const auto ahead = check_case(c);
+        expect_identical(sync, ahead, "out of order");
+        for (const auto& r : ahead) EXPECT_GT(r.prefetched, 0);
+    }
+}
+
+// Parameter offload: the shards live in host memory (nothing on the device between steps), with
+// and without prefetch and checkpointing; the same results bit for bit as shards on the device.
+TEST(Zero3Engine, ParameterOffloadKeepsShardsOnTheHost) {
+    for (const bool checkpointing : {false, true}) {
+        Case c{2, checkpointing, true};
+        const auto on_device = check_case(c);
+        c.offload = true;
+        expect_identical(on_device, check_case(c), "offload");
+        c.prefetch = 0;
+        expect_identical(on_device, check_case(c), "offload without prefetch");
+    }
+    Case kept{2, false, false};
+    kept.offload = true;
+    check_case(kept);
 }
 
 }  // namespace
