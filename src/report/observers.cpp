@@ -42,7 +42,7 @@ void TensorBoardCallback::on_train_start(train::Trainer& trainer) {
         guarded([&] { writer_ = std::make_unique<EventWriter>(trainer.output_dir() / "logs" / "dtune"); });
 }
 
-void TensorBoardCallback::on_step_end(train::Trainer&, const train::StepReport& r) {
+void TensorBoardCallback::on_step_metrics(train::Trainer&, const train::StepReport& r) {
     if (!writer_) return;
     guarded([&] {
         writer_->add_scalar("train/loss", r.loss, r.step);

@@ -27,7 +27,8 @@ namespace dtune::report {
 class TensorBoardCallback final : public train::TrainCallback {
   public:
     void on_train_start(train::Trainer& trainer) override;
-    void on_step_end(train::Trainer& trainer, const train::StepReport& report) override;
+    // Every step's scalars once read back (their on_step_end report has no loss yet).
+    void on_step_metrics(train::Trainer& trainer, const train::StepReport& report) override;
     // For validation images and eval loss (no-op before on_train_start or on other ranks).
     void add_scalar(const std::string& tag, double value, int64_t step);
     void add_png(const std::string& tag, int width, int height, std::string png, int64_t step);

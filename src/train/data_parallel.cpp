@@ -250,17 +250,28 @@ StepAgreement DataParallel::agree(double loss, bool stop, int fault_gpu) {
         if (fault_gpu > 0) out.fault_rank = 0, out.fault_gpu = fault_gpu - 1;
         return out;
     }
-    // [2 + W] float64: stop count, loss sum, then each rank's faulty GPU index + 1 (0: none).
-    auto flags = at::zeros({2 + env_.world_size}, at::TensorOptions().dtype(at::kDouble));
-    auto a = flags.accessor<double, 1>();
-    a[0] = stop ? 1 : 0;
-    a[1] = loss;
-    a[2 + env_.rank] = fault_gpu;
-    at::Tensor on_device = flags.to(device_);
-    group_->all_reduce_sum_(on_device);
-    flags = on_device.cpu();
+    PendingAgreement pending = agree_async(
+        at::full({1}, loss, at::TensorOptions().dtype(at::kDouble).device(device_)), stop, fault_gpu);
+    pending.reduce->wait();
+    const at::Tensor flags = pending.flags.cpu().contiguous();
+    return read_agreement(flags.data_ptr<double>());
+}
+
+DataParallel::PendingAgreement DataParallel::agree_async(const at::Tensor& loss, bool stop, int fault_gpu) {
+    // [2 + W] float64: stop count, loss sum, then each rank's faulty GPU index + 1 (0: none). Built
+    // where the collective runs by fills and a device copy: no host memory to stage or to wait for.
+    PendingAgreement out;
+    out.flags = at::zeros({agreement_size()}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    if (stop) out.flags.narrow(0, 0, 1).fill_(1.0);
+    out.flags.narrow(0, 1, 1).copy_(loss.reshape({1}));
+    if (fault_gpu > 0) out.flags.narrow(0, 2 + env_.rank, 1).fill_(static_cast<double>(fault_gpu));
+    out.reduce = group_->all_reduce_sum_async(out.flags);
+    return out;
+}
+
+StepAgreement DataParallel::read_agreement(const double* a) const {
     group_->throw_if_peer_failed();  // NCCL: an aborted all-reduce leaves garbage behind
-    a = flags.accessor<double, 1>();
+    StepAgreement out;
     out.stop = a[0] > 0;
     out.mean_loss = a[1] / env_.world_size;
     for (int r = 0; r < env_.world_size; ++r)

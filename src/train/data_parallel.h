@@ -3,8 +3,9 @@
 // trainable parameters after backward (dist::GradReducer, ~25 MB buckets), partitions optimizer
 // state with ZeRO-1 (and the gradients too with ZeRO-2: reduced to their owner only; ZeRO-3 shards
 // the parameters as well, see attach_sharded and dist/zero3.h), and makes every
-// per-step decision (stop, GPU fault, the logged loss) with one small all-reduce so that all ranks
-// leave the loop at the same step. A rank that fails publishes why on the group's fault channel
+// per-step decision (stop, GPU fault, the logged loss) with one small all-reduce, read back a step
+// later without a wait of its own, so that all ranks leave the loop at the same step. A rank that
+// fails publishes why on the group's fault channel
 // (report_failure; also done for any exception that unwinds through the destructor), so the others
 // stop within a poll interval and exit with its code.
 //
@@ -28,6 +29,7 @@
 
 namespace dtune::dist {
 class Group;
+class Pending;
 class GradReducer;
 class ZeroPartition;
 struct Zero3Options;
@@ -44,7 +46,9 @@ namespace dtune::train {
 class TrainConfig;
 class ShardedModel;
 
-// What the ranks agreed on after a step.
+// What the ranks agreed on after a step. The step loop issues the agreement at the end of each
+// step and reads it one step later (train/readback.h), so a stop or a GPU fault requested during
+// step N ends every rank's loop after step N + 1, with no device-to-host wait of its own.
 struct StepAgreement {
     bool stop = false;     // some rank was asked to stop (SIGINT/SIGTERM)
     int fault_rank = -1;   // the lowest rank whose node reported a GPU fault, -1 when none
@@ -167,9 +171,22 @@ class DataParallel {
     // fp16: whether the gradients of any rank overflowed. ZeRO-2 all-reduces `local` (each rank saw
     // only its shard); otherwise every rank holds the same gradients and `local` is returned.
     bool gradients_overflowed(bool local);
-    // One all-reduce: the stop and fault requests of every rank and the mean loss.
-    // `fault_gpu` is gpu_fault_request() (GPU index + 1, 0 when none).
+    // One all-reduce: the stop and fault requests of every rank and the mean loss, waited for.
+    // `fault_gpu` is gpu_fault_request() (GPU index + 1, 0 when none). One process: no collective.
     StepAgreement agree(double loss, bool stop, int fault_gpu);
+    // The same all-reduce started without a host wait, for the step loop (several ranks): `loss`
+    // is this rank's loss as a 1-element float64 tensor on the training device; the flags
+    // ([2 + world_size] float64 there) hold the sums once `reduce` has finished (train/readback.h
+    // reads them back with the step's other scalars, then read_agreement() decodes them).
+    struct PendingAgreement {
+        at::Tensor flags;
+        std::unique_ptr<dist::Pending> reduce;
+    };
+    PendingAgreement agree_async(const at::Tensor& loss, bool stop, int fault_gpu);
+    // The agreement in flags read back on the host (agreement_size() values). Throws PeerFailure
+    // when another rank has failed (NCCL: an aborted all-reduce leaves garbage behind).
+    StepAgreement read_agreement(const double* flags) const;
+    int64_t agreement_size() const { return 2 + env_.world_size; }
     // Publishes this rank's failure to the other ranks (fault channel): a CUDA error as a GPU
     // fault (exit 75), a dtune::Error with its exit code, anything else with 1. Nothing for a
     // dist::PeerFailure (another rank failed first) or with one process.

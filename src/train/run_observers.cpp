@@ -46,7 +46,7 @@ void WebhookObserver::on_train_start(Trainer& t) {
                                                         {"effective_batch_size", effective_batch}}));
 }
 
-void WebhookObserver::on_step_end(Trainer& t, const StepReport& r) {
+void WebhookObserver::on_step_metrics(Trainer& t, const StepReport& r) {
     if (!t.is_main_process() || r.step % progress_interval_ != 0) return;
     const double eta = static_cast<double>(t.total_steps() - r.step) * r.step_seconds;
     notifier_->send(

@@ -1,9 +1,10 @@
 // Webhooks and GPU health for a training run, as TrainCallbacks (SIMPLETUNER.md §8).
 //
 // WebhookObserver posts SimpleTuner's events from rank 0 only: training.status running at the
-// start, training.progress every `progress_interval` steps, lifecycle.stage checkpoint_save and
-// training.checkpoint per checkpoint, model_save / training_complete / training.status completed
-// at the end (interrupted or failed otherwise), and error on an exception.
+// start, training.progress every `progress_interval` steps (once the step's loss is read back,
+// on_step_metrics), lifecycle.stage checkpoint_save and training.checkpoint per checkpoint,
+// model_save / training_complete / training.status completed at the end (interrupted or failed
+// otherwise), and error on an exception.
 //
 // GpuHealthObserver runs the HealthMonitor (NVML polling thread) on local rank 0 of each node from
 // on_train_start: a fatal finding posts gpu.fault from that node, writes a "GPU fault on node ..."
@@ -43,7 +44,7 @@ class WebhookObserver final : public TrainCallback {
   public:
     WebhookObserver(std::shared_ptr<notify::Notifier> notifier, int64_t progress_interval);
     void on_train_start(Trainer& trainer) override;
-    void on_step_end(Trainer& trainer, const StepReport& report) override;
+    void on_step_metrics(Trainer& trainer, const StepReport& report) override;  // with its read-back loss
     void on_checkpoint(Trainer& trainer, const std::filesystem::path& dir) override;
     void on_train_end(Trainer& trainer, const TrainResult& result) override;
     void on_error(Trainer& trainer, const std::exception& error) override;

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <random>
 #include <set>
 
@@ -540,12 +541,11 @@ void Trainer::resume() {
     log::info() << "resumed from " << dir->string() << " at step " << global_step_;
 }
 
-double Trainer::train_one_step(double& grad_norm) {
+StepScalars Trainer::train_one_step() {
     const int64_t accum = config_.integer("gradient_accumulation_steps");
     if (!arm_gather_fault_injection())  // ZeRO-3: at the step's 3rd all-gather instead (trainer_zero3.cpp)
         inject_step_error(dp_->rank(), global_step_ + 1);  // DTUNE_INJECT_STEP_ERROR (tests)
-    double loss_sum = 0, regularisation_sum = 0;
-    int64_t regularisation_batches = 0;
+    StepScalars out;
     // LoRA: this forward's dropout seed; regularisation batches train toward the base model's
     // prediction (step.h). The graphed step runs the same hooks.
     const StepHooks hooks = step_hooks();
@@ -559,39 +559,29 @@ double Trainer::train_one_step(double& grad_norm) {
         const at::Tensor loss = m.loss / static_cast<double>(accum);
         (scaler_ ? scaler_->scale_loss(loss) : loss).backward();
         dp_->after_backward();  // ZeRO-3: this micro-step's gradients reduce-scattered into the shards
-        // Read after backward is queued, so the GPU is never idle waiting for the host's check.
-        const double value = m.loss.item<double>();
-        if (batch.regularisation) {
-            regularisation_sum += value;
-            ++regularisation_batches;
-        }
+        // Not read here: the loss stays on the device and comes back with the step (readback.h),
+        // checked for NaN/inf then, naming this micro-batch's files.
+        out.losses.push_back(m.loss.detach());
+        out.regularisation.push_back(batch.regularisation);
+        std::string files;
+        for (const auto& p : batch.paths) files += (files.empty() ? "" : ", ") + p;
+        out.batches.push_back(std::move(files));
         step_ended_on_regularisation_ = batch.regularisation;
-        if (!std::isfinite(value)) {
-            std::string files;
-            for (const auto& p : batch.paths) files += (files.empty() ? "" : ", ") + p;
-            throw Error(str("the loss is ", value, " at step ", global_step_ + 1, " (batch: ", files,
-                            "); lower learning_rate, set max_grad_norm, use mixed_precision bf16 or no, ",
-                            "or check those images; resume from the last checkpoint"));
-        }
-        loss_sum += value;
     }
-    step_regularisation_loss_.reset();
-    if (regularisation_batches > 0)
-        step_regularisation_loss_ = regularisation_sum / static_cast<double>(regularisation_batches);
     dp_->reduce_gradients();  // average over the ranks once, after the last micro-step
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
     params = dp_->gradient_holders(params);                   // ZeRO-3: this rank's slices hold the gradients
     step_overflowed_ = scaler_ && !scaler_->unscale(params);  // fp16: gradients / scale, inf check
     if (scaler_) step_overflowed_ = dp_->gradients_overflowed(step_overflowed_);  // ZeRO-2: any shard
-    // One multi-tensor norm and one read-back per step (not one per parameter); the same clip as
+    // One multi-tensor norm (not one per parameter), read back with the loss; the same clip as
     // the graphed step's (clip_gradients), with the norm over every shard under ZeRO-2.
-    const at::Tensor norm = clip_gradients(params, config_.real("max_grad_norm"), step_options_.clip_by_value,
-                                           [this](const std::vector<at::Tensor>& p, double max_norm) {
-                                               return dp_->clip_grad_norm_async(p, max_norm);
-                                           });
-    grad_norm = norm.defined() ? norm.item<double>() : 0.0;
-    return loss_sum / static_cast<double>(accum);
+    out.grad_norm = clip_gradients(params, config_.real("max_grad_norm"), step_options_.clip_by_value,
+                                   [this](const std::vector<at::Tensor>& p, double max_norm) {
+                                       return dp_->clip_grad_norm_async(p, max_norm);
+                                   });
+    if (out.grad_norm.defined()) out.grad_norm = out.grad_norm.detach();
+    return out;
 }
 
 TrainBatch Trainer::next_batch(int64_t micro) {
@@ -628,6 +618,9 @@ void Trainer::save_after_fetch_error() noexcept {
 }
 
 void Trainer::save(const std::string& why) {
+    // Every step's row is on disk before the checkpoint a resume cuts the log back to, and a
+    // non-finite loss stops the run before its weights are saved.
+    read_back_steps(global_step_);
     // ZeRO-3: rank 0 writes the whole weights (a LoRA's checkpoint holds its replicated adapters only)
     const std::shared_ptr<void> whole = lora_ ? nullptr : whole_weights();
     const bool zero = dp_->zero_stage() >= 1;
@@ -746,7 +739,7 @@ void Trainer::load_optimizer_state(const LoadedCheckpoint& ckpt) {
     optimizer_->load_state_dict(opt);
 }
 
-void Trainer::append_metrics(const StepReport& r) {
+void Trainer::append_metrics(const StepReport& r, const nlohmann::json& fields) {
     if (!is_main_process()) return;
     nlohmann::json row{{"step", r.step},
                        {"epoch", r.epoch},
@@ -758,13 +751,14 @@ void Trainer::append_metrics(const StepReport& r) {
     if (r.gpu_memory_gib) row["gpu_memory_gib"] = *r.gpu_memory_gib;
     if (r.regularisation_loss) row["regularisation_loss"] = *r.regularisation_loss;
     if (r.regularisation_step) row["regularisation_grad_norm"] = r.grad_norm;
-    add_graph_fields(row);
+    row.update(fields);  // taken at the step: the CUDA graph counters
     if (!metrics_log_) metrics_log_ = std::make_unique<RunLog>(output_dir_ / "metrics.jsonl");
     metrics_log_->append(row);
 }
 
 void Trainer::append_metrics_row(int64_t step, const nlohmann::json& fields) {
     if (!is_main_process()) return;
+    read_back_steps(global_step_);  // the steps' own rows first, where they were written before
     nlohmann::json row{{"step", step}};
     row.update(fields);
     if (!metrics_log_) metrics_log_ = std::make_unique<RunLog>(output_dir_ / "metrics.jsonl");
@@ -776,10 +770,96 @@ void Trainer::write_final_outputs() {
     write_model_outputs();  // LoRA file(s) or the pipeline folder (trainer_extras.cpp)
 }
 
+void Trainer::queue_step(StepScalars scalars, StepReport report, bool writes_row) {
+    PendingStep p;
+    p.report = std::move(report);
+    p.writes_row = writes_row;
+    if (writes_row && is_main_process()) add_graph_fields(p.row_fields);  // the counters at this step
+    const auto micro = static_cast<int64_t>(scalars.losses.size());
+    const at::Tensor packed = pack_step_scalars(scalars);  // [losses..., grad_norm, mean loss]
+    p.regularisation = std::move(scalars.regularisation);
+    p.batches = std::move(scalars.batches);
+    if (dp_->world_size() > 1) {
+        // The stop/fault requests and the loss summed over the ranks: issued now, read with the rest.
+        DataParallel::PendingAgreement agreement =
+            dp_->agree_async(packed.narrow(0, micro + 1, 1), stop_requested(), gpu_fault_request());
+        p.values = DeferredRead({packed, agreement.flags}, std::move(agreement.reduce));
+    } else {
+        p.values = DeferredRead({packed});
+    }
+    pending_steps_.push_back(std::move(p));
+    read_back_steps(global_step_ - readback_.lag);
+}
+
+void Trainer::read_back_steps(int64_t step, bool wait) {
+    while (!pending_steps_.empty() && pending_steps_.front().report.step <= step) {
+        if (!wait && !pending_steps_.front().values.ready()) return;
+        PendingStep p = std::move(pending_steps_.front());
+        pending_steps_.pop_front();  // first: a step that fails here is not read again
+        read_back_step(p);
+    }
+}
+
+void Trainer::read_back_step(PendingStep& p) {
+    const std::vector<double>& v = p.values.wait();
+    const std::size_t micro = p.regularisation.size();
+    StepReport& r = p.report;
+    const std::string late = r.step < global_step_ ? str(", read back at step ", global_step_) : "";
+    for (std::size_t i = 0; i < micro; ++i)
+        if (!std::isfinite(v[i])) {
+            loss_failed_ = true;
+            throw Error(str("the loss is ", v[i], " at step ", r.step, late, " (batch: ", p.batches[i],
+                            "); lower learning_rate, set max_grad_norm, use mixed_precision bf16 or no, ",
+                            "or check those images; resume from the last checkpoint"));
+        }
+    double regularisation_sum = 0;
+    int64_t regularisation_batches = 0;
+    for (std::size_t i = 0; i < micro; ++i)
+        if (p.regularisation[i]) {
+            regularisation_sum += v[i];
+            ++regularisation_batches;
+        }
+    if (regularisation_batches > 0)
+        r.regularisation_loss = regularisation_sum / static_cast<double>(regularisation_batches);
+    r.grad_norm = v[micro];
+    r.loss = v[micro + 1];
+    if (dp_->world_size() > 1) {
+        const StepAgreement agreed = dp_->read_agreement(v.data() + micro + 2);
+        agreements_[r.step] = agreed;
+        r.loss = agreed.mean_loss;
+        if (!std::isfinite(r.loss)) {
+            loss_failed_ = true;
+            throw Error(
+                str("the loss averaged over the ranks is ", r.loss, " at step ", r.step, late,
+                    ": another rank's loss is not finite (its log names the batch); lower ",
+                    "learning_rate, set max_grad_norm or check the data; resume from the last checkpoint"));
+        }
+    }
+    if (p.writes_row) append_metrics(r, p.row_fields);
+    last_read_ = r;
+    for (auto& cb : callbacks_) cb->on_step_metrics(*this, r);
+}
+
+void Trainer::read_back_after_error() noexcept {
+    if (loss_failed_) {  // the steps after a non-finite loss trained on its gradients: no rows
+        pending_steps_.clear();
+        return;
+    }
+    try {
+        // One process waits for its own copies; with several ranks only what has arrived is
+        // written (a step's agreement may never complete once a rank has failed).
+        read_back_steps(global_step_, dp_->world_size() == 1);
+    } catch (const std::exception& e) {
+        log::warn() << "the metrics of the last steps were not read back: " << e.what();
+    }
+    pending_steps_.clear();
+}
+
 TrainResult Trainer::run() {
     try {
         return run_loop();
     } catch (const std::exception& e) {
+        read_back_after_error();  // the rows of the steps that completed
         save_after_fetch_error();
         if (metrics_log_) metrics_log_->finish_quietly();
         dp_->report_failure(e);  // first: the other ranks stop now, not at the collective timeout
@@ -852,48 +932,62 @@ TrainResult Trainer::run_loop() {
             break;
         }
         const auto t0 = std::chrono::steady_clock::now();
-        double grad_norm = 0;
         const double lr = schedule.lr(global_step_);
-        double loss = graph_ ? train_graphed_step(lr, grad_norm) : train_one_step(grad_norm);
+        StepScalars scalars = graph_ ? train_graphed_step(lr) : train_one_step();
         if (!graph_) {
             optimizer_->set_lr(lr);
             if (!step_overflowed_) optimizer_->step();  // fp16 overflow: skipped, the scaler backs off
             optimizer_->zero_grad();
         }
         dp_->after_step();  // ZeRO-1: weights from their owners; every gradient dropped
-        agreed = dp_->agree(loss, stop_requested(), gpu_fault_request());
-        loss = agreed.mean_loss;
         ++global_step_;
         if (scaler_) scaler_->update(step_overflowed_);
         if (ema_) ema_->step(global_step_);
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        result.last_loss = loss;
-        StepReport report;
+        StepReport report;  // loss and grad_norm come with the read-back (queue_step)
         report.step = global_step_;
         report.epoch = source_->epoch();
-        report.loss = loss;
+        report.loss = std::numeric_limits<double>::quiet_NaN();
         report.lr = lr;
-        report.grad_norm = grad_norm;
+        report.grad_norm = std::numeric_limits<double>::quiet_NaN();
         window_seconds += dt;
         ++window_steps;
         report.img_per_s = static_cast<double>(images_per_step * window_steps) / window_seconds;
         report.samples_seen = global_step_ * images_per_step;
         report.step_seconds = dt;
         report.gpu_memory_gib = peak_gpu_memory_gib(device_);
-        report.regularisation_loss = step_regularisation_loss_;
         report.regularisation_step = step_ended_on_regularisation_;
-        if (global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0) {
-            append_metrics(report);
+        const bool writes_row = global_step_ % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0;
+        if (writes_row) {
             window_seconds = 0;
             window_steps = 0;
         }
-        for (auto& cb : callbacks_) cb->on_step_end(*this, report);
-        progress.set_postfix(str("loss ", format_metric(loss), " lr ", format_metric(lr), " ",
-                                 format_rate(report.img_per_s, "img")));
+        // Queued for the host; the steps `lag` behind are read back now (rows, on_step_metrics).
+        queue_step(std::move(scalars), report, writes_row);
+        if (dp_->world_size() > 1) {  // the agreement every rank reads at this step: lag steps old
+            const auto it = agreements_.find(global_step_ - readback_.lag);
+            if (it != agreements_.end()) agreed = it->second;
+            agreements_.erase(agreements_.begin(), agreements_.upper_bound(global_step_ - readback_.lag));
+        }
+        const StepReport now = last_read_ && last_read_->step == global_step_ ? *last_read_ : report;
+        for (auto& cb : callbacks_) cb->on_step_end(*this, now);
+        if (last_read_)
+            progress.set_postfix(str("loss ", format_metric(last_read_->loss), " lr ",
+                                     format_metric(last_read_->lr), " ",
+                                     format_rate(report.img_per_s, "img")));
         progress.update();
         if (interval > 0 && global_step_ % interval == 0 && global_step_ < total_steps_) save("interval");
     }
     progress.finish();
+    if (result.outcome == TrainOutcome::kGpuFault) {
+        try {  // the rows of the steps before the stop (the GPU may not answer)
+            read_back_steps(global_step_);
+        } catch (const std::exception& e) {
+            log::warn() << "the metrics of the last steps before the GPU fault were not read back: "
+                        << e.what();
+            pending_steps_.clear();
+        }
+    }
     if (result.outcome == TrainOutcome::kCompleted) {
         // ZeRO-3: the whole weights stay in the model from here on (final save, exports, the last
         // validation); a no-op otherwise. A LoRA's outputs are its adapters: its base stays sharded
@@ -904,7 +998,9 @@ TrainResult Trainer::run_loop() {
         save("end of training");
         write_final_outputs();
     }
+    read_back_steps(global_step_);  // (saving did it; nothing is left unless the stop came first)
     result.global_step = global_step_;
+    if (last_read_) result.last_loss = last_read_->loss;
     for (auto& cb : callbacks_) cb->on_train_end(*this, result);
     // After on_train_end: the final validation's rows are in. Rows held while the disk was full
     // are written now, or DataError.

@@ -7,6 +7,9 @@
 // The loop reads like a table of contents:
 //   for each optimizer step: accumulate micro-batches (batch -> caption dropout -> micro_step ->
 //   backward), clip, set the LR, optimizer step, metrics, checkpoint; stop cleanly when asked.
+// The host never waits for a step to read its loss: a step's loss, gradient norm and (several
+// ranks) the ranks' agreement come back one step later (train/readback.h), and its metrics row
+// and on_step_metrics are written then, with that step's own values.
 // Invariant: in deterministic mode on the CPU, N steps straight and N/2 + resume + N/2 give
 // bit-identical weights (all randomness from checkpointed generators; the batch source resumes
 // at the exact next batch).
@@ -15,7 +18,9 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <deque>
 #include <filesystem>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,8 +30,10 @@
 #include "train/batch_source.h"
 #include "train/callbacks.h"
 #include "train/config.h"
+#include "train/data_parallel.h"
 #include "train/ema.h"
 #include "train/optimizer.h"
+#include "train/readback.h"
 #include "train/step.h"
 
 namespace dtune::dist {
@@ -97,6 +104,8 @@ class Trainer {
     // What every step runs with: noise, timestep sampling, loss options (set up by the constructor).
     const StepOptions& step_options() const { return step_options_; }
     // Tests only: fixed flow-matching noise and sigmas (StepOptions::fixed_flow_draws). Before run().
+    // How steps are read back (default: ReadbackOptions::from_env()). Before run().
+    void set_readback_options(ReadbackOptions options) { readback_ = options; }
     void set_fixed_flow_draws(FlowDrawFn draws) { step_options_.fixed_flow_draws = std::move(draws); }
     // Appends a row {"step": step, ...fields} to metrics.jsonl now (rank 0): what an observer
     // measures about a step after its row was written (validation's CLIP scores). Usable until the
@@ -137,7 +146,17 @@ class Trainer {
     // The configured optimizer over `groups` (on the training device, or the CPU copies when offloaded).
     std::unique_ptr<Optimizer> make_optimizer(std::vector<ParamGroup> groups) const;
     void resume();
-    double train_one_step(double& grad_norm);
+    StepScalars train_one_step();
+    // The end of step global_step_ (the loop's table of contents): its scalars queued for the
+    // host (PendingStep), the steps due read back, the agreement of the ranks for the next step.
+    void queue_step(StepScalars scalars, StepReport report, bool writes_row);
+    // Reads back the queued steps up to `step`, oldest first: non-finite loss check, metrics row,
+    // on_step_metrics. Before a checkpoint, a row of an observer, and at the end, `step` is the
+    // current one. `wait` false: only those already read (after an error: no wait on a collective).
+    void read_back_steps(int64_t step, bool wait = true);
+    void read_back_step(PendingStep& p);
+    // Writes the rows of steps already read back after an error (never throws).
+    void read_back_after_error() noexcept;
     // The next micro-batch; a failure to fetch it is remembered for save_after_fetch_error.
     TrainBatch next_batch(int64_t micro);
     // After a batch could not be fetched (a deleted image, an unreadable cache entry) at a step
@@ -145,7 +164,7 @@ class Trainer {
     // and there is something new to save. Never throws (the data error is what the run reports).
     void save_after_fetch_error() noexcept;
     void save(const std::string& why);
-    void append_metrics(const StepReport& report);
+    void append_metrics(const StepReport& report, const nlohmann::json& fields);
     void write_final_outputs();
     void init_data_parallel(const dist::DistEnv& env);
     // trainer_zero3.cpp: what zero_stage 3 cannot run with (UsageError naming the key), attaching
@@ -185,7 +204,7 @@ class Trainer {
     void write_model_outputs();
     // trainer_graph.cpp: cuda_graph (the whole optimizer step as one CUDA graph per batch shape).
     void init_graph();
-    double train_graphed_step(double lr, double& grad_norm);
+    StepScalars train_graphed_step(double lr);
     // The hooks both step paths run (step.h): LoRA's dropout seed and the regularisation switch.
     StepHooks step_hooks();
     // metrics.jsonl's CUDA-graph fields for this row (none for a CPU run or cuda_graph false).
@@ -222,11 +241,17 @@ class Trainer {
     std::unique_ptr<EMAModel> ema_;
     std::unique_ptr<LossScaler> scaler_;  // mixed_precision fp16
     bool step_overflowed_ = false;        // fp16: inf/NaN gradients, the optimizer step is skipped
-    // The step's regularisation micro-batches: their mean loss (unset when none or not read back)
-    // and whether the last micro-batch was one (SimpleTuner then logs regularisation_grad_norm).
-    std::optional<double> step_regularisation_loss_;
+    // Whether the step's last micro-batch was regularisation data (SimpleTuner then logs
+    // regularisation_grad_norm); the regularisation loss comes with the step's read-back.
     bool step_ended_on_regularisation_ = false;
-    std::unique_ptr<GraphedStep> graph_;  // cuda_graph, when the run allows it
+    ReadbackOptions readback_ = ReadbackOptions::from_env();
+    std::deque<PendingStep> pending_steps_;  // queued, not yet read back (oldest first)
+    // Several ranks: the agreement issued at the end of each step, kept from its read-back until
+    // the loop acts on it (`lag` steps later; every rank at the same step).
+    std::map<int64_t, StepAgreement> agreements_;
+    std::optional<StepReport> last_read_;  // the latest step read back (progress bar, last_loss)
+    bool loss_failed_ = false;             // a read-back found a non-finite loss (the run is failing)
+    std::unique_ptr<GraphedStep> graph_;   // cuda_graph, when the run allows it
     GraphStatus graph_status_;
     bool graph_fallback_written_ = false;  // the fallback reason went into metrics.jsonl
 };

@@ -1,5 +1,6 @@
 // The trainer's CUDA-graph step (see trainer_graph.h): conditions, set-up, and one optimizer step
-// through GraphedStep with the loss and gradient norm read back only at metrics_interval.
+// through GraphedStep; its loss and gradient norm are read back a step later like the eager step's
+// (train/readback.h), with no wait for the GPU.
 //
 // What stays outside the graph: the batch (data loader, caption dropout from the CPU generator),
 // the LR (AdamW and adamw_bf16 read it from device tensors refreshed before each replay, so
@@ -13,9 +14,7 @@
 
 #include <ATen/Context.h>
 
-#include <cmath>
 #include <cstdlib>
-#include <limits>
 #include <mutex>
 
 #include "core/error.h"
@@ -140,8 +139,7 @@ void Trainer::init_graph() {
     }
     log::info() << "cuda_graph: each batch shape trains as one CUDA graph after " << warmup
                 << " eager warm-up steps; "
-                << "loss and grad_norm are read back every metrics_interval ("
-                << config_.integer("metrics_interval") << ") steps";
+                << "every step's loss and grad_norm are read back a step later, without a wait";
 }
 
 StepHooks Trainer::step_hooks() {
@@ -165,7 +163,7 @@ void Trainer::add_graph_fields(nlohmann::json& row) {
     }
 }
 
-double Trainer::train_graphed_step(double lr, double& grad_norm) {
+StepScalars Trainer::train_graphed_step(double lr) {
     TrainBatch batch = next_batch(0);
     apply_caption_dropout(*family_, batch, empty_prompt_, step_options_.caption_dropout_probability,
                           *generator_, dp_->rank(), dp_->world_size());
@@ -186,28 +184,19 @@ double Trainer::train_graphed_step(double lr, double& grad_norm) {
     const StepTensors out = graph_->run(*model_, batch, objective_, step_options_, global_step_, *generator_,
                                         *optimizer_, params, config_.real("max_grad_norm"), hooks);
     optimizer_->after_step();  // adamw_bf16: the weight decays that came due (host-decided)
-    const int64_t step = global_step_ + 1;
-    const bool read =
-        step % std::max<int64_t>(1, config_.integer("metrics_interval")) == 0 || step == total_steps_;
-    constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
     // A LoRA regularisation batch is its own graph (graph_step.h); a full fine-tune trains them as
     // ordinary data, and only the log tells them apart.
     step_ended_on_regularisation_ = batch.regularisation;
-    step_regularisation_loss_.reset();
-    if (!read) {
-        grad_norm = kNaN;  // StepReport: NaN when not read back
-        return kNaN;
-    }
-    const double loss = out.loss.item<double>();  // waits for the step: once per metrics_interval
-    if (batch.regularisation) step_regularisation_loss_ = loss;
-    grad_norm = out.grad_norm.defined() ? out.grad_norm.item<double>() : 0.0;
-    if (!std::isfinite(loss))
-        throw Error(
-            str("the loss is ", loss, " at step ", step,
-                " (cuda_graph: read every metrics_interval steps, "
-                "so it may have turned non-finite earlier); lower learning_rate, set max_grad_norm, or "
-                "check the data; resume from the last checkpoint"));
-    return loss;
+    // The graph's outputs live at static addresses that the next replay overwrites: queue_step
+    // copies them on this stream before any later replay, and the host reads them a step later.
+    StepScalars scalars;
+    scalars.losses.push_back(out.loss.detach());
+    scalars.grad_norm = out.grad_norm.defined() ? out.grad_norm.detach() : at::Tensor();
+    scalars.regularisation.push_back(batch.regularisation);
+    std::string files;
+    for (const auto& p : batch.paths) files += (files.empty() ? "" : ", ") + p;
+    scalars.batches.push_back(std::move(files));
+    return scalars;
 }
 
 }  // namespace dtune::train

@@ -86,6 +86,33 @@ std::vector<double> logged_losses(const std::filesystem::path& out) {
     return losses;
 }
 
+// Issue #18: with 2 ranks each step's losses, gradient norm and the ranks' agreement (stop, fault,
+// mean loss) come back a step late with no wait of their own; the rows and the weights equal those
+// of DTUNE_SYNC_READBACK=1 (every step read at once), bit for bit, gradient accumulation included.
+TEST(DistTrain, DeferredReadBackLogsWhatImmediateReadBackLogs) {
+    Workspace w;
+    const std::string args = "--train_batch_size 1 --max_train_steps 3 --gradient_accumulation_steps 2";
+    const auto deferred = run_shell(w.train(2, "deferred", args));
+    ASSERT_EQ(deferred.exit_code, 0) << deferred.output;
+    const auto sync = run_shell("DTUNE_SYNC_READBACK=1 " + w.train(2, "sync", args));
+    ASSERT_EQ(sync.exit_code, 0) << sync.output;
+    auto rows = [&](const std::string& name) {
+        std::vector<std::string> out;
+        std::ifstream in(w.out(name) / "metrics.jsonl");
+        for (std::string line; std::getline(in, line);) {
+            const auto j = nlohmann::json::parse(line);
+            out.push_back(nlohmann::json{
+                {"step", j.at("step")}, {"loss", j.at("loss")}, {"grad_norm", j.at("grad_norm")}}
+                              .dump());
+        }
+        return out;
+    };
+    const auto want = rows("sync"), got = rows("deferred");
+    EXPECT_EQ(want.size(), 3u);
+    EXPECT_EQ(got, want);
+    EXPECT_EQ(max_difference(final_weights(w.out("deferred")), final_weights(w.out("sync"))), 0.0);
+}
+
 TEST(DistTrain, ThreeRanksEqualOneProcessWithTheGlobalBatchWhenThreeDoesNotDivideTheImages) {
     // The workspace's 8 images on 3 ranks x batch 1 against 1 process x batch 3. The ranks padded
     // their shares to 3 + 3 + 3 with a duplicate (SimpleTuner's apply_padding), so the global list

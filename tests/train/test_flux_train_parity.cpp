@@ -89,7 +89,7 @@ class ReferenceBatches final : public BatchSource {
 
 struct StepLog final : TrainCallback {
     std::vector<double> losses, grad_norms;
-    void on_step_end(Trainer&, const StepReport& r) override {
+    void on_step_metrics(Trainer&, const StepReport& r) override {
         losses.push_back(r.loss);
         grad_norms.push_back(r.grad_norm);
     }

@@ -491,6 +491,183 @@ TEST(TrainBench, SyntheticSourceConstructorLoadsTheNetworkAsTrainDoes) {
     EXPECT_THROW(Trainer(missing, cycling()), DataError);
 }
 
+// What the observers see of a run: on_step_end's step and loss (and how many steps had been read
+// back by then), and every on_step_metrics report in order. `stop_at`: request a stop in that
+// step's on_step_end.
+struct ReadbackLog final : TrainCallback {
+    std::vector<double> end_losses;
+    std::vector<std::size_t> read_at_end;  // on_step_metrics calls before each on_step_end
+    std::vector<StepReport> metrics;
+    int64_t stop_at = -1;
+    void on_step_end(Trainer&, const StepReport& r) override {
+        end_losses.push_back(r.loss);
+        read_at_end.push_back(metrics.size());
+        if (r.step == stop_at) request_stop();
+    }
+    void on_step_metrics(Trainer&, const StepReport& r) override { metrics.push_back(r); }
+};
+
+// The synthetic batches with every other one marked as regularisation data (a full fine-tune
+// trains them as any other; the log keeps their loss apart).
+class AlternatingRegularisation final : public BatchSource {
+  public:
+    TrainBatch next(at::Generator& g) override {
+        TrainBatch b = inner_->next(g);
+        b.regularisation = served_++ % 2 == 1;
+        return b;
+    }
+    int64_t batches_per_epoch() const override { return inner_->batches_per_epoch(); }
+    int64_t epoch() const override { return inner_->epoch(); }
+    PromptEmbedding empty_prompt() override { return inner_->empty_prompt(); }
+    nlohmann::json state() const override { return inner_->state(); }
+    void load_state(const nlohmann::json& s) override { inner_->load_state(s); }
+    bool has_regularisation_data() const override { return true; }
+
+  private:
+    std::unique_ptr<BatchSource> inner_ = synthetic();
+    int64_t served_ = 0;
+};
+
+struct ReadbackRun {
+    std::vector<std::string> rows;  // metrics.jsonl without img_per_s (a wall-clock rate)
+    io::TensorList weights;
+    std::shared_ptr<ReadbackLog> log = std::make_shared<ReadbackLog>();
+    TrainResult result;
+};
+
+std::vector<std::string> metrics_rows(const std::filesystem::path& dir) {
+    std::vector<std::string> rows;
+    std::ifstream in(dir / "metrics.jsonl");
+    for (std::string line; std::getline(in, line);) {
+        nlohmann::json j = nlohmann::json::parse(line);
+        j.erase("img_per_s");
+        rows.push_back(j.dump());
+    }
+    return rows;
+}
+
+// A run with the step values read back `lag` steps late (0: at once, DTUNE_SYNC_READBACK=1).
+ReadbackRun run_with_lag(const TrainConfig& config, int lag, std::unique_ptr<BatchSource> source,
+                         int64_t stop_at = -1) {
+    ReadbackRun out;
+    Trainer trainer(config, testutil::sdxl_model(tiny_unet()), tiny_schedule(), std::move(source));
+    ReadbackOptions options;
+    options.lag = lag;
+    trainer.set_readback_options(options);
+    out.log->stop_at = stop_at;
+    trainer.add_callback(out.log);
+    out.result = trainer.run();
+    clear_stop_request();
+    out.weights = models::state_dict(*testutil::unet_of(trainer));
+    out.rows = metrics_rows(config.text("output_dir"));
+    return out;
+}
+
+// Issue #18: the loss and gradient norm come back a step late, with no wait for the device, yet
+// every metrics row, every on_step_metrics report and every checkpoint is what the immediate
+// read-back gives, bit for bit: with gradient accumulation (the mean over micro-batches), a
+// regularisation micro-batch in every step, rows every other step and checkpoints in between.
+TEST(TrainReadback, DeferredReadBackLogsAndSavesWhatImmediateReadBackDoes) {
+    test::TempDir deferred_dir, sync_dir;
+    const std::string keys = R"({"gradient_accumulation_steps": 2, "metrics_interval": 2,
+                                 "checkpoint_step_interval": 2})";
+    const ReadbackRun deferred = run_with_lag(config_with(deferred_dir.path(), 5, keys), 1,
+                                              std::make_unique<AlternatingRegularisation>());
+    const ReadbackRun sync =
+        run_with_lag(config_with(sync_dir.path(), 5, keys), 0, std::make_unique<AlternatingRegularisation>());
+    ASSERT_EQ(deferred.rows.size(), 2u);  // steps 2 and 4
+    EXPECT_EQ(deferred.rows, sync.rows);
+    const auto row = nlohmann::json::parse(deferred.rows[1]);
+    EXPECT_EQ(row.at("step"), 4);
+    EXPECT_TRUE(row.contains("regularisation_loss") && row.contains("regularisation_grad_norm")) << row;
+    EXPECT_NE(row.at("regularisation_loss"), row.at("loss"));  // one of the two micro-batches
+    for (const char* f :
+         {"checkpoint-2/unet/diffusion_pytorch_model.safetensors", "checkpoint-4/optimizer.safetensors",
+          "checkpoint-4/random_states.safetensors", "checkpoint-4/training_state.json",
+          "checkpoint-5/unet/diffusion_pytorch_model.safetensors"})
+        EXPECT_EQ(fs::read_file(deferred_dir / f), fs::read_file(sync_dir / f)) << f;
+    for (std::size_t i = 0; i < deferred.weights.size(); ++i)
+        EXPECT_TRUE(at::equal(deferred.weights[i].second, sync.weights[i].second))
+            << deferred.weights[i].first;
+    // Every step reaches on_step_metrics once, in order, with the row's values where it has one.
+    ASSERT_EQ(deferred.log->metrics.size(), 5u);
+    ASSERT_EQ(sync.log->metrics.size(), 5u);
+    for (std::size_t i = 0; i < 5; ++i) {
+        const StepReport &d = deferred.log->metrics[i], &s = sync.log->metrics[i];
+        EXPECT_EQ(d.step, static_cast<int64_t>(i + 1));
+        EXPECT_EQ(d.loss, s.loss) << "step " << i + 1;
+        EXPECT_EQ(d.grad_norm, s.grad_norm) << "step " << i + 1;
+        EXPECT_EQ(d.regularisation_loss, s.regularisation_loss) << "step " << i + 1;
+        EXPECT_TRUE(std::isfinite(d.loss) && d.grad_norm > 0) << "step " << i + 1;
+        // Immediate: on_step_end sees the step's values; deferred: the step before is read back
+        // then and this one not yet (NaN).
+        EXPECT_EQ(sync.log->end_losses[i], s.loss) << "step " << i + 1;
+        EXPECT_TRUE(std::isnan(deferred.log->end_losses[i])) << "step " << i + 1;
+        EXPECT_EQ(sync.log->read_at_end[i], i + 1);
+        EXPECT_EQ(deferred.log->read_at_end[i], i) << "step " << i + 1;
+    }
+    EXPECT_EQ(nlohmann::json::parse(deferred.rows[0]).at("loss").get<double>(),
+              deferred.log->metrics[1].loss);
+    EXPECT_EQ(deferred.result.last_loss, sync.log->metrics[4].loss);
+}
+
+// A stop requested during a run (one process): the next step does not start, every step trained
+// has its row, the checkpoint is saved at the stop, and resuming from it ends on the weights and
+// rows of a run that was never stopped.
+TEST(TrainReadback, StopDuringARunSavesEveryRowAndResumesExactly) {
+    install_stop_signal_handlers();
+    test::TempDir straight_dir, stopped_dir;
+    const std::string keys = R"({"checkpoint_step_interval": 0})";
+    const ReadbackRun straight = run_with_lag(config_with(straight_dir.path(), 4, keys), 1, synthetic());
+    const ReadbackRun stopped = run_with_lag(config_with(stopped_dir.path(), 4, keys), 1, synthetic(), 2);
+    EXPECT_EQ(stopped.result.outcome, TrainOutcome::kInterrupted);
+    EXPECT_EQ(stopped.result.global_step, 2);
+    EXPECT_TRUE(std::filesystem::exists(stopped_dir / "checkpoint-2" / ".guard"));
+    EXPECT_EQ(stopped.rows, std::vector<std::string>(straight.rows.begin(), straight.rows.begin() + 2));
+    EXPECT_EQ(stopped.log->metrics.size(), 2u);
+    EXPECT_EQ(stopped.result.last_loss, straight.log->metrics[1].loss);
+    const ReadbackRun resumed = run_with_lag(config_with(stopped_dir.path(), 4, keys), 1, synthetic());
+    ASSERT_TRUE(resumed.result.resumed_from.has_value());
+    EXPECT_EQ(resumed.rows, straight.rows);
+    for (std::size_t i = 0; i < straight.weights.size(); ++i)
+        EXPECT_TRUE(at::equal(straight.weights[i].second, resumed.weights[i].second))
+            << straight.weights[i].first;
+}
+
+// A loss that turns non-finite is still caught, a step late, naming the step it belongs to; no
+// checkpoint holds the weights trained on it (the save reads the step back first).
+TEST(TrainReadback, NonFiniteLossNamesItsStepAndIsNeverCheckpointed) {
+    test::TempDir dir;
+    const TrainConfig c =
+        config_with(dir.path(), 4, R"({"learning_rate": 1e30, "checkpoint_step_interval": 1})");
+    try {
+        run_with_lag(c, 1, synthetic());
+        ADD_FAILURE() << "a learning rate of 1e30 trained on";
+    } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("at step 2 (batch:"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(std::filesystem::exists(dir / "checkpoint-1" / ".guard"));
+    EXPECT_FALSE(std::filesystem::exists(dir / "checkpoint-2"));
+    EXPECT_EQ(metrics_rows(dir.path()).size(), 1u);
+}
+
+// DTUNE_SYNC_READBACK: 1 reads each step back at once (lag 0), unset or 0 a step late; anything
+// else is refused, naming the variable.
+TEST(TrainReadback, SyncSwitchIsReadOnceAndCheckedAtStart) {
+    unsetenv("DTUNE_SYNC_READBACK");
+    EXPECT_EQ(ReadbackOptions::from_env().lag, 1);
+    setenv("DTUNE_SYNC_READBACK", "1", 1);
+    EXPECT_EQ(ReadbackOptions::from_env().lag, 0);
+    setenv("DTUNE_SYNC_READBACK", "yes", 1);
+    try {
+        ReadbackOptions::from_env();
+        ADD_FAILURE() << "DTUNE_SYNC_READBACK=yes accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("DTUNE_SYNC_READBACK='yes'"), std::string::npos) << e.what();
+    }
+    unsetenv("DTUNE_SYNC_READBACK");
+}
+
 TEST(TrainSignals, StopRequestBeforeTheFirstStepReportsInterruptedWithoutACheckpoint) {
     test::TempDir dir;
     install_stop_signal_handlers();
