@@ -30,6 +30,7 @@
 #include "dist/group.h"
 #include "dist/train_launch_util.h"
 #include "dist/zero3.h"
+#include "dist/zero3_test_util.h"
 #include "models/common/checkpoint.h"
 #include "models/common/unit_hooks.h"
 #include "support/tiny_flux_data.h"
@@ -81,16 +82,6 @@ std::map<std::string, at::Tensor> adapters(const std::filesystem::path& file) {
 
 std::map<std::string, at::Tensor> final_adapters(const std::filesystem::path& out) {
     return adapters(out / "pytorch_lora_weights.safetensors");
-}
-
-void keep_six_images(const Workspace& w) {
-    for (const char* f : {"sample 6.png", "sample 7.png"}) std::filesystem::remove(w.dir / "images" / f);
-}
-
-void resume_into(const std::filesystem::path& from, const std::filesystem::path& to) {
-    std::filesystem::create_directories(to);
-    std::filesystem::copy(from / "checkpoint-2", to / "checkpoint-2",
-                          std::filesystem::copy_options::recursive);
 }
 
 const std::string kLoRA = "--model_type lora --lora_rank 4 ";
@@ -230,16 +221,7 @@ TEST(DistZero3LoRA, ValidationImagesEqualPlainDataParallel) {
                              "--max_train_steps 2 --train_batch_size 3 --gradient_checkpointing true "
                              "--validation_prompt 'a cat' --validation_step_interval 1 "
                              "--validation_num_inference_steps 2 --validation_resolution 64x64";
-    const auto plain = run_shell(w.train(2, "plain", args));
-    ASSERT_EQ(plain.exit_code, 0) << plain.output;
-    const auto zero = run_shell(w.train(2, "zero3", args + " --zero_stage 3"));
-    ASSERT_EQ(zero.exit_code, 0) << zero.output;
-    for (const char* f : {"step_0_validation_0_64x64.png", "step_1_validation_0_64x64.png",
-                          "step_2_validation_0_64x64.png"}) {
-        const auto a = w.out("plain") / "validation_images" / f, b = w.out("zero3") / "validation_images" / f;
-        ASSERT_TRUE(std::filesystem::exists(b)) << f << "\n" << zero.output;
-        EXPECT_EQ(fs::read_file(a), fs::read_file(b)) << f;
-    }
+    expect_zero3_validation_equals_plain(w, args);
 }
 
 // offload_param_device cpu: the base's shards live in host memory and are copied to the device

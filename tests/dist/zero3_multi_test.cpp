@@ -26,6 +26,7 @@
 
 #include "core/fs.h"
 #include "dist/train_launch_util.h"
+#include "dist/zero3_test_util.h"
 #include "support/tiny_flux_data.h"
 
 namespace dtune {
@@ -83,20 +84,8 @@ std::map<std::string, at::Tensor> merged_shards(const std::filesystem::path& dir
     return out;
 }
 
-// 6 of the workspace's 8 images: one batch of 6 per epoch, which 1, 2 and 3 ranks split evenly, so
-// the runs here stay one step per epoch (DistTrain.ThreeRanksEqualOneProcess... covers 8 on 3).
-void keep_six_images(const Workspace& w) {
-    for (const char* f : {"sample 6.png", "sample 7.png"}) std::filesystem::remove(w.dir / "images" / f);
-}
-
-void resume_into(const std::filesystem::path& from, const std::filesystem::path& to) {
-    std::filesystem::create_directories(to);
-    std::filesystem::copy(from / "checkpoint-2", to / "checkpoint-2",
-                          std::filesystem::copy_options::recursive);
-}
-
 void resume_into(const Workspace& w, const std::string& from, const std::string& to) {
-    resume_into(w.out(from), w.out(to));
+    dtune::resume_into(w.out(from), w.out(to));
 }
 
 TEST(DistZero3, RanksEqualOneProcessWithTheGlobalBatchAndHoldOneNthOfTheParameters) {
@@ -341,16 +330,7 @@ TEST(DistZero3, ValidationImagesUseTheWholeWeights) {
     const std::string args =
         "--max_train_steps 2 --train_batch_size 3 --gradient_checkpointing true --validation_prompt 'a cat' "
         "--validation_step_interval 1 --validation_num_inference_steps 2 --validation_resolution 64x64";
-    const auto plain = run_shell(w.train(2, "plain", args));
-    ASSERT_EQ(plain.exit_code, 0) << plain.output;
-    const auto zero = run_shell(w.train(2, "zero3", args + " --zero_stage 3"));
-    ASSERT_EQ(zero.exit_code, 0) << zero.output;
-    for (const char* f : {"step_0_validation_0_64x64.png", "step_1_validation_0_64x64.png",
-                          "step_2_validation_0_64x64.png"}) {
-        const auto a = w.out("plain") / "validation_images" / f, b = w.out("zero3") / "validation_images" / f;
-        ASSERT_TRUE(std::filesystem::exists(b)) << f << "\n" << zero.output;
-        EXPECT_EQ(fs::read_file(a), fs::read_file(b)) << f;
-    }
+    expect_zero3_validation_equals_plain(w, args);
 }
 
 // A rank that fails, or is SIGKILLed, just before its 3rd all-gather of step 2 (mid-forward)
@@ -520,7 +500,7 @@ TEST(DistZero3, FluxCheckpointOfTwoRanksResumesExactlyOnOneProcess) {
               0.0);
     for (const char* from : {"plain2", "zero3_2"}) {
         const std::string to = std::string(from) + "_then_1";
-        resume_into(w.out(from), w.out(to));
+        dtune::resume_into(w.out(from), w.out(to));
         const auto r = run_shell(w.train(0, to,
                                          "--optimizer torch-adamw --learning_rate 1e-3 "
                                          "--max_train_steps 3 --train_batch_size 4"));
