@@ -299,6 +299,17 @@ void GradReducer::zero_grad() {
     reset_round();
 }
 
+void GradReducer::abandon_round() {
+    if (!owns_) return;
+    std::lock_guard lock(mutex_);
+    const std::vector<char> used = used_;
+    reset_round();
+    used_ = used;
+    for (std::size_t k = 0; k < params_.size(); ++k)
+        if (views_[k].defined() && !params_[k].grad().is_same(views_[k]))
+            params_[k].mutable_grad() = views_[k];  // a grad the broken-off capture made: never computed
+}
+
 void GradReducer::release_gradients() {
     if (!owns_) return;
     std::lock_guard lock(mutex_);

@@ -73,6 +73,11 @@ class GradReducer {
     // Zeroes every persistent bucket in place and points each parameter's grad at its view again
     // (ZeRO-2: other ranks' parameters get no grad); starts a new accumulation round.
     void zero_grad();
+    // After a CUDA graph capture broke off mid-round (gradient accumulation, train::GraphedStep):
+    // forgets the collectives the capture recorded (they never ran) and the round's launch state,
+    // but keeps the buckets' contents (the gradients summed so far) and which parameters were used,
+    // and points every grad at its view again. No-op for one process.
+    void abandon_round();
     // Hands the gradients back to autograd for good (the graphed step keeps its own static
     // gradients): hooks removed, buckets no longer referenced here; grads are left as they are.
     void release_gradients();

@@ -30,6 +30,9 @@ int resolve_zero_stage(const TrainConfig& config) {
     }
     if (!stage) {
         const char* env = std::getenv("DTUNE_ZERO_STAGE");
+        DTUNE_CHECK_AS(UsageError, (env && *env) || !config.flag("fsdp_cpu_offload"),
+                       "fsdp_cpu_offload is true (FSDP's sharded parameters in host memory) but FSDP is ",
+                       "off; set fsdp_enable true (or zero_stage 3), or fsdp_cpu_offload false");
         if (!env || !*env) return 0;
         origin = str("DTUNE_ZERO_STAGE='", env, "' (from deepspeed_config.zero_stage)");
         char* end = nullptr;
@@ -49,6 +52,10 @@ int resolve_zero_stage(const TrainConfig& config) {
                    "offload_param_device is '", param_device, "' but ", origin, " is ", *stage,
                    "; parameters are offloaded only when they are sharded: set zero_stage 3, or ",
                    "offload_param_device none");
+    DTUNE_CHECK_AS(UsageError, *stage == 3 || !config.flag("fsdp_cpu_offload"),
+                   "fsdp_cpu_offload is true (FSDP's sharded parameters in host memory) but ", origin, " is ",
+                   *stage, "; parameters are offloaded only when they are sharded: set fsdp_enable true ",
+                   "(or zero_stage 3), or fsdp_cpu_offload false");
     return static_cast<int>(*stage);
 }
 
@@ -59,10 +66,18 @@ bool resolve_offload_optimizer(const TrainConfig& config) {
         value = config.text("offload_optimizer_device");
     } else {
         const char* env = std::getenv("DTUNE_OFFLOAD_OPTIMIZER_DEVICE");
-        if (!env || !*env) return false;
-        value = env;
+        value = env ? env : "";
         origin = "DTUNE_OFFLOAD_OPTIMIZER_DEVICE (from deepspeed_config.offload_optimizer_device)";
     }
+    // SimpleTuner's FSDP CPU offload: the parameters (resolve_zero3_options) and the optimizer
+    // state and update in host memory, as offload_param_device and offload_optimizer_device cpu.
+    if (config.flag("fsdp_cpu_offload")) {
+        DTUNE_CHECK_AS(UsageError, value.empty() || value == "cpu",
+                       "fsdp_cpu_offload is true (parameters and optimizer state in host memory) but ",
+                       origin, " is '", value, "'; drop one of them, or set it to cpu");
+        return true;
+    }
+    if (value.empty()) return false;
     DTUNE_CHECK_AS(UsageError, value == "none" || value == "cpu", origin, " is '", value,
                    "'; use none (optimizer state on the training device) or cpu (in host memory; "
                    "nvme offload is not implemented)");
@@ -228,6 +243,10 @@ void DataParallel::zero_gradients_in_step() {
     if (!reducer_) return;
     reducer_->zero_grad();
     step_clears_gradients_ = true;
+}
+
+void DataParallel::abandon_reduction() {
+    if (reducer_) reducer_->abandon_round();
 }
 
 void DataParallel::after_step() {

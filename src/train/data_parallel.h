@@ -59,19 +59,21 @@ struct StepAgreement {
 
 // zero_stage from config.json, else DTUNE_ZERO_STAGE (set by `dtune launch --accelerate_config`
 // from deepspeed_config.zero_stage), else 0; SimpleTuner's fsdp_enable true means 3. UsageError for
-// a stage other than 0..3, fsdp_enable with another zero_stage, or offload_param_device cpu with a
-// stage other than 3.
+// a stage other than 0..3, fsdp_enable with another zero_stage, or offload_param_device cpu or
+// fsdp_cpu_offload true with a stage other than 3.
 int resolve_zero_stage(const TrainConfig& config);
 
 // ZeRO-3 settings from SimpleTuner's fsdp_* keys, accelerate's offload_param_device
 // (DTUNE_OFFLOAD_PARAM_DEVICE: none or cpu) and DTUNE_ZERO3_PREFETCH (blocks gathered ahead, default
-// 1, 0 off): reshard_after_forward from fsdp_reshard_after_forward; UsageError naming the key or
-// variable for what the engine does not do (nvme offload, a bad prefetch depth).
+// 1, 0 off): reshard_after_forward from fsdp_reshard_after_forward, offload_params also from
+// fsdp_cpu_offload true; UsageError naming the key or variable for what the engine does not do (nvme
+// offload, a bad prefetch depth) or for a parameter device that contradicts fsdp_cpu_offload.
 dist::Zero3Options resolve_zero3_options(const TrainConfig& config);
 
 // offload_optimizer_device from config.json, else DTUNE_OFFLOAD_OPTIMIZER_DEVICE (set by `dtune launch
 // --accelerate_config` from deepspeed_config.offload_optimizer_device), else none. true for "cpu"
-// (train::CpuOffloadOptimizer); UsageError naming the origin for anything but "none" or "cpu".
+// (train::CpuOffloadOptimizer), and for SimpleTuner's fsdp_cpu_offload true; UsageError naming the
+// origin for anything but "none" or "cpu", or for a device that contradicts fsdp_cpu_offload.
 bool resolve_offload_optimizer(const TrainConfig& config);
 
 class DataParallel {
@@ -157,6 +159,10 @@ class DataParallel {
     // in place and the grads views of them again. From then on after_step() leaves the gradients
     // alone (the step already cleared them, on replays too).
     void zero_gradients_in_step();
+    // After a failed CUDA graph capture of a gradient-accumulation micro-step: the reducer forgets
+    // the round's recorded collectives and keeps the gradients summed so far
+    // (dist::GradReducer::abandon_round). No-op without the reducer's buckets.
+    void abandon_reduction();
     // After the optimizer step: ZeRO-1/2 copy the parameters from their owners (one broadcast per
     // ~64 MB run of an owner's parameters); then clears the gradients of every attached parameter
     // (the sharded optimizer's zero_grad sees only its own): with several ranks the reducer's

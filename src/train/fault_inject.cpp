@@ -1,4 +1,4 @@
-// DTUNE_INJECT_STEP_ERROR (see fault_inject.h).
+// DTUNE_INJECT_STEP_ERROR and DTUNE_INJECT_SAVE_ERROR (see fault_inject.h).
 #include "train/fault_inject.h"
 
 #include <c10/util/Exception.h>
@@ -13,8 +13,12 @@
 
 namespace dtune::train {
 
-void inject_step_error(int rank, int64_t step) {
-    const char* env = std::getenv("DTUNE_INJECT_STEP_ERROR");
+namespace {
+
+// `variable`=<kind>:<rank>:<step>: fails as the kind says when (rank, step) match; `where` ends the
+// messages ("at step 3", "while saving the checkpoint of step 4").
+void inject_error(const char* variable, int rank, int64_t step, const std::string& where) {
+    const char* env = std::getenv(variable);
     if (!env || !*env) return;
     const std::string value = env;
     const auto a = value.find(':'), b = value.rfind(':');
@@ -26,23 +30,32 @@ void inject_step_error(int rank, int64_t step) {
     DTUNE_CHECK_AS(
         UsageError,
         (kind == "cuda" || kind == "error" || kind == "kill") && rank_ok && *end == '\0' && want_step > 0,
-        "DTUNE_INJECT_STEP_ERROR='", value,
-        "' is not <kind>:<rank>:<step> with kind cuda, error or kill, e.g. cuda:1:3");
+        variable, "='", value, "' is not <kind>:<rank>:<step> with kind cuda, error or kill, e.g. cuda:1:3");
     if (want_rank != rank || want_step != step) return;
     if (kind == "kill") {
         // A death nothing in the process can report (as the OOM killer's): the launcher has to.
-        std::fprintf(stderr, "injected SIGKILL (DTUNE_INJECT_STEP_ERROR) on rank %d at step %lld\n", rank,
-                     static_cast<long long>(step));
+        std::fprintf(stderr, "injected SIGKILL (%s) on rank %d %s\n", variable, rank, where.c_str());
         std::fflush(stderr);
         ::raise(SIGKILL);
     }
     if (kind == "cuda")
         // The text and type libtorch raises for cudaErrorIllegalAddress (700).
         throw c10::AcceleratorError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, 700,
-                                    "CUDA error: an illegal memory access was encountered (injected by "
-                                    "DTUNE_INJECT_STEP_ERROR)");
-    throw std::runtime_error("injected failure (DTUNE_INJECT_STEP_ERROR) on rank " + std::to_string(rank) +
-                             " at step " + std::to_string(step));
+                                    "CUDA error: an illegal memory access was encountered (injected by " +
+                                        std::string(variable) + ")");
+    throw std::runtime_error("injected failure (" + std::string(variable) + ") on rank " +
+                             std::to_string(rank) + " " + where);
+}
+
+}  // namespace
+
+void inject_step_error(int rank, int64_t step) {
+    inject_error("DTUNE_INJECT_STEP_ERROR", rank, step, "at step " + std::to_string(step));
+}
+
+void inject_save_error(int rank, int64_t step) {
+    inject_error("DTUNE_INJECT_SAVE_ERROR", rank, step,
+                 "while saving the checkpoint of step " + std::to_string(step));
 }
 
 InjectPoint inject_point() {

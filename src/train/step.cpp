@@ -309,17 +309,40 @@ at::Tensor clip_gradients(const std::vector<at::Tensor>& params, double max_grad
     return norm;
 }
 
+namespace {
+
+// micro_step and the backward of loss / accum (the division the eager trainer does, so the two paths
+// give the same gradients); before_backward (arming the reducer) on the last micro-step only.
+at::Tensor forward_backward(family::Denoiser& model, const TrainBatch& batch,
+                            const family::TrainingObjective& objective, const StepOptions& options,
+                            int64_t global_step, at::Generator& generator, int64_t accum, bool last,
+                            const StepHooks& hooks) {
+    DTUNE_CHECK(accum >= 1, "gradient accumulation over ", accum, " micro-steps; use 1 or more");
+    MicroStep m = micro_step(model, batch, objective, options, global_step, generator, hooks);
+    if (last && hooks.before_backward) hooks.before_backward();
+    (accum > 1 ? m.loss / static_cast<double>(accum) : m.loss).backward();
+    return m.loss.detach();
+}
+
+}  // namespace
+
+at::Tensor accumulate_gradients_async(family::Denoiser& model, const TrainBatch& batch,
+                                      const family::TrainingObjective& objective, const StepOptions& options,
+                                      int64_t global_step, at::Generator& generator, int64_t accum,
+                                      const StepHooks& hooks) {
+    return forward_backward(model, batch, objective, options, global_step, generator, accum, false, hooks);
+}
+
 StepTensors optimizer_step_async(family::Denoiser& model, const TrainBatch& batch,
                                  const family::TrainingObjective& objective, const StepOptions& options,
                                  int64_t global_step, at::Generator& generator, Optimizer& optimizer,
                                  const std::vector<at::Tensor>& params, double max_grad_norm,
-                                 const StepHooks& hooks) {
-    MicroStep m = micro_step(model, batch, objective, options, global_step, generator, hooks);
-    if (hooks.before_backward) hooks.before_backward();
-    m.loss.backward();
+                                 const StepHooks& hooks, int64_t accum) {
+    const at::Tensor loss =
+        forward_backward(model, batch, objective, options, global_step, generator, accum, true, hooks);
     if (hooks.after_backward) hooks.after_backward();
     StepTensors out;
-    out.loss = m.loss.detach();
+    out.loss = loss;
     out.grad_norm = clip_gradients(params, max_grad_norm, options.clip_by_value);
     optimizer.step();
     optimizer.zero_grad();

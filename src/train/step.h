@@ -1,8 +1,9 @@
 // One micro-batch of the training step (SIMPLETUNER.md §1.3): caption dropout, noise and timesteps
 // (or flow-matching sigmas), noisy latents, the model family's prediction (family::Denoiser), the
 // target for the prediction type and the (min-SNR) loss.
-// Accumulation is the trainer's; optimizer_step_async is one whole step (backward, clipping,
-// optimizer) without host synchronisation, for the benchmark and CUDA graphs (graph_step.h).
+// optimizer_step_async is one whole step (backward, clipping, optimizer) without host
+// synchronisation, for the benchmark and CUDA graphs (graph_step.h); with gradient accumulation,
+// accumulate_gradients_async is each micro-step before the last, and optimizer_step_async the last.
 //
 // Invariant: every random number comes from the generator passed in (drawn on the CPU), so a CPU run
 // in deterministic mode is a function of the seed and the checkpointed generator state; except with
@@ -104,10 +105,14 @@ struct StepHooks {
     std::function<void()> before_forward;   // LoRA dropout: this forward's seed (LoRATraining::begin_forward)
     std::function<void()> before_backward;  // data parallel: arm the reducer (buckets launch during backward)
     std::function<void()> after_backward;   // data parallel: the gradient average
-    // After every optimizer.zero_grad() of the step (and of GraphedStep before a capture): the
-    // graphed data-parallel step zeroes the reducer's gradient buckets in place and makes the
-    // grads views of them again, so the next backward accumulates into them.
+    // After every optimizer.zero_grad() of the step (and of GraphedStep before a capture without
+    // accumulation): the graphed data-parallel step zeroes the reducer's gradient buckets in place
+    // and makes the grads views of them again, so the next backward accumulates into them.
     std::function<void()> clear_gradients;
+    // After a CUDA graph capture of an accumulation micro-step failed (GraphedStep): forget the
+    // collectives the capture recorded and the reducer's round state, but keep the gradients summed
+    // so far (the step goes on eagerly from there).
+    std::function<void()> abandon_reduction;
 };
 
 // Forward of one micro-batch: loss = per-sample loss averaged over the batch. A regularisation
@@ -138,13 +143,28 @@ using NormClipFn = std::function<at::Tensor(const std::vector<at::Tensor>& param
 at::Tensor clip_gradients(const std::vector<at::Tensor>& params, double max_grad_norm, bool by_value,
                           const NormClipFn& norm_fn = {});
 
-// One whole optimizer step on one micro-batch with no host synchronisation: micro_step, backward,
-// hooks.after_backward, clip_gradients (options.clip_by_value), the optimizer's update and
-// zero_grad. `params` are the optimizer's parameters (what is clipped).
+// One whole optimizer step on one micro-batch with no host synchronisation: micro_step,
+// hooks.before_backward, backward, hooks.after_backward, clip_gradients (options.clip_by_value), the
+// optimizer's update and zero_grad, hooks.clear_gradients. `params` are the optimizer's parameters
+// (what is clipped). With `accum` > 1 it is the last micro-step of a gradient-accumulation step:
+// the backward runs on loss / accum, adding to what accumulate_gradients_async left in the grads.
 StepTensors optimizer_step_async(family::Denoiser& model, const TrainBatch& batch,
                                  const family::TrainingObjective& objective, const StepOptions& options,
                                  int64_t global_step, at::Generator& generator, Optimizer& optimizer,
                                  const std::vector<at::Tensor>& params, double max_grad_norm,
-                                 const StepHooks& hooks = {});
+                                 const StepHooks& hooks = {}, int64_t accum = 1);
+
+// A micro-step before the last of a gradient-accumulation step of `accum` micro-batches, with no
+// host synchronisation: micro_step, then the backward of loss / accum (as the eager trainer divides
+// it), the gradients adding up in the parameters' .grad. Nothing else: no before_backward (the
+// data-parallel reducer is armed on the last micro-step only), no reduction, clipping or update;
+// those come with the last micro-step, optimizer_step_async with the same `accum`. Returns the
+// micro-batch's loss, unscaled and detached. Under a CUDA graph the grads must already be defined
+// and stay at their addresses until the last micro-step (GraphedStep's persistent gradients or the
+// reducer's buckets), so that backward accumulates into them in place.
+at::Tensor accumulate_gradients_async(family::Denoiser& model, const TrainBatch& batch,
+                                      const family::TrainingObjective& objective, const StepOptions& options,
+                                      int64_t global_step, at::Generator& generator, int64_t accum,
+                                      const StepHooks& hooks = {});
 
 }  // namespace dtune::train

@@ -646,6 +646,7 @@ void Trainer::save(const std::string& why) {
             for (const auto& [k, v] : state) opt.emplace_back(k, v);
             io::save_safetensors(tmp / optimizer_shard_file(rank_, world), opt);
         }
+        inject_save_error(rank_, global_step_);  // DTUNE_INJECT_SAVE_ERROR (tests): a save cut short
     };
     if (!is_main_process()) {  // rank 0 writes the checkpoint; this rank adds its shard files
         dp_->write_shards(checkpoint_tmp_dir(output_dir_, global_step_), write_own);

@@ -2,6 +2,9 @@
 // through GraphedStep; its loss and gradient norm are read back a step later like the eager step's
 // (train/readback.h), with no wait for the GPU.
 //
+// With gradient accumulation each micro-batch is one GraphedStep call (a micro graph, then the final
+// graph for the last), and each micro-batch's loss is logged as on the eager path.
+//
 // What stays outside the graph: the batch (data loader, caption dropout from the CPU generator),
 // the LR (AdamW and adamw_bf16 read it from device tensors refreshed before each replay, so
 // schedules do not recapture), adamw_bf16's rare weight-decay kernels, the EMA update, metrics and
@@ -44,9 +47,6 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
         return "offload_optimizer_device is cpu (the optimizer step runs on the host between two waits for "
                "the GPU; set it to none" +
                fix + ")";
-    if (c.integer("gradient_accumulation_steps") != 1)
-        return str("gradient_accumulation_steps is ", c.integer("gradient_accumulation_steps"),
-                   " (set it to 1 and raise train_batch_size", fix, ")");
     const std::string opt = c.text("optimizer");
     if (opt != "torch-adamw" && opt != "optimi-adamw" && opt != "adamw_bf16")
         return str("optimizer is ", opt,
@@ -163,39 +163,52 @@ void Trainer::add_graph_fields(nlohmann::json& row) {
     }
 }
 
+// One optimizer step of `gradient_accumulation_steps` micro-batches, each through GraphedStep (with
+// accumulation: a micro graph per batch shape for all but the last, the final graph for the last;
+// graph_step.h). The batches, caption dropout and what is logged per micro-batch are the eager
+// loop's (Trainer::train_one_step).
 StepScalars Trainer::train_graphed_step(double lr) {
-    TrainBatch batch = next_batch(0);
-    apply_caption_dropout(*family_, batch, empty_prompt_, step_options_.caption_dropout_probability,
-                          *generator_, dp_->rank(), dp_->world_size());
+    const int64_t accum = config_.integer("gradient_accumulation_steps");
     optimizer_->set_lr(lr);
-    optimizer_->upload_lr();  // before the replay, on the same stream
+    optimizer_->upload_lr();  // before the final replay, on the same stream
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
-    // Data parallel: the gradient average is part of the graph (NCCL collectives are captured),
-    // overlapping the backward through the reducer's buckets (DataParallel::graph_reduces_in_buckets).
+    // Data parallel: the gradient average is part of the final graph (NCCL collectives are
+    // captured), overlapping the last backward through the reducer's buckets
+    // (DataParallel::graph_reduces_in_buckets), which also hold the gradients across the micro-steps.
     StepHooks hooks = step_hooks();
-    if (dp_->graph_reduces_in_buckets()) {
+    const bool buckets = dp_->graph_reduces_in_buckets();
+    if (buckets) {
         hooks.before_backward = [this] { dp_->arm_reduction(); };
         hooks.after_backward = [this] { dp_->reduce_gradients(); };
         hooks.clear_gradients = [this] { dp_->zero_gradients_in_step(); };
+        hooks.abandon_reduction = [this] { dp_->abandon_reduction(); };
     } else if (world_size() > 1) {
         hooks.after_backward = [this, &params] { dp_->all_reduce_gradients_capturable(params); };
     }
-    const StepTensors out = graph_->run(*model_, batch, objective_, step_options_, global_step_, *generator_,
-                                        *optimizer_, params, config_.real("max_grad_norm"), hooks);
-    optimizer_->after_step();  // adamw_bf16: the weight decays that came due (host-decided)
-    // A LoRA regularisation batch is its own graph (graph_step.h); a full fine-tune trains them as
-    // ordinary data, and only the log tells them apart.
-    step_ended_on_regularisation_ = batch.regularisation;
-    // The graph's outputs live at static addresses that the next replay overwrites: queue_step
-    // copies them on this stream before any later replay, and the host reads them a step later.
+    graph_->set_caller_gradients(buckets);
     StepScalars scalars;
-    scalars.losses.push_back(out.loss.detach());
+    StepTensors out;
+    for (int64_t micro = 0; micro < accum; ++micro) {
+        TrainBatch batch = next_batch(micro);
+        apply_caption_dropout(*family_, batch, empty_prompt_, step_options_.caption_dropout_probability,
+                              *generator_, dp_->rank(), dp_->world_size());
+        out = graph_->run(*model_, batch, objective_, step_options_, global_step_, *generator_, *optimizer_,
+                          params, config_.real("max_grad_norm"), hooks, micro, accum);
+        // A micro-step's loss is already a copy (graph_step.h); the final graph's outputs live at
+        // static addresses that the next replay overwrites: queue_step copies them on this stream
+        // before any later replay, and the host reads them a step later.
+        scalars.losses.push_back(out.loss.detach());
+        scalars.regularisation.push_back(batch.regularisation);
+        std::string files;
+        for (const auto& p : batch.paths) files += (files.empty() ? "" : ", ") + p;
+        scalars.batches.push_back(std::move(files));
+        // A LoRA regularisation batch is its own graph (graph_step.h); a full fine-tune trains them
+        // as ordinary data, and only the log tells them apart.
+        step_ended_on_regularisation_ = batch.regularisation;
+    }
+    optimizer_->after_step();  // adamw_bf16: the weight decays that came due (host-decided)
     scalars.grad_norm = out.grad_norm.defined() ? out.grad_norm.detach() : at::Tensor();
-    scalars.regularisation.push_back(batch.regularisation);
-    std::string files;
-    for (const auto& p : batch.paths) files += (files.empty() ? "" : ", ") + p;
-    scalars.batches.push_back(std::move(files));
     return scalars;
 }
 

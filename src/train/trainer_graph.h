@@ -1,5 +1,7 @@
 // `cuda_graph: true` for `dtune train`: which runs may train through train::GraphedStep (the whole
-// optimizer step as one CUDA graph per batch shape). The trainer's side lives in trainer_graph.cpp.
+// optimizer step as one CUDA graph per batch shape; with gradient_accumulation_steps above 1, two:
+// one replayed for each micro-step before the last, one for the last with the reduction, clipping
+// and update). The trainer's side lives in trainer_graph.cpp.
 //
 // Invariant: a run that any condition rules out trains exactly as with cuda_graph false (same
 // code path, same weights); the first unmet condition is logged once, with the fix.

@@ -181,7 +181,8 @@ TEST(TrainConfig, SimpleTunerKeysAtTheirDefaultLoad) {
         "--fuse_optimizer": false, "--optimizer_release_gradients": false,
         "--disable_multiprocessing": false,
         "--pretrained_evaluation_model_name_or_path": "openai/clip-vit-large-patch14-336"})"));
-    for (const char* key : {"eval_epoch_interval", "fuse_optimizer", "fsdp_cpu_offload", "dynamo_mode"}) {
+    for (const char* key :
+         {"eval_epoch_interval", "fuse_optimizer", "fsdp_cpu_ram_efficient_loading", "dynamo_mode"}) {
         const std::string m = usage_message([&] {
             load_text(dir, R"({"model_family": "sdxl"})", {str("--", key), "2"});
         });

@@ -131,6 +131,83 @@ TEST(DataParallelConfig, FsdpKeysMapOntoZeroStage3) {
     }
 }
 
+// The UsageError message `f` throws, or "" when it does not throw.
+template <typename F>
+std::string usage_error(F&& f) {
+    try {
+        f();
+    } catch (const UsageError& e) {
+        return e.what();
+    }
+    return "";
+}
+
+// SimpleTuner's fsdp_cpu_offload: the ZeRO-3 parameter shards and the optimizer in host memory, as
+// offload_param_device cpu plus offload_optimizer_device cpu; an explicit other device for either,
+// or no sharded parameters to offload, is refused naming both keys.
+TEST(DataParallelConfig, FsdpCpuOffloadIsParameterAndOptimizerOffload) {
+    ::unsetenv("DTUNE_ZERO_STAGE");
+    ::unsetenv("DTUNE_OFFLOAD_PARAM_DEVICE");
+    ::unsetenv("DTUNE_OFFLOAD_OPTIMIZER_DEVICE");
+    // SimpleTuner's FSDP with the key at `offload` and the given other keys.
+    auto fsdp = [](const char* offload, const std::vector<std::pair<const char*, const char*>>& more = {}) {
+        TrainConfig c;
+        c.set("fsdp_enable", "true", "test");
+        c.set("fsdp_cpu_offload", offload, "test");
+        for (const auto& [k, v] : more) c.set(k, v, "test");
+        return c;
+    };
+    EXPECT_FALSE(resolve_zero3_options(fsdp("false")).offload_params);  // off by default
+    EXPECT_FALSE(resolve_offload_optimizer(fsdp("false")));
+    EXPECT_EQ(resolve_zero_stage(fsdp("true")), 3);
+    EXPECT_TRUE(resolve_zero3_options(fsdp("true")).offload_params);
+    EXPECT_TRUE(resolve_offload_optimizer(fsdp("true")));
+    // Saying cpu explicitly as well agrees with it.
+    const TrainConfig both =
+        fsdp("true", {{"offload_param_device", "cpu"}, {"offload_optimizer_device", "cpu"}});
+    EXPECT_TRUE(resolve_zero3_options(both).offload_params);
+    EXPECT_TRUE(resolve_offload_optimizer(both));
+    // An explicit none contradicts it: refused, naming both keys.
+    std::string m = usage_error([&] {
+        resolve_zero3_options(fsdp("true", {{"offload_param_device", "none"}}));
+    });
+    EXPECT_NE(m.find("fsdp_cpu_offload is true"), std::string::npos) << m;
+    EXPECT_NE(m.find("offload_param_device in the config is 'none'"), std::string::npos) << m;
+    m = usage_error([&] { resolve_offload_optimizer(fsdp("true", {{"offload_optimizer_device", "none"}})); });
+    EXPECT_NE(m.find("fsdp_cpu_offload is true"), std::string::npos) << m;
+    EXPECT_NE(m.find("offload_optimizer_device in the config is 'none'"), std::string::npos) << m;
+    // So does accelerate's deepspeed_config passed on by `dtune launch`.
+    ::setenv("DTUNE_OFFLOAD_PARAM_DEVICE", "nvme", 1);
+    m = usage_error([&] { resolve_zero3_options(fsdp("true")); });
+    EXPECT_NE(m.find("DTUNE_OFFLOAD_PARAM_DEVICE (from deepspeed_config.offload_param_device) is 'nvme'"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("fsdp_cpu_offload is true"), std::string::npos) << m;
+    ::unsetenv("DTUNE_OFFLOAD_PARAM_DEVICE");
+    ::setenv("DTUNE_OFFLOAD_OPTIMIZER_DEVICE", "none", 1);
+    m = usage_error([&] { resolve_offload_optimizer(fsdp("true")); });
+    EXPECT_NE(m.find("DTUNE_OFFLOAD_OPTIMIZER_DEVICE (from deepspeed_config.offload_optimizer_device) is "
+                     "'none'"),
+              std::string::npos)
+        << m;
+    ::unsetenv("DTUNE_OFFLOAD_OPTIMIZER_DEVICE");
+    // Without sharded parameters there is nothing for it to offload.
+    TrainConfig unsharded;
+    unsharded.set("fsdp_cpu_offload", "true", "test");
+    m = usage_error([&] { resolve_zero_stage(unsharded); });
+    EXPECT_NE(m.find("fsdp_cpu_offload is true (FSDP's sharded parameters in host memory) but FSDP is off"),
+              std::string::npos)
+        << m;
+    unsharded.set("zero_stage", "2", "test");
+    m = usage_error([&] { resolve_zero_stage(unsharded); });
+    EXPECT_NE(m.find("fsdp_cpu_offload is true"), std::string::npos) << m;
+    EXPECT_NE(m.find("zero_stage in the config is 2"), std::string::npos) << m;
+    unsharded.set("zero_stage", "3", "test");  // dtune's own key for the same engine
+    EXPECT_EQ(resolve_zero_stage(unsharded), 3);
+    EXPECT_TRUE(resolve_zero3_options(unsharded).offload_params);
+    EXPECT_TRUE(resolve_offload_optimizer(unsharded));
+}
+
 std::vector<at::Tensor> tensors_of_sizes(const std::vector<long>& sizes) {
     std::vector<at::Tensor> out;
     for (long n : sizes) out.push_back(at::zeros({n}));

@@ -1,12 +1,19 @@
-// cuda_graph on the CPU (tiny SDXL fixture): the conditions cuda_graph_blocker reports, and a CPU
+// cuda_graph on the CPU (tiny SDXL fixture): the conditions cuda_graph_blocker reports, GraphedStep's
+// gradient-accumulation path (eager on the CPU) against the eager accumulation loop, and a CPU
 // run with cuda_graph true trains eagerly, warns why once, and gives bit-identical weights to the
 // same run with cuda_graph false; left at auto (the default) a CPU run says nothing.
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <memory>
+#include <optional>
 #include <sstream>
+#include <vector>
 
 #include "core/log.h"
+#include "models/adapters/lora.h"
+#include "train/graph_step.h"
+#include "train/step.h"
 #include "train/trainer_graph.h"
 #include "trainer_test_util.h"
 
@@ -34,7 +41,6 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
         "");  // no clipping at all: nothing to clip by value
     const std::vector<std::pair<nlohmann::json, std::string>> cases = {
         {{{"offload_optimizer_device", "cpu"}}, "offload_optimizer_device is cpu"},
-        {{{"gradient_accumulation_steps", 2}}, "gradient_accumulation_steps is 2"},
         {{{"optimizer", "optimi-lion"}}, "optimizer is optimi-lion"},
         {{{"deterministic", true}}, "deterministic is true"},
         {{{"mixed_precision", "fp16"}}, "mixed_precision is fp16"},
@@ -65,6 +71,12 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
                   graph_friendly(dir.path(), {{"optimizer", "adamw_bf16"}, {"model_type", "full"}}), cuda, 1),
               "");
     EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 2), "");  // the all-reduce is captured
+    // Gradient accumulation: a micro graph and a final graph per shape (graph_step.h), with one
+    // process and with the data-parallel reducer's buckets.
+    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path(), {{"gradient_accumulation_steps", 2}}), cuda, 1),
+              "");
+    EXPECT_EQ(
+        cuda_graph_blocker(graph_friendly(dir.path(), {{"gradient_accumulation_steps", 3}}), cuda, 2, 1), "");
     // ZeRO-1 graphs (the same all-reduce; broadcasts after the replay); ZeRO-2/3 do not.
     EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 2, 1), "");
     EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 2, 2).rfind("zero_stage is 2", 0), 0u);
@@ -119,6 +131,115 @@ TEST(CudaGraphTrainer, CpuRunTrainsEagerlyWithIdenticalWeights) {
     ASSERT_EQ(off.size(), on.size());
     ASSERT_FALSE(off.empty());
     for (size_t i = 0; i < off.size(); ++i) EXPECT_TRUE(at::equal(off[i], on[i])) << "tensor " << i;
+}
+
+// GraphedStep's accumulation path as it runs outside a capture (on the CPU every call is eager; on a
+// GPU the same calls are what the warm-up runs and the graphs record): micro-steps through
+// accumulate_gradients_async into its persistent gradients, the last through
+// optimizer_step_async(..., accum). Two steps of 3 micro-batches with LoRA dropout (a seed per
+// forward) and norm clipping must equal the trainer's eager accumulation loop written out by hand
+// (loss / accum backward per micro-batch, clip, AdamW, zero_grad) bit for bit, micro-step losses
+// included; the gradients end each step zeroed in place, as views of one buffer.
+TEST(GraphedStepAccumulation, MatchesTheEagerAccumulationLoop) {
+    constexpr int64_t kAccum = 3, kSteps = 2;
+    constexpr double kClip = 0.05;
+    SyntheticBatchSource source{SyntheticBatchOptions{}};
+    auto data_gen = at::detail::createCPUGenerator(5);
+    std::vector<TrainBatch> batches;
+    for (int64_t i = 0; i < kAccum * kSteps; ++i) batches.push_back(source.next(data_gen));
+    const auto schedule = testutil::tiny_schedule();
+    struct Lora {
+        models::UNet2DConditionModel unet = testutil::tiny_unet();
+        std::optional<models::LoRAAdapters> adapters;
+        std::unique_ptr<AdamW> opt;
+        std::vector<at::Tensor> params;
+        uint64_t seed = 100;  // LoRA dropout: a new seed per forward
+        StepHooks hooks;
+    };
+    auto make = [] {
+        auto l = std::make_unique<Lora>();
+        models::LoRAConfig lc;
+        lc.rank = 4;
+        lc.dropout = 0.1;
+        lc.init_seed = 3;
+        l->adapters = models::inject_lora(*l->unet, lc);
+        {
+            at::NoGradGuard no_grad;
+            auto gen = at::detail::createCPUGenerator(99);
+            for (auto& t : l->adapters->parameters()) t.copy_(at::randn(t.sizes(), gen) * 0.1);  // non-zero B
+        }
+        l->unet->train();
+        ParamGroup g;
+        for (const auto& [name, t] : l->adapters->named_parameters())
+            g.names.push_back(name), g.params.push_back(t);
+        g.lr = 1e-3;
+        l->params = g.params;
+        l->opt = std::make_unique<AdamW>(std::vector<ParamGroup>{g});
+        Lora* raw = l.get();
+        l->hooks.before_forward = [raw] { raw->adapters->set_dropout_seed(raw->seed++); };
+        return l;
+    };
+    // accum micro-steps per optimizer step, through GraphedStep; returns every micro-step's loss.
+    auto graphed = [&](Lora& l, int64_t accum) {
+        GraphedStep step;
+        auto model = testutil::sdxl_model(l.unet);
+        auto gen = at::detail::createCPUGenerator(11);
+        std::vector<double> losses;
+        for (int64_t s = 0; s < kSteps; ++s)
+            for (int64_t micro = 0; micro < accum; ++micro) {
+                const TrainBatch& batch = batches[s * kAccum + (kAccum - accum) + micro];
+                const StepTensors out = step.run(*model, batch, schedule, StepOptions{}, s, gen, *l.opt,
+                                                 l.params, kClip, l.hooks, micro, accum);
+                losses.push_back(out.loss.item<double>());
+                EXPECT_EQ(out.grad_norm.defined(), micro == accum - 1) << "step " << s << " micro " << micro;
+            }
+        EXPECT_EQ(step.eager_steps(), kSteps);
+        EXPECT_EQ(step.replays(), 0);
+        EXPECT_EQ(step.micro_replays(), 0);
+        return losses;
+    };
+    auto by_hand = [&](Lora& l) {
+        auto model = testutil::sdxl_model(l.unet);
+        auto gen = at::detail::createCPUGenerator(11);
+        std::vector<double> losses;
+        for (int64_t s = 0; s < kSteps; ++s) {
+            for (int64_t micro = 0; micro < kAccum; ++micro) {
+                const MicroStep m =
+                    micro_step(*model, batches[s * kAccum + micro], schedule, StepOptions{}, s, gen, l.hooks);
+                (m.loss / static_cast<double>(kAccum)).backward();
+                losses.push_back(m.loss.item<double>());
+            }
+            clip_gradients(l.params, kClip, false);
+            l.opt->step();
+            l.opt->zero_grad();
+        }
+        return losses;
+    };
+    const auto a = make(), hand = make(), single = make();
+    const std::vector<double> losses = graphed(*a, kAccum);
+    const std::vector<double> hand_losses = by_hand(*hand);
+    EXPECT_EQ(losses, hand_losses);
+    double diff = 0, moved = 0;
+    for (std::size_t i = 0; i < a->params.size(); ++i) {
+        diff = std::max(diff, (a->params[i] - hand->params[i]).abs().max().item<double>());
+        moved = std::max(moved, (a->params[i] - single->params[i]).abs().max().item<double>());
+    }
+    EXPECT_EQ(diff, 0.0);
+    EXPECT_GT(moved, 0.0);  // (single has not trained yet: the steps moved the weights)
+    // Every gradient is defined, zero, and lives in one buffer (consecutive views of one storage).
+    ASSERT_FALSE(a->params.empty());
+    const void* storage = a->params[0].grad().storage().data();
+    for (const auto& p : a->params) {
+        ASSERT_TRUE(p.grad().defined());
+        EXPECT_EQ(p.grad().abs().max().item<double>(), 0.0);
+        EXPECT_EQ(p.grad().storage().data(), storage);
+    }
+    // The micro-steps count: the same last micro-batches without the earlier ones train other weights.
+    graphed(*single, 1);
+    double accum_effect = 0;
+    for (std::size_t i = 0; i < a->params.size(); ++i)
+        accum_effect = std::max(accum_effect, (a->params[i] - single->params[i]).abs().max().item<double>());
+    EXPECT_GT(accum_effect, 0.0);
 }
 
 }  // namespace

@@ -3,10 +3,11 @@
 // losses and final weights match the same run kept eager with the graph's settings (device RNG and
 // LR, DTUNE_CUDA_GRAPH_WARMUP above the step count) within float32 reordering tolerance, for
 // SimpleTuner's defaults (clip by value at 2, lora_dropout 0.1: masks from the device seed) and
-// for other step options. Every step's loss is read back (a step later, on_step_metrics), whatever
-// metrics_interval (2 here: a row every other step). The same for Flux.1 (the tiny pipeline's transformer,
-// LoRA, flow matching with sigmas and embedded guidance drawn on the GPU) with cuda_graph true, and
-// cuda_graph auto keeping a Flux run eager until this test has passed on a GPU (trainer_graph.cpp,
+// for other step options, gradient accumulation included (a micro graph and a final graph per
+// shape; the micro graphs must replay too). Every step's loss is read back (a step later, on_step_metrics),
+// whatever metrics_interval (2 here: a row every other step). The same for Flux.1 (the tiny pipeline's
+// transformer, LoRA, flow matching with sigmas and embedded guidance drawn on the GPU) with cuda_graph true,
+// and cuda_graph auto keeping a Flux run eager until this test has passed on a GPU (trainer_graph.cpp,
 // cuda_graph_fallback). Skipped without CUDA.
 #include <gtest/gtest.h>
 
@@ -33,6 +34,7 @@ struct GraphRun {
     std::vector<double> losses;
     std::vector<at::Tensor> weights;
     int64_t replays = 0, eager = 0;
+    int64_t micro_replays = 0;    // gradient accumulation: micro-steps before the last, replayed
     nlohmann::json last_metrics;  // metrics.jsonl's last row
 };
 
@@ -54,6 +56,7 @@ GraphRun run_graphed(Trainer& trainer, const std::filesystem::path& dir, const c
     if (trainer.graphed_step()) {
         out.replays = trainer.graphed_step()->replays();
         out.eager = trainer.graphed_step()->eager_steps();
+        out.micro_replays = trainer.graphed_step()->micro_replays();
     }
     return out;
 }
@@ -119,19 +122,30 @@ TEST_P(CudaGraphTrainerGpu, ReplaysAndMatchesTheEagerRun) {
     const nlohmann::json options = nlohmann::json::parse(GetParam().second);
     const GraphRun eager = train_cuda("1000", 1, options);
     const GraphRun graph = train_cuda("2", 2, options);
+    // Counted per optimizer step (its last micro-step), so the counts do not depend on accumulation.
     expect_graph_matches_eager(eager, graph);
+    // Accumulation: the micro graph has its own two warm-up micro-steps, then every one replays.
+    const int64_t accum = options.value("gradient_accumulation_steps", int64_t{1});
+    EXPECT_EQ(eager.micro_replays, 0);
+    EXPECT_EQ(graph.micro_replays, accum > 1 ? (accum - 1) * kSteps - 2 : 0);
 }
 
 // cuda_graph left at auto with SimpleTuner's step defaults; explicit norm clipping without dropout;
 // DoRA with dropout and value clipping; gradient checkpointing with dropout (the recompute must
-// find the same masks inside the graph).
+// find the same masks inside the graph); gradient accumulation over 2 micro-batches with the
+// defaults (a dropout seed per micro-step), and over 3 with norm clipping (the clip sees the summed
+// gradient).
 INSTANTIATE_TEST_SUITE_P(
     Options, CudaGraphTrainerGpu,
     ::testing::Values(std::pair{"SimpleTunerDefaults", R"({})"},
                       std::pair{"NormClipNoDropout", R"({"cuda_graph": true, "grad_clip_method": "norm",
                                                          "max_grad_norm": 1.0, "lora_dropout": 0.0})"},
                       std::pair{"DoRAValueClip", R"({"use_dora": true, "max_grad_norm": 0.01})"},
-                      std::pair{"CheckpointingWithDropout", R"({"gradient_checkpointing": true})"}),
+                      std::pair{"CheckpointingWithDropout", R"({"gradient_checkpointing": true})"},
+                      std::pair{"Accumulation2", R"({"gradient_accumulation_steps": 2})"},
+                      std::pair{"Accumulation3NormClip",
+                                R"({"cuda_graph": true, "gradient_accumulation_steps": 3,
+                                    "grad_clip_method": "norm", "max_grad_norm": 1.0})"}),
     [](const auto& info) { return std::string(info.param.first); });
 
 // ---- Flux.1: flow matching ----------------------------------------------------------------------
