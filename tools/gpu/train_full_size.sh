@@ -38,7 +38,9 @@ JSON
 nproc=${NPROC:-1} nnodes=${NNODES:-1} node_rank=${NODE_RANK:-0}
 out=$work/out-$mode-$nproc-${BUCKETS:-1}
 run=("$build/bin/dtune" train)
-(( nproc > 1 )) && run=("$build/bin/dtune" launch --nproc_per_node "$nproc" -- train)
+# A port of its own per run: a run its time cap killed may leave a rank holding the last one's.
+(( nproc > 1 )) && run=("$build/bin/dtune" launch --master_port "${MASTER_PORT:-$((29500 + RANDOM % 2000))}"
+  --nproc_per_node "$nproc" -- train)
 # NNODES=2 NODE_RANK=0|1 MASTER_PORT=p: one of two `dtune launch --node_rank` processes on this
 # host (start node 1 in the background first, with its own CUDA_VISIBLE_DEVICES); they share $out.
 (( nnodes > 1 )) && run=("$build/bin/dtune" launch --nnodes "$nnodes" --node_rank "$node_rank" --master_addr 127.0.0.1

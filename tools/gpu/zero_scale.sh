@@ -5,7 +5,7 @@
 # on every GPU (LORA=1); then, with FLUX=1, a Flux.1-dev full fine-tune (random full-size folder,
 # 1024², gradient checkpointing, zero_stage 3) on 2 and 4 GPUs. img/s, ms/step and rank 0's peak
 # memory (metrics.jsonl: the steps' peak) per run; one JSON line each in $OUT/zero_scale.jsonl.
-#   OUT=$OUT tools/gpu/zero_scale.sh     env: STEPS (20), STAGES ("0 1 2 3"), GPUS ("1 2 4", capped at
+#   OUT=$OUT tools/gpu/zero_scale.sh     env: STEPS (20), STAGES ("0 1 2 3"; "" runs no SDXL full run), GPUS ("1 2 4", capped at
 #   the machine's count), LORA (1), FLUX (0), FLUX_STEPS (6), CAP (240 s a run), FLAT_GPUS (""),
 #   GRAPH_TEST (0: 1 builds and runs dist_graph_gpu_tests first), TWO_NODE (0), TWO_NODE_STAGE (1),
 #   FULL_EXTRA (more train_full_size.sh options for the SDXL full runs, e.g. "--gradient_checkpointing true")
@@ -14,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 OUT=${OUT:-out/zero}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
-W=/tmp/zero_scale STEPS=${STEPS:-20} CAP=${CAP:-240} STAGES=${STAGES:-"0 1 2 3"}
+W=/tmp/zero_scale STEPS=${STEPS:-20} CAP=${CAP:-240} STAGES=${STAGES-"0 1 2 3"}
 have=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
 targets=(dtune make_random_pipeline)
