@@ -279,41 +279,10 @@ TEST(DistZero3LoRA, QuantisedBaseIsRefusedWithTheFix) {
     EXPECT_TRUE(contains(r.output, "cannot shard a quantised base model")) << r.output;
 }
 
-// The tiny Flux pipeline: a LoRA on both streams' attention (flux_lora_target all, the default) of
-// its double and single blocks, each block a unit of the sharded base.
-struct FluxWorkspace {
-    test::TempDir dir;
-    std::filesystem::path config = dir / "config.json";
-
-    FluxWorkspace() {
-        const test::TinyFluxData data =
-            test::write_tiny_flux_data(dir.path(), std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref");
-        const nlohmann::json cfg = {{"model_family", "flux"},
-                                    {"model_type", "lora"},
-                                    {"lora_rank", 4},
-                                    {"pretrained_model_name_or_path", data.model.string()},
-                                    {"data_backend_config", data.backends.string()},
-                                    {"checkpointing_steps", 2},
-                                    {"learning_rate", 0.05},
-                                    {"lr_scheduler", "constant"},
-                                    {"optimizer", "torch-sgd"},
-                                    {"mixed_precision", "no"},
-                                    {"gradient_checkpointing", false},
-                                    {"seed", 11},
-                                    {"deterministic", true},
-                                    {"device", "cpu"}};
-        fs::write_file_atomic(config, cfg.dump(2));
-    }
-
-    std::filesystem::path out(const std::string& name) const { return dir.path() / name; }
-
-    std::string train(int ranks, const std::string& out_name, const std::string& extra) const {
-        return train_command(config, out(out_name), ranks, extra);
-    }
-};
-
+// The tiny Flux pipeline (FluxWorkspace): a LoRA on both streams' attention (flux_lora_target
+// all, the default) of its double and single blocks, each block a unit of the sharded base.
 TEST(DistZero3LoRA, FluxRanksEqualOneProcessWithTheGlobalBatch) {
-    FluxWorkspace w;
+    FluxWorkspace w(nlohmann::json{{"model_type", "lora"}, {"lora_rank", 4}});
     const auto single = run_shell(w.train(0, "single", "--train_batch_size 4 --max_train_steps 3"));
     ASSERT_EQ(single.exit_code, 0) << single.output;
     const auto a = final_adapters(w.out("single"));

@@ -401,39 +401,8 @@ TEST(DistZero3, UnsupportedCombinationsAreRefusedWithTheFix) {
     EXPECT_TRUE(contains(conflict.output, "fsdp_enable is true")) << conflict.output;
 }
 
-// The tiny Flux pipeline (transformer + tiny Flux VAE + the tiny SDXL CLIP) in a workspace of 4
-// images, full fine-tune, SGD, deterministic: one batch of 4 per epoch, which 1 and 2 ranks split.
-struct FluxWorkspace {
-    test::TempDir dir;
-    std::filesystem::path model = dir / "tiny-flux";
-    std::filesystem::path config = dir / "config.json";
-
-    FluxWorkspace() {
-        const test::TinyFluxData data =
-            test::write_tiny_flux_data(dir.path(), std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref");
-        const nlohmann::json cfg = {{"model_family", "flux"},
-                                    {"model_type", "full"},
-                                    {"pretrained_model_name_or_path", data.model.string()},
-                                    {"data_backend_config", data.backends.string()},
-                                    {"checkpointing_steps", 2},
-                                    {"learning_rate", 0.05},
-                                    {"lr_scheduler", "constant"},
-                                    {"optimizer", "torch-sgd"},
-                                    {"mixed_precision", "no"},
-                                    {"gradient_checkpointing", false},
-                                    {"seed", 11},
-                                    {"deterministic", true},
-                                    {"device", "cpu"}};
-        fs::write_file_atomic(config, cfg.dump(2));
-    }
-
-    std::filesystem::path out(const std::string& name) const { return dir.path() / name; }
-
-    std::string train(int ranks, const std::string& out_name, const std::string& extra) const {
-        return train_command(config, out(out_name), ranks, extra);
-    }
-};
-
+// The tiny Flux pipeline (FluxWorkspace), full fine-tune: one batch of 4 per epoch, which 1 and 2
+// ranks split.
 std::map<std::string, at::Tensor> transformer_weights(const std::filesystem::path& file) {
     std::map<std::string, at::Tensor> m;
     for (auto& [k, v] : io::load_safetensors(file)) m[k] = v.clone();
@@ -445,7 +414,7 @@ std::map<std::string, at::Tensor> flux_final(const std::filesystem::path& out) {
 }
 
 TEST(DistZero3, FluxRanksEqualOneProcessWithTheGlobalBatch) {
-    FluxWorkspace w;
+    FluxWorkspace w(nlohmann::json{{"model_type", "full"}});
     const auto single = run_shell(w.train(0, "single", "--train_batch_size 4 --max_train_steps 3"));
     ASSERT_EQ(single.exit_code, 0) << single.output;
     const auto a = flux_final(w.out("single"));
@@ -485,7 +454,7 @@ TEST(DistZero3, FluxRanksEqualOneProcessWithTheGlobalBatch) {
 // equals the same continuation of a plain 2-rank run's checkpoint (whole optimizer state), which
 // 2-rank ZeRO-3 matches bit for bit (reduce-scatter and all-reduce both compute a + b).
 TEST(DistZero3, FluxCheckpointOfTwoRanksResumesExactlyOnOneProcess) {
-    FluxWorkspace w;
+    FluxWorkspace w(nlohmann::json{{"model_type", "full"}});
     const std::string adam = "--optimizer torch-adamw --learning_rate 1e-3 --max_train_steps 2 ";
     const auto plain = run_shell(w.train(2, "plain2", adam + "--train_batch_size 2"));
     ASSERT_EQ(plain.exit_code, 0) << plain.output;

@@ -9,6 +9,7 @@
 
 #include "core/fs.h"
 #include "dist/train_launch_util.h"
+#include "support/tiny_flux_data.h"
 
 namespace dtune {
 
@@ -40,5 +41,40 @@ inline void expect_zero3_validation_equals_plain(const Workspace& w, const std::
         EXPECT_EQ(fs::read_file(a), fs::read_file(b)) << f;
     }
 }
+
+// The tiny Flux pipeline (transformer + tiny Flux VAE + the tiny SDXL CLIP, support/tiny_flux_data.h)
+// in a workspace of 4 images with a `dtune train` config: SGD, deterministic, CPU, a checkpoint
+// every 2 steps; `keys` adds to it or overrides it (model_type, lora_rank).
+struct FluxWorkspace {
+    test::TempDir dir;
+    std::filesystem::path model;
+    std::filesystem::path config = dir / "config.json";
+
+    explicit FluxWorkspace(const nlohmann::json& keys) {
+        const test::TinyFluxData data =
+            test::write_tiny_flux_data(dir.path(), std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref");
+        model = data.model;
+        nlohmann::json cfg = {{"model_family", "flux"},
+                              {"pretrained_model_name_or_path", data.model.string()},
+                              {"data_backend_config", data.backends.string()},
+                              {"checkpointing_steps", 2},
+                              {"learning_rate", 0.05},
+                              {"lr_scheduler", "constant"},
+                              {"optimizer", "torch-sgd"},
+                              {"mixed_precision", "no"},
+                              {"gradient_checkpointing", false},
+                              {"seed", 11},
+                              {"deterministic", true},
+                              {"device", "cpu"}};
+        cfg.update(keys);
+        fs::write_file_atomic(config, cfg.dump(2));
+    }
+
+    std::filesystem::path out(const std::string& name) const { return dir.path() / name; }
+
+    std::string train(int ranks, const std::string& out_name, const std::string& extra) const {
+        return train_command(config, out(out_name), ranks, extra);
+    }
+};
 
 }  // namespace dtune
