@@ -10,6 +10,15 @@
 
 namespace dtune::train {
 
+void StepScalars::add_micro_batch(const at::Tensor& loss, bool is_regularisation,
+                                  const std::vector<std::string>& paths) {
+    losses.push_back(loss.detach());
+    regularisation.push_back(is_regularisation);
+    std::string files;
+    for (const auto& p : paths) files += (files.empty() ? "" : ", ") + p;
+    batches.push_back(std::move(files));
+}
+
 at::Tensor pack_step_scalars(const StepScalars& s) {
     DTUNE_CHECK(!s.losses.empty(), "pack_step_scalars: a step without a micro-batch loss");
     at::NoGradGuard no_grad;

@@ -37,6 +37,10 @@ struct StepScalars {
     at::Tensor grad_norm;              // 0-dim before clipping; undefined when no gradient (logged 0)
     std::vector<bool> regularisation;  // per micro-batch: from an is_regularisation_data dataset
     std::vector<std::string> batches;  // per micro-batch: its files, for the non-finite loss error
+
+    // Records one micro-batch: its loss (detached, not read), whether it came from a
+    // regularisation dataset, and its files joined by ", ".
+    void add_micro_batch(const at::Tensor& loss, bool regularisation, const std::vector<std::string>& paths);
 };
 
 // [losses..., grad_norm, this rank's mean loss] as float64 on the losses' device: the mean is

@@ -561,11 +561,7 @@ StepScalars Trainer::train_one_step() {
         dp_->after_backward();  // ZeRO-3: this micro-step's gradients reduce-scattered into the shards
         // Not read here: the loss stays on the device and comes back with the step (readback.h),
         // checked for NaN/inf then, naming this micro-batch's files.
-        out.losses.push_back(m.loss.detach());
-        out.regularisation.push_back(batch.regularisation);
-        std::string files;
-        for (const auto& p : batch.paths) files += (files.empty() ? "" : ", ") + p;
-        out.batches.push_back(std::move(files));
+        out.add_micro_batch(m.loss, batch.regularisation, batch.paths);
         step_ended_on_regularisation_ = batch.regularisation;
     }
     dp_->reduce_gradients();  // average over the ranks once, after the last micro-step

@@ -198,11 +198,7 @@ StepScalars Trainer::train_graphed_step(double lr) {
         // A micro-step's loss is already a copy (graph_step.h); the final graph's outputs live at
         // static addresses that the next replay overwrites: queue_step copies them on this stream
         // before any later replay, and the host reads them a step later.
-        scalars.losses.push_back(out.loss.detach());
-        scalars.regularisation.push_back(batch.regularisation);
-        std::string files;
-        for (const auto& p : batch.paths) files += (files.empty() ? "" : ", ") + p;
-        scalars.batches.push_back(std::move(files));
+        scalars.add_micro_batch(out.loss, batch.regularisation, batch.paths);
         // A LoRA regularisation batch is its own graph (graph_step.h); a full fine-tune trains them
         // as ordinary data, and only the log tells them apart.
         step_ended_on_regularisation_ = batch.regularisation;
