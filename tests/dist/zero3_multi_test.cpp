@@ -98,6 +98,7 @@ TEST(DistZero3, RanksEqualOneProcessWithTheGlobalBatchAndHoldOneNthOfTheParamete
     const auto a = final_weights(w.out("single"));
     for (const int ranks : {2, 3}) {
         for (const bool checkpointing : {false, true}) {
+            if (ranks == 3 && !checkpointing) continue;  // 3 uneven shards: the checkpointed run suffices
             const std::string name = "zero3_" + std::to_string(ranks) + (checkpointing ? "_gc" : "");
             const auto run = run_shell("DTUNE_CHECK_RANK_WEIGHTS=1 " +
                                        w.train(ranks, name,
@@ -110,8 +111,10 @@ TEST(DistZero3, RanksEqualOneProcessWithTheGlobalBatchAndHoldOneNthOfTheParamete
             std::printf("ZeRO-3, %d ranks%s vs 1 process with the global batch: max |dw| = %.3g\n", ranks,
                         checkpointing ? ", gradient checkpointing" : "", diff);
             EXPECT_LE(diff, 1e-6);
-            if (ranks == 2) {
-                // The prefetch changes when gathers run, not what is computed: bit-identical.
+            if (ranks == 2 && checkpointing) {
+                // The prefetch changes when gathers run, not what is computed: bit-identical, with the
+                // recomputation's gathers too (Zero3Engine.PrefetchEqualsGatheringOnDemand covers both
+                // cases in-process).
                 const auto sync = run_shell("DTUNE_ZERO3_PREFETCH=0 " +
                                             w.train(ranks, name + "_sync",
                                                     "--zero_stage 3 --max_train_steps 3 --train_batch_size 3 "
@@ -384,21 +387,8 @@ TEST(DistZero3, UnsupportedCombinationsAreRefusedWithTheFix) {
     EXPECT_EQ(params_only.exit_code, 2) << params_only.output;
     EXPECT_TRUE(contains(params_only.output, "offload_param_device cpu needs offload_optimizer_device cpu"))
         << params_only.output;
-    const auto unsharded = run_shell(
-        w.train(2, "unsharded",
-                "--zero_stage 2 --offload_param_device cpu --max_train_steps 1 --train_batch_size 1"));
-    EXPECT_EQ(unsharded.exit_code, 2) << unsharded.output;
-    EXPECT_TRUE(contains(unsharded.output, "parameters are offloaded only when they are sharded"))
-        << unsharded.output;
-    const auto prefetch =
-        run_shell("DTUNE_ZERO3_PREFETCH=yes " +
-                  w.train(2, "prefetch", "--zero_stage 3 --max_train_steps 1 --train_batch_size 1"));
-    EXPECT_EQ(prefetch.exit_code, 2) << prefetch.output;
-    EXPECT_TRUE(contains(prefetch.output, "DTUNE_ZERO3_PREFETCH is 'yes'")) << prefetch.output;
-    const auto conflict = run_shell(
-        w.train(2, "conflict", "--fsdp_enable true --zero_stage 2 --max_train_steps 1 --train_batch_size 1"));
-    EXPECT_EQ(conflict.exit_code, 2) << conflict.output;
-    EXPECT_TRUE(contains(conflict.output, "fsdp_enable is true")) << conflict.output;
+    // offload_param_device with ZeRO-2, a bad DTUNE_ZERO3_PREFETCH and fsdp_enable against zero_stage
+    // 2 are refused while the config is resolved: DataParallelConfig.FsdpKeysMapOntoZeroStage3.
 }
 
 // The tiny Flux pipeline (FluxWorkspace), full fine-tune: one batch of 4 per epoch, which 1 and 2

@@ -120,6 +120,29 @@ TEST(DataParallelConfig, FsdpKeysMapOntoZeroStage3) {
     // Parameter offload to the host is the ZeRO-3 engine's; nvme is not implemented.
     c.set("offload_param_device", "cpu", "test");
     EXPECT_TRUE(resolve_zero3_options(c).offload_params);
+    {
+        TrainConfig stage2;
+        stage2.set("zero_stage", "2", "test");
+        stage2.set("offload_param_device", "cpu", "test");
+        try {
+            resolve_zero_stage(stage2);
+            FAIL() << "offload_param_device cpu with zero_stage 2 accepted";
+        } catch (const UsageError& e) {
+            EXPECT_NE(std::string(e.what()).find("parameters are offloaded only when they are sharded"),
+                      std::string::npos)
+                << e.what();
+        }
+    }
+    ::setenv("DTUNE_ZERO3_PREFETCH", "yes", 1);
+    try {
+        resolve_zero3_options(c);
+        ADD_FAILURE() << "DTUNE_ZERO3_PREFETCH=yes accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("DTUNE_ZERO3_PREFETCH is 'yes'"), std::string::npos) << e.what();
+    }
+    ::setenv("DTUNE_ZERO3_PREFETCH", "2", 1);
+    EXPECT_EQ(resolve_zero3_options(c).prefetch, 2);
+    ::unsetenv("DTUNE_ZERO3_PREFETCH");
     c.set("offload_param_device", "nvme", "test");
     try {
         resolve_zero3_options(c);
