@@ -59,29 +59,35 @@ int resolve_zero_stage(const TrainConfig& config) {
     return static_cast<int>(*stage);
 }
 
-bool resolve_offload_optimizer(const TrainConfig& config) {
-    std::string origin = "offload_optimizer_device in the config";
-    std::string value;
-    if (!config.is_null("offload_optimizer_device")) {
-        value = config.text("offload_optimizer_device");
+OffloadDevice resolve_offload_device(const TrainConfig& config, const char* key, const char* env) {
+    OffloadDevice d;
+    if (!config.is_null(key) && !config.text(key).empty()) {
+        d.value = config.text(key);
+        d.origin = str(key, " in the config");
     } else {
-        const char* env = std::getenv("DTUNE_OFFLOAD_OPTIMIZER_DEVICE");
-        value = env ? env : "";
-        origin = "DTUNE_OFFLOAD_OPTIMIZER_DEVICE (from deepspeed_config.offload_optimizer_device)";
+        const char* from_env = std::getenv(env);
+        d.value = from_env ? from_env : "";
+        d.origin = str(env, " (from deepspeed_config.", key, ")");
     }
     // SimpleTuner's FSDP CPU offload: the parameters (resolve_zero3_options) and the optimizer
     // state and update in host memory, as offload_param_device and offload_optimizer_device cpu.
     if (config.flag("fsdp_cpu_offload")) {
-        DTUNE_CHECK_AS(UsageError, value.empty() || value == "cpu",
+        DTUNE_CHECK_AS(UsageError, d.value.empty() || d.value == "cpu",
                        "fsdp_cpu_offload is true (parameters and optimizer state in host memory) but ",
-                       origin, " is '", value, "'; drop one of them, or set it to cpu");
-        return true;
+                       d.origin, " is '", d.value, "'; drop one of them, or set it to cpu");
+        d.value = "cpu";
     }
-    if (value.empty()) return false;
-    DTUNE_CHECK_AS(UsageError, value == "none" || value == "cpu", origin, " is '", value,
+    return d;
+}
+
+bool resolve_offload_optimizer(const TrainConfig& config) {
+    const OffloadDevice d =
+        resolve_offload_device(config, "offload_optimizer_device", "DTUNE_OFFLOAD_OPTIMIZER_DEVICE");
+    if (d.value.empty()) return false;
+    DTUNE_CHECK_AS(UsageError, d.value == "none" || d.value == "cpu", d.origin, " is '", d.value,
                    "'; use none (optimizer state on the training device) or cpu (in host memory; "
                    "nvme offload is not implemented)");
-    return value == "cpu";
+    return d.value == "cpu";
 }
 
 namespace {
@@ -133,6 +139,8 @@ DataParallel::DataParallel(const dist::DistEnv& env, c10::Device device, int zer
     options.fault_poll_interval = env_milliseconds("DTUNE_FAULT_POLL_S", options.fault_poll_interval);
     options.fault_exit_grace = env_milliseconds("DTUNE_FAULT_EXIT_GRACE_S", options.fault_exit_grace);
     group_ = dist::init_group(env_, options);
+    const char* graph_reducer = std::getenv("DTUNE_GRAPH_REDUCER");  // read once: asked every step
+    graph_reducer_allowed_ = !(graph_reducer && std::string(graph_reducer) == "0");
     if (env_.world_size > 1 && env_.rank == 0)
         log::info() << "data parallel: " << env_.world_size << " ranks, ZeRO stage " << zero_stage_;
 }
@@ -234,9 +242,7 @@ void DataParallel::all_reduce_gradients_capturable(const std::vector<at::Tensor>
 }
 
 bool DataParallel::graph_reduces_in_buckets() const {
-    if (!reducer_ || !reducer_->owns_gradients() || zero_stage_ > 1) return false;
-    const char* env = std::getenv("DTUNE_GRAPH_REDUCER");
-    return !(env && std::string(env) == "0");
+    return graph_reducer_allowed_ && reducer_ && reducer_->owns_gradients() && zero_stage_ <= 1;
 }
 
 void DataParallel::zero_gradients_in_step() {

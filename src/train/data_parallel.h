@@ -76,6 +76,17 @@ dist::Zero3Options resolve_zero3_options(const TrainConfig& config);
 // origin for anything but "none" or "cpu", or for a device that contradicts fsdp_cpu_offload.
 bool resolve_offload_optimizer(const TrainConfig& config);
 
+// An offload device setting (offload_param_device or offload_optimizer_device): the config key's
+// value, else the environment variable `dtune launch` sets from accelerate's deepspeed_config
+// (`env`), else "". `origin` names where it came from, for errors. With SimpleTuner's
+// fsdp_cpu_offload true the device is "cpu", and any other explicit value is a UsageError naming
+// both. Used by resolve_zero3_options and resolve_offload_optimizer.
+struct OffloadDevice {
+    std::string value;
+    std::string origin;
+};
+OffloadDevice resolve_offload_device(const TrainConfig& config, const char* key, const char* env);
+
 class DataParallel {
   public:
     // Joins the job of `env` (a single process when env.world_size == 1). Tensors of collectives
@@ -231,7 +242,8 @@ class DataParallel {
     bool failed_ = false;  // report_failure() ran: end with abort(), not a normal shutdown
     // zero_gradients_in_step() ran: the graphed step zeroes the gradients, after_step() leaves them.
     bool step_clears_gradients_ = false;
-    bool overlap_reported_ = false;  // reduce_gradients() logged the buckets started in backward
+    bool overlap_reported_ = false;      // reduce_gradients() logged the buckets started in backward
+    bool graph_reducer_allowed_ = true;  // DTUNE_GRAPH_REDUCER is not 0 (read at construction)
 };
 
 // Per-rank checkpoint file names.

@@ -22,21 +22,11 @@ namespace dtune::train {
 
 dist::Zero3Options resolve_zero3_options(const TrainConfig& config) {
     dist::Zero3Options o;
-    std::string param_device = config.text("offload_param_device");
-    std::string origin = "offload_param_device in the config";
-    if (param_device.empty()) {
-        const char* env = std::getenv("DTUNE_OFFLOAD_PARAM_DEVICE");
-        param_device = env ? env : "";
-        origin = "DTUNE_OFFLOAD_PARAM_DEVICE (from deepspeed_config.offload_param_device)";
-    }
-    // SimpleTuner's fsdp_cpu_offload: the shards in host memory (and the optimizer there too, see
-    // resolve_offload_optimizer); an explicit other device contradicts it.
-    if (config.flag("fsdp_cpu_offload")) {
-        DTUNE_CHECK_AS(UsageError, param_device.empty() || param_device == "cpu",
-                       "fsdp_cpu_offload is true (parameters and optimizer state in host memory) but ",
-                       origin, " is '", param_device, "'; drop one of them, or set it to cpu");
-        param_device = "cpu";
-    }
+    // fsdp_cpu_offload true makes it cpu (and the optimizer's too, resolve_offload_optimizer).
+    const OffloadDevice param =
+        resolve_offload_device(config, "offload_param_device", "DTUNE_OFFLOAD_PARAM_DEVICE");
+    const std::string& param_device = param.value;
+    const std::string& origin = param.origin;
     DTUNE_CHECK_AS(UsageError, param_device.empty() || param_device == "none" || param_device == "cpu",
                    origin, " is '", param_device,
                    "'; dtune offloads parameters to the cpu: set it to cpu or none (nvme ",
