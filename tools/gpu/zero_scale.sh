@@ -8,7 +8,11 @@
 #   OUT=$OUT tools/gpu/zero_scale.sh     env: STEPS (20), STAGES ("0 1 2 3"; "" runs no SDXL full run), GPUS ("1 2 4", capped at
 #   the machine's count), LORA (1), FLUX (0), FLUX_STEPS (6), CAP (240 s a run), FLAT_GPUS (""),
 #   GRAPH_TEST (0: 1 builds and runs dist_graph_gpu_tests first), TWO_NODE (0), TWO_NODE_STAGE (1),
-#   FULL_EXTRA (more train_full_size.sh options for the SDXL full runs, e.g. "--gradient_checkpointing true")
+#   FULL_EXTRA (more train_full_size.sh options for the SDXL full runs, e.g. "--gradient_checkpointing true"),
+#   Z3_EXTRA (more options for the SDXL zero_stage 3 runs only, e.g. "--offload_optimizer_device cpu"),
+#   DEADLINE (seconds after the start; a run that would start later is skipped, a running one is cut
+#   there: keeps a capped device call from losing every result to its time limit).
+# With FLUX=1 the random Flux folder is written while the build runs, and the Flux runs go first.
 # Carry [".gpudeps.tar.xz", "shared", ".whl"] (the Flux folder maker imports diffusers).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,6 +21,24 @@ OUT=${OUT:-out/zero}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 W=/tmp/zero_scale STEPS=${STEPS:-20} CAP=${CAP:-240} STAGES=${STAGES-"0 1 2 3"}
 have=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
+DEADLINE=${DEADLINE:-100000}
+limit() {  # this run's time cap: CAP, or less where DEADLINE is near; 0: skip it
+    local left=$((DEADLINE - SECONDS))
+    (( left < 45 )) && { echo 0; return; }
+    echo $(( left < CAP ? left : CAP ))
+}
+flux=$W/flux
+if [[ ${FLUX:-0} == 1 ]]; then  # the 34 GB folder is written on GPU 0 while the CPU builds
+    whl=$(ls .whl/diffusers-*.whl 2>/dev/null | head -1)
+    [[ -n $whl ]] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_diffusers "$whl" \
+        >/dev/null 2>&1 && export PYTHONPATH=/tmp/site_diffusers${PYTHONPATH:+:$PYTHONPATH}
+    mkdir -p "$W"
+    if [[ ! -f $flux/model_index.json ]]; then
+        timeout -k 10 300 python3 tools/ref/make_random_flux_pipeline.py "$flux" --device cuda --seed 1 --no-check \
+            >"$OUT/flux_make.log" 2>&1 &
+        flux_make=$!
+    fi
+fi
 targets=(dtune make_random_pipeline)
 [[ ${GRAPH_TEST:-0} == 1 ]] && targets+=(dist_graph_gpu_tests)
 OUT=$OUT tools/gpu/build.sh "${targets[@]}" >/dev/null || { tail -40 "$OUT/build.log"; exit 1; }
@@ -33,13 +55,59 @@ row() {  # label, log, exit code, seconds: train_full_size.sh's JSON line + the 
     echo "{\"run\": \"$1\", \"exit\": $3, \"seconds\": $4, \"result\": $json}" | tee -a "$OUT/zero_scale.jsonl"
     [[ $3 == 0 ]] || grep -E "error|Error|rank [0-9]+ failed" "$2" | head -3
 }
+# Flux first: the costliest runs and the ones never measured before.
+if [[ ${FLUX:-0} == 1 ]]; then
+    if [[ -n ${flux_make:-} ]]; then
+        wait "$flux_make" || { echo "flux folder: make failed"; tail -5 "$OUT/flux_make.log"; }
+        echo "== flux folder written at $SECONDS s"
+    fi
+    [[ -d $W/flux_images ]] || python3 tools/gpu/make_images.py "$W/flux_images" --count 16 >/dev/null
+    cat >"$W/flux_mdb.json" <<JSON
+[
+  {"id": "shapes", "type": "local", "instance_data_dir": "$W/flux_images", "caption_strategy": "textfile",
+   "resolution": 1024, "resolution_type": "pixel_area", "cache_dir_vae": "$W/cache/flux_vae"},
+  {"id": "text", "type": "local", "dataset_type": "text_embeds", "default": true, "cache_dir": "$W/cache/flux_text"}
+]
+JSON
+    for n in "${gpus[@]}"; do
+        (( n < 2 )) && continue
+        t0=$SECONDS o=$W/out-flux-$n
+        rm -rf "$o"
+        cap=$(CAP=${FLUX_CAP:-420} limit)
+        (( cap > 0 )) || { echo "flux full, $n GPUs: skipped (DEADLINE)"; continue; }
+        timeout -k 20 "$cap" build/dev/bin/dtune launch --nproc_per_node "$n" -- train --model_family flux \
+            --pretrained_model_name_or_path "$flux" --data_backend_config "$W/flux_mdb.json" --output_dir "$o" \
+            --max_train_steps "${FLUX_STEPS:-6}" --model_type full --train_batch_size 1 --optimizer adamw_bf16 \
+            --learning_rate 1e-5 --mixed_precision bf16 --gradient_checkpointing true --zero_stage 3 \
+            --checkpoint_step_interval 1000 --seed 42 --device cuda >"$OUT/flux_full_${n}gpu.log" 2>&1
+        rc=$?
+        python3 - "$o/metrics.jsonl" "$n" "$rc" $((SECONDS - t0)) <<'PY' | tee -a "$OUT/zero_scale.jsonl"
+import json, statistics, sys
+path, n, rc, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+try:
+    rows = [json.loads(l) for l in open(path) if '"loss"' in l]
+except OSError:
+    rows = []
+half = rows[len(rows) // 2:]
+out = {"run": f"flux full, {n} GPUs, zero_stage 3, gc", "exit": rc, "seconds": secs, "steps": len(rows)}
+if half:
+    ips = statistics.median(r["img_per_s"] for r in half)
+    out.update(img_per_s=ips, img_per_s_per_gpu=ips / n, ms_per_step=1000.0 * n / ips,
+               peak_gpu_gib_rank0=max(r.get("gpu_memory_gib", 0) for r in rows))
+print(json.dumps(out))
+PY
+        [[ $rc == 0 ]] || grep -E "error|Error|failed" "$OUT/flux_full_${n}gpu.log" | head -3
+    done
+fi
 for n in "${gpus[@]}"; do
     for z in $STAGES; do
         (( n == 1 && z != 0 )) && continue  # one GPU: ZeRO has nothing to shard
-        t0=$SECONDS
-        NPROC=$n timeout -k 20 "$CAP" tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" --zero_stage "$z" \
-            ${FULL_EXTRA:-} >"$OUT/full_${n}gpu_zero$z.log" 2>&1
-        row "sdxl full, $n GPUs, zero_stage $z${FULL_EXTRA:+, $FULL_EXTRA}" "$OUT/full_${n}gpu_zero$z.log" $? \
+        t0=$SECONDS cap=$(limit) extra="${FULL_EXTRA:-}"
+        (( z == 3 )) && extra+="${Z3_EXTRA:+ $Z3_EXTRA}"
+        (( cap > 0 )) || { echo "sdxl full, $n GPUs, zero_stage $z: skipped (DEADLINE)"; continue; }
+        NPROC=$n timeout -k 20 "$cap" tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" --zero_stage "$z" \
+            $extra >"$OUT/full_${n}gpu_zero$z.log" 2>&1
+        row "sdxl full, $n GPUs, zero_stage $z${extra:+, $extra}" "$OUT/full_${n}gpu_zero$z.log" $? \
             $((SECONDS - t0))
     done
 done
@@ -70,49 +138,6 @@ if [[ ${LORA:-1} == 1 ]]; then
         t0=$SECONDS
         NPROC=$n timeout -k 20 "$CAP" tools/gpu/train_full_size.sh build/dev "$W" lora "$STEPS" >"$OUT/lora_${n}gpu.log" 2>&1
         row "sdxl lora r16 batch 4, $n GPUs, defaults" "$OUT/lora_${n}gpu.log" $? $((SECONDS - t0))
-    done
-fi
-if [[ ${FLUX:-0} == 1 ]]; then
-    whl=$(ls .whl/diffusers-*.whl 2>/dev/null | head -1)
-    [[ -n $whl ]] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_diffusers "$whl" \
-        >/dev/null 2>&1 && export PYTHONPATH=/tmp/site_diffusers${PYTHONPATH:+:$PYTHONPATH}
-    flux=$W/flux
-    [[ -f $flux/model_index.json ]] || timeout -k 10 300 python3 tools/ref/make_random_flux_pipeline.py "$flux" \
-        --device cuda --seed 1 >"$OUT/flux_make.log" 2>&1 || { tail -5 "$OUT/flux_make.log"; exit 1; }
-    [[ -d $W/flux_images ]] || python3 tools/gpu/make_images.py "$W/flux_images" --count 16 >/dev/null
-    cat >"$W/flux_mdb.json" <<JSON
-[
-  {"id": "shapes", "type": "local", "instance_data_dir": "$W/flux_images", "caption_strategy": "textfile",
-   "resolution": 1024, "resolution_type": "pixel_area", "cache_dir_vae": "$W/cache/flux_vae"},
-  {"id": "text", "type": "local", "dataset_type": "text_embeds", "default": true, "cache_dir": "$W/cache/flux_text"}
-]
-JSON
-    for n in "${gpus[@]}"; do
-        (( n < 2 )) && continue
-        t0=$SECONDS o=$W/out-flux-$n
-        rm -rf "$o"
-        timeout -k 20 "${FLUX_CAP:-420}" build/dev/bin/dtune launch --nproc_per_node "$n" -- train --model_family flux \
-            --pretrained_model_name_or_path "$flux" --data_backend_config "$W/flux_mdb.json" --output_dir "$o" \
-            --max_train_steps "${FLUX_STEPS:-6}" --model_type full --train_batch_size 1 --optimizer adamw_bf16 \
-            --learning_rate 1e-5 --mixed_precision bf16 --gradient_checkpointing true --zero_stage 3 \
-            --checkpoint_step_interval 1000 --seed 42 --device cuda >"$OUT/flux_full_${n}gpu.log" 2>&1
-        rc=$?
-        python3 - "$o/metrics.jsonl" "$n" "$rc" $((SECONDS - t0)) <<'PY' | tee -a "$OUT/zero_scale.jsonl"
-import json, statistics, sys
-path, n, rc, secs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-try:
-    rows = [json.loads(l) for l in open(path) if '"loss"' in l]
-except OSError:
-    rows = []
-half = rows[len(rows) // 2:]
-out = {"run": f"flux full, {n} GPUs, zero_stage 3, gc", "exit": rc, "seconds": secs, "steps": len(rows)}
-if half:
-    ips = statistics.median(r["img_per_s"] for r in half)
-    out.update(img_per_s=ips, img_per_s_per_gpu=ips / n, ms_per_step=1000.0 * n / ips,
-               peak_gpu_gib_rank0=max(r.get("gpu_memory_gib", 0) for r in rows))
-print(json.dumps(out))
-PY
-        [[ $rc == 0 ]] || grep -E "error|Error|failed" "$OUT/flux_full_${n}gpu.log" | head -3
     done
 fi
 echo "== done at $SECONDS s"
