@@ -12,6 +12,10 @@
 #   Z3_EXTRA (more options for the SDXL zero_stage 3 runs only, e.g. "--offload_optimizer_device cpu"),
 #   DEADLINE (seconds after the start; a run that would start later is skipped, a running one is cut
 #   there: keeps a capped device call from losing every result to its time limit).
+#   ENV_VARIANTS (space-separated; each a comma-joined list of VAR=value: the SDXL full run on the
+#   largest GPU count, zero_stage VARIANT_STAGE (0), again with those variables, e.g.
+#   "NCCL_MAX_NCHANNELS=8 DTUNE_BUCKET_MB=100"), MEM (1: on the largest GPU count, the memory runs
+#   zero_stage 2 and 3 with gradient checkpointing, and 3 with the optimizer offloaded too).
 # With FLUX=1 the random Flux folder is written while the build runs, and the Flux runs go first.
 # Carry [".gpudeps.tar.xz", "shared", ".whl"] (the Flux folder maker imports diffusers).
 set -uo pipefail
@@ -97,6 +101,8 @@ if half:
 print(json.dumps(out))
 PY
         [[ $rc == 0 ]] || grep -E "error|Error|failed" "$OUT/flux_full_${n}gpu.log" | head -3
+        du -sh "$o"/checkpoint-* 2>/dev/null | head -2
+        rm -rf "$o"  # a 12 B checkpoint is ~72 GB: the next runs need the disk
     done
 fi
 for n in "${gpus[@]}"; do
@@ -111,6 +117,28 @@ for n in "${gpus[@]}"; do
             $((SECONDS - t0))
     done
 done
+# ENV_VARIANTS: the same run with other NCCL / bucket settings.
+for v in ${ENV_VARIANTS:-}; do
+    n=${gpus[-1]} z=${VARIANT_STAGE:-0} t0=$SECONDS cap=$(limit) log=$OUT/full_${n}gpu_zero${z}_${v//[^A-Za-z0-9]/_}.log
+    (( cap > 0 )) || { echo "variant $v: skipped (DEADLINE)"; continue; }
+    env ${v//,/ } NPROC=$n timeout -k 20 "$cap" tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" \
+        --zero_stage "$z" >"$log" 2>&1
+    row "sdxl full, $n GPUs, zero_stage $z, $v" "$log" $? $((SECONDS - t0))
+done
+# MEM=1: peak memory per GPU of the sharded stages with gradient checkpointing (issue #24's ZeRO-3
+# target is measured against ZeRO-2 at the same settings), and ZeRO-3 with the optimizer in host memory.
+if [[ ${MEM:-0} == 1 ]]; then
+    n=${gpus[-1]}
+    for spec in "2|--gradient_checkpointing true" "3|--gradient_checkpointing true" \
+                "3|--gradient_checkpointing true --offload_optimizer_device cpu"; do
+        z=${spec%%|*} extra=${spec#*|} t0=$SECONDS cap=$(limit)
+        log=$OUT/mem_${n}gpu_zero${z}_${extra//[^A-Za-z0-9]/_}.log
+        (( cap > 0 )) || { echo "memory run zero_stage $z $extra: skipped (DEADLINE)"; continue; }
+        NPROC=$n timeout -k 20 "$cap" tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" --zero_stage "$z" \
+            $extra >"$log" 2>&1
+        row "sdxl full, $n GPUs, zero_stage $z, $extra" "$log" $? $((SECONDS - t0))
+    done
+fi
 # FLAT_GPUS: zero_stage 0 again on these GPU counts with DTUNE_GRAPH_REDUCER=0 (the graph's former
 # flat all-reduce after backward), against the overlapped bucket all-reduce above.
 for n in ${FLAT_GPUS:-}; do
