@@ -117,14 +117,6 @@ for n in "${gpus[@]}"; do
             $((SECONDS - t0))
     done
 done
-# ENV_VARIANTS: the same run with other NCCL / bucket settings.
-for v in ${ENV_VARIANTS:-}; do
-    n=${gpus[-1]} z=${VARIANT_STAGE:-0} t0=$SECONDS cap=$(limit) log=$OUT/full_${n}gpu_zero${z}_${v//[^A-Za-z0-9]/_}.log
-    (( cap > 0 )) || { echo "variant $v: skipped (DEADLINE)"; continue; }
-    env ${v//,/ } NPROC=$n timeout -k 20 "$cap" tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" \
-        --zero_stage "$z" >"$log" 2>&1
-    row "sdxl full, $n GPUs, zero_stage $z, $v" "$log" $? $((SECONDS - t0))
-done
 # MEM=1: peak memory per GPU of the sharded stages with gradient checkpointing (issue #24's ZeRO-3
 # target is measured against ZeRO-2 at the same settings), and ZeRO-3 with the optimizer in host memory.
 if [[ ${MEM:-0} == 1 ]]; then
@@ -139,6 +131,14 @@ if [[ ${MEM:-0} == 1 ]]; then
         row "sdxl full, $n GPUs, zero_stage $z, $extra" "$log" $? $((SECONDS - t0))
     done
 fi
+# ENV_VARIANTS: the same run with other NCCL / bucket settings.
+for v in ${ENV_VARIANTS:-}; do
+    n=${gpus[-1]} z=${VARIANT_STAGE:-0} t0=$SECONDS cap=$(limit) log=$OUT/full_${n}gpu_zero${z}_${v//[^A-Za-z0-9]/_}.log
+    (( cap > 0 )) || { echo "variant $v: skipped (DEADLINE)"; continue; }
+    env ${v//,/ } NPROC=$n timeout -k 20 "$cap" tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" \
+        --zero_stage "$z" >"$log" 2>&1
+    row "sdxl full, $n GPUs, zero_stage $z, $v" "$log" $? $((SECONDS - t0))
+done
 # FLAT_GPUS: zero_stage 0 again on these GPU counts with DTUNE_GRAPH_REDUCER=0 (the graph's former
 # flat all-reduce after backward), against the overlapped bucket all-reduce above.
 for n in ${FLAT_GPUS:-}; do
