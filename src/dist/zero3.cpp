@@ -290,6 +290,8 @@ void Zero3Engine::launch(std::size_t u) {
         release(u);
         return;
     }
+    // The oldest reduce-scatters finish first, so their buffers are free before this one's is made.
+    if (options_.reduce_in_flight > 0) retire(static_cast<std::size_t>(options_.reduce_in_flight - 1));
     at::NoGradGuard no_grad;
     const int64_t n_ranks = group_.world_size();
     at::Tensor in = at::zeros({s.shard * n_ranks}, s.flat.options());  // [N * S], on the device
@@ -302,6 +304,27 @@ void Zero3Engine::launch(std::size_t u) {
     at::Tensor out = at::empty({s.shard}, s.flat.options());
     auto work = group_.reduce_scatter_sum_async(out, in);
     in_flight_.push_back({u, std::move(in), std::move(out), std::move(work)});
+    peak_reducing_ = std::max(peak_reducing_, in_flight_.size());
+}
+
+void Zero3Engine::retire(std::size_t keep) {
+    if (in_flight_.size() <= keep) return;
+    at::NoGradGuard no_grad;
+    const double inv = 1.0 / static_cast<double>(group_.world_size());
+    const std::size_t done = in_flight_.size() - keep;
+    for (std::size_t i = 0; i < done; ++i) {
+        InFlight& f = in_flight_[i];
+        f.work->wait();  // NCCL: the compute stream waits for it; `in` is freed below, stream-safely
+        UnitState& s = units_[f.unit];
+        f.out.mul_(inv);
+        // offload_params: the shard's gradient joins the shard in host memory (a blocking copy).
+        const at::Tensor grad = f.out.to(s.shard_values.device());
+        if (s.shard_grad.defined())
+            s.shard_grad.add_(grad);
+        else
+            s.shard_grad = grad;
+    }
+    in_flight_.erase(in_flight_.begin(), in_flight_.begin() + static_cast<std::ptrdiff_t>(done));
 }
 
 void Zero3Engine::backward_done(std::size_t u) {
@@ -314,20 +337,7 @@ void Zero3Engine::finish_backward() {
     // What the hooks did not launch: the rest of the forward order, then units that did not run.
     for (; next_launch_ < order_.size(); ++next_launch_) launch(order_[order_.size() - 1 - next_launch_]);
     for (std::size_t u = 0; u < units_.size(); ++u) launch(u);
-    at::NoGradGuard no_grad;
-    const double inv = 1.0 / static_cast<double>(group_.world_size());
-    for (auto& f : in_flight_) {
-        f.work->wait();
-        UnitState& s = units_[f.unit];
-        f.out.mul_(inv);
-        // offload_params: the shard's gradient joins the shard in host memory (a blocking copy).
-        const at::Tensor grad = f.out.to(s.shard_values.device());
-        if (s.shard_grad.defined())
-            s.shard_grad.add_(grad);
-        else
-            s.shard_grad = grad;
-    }
-    in_flight_.clear();
+    retire(0);
     for (std::size_t u = 0; u < units_.size(); ++u) release(u);
     for (auto& slice : slices_) {
         const UnitState& s = units_[slice.unit];

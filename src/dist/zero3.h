@@ -91,6 +91,11 @@ struct Zero3Options {
     // Shards, their gradients and (through the optimizer) its state in host memory; the device holds
     // only gathered units (offload_param_device cpu).
     bool offload_params = false;
+    // How many units' gradient reduce-scatters may be in flight during backward before the oldest
+    // is waited for (a stream wait on NCCL, no host wait) and its full-size gradient buffer freed.
+    // 0: every one waits at the end of backward, so the whole model's gradient is alive at once.
+    // DTUNE_ZERO3_REDUCE_IN_FLIGHT in the trainer.
+    int reduce_in_flight = 2;
 };
 
 // The part of one parameter this rank owns: elements [begin, end) of the flattened parameter.
@@ -151,6 +156,9 @@ class Zero3Engine {
     // construction.
     std::size_t peak_gathered_units() const { return peak_gathered_; }
     std::size_t peak_prefetched_units() const { return peak_ahead_; }
+    // The most units whose full-size gradient buffers were alive at once waiting for their
+    // reduce-scatter (<= options().reduce_in_flight when that is > 0), since construction.
+    std::size_t peak_reducing_units() const { return peak_reducing_; }
     // Called before every all-gather with the unit (fault injection in tests: a rank that dies
     // here leaves the others inside the collective). Empty: nothing.
     void set_before_gather(std::function<void(std::size_t)> fn) { before_gather_ = std::move(fn); }
@@ -189,6 +197,9 @@ class Zero3Engine {
     void on_grad_ready(std::size_t u);
     void launch_ready();  // under mutex_
     void launch(std::size_t u);
+    // Finishes the oldest reduce-scatters until at most `keep` are in flight: the shard's gradient
+    // (/ N) is added to shard_grad and the full-size buffer is dropped. Under mutex_.
+    void retire(std::size_t keep);
     void reset_backward();
 
     Group& group_;
@@ -203,7 +214,7 @@ class Zero3Engine {
     bool hold_all_ = false;
     int64_t gathers_ = 0, prefetched_ = 0;
     std::size_t gathered_units_ = 0, ahead_units_ = 0;  // now (whole-step units not counted)
-    std::size_t peak_gathered_ = 0, peak_ahead_ = 0;
+    std::size_t peak_gathered_ = 0, peak_ahead_ = 0, peak_reducing_ = 0;
     std::function<void(std::size_t)> before_gather_;
 };
 

@@ -13,7 +13,9 @@
 //    prefetched, no gather wasted, and at most `prefetch` units gathered ahead at once; with the
 //    blocks run out of the predicted order (permuted, one skipped) still the unsharded results;
 //  - parameter offload: shards in host memory, nothing resident on the device between steps, the
-//    same results bit for bit.
+//    same results bit for bit;
+//  - reduce-scatters retired during backward (at most `reduce_in_flight` units' full-size gradients
+//    alive at once) give the same results bit for bit as waiting for all of them at the end.
 #include <gtest/gtest.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
@@ -99,6 +101,7 @@ struct Case {
     bool reshard = true;
     int prefetch = 1;
     bool offload = false;
+    int reduce_in_flight = 2;
     // The block order of each micro-step (empty: all blocks in order); its size is the number of
     // micro-steps (default 2).
     std::vector<std::vector<int>> orders = {{}, {}};
@@ -110,7 +113,7 @@ struct RankResult {
     int64_t resident_between = 0, shard = 0, full = 0, resident_after_forward = 0, root_bytes = 0;
     int64_t host_between = 0;
     int64_t gathers = 0, prefetched = 0;
-    std::size_t units = 0, peak_gathered = 0, peak_prefetched = 0;
+    std::size_t units = 0, peak_gathered = 0, peak_prefetched = 0, peak_reducing = 0;
 };
 
 constexpr double kLr = 0.1;
@@ -138,6 +141,7 @@ RankResult run_rank(int rank, int port, const Case& c) {
     zo.reshard_after_forward = c.reshard;
     zo.prefetch = c.prefetch;
     zo.offload_params = c.offload;
+    zo.reduce_in_flight = c.reduce_in_flight;
     train::ShardedModel sharded(*group, *model, names, params, zo);
     dist::Zero3Engine& engine = sharded.engine();
     RankResult r;
@@ -164,6 +168,7 @@ RankResult run_rank(int rank, int port, const Case& c) {
     r.prefetched = engine.prefetched_gathers();
     r.peak_gathered = engine.peak_gathered_units();
     r.peak_prefetched = engine.peak_prefetched_units();
+    r.peak_reducing = engine.peak_reducing_units();
     r.resident_between = engine.resident_parameter_bytes();
     r.host_between = engine.host_parameter_bytes();
     {
@@ -330,6 +335,24 @@ TEST(Zero3Engine, PrefetchEqualsGatheringOnDemand) {
                 EXPECT_LE(ahead[r].peak_gathered, sync[r].peak_gathered + static_cast<std::size_t>(depth));
                 EXPECT_GT(ahead[r].peak_gathered, sync[r].peak_gathered);
             }
+        }
+    }
+}
+
+// Reduce-scatters retired as backward goes (1 or 2 in flight) against all of them waited for at
+// the end of backward (0), with and without checkpointing and over 3 ranks: identical results,
+// and never more than the bound of full-size unit gradients waiting (with 0, every trainable unit).
+TEST(Zero3Engine, ReduceScattersRetiredDuringBackwardEqualWaitingAtTheEnd) {
+    for (const bool checkpointing : {false, true}) {
+        Case c{3, checkpointing, true};
+        c.reduce_in_flight = 0;
+        const auto at_end = check_case(c);
+        for (const auto& r : at_end) EXPECT_EQ(r.peak_reducing, static_cast<std::size_t>(kBlocks + 1));
+        for (const int depth : {1, 2}) {
+            c.reduce_in_flight = depth;
+            const auto retired = check_case(c);
+            expect_identical(at_end, retired, checkpointing ? "retired, checkpointing" : "retired");
+            for (const auto& r : retired) EXPECT_EQ(r.peak_reducing, static_cast<std::size_t>(depth));
         }
     }
 }
