@@ -16,6 +16,10 @@
 #   largest GPU count, zero_stage VARIANT_STAGE (0), again with those variables, e.g.
 #   "NCCL_MAX_NCHANNELS=8 DTUNE_BUCKET_MB=100"), MEM (1: on the largest GPU count, the memory runs
 #   zero_stage 2 and 3 with gradient checkpointing, and 3 with the optimizer offloaded too).
+#   MEM_SPECS (the memory runs, "stage|options;stage|options"), FLUX_OUT (the Flux runs' output_dir
+#   root, default $W: a 12 B full fine-tune's checkpoint is ~72 GB, so /dev/shm where the disk is short),
+#   GPU_TESTS (gtest binaries under build/dev/tests to build and run on GPU 0 first, each
+#   "dir/binary" or "dir/binary:gtest_filter", e.g. "train/test_trainer_graph_gpu").
 # With FLUX=1 the random Flux folder is written while the build runs, and the Flux runs go first.
 # Carry [".gpudeps.tar.xz", "shared", ".whl"] (the Flux folder maker imports diffusers).
 set -uo pipefail
@@ -45,12 +49,22 @@ if [[ ${FLUX:-0} == 1 ]]; then  # the 34 GB folder is written on GPU 0 while the
 fi
 targets=(dtune make_random_pipeline)
 [[ ${GRAPH_TEST:-0} == 1 ]] && targets+=(dist_graph_gpu_tests)
+for t in ${GPU_TESTS:-}; do b=${t%%:*}; targets+=("${b##*/}"); done
 OUT=$OUT tools/gpu/build.sh "${targets[@]}" >/dev/null || { tail -40 "$OUT/build.log"; exit 1; }
 echo "== build done at $SECONDS s"
 if [[ ${GRAPH_TEST:-0} == 1 ]]; then  # the graphed 2-GPU step against eager and one GPU (label gpu)
     timeout -k 10 300 build/dev/tests/dist/dist_graph_gpu_tests >"$OUT/graph_gpu_test.log" 2>&1
     echo "graph gpu test exit $?: $(grep -E 'graphed 2 GPUs|PASSED|FAILED' "$OUT/graph_gpu_test.log" | tr '\n' ' ')"
 fi
+for t in ${GPU_TESTS:-}; do  # the GPU tests first: what they check decides whether the rest means anything
+    b=${t%%:*} filter=${t#*:}
+    [[ $filter == "$t" ]] && filter='*'
+    log=$OUT/gpu_test_${b##*/}.log cap=$(CAP=300 limit)
+    (( cap > 0 )) || { echo "gpu test $b: skipped (DEADLINE)"; continue; }
+    CUDA_VISIBLE_DEVICES=0 timeout -k 10 "$cap" "build/dev/tests/$b" --gtest_filter="$filter" >"$log" 2>&1
+    echo "gpu test $b ($filter): exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED  \]' "$log" | head -20
+done
 gpus=()
 for n in ${GPUS:-1 2 4}; do (( n <= have )) && gpus+=("$n"); done
 row() {  # label, log, exit code, seconds: train_full_size.sh's JSON line + the run's label
@@ -75,7 +89,7 @@ if [[ ${FLUX:-0} == 1 ]]; then
 JSON
     for n in "${gpus[@]}"; do
         (( n < 2 )) && continue
-        t0=$SECONDS o=$W/out-flux-$n
+        t0=$SECONDS o=${FLUX_OUT:-$W}/out-flux-$n
         rm -rf "$o"
         cap=$(CAP=${FLUX_CAP:-420} limit)
         (( cap > 0 )) || { echo "flux full, $n GPUs: skipped (DEADLINE)"; continue; }
@@ -121,8 +135,8 @@ done
 # target is measured against ZeRO-2 at the same settings), and ZeRO-3 with the optimizer in host memory.
 if [[ ${MEM:-0} == 1 ]]; then
     n=${gpus[-1]}
-    for spec in "2|--gradient_checkpointing true" "3|--gradient_checkpointing true" \
-                "3|--gradient_checkpointing true --offload_optimizer_device cpu"; do
+    IFS=';' read -ra specs <<<"${MEM_SPECS:-2|--gradient_checkpointing true;3|--gradient_checkpointing true;3|--gradient_checkpointing true --offload_optimizer_device cpu}"
+    for spec in "${specs[@]}"; do
         z=${spec%%|*} extra=${spec#*|} t0=$SECONDS cap=$(limit)
         log=$OUT/mem_${n}gpu_zero${z}_${extra//[^A-Za-z0-9]/_}.log
         (( cap > 0 )) || { echo "memory run zero_stage $z $extra: skipped (DEADLINE)"; continue; }
