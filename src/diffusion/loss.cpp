@@ -32,9 +32,10 @@ at::Tensor min_snr_weights(const at::Tensor& snr, double gamma, PredictionType s
 
 at::Tensor scheduled_huber_c(const at::Tensor& timesteps, const LossOptions& o, const NoiseSchedule* schedule,
                              bool flow_matching) {
-    const at::Tensor t = timesteps.to(at::kCPU, at::kFloat);
+    // Everything stays on the timesteps' device: a CUDA graph captures it, nothing is read back.
+    const at::Tensor t = timesteps.to(at::kFloat);  // [B]
     switch (o.huber_schedule) {
-        case HuberSchedule::kConstant: return at::full({t.size(0)}, o.huber_c, at::kFloat);
+        case HuberSchedule::kConstant: return at::full({t.size(0)}, o.huber_c, t.options());
         case HuberSchedule::kExponential: {
             DTUNE_CHECK(schedule != nullptr || flow_matching,
                         "huber_schedule exponential needs the noise schedule");
@@ -49,8 +50,7 @@ at::Tensor scheduled_huber_c(const at::Tensor& timesteps, const LossOptions& o, 
                 sigmas = ((1.0 - s) / (s + 0.0001)).pow(0.5);
             } else {
                 DTUNE_CHECK(schedule != nullptr, "huber_schedule snr needs the noise schedule");
-                const at::Tensor ac =
-                    schedule->alphas_cumprod().index_select(0, timesteps.to(at::kCPU, at::kLong));
+                const at::Tensor ac = schedule->alphas_cumprod_at(timesteps);  // [B] float32, same device
                 sigmas = ((1.0 - ac) / ac).pow(0.5);
             }
             return (1 - o.huber_c) / (1 + sigmas).pow(2) + o.huber_c;

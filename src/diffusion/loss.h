@@ -32,7 +32,8 @@ at::Tensor min_snr_weights(const at::Tensor& snr, double gamma, PredictionType s
 
 // huber_c per sample [B]: constant; exponential exp(-t ln(1/c) / T); snr (1 - c) / (1 + sigma)^2 + c
 // with sigma = sqrt((1 - a_t) / a_t), or for flow matching sqrt((1 - s) / (s + 1e-4)) with s = t / 1000.
-// `schedule` may be null for flow matching.
+// `schedule` may be null for flow matching. Float32 on the timesteps' device, with no host read (a
+// CUDA graph captures it), as are the min-SNR weights per_sample_loss applies.
 at::Tensor scheduled_huber_c(const at::Tensor& timesteps, const LossOptions& options,
                              const NoiseSchedule* schedule, bool flow_matching);
 

@@ -158,18 +158,22 @@ at::Tensor NoiseSchedule::velocity(const at::Tensor& x0, const at::Tensor& noise
 }
 
 at::Tensor NoiseSchedule::alphas_cumprod_at(const at::Tensor& timesteps) const {
+    // gather, the same lookup as index_select, also runs on meta tensors: the tests run the loss
+    // terms there to show that they make no host read (tests/diffusion/test_step_terms_on_device.cpp).
     const c10::Device device = timesteps.device();
-    if (device.is_cpu()) return alphas_cumprod_.index_select(0, timesteps.to(at::kLong));
+    const at::Tensor t = timesteps.to(at::kLong).reshape({-1});  // [B]
+    if (device.is_cpu()) return alphas_cumprod_.gather(0, t);
     if (!alphas_cumprod_device_.defined() || alphas_cumprod_device_.device() != device)
         alphas_cumprod_device_ = alphas_cumprod_.to(device);
-    return alphas_cumprod_device_.index_select(0, timesteps.to(at::kLong));
+    return alphas_cumprod_device_.gather(0, t);
 }
 
 at::Tensor NoiseSchedule::snr(const at::Tensor& timesteps) const {
-    const at::Tensor t = timesteps.to(at::kCPU, at::kLong);
-    const at::Tensor alpha = alphas_cumprod_.pow(0.5).index_select(0, t);          // [B]
-    const at::Tensor sigma = (1.0 - alphas_cumprod_).pow(0.5).index_select(0, t);  // [B]
-    return (alpha / sigma).pow(2).to(timesteps.device());
+    // On the timesteps' device from the cached table: no host copy, so a CUDA graph can hold it.
+    const at::Tensor ac = alphas_cumprod_at(timesteps);  // [B]
+    const at::Tensor alpha = ac.pow(0.5);                // [B]
+    const at::Tensor sigma = (1.0 - ac).pow(0.5);        // [B]
+    return (alpha / sigma).pow(2);
 }
 
 at::Tensor NoiseSchedule::target(PredictionType type, const at::Tensor& x0, const at::Tensor& noise,

@@ -63,7 +63,8 @@ class NoiseSchedule {
     at::Tensor add_noise(const at::Tensor& x0, const at::Tensor& noise, const at::Tensor& timesteps) const;
     // The v-prediction target sqrt(a_t) noise - sqrt(1 - a_t) x0 (diffusers' get_velocity).
     at::Tensor velocity(const at::Tensor& x0, const at::Tensor& noise, const at::Tensor& timesteps) const;
-    // SNR a_t / (1 - a_t) as (sqrt(a_t) / sqrt(1 - a_t))^2 in float32, diffusers' compute_snr. [B].
+    // SNR a_t / (1 - a_t) as (sqrt(a_t) / sqrt(1 - a_t))^2 in float32, diffusers' compute_snr. [B] on
+    // the timesteps' device (alphas_cumprod_at: no host copy once the table is there).
     at::Tensor snr(const at::Tensor& timesteps) const;
     // alphas_cumprod[t] for timesteps [B], float32 on the timesteps' device (a cached device copy of
     // the table, so no host copy once it exists).

@@ -1,6 +1,7 @@
 // Random draws of a training step (see training_sampling.h).
 #include "diffusion/training_sampling.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -16,52 +17,58 @@ at::Tensor to_device_async(const at::Tensor& host, const at::Device& device) {
 
 namespace {
 
-// Draws on the generator's device (a CPU generator gives the same numbers whatever device trains),
-// then moves to `device`.
-at::Tensor randn_from(const at::Generator& generator, at::IntArrayRef shape, const at::Device& device) {
-    at::Generator g = generator;
-    return to_device_async(
-        at::randn(shape, g, at::TensorOptions().dtype(at::kFloat).device(generator.device())), device);
-}
-
 at::TensorOptions on_generator(const at::Generator& generator, at::ScalarType dtype) {
     return at::TensorOptions().dtype(dtype).device(generator.device());
 }
 
 }  // namespace
 
-TrainingNoise sample_training_noise(const at::Tensor& latents, const NoiseOptions& options,
-                                    int64_t global_step, at::Generator& generator, bool flow_matching) {
-    DTUNE_CHECK(latents.dim() >= 2, "latents must be [B, C, ...]; got shape ", latents.sizes());
-    const at::Device device = latents.device();
+double input_perturbation_scale(const NoiseOptions& options, int64_t global_step) {
+    if (options.input_perturbation_steps <= 0) return options.input_perturbation;
+    const double left =
+        1.0 - static_cast<double>(global_step) / static_cast<double>(options.input_perturbation_steps);
+    return options.input_perturbation * std::max(left, 0.0);
+}
+
+TrainingNoise draw_training_noise(at::IntArrayRef shape, const NoiseOptions& options, int64_t global_step,
+                                  const std::optional<at::Generator>& generator, const at::Device& device,
+                                  bool flow_matching) {
+    DTUNE_CHECK(shape.size() >= 2, "latents must be [B, C, ...]; got shape ", shape);
+    const at::TensorOptions f32 =
+        at::TensorOptions().dtype(at::kFloat).device(generator ? generator->device() : device);
+    // No generator: the device's default one (what at::randn takes nullopt for).
+    const auto randn = [&](at::IntArrayRef size) { return at::randn(size, generator, f32); };
     TrainingNoise out;
-    out.noise = randn_from(generator, latents.sizes(), device);
+    out.noise = randn(shape);  // [B, C, ...]
     if (!flow_matching && options.offset_noise) {
-        // One uniform draw per batch decides, as SimpleTuner's random.random() does (but from our
-        // generator, so the run stays reproducible).
-        const bool apply = options.noise_offset_probability >= 1.0 ||
-                           at::rand({1}, generator, on_generator(generator, at::kFloat)).item<double>() <
-                               options.noise_offset_probability;
-        if (apply) {
-            std::vector<int64_t> shape(static_cast<size_t>(latents.dim()), 1);
-            shape[0] = latents.size(0);
-            shape[1] = latents.size(1);
-            out.noise =
-                out.noise + options.noise_offset * randn_from(generator, shape, device);  // [B, C, 1, 1]
-        }
+        // SimpleTuner's random.random() < noise_offset_probability, one draw per batch, from our
+        // generator (reproducible) and kept on the device as a 0/1 factor.
+        at::Tensor apply;  // [1] bool; undefined: always
+        if (options.noise_offset_probability < 1.0)
+            apply = at::rand({1}, generator, f32) < options.noise_offset_probability;
+        std::vector<int64_t> per_channel(shape.size(), 1);
+        per_channel[0] = shape[0];
+        per_channel[1] = shape[1];
+        at::Tensor offset = options.noise_offset * randn(per_channel);  // [B, C, 1, 1]
+        if (apply.defined()) offset = offset * apply;
+        out.noise = out.noise + offset;
     }
-    const bool perturb =
-        options.input_perturbation != 0.0 &&
-        (options.input_perturbation_steps <= 0 || global_step < options.input_perturbation_steps);
-    if (perturb) {
-        double p = options.input_perturbation;
-        if (options.input_perturbation_steps > 0)
-            p *= 1.0 -
-                 static_cast<double>(global_step) / static_cast<double>(options.input_perturbation_steps);
-        out.input_noise = out.noise + p * randn_from(generator, latents.sizes(), device);
+    if (options.input_perturbation != 0.0) {
+        const double scale = input_perturbation_scale(options, global_step);
+        out.input_noise = out.noise + scale * randn(shape);
     } else {
         out.input_noise = out.noise;
     }
+    return out;
+}
+
+TrainingNoise sample_training_noise(const at::Tensor& latents, const NoiseOptions& options,
+                                    int64_t global_step, at::Generator& generator, bool flow_matching) {
+    TrainingNoise out = draw_training_noise(latents.sizes(), options, global_step, generator,
+                                            latents.device(), flow_matching);
+    const bool same = out.input_noise.is_same(out.noise);
+    out.noise = to_device_async(out.noise, latents.device());
+    out.input_noise = same ? out.noise : to_device_async(out.input_noise, latents.device());
     return out;
 }
 

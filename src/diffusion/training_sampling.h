@@ -7,6 +7,8 @@
 // generator's state, and a CPU generator gives the same draws whatever device trains. Timesteps and
 // sigmas come back on the CPU. The *_on variants are the exception: they draw on the given device
 // with its default generator and never touch the host (CUDA graphs, train::StepOptions::device_rng).
+// draw_training_noise serves both: one formulation with no host read, from a generator or from a
+// device's default one.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -26,7 +28,9 @@ struct NoiseOptions {
     double noise_offset = 0.1;
     double noise_offset_probability = 0.25;
     double input_perturbation = 0.0;
-    int64_t input_perturbation_steps = 0;  // 0: constant; else decays linearly to 0 at this step
+    // 0: constant; else decays linearly to 0 at this step. The config accepts only 0 (SimpleTuner's
+    // default), so the strength a CUDA graph bakes in at capture never changes.
+    int64_t input_perturbation_steps = 0;
 };
 
 struct TrainingNoise {
@@ -34,15 +38,31 @@ struct TrainingNoise {
     at::Tensor input_noise;  // [B, C, H, W]: what is added to the latents (noise + perturbation)
 };
 
-// Draws N(0, 1) noise shaped like `latents` (float32 on their device). With offset noise (never for
-// flow matching, as in SimpleTuner), adds noise_offset * N(0,1) per [B, C] channel when a uniform draw
-// is below the probability. With input perturbation, input_noise = noise + p * N(0, 1), p decaying
-// with global_step when input_perturbation_steps > 0.
 // Copies a host tensor to `device` without waiting for the device: through pinned memory with a
 // non-blocking copy when the device is a GPU (a plain .to() of pageable memory synchronises the
 // stream, which drains the GPU's queue once per step), a plain .to() otherwise.
 at::Tensor to_device_async(const at::Tensor& host, const at::Device& device);
 
+// The input perturbation's strength at `global_step`: input_perturbation, decayed linearly to 0 at
+// input_perturbation_steps when that is > 0 (0 from then on).
+double input_perturbation_scale(const NoiseOptions& options, int64_t global_step);
+
+// The noise of a training step for a batch of `shape` [B, C, ...], float32. Draws, in this order
+// and for every step alike (the count depends on the options only, never on a draw or the step, so
+// a CUDA graph replays the same kernels and a resumed run continues the same stream):
+//   1. noise ~ N(0, 1) of `shape`;
+//   2. offset noise (offset_noise, never for flow matching, as in SimpleTuner): one U(0, 1) draw per
+//      batch, unless noise_offset_probability >= 1, then noise_offset * N(0, 1) of [B, C, 1, 1],
+//      added when the uniform draw is below the probability (a 0/1 mask: nothing is read back);
+//   3. input perturbation (input_perturbation != 0): input_noise = noise + scale * N(0, 1) of
+//      `shape` (input_perturbation_scale; after a decay ends the draw is still made, times 0).
+// With `generator` the numbers come from it, on its device; without, from `device`'s default
+// generator on `device` (CUDA graphs: no host work at all). The result stays where it was drawn.
+TrainingNoise draw_training_noise(at::IntArrayRef shape, const NoiseOptions& options, int64_t global_step,
+                                  const std::optional<at::Generator>& generator, const at::Device& device,
+                                  bool flow_matching = false);
+
+// draw_training_noise for a batch shaped like `latents` from `generator`, moved to the latents' device.
 TrainingNoise sample_training_noise(const at::Tensor& latents, const NoiseOptions& options,
                                     int64_t global_step, at::Generator& generator,
                                     bool flow_matching = false);

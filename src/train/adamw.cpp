@@ -2,6 +2,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
+#include <optional>
 
 #include "core/error.h"
 #include "train/optimizer.h"
@@ -58,6 +59,13 @@ bool AdamW::step_fused(ParamGroup& g) {
         sqs.push_back(st["exp_avg_sq"]);
         steps.push_back(st["step"]);
     }
+    // fp16: the kernel returns without writing when found_inf is 1 (the gradients are already
+    // unscaled, so no grad_scale). A flag on another device cannot be read by the kernel.
+    std::optional<at::Tensor> found_inf;
+    if (found_inf_.defined()) {
+        if (found_inf_.device() != device) return false;
+        found_inf = found_inf_;
+    }
     // torch increments the counters itself before the fused kernel, which only reads them.
     at::_foreach_add_(steps, 1);
     if (device_lr_ && device.is_cuda()) {
@@ -67,11 +75,14 @@ bool AdamW::step_fused(ParamGroup& g) {
             lr_tensors_[index] = at::full({}, g.lr, at::TensorOptions().dtype(at::kFloat).device(device));
         at::_fused_adamw_(params, grads, avgs, sqs, /*max_exp_avg_sqs=*/{}, steps, lr_tensors_[index],
                           options_.beta1, options_.beta2, g.weight_decay, options_.eps, /*amsgrad=*/false,
-                          /*maximize=*/false);
-        return true;
+                          /*maximize=*/false, /*grad_scale=*/std::nullopt, found_inf);
+    } else {
+        at::_fused_adamw_(params, grads, avgs, sqs, /*max_exp_avg_sqs=*/{}, steps, g.lr, options_.beta1,
+                          options_.beta2, g.weight_decay, options_.eps, /*amsgrad=*/false, /*maximize=*/false,
+                          /*grad_scale=*/std::nullopt, found_inf);
     }
-    at::_fused_adamw_(params, grads, avgs, sqs, /*max_exp_avg_sqs=*/{}, steps, g.lr, options_.beta1,
-                      options_.beta2, g.weight_decay, options_.eps, /*amsgrad=*/false, /*maximize=*/false);
+    // A skipped step does not count: steps -= found_inf, on the device (torch does the same).
+    if (found_inf) at::_foreach_add_(steps, *found_inf, -1);
     return true;
 }
 
@@ -81,6 +92,8 @@ void AdamW::upload_lr() {
 }
 
 void AdamW::step_loop(ParamGroup& g) {
+    // fp16 overflow: nothing of the step happens (this path reads the step counts on the host anyway).
+    if (found_inf_.defined() && found_inf_.item<float>() != 0.0f) return;
     const double b1 = options_.beta1;
     const double b2 = options_.beta2;
     for (size_t i = 0; i < g.params.size(); ++i) {

@@ -211,8 +211,8 @@ void DataParallel::attach(std::vector<at::Tensor> params) {
     if (const char* mb = std::getenv("DTUNE_BUCKET_MB"); mb && *mb) {
         char* end = nullptr;
         const double value = std::strtod(mb, &end);
-        DTUNE_CHECK_AS(UsageError, end && *end == '\0' && value > 0 && value <= 4096, "DTUNE_BUCKET_MB is '", mb,
-                       "'; give the gradient bucket size in MiB, e.g. 25 (the default) or 100");
+        DTUNE_CHECK_AS(UsageError, end && *end == '\0' && value > 0 && value <= 4096, "DTUNE_BUCKET_MB is '",
+                       mb, "'; give the gradient bucket size in MiB, e.g. 25 (the default) or 100");
         reducer_options.bucket_bytes = static_cast<std::size_t>(value * (1u << 20));
     }
     reducer_ = std::make_unique<dist::GradReducer>(*group_, params_, reducer_options);

@@ -46,10 +46,10 @@ dist::Zero3Options resolve_zero3_options(const TrainConfig& config) {
     if (const char* env = std::getenv("DTUNE_ZERO3_REDUCE_IN_FLIGHT"); env && *env) {
         char* end = nullptr;
         const long depth = std::strtol(env, &end, 10);
-        DTUNE_CHECK_AS(UsageError, *end == '\0' && depth >= 0 && depth <= 1024, "DTUNE_ZERO3_REDUCE_IN_FLIGHT is '",
-                       env,
-                       "'; set it to the number of blocks whose gradient reduce-scatter may be in flight at once ",
-                       "(default 2), or 0 to wait for all of them at the end of backward");
+        DTUNE_CHECK_AS(
+            UsageError, *end == '\0' && depth >= 0 && depth <= 1024, "DTUNE_ZERO3_REDUCE_IN_FLIGHT is '", env,
+            "'; set it to the number of blocks whose gradient reduce-scatter may be in flight at once ",
+            "(default 2), or 0 to wait for all of them at the end of backward");
         o.reduce_in_flight = static_cast<int>(depth);
     }
     o.reshard_after_forward = config.flag("fsdp_reshard_after_forward");

@@ -1,70 +1,108 @@
-// Dynamic loss scaling (see loss_scaler.h).
+// Dynamic loss scaling on the device (see loss_scaler.h).
 #include "train/loss_scaler.h"
 
+#include <ATen/core/grad_mode.h>
+
+#include <cmath>
 #include <map>
+#include <string>
 #include <utility>
 
 #include "core/error.h"
 
 namespace dtune::train {
 
-LossScaler::LossScaler(LossScalerOptions options) : options_(options), scale_(options.init_scale) {
+LossScaler::LossScaler(LossScalerOptions options, c10::Device device) : options_(options) {
     DTUNE_CHECK_AS(UsageError,
                    options_.init_scale > 0 && options_.growth_factor > 1 && options_.backoff_factor > 0 &&
                        options_.backoff_factor < 1 && options_.growth_interval >= 1,
                    "loss scaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
                    "growth_interval >= 1");
+    const auto on = at::TensorOptions().device(device);
+    scale_ = at::full({}, options_.init_scale, on.dtype(at::kFloat));
+    growth_tracker_ = at::zeros({}, on.dtype(at::kInt));
+    found_inf_ = at::zeros({}, on.dtype(at::kFloat));
+    skipped_ = at::zeros({}, on.dtype(at::kLong));
 }
 
 at::Tensor LossScaler::scale_loss(const at::Tensor& loss) const {
     return loss.to(at::kFloat) * scale_;
 }
 
-bool LossScaler::unscale(const std::vector<at::Tensor>& params) {
+void LossScaler::unscale(const std::vector<at::Tensor>& params) {
+    at::NoGradGuard no_grad;
     // One fused kernel per (device, dtype) group, as GradScaler does: it multiplies by 1/scale and
-    // sets found_inf when any element is not finite, without a host sync per tensor.
+    // sets the group's flag when any element is not finite.
     std::map<std::pair<std::string, c10::ScalarType>, std::vector<at::Tensor>> groups;
     for (const auto& p : params) {
         const at::Tensor& g = p.grad();
         if (g.defined()) groups[{g.device().str(), g.scalar_type()}].push_back(g);
     }
-    bool finite = true;
+    found_inf_.zero_();
+    // GradScaler's reciprocal: in float64, then float32 (exact for the powers of two used here).
+    const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
     for (auto& [key, grads] : groups) {
-        const auto opts = at::TensorOptions().dtype(at::kFloat).device(grads.front().device());
-        at::Tensor found_inf = at::zeros({1}, opts);
-        const at::Tensor inv_scale = at::full({1}, 1.0 / scale_, opts);
-        at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale);
-        if (found_inf.item<float>() != 0.0f) finite = false;
+        const c10::Device device = grads.front().device();
+        if (device == found_inf_.device()) {
+            at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf_, inv_scale);
+            continue;
+        }
+        // Gradients on another device (not in the trainer's runs): their own flag, folded in.
+        at::Tensor flag = at::zeros({}, found_inf_.options().device(device));
+        at::_amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device));
+        found_inf_.copy_(at::maximum(found_inf_, flag.to(found_inf_.device())));
     }
-    return finite;
 }
 
-void LossScaler::update(bool found_inf) {
-    if (found_inf) {
-        scale_ *= options_.backoff_factor;
-        growth_tracker_ = 0;
-        ++skipped_;
-        return;
-    }
-    if (++growth_tracker_ == options_.growth_interval) {
-        scale_ *= options_.growth_factor;
-        growth_tracker_ = 0;
-    }
+at::Tensor LossScaler::update() {
+    at::NoGradGuard no_grad;
+    skipped_.add_(found_inf_.to(at::kLong));
+    // The scale this step used, before the update moves it.
+    at::Tensor out =
+        at::stack({found_inf_.to(at::kDouble), scale_.to(at::kDouble), skipped_.to(at::kDouble)});
+    at::_amp_update_scale_(scale_, growth_tracker_, found_inf_, options_.growth_factor,
+                           options_.backoff_factor, options_.growth_interval);
+    return out;  // [3] float64
+}
+
+bool LossScaler::overflowed() const {
+    return found_inf_.item<float>() != 0.0f;
+}
+
+void LossScaler::set_overflowed(bool found_inf) {
+    found_inf_.fill_(found_inf ? 1.0 : 0.0);
+}
+
+double LossScaler::scale() const {
+    return scale_.item<double>();
+}
+
+int64_t LossScaler::growth_tracker() const {
+    return growth_tracker_.item<int64_t>();
+}
+
+int64_t LossScaler::skipped_steps() const {
+    return skipped_.item<int64_t>();
 }
 
 nlohmann::json LossScaler::state() const {
-    return {{"scale", scale_},
-            {"growth_tracker", growth_tracker_},
-            {"skipped_steps", skipped_},
+    return {{"scale", scale()},
+            {"growth_tracker", growth_tracker()},
+            {"skipped_steps", skipped_steps()},
             {"growth_factor", options_.growth_factor},
             {"backoff_factor", options_.backoff_factor},
             {"growth_interval", options_.growth_interval}};
 }
 
 void LossScaler::load_state(const nlohmann::json& state) {
-    scale_ = state.at("scale").get<double>();
-    growth_tracker_ = state.at("growth_tracker").get<int64_t>();
-    skipped_ = state.value("skipped_steps", int64_t{0});
+    const double scale = state.at("scale").get<double>();
+    DTUNE_CHECK_AS(DataError, std::isfinite(scale) && scale > 0, "loss scaler state: scale ", scale,
+                   " is not a positive finite number; the file is damaged: restore it or resume from an "
+                   "earlier checkpoint");
+    scale_.fill_(scale);
+    growth_tracker_.fill_(state.at("growth_tracker").get<int64_t>());
+    skipped_.fill_(state.value("skipped_steps", int64_t{0}));
+    found_inf_.zero_();
 }
 
 }  // namespace dtune::train

@@ -1,4 +1,5 @@
-// Optimizer base (state map, zero_grad), Lion, SGD and gradient clipping (see optimizer.h).
+// Optimizer base (state map, zero_grad), Lion, SGD, Adafactor and gradient clipping (see optimizer.h);
+// the device-lr steps of Lion, SGD and Adafactor are in optimizer_graph.cpp.
 #include "train/optimizer.h"
 
 #include <ATen/core/grad_mode.h>
@@ -78,6 +79,7 @@ Lion::Lion(std::vector<ParamGroup> groups, LionOptions options)
 
 void Lion::step() {
     at::NoGradGuard no_grad;
+    if (device_lr_) return step_device();  // captured steps: optimizer_graph.cpp
     for (auto& g : groups_) {
         for (size_t i = 0; i < g.params.size(); ++i) {
             at::Tensor& p = g.params[i];
@@ -103,6 +105,7 @@ SGD::SGD(std::vector<ParamGroup> groups, SGDOptions options)
 
 void SGD::step() {
     at::NoGradGuard no_grad;
+    if (device_lr_) return step_device();  // captured steps: optimizer_graph.cpp
     for (auto& g : groups_) {
         for (size_t i = 0; i < g.params.size(); ++i) {
             at::Tensor& p = g.params[i];
@@ -143,8 +146,13 @@ double machine_epsilon(at::ScalarType t) {
 Adafactor::Adafactor(std::vector<ParamGroup> groups, AdafactorOptions options)
     : Optimizer(std::move(groups)), options_(options) {}
 
+double Adafactor::eps1_for(at::ScalarType type) const {
+    return options_.eps1.value_or(machine_epsilon(type));
+}
+
 void Adafactor::step() {
     at::NoGradGuard no_grad;
+    if (device_lr_) return step_device();  // captured steps: optimizer_graph.cpp
     for (auto& g : groups_) {
         for (size_t i = 0; i < g.params.size(); ++i) {
             at::Tensor& p = g.params[i];
@@ -166,7 +174,7 @@ void Adafactor::step() {
                 }
             }
             const double t = st["step"].add_(1).item<double>();
-            const double eps1 = options_.eps1.value_or(machine_epsilon(p.scalar_type()));
+            const double eps1 = eps1_for(p.scalar_type());
             const double one_minus_beta2 = std::pow(t, options_.beta2_decay);
             const double rho = std::min(g.lr, 1.0 / std::sqrt(t));
             const double rms = p.norm().item<double>() / std::sqrt(static_cast<double>(p.numel()));

@@ -62,6 +62,12 @@ class Optimizer {
     virtual void after_step() {}
     // Generators step() draws from: a capture must register them to advance them on every replay.
     virtual std::vector<at::Generator> generators() const { return {}; }
+    // fp16 loss scaling (loss_scaler.h): `found_inf` is a [] float32 on the parameters' device,
+    // exactly 1 when this step's gradients overflowed, rewritten before every step() at the same
+    // address. Returns true when step() from now on skips itself on the device when it is 1
+    // (parameters and every state tensor, step counts included, left as they were; no host read);
+    // false (the default): the caller must read the flag and not call step() on an overflow.
+    virtual bool skip_step_on_overflow(const at::Tensor& /*found_inf*/) { return false; }
 
   protected:
     // The state of one parameter, created on first use.
@@ -94,6 +100,13 @@ class AdamW : public Optimizer {
     // captured step then follows LR changes without being recaptured.
     void use_device_lr() override { device_lr_ = true; }
     void upload_lr() override;
+    // Fused: found_inf goes to the kernel, which leaves the weights and moments alone, and the step
+    // counts taken back (what torch.optim.AdamW(fused=True) does under GradScaler); the per-tensor
+    // loop reads the flag on the host (it reads the step counts there anyway).
+    bool skip_step_on_overflow(const at::Tensor& found_inf) override {
+        found_inf_ = found_inf;
+        return true;
+    }
 
   private:
     void step_loop(ParamGroup& group);
@@ -101,6 +114,7 @@ class AdamW : public Optimizer {
 
     AdamWOptions options_;
     bool device_lr_ = false;
+    at::Tensor found_inf_;                // fp16 (skip_step_on_overflow); undefined otherwise
     std::vector<at::Tensor> lr_tensors_;  // per group, [] float32 (device_lr_)
 };
 
@@ -185,6 +199,19 @@ void copy_stochastic_(at::Tensor& target, const at::Tensor& source, at::Generato
 
 // ---- Lion and SGD -------------------------------------------------------------------------------
 
+// Captured steps of Lion, SGD and Adafactor (optimizer_graph.cpp). After use_device_lr() every
+// parameter must have a gradient at every step (a captured step updates a fixed set); their state is
+// created by upload_lr(), outside any capture, and step() reads what changes per step from [] tensors
+// on the group's device that upload_lr() refills (fill_: a kernel with the value as argument, no
+// wait for the GPU); after_step() advances the host-side counts. No host reads, no branch that differs
+// between replays. On the CPU in float32 the update is bit-identical to the host-lr path
+// (tests/train/test_optimizer_graph.cpp); on bf16 / fp16 weights the lr-like scalars are rounded to
+// the weights' dtype by type promotion before they multiply (the host path multiplies in float32).
+struct DeviceLr {
+    at::Tensor neg_lr;  // [] float32: -lr
+    at::Tensor decay;   // [] float32: 1 - lr * weight_decay
+};
+
 struct LionOptions {
     double beta1 = 0.9;  // optimi-lion's defaults (SimpleTuner: betas .9/.99, wd 0)
     double beta2 = 0.99;
@@ -197,9 +224,17 @@ class Lion : public Optimizer {
     Lion(std::vector<ParamGroup> groups, LionOptions options = {});
     const char* name() const override { return "lion"; }
     void step() override;
+    // Multi-tensor kernels over chunks of parameters from now on (see DeviceLr).
+    void use_device_lr() override { device_lr_ = true; }
+    void upload_lr() override;
 
   private:
+    void step_device();  // checks every group, then step_group() for each
+    void step_group(size_t group);
+
     LionOptions options_;
+    bool device_lr_ = false;
+    std::vector<DeviceLr> lr_;  // per group (device_lr_)
 };
 
 struct SGDOptions {
@@ -214,9 +249,32 @@ class SGD : public Optimizer {
     SGD(std::vector<ParamGroup> groups, SGDOptions options = {});
     const char* name() const override { return "sgd"; }
     void step() override;
+    // Captured steps (see DeviceLr): a buffer's start is a device-side blend, buf = keep buf +
+    // take d with (keep, take) = (0, 1) at a parameter's first step and (momentum, 1 - dampening)
+    // after it (the buffer starts at zero), so a first step gives the same bits eager or replayed.
+    void use_device_lr() override { device_lr_ = true; }
+    void upload_lr() override;
+    void after_step() override;
+    // Buffers upload_lr() made for parameters not yet stepped are left out, as the host path has none.
+    TensorMap state_dict() const override;
+    void load_state_dict(const TensorMap& state) override;
 
   private:
+    // Parameters of one group whose buffers started together (at most two sets: loaded and new).
+    struct Cohort {
+        bool started = false;
+        std::vector<size_t> members;
+        at::Tensor keep, take;  // [] float32 on the group's device
+    };
+    void prepare_device(size_t group);
+    void step_device();  // checks every group, then step_group() for each
+    void step_group(size_t group);
+
     SGDOptions options_;
+    bool device_lr_ = false;
+    bool uploaded_ = false;                     // upload_lr() since the last after_step()
+    std::vector<DeviceLr> lr_;                  // per group (device_lr_)
+    std::vector<std::vector<Cohort>> cohorts_;  // [group]; empty: built at the next upload_lr()
 };
 
 // ---- Adafactor -----------------------------------------------------------------------------------
@@ -236,9 +294,39 @@ class Adafactor : public Optimizer {
     Adafactor(std::vector<ParamGroup> groups, AdafactorOptions options = {});
     const char* name() const override { return "adafactor"; }
     void step() override;
+    // Captured steps (see DeviceLr): the step counts are host numbers per cohort (parameters with
+    // the same count, which stay together since all step every time); upload_lr() fills the next
+    // step's t^beta2_decay and min(lr, 1/sqrt(t)), and the RMS and update-clipping scalars are
+    // computed on the device in float64, as the host path computes them on the host.
+    void use_device_lr() override { device_lr_ = true; }
+    void upload_lr() override;
+    void after_step() override;
+    // "step" comes from the cohorts; parameters not yet stepped are left out.
+    TensorMap state_dict() const override;
+    void load_state_dict(const TensorMap& state) override;
 
   private:
+    struct Chunk {  // parameters whose update temporaries are alive together
+        std::vector<size_t> members;
+        at::Tensor sqrt_numel;  // [k] float64: sqrt(numel), the RMS divisor
+        at::Tensor clip_scale;  // [k] float64: sqrt(numel) x d, the update-clipping divisor
+    };
+    struct Cohort {
+        double step = 0;  // steps taken (the host path's "step" state)
+        std::vector<Chunk> chunks;
+        at::Tensor rho;                               // [] float64: min(lr, 1/sqrt(t))
+        std::map<at::ScalarType, at::Tensor> weight;  // [] per state dtype: 1 - beta2_t = t^beta2_decay
+    };
+    double eps1_for(at::ScalarType type) const;  // the variance floor for weights of `type`
+    void prepare_device(size_t group);
+    void step_device();  // checks every group, then step_group() for each
+    void step_group(size_t group);
+
     AdafactorOptions options_;
+    bool device_lr_ = false;
+    bool uploaded_ = false;                     // upload_lr() since the last after_step()
+    std::vector<DeviceLr> lr_;                  // per group (device_lr_)
+    std::vector<std::vector<Cohort>> cohorts_;  // [group]; empty: built at the next upload_lr()
 };
 
 // ---- gradient clipping --------------------------------------------------------------------------

@@ -4,6 +4,8 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
 
+#include <optional>
+
 #include "core/error.h"
 
 namespace dtune::train {
@@ -63,51 +65,46 @@ struct Draws {
     at::Tensor t_dev;  // [B] int64 on the latents' device
 };
 
+// One formulation for the eager and the graphed step: the noise (offset noise and input perturbation
+// included, diffusion::draw_training_noise) comes from `generator` on the CPU, or with
+// options.device_rng from the latents' device's default generator with no host work. Either way it is
+// drawn for the global batch (every rank the same) and this rank's rows are kept, so N ranks x B
+// equal 1 rank x N*B draw for draw. The timesteps follow the noise: SimpleTuner's sampling (bias,
+// segments) from `generator`, or uniform over [0, T) on the device.
 Draws draw(const at::Tensor& latents, const diffusion::NoiseSchedule& schedule, const StepOptions& options,
            int64_t global_step, at::Generator& generator) {
-    Draws d;
-    const int64_t b = latents.size(0);
-    if (!options.device_rng && options.world_size <= 1) {
-        d.noise = diffusion::sample_training_noise(latents, options.noise, global_step, generator);
-        d.t = diffusion::sample_timesteps(b, schedule.num_train_timesteps(), options.timesteps,
-                                          generator);  // [B] int64, CPU
-        d.t_dev = diffusion::to_device_async(d.t, latents.device());
-        return d;
-    }
-    if (!options.device_rng) {
-        // Data parallelism: draw for the global batch on the CPU (only the shape is read) and keep
-        // this rank's rows, so N ranks x B equal 1 rank x N*B draw for draw.
-        auto global_shape = latents.sizes().vec();
-        global_shape[0] = b * options.world_size;
-        const at::Tensor like = at::empty(global_shape, at::kFloat);  // [N*B, C, h, w], never read
-        d.noise = diffusion::sample_training_noise(like, options.noise, global_step, generator);
-        const int64_t lo = options.rank * b, hi = lo + b;
-        d.noise.noise = d.noise.noise.slice(0, lo, hi).to(latents.device());              // [B, C, h, w]
-        d.noise.input_noise = d.noise.input_noise.slice(0, lo, hi).to(latents.device());  // [B, C, h, w]
-        d.t = diffusion::sample_timesteps(b * options.world_size, schedule.num_train_timesteps(),
-                                          options.timesteps, generator)
-                  .slice(0, lo, hi);  // [B] int64, CPU
-        d.t_dev = d.t.to(latents.device());
-        return d;
-    }
-    const auto& n = options.noise;
+    const int64_t b = latents.size(0), n = b * options.world_size, lo = options.rank * b, hi = lo + b;
+    const at::Device device = latents.device();
+    const bool on_device = options.device_rng;
     DTUNE_CHECK_AS(UsageError,
-                   !n.offset_noise && n.input_perturbation == 0 &&
-                       options.timesteps.bias.strategy == diffusion::TimestepBiasStrategy::kNone,
-                   "drawing noise on the GPU (CUDA graphs) supports plain noise and uniform timesteps only; "
-                   "unset offset_noise, input_perturbation and timestep_bias_strategy, or train without CUDA "
-                   "graphs");
-    // Every rank's device generator has the same state: draw for the global batch and keep this
-    // rank's rows, so ranks do not train on the same noise and timesteps.
+                   !on_device || options.timesteps.bias.strategy == diffusion::TimestepBiasStrategy::kNone,
+                   "drawing timesteps on the GPU (CUDA graphs) supports uniform timesteps only; unset "
+                   "timestep_bias_strategy, or train without CUDA graphs");
+    DTUNE_CHECK_AS(
+        UsageError,
+        !on_device || options.noise.input_perturbation == 0 || options.noise.input_perturbation_steps <= 0,
+        "input_perturbation_steps decays the perturbation every step, which a CUDA graph cannot "
+        "follow; set input_perturbation_steps to 0, or train without CUDA graphs");
     auto global_shape = latents.sizes().vec();
-    global_shape[0] = b * options.world_size;
-    const int64_t lo = options.rank * b, hi = lo + b;
-    d.noise.noise = at::randn(global_shape, latents.options()).slice(0, lo, hi);  // [B, C, h, w]
-    d.noise.input_noise = d.noise.noise;
-    d.t = at::randint(0, schedule.num_train_timesteps(), {b * options.world_size},
-                      latents.options().dtype(at::kLong))
-              .slice(0, lo, hi);  // [B]
-    d.t_dev = d.t;
+    global_shape[0] = n;
+    const std::optional<at::Generator> from =
+        on_device ? std::nullopt : std::optional<at::Generator>(generator);
+    const diffusion::TrainingNoise all =
+        diffusion::draw_training_noise(global_shape, options.noise, global_step, from, device);
+    Draws d;
+    d.noise.noise = diffusion::to_device_async(all.noise.slice(0, lo, hi), device);  // [B, C, h, w]
+    d.noise.input_noise = all.input_noise.is_same(all.noise)
+                              ? d.noise.noise
+                              : diffusion::to_device_async(all.input_noise.slice(0, lo, hi), device);
+    if (on_device) {
+        d.t = at::randint(0, schedule.num_train_timesteps(), {n}, latents.options().dtype(at::kLong))
+                  .slice(0, lo, hi);  // [B]
+        d.t_dev = d.t;
+    } else {
+        d.t = diffusion::sample_timesteps(n, schedule.num_train_timesteps(), options.timesteps, generator)
+                  .slice(0, lo, hi);  // [B] int64, CPU
+        d.t_dev = diffusion::to_device_async(d.t, device);
+    }
     return d;
 }
 
@@ -320,7 +317,8 @@ at::Tensor forward_backward(family::Denoiser& model, const TrainBatch& batch,
     DTUNE_CHECK(accum >= 1, "gradient accumulation over ", accum, " micro-steps; use 1 or more");
     MicroStep m = micro_step(model, batch, objective, options, global_step, generator, hooks);
     if (last && hooks.before_backward) hooks.before_backward();
-    (accum > 1 ? m.loss / static_cast<double>(accum) : m.loss).backward();
+    const at::Tensor loss = accum > 1 ? m.loss / static_cast<double>(accum) : m.loss;
+    (hooks.scale_loss ? hooks.scale_loss(loss) : loss).backward();
     return m.loss.detach();
 }
 

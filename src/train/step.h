@@ -54,7 +54,9 @@ struct StepOptions {
     int64_t world_size = 1;
     // Draw noise and timesteps (uniform over [0, T)) on the latents' device with its default
     // generator instead of the CPU generator passed in: no host work or copies, so a CUDA graph can
-    // capture the step. Plain noise only (no offset noise, input perturbation or timestep bias).
+    // capture the step. The noise is the CPU path's formulation (diffusion::draw_training_noise:
+    // offset noise and a constant input perturbation included); the loss's min-SNR weights and
+    // huber_c are computed from the device timesteps either way. Not with a timestep bias.
     // Flow matching: noise, sigmas (logit-normal or uniform, shifted; not Beta or the fast list) and
     // the embedded guidance, in that order, with the CPU path's distributions. On a CPU device the
     // CPU's default generator draws (tests).
@@ -104,7 +106,9 @@ struct StepHooks {
     AdapterSwitch adapters;                 // regularisation batches: the teacher forward, adapters off
     std::function<void()> before_forward;   // LoRA dropout: this forward's seed (LoRATraining::begin_forward)
     std::function<void()> before_backward;  // data parallel: arm the reducer (buckets launch during backward)
-    std::function<void()> after_backward;   // data parallel: the gradient average
+    std::function<void()> after_backward;   // data parallel: the gradient average (fp16: then the unscale)
+    // fp16 loss scaling: what backward runs on, from the (accumulation-divided) loss; unset: itself.
+    std::function<at::Tensor(const at::Tensor& loss)> scale_loss;
     // After every optimizer.zero_grad() of the step (and of GraphedStep before a capture without
     // accumulation): the graphed data-parallel step zeroes the reducer's gradient buckets in place
     // and makes the grads views of them again, so the next backward accumulates into them.

@@ -567,9 +567,14 @@ StepScalars Trainer::train_one_step() {
     dp_->reduce_gradients();  // average over the ranks once, after the last micro-step
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
-    params = dp_->gradient_holders(params);                   // ZeRO-3: this rank's slices hold the gradients
-    step_overflowed_ = scaler_ && !scaler_->unscale(params);  // fp16: gradients / scale, inf check
-    if (scaler_) step_overflowed_ = dp_->gradients_overflowed(step_overflowed_);  // ZeRO-2: any shard
+    params = dp_->gradient_holders(params);  // ZeRO-3: this rank's slices hold the gradients
+    if (scaler_) {
+        scaler_->unscale(params);  // fp16: gradients / scale and the inf/NaN flag, on the device
+        // ZeRO-2/3: each rank checked its own shard; whether any overflowed is agreed on the host.
+        if (dp_->zero_stage() >= 2) scaler_->set_overflowed(dp_->gradients_overflowed(scaler_->overflowed()));
+        // An optimizer that cannot skip on the device: the flag is read here (a wait for the device).
+        step_overflowed_ = !scaler_skips_on_device_ && scaler_->overflowed();
+    }
     // One multi-tensor norm (not one per parameter), read back with the loss; the same clip as
     // the graphed step's (clip_gradients), with the norm over every shard under ZeRO-2.
     out.grad_norm = clip_gradients(params, config_.real("max_grad_norm"), step_options_.clip_by_value,
@@ -780,10 +785,15 @@ void Trainer::queue_step(StepScalars scalars, StepReport report, bool writes_row
         // The stop/fault requests and the loss summed over the ranks: issued now, read with the rest.
         DataParallel::PendingAgreement agreement =
             dp_->agree_async(packed.narrow(0, micro + 1, 1), stop_requested(), gpu_fault_request());
-        p.values = DeferredRead({packed, agreement.flags}, std::move(agreement.reduce));
+        std::vector<at::Tensor> parts{packed, agreement.flags};
+        if (scaler_values_.defined()) parts.push_back(std::move(scaler_values_));  // last: fp16 (update())
+        p.values = DeferredRead(std::move(parts), std::move(agreement.reduce));
     } else {
-        p.values = DeferredRead({packed});
+        std::vector<at::Tensor> parts{packed};
+        if (scaler_values_.defined()) parts.push_back(std::move(scaler_values_));
+        p.values = DeferredRead(std::move(parts));
     }
+    scaler_values_ = at::Tensor();
     pending_steps_.push_back(std::move(p));
     read_back_steps(global_step_ - readback_.lag);
 }
@@ -832,6 +842,7 @@ void Trainer::read_back_step(PendingStep& p) {
                     "learning_rate, set max_grad_norm or check the data; resume from the last checkpoint"));
         }
     }
+    if (scaler_) read_back_loss_scale(p, v);  // trainer_extras.cpp
     if (p.writes_row) append_metrics(r, p.row_fields);
     last_read_ = r;
     for (auto& cb : callbacks_) cb->on_step_metrics(*this, r);
@@ -868,6 +879,7 @@ TrainResult Trainer::run() {
 TrainResult Trainer::run_loop() {
     attach_data_parallel();  // rank 0's weights everywhere; reducer; ZeRO partition or ZeRO-3 shards
     build_optimizer();
+    if (scaler_) scaler_skips_on_device_ = optimizer_->skip_step_on_overflow(scaler_->found_inf());
     start_ema();
     resume();
     start_step_ = global_step_;
@@ -933,12 +945,14 @@ TrainResult Trainer::run_loop() {
         StepScalars scalars = graph_ ? train_graphed_step(lr) : train_one_step();
         if (!graph_) {
             optimizer_->set_lr(lr);
-            if (!step_overflowed_) optimizer_->step();  // fp16 overflow: skipped, the scaler backs off
+            // fp16 overflow: fused AdamW skips on the device; other optimizers are not called.
+            if (!step_overflowed_) optimizer_->step();
             optimizer_->zero_grad();
         }
         dp_->after_step();  // ZeRO-1: weights from their owners; every gradient dropped
         ++global_step_;
-        if (scaler_) scaler_->update(step_overflowed_);
+        // fp16: back off or grow on the device; the step's scale and skip come with its read-back.
+        if (scaler_) scaler_values_ = scaler_->update();
         if (ema_) ema_->step(global_step_);
         const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         StepReport report;  // loss and grad_norm come with the read-back (queue_step)

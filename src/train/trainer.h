@@ -49,6 +49,7 @@ class DataParallel;
 class GraphedStep;
 class LoRATraining;
 class LossScaler;
+struct LossScalerOptions;
 struct CheckpointContents;
 struct LoadedCheckpoint;
 class RunLog;
@@ -107,6 +108,9 @@ class Trainer {
     // How steps are read back (default: ReadbackOptions::from_env()). Before run().
     void set_readback_options(ReadbackOptions options) { readback_ = options; }
     void set_fixed_flow_draws(FlowDrawFn draws) { step_options_.fixed_flow_draws = std::move(draws); }
+    // Tests only: the fp16 loss scaler's settings (torch.amp.GradScaler's defaults otherwise), e.g.
+    // a scale that overflows. Before run(); no effect unless mixed_precision is fp16.
+    void set_loss_scaler_options(const LossScalerOptions& options);
     // Appends a row {"step": step, ...fields} to metrics.jsonl now (rank 0): what an observer
     // measures about a step after its row was written (validation's CLIP scores). Usable until the
     // end of on_train_end.
@@ -198,6 +202,10 @@ class Trainer {
     std::unique_ptr<family::Denoiser> load_base_model(const models::ComponentLoadOptions& load,
                                                       bool main_process);
     void start_ema();
+    // fp16: a read-back step's [found_inf, scale, skipped] (the last values of `v`, queued by
+    // queue_step from LossScaler::update) into its metrics row (loss_scale, skipped_steps), and a
+    // log line when its optimizer step was skipped.
+    void read_back_loss_scale(PendingStep& p, const std::vector<double>& v);
     void save_extras(CheckpointContents& c);
     void load_extras(const LoadedCheckpoint& ckpt);
     bool load_lora_weights(const LoadedCheckpoint& ckpt);
@@ -240,7 +248,11 @@ class Trainer {
     std::unique_ptr<LoRATraining> lora_;
     std::unique_ptr<EMAModel> ema_;
     std::unique_ptr<LossScaler> scaler_;  // mixed_precision fp16
-    bool step_overflowed_ = false;        // fp16: inf/NaN gradients, the optimizer step is skipped
+    // fp16 with an optimizer that cannot skip on the device (Optimizer::skip_step_on_overflow false):
+    // the step's overflow read on the host, and the optimizer step not taken.
+    bool step_overflowed_ = false;
+    bool scaler_skips_on_device_ = false;  // fp16: the optimizer skips overflowed steps itself
+    at::Tensor scaler_values_;             // fp16: this step's LossScaler::update(), read back with it
     // Whether the step's last micro-batch was regularisation data (SimpleTuner then logs
     // regularisation_grad_norm); the regularisation loss comes with the step's read-back.
     bool step_ended_on_regularisation_ = false;

@@ -7,7 +7,7 @@
 //   checkpoint-N/<unet|transformer>/config.json        full: makes the folder a loadable component
 //   checkpoint-N/<folder>_ema/...                       EMA shadows (full: a loadable network folder,
 //                                                       LoRA: ema_model.safetensors) + ema_state.json
-//   checkpoint-N/loss_scaler.json                       fp16: scale and clean-step counter
+//   checkpoint-N/loss_scaler.json                       fp16: scale, clean-step counter, skipped steps
 //   output_dir/pytorch_lora_weights.safetensors (+ ema/) or output_dir/pipeline/ (+ the optional
 //   single file output_dir/sdxl_checkpoint.safetensors); a full fine-tune with EMA exports the EMA
 //   weights, as SimpleTuner does.
@@ -64,11 +64,28 @@ void Trainer::init_extras() {
         "export_single_file writes the fully fine-tuned model as one file and needs model_type full; "
         "for a LoRA use pytorch_lora_weights.safetensors (lora_format comfyui for ComfyUI)");
     if (config_.text("mixed_precision") == "fp16") {
-        scaler_ = std::make_unique<LossScaler>();
+        scaler_ = std::make_unique<LossScaler>(LossScalerOptions{}, device_);
         if (!device_.is_cuda())
             log::info() << "mixed_precision fp16 on the CPU: no autocast (float32 compute); the dynamic loss "
                            "scaler still runs";
     }
+}
+
+void Trainer::set_loss_scaler_options(const LossScalerOptions& options) {
+    if (scaler_) scaler_ = std::make_unique<LossScaler>(options, device_);
+}
+
+void Trainer::read_back_loss_scale(PendingStep& p, const std::vector<double>& v) {
+    DTUNE_CHECK(v.size() >= p.regularisation.size() + 5, "internal: step ", p.report.step,
+                " was queued without its loss-scaler values");
+    const double found_inf = v[v.size() - 3], scale = v[v.size() - 2];
+    const auto skipped = static_cast<int64_t>(v[v.size() - 1]);
+    p.row_fields["loss_scale"] = scale;  // the scale this step's loss was multiplied by
+    p.row_fields["skipped_steps"] = skipped;
+    if (found_inf != 0 && is_main_process())
+        log::info() << "step " << p.report.step << ": fp16 gradients overflowed at loss scale " << scale
+                    << "; its optimizer step was skipped (" << skipped << " so far) and the scale lowered to "
+                    << scale * scaler_->options().backoff_factor;
 }
 
 void Trainer::start_ema() {

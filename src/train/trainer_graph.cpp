@@ -6,10 +6,11 @@
 // graph for the last), and each micro-batch's loss is logged as on the eager path.
 //
 // What stays outside the graph: the batch (data loader, caption dropout from the CPU generator),
-// the LR (AdamW and adamw_bf16 read it from device tensors refreshed before each replay, so
-// schedules do not recapture), adamw_bf16's rare weight-decay kernels, the EMA update, metrics and
-// checkpoints. Noise, timesteps (flow matching: sigmas and the embedded guidance) and the LoRA
-// dropout seed come from the CUDA default generator (StepOptions::device_rng), whose
+// the LR (every optimizer reads it from device tensors refreshed before each replay, so
+// schedules do not recapture), adamw_bf16's rare weight-decay kernels, the EMA update, fp16's
+// loss-scale update (one device op after the replay; the scaling, unscaling and overflow skip are
+// captured), metrics and checkpoints. Noise, timesteps (flow matching: sigmas and the embedded
+// guidance) and the LoRA dropout seed come from the CUDA default generator (StepOptions::device_rng), whose
 // state every checkpoint already saves (capture_rng_states), so a resumed run continues the same random
 // streams at the exact step; it is not bit-identical to an uninterrupted run because the GPU kernels are not
 // deterministic.
@@ -27,6 +28,7 @@
 #include "train/adapters.h"
 #include "train/data_parallel.h"
 #include "train/graph_step.h"
+#include "train/loss_scaler.h"
 #include "train/trainer.h"
 
 namespace dtune::train {
@@ -47,23 +49,32 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
         return "offload_optimizer_device is cpu (the optimizer step runs on the host between two waits for "
                "the GPU; set it to none" +
                fix + ")";
+    // Every optimizer's step is captured with its LR (and Adafactor's step terms) read from the
+    // device (optimizer.h); one added later must be listed here once it is capturable. Lion, SGD and
+    // Adafactor cannot skip an fp16 overflow on the device (Optimizer::skip_step_on_overflow).
     const std::string opt = c.text("optimizer");
-    if (opt != "torch-adamw" && opt != "optimi-adamw" && opt != "adamw_bf16")
-        return str("optimizer is ", opt,
-                   " (only fused AdamW and adamw_bf16 are graph-safe: set optimizer torch-adamw", fix, ")");
+    const bool lion_sgd_adafactor = opt == "optimi-lion" || opt == "torch-sgd" || opt == "torch-adafactor";
+    if (!lion_sgd_adafactor && opt != "torch-adamw" && opt != "optimi-adamw" && opt != "adamw_bf16")
+        return str("optimizer is ", opt, " (its step is not capturable; set optimizer torch-adamw", fix, ")");
+    if (lion_sgd_adafactor && c.text("mixed_precision") == "fp16")
+        return str("mixed_precision is fp16 with optimizer ", opt,
+                   " (an overflowed step must be read back before it to be skipped; use mixed_precision "
+                   "bf16 or optimizer torch-adamw",
+                   fix, ")");
     if (c.flag("deterministic"))
         return "deterministic is true (its per-tensor AdamW reads the step count back to the host; set "
                "deterministic false" +
                fix + ")";
-    if (c.text("mixed_precision") == "fp16")
-        return "mixed_precision is fp16 (the loss scaler decides on the host; use bf16" + fix + ")";
-    if (c.flag("offset_noise"))
-        return "offset_noise is true (the graph draws plain noise; unset it" + fix + ")";
-    if (c.real("input_perturbation") != 0)
-        return "input_perturbation is not 0 (the graph draws plain noise; set it to 0" + fix + ")";
-    if (c.text("loss_type") != "l2")
-        return str("loss_type is ", c.text("loss_type"),
-                   " (its huber_c is computed per sample on the host; use loss_type l2", fix, ")");
+    // fp16's loss scaler lives on the device (loss_scaler.h) and fused AdamW skips an overflowed
+    // step there; adamw_bf16 keeps its step counts and weight-decay accumulators on the host, so an
+    // overflow must be read back before its step (moving them to the device would lift this).
+    if (c.text("mixed_precision") == "fp16" && opt == "adamw_bf16")
+        return "mixed_precision is fp16 with optimizer adamw_bf16 (its step counts live on the host, so "
+               "an overflowed step is skipped there; use optimizer torch-adamw or mixed_precision bf16" +
+               fix + ")";
+    // offset_noise, input_perturbation, loss_type huber / smooth_l1 and snr_gamma are graphed: their
+    // draws come from the device generator and huber_c and the min-SNR weights are computed from the
+    // device timesteps (train/step.cpp, diffusion/loss.cpp), with no host read.
     if (!c.is_null("timestep_bias_strategy") && c.text("timestep_bias_strategy") != "none")
         return str("timestep_bias_strategy is ", c.text("timestep_bias_strategy"),
                    " (the graph draws uniform timesteps; set it to none", fix, ")");
@@ -73,8 +84,6 @@ std::string cuda_graph_blocker(const TrainConfig& c, c10::Device device, int wor
         return "scheduled_sampling_max_step_offset is set (each rollout's length is drawn per sample; set it "
                "to 0" +
                fix + ")";
-    if (c.opt_real("snr_gamma").value_or(0) > 0)
-        return "snr_gamma is set (min-SNR weights read the timesteps on the host; unset it" + fix + ")";
     if (objective && objective->flow_matching()) {
         // flow_sigma_schedule's precedence: uniform wins over both, Beta over the fast list.
         switch (diffusion::flow_sigma_schedule(objective->flow)) {
@@ -121,7 +130,7 @@ void Trainer::init_graph() {
             graph_status_.fallback.clear();
         return;
     }
-    optimizer_->use_device_lr();  // AdamW or AdamWBF16 (cuda_graph_blocker refuses the others)
+    optimizer_->use_device_lr();  // every optimizer cuda_graph_blocker lets through has one
     // DTUNE_CUDA_GRAPH_WARMUP: eager steps per batch shape before its capture (default 2); a value
     // above max_train_steps keeps every step eager with the graph's settings (device RNG and LR),
     // the reference a graph run is checked against.
@@ -187,6 +196,18 @@ StepScalars Trainer::train_graphed_step(double lr) {
         hooks.after_backward = [this, &params] { dp_->all_reduce_gradients_capturable(params); };
     }
     graph_->set_caller_gradients(buckets);
+    if (scaler_) {
+        // fp16: backward on loss · scale, the gradients unscaled (found_inf set) after the reduction
+        // and before the clip, fused AdamW skipping on found_inf; all captured. update() follows in
+        // the loop, outside the graph, as on the eager path.
+        DTUNE_CHECK(scaler_skips_on_device_, "internal: optimizer ", optimizer_->name(),
+                    " cannot skip an fp16 overflow on the device; cuda_graph_blocker should refuse it");
+        hooks.scale_loss = [this](const at::Tensor& loss) { return scaler_->scale_loss(loss); };
+        hooks.after_backward = [this, &params, reduce = std::move(hooks.after_backward)] {
+            if (reduce) reduce();
+            scaler_->unscale(params);
+        };
+    }
     StepScalars scalars;
     StepTensors out;
     for (int64_t micro = 0; micro < accum; ++micro) {

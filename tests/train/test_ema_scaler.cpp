@@ -83,20 +83,23 @@ TEST(LossScaler, ScalesUnscalesBacksOffAndGrows) {
     EXPECT_DOUBLE_EQ(scaler.scale_loss(at::scalar_tensor(0.5)).item<double>(), 512.0);
     at::Tensor p = at::zeros({3}, at::TensorOptions().requires_grad(true));
     p.mutable_grad() = at::tensor({1024.0f, -2048.0f, 3.0f});
-    EXPECT_TRUE(scaler.unscale({p}));
+    scaler.unscale({p});
+    EXPECT_FALSE(scaler.overflowed());
     EXPECT_TRUE(at::equal(p.grad(), at::tensor({1.0f, -2.0f, 3.0f / 1024.0f})));
-    scaler.update(false);
-    scaler.update(false);
+    scaler.update();
+    scaler.update();
     EXPECT_DOUBLE_EQ(scaler.scale(), 1024.0);
-    scaler.update(false);  // third clean step in a row: grow
+    scaler.update();  // third clean step in a row: grow
     EXPECT_DOUBLE_EQ(scaler.scale(), 2048.0);
     EXPECT_EQ(scaler.growth_tracker(), 0);
 
     p.mutable_grad() = at::tensor({1.0f, std::numeric_limits<float>::infinity(), 0.0f});
-    EXPECT_FALSE(scaler.unscale({p}));
+    scaler.unscale({p});
+    EXPECT_TRUE(scaler.overflowed());
     p.mutable_grad() = at::tensor({std::nanf(""), 1.0f, 0.0f});
-    EXPECT_FALSE(scaler.unscale({p}));
-    scaler.update(true);
+    scaler.unscale({p});
+    EXPECT_TRUE(scaler.overflowed());
+    scaler.update();
     EXPECT_DOUBLE_EQ(scaler.scale(), 1024.0);
     EXPECT_EQ(scaler.skipped_steps(), 1);
 
@@ -104,6 +107,7 @@ TEST(LossScaler, ScalesUnscalesBacksOffAndGrows) {
     restored.load_state(scaler.state());
     EXPECT_DOUBLE_EQ(restored.scale(), 1024.0);
     EXPECT_EQ(restored.growth_tracker(), 0);
+    EXPECT_EQ(restored.skipped_steps(), 1);
     EXPECT_THROW(LossScaler(LossScalerOptions{1.0, 0.5, 0.5, 1}), UsageError);
 }
 

@@ -41,13 +41,11 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
         "");  // no clipping at all: nothing to clip by value
     const std::vector<std::pair<nlohmann::json, std::string>> cases = {
         {{{"offload_optimizer_device", "cpu"}}, "offload_optimizer_device is cpu"},
-        {{{"optimizer", "optimi-lion"}}, "optimizer is optimi-lion"},
+        {{{"optimizer", "optimi-lion"}, {"mixed_precision", "fp16"}},
+         "mixed_precision is fp16 with optimizer optimi-lion"},
         {{{"deterministic", true}}, "deterministic is true"},
-        {{{"mixed_precision", "fp16"}}, "mixed_precision is fp16"},
-        {{{"offset_noise", true}}, "offset_noise is true"},
-        {{{"input_perturbation", 0.1}}, "input_perturbation is not 0"},
-        {{{"snr_gamma", 5.0}}, "snr_gamma is set"},
-        {{{"loss_type", "huber"}}, "loss_type is huber"},
+        {{{"mixed_precision", "fp16"}, {"optimizer", "adamw_bf16"}, {"model_type", "full"}},
+         "mixed_precision is fp16 with optimizer adamw_bf16"},
         {{{"timestep_bias_strategy", "later"}}, "timestep_bias_strategy is later"},
         {{{"diff2flow_enabled", true}, {"diff2flow_loss", true}}, "diff2flow_loss is on"},
     };
@@ -55,6 +53,14 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
         const std::string got = cuda_graph_blocker(graph_friendly(dir.path(), extra), cuda, 1);
         EXPECT_EQ(got.rfind(expected, 0), 0u) << extra.dump() << " gave: " << got;
     }
+    // Offset noise, input perturbation, min-SNR and the Huber losses are graphed: device draws, and
+    // huber_c and the min-SNR weights from the device timesteps (tests/train/test_step_noise_loss.cpp).
+    for (const nlohmann::json& extra :
+         {nlohmann::json{{"offset_noise", true}, {"noise_offset", 0.1}},
+          nlohmann::json{{"input_perturbation", 0.1}}, nlohmann::json{{"snr_gamma", 5.0}},
+          nlohmann::json{{"loss_type", "huber"}, {"huber_schedule", "snr"}},
+          nlohmann::json{{"loss_type", "smooth_l1"}, {"huber_schedule", "exponential"}}})
+        EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path(), extra), cuda, 1), "") << extra.dump();
     // SimpleTuner's defaults (clip by value at 2, lora_dropout 0.1) are graphed: the clamp and the
     // dropout seed are device work inside the step.
     EXPECT_EQ(cuda_graph_blocker(
@@ -64,8 +70,17 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
         cuda_graph_blocker(graph_friendly(dir.path(), {{"grad_clip_method", "value"}, {"lora_dropout", 0.1}}),
                            cuda, 1),
         "");
+    // fp16: the loss scaler and fused AdamW's overflow skip run on the device (loss_scaler.h).
+    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path(), {{"mixed_precision", "fp16"}}), cuda, 1), "");
+    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path(), {{"mixed_precision", "fp16"},
+                                                             {"gradient_accumulation_steps", 2}}),
+                                 cuda, 2, 1),
+              "");
     // optimi-adamw is the same fused AdamW.
     EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path(), {{"optimizer", "optimi-adamw"}}), cuda, 1), "");
+    // Lion, SGD and Adafactor read their LR and step terms from the device (optimizer_graph.cpp).
+    for (const char* opt : {"optimi-lion", "torch-sgd", "torch-adafactor"})
+        EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path(), {{"optimizer", opt}}), cuda, 1), "") << opt;
     // adamw_bf16 keeps its LR and bias correction on the device and never reads back (#6).
     EXPECT_EQ(cuda_graph_blocker(
                   graph_friendly(dir.path(), {{"optimizer", "adamw_bf16"}, {"model_type", "full"}}), cuda, 1),

@@ -8,7 +8,8 @@
 // whatever metrics_interval (2 here: a row every other step). The same for Flux.1 (the tiny pipeline's
 // transformer, LoRA, flow matching with sigmas and embedded guidance drawn on the GPU) with cuda_graph true,
 // and cuda_graph auto keeping a Flux run eager until this test has passed on a GPU (trainer_graph.cpp,
-// cuda_graph_fallback). Skipped without CUDA.
+// cuda_graph_fallback). mixed_precision fp16 is graphed too, with a case whose scale overflows so that
+// replays skip steps like the eager run. Skipped without CUDA.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,6 +18,7 @@
 
 #include "family/flux/flux_family.h"
 #include "train/graph_step.h"
+#include "train/loss_scaler.h"
 #include "train/trainer_graph.h"
 #include "trainer_test_util.h"
 
@@ -147,6 +149,105 @@ INSTANTIATE_TEST_SUITE_P(
                                 R"({"cuda_graph": true, "gradient_accumulation_steps": 3,
                                     "grad_clip_method": "norm", "max_grad_norm": 1.0})"}),
     [](const auto& info) { return std::string(info.param.first); });
+
+// Lion, SGD and Adafactor, captured with their LR (and Adafactor's step terms) read from the device
+// (train/optimizer_graph.cpp) under the linear schedule. SGD runs with momentum 0: no config key sets
+// SGD's momentum (optimizer_config is refused), so that is what a run trains with. Adafactor also
+// with accumulation over 2 micro-batches (its step counts advance once per optimizer step).
+INSTANTIATE_TEST_SUITE_P(
+    Optimizers, CudaGraphTrainerGpu,
+    ::testing::Values(std::pair{"Lion", R"({"optimizer": "optimi-lion", "learning_rate": 5e-5})"},
+                      std::pair{"SGD", R"({"optimizer": "torch-sgd", "learning_rate": 1e-2})"},
+                      std::pair{"Adafactor", R"({"optimizer": "torch-adafactor", "learning_rate": 1e-2})"},
+                      std::pair{"AdafactorAccumulation2",
+                                R"({"optimizer": "torch-adafactor", "learning_rate": 1e-2,
+                                    "gradient_accumulation_steps": 2})"}),
+    [](const auto& info) { return std::string(info.param.first); });
+
+// Offset noise (gated per step with SimpleTuner's noise_offset_probability 0.25), input perturbation,
+// min-SNR and the Huber losses with a per-sample huber_c, all inside the graph: the gate, offset and
+// perturbation are device draws, huber_c and the min-SNR weights come from the device timesteps
+// (train/step.cpp, diffusion/loss.cpp). cuda_graph true: a fallback to eager fails the case.
+INSTANTIATE_TEST_SUITE_P(
+    NoiseAndLoss, CudaGraphTrainerGpu,
+    ::testing::Values(
+        std::pair{"OffsetNoise", R"({"cuda_graph": true, "offset_noise": true, "noise_offset": 0.1})"},
+        std::pair{"InputPerturbation", R"({"cuda_graph": true, "input_perturbation": 0.1})"},
+        std::pair{"SnrGamma", R"({"cuda_graph": true, "snr_gamma": 5.0})"},
+        std::pair{"HuberSnrSchedule",
+                  R"({"cuda_graph": true, "loss_type": "huber", "huber_schedule": "snr"})"},
+        std::pair{"SmoothL1Constant",
+                  R"({"cuda_graph": true, "loss_type": "smooth_l1", "huber_schedule": "constant"})"}),
+    [](const auto& info) { return std::string(info.param.first); });
+
+// mixed_precision fp16: the device loss scaler (loss_scaler.h) inside the graph (scale, unscale and
+// fused AdamW's overflow skip captured; the scale update after the replay), alone and with the
+// micro graphs of accumulation. adamw_bf16 with fp16 stays eager (cuda_graph_blocker says why).
+INSTANTIATE_TEST_SUITE_P(
+    Fp16, CudaGraphTrainerGpu,
+    ::testing::Values(std::pair{"Fp16TorchAdamW", R"({"cuda_graph": true, "mixed_precision": "fp16",
+                                                      "optimizer": "torch-adamw"})"},
+                      std::pair{"Fp16Accumulation2",
+                                R"({"cuda_graph": true, "mixed_precision": "fp16", "optimizer": "torch-adamw",
+                                    "gradient_accumulation_steps": 2, "grad_clip_method": "norm",
+                                    "max_grad_norm": 1.0})"}),
+    [](const auto& info) { return std::string(info.param.first); });
+
+// fp16 with a scale that overflows for real: 2^20, x16 after every clean step, /16 after an
+// overflow (the fp16 backward overflows near 2^24 here), so clean and skipped steps alternate, in
+// the replays too. The graphed run must skip the same steps as the eager one, leave the weights
+// alone on them (the harness compares the weights) and log the same scales and skipped counts.
+TEST(CudaGraphFp16Gpu, OverflowedStepsAreSkippedInsideTheReplay) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    struct Fp16Run {
+        GraphRun run;
+        std::vector<nlohmann::json> rows;
+    };
+    const auto train = [](const char* warmup, int64_t metrics_interval) {
+        test::TempDir dir;
+        const TrainConfig config = testutil::tiny_config(dir.path(), kSteps,
+                                                         {{"model_type", "lora"},
+                                                          {"lora_rank", 4},
+                                                          {"deterministic", false},
+                                                          {"lr_scheduler", "linear"},
+                                                          {"checkpoint_step_interval", 0},
+                                                          {"metrics_interval", metrics_interval},
+                                                          {"cuda_graph", true},
+                                                          {"mixed_precision", "fp16"},
+                                                          {"optimizer", "torch-adamw"}});
+        auto unet = testutil::tiny_unet();
+        unet->to(c10::Device(c10::kCUDA, 0));
+        SyntheticBatchOptions o;
+        o.batch_size = 2;
+        o.latent_size = 8;
+        o.dim = 64;
+        o.pooled_dim = 32;
+        o.device = c10::Device(c10::kCUDA, 0);
+        Trainer trainer(config, testutil::sdxl_model(unet), testutil::tiny_schedule(),
+                        std::make_unique<SyntheticBatchSource>(o));
+        trainer.set_loss_scaler_options(LossScalerOptions{std::ldexp(1.0, 20), 16.0, 1.0 / 16, 1});
+        Fp16Run out;
+        out.run = run_graphed(trainer, dir.path(), warmup);
+        std::ifstream metrics(dir.path() / "metrics.jsonl");
+        for (std::string line; std::getline(metrics, line);)
+            if (!line.empty()) out.rows.push_back(nlohmann::json::parse(line));
+        return out;
+    };
+    const Fp16Run eager = train("1000", 1);
+    const Fp16Run graph = train("2", 1);
+    expect_graph_matches_eager(eager.run, graph.run);
+    ASSERT_EQ(eager.rows.size(), static_cast<size_t>(kSteps));
+    ASSERT_EQ(graph.rows.size(), static_cast<size_t>(kSteps));
+    for (int64_t i = 0; i < kSteps; ++i) {
+        EXPECT_EQ(graph.rows[i].at("loss_scale"), eager.rows[i].at("loss_scale")) << "step " << i + 1;
+        EXPECT_EQ(graph.rows[i].at("skipped_steps"), eager.rows[i].at("skipped_steps")) << "step " << i + 1;
+    }
+    // Steps 3.. are replays (two warm-up steps): at least one of them was skipped, and not all.
+    const int64_t before = graph.rows[1].at("skipped_steps").get<int64_t>();
+    const int64_t after = graph.rows.back().at("skipped_steps").get<int64_t>();
+    EXPECT_GT(after, before) << "no replayed step overflowed: the test does not exercise the skip";
+    EXPECT_LT(after - before, kSteps - 2) << "every replayed step overflowed";
+}
 
 // ---- Flux.1: flow matching ----------------------------------------------------------------------
 
