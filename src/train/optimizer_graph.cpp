@@ -53,6 +53,14 @@ void require_gradients(const ParamGroup& g, const char* optimizer) {
                     "set cuda_graph false");
 }
 
+// A captured-path step() of SGD or Adafactor: its scalars were uploaded for this step (`uploaded`),
+// and every parameter has a gradient.
+void check_device_step(bool uploaded, const std::vector<ParamGroup>& groups, const char* optimizer) {
+    DTUNE_CHECK(uploaded, "internal: ", optimizer,
+                " under use_device_lr() needs upload_lr() before each step and after_step() after it");
+    for (const ParamGroup& g : groups) require_gradients(g, optimizer);
+}
+
 std::vector<size_t> all_of(const ParamGroup& g) {
     std::vector<size_t> all(g.params.size());
     std::iota(all.begin(), all.end(), size_t{0});
@@ -181,10 +189,7 @@ void SGD::after_step() {
 }
 
 void SGD::step_device() {
-    DTUNE_CHECK(uploaded_ && cohorts_.size() == groups_.size(),
-                "internal: sgd under use_device_lr() needs "
-                "upload_lr() before each step and after_step() after it");
-    for (const ParamGroup& g : groups_) require_gradients(g, "torch-sgd");
+    check_device_step(uploaded_ && cohorts_.size() == groups_.size(), groups_, "torch-sgd");
     for (size_t gi = 0; gi < groups_.size(); ++gi) step_group(gi);
 }
 
@@ -307,10 +312,7 @@ void Adafactor::after_step() {
 }
 
 void Adafactor::step_device() {
-    DTUNE_CHECK(uploaded_ && cohorts_.size() == groups_.size(),
-                "internal: adafactor under use_device_lr() needs "
-                "upload_lr() before each step and after_step() after it");
-    for (const ParamGroup& g : groups_) require_gradients(g, "torch-adafactor");
+    check_device_step(uploaded_ && cohorts_.size() == groups_.size(), groups_, "torch-adafactor");
     for (size_t gi = 0; gi < groups_.size(); ++gi) step_group(gi);
 }
 

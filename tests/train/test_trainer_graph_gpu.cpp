@@ -63,13 +63,8 @@ GraphRun run_graphed(Trainer& trainer, const std::filesystem::path& dir, const c
     return out;
 }
 
-GraphRun train_cuda(const char* warmup, int64_t metrics_interval, const nlohmann::json& options) {
-    test::TempDir dir;
-    nlohmann::json j{{"model_type", "lora"},          {"lora_rank", 4},
-                     {"deterministic", false},        {"lr_scheduler", "linear"},
-                     {"checkpoint_step_interval", 0}, {"metrics_interval", metrics_interval}};
-    j.update(options);
-    const TrainConfig config = testutil::tiny_config(dir.path(), kSteps, j);
+// A trainer of the tiny SDXL UNet on CUDA, fed batches of 2 synthetic 8 x 8 latents.
+std::unique_ptr<Trainer> sdxl_cuda_trainer(const TrainConfig& config) {
     auto unet = testutil::tiny_unet();
     unet->to(c10::Device(c10::kCUDA, 0));
     SyntheticBatchOptions o;
@@ -78,9 +73,18 @@ GraphRun train_cuda(const char* warmup, int64_t metrics_interval, const nlohmann
     o.dim = 64;
     o.pooled_dim = 32;
     o.device = c10::Device(c10::kCUDA, 0);
-    Trainer trainer(config, testutil::sdxl_model(unet), testutil::tiny_schedule(),
-                    std::make_unique<SyntheticBatchSource>(o));
-    return run_graphed(trainer, dir.path(), warmup);
+    return std::make_unique<Trainer>(config, testutil::sdxl_model(unet), testutil::tiny_schedule(),
+                                     std::make_unique<SyntheticBatchSource>(o));
+}
+
+GraphRun train_cuda(const char* warmup, int64_t metrics_interval, const nlohmann::json& options) {
+    test::TempDir dir;
+    nlohmann::json j{{"model_type", "lora"},          {"lora_rank", 4},
+                     {"deterministic", false},        {"lr_scheduler", "linear"},
+                     {"checkpoint_step_interval", 0}, {"metrics_interval", metrics_interval}};
+    j.update(options);
+    const auto trainer = sdxl_cuda_trainer(testutil::tiny_config(dir.path(), kSteps, j));
+    return run_graphed(*trainer, dir.path(), warmup);
 }
 
 // Checks a graphed run against the same run kept eager with the graph's settings: warm-up and replay
@@ -215,16 +219,8 @@ TEST(CudaGraphFp16Gpu, OverflowedStepsAreSkippedInsideTheReplay) {
                                                           {"cuda_graph", true},
                                                           {"mixed_precision", "fp16"},
                                                           {"optimizer", "torch-adamw"}});
-        auto unet = testutil::tiny_unet();
-        unet->to(c10::Device(c10::kCUDA, 0));
-        SyntheticBatchOptions o;
-        o.batch_size = 2;
-        o.latent_size = 8;
-        o.dim = 64;
-        o.pooled_dim = 32;
-        o.device = c10::Device(c10::kCUDA, 0);
-        Trainer trainer(config, testutil::sdxl_model(unet), testutil::tiny_schedule(),
-                        std::make_unique<SyntheticBatchSource>(o));
+        const auto owned = sdxl_cuda_trainer(config);
+        Trainer& trainer = *owned;
         trainer.set_loss_scaler_options(LossScalerOptions{std::ldexp(1.0, 20), 16.0, 1.0 / 16, 1});
         Fp16Run out;
         out.run = run_graphed(trainer, dir.path(), warmup);
