@@ -882,6 +882,7 @@ TrainResult Trainer::run_loop() {
     if (scaler_) scaler_skips_on_device_ = optimizer_->skip_step_on_overflow(scaler_->found_inf());
     start_ema();
     resume();
+    check_output_space();
     start_step_ = global_step_;
     // Rows of steps after the resumed one (or all, when starting afresh) are written again.
     if (is_main_process()) cut_log_after_step(output_dir_ / "metrics.jsonl", global_step_);
@@ -1017,6 +1018,58 @@ TrainResult Trainer::run_loop() {
     // are written now, or DataError.
     if (metrics_log_) metrics_log_->finish();
     return result;
+}
+
+int64_t Trainer::estimated_checkpoint_bytes() const {
+    int64_t weights = 0, elements = 0;
+    for (const auto& p : trainable_) {
+        weights += p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
+        elements += p.tensor.numel();
+    }
+    const std::string optimizer = config_.text("optimizer");
+    const auto tensors = static_cast<int64_t>(trainable_.size());
+    int64_t state = 0, entries = 0;  // entries: state tensors per parameter
+    if (optimizer == "torch-adamw" || optimizer == "optimi-adamw") {
+        state = 2 * weights + 4 * tensors;  // exp_avg and exp_avg_sq in the parameters' dtype, a float step
+        entries = 3;
+    } else if (optimizer == "adamw_bf16") {
+        state = 3 * 2 * elements + 16 * tensors;  // m, v and the shift in bf16; float64 step and decay
+        entries = 5;
+    } else if (optimizer == "optimi-lion") {
+        state = weights;  // exp_avg
+        entries = 1;
+    }
+    const bool ema = config_.flag("use_ema");
+    // About 130 bytes of safetensors header per tensor: it matters only for LoRAs' many small ones.
+    const int64_t headers = 130 * tensors * (1 + entries + (ema ? 1 : 0));
+    return weights + state + (ema ? weights : 0) + headers;
+}
+
+void Trainer::check_output_space() const {
+    if (!is_main_process()) return;
+    const int64_t checkpoint = estimated_checkpoint_bytes();
+    int64_t weights = 0;  // the final export writes the trained weights once more
+    for (const auto& p : trainable_)
+        weights += p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
+    const double gb = 1e9;
+    std::error_code ec;
+    const auto space = std::filesystem::space(output_dir_, ec);
+    const int64_t keep = config_.integer("checkpoints_total_limit");
+    log::info() << "checkpoints of this run: about " << format_metric(static_cast<double>(checkpoint) / gb)
+                << " GB each (checkpoints_total_limit " << keep << ")"
+                << (ec ? ""
+                       : str("; ", format_metric(static_cast<double>(space.available) / gb), " GB free in '",
+                             output_dir_.string(), "'"));
+    if (ec) return;
+    const auto free = static_cast<int64_t>(space.available);
+    if (free < checkpoint + weights)
+        log::warn()
+            << "output_dir '" << output_dir_.string() << "' has " << format_metric(free / gb)
+            << " GB free, less than one checkpoint of this run (about " << format_metric(checkpoint / gb)
+            << " GB: weights, optimizer state" << (config_.flag("use_ema") ? ", EMA" : "")
+            << ") plus the final weights (" << format_metric(weights / gb)
+            << " GB): the first checkpoint will fail with a full disk (the previous one stays intact). "
+            << "Free space there, or point output_dir at a larger file system";
 }
 
 }  // namespace dtune::train

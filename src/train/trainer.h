@@ -120,6 +120,11 @@ class Trainer {
     const std::vector<NamedTensor>& trainable_parameters() const { return trainable_; }
     // Rank 0 writes shared files (checkpoints, outputs, reports); 0 when not distributed.
     bool is_main_process() const { return rank_ == 0; }
+    // The bytes one checkpoint of this run writes, estimated before the first step: the trainable
+    // weights (whole, under ZeRO-3 too), the optimizer state (AdamW 2x the weights, adamw_bf16 3x in
+    // bf16, Lion 1x; SGD without momentum and Adafactor's factored moments count as none) and the
+    // EMA copy, and their safetensors headers. The random states and JSON files are left out.
+    int64_t estimated_checkpoint_bytes() const;
     int rank() const { return rank_; }
     int local_rank() const;
     int world_size() const;
@@ -202,6 +207,9 @@ class Trainer {
     std::unique_ptr<family::Denoiser> load_base_model(const models::ComponentLoadOptions& load,
                                                       bool main_process);
     void start_ema();
+    // Main process, before the first step: logs the estimated checkpoint size, and warns when
+    // output_dir's file system has less room than one checkpoint plus the final weights.
+    void check_output_space() const;
     // fp16: a read-back step's [found_inf, scale, skipped] (the last values of `v`, queued by
     // queue_step from LossScaler::update) into its metrics row (loss_scale, skipped_steps), and a
     // log line when its optimizer step was skipped.

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "core/fs.h"
+#include "core/log.h"
 #include "support/test_support.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
@@ -69,6 +70,68 @@ TEST(RunFiles, MetricsRowsSurviveAFullDiskWholeAndInOrder) {
         if (!row.contains("pad")) steps.push_back(row.at("step").get<int64_t>());
     }
     EXPECT_EQ(steps, (std::vector<int64_t>{1, 2, 3, 4, 5}));
+}
+
+// The sizes of every safetensors file under `dir` (what the checkpoint estimate counts); `listing`
+// gets one "name bytes" line each.
+int64_t safetensors_bytes(const stdfs::path& dir, std::string& listing) {
+    int64_t bytes = 0;
+    for (const auto& e : stdfs::recursive_directory_iterator(dir))
+        if (e.is_regular_file() && e.path().extension() == ".safetensors") {
+            bytes += static_cast<int64_t>(e.file_size());
+            listing += stdfs::relative(e.path(), dir).string() + " " + std::to_string(e.file_size()) + "\n";
+        }
+    return bytes;
+}
+
+// The log lines of one run, through log::set_file.
+std::string run_logged(Trainer& trainer, const stdfs::path& log_file) {
+    log::set_file(log_file);
+    trainer.run();
+    log::set_file({});
+    return fs::read_file(log_file);
+}
+
+// The estimate a run logs before its first step against the checkpoint it then writes (full
+// fine-tunes with AdamW, with Lion plus EMA, and a LoRA), and the warning when output_dir cannot
+// hold one checkpoint plus the final weights (a real tmpfs too small for the tiny UNet's; root only).
+TEST(RunFiles, CheckpointSizeIsEstimatedAndAShortDiskIsWarnedOfBeforeTheFirstStep) {
+    for (const auto& extra :
+         {nlohmann::json{{"model_type", "full"}},
+          nlohmann::json{{"model_type", "full"}, {"optimizer", "optimi-lion"}, {"use_ema", true}},
+          nlohmann::json{{"model_type", "lora"}, {"lora_rank", 4}}}) {
+        SCOPED_TRACE(extra.dump());
+        test::TempDir dir;
+        nlohmann::json keys = extra;
+        keys["checkpoint_step_interval"] = 2;
+        auto trainer = testutil::make_trainer(testutil::tiny_config(dir / "out", 2, keys));
+        const int64_t estimate = trainer->estimated_checkpoint_bytes();
+        const std::string log = run_logged(*trainer, dir / "log.txt");
+        EXPECT_NE(log.find("checkpoints of this run: about"), std::string::npos) << log;
+        EXPECT_EQ(log.find("less than one checkpoint"), std::string::npos) << log;
+        // Written: the weights file(s), optimizer.safetensors, the EMA file (and the random states,
+        // which the estimate leaves out): within 5% and 64 KiB of the estimate.
+        std::string listing;
+        const int64_t written = safetensors_bytes(dir / "out" / "checkpoint-2", listing);
+        EXPECT_LE(std::abs(written - estimate), estimate / 20 + (64 << 10))
+            << "estimate " << estimate << ", written " << written << "\n"
+            << listing;
+    }
+    test::SmallTmpfs disk(1 << 20);
+    if (!disk.mounted()) GTEST_SKIP() << disk.why();
+    test::TempDir logs;
+    auto trainer = testutil::make_trainer(
+        testutil::tiny_config(disk / "out", 1, {{"model_type", "full"}, {"checkpoint_step_interval", 0}}));
+    ASSERT_GT(trainer->estimated_checkpoint_bytes(), 1 << 20);
+    std::string log;
+    try {
+        log = run_logged(*trainer, logs / "log.txt");
+    } catch (const std::exception&) {  // the end-of-training checkpoint cannot fit: expected
+        log::set_file({});
+        log = fs::read_file(logs / "log.txt");
+    }
+    EXPECT_NE(log.find("less than one checkpoint of this run"), std::string::npos) << log;
+    EXPECT_NE(log.find("point output_dir at a larger file system"), std::string::npos) << log;
 }
 
 // A checkpoint directory with many files, so that a removal takes long enough to be killed in the
