@@ -80,6 +80,16 @@ OffloadDevice resolve_offload_device(const TrainConfig& config, const char* key,
     return d;
 }
 
+std::size_t gradient_bucket_bytes() {
+    const char* mb = std::getenv("DTUNE_BUCKET_MB");
+    if (!mb || !*mb) return dist::ReducerOptions{}.bucket_bytes;
+    char* end = nullptr;
+    const double value = std::strtod(mb, &end);
+    DTUNE_CHECK_AS(UsageError, end && *end == '\0' && value > 0 && value <= 4096, "DTUNE_BUCKET_MB is '", mb,
+                   "'; give the gradient bucket size in MiB, e.g. 25 (the default) or 100");
+    return static_cast<std::size_t>(value * (1u << 20));
+}
+
 bool resolve_offload_optimizer(const TrainConfig& config) {
     const OffloadDevice d =
         resolve_offload_device(config, "offload_optimizer_device", "DTUNE_OFFLOAD_OPTIMIZER_DEVICE");
@@ -206,15 +216,7 @@ void DataParallel::attach(std::vector<at::Tensor> params) {
             zero_stage_ == 2 ? dist::ZeroLayout::kContiguous : dist::ZeroLayout::kGreedy);
     dist::ReducerOptions reducer_options;
     if (zero_stage_ == 2) reducer_options.owners = partition_->owners();
-    // DTUNE_BUCKET_MB: the gradient bucket size in MiB (default 25, DDP's bucket_cap_mb), for
-    // measuring how the all-reduce's overlap with the backward depends on it.
-    if (const char* mb = std::getenv("DTUNE_BUCKET_MB"); mb && *mb) {
-        char* end = nullptr;
-        const double value = std::strtod(mb, &end);
-        DTUNE_CHECK_AS(UsageError, end && *end == '\0' && value > 0 && value <= 4096, "DTUNE_BUCKET_MB is '",
-                       mb, "'; give the gradient bucket size in MiB, e.g. 25 (the default) or 100");
-        reducer_options.bucket_bytes = static_cast<std::size_t>(value * (1u << 20));
-    }
+    reducer_options.bucket_bytes = gradient_bucket_bytes();
     reducer_ = std::make_unique<dist::GradReducer>(*group_, params_, reducer_options);
     if (partition_ && env_.rank == 0)
         log::info() << "ZeRO-" << zero_stage_ << ": " << reducer_->buckets().size() << " gradient buckets; "

@@ -70,6 +70,11 @@ int resolve_zero_stage(const TrainConfig& config);
 // offload, a bad prefetch depth) or for a parameter device that contradicts fsdp_cpu_offload.
 dist::Zero3Options resolve_zero3_options(const TrainConfig& config);
 
+// The data-parallel gradient bucket size: DTUNE_BUCKET_MB (MiB, for measuring how the all-reduce's
+// overlap with the backward depends on it), else 25 MiB (DDP's bucket_cap_mb); UsageError naming the
+// variable for a value that is not a number in (0, 4096].
+std::size_t gradient_bucket_bytes();
+
 // offload_optimizer_device from config.json, else DTUNE_OFFLOAD_OPTIMIZER_DEVICE (set by `dtune launch
 // --accelerate_config` from deepspeed_config.offload_optimizer_device), else none. true for "cpu"
 // (train::CpuOffloadOptimizer), and for SimpleTuner's fsdp_cpu_offload true; UsageError naming the

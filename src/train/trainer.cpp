@@ -1020,12 +1020,17 @@ TrainResult Trainer::run_loop() {
     return result;
 }
 
+int64_t Trainer::trainable_bytes() const {
+    int64_t bytes = 0;
+    for (const auto& p : trainable_)
+        bytes += p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
+    return bytes;
+}
+
 int64_t Trainer::estimated_checkpoint_bytes() const {
-    int64_t weights = 0, elements = 0;
-    for (const auto& p : trainable_) {
-        weights += p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
-        elements += p.tensor.numel();
-    }
+    const int64_t weights = trainable_bytes();
+    int64_t elements = 0;
+    for (const auto& p : trainable_) elements += p.tensor.numel();
     const std::string optimizer = config_.text("optimizer");
     const auto tensors = static_cast<int64_t>(trainable_.size());
     int64_t state = 0, entries = 0;  // entries: state tensors per parameter
@@ -1048,9 +1053,7 @@ int64_t Trainer::estimated_checkpoint_bytes() const {
 void Trainer::check_output_space() const {
     if (!is_main_process()) return;
     const int64_t checkpoint = estimated_checkpoint_bytes();
-    int64_t weights = 0;  // the final export writes the trained weights once more
-    for (const auto& p : trainable_)
-        weights += p.tensor.numel() * static_cast<int64_t>(p.tensor.element_size());
+    const int64_t weights = trainable_bytes();  // the final export writes the trained weights once more
     const double gb = 1e9;
     std::error_code ec;
     const auto space = std::filesystem::space(output_dir_, ec);

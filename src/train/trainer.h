@@ -125,6 +125,7 @@ class Trainer {
     // bf16, Lion 1x; SGD without momentum and Adafactor's factored moments count as none) and the
     // EMA copy, and their safetensors headers. The random states and JSON files are left out.
     int64_t estimated_checkpoint_bytes() const;
+    int64_t trainable_bytes() const;  // the trainable tensors' bytes
     int rank() const { return rank_; }
     int local_rank() const;
     int world_size() const;

@@ -143,6 +143,31 @@ TEST(DataParallelConfig, FsdpKeysMapOntoZeroStage3) {
     ::setenv("DTUNE_ZERO3_PREFETCH", "2", 1);
     EXPECT_EQ(resolve_zero3_options(c).prefetch, 2);
     ::unsetenv("DTUNE_ZERO3_PREFETCH");
+    // The bound on blocks' full gradients waiting for their reduce-scatter (default 2, 0 = at the end).
+    EXPECT_EQ(resolve_zero3_options(c).reduce_in_flight, 2);
+    ::setenv("DTUNE_ZERO3_REDUCE_IN_FLIGHT", "0", 1);
+    EXPECT_EQ(resolve_zero3_options(c).reduce_in_flight, 0);
+    ::setenv("DTUNE_ZERO3_REDUCE_IN_FLIGHT", "-1", 1);
+    try {
+        resolve_zero3_options(c);
+        ADD_FAILURE() << "DTUNE_ZERO3_REDUCE_IN_FLIGHT=-1 accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("DTUNE_ZERO3_REDUCE_IN_FLIGHT is '-1'"), std::string::npos)
+            << e.what();
+    }
+    ::unsetenv("DTUNE_ZERO3_REDUCE_IN_FLIGHT");
+    // The gradient bucket size (a measurement knob): MiB, else DDP's 25.
+    EXPECT_EQ(gradient_bucket_bytes(), std::size_t{25} << 20);
+    ::setenv("DTUNE_BUCKET_MB", "100", 1);
+    EXPECT_EQ(gradient_bucket_bytes(), std::size_t{100} << 20);
+    ::setenv("DTUNE_BUCKET_MB", "big", 1);
+    try {
+        gradient_bucket_bytes();
+        ADD_FAILURE() << "DTUNE_BUCKET_MB=big accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("DTUNE_BUCKET_MB is 'big'"), std::string::npos) << e.what();
+    }
+    ::unsetenv("DTUNE_BUCKET_MB");
     c.set("offload_param_device", "nvme", "test");
     try {
         resolve_zero3_options(c);
