@@ -86,6 +86,44 @@ TEST(HashDropout, SameMaskInEveryDtypeAndKeepsTheLayout) {
     EXPECT_TRUE(at::equal(cl.grad() != 0, y != 0));
 }
 
+// One hash serves four neighbouring elements (hash_dropout_math.h): their decisions must still be
+// independent, within a group (i, i + 1) as across groups (i, i + 4).
+TEST(HashDropout, NeighbouringElementsAreKeptIndependently) {
+    const at::Tensor kept = hash_dropout(at::ones({1 << 20}), seed_of(5), 4, 0.5) != 0;
+    const int64_t n = kept.numel();
+    for (int64_t gap : {1, 2, 3, 4, 5}) {
+        const double both =
+            (kept.narrow(0, 0, n - gap) & kept.narrow(0, gap, n - gap)).to(at::kDouble).mean().item<double>();
+        EXPECT_NEAR(both, 0.25, 0.003) << "gap " << gap;  // ~1e6 pairs: sd 0.0004
+    }
+    // Lane by lane the keep rate is 1 - p (no lane of the hash is biased).
+    const at::Tensor lanes = kept.view({-1, 4}).to(at::kDouble).mean(0);
+    for (int64_t l = 0; l < 4; ++l) EXPECT_NEAR(lanes[l].item<double>(), 0.5, 0.004) << "lane " << l;
+}
+
+// hash_dropout_add_ adds the masked, scaled input into another tensor with the mask hash_dropout
+// draws (float: the same sum exactly; bf16: rounded once instead of twice), at any index offset.
+TEST(HashDropout, AddJoinsAnotherTensorWithTheSameMask) {
+    const at::Tensor src = at::randn({5, 77}), base = at::randn({5, 77});
+    const at::Tensor seed = seed_of(9);
+    for (int64_t offset : {0, 3, 4001}) {
+        at::Tensor dst = base.clone();
+        hash_dropout_add_(dst, src, seed, 6, 0.3, offset);
+        EXPECT_TRUE(at::equal(dst, base + hash_dropout_no_grad(src, seed, 6, 0.3, offset))) << offset;
+        at::Tensor half = base.to(at::kBFloat16);
+        hash_dropout_add_(half, src.to(at::kBFloat16), seed, 6, 0.3, offset);
+        const at::Tensor exact =
+            base.to(at::kBFloat16).to(at::kFloat) +
+            hash_dropout_no_grad(src.to(at::kBFloat16).to(at::kFloat), seed, 6, 0.3, offset);
+        EXPECT_TRUE(at::equal(half, exact.to(at::kBFloat16))) << offset;  // one rounding
+    }
+    at::Tensor dst = base.clone();
+    hash_dropout_add_(dst, src, seed, 6, 0.0);  // p 0: a plain add
+    EXPECT_TRUE(at::equal(dst, base + src));
+    at::Tensor wrong = at::zeros({5, 76});
+    EXPECT_THROW(hash_dropout_add_(wrong, src, seed, 6, 0.3), Error);
+}
+
 TEST(HashDropout, RefusesABadSeedOrP) {
     const at::Tensor x = at::ones({4});
     EXPECT_THROW(hash_dropout(x, at::zeros({1}), 0, 0.1), Error);             // float seed

@@ -333,6 +333,18 @@ TEST(ModelsGpu, HashDropoutKernelMatchesTheCpuAndReplaysInAGraph) {
                                                 at::full({1}, 77, at::kLong).to(cuda), 12, 0.1, 5000)
                                        .cpu();
             EXPECT_TRUE(at::equal(gpu, cpu)) << c10::toString(dtype) << " " << start << "+" << length;
+            // The fused add (the LoRA backward's input gradient), at an offset off the 4-element
+            // hash groups too.
+            for (int64_t offset : {int64_t{5000}, int64_t{5001}}) {
+                const at::Tensor base = at::randn({length}).to(dtype);
+                at::Tensor on_cpu = base.clone(), on_gpu = base.to(cuda);
+                hash_dropout_add_(on_cpu, flat.narrow(0, start, length), at::full({1}, 77, at::kLong), 12,
+                                  0.1, offset);
+                hash_dropout_add_(on_gpu, flat.to(cuda).narrow(0, start, length),
+                                  at::full({1}, 77, at::kLong).to(cuda), 12, 0.1, offset);
+                EXPECT_TRUE(at::equal(on_gpu.cpu(), on_cpu))
+                    << "add " << c10::toString(dtype) << " " << start << "+" << length << " @" << offset;
+            }
         }
 #ifdef DTUNE_WITH_CUDA
     const at::Tensor seed = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(cuda));

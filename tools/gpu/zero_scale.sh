@@ -7,7 +7,8 @@
 # memory (metrics.jsonl: the steps' peak) per run; one JSON line each in $OUT/zero_scale.jsonl.
 #   OUT=$OUT tools/gpu/zero_scale.sh     env: STEPS (20), STAGES ("0 1 2 3"; "" runs no SDXL full run), GPUS ("1 2 4", capped at
 #   the machine's count), LORA (1), FLUX (0), FLUX_STEPS (6), CAP (240 s a run), FLAT_GPUS (""),
-#   GRAPH_TEST (0: 1 builds and runs dist_graph_gpu_tests first), TWO_NODE (0), TWO_NODE_STAGE (1),
+#   GRAPH_TEST (0: 1 builds and runs dist_graph_gpu_tests first), TWO_NODE (0; 1: two node processes
+#   on this host, 2 GPUs each on 4 GPUs, 1 each on 2), TWO_NODE_STAGE (1),
 #   FULL_EXTRA (more train_full_size.sh options for the SDXL full runs, e.g. "--gradient_checkpointing true"),
 #   Z3_EXTRA (more options for the SDXL zero_stage 3 runs only, e.g. "--offload_optimizer_device cpu"),
 #   DEADLINE (seconds after the start; a run that would start later is skipped, a running one is cut
@@ -16,7 +17,8 @@
 #   largest GPU count, zero_stage VARIANT_STAGE (0), again with those variables, e.g.
 #   "NCCL_MAX_NCHANNELS=8 DTUNE_BUCKET_MB=100"), MEM (1: on the largest GPU count, the memory runs
 #   zero_stage 2 and 3 with gradient checkpointing, and 3 with the optimizer offloaded too).
-#   MEM_SPECS (the memory runs, "stage|options;stage|options"), FLUX_OUT (the Flux runs' output_dir
+#   MEM_SPECS (the memory runs, "stage|options;stage|options"; a third field "|VAR=v,VAR=v" sets that
+#   run's environment, e.g. "3|--gradient_checkpointing true|DTUNE_ZERO3_REDUCE_IN_FLIGHT=8"), FLUX_OUT (the Flux runs' output_dir
 #   root, default $W: a 12 B full fine-tune's checkpoint is ~72 GB, so /dev/shm where the disk is short),
 #   GPU_TESTS (gtest binaries under build/dev/tests to build and run on GPU 0 first, each
 #   "dir/binary" or "dir/binary:gtest_filter", e.g. "train/test_trainer_graph_gpu").
@@ -119,6 +121,16 @@ PY
         rm -rf "$o"  # a 12 B checkpoint is ~72 GB: the next runs need the disk
     done
 fi
+# LoRA r16 batch 4 with SimpleTuner's defaults on 1 GPU and on the most (issue #18's data-parallel
+# target), before the full fine-tunes: short runs.
+if [[ ${LORA:-1} == 1 ]]; then
+    for n in 1 "${gpus[-1]}"; do
+        t0=$SECONDS cap=$(limit)
+        (( cap > 0 )) || { echo "lora, $n GPUs: skipped (DEADLINE)"; continue; }
+        NPROC=$n timeout -k 20 "$cap" tools/gpu/train_full_size.sh build/dev "$W" lora "$STEPS" >"$OUT/lora_${n}gpu.log" 2>&1
+        row "sdxl lora r16 batch 4, $n GPUs, defaults" "$OUT/lora_${n}gpu.log" $? $((SECONDS - t0))
+    done
+fi
 for n in "${gpus[@]}"; do
     for z in $STAGES; do
         (( n == 1 && z != 0 )) && continue  # one GPU: ZeRO has nothing to shard
@@ -137,12 +149,14 @@ if [[ ${MEM:-0} == 1 ]]; then
     n=${gpus[-1]}
     IFS=';' read -ra specs <<<"${MEM_SPECS:-2|--gradient_checkpointing true;3|--gradient_checkpointing true;3|--gradient_checkpointing true --offload_optimizer_device cpu}"
     for spec in "${specs[@]}"; do
-        z=${spec%%|*} extra=${spec#*|} t0=$SECONDS cap=$(limit)
-        log=$OUT/mem_${n}gpu_zero${z}_${extra//[^A-Za-z0-9]/_}.log
-        (( cap > 0 )) || { echo "memory run zero_stage $z $extra: skipped (DEADLINE)"; continue; }
-        NPROC=$n timeout -k 20 "$cap" tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" --zero_stage "$z" \
-            $extra >"$log" 2>&1
-        row "sdxl full, $n GPUs, zero_stage $z, $extra" "$log" $? $((SECONDS - t0))
+        # "stage|options" or "stage|options|VAR=value,VAR=value" (environment of that run only)
+        IFS='|' read -r z extra vars <<<"$spec"
+        t0=$SECONDS cap=$(limit)
+        log=$OUT/mem_${n}gpu_zero${z}_${extra//[^A-Za-z0-9]/_}${vars:+_${vars//[^A-Za-z0-9]/_}}.log
+        (( cap > 0 )) || { echo "memory run zero_stage $z $extra $vars: skipped (DEADLINE)"; continue; }
+        env ${vars//,/ } NPROC=$n timeout -k 20 "$cap" tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" \
+            --zero_stage "$z" $extra >"$log" 2>&1
+        row "sdxl full, $n GPUs, zero_stage $z, $extra${vars:+, $vars}" "$log" $? $((SECONDS - t0))
     done
 fi
 # ENV_VARIANTS: the same run with other NCCL / bucket settings.
@@ -163,24 +177,23 @@ for n in ${FLAT_GPUS:-}; do
     row "sdxl full, $n GPUs, zero_stage 0, flat all-reduce after backward" "$OUT/full_${n}gpu_zero0_flat.log" $? \
         $((SECONDS - t0))
 done
-# TWO_NODE=1 (4 GPUs): the same full fine-tune as two `dtune launch --nnodes 2 --node_rank` processes of
-# 2 GPUs each on this host (GPUs 0,1 and 2,3; one shared output_dir), zero_stage TWO_NODE_STAGE (1).
-if [[ ${TWO_NODE:-0} == 1 ]] && (( have >= 4 )); then
-    t0=$SECONDS port=$((29000 + RANDOM % 1000)) z=${TWO_NODE_STAGE:-1}
-    CUDA_VISIBLE_DEVICES=2,3 NNODES=2 NODE_RANK=1 MASTER_PORT=$port NPROC=2 timeout -k 20 "$CAP" \
-        tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" --zero_stage "$z" >"$OUT/two_node_1.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=0,1 NNODES=2 NODE_RANK=0 MASTER_PORT=$port NPROC=2 timeout -k 20 "$CAP" \
-        tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" --zero_stage "$z" >"$OUT/two_node_0.log" 2>&1
-    rc=$?
-    wait
-    row "sdxl full, 2 nodes x 2 GPUs on one host, zero_stage $z" "$OUT/two_node_0.log" $rc $((SECONDS - t0))
-fi
-if [[ ${LORA:-1} == 1 ]]; then
-    for n in 1 "${gpus[-1]}"; do
-        t0=$SECONDS
-        NPROC=$n timeout -k 20 "$CAP" tools/gpu/train_full_size.sh build/dev "$W" lora "$STEPS" >"$OUT/lora_${n}gpu.log" 2>&1
-        row "sdxl lora r16 batch 4, $n GPUs, defaults" "$OUT/lora_${n}gpu.log" $? $((SECONDS - t0))
-    done
+# TWO_NODE=1: the same full fine-tune as two `dtune launch --nnodes 2 --node_rank` processes on this
+# host (one shared output_dir), zero_stage TWO_NODE_STAGE (1): 2 GPUs each (GPUs 0,1 and 2,3) on a
+# 4-GPU host, 1 GPU each on a 2-GPU host.
+if [[ ${TWO_NODE:-0} == 1 ]] && (( have >= 2 )); then
+    t0=$SECONDS port=$((29000 + RANDOM % 1000)) z=${TWO_NODE_STAGE:-1} cap=$(limit)
+    if (( have >= 4 )); then per=2 dev0=0,1 dev1=2,3; else per=1 dev0=0 dev1=1; fi
+    if (( cap > 0 )); then
+        CUDA_VISIBLE_DEVICES=$dev1 NNODES=2 NODE_RANK=1 MASTER_PORT=$port NPROC=$per timeout -k 20 "$cap" \
+            tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" --zero_stage "$z" >"$OUT/two_node_1.log" 2>&1 &
+        CUDA_VISIBLE_DEVICES=$dev0 NNODES=2 NODE_RANK=0 MASTER_PORT=$port NPROC=$per timeout -k 20 "$cap" \
+            tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" --zero_stage "$z" >"$OUT/two_node_0.log" 2>&1
+        rc=$?
+        wait
+        row "sdxl full, 2 nodes x $per GPU(s) on one host, zero_stage $z" "$OUT/two_node_0.log" $rc $((SECONDS - t0))
+    else
+        echo "two nodes: skipped (DEADLINE)"
+    fi
 fi
 echo "== done at $SECONDS s"
 tar czf "$OUT/zero_scale_logs.tar.gz" -C "$OUT" $(cd "$OUT" && ls *.log 2>/dev/null) 2>/dev/null

@@ -58,6 +58,9 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
         at::Tensor apply(const at::Tensor& t) const {
             return seed.defined() ? hash_dropout_no_grad(t, seed, salt, p, index_offset) : t;
         }
+        void add_to(at::Tensor& dst, const at::Tensor& t) const {  // dst += apply(t)
+            hash_dropout_add_(dst, t, seed, salt, p, index_offset);
+        }
     };
     struct Frozen {
         at::Tensor weight, bias;
@@ -127,7 +130,7 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
                      : quantized_linear_input_grad(g, ctx->saved_data["q_weight"].toTensor(),
                                                    ctx->saved_data["q_scale"].toTensor(), g.scalar_type());
             if (drop.seed.defined())
-                dx.add_(drop.apply(at::mm(gh, ac)));  // + mask(s·g·B·A)
+                drop.add_to(dx, at::mm(gh, ac));  // + mask(s·g·B·A), one pass
             else
                 dx.addmm_(gh, ac);  // + s·g·B·A
             dx = dx.to(dtype("x_dtype")).view(ctx->saved_data["x_sizes"].toIntVector());

@@ -29,8 +29,9 @@ struct Rule {
     int64_t index_offset;
 };
 
-// in and out contiguous (same layout), on the CPU; seed a CPU int64 scalar.
-void cpu_apply(const at::Tensor& in, at::Tensor& out, uint64_t seed, const Rule& r) {
+// in and out contiguous (same layout), on the CPU; seed a CPU int64 scalar. add: out += masked in,
+// rounded once as the CUDA kernel does.
+void cpu_apply(const at::Tensor& in, at::Tensor& out, uint64_t seed, const Rule& r, bool add = false) {
     const uint64_t key = math::layer_key(seed, r.salt);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, in.scalar_type(), "hash_dropout_cpu", [&] {
         using opmath = at::opmath_type<scalar_t>;
@@ -40,7 +41,8 @@ void cpu_apply(const at::Tensor& in, at::Tensor& out, uint64_t seed, const Rule&
         at::parallel_for(0, in.numel(), 4096, [&](int64_t begin, int64_t end) {
             for (int64_t i = begin; i < end; ++i) {
                 const bool kept = math::keep(key, static_cast<uint64_t>(r.index_offset + i), r.threshold);
-                dst[i] = kept ? static_cast<scalar_t>(static_cast<opmath>(src[i]) * scale) : scalar_t(0);
+                const opmath v = kept ? static_cast<opmath>(src[i]) * scale : opmath(0);
+                dst[i] = static_cast<scalar_t>(add ? static_cast<opmath>(dst[i]) + v : v);
             }
         });
     });
@@ -70,6 +72,31 @@ at::Tensor masked_scale(const at::Tensor& x, const at::Tensor& seed, const Rule&
     at::Tensor host_out = at::empty_like(in, in.options().device(at::kCPU), format);
     cpu_apply(in.cpu(), host_out, static_cast<uint64_t>(seed.item<int64_t>()), r);
     return host_out.to(in.device());
+}
+
+// dst += masked scale of src: one pass on CUDA. dst and src alike (shape, dtype, device), dst
+// contiguous.
+void masked_scale_add(at::Tensor& dst, const at::Tensor& src, const at::Tensor& seed, const Rule& r) {
+    const at::Tensor in = src.contiguous();
+    if (in.numel() == 0) return;
+#ifdef DTUNE_WITH_CUDA_KERNELS
+    if (in.is_cuda()) {
+        const c10::cuda::CUDAGuard guard(in.device());
+        check_launch(cuda::hash_dropout_add(
+                         in.const_data_ptr(), dst.mutable_data_ptr(), in.numel(),
+                         seed.const_data_ptr<int64_t>(), r.salt, r.index_offset, r.threshold, r.scale,
+                         kernel_dtype(in.scalar_type(), "hash_dropout"), current_stream_of(in)),
+                     "hash_dropout", "add");
+        return;
+    }
+#endif
+    if (in.is_cpu()) {
+        cpu_apply(in, dst, static_cast<uint64_t>(seed.item<int64_t>()), r, /*add=*/true);
+        return;
+    }
+    at::Tensor host = dst.cpu();
+    cpu_apply(in.cpu(), host, static_cast<uint64_t>(seed.item<int64_t>()), r, /*add=*/true);
+    dst.copy_(host);
 }
 
 struct HashDropoutFunction : public torch::autograd::Function<HashDropoutFunction> {
@@ -124,6 +151,20 @@ at::Tensor hash_dropout_no_grad(const at::Tensor& x, const at::Tensor& seed, uin
     if (p == 0.0) return x;
     return masked_scale(x, seed, HashDropoutFunction::rule(static_cast<int64_t>(salt), p, index_offset),
                         x.suggest_memory_format());
+}
+
+void hash_dropout_add_(at::Tensor& dst, const at::Tensor& src, const at::Tensor& seed, uint64_t salt,
+                       double p, int64_t index_offset) {
+    check_args(src, seed, p);
+    DTUNE_CHECK(
+        dst.sizes() == src.sizes() && dst.scalar_type() == src.scalar_type() &&
+            dst.device() == src.device() && dst.is_contiguous(),
+        "hash_dropout_add_: dst must be a contiguous tensor shaped like src, of its dtype and device");
+    if (p == 0.0) {
+        dst.add_(src);
+        return;
+    }
+    masked_scale_add(dst, src, seed, HashDropoutFunction::rule(static_cast<int64_t>(salt), p, index_offset));
 }
 
 }  // namespace dtune::models

@@ -26,4 +26,9 @@ at::Tensor hash_dropout(const at::Tensor& x, const at::Tensor& seed, uint64_t sa
 at::Tensor hash_dropout_no_grad(const at::Tensor& x, const at::Tensor& seed, uint64_t salt, double p,
                                 int64_t index_offset = 0);
 
+// dst += hash_dropout_no_grad(src, ...), in one pass on CUDA and rounded once (the LoRA backward's
+// input gradient joining the base layer's). dst contiguous, shaped like src, same dtype and device.
+void hash_dropout_add_(at::Tensor& dst, const at::Tensor& src, const at::Tensor& seed, uint64_t salt,
+                       double p, int64_t index_offset = 0);
+
 }  // namespace dtune::models

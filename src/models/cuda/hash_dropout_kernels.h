@@ -14,4 +14,8 @@ namespace dtune::models::cuda {
 int hash_dropout(const void* in, void* out, int64_t n, const int64_t* seed, uint64_t salt,
                  int64_t index_offset, uint32_t threshold, float scale, KernelDtype dtype, void* stream);
 
+// out[i] += masked, scaled in[i] (one rounding to the dtype), with hash_dropout's mask.
+int hash_dropout_add(const void* in, void* out, int64_t n, const int64_t* seed, uint64_t salt,
+                     int64_t index_offset, uint32_t threshold, float scale, KernelDtype dtype, void* stream);
+
 }  // namespace dtune::models::cuda
