@@ -10,6 +10,7 @@
 // which is SimpleTuner's AdamWBF16._make_step with its add_stochastic_ / addcdiv_stochastic_.
 #include <ATen/core/grad_mode.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <string>
@@ -203,6 +204,80 @@ void AdamWBF16::prepare(size_t group) {
 }
 
 void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale) {
+    const double b1 = options_.beta1, b2 = options_.beta2;
+#ifdef DTUNE_WITH_CUDA_KERNELS
+    if (options_.fused_kernel && fused_kernels_allowed() && b.exp_avg.is_cuda() &&
+        generator_.device().is_cuda()) {
+        // Each member's gradient and weight are read where they are when both are contiguous bf16
+        // on the bucket's device (the usual case); otherwise the bucket goes through flat copies.
+        bool in_place = true;
+        for (size_t k : b.members) {
+            const at::Tensor& p = g.params[k];
+            const at::Tensor& grad = p.grad();
+            in_place = in_place && p.is_contiguous() && grad.is_contiguous() &&
+                       grad.scalar_type() == at::kBFloat16 && grad.device() == b.exp_avg.device() &&
+                       p.device() == b.exp_avg.device();
+        }
+        std::vector<std::pair<const void*, void*>> spans;  // (gradient, weight) per member
+        at::Tensor flat_grad, flat_weight;
+        if (in_place) {
+            for (size_t k : b.members)
+                spans.emplace_back(g.params[k].grad().const_data_ptr(), g.params[k].mutable_data_ptr());
+        } else {
+            std::vector<at::Tensor> grads, weights;
+            for (size_t k : b.members) {
+                grads.push_back(g.params[k].grad().reshape(-1).to(at::kBFloat16));
+                weights.push_back(g.params[k].reshape(-1));
+            }
+            flat_grad = at::cat(grads).to(b.exp_avg.device());
+            flat_weight = at::cat(weights).to(b.exp_avg.device());  // this step's own copy, updated in place
+            spans.emplace_back(flat_grad.const_data_ptr(), flat_weight.mutable_data_ptr());
+        }
+        cuda::AdamWBF16Args args;
+        args.beta1 = static_cast<float>(b1);
+        args.beta2 = static_cast<float>(b2);
+        args.one_minus_beta1 = static_cast<float>(1 - b1);
+        args.one_minus_beta2 = static_cast<float>(1 - b2);
+        args.eps = static_cast<float>(options_.eps);
+        args.simpletuner_momentum = options_.simpletuner_momentum;
+        args.scale = scale.const_data_ptr<float>();
+        const c10::cuda::CUDAGuard guard(b.exp_avg.device());
+        const cuda::PhiloxArgs rng = philox_args(generator_, 4);
+        void* stream = c10::cuda::getCurrentCUDAStream(b.exp_avg.device().index()).stream();
+        cuda::AdamWBF16Chunks batch;
+        auto flush = [&] {
+            const int err = cuda::adamw_bf16_chunks_step(batch, b.exp_avg.mutable_data_ptr(),
+                                                         b.exp_avg_sq.mutable_data_ptr(),
+                                                         b.shift.mutable_data_ptr(), args, rng, stream);
+            DTUNE_CHECK(err == 0, "adamw_bf16: fused CUDA kernel launch failed (CUDA error ", err, ")");
+            batch.count = 0;
+        };
+        // Chunks of at most kAdamWBF16ChunkElements, in bucket order; one launch per full batch.
+        int64_t offset = 0;
+        for (size_t i = 0; i < spans.size(); ++i) {
+            const int64_t numel = in_place ? g.params[b.members[i]].numel() : b.numel;
+            for (int64_t start = 0; start < numel; start += cuda::kAdamWBF16ChunkElements) {
+                cuda::AdamWBF16Chunk& c = batch.chunk[batch.count++];
+                c.grad = static_cast<const char*>(spans[i].first) + start * 2;  // bf16: 2 bytes
+                c.weight = static_cast<char*>(spans[i].second) + start * 2;
+                c.offset = offset + start;
+                c.numel = std::min(cuda::kAdamWBF16ChunkElements, numel - start);
+                if (batch.count == cuda::kAdamWBF16MaxChunks) flush();
+            }
+            offset += numel;
+        }
+        if (batch.count > 0) flush();
+        if (!in_place) {
+            int64_t at = 0;
+            for (size_t k : b.members) {
+                at::Tensor& p = g.params[k];
+                p.copy_(flat_weight.narrow(0, at, p.numel()).view(p.sizes()));
+                at += p.numel();
+            }
+        }
+        return;
+    }
+#endif
     std::vector<at::Tensor> params, flat_grads, flat_params;
     for (size_t k : b.members) {
         params.push_back(g.params[k]);
@@ -211,7 +286,6 @@ void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale)
     }
     const at::Tensor grad = at::cat(flat_grads);     // [n] bf16
     const at::Tensor before = at::cat(flat_params);  // [n] bf16
-    const double b1 = options_.beta1, b2 = options_.beta2;
     auto write_back = [&](const at::Tensor& after) {
         std::vector<at::Tensor> views;
         int64_t offset = 0;
@@ -221,28 +295,6 @@ void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale)
         }
         at::_foreach_copy_(params, views);
     };
-#ifdef DTUNE_WITH_CUDA_KERNELS
-    if (options_.fused_kernel && fused_kernels_allowed() && grad.is_cuda() && generator_.device().is_cuda()) {
-        cuda::AdamWBF16Args args;
-        args.beta1 = static_cast<float>(b1);
-        args.beta2 = static_cast<float>(b2);
-        args.one_minus_beta1 = static_cast<float>(1 - b1);
-        args.one_minus_beta2 = static_cast<float>(1 - b2);
-        args.eps = static_cast<float>(options_.eps);
-        args.simpletuner_momentum = options_.simpletuner_momentum;
-        args.scale = scale.const_data_ptr<float>();
-        const c10::cuda::CUDAGuard guard(grad.device());
-        const cuda::PhiloxArgs rng = philox_args(generator_, 4);
-        // `before` is this step's own copy of the weights: the kernel turns it into the new weights.
-        const int err = cuda::adamw_bf16_bucket_step(
-            grad.const_data_ptr(), before.mutable_data_ptr(), b.exp_avg.mutable_data_ptr(),
-            b.exp_avg_sq.mutable_data_ptr(), b.shift.mutable_data_ptr(), b.numel, args, rng,
-            c10::cuda::getCurrentCUDAStream(grad.device().index()).stream());
-        DTUNE_CHECK(err == 0, "adamw_bf16: fused CUDA kernel launch failed (CUDA error ", err, ")");
-        write_back(before);
-        return;
-    }
-#endif
     auto sr = [&](const at::Tensor& x32) {
         return round_stochastic(x32, draw_noise(b.numel, generator_, x32));
     };

@@ -9,8 +9,10 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <set>
+#include <string>
 
 #include "core/error.h"
 #include "train/optimizer.h"
@@ -290,6 +292,52 @@ TEST_P(AdamWBF16Flat, ParametersWithoutGradientKeepTheirState) {
     const TensorMap last = opt->state_dict();
     EXPECT_EQ(last.at("a.bias.step").item<double>(), 2.0);
     EXPECT_EQ(last.at("c.big.step").item<double>(), 3.0);
+}
+
+// The fused CUDA kernel reads each gradient and weight in place (chunks of up to 2^20 elements, up
+// to 100 per launch) unless a gradient is not contiguous, when the bucket goes through flat copies.
+// Both give the same bits: an element's random numbers depend on its index in the bucket only.
+// Sizes: 130 small parameters and one of 2.5 M elements (several chunks, several launches), and odd
+// sizes that shift the state arrays off 16-byte alignment (the one-element loop).
+TEST(AdamWBF16Cuda, InPlaceAndCopiedBucketsGiveTheSameBits) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    std::vector<std::string> names;
+    std::vector<std::vector<int64_t>> shapes;
+    for (int i = 0; i < 130; ++i) {
+        names.push_back("small" + std::to_string(i));
+        shapes.push_back(i % 7 == 3 ? std::vector<int64_t>{3, 5} : std::vector<int64_t>{24, 40});
+    }
+    names.push_back("big");
+    shapes.push_back({1250, 2000});
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(99);
+    std::vector<at::Tensor> init, grads;
+    for (const auto& s : shapes) {
+        init.push_back(at::randn(s, gen).to(at::kBFloat16));
+        grads.push_back((at::randn(s, gen) * 1e-2).to(at::kBFloat16));
+    }
+    std::array<std::vector<at::Tensor>, 2> out;
+    for (int copied = 0; copied < 2; ++copied) {
+        std::vector<at::Tensor> params;
+        for (const auto& t : init) params.push_back(t.to(cuda).requires_grad_(true));
+        AdamWBF16 opt({ParamGroup{names, params, 1e-1, 1e-2}}, make_gen(cuda, 5), AdamWBF16Options{});
+        for (int step = 0; step < 2; ++step) {
+            for (size_t i = 0; i < params.size(); ++i) {
+                at::Tensor g = grads[i].to(cuda) * (step + 1);
+                // copied: the big gradient as a transposed view (same values, not contiguous)
+                if (copied && names[i] == "big") g = g.t().contiguous().t();
+                params[i].mutable_grad() = g;
+            }
+            opt.step();
+        }
+        for (auto& p : params) out[copied].push_back(p.detach().cpu());
+        for (const auto& [key, value] : opt.state_dict())
+            if (value.numel() > 1) out[copied].push_back(value.cpu());
+    }
+    ASSERT_EQ(out[0].size(), out[1].size());
+    for (size_t i = 0; i < out[0].size(); ++i) EXPECT_TRUE(at::equal(out[0][i], out[1][i])) << i;
+    // And the step moved every weight's bits somewhere (the kernel ran on every chunk).
+    for (size_t i = 0; i < init.size(); ++i) EXPECT_FALSE(at::equal(out[0][i], init[i])) << names[i];
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, AdamWBF16Flat, ::testing::Values(c10::kCPU, c10::kCUDA),

@@ -24,11 +24,32 @@ struct AdamWBF16Args {
     const float* scale = nullptr;  // device scalar: -lr * sqrt(1 - beta2^t)
 };
 
-// One step over a bucket (adamw_bf16.cpp's header comment gives the formulas): reads grad and
-// weights, updates exp_avg, exp_avg_sq and shift in place, and writes the new weights over
-// `weights`. Each element uses 4 of its own Philox numbers (one per stochastic rounding), so the
-// call consumes an offset increment of 4. Returns the launch's cudaError_t (0 = success).
-int adamw_bf16_bucket_step(const void* grad, void* weights, void* exp_avg, void* exp_avg_sq, void* shift,
-                           int64_t n, const AdamWBF16Args& args, const PhiloxArgs& rng, void* stream);
+// A run of at most kAdamWBF16ChunkElements of one parameter's elements: its gradient and weight
+// (bf16, contiguous, on the device) and where they sit in the bucket's flat state arrays.
+struct AdamWBF16Chunk {
+    const void* grad = nullptr;
+    void* weight = nullptr;
+    int64_t offset = 0;  // elements into the bucket
+    int64_t numel = 0;
+};
+
+constexpr int64_t kAdamWBF16ChunkElements = int64_t{1} << 20;
+// Chunks per launch: they travel in the kernel's arguments (4 KB at most), so a step needs no
+// device-side table (nothing to upload, nothing a CUDA graph would have to keep alive).
+constexpr int kAdamWBF16MaxChunks = 100;
+struct AdamWBF16Chunks {
+    AdamWBF16Chunk chunk[kAdamWBF16MaxChunks];
+    int count = 0;
+};
+
+// One launch over up to kAdamWBF16MaxChunks chunks of a bucket (adamw_bf16.cpp's header comment
+// gives the formulas): each chunk's gradient is read, its weight updated in place, and exp_avg,
+// exp_avg_sq and shift (flat bf16 arrays of the bucket) at its offset updated. Each element uses
+// four 16-bit random numbers of its own, from a hash of the call's Philox seed and offset and the
+// element's index in the bucket: a bucket's launches share one `rng` (an offset increment of 4),
+// and results do not depend on how the bucket is cut into chunks. Returns the launch's
+// cudaError_t (0 = success).
+int adamw_bf16_chunks_step(const AdamWBF16Chunks& batch, void* exp_avg, void* exp_avg_sq, void* shift,
+                           const AdamWBF16Args& args, const PhiloxArgs& rng, void* stream);
 
 }  // namespace dtune::train::cuda
