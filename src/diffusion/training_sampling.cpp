@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iomanip>
+#include <sstream>
 #include <vector>
 
 #include "core/error.h"
@@ -111,34 +113,85 @@ at::Tensor timestep_weights(const TimestepBiasOptions& options, int64_t num_time
     return weights / weights.sum();
 }
 
-at::Tensor segmented_timesteps(const at::Tensor& weights_in, int64_t batch_size, at::Generator& generator) {
-    DTUNE_CHECK(batch_size >= 1, "segmented timestep sampling needs a batch of at least 1; got ", batch_size);
-    at::Tensor weights = weights_in.to(generator.device(), at::kFloat).clone();  // normalised in place below
-    const int64_t num = weights.size(0);
-    const int64_t first = num - 1;
-    const int64_t segment = std::max<int64_t>(num / batch_size, 1);
-    std::vector<int64_t> picked;
-    picked.reserve(static_cast<size_t>(batch_size));
+namespace {
+
+// Cumulative sums along the last dimension, divided by their last entry: exactly 1 from the last
+// non-zero weight on (x / x is 1 in IEEE arithmetic), so a draw u < 1 never passes it.
+at::Tensor normalised_cumsum(const at::Tensor& weights) {
+    const at::Tensor c = weights.cumsum(-1);
+    return c / c.narrow(-1, c.size(-1) - 1, 1);
+}
+
+}  // namespace
+
+at::Tensor timestep_cdf(int64_t batch_size, int64_t num_timesteps, const TimestepSamplingOptions& options) {
+    DTUNE_CHECK(batch_size >= 1, "timestep sampling needs a batch of at least 1; got ", batch_size);
+    // float64 throughout: a multiplier of 1e7 leaves the rest 1e-10 of the mass, which float32 sums lose.
+    at::Tensor weights = timestep_weights(options.bias, num_timesteps).to(at::kDouble);  // [T]
+    if (batch_size == 1 || options.disable_segmented_timestep_sampling) return normalised_cumsum(weights);
+    // SimpleTuner's segmented_timestep_selection: segments of T / B from the top, each normalised in
+    // place in turn (so a shared boundary enters the next segment already divided by this one's sum).
+    const int64_t first = num_timesteps - 1;
+    const int64_t segment = std::max<int64_t>(num_timesteps / batch_size, 1);
+    at::Tensor rows = at::zeros({batch_size, num_timesteps}, at::kDouble);  // [B, T]
     for (int64_t i = 0; i < batch_size; ++i) {
         const int64_t start = first - i * segment;
         const int64_t end = i != batch_size - 1 ? std::max<int64_t>(start - segment, 0) : 0;
-        DTUNE_CHECK(start >= end, "batch of ", batch_size, " is larger than the ", num,
+        DTUNE_CHECK(start >= end, "batch of ", batch_size, " is larger than the ", num_timesteps,
                     " training timesteps; segmented sampling cannot give each sample its own segment. "
                     "Set disable_segmented_timestep_sampling");
-        at::Tensor seg = weights.slice(0, end, start + 1);  // a view: SimpleTuner normalises in place
+        at::Tensor seg = weights.slice(0, end, start + 1);  // a view: normalised in place
         seg /= seg.sum();
-        const int64_t idx = at::multinomial(seg, 1, false, generator).item<int64_t>();
-        picked.push_back(end + idx);
+        rows[i].slice(0, end, start + 1).copy_(seg);
     }
-    return at::tensor(picked, at::kLong);  // [B] on the CPU
+    return normalised_cumsum(rows);
+}
+
+at::Tensor timesteps_from_cdf(const at::Tensor& cdf, int64_t batch_size,
+                              const std::optional<at::Generator>& generator) {
+    DTUNE_CHECK(cdf.dim() == 1 || (cdf.dim() == 2 && cdf.size(0) == batch_size), "a timestep CDF of shape ",
+                cdf.sizes(), " does not fit a batch of ", batch_size, " (expected [T] or [B, T])");
+    const at::TensorOptions f64 = cdf.options().dtype(at::kDouble);
+    const at::Tensor u = at::rand({batch_size, 1}, generator, f64);  // [B, 1]
+    // The first k with cdf[k] > u is the count of entries <= u (the table is sorted), so a timestep
+    // of weight 0 is never drawn. A comparison and a sum over [B, T] rather than at::searchsorted: the
+    // same index, and it also runs on meta tensors, where the tests check that no host read is made.
+    const at::Tensor table = cdf.dim() == 1 ? cdf.unsqueeze(0) : cdf;  // [1 or B, T]
+    return table.le(u).sum(1);                                         // [B] int64
+}
+
+at::Tensor TimestepCdfCache::get(int64_t batch_size, int64_t num_timesteps,
+                                 const TimestepSamplingOptions& options, const at::Device& device) {
+    const TimestepBiasOptions& b = options.bias;
+    std::ostringstream k;
+    k << std::setprecision(17) << batch_size << ' ' << num_timesteps << ' ' << static_cast<int>(b.strategy)
+      << ' ' << b.multiplier << ' ' << b.begin << ' ' << b.end << ' ' << b.portion << ' '
+      << options.disable_segmented_timestep_sampling << ' ' << device.str();
+    const std::string key = k.str();
+    const std::lock_guard<std::mutex> lock(mutex_);
+    auto it = tables_.find(key);
+    if (it == tables_.end())
+        it = tables_.emplace(key, timestep_cdf(batch_size, num_timesteps, options).to(device)).first;
+    return it->second;
+}
+
+at::Tensor draw_timesteps(int64_t batch_size, int64_t num_timesteps, const TimestepSamplingOptions& options,
+                          const std::optional<at::Generator>& generator, const at::Device& device,
+                          TimestepCdfCache* cache) {
+    if (generator)
+        return timesteps_from_cdf(timestep_cdf(batch_size, num_timesteps, options).to(generator->device()),
+                                  batch_size, generator);
+    if (options.bias.strategy == TimestepBiasStrategy::kNone)
+        return at::randint(0, num_timesteps, {batch_size},
+                           at::TensorOptions().dtype(at::kLong).device(device));
+    const at::Tensor cdf = cache ? cache->get(batch_size, num_timesteps, options, device)
+                                 : timestep_cdf(batch_size, num_timesteps, options).to(device);
+    return timesteps_from_cdf(cdf, batch_size, std::nullopt);
 }
 
 at::Tensor sample_timesteps(int64_t batch_size, int64_t num_train_timesteps,
                             const TimestepSamplingOptions& options, at::Generator& generator) {
-    const at::Tensor weights = timestep_weights(options.bias, num_train_timesteps);
-    if (batch_size > 1 && !options.disable_segmented_timestep_sampling)
-        return segmented_timesteps(weights, batch_size, generator);
-    return at::multinomial(weights.to(generator.device()), batch_size, true, generator).cpu();
+    return draw_timesteps(batch_size, num_train_timesteps, options, generator, generator.device()).cpu();
 }
 
 EmbeddedGuidanceOptions::Mode parse_embedded_guidance_mode(const std::string& name) {
@@ -221,54 +274,48 @@ at::Tensor shifted_flow_sigmas(const at::Tensor& sigmas, const FlowMatchingOptio
 
 }  // namespace
 
-at::Tensor sample_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& options,
-                              at::IntArrayRef latent_shape, at::Generator& generator) {
-    const at::TensorOptions f32 = on_generator(generator, at::kFloat);
+at::Tensor draw_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& options,
+                            at::IntArrayRef latent_shape, const std::optional<at::Generator>& generator,
+                            const at::Device& device) {
+    const at::TensorOptions f32 =
+        at::TensorOptions().dtype(at::kFloat).device(generator ? generator->device() : device);
     at::Tensor sigmas;  // [B]
     switch (flow_sigma_schedule(options)) {
         case FlowSigmaSchedule::kLogitNormal:
-            sigmas = logit_normal_sigmas(at::randn({batch_size}, generator, f32), options).cpu();
+            sigmas = logit_normal_sigmas(at::randn({batch_size}, generator, f32), options);
             break;
-        case FlowSigmaSchedule::kUniform: sigmas = at::rand({batch_size}, generator, f32).cpu(); break;
+        case FlowSigmaSchedule::kUniform: sigmas = at::rand({batch_size}, generator, f32); break;
         case FlowSigmaSchedule::kBeta: {
             DTUNE_CHECK_AS(UsageError, options.beta_alpha > 0 && options.beta_beta > 0,
                            "flow_beta_schedule_alpha and flow_beta_schedule_beta must be > 0; got ",
                            options.beta_alpha, " and ", options.beta_beta);
             // torch.distributions.Beta(a, b).sample((B,)): the first coordinate of a Dirichlet draw with
-            // concentration [a, b] expanded to [B, 2] (float32), from the same gamma draws.
-            const at::Tensor concentration =
-                at::tensor({options.beta_alpha, options.beta_beta}, f32).expand({batch_size, 2});
-            sigmas = at::_sample_dirichlet(concentration, generator).select(1, 0).cpu();
+            // concentration [a, b] per sample (float32), from the same gamma draws. The concentration
+            // is filled where it is drawn (at::full), not copied from the host.
+            const at::Tensor concentration = at::stack({at::full({batch_size}, options.beta_alpha, f32),
+                                                        at::full({batch_size}, options.beta_beta, f32)},
+                                                       1);  // [B, 2]
+            sigmas = at::_sample_dirichlet(concentration, generator).select(1, 0);
             break;
         }
         case FlowSigmaSchedule::kFluxFast: {
-            // random.choices([1.0] * 7 + [0.75, 0.5, 0.25], k=B), from our generator.
-            const at::Tensor table =
-                at::tensor({1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 0.75f, 0.5f, 0.25f});
-            const at::Tensor index =
-                at::randint(0, 10, {batch_size}, generator, on_generator(generator, at::kLong)).cpu();
-            return table.index_select(0, index);  // never shifted
+            // random.choices([1.0] * 7 + [0.75, 0.5, 0.25], k=B): index i in [0, 10) gives
+            // min(10 - i, 4) / 4, i.e. 1 for i < 7, then 0.75, 0.5, 0.25 (exact in float32).
+            const at::Tensor index = at::randint(0, 10, {batch_size}, generator, f32.dtype(at::kLong));
+            return (10 - index).clamp_max(4).to(at::kFloat) * 0.25;  // never shifted
         }
     }
     return shifted_flow_sigmas(sigmas, options, latent_shape);
 }
 
-bool flow_sigmas_drawable_on_device(const FlowMatchingOptions& options) {
-    const FlowSigmaSchedule s = flow_sigma_schedule(options);
-    return s == FlowSigmaSchedule::kLogitNormal || s == FlowSigmaSchedule::kUniform;
+at::Tensor sample_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& options,
+                              at::IntArrayRef latent_shape, at::Generator& generator) {
+    return draw_flow_sigmas(batch_size, options, latent_shape, generator, generator.device()).cpu();
 }
 
 at::Tensor sample_flow_sigmas_on(const at::Device& device, int64_t batch_size,
                                  const FlowMatchingOptions& options, at::IntArrayRef latent_shape) {
-    DTUNE_CHECK_AS(UsageError, flow_sigmas_drawable_on_device(options),
-                   "drawing flow-matching sigmas on the device (CUDA graphs) supports the logit-normal and "
-                   "uniform schedules only; unset flow_use_beta_schedule and flux_fast_schedule, or train "
-                   "without CUDA graphs");
-    const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
-    const at::Tensor sigmas = flow_sigma_schedule(options) == FlowSigmaSchedule::kUniform
-                                  ? at::rand({batch_size}, f32)
-                                  : logit_normal_sigmas(at::randn({batch_size}, f32), options);  // [B]
-    return shifted_flow_sigmas(sigmas, options, latent_shape);
+    return draw_flow_sigmas(batch_size, options, latent_shape, std::nullopt, device);
 }
 
 at::Tensor flow_noisy_latents(const at::Tensor& x0, const at::Tensor& noise, const at::Tensor& sigmas) {

@@ -7,13 +7,15 @@
 // generator's state, and a CPU generator gives the same draws whatever device trains. Timesteps and
 // sigmas come back on the CPU. The *_on variants are the exception: they draw on the given device
 // with its default generator and never touch the host (CUDA graphs, train::StepOptions::device_rng).
-// draw_training_noise serves both: one formulation with no host read, from a generator or from a
-// device's default one.
+// draw_training_noise, draw_timesteps and draw_flow_sigmas serve both: one formulation with no host
+// read, from a generator or from a device's default one.
 #pragma once
 
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 
@@ -86,19 +88,53 @@ struct TimestepBiasOptions {
 // a multiplier <= 0 or a range outside [0, T].
 at::Tensor timestep_weights(const TimestepBiasOptions& options, int64_t num_train_timesteps);
 
-// One timestep per batch element, each from its own segment of [0, T) (first element from the
-// highest segment), drawn by the segment's weights: SimpleTuner's segmented_timestep_selection. As
-// there, consecutive segments share their boundary timestep and the weights are normalised in place
-// segment by segment, so a shared boundary is drawn almost only by the higher segment. [B] int64.
-at::Tensor segmented_timesteps(const at::Tensor& weights, int64_t batch_size, at::Generator& generator);
-
 struct TimestepSamplingOptions {
     TimestepBiasOptions bias;
     bool disable_segmented_timestep_sampling = false;
 };
 
-// SimpleTuner's choice per step: segmented when B > 1 (unless disabled), else multinomial with
-// replacement over the weights. [B] int64 on the CPU.
+// The inverse CDF of the timestep draw for a batch of `batch_size`, float64 on the CPU. SimpleTuner's
+// choice per step: segmented when B > 1 (unless disabled), else multinomial with replacement over
+// timestep_weights. Segmented ([B, T]): row i is the cumulative weight of sample i's own segment of
+// [0, T) (the first sample's is the highest), 0 below it and exactly 1 from its top timestep on,
+// with SimpleTuner's segmented_timestep_selection quirks kept: consecutive segments share their
+// boundary timestep and the weights are normalised in place segment by segment, so a shared boundary
+// enters the lower segment already divided by the higher segment's sum. Otherwise [T], the
+// cumulative weights. Timestep k is drawn for u ~ U[0, 1) with cdf[k - 1] <= u < cdf[k].
+at::Tensor timestep_cdf(int64_t batch_size, int64_t num_train_timesteps,
+                        const TimestepSamplingOptions& options);
+
+// [B] int64 timesteps from a timestep_cdf table by inverse CDF: one float64 U[0, 1) per sample from
+// `generator` (on its device, where `cdf` must be), or without one from the default generator of
+// `cdf`'s device, then the count of table entries <= u. No host read, so a CUDA graph captures it.
+at::Tensor timesteps_from_cdf(const at::Tensor& cdf, int64_t batch_size,
+                              const std::optional<at::Generator>& generator);
+
+// timestep_cdf tables kept on their device, one per batch size, options and device, for the draws
+// without a generator (CUDA graphs): a table copied from the host inside a capture would break it,
+// and the first steps of every batch shape run eagerly before it is captured (GraphedStep's warm-up),
+// which fills the cache. Thread-safe; shared by copies of the train::StepOptions that own it.
+class TimestepCdfCache {
+  public:
+    at::Tensor get(int64_t batch_size, int64_t num_train_timesteps, const TimestepSamplingOptions& options,
+                   const at::Device& device);
+
+  private:
+    std::mutex mutex_;
+    std::map<std::string, at::Tensor> tables_;  // key: the arguments as text
+};
+
+// The timesteps of a training step, [B] int64 where drawn. With `generator`: by inverse CDF
+// (timestep_cdf, timesteps_from_cdf) on the generator's device. Without: on `device` with its default
+// generator and no host work: the same inverse CDF with a timestep bias (the table from `cache` when
+// given), and one at::randint over [0, T) without one (not segmented: the uniform draw graphed runs
+// have always made, whose marginal is the segmented draw's).
+at::Tensor draw_timesteps(int64_t batch_size, int64_t num_train_timesteps,
+                          const TimestepSamplingOptions& options,
+                          const std::optional<at::Generator>& generator, const at::Device& device,
+                          TimestepCdfCache* cache = nullptr);
+
+// draw_timesteps from `generator`: [B] int64 on the CPU.
 at::Tensor sample_timesteps(int64_t batch_size, int64_t num_train_timesteps,
                             const TimestepSamplingOptions& options, at::Generator& generator);
 
@@ -163,19 +199,22 @@ double flux_auto_shift(int64_t image_seq_len, const FlowMatchingOptions& options
 // fast list, which SimpleTuner never shifts).
 std::optional<double> flow_shift_for(const FlowMatchingOptions& options, at::IntArrayRef latent_shape);
 
-// [B] float32 sigmas on the CPU: the schedule's draw (flow_sigma_schedule), then the shift
-// (flow_shift_for). Logit-normal and uniform draw torch.randn / torch.rand from `generator`; Beta
-// draws torch.distributions.Beta's Dirichlet sample; the fast list one index in [0, 10) per sample.
-// Nothing is clamped (SimpleTuner does not clamp either): the fast list gives sigma 1 (pure noise).
+// The sigmas of a flow-matching step, [B] float32 where drawn: the schedule's draw
+// (flow_sigma_schedule), then the shift (flow_shift_for, computed on the host from the latent shape,
+// which is fixed per captured batch shape). Logit-normal and uniform draw one randn / rand of [B]; Beta
+// torch.distributions.Beta's Dirichlet sample (at::_sample_dirichlet of concentration [a, b] per
+// sample: its gamma draws take the generator's Philox offsets as other CUDA random ops do); the fast
+// list one index in [0, 10) per sample, mapped to its sigma arithmetically (no table to copy). From
+// `generator` on its device, or without one from `device`'s default generator with no host work, so
+// a CUDA graph captures it. Nothing is clamped (SimpleTuner does not clamp either): the fast list gives
+// sigma 1 (pure noise). UsageError for a Beta alpha or beta <= 0.
+at::Tensor draw_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& options,
+                            at::IntArrayRef latent_shape, const std::optional<at::Generator>& generator,
+                            const at::Device& device);
+// draw_flow_sigmas from `generator`: [B] float32 on the CPU.
 at::Tensor sample_flow_sigmas(int64_t batch_size, const FlowMatchingOptions& options,
                               at::IntArrayRef latent_shape, at::Generator& generator);
-// Whether sample_flow_sigmas_on can draw the schedule: logit-normal and uniform are one device op
-// each; Beta's gamma draws and the fast list's table lookup stay on the host path.
-bool flow_sigmas_drawable_on_device(const FlowMatchingOptions& options);
-// sample_flow_sigmas on `device` with its default generator ([B] float32 there): the same
-// distributions (one randn or rand of [B]) and the same shift, which flow_shift_for computes on the
-// host from the latent shape (fixed per captured batch shape), so a CUDA graph can capture it.
-// UsageError for Beta or the fast list (flow_sigmas_drawable_on_device).
+// draw_flow_sigmas on `device` with its default generator: [B] float32 there.
 at::Tensor sample_flow_sigmas_on(const at::Device& device, int64_t batch_size,
                                  const FlowMatchingOptions& options, at::IntArrayRef latent_shape);
 // (1 - sigma) x0 + sigma noise, sigma [B] broadcast over the rest.

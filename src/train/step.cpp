@@ -66,20 +66,16 @@ struct Draws {
 };
 
 // One formulation for the eager and the graphed step: the noise (offset noise and input perturbation
-// included, diffusion::draw_training_noise) comes from `generator` on the CPU, or with
-// options.device_rng from the latents' device's default generator with no host work. Either way it is
-// drawn for the global batch (every rank the same) and this rank's rows are kept, so N ranks x B
-// equal 1 rank x N*B draw for draw. The timesteps follow the noise: SimpleTuner's sampling (bias,
-// segments) from `generator`, or uniform over [0, T) on the device.
+// included, diffusion::draw_training_noise) and then the timesteps (SimpleTuner's sampling: bias and
+// segments, diffusion::draw_timesteps) come from `generator` on the CPU, or with options.device_rng
+// from the latents' device's default generator with no host work. Either way they are drawn for the
+// global batch (every rank the same) and this rank's rows are kept, so N ranks x B equal 1 rank x N*B
+// draw for draw.
 Draws draw(const at::Tensor& latents, const diffusion::NoiseSchedule& schedule, const StepOptions& options,
            int64_t global_step, at::Generator& generator) {
     const int64_t b = latents.size(0), n = b * options.world_size, lo = options.rank * b, hi = lo + b;
     const at::Device device = latents.device();
     const bool on_device = options.device_rng;
-    DTUNE_CHECK_AS(UsageError,
-                   !on_device || options.timesteps.bias.strategy == diffusion::TimestepBiasStrategy::kNone,
-                   "drawing timesteps on the GPU (CUDA graphs) supports uniform timesteps only; unset "
-                   "timestep_bias_strategy, or train without CUDA graphs");
     DTUNE_CHECK_AS(
         UsageError,
         !on_device || options.noise.input_perturbation == 0 || options.noise.input_perturbation_steps <= 0,
@@ -96,15 +92,11 @@ Draws draw(const at::Tensor& latents, const diffusion::NoiseSchedule& schedule, 
     d.noise.input_noise = all.input_noise.is_same(all.noise)
                               ? d.noise.noise
                               : diffusion::to_device_async(all.input_noise.slice(0, lo, hi), device);
-    if (on_device) {
-        d.t = at::randint(0, schedule.num_train_timesteps(), {n}, latents.options().dtype(at::kLong))
-                  .slice(0, lo, hi);  // [B]
-        d.t_dev = d.t;
-    } else {
-        d.t = diffusion::sample_timesteps(n, schedule.num_train_timesteps(), options.timesteps, generator)
-                  .slice(0, lo, hi);  // [B] int64, CPU
-        d.t_dev = diffusion::to_device_async(d.t, device);
-    }
+    // [B] int64 where drawn: on the device with device_rng, else on the CPU (moved without a wait).
+    d.t = diffusion::draw_timesteps(n, schedule.num_train_timesteps(), options.timesteps, from, device,
+                                    options.timestep_cdfs.get())
+              .slice(0, lo, hi);
+    d.t_dev = on_device ? d.t : diffusion::to_device_async(d.t, device);
     return d;
 }
 
@@ -179,8 +171,9 @@ struct FlowStepDraws {
 
 // Draw order: noise, sigmas, guidance (when `draw_guidance`), each for the global batch (every rank
 // the same), this rank's rows kept. From `generator` on the CPU, or with options.device_rng from the
-// latents' device's default generator, with the same distributions (diffusion::sample_flow_sigmas_on,
-// sample_embedded_guidance_on) and no host work, so a CUDA graph captures the draws with the step.
+// latents' device's default generator, with the same formulas (diffusion::draw_flow_sigmas for every
+// sigma schedule, sample_embedded_guidance_on) and no host work, so a CUDA graph captures the draws
+// with the step.
 FlowStepDraws draw_flow(const at::Tensor& latents, const diffusion::FlowMatchingOptions& flow,
                         const StepOptions& options, int64_t global_step, bool draw_guidance,
                         at::Generator& generator) {

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 
 #include "diffusion/loss.h"
 #include "diffusion/noise_schedule.h"
@@ -52,15 +53,21 @@ struct StepOptions {
     // rank) and this rank's rows are kept, so N ranks x B equal 1 rank x N*B draw for draw.
     int64_t rank = 0;
     int64_t world_size = 1;
-    // Draw noise and timesteps (uniform over [0, T)) on the latents' device with its default
-    // generator instead of the CPU generator passed in: no host work or copies, so a CUDA graph can
-    // capture the step. The noise is the CPU path's formulation (diffusion::draw_training_noise:
-    // offset noise and a constant input perturbation included); the loss's min-SNR weights and
-    // huber_c are computed from the device timesteps either way. Not with a timestep bias.
-    // Flow matching: noise, sigmas (logit-normal or uniform, shifted; not Beta or the fast list) and
-    // the embedded guidance, in that order, with the CPU path's distributions. On a CPU device the
-    // CPU's default generator draws (tests).
+    // Draw noise and timesteps on the latents' device with its default generator instead of the CPU
+    // generator passed in: no host work or copies, so a CUDA graph can capture the step. The noise is
+    // the CPU path's formulation (diffusion::draw_training_noise: offset noise and a constant input
+    // perturbation included), and so are biased timesteps (diffusion::draw_timesteps: the inverse CDF,
+    // its table from timestep_cdfs); without a bias the timesteps are one randint over [0, T), not
+    // segmented. The loss's min-SNR weights and huber_c are computed from the device timesteps either
+    // way. Flow matching: noise, sigmas (every
+    // schedule, diffusion::draw_flow_sigmas) and the embedded guidance, in that order, with the CPU
+    // path's distributions. On a CPU device the CPU's default generator draws (tests).
     bool device_rng = false;
+    // device_rng with a timestep bias: the inverse-CDF tables on the device, filled by the first
+    // (eager) step of each batch size, so that a CUDA graph capture finds them there. Copies of these
+    // options share it.
+    std::shared_ptr<diffusion::TimestepCdfCache> timestep_cdfs =
+        std::make_shared<diffusion::TimestepCdfCache>();
     // grad_clip_method value: max_grad_norm clamps each gradient element instead of scaling by
     // the global norm (the norm is still measured and reported).
     bool clip_by_value = false;

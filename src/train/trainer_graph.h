@@ -21,8 +21,8 @@ class TrainConfig;
 
 // Empty when a run on `device` with `world_size` processes (ZeRO stage `zero_stage`) can use the
 // graphed step; otherwise the first unmet condition, phrased for the log ("... ; set X to train
-// with CUDA graphs"). `objective` (when given) adds the objective's own conditions: flow matching's
-// sigma schedule must be one the device draws (logit-normal or uniform).
+// with CUDA graphs"). `objective` (when given) would add the objective's own conditions: none today,
+// since every flow-matching sigma schedule is drawn on the device (diffusion::draw_flow_sigmas).
 std::string cuda_graph_blocker(const TrainConfig& config, c10::Device device, int world_size,
                                int zero_stage = 0, const family::TrainingObjective* objective = nullptr);
 

@@ -3,14 +3,17 @@
 // the host path's distributions (the same numbers from the same seed), the step is deterministic
 // under a fixed manual_seed, draws in its documented order (noise, sigmas, guidance) for the global
 // batch, never touches the generator it is passed, and its loss is the flow-matching formula on the
-// tensors it drew. Also cuda_graph_blocker's flow-matching conditions (Beta, the fast list) and
-// cuda_graph_fallback's auto-versus-true rule, for a CUDA device value (no CUDA needed).
+// tensors it drew. Beta and the fast list are drawn on the device too (their distributions:
+// tests/train/test_graphed_draws.cpp). Also cuda_graph_blocker's flow-matching cases (every sigma
+// schedule is graphed) and cuda_graph_fallback's auto-versus-true rule, for a CUDA device value (no
+// CUDA needed).
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include <cmath>
 
 #include "core/error.h"
+#include "diffusion/training_sampling.h"
 #include "family/flux/flux_family.h"
 #include "support/test_support.h"
 #include "train/step.h"
@@ -50,7 +53,6 @@ TEST(FlowDeviceDraws, SigmasMatchTheHostDrawsAndTheirDistribution) {
                                                {{"uniform", true}, {"beta", true}, {"fast", true}}};
     for (const auto& keys : cases) {
         const diffusion::FlowMatchingOptions o = flow_options(keys);
-        ASSERT_TRUE(diffusion::flow_sigmas_drawable_on_device(o)) << keys.dump();
         at::manual_seed(21);
         const at::Tensor device = diffusion::sample_flow_sigmas_on(c10::Device(c10::kCPU), kDraws, o, shape);
         at::Generator gen = at::detail::createCPUGenerator(21);
@@ -79,11 +81,14 @@ TEST(FlowDeviceDraws, SigmasMatchTheHostDrawsAndTheirDistribution) {
     }
     EXPECT_NEAR(*diffusion::flow_shift_for(flow_options({{"auto_shift", true}}), shape),
                 std::exp(1024 * (0.65 / 3840) + 0.5 - (0.65 / 3840) * 256), 1e-9);
-    for (const auto& keys : {nlohmann::json{{"beta", true}}, nlohmann::json{{"fast", true}}}) {
+    // Beta and the fast list: the device variant is the host path's formula too.
+    for (const auto& keys :
+         {nlohmann::json{{"beta", true}, {"shift", 3.0}}, nlohmann::json{{"fast", true}}}) {
         const diffusion::FlowMatchingOptions o = flow_options(keys);
-        EXPECT_FALSE(diffusion::flow_sigmas_drawable_on_device(o)) << keys.dump();
-        EXPECT_THROW(diffusion::sample_flow_sigmas_on(c10::Device(c10::kCPU), 4, o, shape), UsageError)
-            << keys.dump();
+        at::manual_seed(22);
+        const at::Tensor device = diffusion::sample_flow_sigmas_on(c10::Device(c10::kCPU), 4096, o, shape);
+        at::Generator gen = at::detail::createCPUGenerator(22);
+        EXPECT_TRUE(at::equal(device, diffusion::sample_flow_sigmas(4096, o, shape, gen))) << keys.dump();
     }
 }
 
@@ -203,9 +208,17 @@ TEST(FlowDeviceDraws, StepIsDeterministicDrawsInOrderAndTrainsOnItsDraws) {
     StepOptions fixed = options;
     fixed.fixed_flow_draws = [](int64_t, const at::Tensor& l) { return FlowDraws{at::zeros_like(l), {}}; };
     EXPECT_THROW(f.run(7, fixed, gen, f.batch), Error);
-    // Beta sigmas are not drawn on the device (cuda_graph_blocker keeps such runs eager).
+    // Beta sigmas are drawn on the device too, after the same noise (cuda_graph_blocker graphs them).
     f.objective.flow.beta = true;
-    EXPECT_THROW(f.run(7, options, gen, f.batch), UsageError);
+    const MicroStep beta = f.run(7, options, gen, f.batch);
+    at::manual_seed(7);
+    at::randn({2, 4, 6, 8}, at::kFloat);
+    const at::Tensor beta_sigmas = diffusion::sample_flow_sigmas_on(
+        c10::Device(c10::kCPU), 2, f.objective.flow, f.batch.latents.sizes());
+    EXPECT_TRUE(at::equal(beta.noise, a.noise));
+    EXPECT_TRUE(at::equal(beta.sigmas, beta_sigmas));
+    EXPECT_FALSE(at::equal(beta.sigmas, a.sigmas));
+    EXPECT_TRUE(at::equal(gen.get_state(), gen_state)) << "device_rng drew from the generator passed in";
 }
 
 TEST(FlowDeviceDraws, HostPathIsUnchangedByTheNewFields) {
@@ -224,7 +237,7 @@ TEST(FlowDeviceDraws, HostPathIsUnchangedByTheNewFields) {
     EXPECT_TRUE(at::equal(m.timesteps, sigmas * 1000.0));
 }
 
-// cuda_graph_blocker's and cuda_graph_fallback's flow-matching conditions, on a Flux run's config.
+// cuda_graph_blocker and cuda_graph_fallback on a Flux run's config: every sigma schedule is graphed.
 TrainConfig flux_config(const stdfs::path& out, const nlohmann::json& extra) {
     TrainConfig c;
     c.merge_json(nlohmann::json{{"model_family", "flux"},
@@ -267,9 +280,12 @@ TEST(CudaGraphFlow, BlockersAndAutoGraphsFlowMatching) {
     EXPECT_EQ(cuda_graph_fallback(sdxl, testutil::tiny_schedule(), cuda, 1), "");
 
     const std::vector<std::pair<nlohmann::json, std::string>> cases = {
-        {{{"flow_use_beta_schedule", true}}, "flow_use_beta_schedule is on"},
-        {{{"flux_fast_schedule", true}}, "flux_fast_schedule is on"},
-        {{{"flow_use_beta_schedule", true}, {"flux_fast_schedule", true}}, "flow_use_beta_schedule is on"},
+        {{{"flow_use_beta_schedule", true}}, ""},
+        {{{"flow_use_beta_schedule", true}, {"flow_beta_schedule_alpha", 0.5}}, ""},
+        {{{"flux_fast_schedule", true}}, ""},
+        {{{"flow_use_beta_schedule", true}, {"flux_fast_schedule", true}}, ""},
+        {{{"mixed_precision", "fp16"}, {"optimizer", "optimi-lion"}},
+         "mixed_precision is fp16 with optimizer optimi-lion"},  // a blocker still reaches flow runs
         {{{"flow_use_uniform_schedule", true}, {"flow_use_beta_schedule", true}}, ""},  // uniform wins
         {{{"flow_use_uniform_schedule", true}, {"flow_schedule_auto_shift", true}}, ""},
         {{{"flux_guidance_mode", "random-range"}}, ""},
@@ -282,14 +298,23 @@ TEST(CudaGraphFlow, BlockersAndAutoGraphsFlowMatching) {
         const std::string fallback = cuda_graph_fallback(c, o, cuda, 1);
         if (expected.empty()) {
             EXPECT_EQ(blocker, "") << extra.dump();
-            EXPECT_EQ(fallback, "") << extra.dump();  // graphed under auto
+            // Graphed under auto; Beta sigmas only with cuda_graph true until their capture is
+            // checked on a GPU (cuda_graph_fallback).
+            if (diffusion::flow_sigma_schedule(o.flow) == diffusion::FlowSigmaSchedule::kBeta) {
+                EXPECT_EQ(fallback.rfind("flow_use_beta_schedule is on", 0), 0u) << extra.dump();
+                extra["cuda_graph"] = true;
+                EXPECT_EQ(cuda_graph_fallback(flux_config(dir.path(), extra), o, cuda, 1), "")
+                    << extra.dump();
+            } else {
+                EXPECT_EQ(fallback, "") << extra.dump();
+            }
         } else {
             EXPECT_EQ(blocker.rfind(expected, 0), 0u) << extra.dump() << " gave: " << blocker;
             EXPECT_NE(blocker.find("trains without CUDA graphs"), std::string::npos) << blocker;
             EXPECT_EQ(fallback, blocker) << extra.dump();
         }
     }
-    // The flow conditions need the objective: without it (or for DDPM) the same keys block nothing.
+    // Without the objective the same keys block nothing either.
     EXPECT_EQ(cuda_graph_blocker(flux_config(dir.path(), {{"flux_fast_schedule", true}}), cuda, 1), "");
 }
 

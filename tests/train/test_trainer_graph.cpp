@@ -46,8 +46,7 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
         {{{"deterministic", true}}, "deterministic is true"},
         {{{"mixed_precision", "fp16"}, {"optimizer", "adamw_bf16"}, {"model_type", "full"}},
          "mixed_precision is fp16 with optimizer adamw_bf16"},
-        {{{"timestep_bias_strategy", "later"}}, "timestep_bias_strategy is later"},
-        {{{"diff2flow_enabled", true}, {"diff2flow_loss", true}}, "diff2flow_loss is on"},
+        {{{"scheduled_sampling_max_step_offset", 20}}, "scheduled_sampling_max_step_offset is set"},
     };
     for (const auto& [extra, expected] : cases) {
         const std::string got = cuda_graph_blocker(graph_friendly(dir.path(), extra), cuda, 1);
@@ -55,11 +54,18 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
     }
     // Offset noise, input perturbation, min-SNR and the Huber losses are graphed: device draws, and
     // huber_c and the min-SNR weights from the device timesteps (tests/train/test_step_noise_loss.cpp).
+    // So are a timestep bias (inverse CDF on the device) and Diff2Flow's conversion
+    // (tests/train/test_graphed_draws.cpp).
     for (const nlohmann::json& extra :
          {nlohmann::json{{"offset_noise", true}, {"noise_offset", 0.1}},
           nlohmann::json{{"input_perturbation", 0.1}}, nlohmann::json{{"snr_gamma", 5.0}},
           nlohmann::json{{"loss_type", "huber"}, {"huber_schedule", "snr"}},
-          nlohmann::json{{"loss_type", "smooth_l1"}, {"huber_schedule", "exponential"}}})
+          nlohmann::json{{"loss_type", "smooth_l1"}, {"huber_schedule", "exponential"}},
+          nlohmann::json{{"timestep_bias_strategy", "later"}, {"timestep_bias_multiplier", 3.0}},
+          nlohmann::json{{"timestep_bias_strategy", "earlier"}, {"timestep_bias_portion", 0.1}},
+          nlohmann::json{
+              {"timestep_bias_strategy", "range"}, {"timestep_bias_begin", 200}, {"timestep_bias_end", 500}},
+          nlohmann::json{{"diff2flow_enabled", true}, {"diff2flow_loss", true}}})
         EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path(), extra), cuda, 1), "") << extra.dump();
     // SimpleTuner's defaults (clip by value at 2, lora_dropout 0.1) are graphed: the clamp and the
     // dropout seed are device work inside the step.
