@@ -76,6 +76,8 @@ half = rows[len(rows) // 2:]
 out = {"run": run, "rc": rc, "steps": rows[-1]["step"] if rows else 0}
 if half:
     out["ms_per_step_median"] = round(1000.0 / statistics.median(r["img_per_s"] for r in half), 1)
+    # time-weighted: the summed step times (batch 1), the throughput figure (see train_full_size.sh)
+    out["ms_per_step"] = round(1000.0 * sum(1.0 / r["img_per_s"] for r in half) / len(half), 1)
     out["peak_gpu_gib"] = max((r.get("gpu_memory_gib", 0) for r in rows), default=None)
     out["final_loss"] = rows[-1]["loss"]
     out["all_finite"] = all(math.isfinite(r["loss"]) for r in rows)

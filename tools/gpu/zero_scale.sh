@@ -111,7 +111,8 @@ except OSError:
 half = rows[len(rows) // 2:]
 out = {"run": f"flux full, {n} GPUs, zero_stage 3, gc", "exit": rc, "seconds": secs, "steps": len(rows)}
 if half:
-    ips = statistics.median(r["img_per_s"] for r in half)
+    # time-weighted (images over the summed step times; see train_full_size.sh), not a median
+    ips = n * len(half) / sum(n / r["img_per_s"] for r in half)
     out.update(img_per_s=ips, img_per_s_per_gpu=ips / n, ms_per_step=1000.0 * n / ips,
                peak_gpu_gib_rank0=max(r.get("gpu_memory_gib", 0) for r in rows))
 print(json.dumps(out))
