@@ -241,6 +241,7 @@ void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale)
         args.eps = static_cast<float>(options_.eps);
         args.simpletuner_momentum = options_.simpletuner_momentum;
         args.scale = scale.const_data_ptr<float>();
+        args.grad_clamp = static_cast<float>(grad_clamp_);
         const c10::cuda::CUDAGuard guard(b.exp_avg.device());
         const cuda::PhiloxArgs rng = philox_args(generator_, 4);
         void* stream = c10::cuda::getCurrentCUDAStream(b.exp_avg.device().index()).stream();
@@ -284,7 +285,8 @@ void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale)
         flat_grads.push_back(g.params[k].grad().reshape(-1));
         flat_params.push_back(g.params[k].reshape(-1));
     }
-    const at::Tensor grad = at::cat(flat_grads);     // [n] bf16
+    at::Tensor grad = at::cat(flat_grads);  // [n] bf16
+    if (grad_clamp_ > 0) grad.clamp_(-grad_clamp_, grad_clamp_);
     const at::Tensor before = at::cat(flat_params);  // [n] bf16
     auto write_back = [&](const at::Tensor& after) {
         std::vector<at::Tensor> views;

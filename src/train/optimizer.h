@@ -68,6 +68,10 @@ class Optimizer {
     // (parameters and every state tensor, step counts included, left as they were; no host read);
     // false (the default): the caller must read the flag and not call step() on an overflow.
     virtual bool skip_step_on_overflow(const at::Tensor& /*found_inf*/) { return false; }
+    // grad_clip_method value: returns true when step() clamps each gradient element to [-clip, clip]
+    // itself as it reads it (from then on, for every step), so the caller skips its own clamp
+    // (clip_grad_value: two passes over every gradient). The gradients keep their unclamped values.
+    virtual bool clamp_gradients_in_step(double /*clip*/) { return false; }
 
   protected:
     // The state of one parameter, created on first use.
@@ -170,6 +174,10 @@ class AdamWBF16 : public Optimizer {
     void upload_lr() override;
     void after_step() override;
     std::vector<at::Generator> generators() const override { return {generator_}; }
+    bool clamp_gradients_in_step(double clip) override {
+        grad_clamp_ = clip;
+        return true;
+    }
 
   private:
     struct Bucket;
@@ -188,6 +196,7 @@ class AdamWBF16 : public Optimizer {
 
     at::Generator generator_;
     AdamWBF16Options options_;
+    double grad_clamp_ = 0;  // > 0: gradients read clamped to [-grad_clamp_, grad_clamp_]
     bool device_lr_ = false;
     std::vector<std::vector<Host>> host_;       // [group][param]
     std::vector<std::unique_ptr<Plan>> plans_;  // [group]; null: pack at the next step

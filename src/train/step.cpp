@@ -292,10 +292,11 @@ MicroStep micro_step(family::Denoiser& model, const TrainBatch& batch,
 }
 
 at::Tensor clip_gradients(const std::vector<at::Tensor>& params, double max_grad_norm, bool by_value,
-                          const NormClipFn& norm_fn) {
+                          const NormClipFn& norm_fn, Optimizer* optimizer) {
     const double norm_clip = by_value ? 0.0 : max_grad_norm;
     const at::Tensor norm = norm_fn ? norm_fn(params, norm_clip) : clip_grad_norm_async(params, norm_clip);
-    if (by_value && max_grad_norm > 0) clip_grad_value(params, max_grad_norm);
+    if (by_value && max_grad_norm > 0 && !(optimizer && optimizer->clamp_gradients_in_step(max_grad_norm)))
+        clip_grad_value(params, max_grad_norm);
     return norm;
 }
 
@@ -334,7 +335,7 @@ StepTensors optimizer_step_async(family::Denoiser& model, const TrainBatch& batc
     if (hooks.after_backward) hooks.after_backward();
     StepTensors out;
     out.loss = loss;
-    out.grad_norm = clip_gradients(params, max_grad_norm, options.clip_by_value);
+    out.grad_norm = clip_gradients(params, max_grad_norm, options.clip_by_value, {}, &optimizer);
     optimizer.step();
     optimizer.zero_grad();
     if (hooks.clear_gradients) hooks.clear_gradients();

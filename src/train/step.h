@@ -150,9 +150,11 @@ struct StepTensors {
 // the clip: by that norm, or with `by_value` each element clamped to ±max_grad_norm; max_grad_norm
 // <= 0 measures only. No host synchronisation. `norm_fn` replaces the plain norm-and-clip (ZeRO-2:
 // the norm over every rank's shard); it receives the max norm to clip to (0 with by_value).
+// `optimizer`: the one that steps next; where it clamps in its own update
+// (Optimizer::clamp_gradients_in_step, adamw_bf16), the value clamp is left to it.
 using NormClipFn = std::function<at::Tensor(const std::vector<at::Tensor>& params, double max_norm)>;
 at::Tensor clip_gradients(const std::vector<at::Tensor>& params, double max_grad_norm, bool by_value,
-                          const NormClipFn& norm_fn = {});
+                          const NormClipFn& norm_fn = {}, Optimizer* optimizer = nullptr);
 
 // One whole optimizer step on one micro-batch with no host synchronisation: micro_step,
 // hooks.before_backward, backward, hooks.after_backward, clip_gradients (options.clip_by_value), the

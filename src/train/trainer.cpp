@@ -577,10 +577,12 @@ StepScalars Trainer::train_one_step() {
     }
     // One multi-tensor norm (not one per parameter), read back with the loss; the same clip as
     // the graphed step's (clip_gradients), with the norm over every shard under ZeRO-2.
-    out.grad_norm = clip_gradients(params, config_.real("max_grad_norm"), step_options_.clip_by_value,
-                                   [this](const std::vector<at::Tensor>& p, double max_norm) {
-                                       return dp_->clip_grad_norm_async(p, max_norm);
-                                   });
+    out.grad_norm = clip_gradients(
+        params, config_.real("max_grad_norm"), step_options_.clip_by_value,
+        [this](const std::vector<at::Tensor>& p, double max_norm) {
+            return dp_->clip_grad_norm_async(p, max_norm);
+        },
+        optimizer_.get());
     if (out.grad_norm.defined()) out.grad_norm = out.grad_norm.detach();
     return out;
 }

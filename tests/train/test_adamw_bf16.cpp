@@ -340,6 +340,37 @@ TEST(AdamWBF16Cuda, InPlaceAndCopiedBucketsGiveTheSameBits) {
     for (size_t i = 0; i < init.size(); ++i) EXPECT_FALSE(at::equal(out[0][i], init[i])) << names[i];
 }
 
+// grad_clip_method value inside the update (clamp_gradients_in_step) gives the bits of clamping the
+// gradients first (clip_grad_value) and stepping; the gradients themselves stay unclamped. A bound
+// that is not a bf16 value (0.007) is rounded as the in-place clamp of a bf16 gradient rounds it.
+TEST_P(AdamWBF16Flat, ClampInsideTheStepEqualsClippingFirst) {
+    const Problem pr(3);
+    for (double clip : {0.007, 0.01}) {
+        std::vector<at::Tensor> a_params, b_params;
+        auto a = make(device(), pr, a_params, 1e-2, 0.1, 7);
+        auto b = make(device(), pr, b_params, 1e-2, 0.1, 7);
+        ASSERT_TRUE(b->clamp_gradients_in_step(clip));
+        for (int t = 0; t < 3; ++t) {
+            for (size_t i = 0; i < a_params.size(); ++i) {
+                a_params[i].mutable_grad() = pr.grads[t][i].to(device());
+                b_params[i].mutable_grad() = pr.grads[t][i].to(device());
+            }
+            clip_grad_value(a_params, clip);
+            a->step();
+            b->step();
+            // b's gradients were read clamped, not written clamped
+            EXPECT_TRUE(at::equal(b_params[0].grad().cpu(), pr.grads[t][0])) << "step " << t;
+        }
+        for (size_t i = 0; i < a_params.size(); ++i)
+            EXPECT_TRUE(at::equal(a_params[i].detach().cpu(), b_params[i].detach().cpu()))
+                << clip << " " << i;
+        const TensorMap sa = a->state_dict(), sb = b->state_dict();
+        for (const auto& [key, value] : sa) EXPECT_TRUE(at::equal(value.cpu(), sb.at(key).cpu())) << key;
+    }
+    // The gradients this problem draws reach beyond both bounds: the clamp is exercised.
+    EXPECT_GT(pr.grads[0][2].abs().max().item<double>(), 0.01);
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, AdamWBF16Flat, ::testing::Values(c10::kCPU, c10::kCUDA),
                          [](const ::testing::TestParamInfo<c10::DeviceType>& info) {
                              return info.param == c10::kCPU ? std::string("Cpu") : std::string("Cuda");

@@ -46,6 +46,12 @@ struct Element {
 // One element's step: g, p, m, v, s as stored; `random` holds its four 16-bit numbers.
 __device__ __forceinline__ Element update(float g, float p, float m_in, float v_in, float s_in,
                                           uint64_t random, const AdamWBF16Args& a, float scale) {
+    // grad_clip_method value, as clamping the bf16 gradient in place did: the bound rounded to bf16,
+    // and a NaN stays NaN.
+    if (a.grad_clamp > 0) {
+        const float c = bf(a.grad_clamp);
+        g = g > c ? c : (g < -c ? -c : g);
+    }
     // m <- bf16(beta1 m); m <- SR(g + (1 - beta1) m)  (textbook: SR(m + (1 - beta1) g))
     const float m_decayed = bf(a.beta1 * m_in);
     const float m32 =

@@ -22,6 +22,7 @@ struct AdamWBF16Args {
     float one_minus_beta1 = 0.1f, one_minus_beta2 = 1e-3f;  // computed in double by the caller, as ATen
     bool simpletuner_momentum = true;
     const float* scale = nullptr;  // device scalar: -lr * sqrt(1 - beta2^t)
+    float grad_clamp = 0;          // > 0: each gradient element is clamped to [-grad_clamp, grad_clamp] first
 };
 
 // A run of at most kAdamWBF16ChunkElements of one parameter's elements: its gradient and weight
