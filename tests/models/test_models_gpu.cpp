@@ -7,6 +7,7 @@
 
 #include "model_test_util.h"
 #include "models/adapters/lora.h"
+#include "models/adapters/lora_qkv.h"
 #include "models/common/attention.h"
 #include "models/common/blocks.h"
 #include "models/common/geglu.h"
@@ -313,6 +314,108 @@ TEST(ModelsGpu, FusedLoRALinearMatchesCompositeUnderAutocast) {
     for (auto [f, p] :
          {std::pair{fused.y, plain.y}, {fused.dx, plain.dx}, {fused.da, plain.da}, {fused.db, plain.db}})
         EXPECT_LE(test::max_abs_diff(f, p.to(at::kFloat)), 2e-2 * p.abs().max().item<double>());
+}
+
+// The fused q/k/v LoRA projections (adapters/lora_qkv.h) on CUDA against the layer-by-layer path at
+// SDXL's first-level sizes (640 wide, 10 heads of 64, 1024 tokens; cross-attention to 77 tokens of
+// 2048), the way dtune trains: bf16 base, float32 factors, bf16 autocast, LoRA r16 on q/k/v/out.0;
+// with and without lora_dropout, with SDPA's own kernel and with the memory-efficient kernel alone
+// (whose backward hands q/k/v's gradients back packed side by side: the one-GEMM dx).
+TEST(ModelsGpu, FusedQkvLoRAMatchesLayerByLayerUnderAutocast) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    struct Run {
+        std::vector<at::Tensor> values;  // output, input and context gradients, factor gradients
+    };
+    auto run = [&](bool fused, bool cross, double dropout) {
+        torch::manual_seed(41);
+        AttentionOptions o;
+        o.query_dim = 640;
+        o.heads = 10;
+        o.head_dim = 64;
+        o.cross_attention_dim = cross ? 2048 : 0;
+        torch::nn::Module root;
+        Attention attn = root.register_module("attn", Attention(o));
+        LoRAConfig c;
+        c.rank = 16;
+        c.alpha = 16;
+        c.dropout = dropout;
+        c.target_modules = {"to_k", "to_q", "to_v", "to_out.0"};
+        LoRAAdapters adapters = inject_lora(root, c);
+        {
+            torch::NoGradGuard no_grad;
+            for (auto& t : adapters.parameters()) t.normal_(0.0, 0.05);
+        }
+        root.to(cuda);
+        for (auto& item : root.named_parameters())
+            if (item.key().find(".lora_") == std::string::npos)
+                item.value().set_data(item.value().to(at::kBFloat16));
+        EXPECT_EQ(pack_lora_projection_groups(root), 1);  // .to() gave each weight its own storage
+        root.train();
+        if (dropout > 0) adapters.set_dropout_seed(17);
+        const at::Tensor x = at::randn({2, 1024, 640}).to(cuda).requires_grad_(true);
+        const at::Tensor ctx = cross ? at::randn({2, 77, 2048}).to(cuda).requires_grad_(true) : at::Tensor();
+        const at::Tensor g = at::randn({2, 1024, 640}).to(cuda, at::kBFloat16);
+        set_fused_qkv_lora(fused);
+        EXPECT_EQ(projection_group_fuses(cross ? ctx : x, attn->projection_groups().at(0)), fused);
+        at::autocast::set_autocast_enabled(at::kCUDA, true);
+        at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+        const at::Tensor y = attn->forward(x, ctx);
+        at::autocast::set_autocast_enabled(at::kCUDA, false);
+        y.backward(g);
+        set_fused_qkv_lora(true);
+        Run r{{y.detach().cpu().to(at::kFloat), x.grad().cpu()}};
+        if (cross) r.values.push_back(ctx.grad().cpu());
+        for (auto& t : adapters.parameters()) {
+            EXPECT_EQ(t.grad().scalar_type(), at::kFloat);
+            r.values.push_back(t.grad().cpu());
+        }
+        return r;
+    };
+    auto& context = at::globalContext();
+    const bool flash = context.userEnabledFlashSDP(), cudnn = context.userEnabledCuDNNSDP();
+    for (const bool efficient_only : {false, true}) {
+        context.setSDPUseFlash(flash && !efficient_only);
+        context.setSDPUseCuDNN(cudnn && !efficient_only);
+        for (const bool cross : {false, true}) {
+            for (const double dropout : {0.0, 0.1}) {
+                SCOPED_TRACE(testing::Message() << "efficient only " << efficient_only << " cross " << cross
+                                                << " dropout " << dropout);
+                const Run fused = run(true, cross, dropout), plain = run(false, cross, dropout);
+                ASSERT_EQ(fused.values.size(), plain.values.size());
+                for (std::size_t i = 0; i < fused.values.size(); ++i)
+                    EXPECT_LE(test::max_abs_diff(fused.values[i], plain.values[i]),
+                              2e-2 * plain.values[i].abs().max().item<double>())
+                        << "tensor " << i;
+            }
+        }
+    }
+    context.setSDPUseFlash(flash);
+    context.setSDPUseCuDNN(cudnn);
+
+    // q, k and v are column slices of one [N, 3·640] buffer: SDPA must still pick the kernel it picks
+    // for separate contiguous tensors (a slower fallback would eat the gain).
+    torch::nn::Module root;
+    AttentionOptions o;
+    o.query_dim = 640;
+    o.heads = 10;
+    o.head_dim = 64;
+    Attention attn = root.register_module("attn", Attention(o));
+    LoRAConfig c;
+    c.rank = 16;
+    LoRAAdapters adapters = inject_lora(root, c);
+    root.to(cuda, at::kBFloat16);
+    ASSERT_EQ(pack_lora_projection_groups(root), 1);
+    const at::Tensor x = at::randn({2, 1024, 640}, at::TensorOptions().device(cuda).dtype(at::kBFloat16));
+    const ProjectionGroup group = attn->projection_groups().at(0);
+    ASSERT_TRUE(projection_group_fuses(x, group));
+    const auto out = project_group(x, group);
+    auto heads = [](const at::Tensor& t) { return t.view({2, -1, 10, 64}).transpose(1, 2); };
+    const at::Tensor q = heads(out[0]), k = heads(out[1]), v = heads(out[2]);
+    EXPECT_EQ(sdpa_backend_name(q, k, v),
+              sdpa_backend_name(heads(out[0].contiguous()), heads(out[1].contiguous()),
+                                heads(out[2].contiguous())));
+    std::cout << "  SDPA on the fused q/k/v slices: " << sdpa_backend_name(q, k, v) << std::endl;
 }
 
 // The CUDA kernel of hash_dropout keeps exactly the elements the CPU loop keeps (float, bf16; with a

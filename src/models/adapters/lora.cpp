@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/fused_env.h"
 #include "core/log.h"
+#include "models/adapters/lora_qkv.h"
 #include "models/common/hash_dropout.h"
 #include "models/common/quantize.h"
 
@@ -50,18 +51,7 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
     // input, and neither needs a gradient).
     // The adapter's input dropout (hash_dropout.h), when the layer has one: the mask is applied to
     // the adapter branch only, recomputed in backward rather than stored.
-    struct Dropout {
-        at::Tensor seed;  // undefined: no dropout
-        uint64_t salt = 0;
-        double p = 0;
-        int64_t index_offset = 0;
-        at::Tensor apply(const at::Tensor& t) const {
-            return seed.defined() ? hash_dropout_no_grad(t, seed, salt, p, index_offset) : t;
-        }
-        void add_to(at::Tensor& dst, const at::Tensor& t) const {  // dst += apply(t)
-            hash_dropout_add_(dst, t, seed, salt, p, index_offset);
-        }
-    };
+    using Dropout = LoRALayer::InputDropout;
     struct Frozen {
         at::Tensor weight, bias;
         Dropout dropout;
@@ -258,13 +248,23 @@ bool LoRALayer::takes_whole_forward(const at::Tensor& x) const {
            x.numel() > 0 && x.dim() >= 2;
 }
 
+at::Tensor LoRALayer::InputDropout::apply(const at::Tensor& t) const {
+    return seed.defined() ? hash_dropout_no_grad(t, seed, salt, p, index_offset) : t;
+}
+
+void LoRALayer::InputDropout::add_to(at::Tensor& dst, const at::Tensor& t) const {
+    hash_dropout_add_(dst, t, seed, salt, p, index_offset);
+}
+
+LoRALayer::InputDropout LoRALayer::input_dropout(const at::Tensor& x) const {
+    if (!(dropout_ > 0.0 && host_->is_training())) return {};
+    // The mask indexes the flattened [N, in] input, which is x's own order (x is contiguous in
+    // the attention and feed-forward projections; reshape copies it otherwise).
+    return {dropout_seed_, dropout_salt_, dropout_, dropout_rank_ * x.numel()};
+}
+
 at::Tensor LoRALayer::forward_whole(const at::Tensor& x) {
-    LoRALinearFunction::Frozen frozen{*base_weight_, *base_bias_, {}, *base_scale_};
-    if (dropout_ > 0.0 && host_->is_training()) {
-        // The mask indexes the flattened [N, in] input, which is x's own order (x is contiguous in
-        // the attention and feed-forward projections; reshape copies it otherwise).
-        frozen.dropout = {dropout_seed_, dropout_salt_, dropout_, dropout_rank_ * x.numel()};
-    }
+    const LoRALinearFunction::Frozen frozen{*base_weight_, *base_bias_, input_dropout(x), *base_scale_};
     return LoRALinearFunction::apply(x, frozen, down_, up_, scale());
 }
 
@@ -512,8 +512,13 @@ LoRAAdapters inject_lora(torch::nn::Module& root, const LoRAConfig& config) {
         }
         entries.push_back({name, std::move(layer)});
     }
+    // q/k/v (and cross-attention k/v) weights back to back, for the fused projections (lora_qkv.h).
+    // Reading the switch now refuses a bad DTUNE_FUSED_QKV at setup rather than at the first step.
+    const int64_t groups = pack_lora_projection_groups(root);
+    fused_qkv_lora_enabled();
     log::info() << "LoRA: " << entries.size() << " layers adapted (rank " << config.rank << ", alpha "
                 << alpha << (config.use_dora ? ", DoRA" : "") << ")";
+    if (groups > 0) log::debug() << "LoRA: " << groups << " q/k/v groups laid out for the fused projections";
     return LoRAAdapters(config, std::move(entries));
 }
 

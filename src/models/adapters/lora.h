@@ -123,6 +123,21 @@ class LoRALayer : public LayerAdapter {
         dropout_world_ = world_size;
     }
 
+    // The mask a training forward of x applies to the adapter's input (no seed: none; then p is 0).
+    // The one place that picks this layer's salt and index offset: the fused q/k/v function
+    // (lora_qkv.h) takes the same mask per adapter as forward_whole.
+    struct InputDropout {
+        at::Tensor seed;  // undefined: no dropout
+        uint64_t salt = 0;
+        double p = 0;
+        int64_t index_offset = 0;
+        at::Tensor apply(const at::Tensor& t) const;              // t, or its masked scale (no autograd)
+        void add_to(at::Tensor& dst, const at::Tensor& t) const;  // dst += apply(t), one pass
+    };
+    // For the fused paths (takes_whole_forward(x) true): the seeded mask while training with
+    // lora_dropout, else none.
+    InputDropout input_dropout(const at::Tensor& x) const;
+
     at::Tensor& down() { return down_; }            // lora_A.weight
     at::Tensor& up() { return up_; }                // lora_B.weight
     at::Tensor& magnitude() { return magnitude_; }  // undefined without DoRA
@@ -220,7 +235,9 @@ class LoRAAdapters {
 
 // Attaches a LoRA (or DoRA) layer to every targeted layer of `root`. Throws UsageError when no
 // module matches, when a match is not an adaptable Linear/Conv2d (listing them), or for a bad
-// config (rank < 1, dropout outside [0, 1), grouped or non-zero-padded convs).
+// config (rank < 1, dropout outside [0, 1), grouped or non-zero-padded convs). Then lays out the
+// frozen weights of every q/k/v group it adapted back to back (pack_lora_projection_groups in
+// lora_qkv.h: same parameters and names, new storage) for the fused q/k/v path.
 LoRAAdapters inject_lora(torch::nn::Module& root, const LoRAConfig& config);
 
 }  // namespace dtune::models

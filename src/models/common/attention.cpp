@@ -74,6 +74,12 @@ AttentionImpl::AttentionImpl(const AttentionOptions& o) : options_(o) {
         register_module("to_v", AdaptableLinear(torch::nn::LinearOptions(kv_dim, inner).bias(o.qkv_bias)));
     out_proj_ = AdaptableLinear(inner, o.query_dim);
     to_out_ = register_module("to_out", torch::nn::ModuleList(out_proj_, torch::nn::Dropout(0.0)));
+    qkv_ = {to_q_.get(), to_k_.get(), to_v_.get()};
+    kv_ = {to_k_.get(), to_v_.get()};
+}
+
+std::vector<ProjectionGroup> AttentionImpl::projection_groups() {
+    return {options_.cross_attention_dim > 0 ? kv_ : qkv_};
 }
 
 at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context) {
@@ -82,9 +88,15 @@ at::Tensor AttentionImpl::forward(const at::Tensor& x, const at::Tensor& context
     auto split = [&](const at::Tensor& t) {
         return t.view({b, -1, heads, d}).transpose(1, 2);
     };  // [B, h, N, d]
-    at::Tensor q = split(to_q_->forward(x));
-    at::Tensor k = split(to_k_->forward(kv));
-    at::Tensor v = split(to_v_->forward(kv));
+    at::Tensor q, k, v;
+    if (context.defined()) {
+        q = split(to_q_->forward(x));
+        const auto kv_out = project_group(kv, kv_);
+        k = split(kv_out[0]), v = split(kv_out[1]);
+    } else {
+        const auto qkv_out = project_group(x, qkv_);
+        q = split(qkv_out[0]), k = split(qkv_out[1]), v = split(qkv_out[2]);
+    }
     const auto dtype = q.scalar_type();
     const bool upcast = options_.upcast && (dtype == at::kHalf || dtype == at::kBFloat16);
     if (upcast) {

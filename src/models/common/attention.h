@@ -3,6 +3,9 @@
 // (`norm1`/`attn1`, `norm2`/`attn2`, `norm3`/`ff`) and Transformer2DModel (`norm`, `proj_in`,
 // `transformer_blocks.N`, `proj_out`).
 //
+// q, k and v (self-attention; k and v for cross-attention) run through project_group
+// (adapters/lora_qkv.h): one fused function when each carries a LoRA adapter and inject_lora laid
+// their weights out back to back, else layer by layer.
 // Attention runs through at::scaled_dot_product_attention, so on CUDA it picks the flash /
 // cuDNN / memory-efficient kernels, except for inference with heads wider than those kernels take
 // (attention_float_scores). Sequences are [B, N, C].
@@ -16,6 +19,7 @@
 
 #include <string>
 
+#include "models/adapters/lora_qkv.h"
 #include "models/common/adaptable.h"
 #include "models/common/checkpoint.h"
 #include "models/common/unit_hooks.h"
@@ -46,17 +50,20 @@ struct AttentionOptions {
     double norm_eps = 1e-6;
 };
 
-class AttentionImpl : public torch::nn::Module {
+class AttentionImpl : public torch::nn::Module, public ProjectionGroupHost {
   public:
     explicit AttentionImpl(const AttentionOptions& options);
     // x: [B, N, query_dim]; context: [B, M, cross_attention_dim] or undefined for self-attention.
     at::Tensor forward(const at::Tensor& x, const at::Tensor& context = {});
     // The VAE's form: x [B, C, H, W] -> group_norm -> self-attention over H*W -> + x.
     at::Tensor forward_spatial(const at::Tensor& x);
+    // {to_q, to_k, to_v} for self-attention, {to_k, to_v} (both read the context) for cross-attention.
+    std::vector<ProjectionGroup> projection_groups() override;
 
   private:
     AttentionOptions options_;
     AdaptableLinear to_q_{nullptr}, to_k_{nullptr}, to_v_{nullptr};
+    ProjectionGroup qkv_, kv_;               // the layers above
     torch::nn::ModuleList to_out_{nullptr};  // [Linear, Dropout] as in diffusers
     AdaptableLinear out_proj_{nullptr};
     torch::nn::GroupNorm group_norm_{nullptr};

@@ -49,20 +49,25 @@ at::Tensor modulate(const at::Tensor& x, const at::Tensor& scale, const at::Tens
     return layer_norm(x) * (1 + scale) + shift;
 }
 
-// q, k and v of one stream [B, S, inner] each: with `fused`, one matmul over the three layers'
+// q, k and v of one stream [B, S, inner] each (`group`: to_q, to_k, to_v or the add_*_proj layers).
+// LoRA training with an adapter on each of the three runs the fused LoRA projections (whatever
+// `fused` says; adapters/lora_qkv.h). Otherwise, with `fused`, one matmul over the three layers'
 // weights stacked for the call (diffusers' fuse_projections computes the same products with a
 // to_qkv copy of them), unless a layer carries an adapter or a quantised weight, which computes its
-// own output. Not faster than three matmuls at Flux's sizes (H200, LoRA on the text stream, 1024²:
-// 497 vs 484 ms/step, RUNS="context fused" tools/gpu/flux_train.sh); it is there for SimpleTuner configs that
-// set it.
-std::array<at::Tensor, 3> project_qkv(const at::Tensor& x, AdaptableLinear& q, AdaptableLinear& k,
-                                      AdaptableLinear& v, bool fused) {
+// own output. That plain form is not faster than three matmuls at Flux's sizes (H200, LoRA on the
+// text stream, 1024²: 497 vs 484 ms/step, RUNS="context fused" tools/gpu/flux_train.sh); it is there
+// for SimpleTuner configs that set it.
+std::array<at::Tensor, 3> project_qkv(const at::Tensor& x, const ProjectionGroup& group, bool fused) {
     bool plain = fused;
-    for (const AdaptableLinear* l : {&q, &k, &v})
-        plain = plain && (*l)->adapter() == nullptr && !(*l)->weight_scale.defined() && (*l)->bias.defined();
-    if (!plain) return {q->forward(x), k->forward(x), v->forward(x)};
-    const at::Tensor weight = at::cat({q->weight, k->weight, v->weight}, 0);  // [3 inner, D]
-    const at::Tensor bias = at::cat({q->bias, k->bias, v->bias}, 0);          // [3 inner]
+    for (const AdaptableLinearImpl* l : group)
+        plain = plain && l->adapter() == nullptr && !l->weight_scale.defined() && l->bias.defined();
+    if (!plain) {
+        const auto out = project_group(x, group);  // layer by layer unless the LoRA group fuses
+        return {out[0], out[1], out[2]};
+    }
+    const AdaptableLinearImpl &q = *group[0], &k = *group[1], &v = *group[2];
+    const at::Tensor weight = at::cat({q.weight, k.weight, v.weight}, 0);  // [3 inner, D]
+    const at::Tensor bias = at::cat({q.bias, k.bias, v.bias}, 0);          // [3 inner]
     const auto out = at::linear(x, weight, bias).chunk(3, -1);
     return {out[0], out[1], out[2]};
 }
@@ -166,6 +171,13 @@ FluxAttentionImpl::FluxAttentionImpl(int64_t dim, int64_t heads, int64_t head_di
         add_v_proj_ = register_module("add_v_proj", AdaptableLinear(dim, inner));
         to_add_out_ = register_module("to_add_out", AdaptableLinear(inner, dim));
     }
+    image_qkv_ = {to_q_.get(), to_k_.get(), to_v_.get()};
+    if (added) context_qkv_ = {add_q_proj_.get(), add_k_proj_.get(), add_v_proj_.get()};
+}
+
+std::vector<ProjectionGroup> FluxAttentionImpl::projection_groups() {
+    if (context_qkv_.empty()) return {image_qkv_};
+    return {image_qkv_, context_qkv_};
 }
 
 std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context,
@@ -174,13 +186,13 @@ std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x
     const auto heads = [&](const at::Tensor& t) {
         return t.unflatten(-1, {heads_, head_dim_});
     };  // [B, S, H, Dh]
-    const auto image = project_qkv(x, to_q_, to_k_, to_v_, fused_qkv_);
+    const auto image = project_qkv(x, image_qkv_, fused_qkv_);
     at::Tensor q = norm_q_->forward(heads(image[0]));
     at::Tensor k = norm_k_->forward(heads(image[1]));
     at::Tensor v = heads(image[2]);
     const int64_t text = context.defined() ? context.size(1) : 0;
     if (context.defined()) {
-        const auto added = project_qkv(context, add_q_proj_, add_k_proj_, add_v_proj_, fused_qkv_);
+        const auto added = project_qkv(context, context_qkv_, fused_qkv_);
         q = at::cat({norm_added_q_->forward(heads(added[0])), q}, 1);
         k = at::cat({norm_added_k_->forward(heads(added[1])), k}, 1);
         v = at::cat({heads(added[2]), v}, 1);

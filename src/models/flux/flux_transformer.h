@@ -15,7 +15,9 @@
 // text mask (SimpleTuner's flux_attention_masked_training) the T5 padding tokens are left out as
 // keys in every block's joint attention ([text mask; ones for the image tokens]), so they do not
 // reach the image. With fused q/k/v (fuse_qkv_projections) each stream's three projections run as one
-// matmul over their stacked weights: the same products, one kernel.
+// matmul over their stacked weights: the same products, one kernel. In LoRA training with an adapter
+// on each of a stream's q, k and v, the three run as one fused LoRA function either way
+// (adapters/lora_qkv.h).
 // Child modules carry diffusers' names, so a diffusers transformer/ folder loads by name; Linear
 // layers are adaptable (LoRA targets).
 #pragma once
@@ -29,6 +31,7 @@
 #include <vector>
 
 #include "io/safetensors.h"
+#include "models/adapters/lora_qkv.h"
 #include "models/common/adaptable.h"
 #include "models/common/blocks.h"
 #include "models/common/component.h"
@@ -74,7 +77,7 @@ enum class FluxTrainingAttention { kFlash, kSdpaChoice };
 void set_flux_training_attention(FluxTrainingAttention kernel);
 FluxTrainingAttention flux_training_attention();
 
-class FluxAttentionImpl : public torch::nn::Module {
+class FluxAttentionImpl : public torch::nn::Module, public ProjectionGroupHost {
   public:
     FluxAttentionImpl(int64_t dim, int64_t heads, int64_t head_dim, bool added, bool pre_only);
     // x [B, N, D] (the whole joint sequence for single blocks); context [B, T, D] or undefined;
@@ -84,14 +87,18 @@ class FluxAttentionImpl : public torch::nn::Module {
                                               const std::pair<at::Tensor, at::Tensor>& rope,
                                               const at::Tensor& key_mask = {});
     // One matmul for q, k and v of each stream (while none of the three carries an adapter or a
-    // quantised weight; such layers compute their own outputs).
+    // quantised weight; such layers compute their own outputs, or the fused LoRA projections).
     void set_fused_qkv(bool fused) { fused_qkv_ = fused; }
+    // The image stream's {to_q, to_k, to_v} and, in double blocks, the text stream's add_*_proj: with
+    // a LoRA on each, inject_lora lays them out for the fused LoRA projections (adapters/lora_qkv.h).
+    std::vector<ProjectionGroup> projection_groups() override;
 
   private:
     int64_t heads_, head_dim_;
     bool fused_qkv_ = false;
     AdaptableLinear to_q_{nullptr}, to_k_{nullptr}, to_v_{nullptr}, to_out_{nullptr};
     AdaptableLinear add_q_proj_{nullptr}, add_k_proj_{nullptr}, add_v_proj_{nullptr}, to_add_out_{nullptr};
+    ProjectionGroup image_qkv_, context_qkv_;  // the layers above (context_qkv_ empty without `added`)
     FluxRMSNorm norm_q_{nullptr}, norm_k_{nullptr}, norm_added_q_{nullptr}, norm_added_k_{nullptr};
 };
 TORCH_MODULE(FluxAttention);

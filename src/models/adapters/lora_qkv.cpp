@@ -1,0 +1,382 @@
+// Fused q/k/v projections with LoRA adapters (see lora_qkv.h): the weight layout, the checks that
+// pick the fused path and its autograd function.
+#include "models/adapters/lora_qkv.h"
+
+#include <torch/torch.h>
+
+#include <ATen/autocast_mode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+#include "core/error.h"
+#include "core/fused_env.h"
+#include "models/adapters/lora.h"
+
+namespace dtune::models {
+namespace {
+
+// DTUNE_FUSED_QKV, read on first use (not during static initialisation: a bad value must reach the
+// CLI as a UsageError naming the variable). Off by default until its GPU test
+// (ModelsGpu.FusedQkvLoRAMatchesLayerByLayerUnderAutocast: attention kernels on the strided q/k/v)
+// and a speed comparison have run on a GPU.
+bool initial_fused_qkv() {
+    const char* v = std::getenv("DTUNE_FUSED_QKV");
+    if (v == nullptr || *v == '\0') return false;
+    const std::optional<bool> on = parse_fused_kernels_value(v);
+    DTUNE_CHECK_AS(
+        UsageError, on.has_value(), "DTUNE_FUSED_QKV=", v,
+        " is not a choice: use 1 (q/k/v LoRA layers as one function) or 0 (one by one, the default)");
+    return *on;
+}
+
+std::atomic<bool>& fused_qkv_switch() {
+    static std::atomic<bool> on{initial_fused_qkv()};
+    return on;
+}
+
+// The tensors as one view along dim 0 when they lie back to back in one storage, in order, each
+// contiguous and alike in dtype, device and trailing sizes; undefined otherwise. No autograd: for
+// frozen weights.
+at::Tensor rows_view(const std::vector<const at::Tensor*>& parts) {
+    const at::Tensor& first = *parts.front();
+    if (!first.defined() || first.dim() < 1 || !first.has_storage()) return {};
+    const int64_t row_numel = first.size(0) > 0 ? first.numel() / first.size(0) : 0;
+    int64_t rows = 0;
+    for (const at::Tensor* p : parts) {
+        if (!p->defined() || p->scalar_type() != first.scalar_type() || p->device() != first.device() ||
+            p->dim() != first.dim() || p->sizes().slice(1) != first.sizes().slice(1) || !p->is_contiguous() ||
+            !p->has_storage() || !p->storage().is_alias_of(first.storage()) ||
+            p->storage_offset() != first.storage_offset() + rows * row_numel)
+            return {};
+        rows += p->size(0);
+    }
+    std::vector<int64_t> sizes = first.sizes().vec(), strides(sizes.size(), 1);
+    sizes[0] = rows;
+    for (int64_t d = static_cast<int64_t>(sizes.size()) - 2; d >= 0; --d)
+        strides[d] = strides[d + 1] * sizes[d + 1];
+    const at::NoGradGuard no_grad;
+    return first.as_strided(sizes, strides, first.storage_offset());
+}
+
+// Gradients g_i [N, out_i] as one [N, Σ out_i] view when they are column slices of one buffer in
+// order (SDPA's memory-efficient backward allocates q/k/v's gradients so when q/k/v are such
+// slices); undefined otherwise.
+at::Tensor packed_columns(const std::vector<at::Tensor>& g) {
+    int64_t total = 0;
+    for (const at::Tensor& t : g) {
+        if (!t.defined()) return {};
+        total += t.size(1);
+    }
+    const at::Tensor& first = g.front();
+    int64_t col = 0;
+    for (const at::Tensor& t : g) {
+        if (t.scalar_type() != first.scalar_type() || t.size(0) != first.size(0) || t.stride(1) != 1 ||
+            t.stride(0) != total || !t.has_storage() || !t.storage().is_alias_of(first.storage()) ||
+            t.storage_offset() != first.storage_offset() + col)
+            return {};
+        col += t.size(1);
+    }
+    return first.as_strided({first.size(0), total}, {total, 1}, first.storage_offset());
+}
+
+// What the fused function needs besides x and the factors.
+struct FusedSpec {
+    at::Tensor weight, bias;  // [Σ out, in] and [Σ out] (or undefined): views of the packed buffer
+    std::vector<int64_t> outs;
+    int64_t rank = 0;
+    std::vector<double> scales;
+    std::vector<LoRALayer::InputDropout> dropouts;
+};
+
+std::optional<FusedSpec> fused_spec(const at::Tensor& x, const ProjectionGroup& group) {
+    // The cheap test first: most groups outside LoRA training carry no adapter.
+    if (group.size() < 2 || !group.front()->adapter() || !fused_qkv_lora_enabled()) return std::nullopt;
+    FusedSpec s;
+    const bool bias = group.front()->bias.defined();
+    for (const AdaptableLinearImpl* l : group) {
+        const auto* lora = dynamic_cast<const LoRALayer*>(l->adapter());
+        if (!lora || !lora->takes_whole_forward(x) || l->weight_scale.defined() ||
+            l->bias.defined() != bias || (s.rank > 0 && lora->rank() != s.rank))
+            return std::nullopt;
+        s.rank = lora->rank();
+        s.outs.push_back(l->weight.size(0));
+        s.scales.push_back(lora->scale());
+        s.dropouts.push_back(lora->input_dropout(x));
+    }
+    s.weight = packed_weight(group);
+    if (bias) s.bias = packed_bias(group);
+    if (!s.weight.defined() || (bias && !s.bias.defined())) return std::nullopt;
+    return s;
+}
+
+// The n projections of x (see lora_qkv.h). Autograd inputs: x, then A_1..A_n, B_1..B_n (edges 0,
+// 1..n, n+1..2n); backward returns one entry per forward argument, the factors flattened.
+struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjectionsFunction> {
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                  at::TensorList factors, const FusedSpec& spec) {
+        const int64_t n = static_cast<int64_t>(spec.outs.size()), r = spec.rank;
+        const auto device = x.device().type();
+        const auto ct = at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device)
+                                                                  : x.scalar_type();
+        const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+        const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(ct);  // [N, in]
+        const at::Tensor wc = spec.weight.to(ct);                  // [Σ out, in]
+        at::Tensor y = spec.bias.defined() ? at::addmm(spec.bias.to(ct), x2, wc.t()) : at::mm(x2, wc.t());
+        const at::Tensor ac = at::cat(factors.slice(0, n)).to(ct);  // [n·r, in]: A_1; ...; A_n
+        bool drop = false;
+        for (const auto& d : spec.dropouts) drop = drop || d.seed.defined();
+        at::Tensor h;  // [N, n·r]: adapter i's (masked x)·A_iᵀ in columns i·r .. (i+1)·r
+        if (!drop) {
+            h = at::mm(x2, ac.t());
+        } else {
+            h = at::empty({x2.size(0), n * r}, x2.options());
+            for (int64_t i = 0; i < n; ++i) {
+                at::Tensor hi = h.narrow(1, i * r, r);
+                at::mm_out(hi, spec.dropouts[i].apply(x2), ac.narrow(0, i * r, r).t());
+            }
+        }
+        std::vector<at::Tensor> saved{x2, wc, ac, h};
+        std::vector<int64_t> a_dtypes, b_dtypes;
+        int64_t col = 0;
+        for (int64_t i = 0; i < n; ++i) {
+            const at::Tensor bc = factors[n + i].to(ct);  // [out_i, r]
+            y.narrow(1, col, spec.outs[i]).addmm_(h.narrow(1, i * r, r), bc.t(), 1.0, spec.scales[i]);
+            col += spec.outs[i];
+            saved.push_back(bc);
+            a_dtypes.push_back(static_cast<int64_t>(factors[i].scalar_type()));
+            b_dtypes.push_back(static_cast<int64_t>(factors[n + i].scalar_type()));
+            const auto& d = spec.dropouts[i];
+            if (!d.seed.defined()) continue;
+            const std::string k = std::to_string(i);
+            ctx->saved_data["drop_seed" + k] = d.seed;
+            ctx->saved_data["drop_salt" + k] = static_cast<int64_t>(d.salt);
+            ctx->saved_data["drop_p" + k] = d.p;
+            ctx->saved_data["drop_offset" + k] = d.index_offset;
+        }
+        ctx->save_for_backward(saved);
+        ctx->saved_data["outs"] = spec.outs;
+        ctx->saved_data["rank"] = r;
+        ctx->saved_data["scales"] = spec.scales;
+        ctx->saved_data["drop"] = drop;
+        ctx->saved_data["a_dtypes"] = a_dtypes;
+        ctx->saved_data["b_dtypes"] = b_dtypes;
+        ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+        ctx->saved_data["x_sizes"] = x.sizes().vec();
+        auto sizes = x.sizes().vec();
+        sizes.back() = col;
+        return y.view(sizes).split_with_sizes(spec.outs, -1);  // views: column slices of y
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const at::Tensor &x2 = saved[0], &wc = saved[1], &ac = saved[2], &h = saved[3];
+        const auto outs = ctx->saved_data["outs"].toIntVector();
+        const auto scales = ctx->saved_data["scales"].toDoubleVector();
+        const auto a_dtypes = ctx->saved_data["a_dtypes"].toIntVector();
+        const auto b_dtypes = ctx->saved_data["b_dtypes"].toIntVector();
+        const int64_t n = static_cast<int64_t>(outs.size()), r = ctx->saved_data["rank"].toInt();
+        const bool drop = ctx->saved_data["drop"].toBool();
+        std::vector<LoRALayer::InputDropout> drops(n);
+        for (int64_t i = 0; drop && i < n; ++i) {
+            const std::string k = std::to_string(i);
+            if (!ctx->saved_data.count("drop_seed" + k)) continue;
+            drops[i] = {ctx->saved_data["drop_seed" + k].toTensor(),
+                        static_cast<uint64_t>(ctx->saved_data["drop_salt" + k].toInt()),
+                        ctx->saved_data["drop_p" + k].toDouble(), ctx->saved_data["drop_offset" + k].toInt()};
+        }
+        const int64_t rows = x2.size(0);
+        std::vector<at::Tensor> g(n);  // [N, out_i]; undefined: that output was not used
+        for (int64_t i = 0; i < n; ++i)
+            if (grads[i].defined()) g[i] = grads[i].reshape({-1, outs[i]}).to(x2.scalar_type());
+        // s_i·g_i·B_i into columns i·r .. of gh [N, n·r] (zero for an unused output).
+        at::Tensor gh = at::empty({rows, n * r}, x2.options());
+        for (int64_t i = 0; i < n; ++i) {
+            at::Tensor ghi = gh.narrow(1, i * r, r);
+            if (g[i].defined())
+                at::addmm_out(ghi, ghi, g[i], saved[4 + i], 0.0, scales[i]);
+            else
+                ghi.zero_();
+        }
+        at::Tensor dx;
+        if (ctx->needs_input_grad(0)) {
+            const at::Tensor g_cat = packed_columns(g);
+            if (g_cat.defined()) {
+                dx = at::mm(g_cat, wc);  // [N, in]: Σ g_i·W_i as one GEMM, K = Σ out
+            } else {
+                // Accumulated in the GEMMs' epilogue: no gradient sum, and no copy into a g_cat
+                // (which would move as many bytes as the sum it replaces).
+                int64_t row = 0;
+                for (int64_t i = 0; i < n; ++i) {
+                    const at::Tensor wi = wc.narrow(0, row, outs[i]);
+                    row += outs[i];
+                    if (!g[i].defined()) continue;
+                    if (dx.defined())
+                        dx.addmm_(g[i], wi);
+                    else
+                        dx = at::mm(g[i], wi);
+                }
+                if (!dx.defined()) dx = at::zeros({rows, x2.size(1)}, x2.options());
+            }
+            if (!drop) {
+                dx.addmm_(gh, ac);  // + Σ s_i·g_i·B_i·A_i, K = n·r
+            } else {
+                for (int64_t i = 0; i < n; ++i) {
+                    const at::Tensor ghi = gh.narrow(1, i * r, r), ai = ac.narrow(0, i * r, r);
+                    const LoRALayer::InputDropout& d = drops[i];
+                    if (d.seed.defined())
+                        d.add_to(dx, at::mm(ghi, ai));  // + mask_i(s_i·g_i·B_i·A_i), one pass
+                    else
+                        dx.addmm_(ghi, ai);
+                }
+            }
+            dx = dx.to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()))
+                     .view(ctx->saved_data["x_sizes"].toIntVector());
+        }
+        // Factor gradients straight into their (float32) dtype where the GEMM can write it (CUDA).
+        const bool out_dtype = x2.is_cuda() && x2.scalar_type() != at::kFloat;
+        const auto a_dtype = [&](int64_t i) { return static_cast<at::ScalarType>(a_dtypes[i]); };
+        const auto b_dtype = [&](int64_t i) { return static_cast<at::ScalarType>(b_dtypes[i]); };
+        torch::autograd::variable_list out(2 * n + 2);
+        out[0] = dx;
+        bool same_a_dtype = true, any_a = false;
+        for (int64_t i = 0; i < n; ++i) {
+            same_a_dtype = same_a_dtype && a_dtype(i) == a_dtype(0);
+            any_a = any_a || (ctx->needs_input_grad(1 + i) && g[i].defined());
+        }
+        if (any_a && !drop && same_a_dtype) {
+            // [n·r, in]: every dA in one GEMM (all adapters read the same input)
+            const at::Tensor da =
+                out_dtype ? at::mm(gh.t(), x2, a_dtype(0)) : at::mm(gh.t(), x2).to(a_dtype(0));
+            for (int64_t i = 0; i < n; ++i)
+                if (ctx->needs_input_grad(1 + i) && g[i].defined()) out[1 + i] = da.narrow(0, i * r, r);
+        } else if (any_a) {
+            for (int64_t i = 0; i < n; ++i) {
+                if (!(ctx->needs_input_grad(1 + i) && g[i].defined())) continue;
+                const at::Tensor ghi = gh.narrow(1, i * r, r), xa = drops[i].apply(x2);  // adapter i's input
+                out[1 + i] = out_dtype ? at::mm(ghi.t(), xa, a_dtype(i)) : at::mm(ghi.t(), xa).to(a_dtype(i));
+            }
+        }
+        for (int64_t i = 0; i < n; ++i) {
+            if (!(ctx->needs_input_grad(1 + n + i) && g[i].defined())) continue;
+            const at::Tensor hi = h.narrow(1, i * r, r);
+            out[1 + n + i] = out_dtype ? at::addmm(at::empty({outs[i], r}, x2.options().dtype(b_dtype(i))),
+                                                   g[i].t(), hi, b_dtype(i), 0.0, scales[i])
+                                       : at::mm(g[i].t(), hi).mul_(scales[i]).to(b_dtype(i));
+        }
+        return out;
+    }
+};
+
+std::vector<const at::Tensor*> weights_of(const ProjectionGroup& group) {
+    std::vector<const at::Tensor*> out;
+    for (const AdaptableLinearImpl* l : group) out.push_back(&l->weight);
+    return out;
+}
+
+std::vector<const at::Tensor*> biases_of(const ProjectionGroup& group) {
+    std::vector<const at::Tensor*> out;
+    for (const AdaptableLinearImpl* l : group) out.push_back(&l->bias);
+    return out;
+}
+
+// Copies the tensors into one buffer and points each at its rows (unless already back to back).
+void pack_rows(const std::vector<at::Tensor*>& parts) {
+    if (rows_view({parts.begin(), parts.end()}).defined()) return;
+    std::vector<at::Tensor> values;
+    for (const at::Tensor* p : parts) values.push_back(p->contiguous());
+    const at::Tensor buffer = at::cat(values, 0);
+    int64_t row = 0;
+    for (at::Tensor* p : parts) {
+        const int64_t n = p->size(0);
+        p->set_data(buffer.narrow(0, row, n));
+        row += n;
+    }
+}
+
+}  // namespace
+
+void set_fused_qkv_lora(bool enabled) {
+    fused_qkv_switch().store(enabled);
+}
+
+bool fused_qkv_lora_enabled() {
+    return fused_qkv_switch().load() && fused_lora_enabled();
+}
+
+at::Tensor packed_weight(const ProjectionGroup& group) {
+    return group.empty() ? at::Tensor() : rows_view(weights_of(group));
+}
+
+at::Tensor packed_bias(const ProjectionGroup& group) {
+    return group.empty() ? at::Tensor() : rows_view(biases_of(group));
+}
+
+bool pack_projection_group(const ProjectionGroup& group) {
+    if (group.size() < 2) return false;
+    const AdaptableLinearImpl& first = *group.front();
+    const bool bias = first.bias.defined();
+    for (const AdaptableLinearImpl* l : group) {
+        const at::Tensor &w = l->weight, &b = l->bias;
+        if (!w.defined() || w.dim() != 2 || l->weight_scale.defined() || w.requires_grad() ||
+            w.size(1) != first.weight.size(1) || w.scalar_type() != first.weight.scalar_type() ||
+            w.device() != first.weight.device() || b.defined() != bias)
+            return false;
+        if (bias && (b.dim() != 1 || b.requires_grad() || b.scalar_type() != first.bias.scalar_type() ||
+                     b.device() != first.bias.device()))
+            return false;
+    }
+    const at::NoGradGuard no_grad;
+    std::vector<at::Tensor*> weights, biases;
+    for (AdaptableLinearImpl* l : group) {
+        weights.push_back(&l->weight);
+        biases.push_back(&l->bias);
+    }
+    pack_rows(weights);
+    if (bias) pack_rows(biases);
+    return packed_weight(group).defined() && (!bias || packed_bias(group).defined());
+}
+
+int64_t pack_lora_projection_groups(torch::nn::Module& root) {
+    std::vector<ProjectionGroupHost*> hosts;
+    if (auto* h = dynamic_cast<ProjectionGroupHost*>(&root)) hosts.push_back(h);
+    for (const auto& m : root.modules(/*include_self=*/false))
+        if (auto* h = dynamic_cast<ProjectionGroupHost*>(m.get())) hosts.push_back(h);
+    int64_t packed = 0;
+    for (ProjectionGroupHost* host : hosts) {
+        for (const ProjectionGroup& group : host->projection_groups()) {
+            bool adapted = group.size() >= 2;
+            int64_t rank = 0;
+            for (const AdaptableLinearImpl* l : group) {
+                const auto* lora = dynamic_cast<const LoRALayer*>(l->adapter());
+                adapted = adapted && lora && lora->kind() == LoRALayer::Kind::kLinear && !lora->use_dora() &&
+                          (rank == 0 || lora->rank() == rank);
+                if (lora) rank = lora->rank();
+            }
+            if (adapted && pack_projection_group(group)) ++packed;
+        }
+    }
+    return packed;
+}
+
+bool projection_group_fuses(const at::Tensor& x, const ProjectionGroup& group) {
+    return fused_spec(x, group).has_value();
+}
+
+std::vector<at::Tensor> project_group(const at::Tensor& x, const ProjectionGroup& group) {
+    if (std::optional<FusedSpec> spec = fused_spec(x, group)) {
+        std::vector<at::Tensor> factors;
+        for (AdaptableLinearImpl* l : group) factors.push_back(static_cast<LoRALayer*>(l->adapter())->down());
+        for (AdaptableLinearImpl* l : group) factors.push_back(static_cast<LoRALayer*>(l->adapter())->up());
+        return LoRAProjectionsFunction::apply(x, at::TensorList(factors), *spec);
+    }
+    std::vector<at::Tensor> out;
+    for (AdaptableLinearImpl* l : group) out.push_back(l->forward(x));
+    return out;
+}
+
+}  // namespace dtune::models
