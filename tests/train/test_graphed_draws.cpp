@@ -172,19 +172,8 @@ TEST(TimestepBiasDraws, MakeNoHostRead) {
     }
 }
 
-TrainBatch synthetic_batch(int64_t b) {
-    SyntheticBatchOptions o;
-    o.batch_size = b;
-    o.latent_size = 8;
-    o.dim = 64;  // the tiny UNet's cross_attention_dim
-    o.pooled_dim = 32;
-    SyntheticBatchSource source(o);
-    auto gen = at::detail::createCPUGenerator(5);
-    return source.next(gen);
-}
-
 TEST(TimestepBiasDraws, StepDrawsBiasedTimestepsFromTheDeviceGenerator) {
-    const TrainBatch batch = synthetic_batch(4);
+    const TrainBatch batch = testutil::tiny_batch(4);
     auto model = testutil::sdxl_model(testutil::tiny_unet());
     const diffusion::NoiseSchedule schedule = testutil::tiny_schedule();
     const int64_t t_count = schedule.num_train_timesteps();

@@ -19,16 +19,6 @@ double max_diff(const at::Tensor& a, const at::Tensor& b) {
     return (a - b).abs().max().item<double>();
 }
 
-TrainBatch synthetic_batch() {
-    SyntheticBatchOptions o;
-    o.batch_size = 2;
-    o.dim = 64;  // the tiny UNet's cross_attention_dim
-    o.pooled_dim = 32;
-    SyntheticBatchSource source(o);
-    auto gen = at::detail::createCPUGenerator(5);
-    return source.next(gen);
-}
-
 // What micro_step draws with the generator seeded `seed` (StepOptions defaults, one process).
 struct Draws {
     at::Tensor noise, noisy, t;
@@ -63,7 +53,7 @@ TEST(Regularisation, LoRABatchTrainsTowardTheBaseModelsPrediction) {
         for (auto& t : adapters.parameters()) t.set_requires_grad(true);
     }
     const auto schedule = tiny_schedule();
-    TrainBatch batch = synthetic_batch();
+    TrainBatch batch = testutil::tiny_batch(2);
     batch.regularisation = true;
     StepHooks toggle;
     toggle.adapters = [&](bool on) { adapters.set_enabled(on); };
@@ -107,7 +97,7 @@ TEST(Regularisation, FullFineTuneTrainsItAsOrdinaryData) {
     // model to ask, so the batch keeps the usual target.
     auto unet = tiny_unet();
     const auto schedule = tiny_schedule();
-    TrainBatch batch = synthetic_batch();
+    TrainBatch batch = testutil::tiny_batch(2);
     auto gen = at::detail::createCPUGenerator(11);
     const MicroStep ordinary =
         micro_step(*testutil::sdxl_model(unet), batch, schedule, StepOptions{}, 0, gen);

@@ -24,17 +24,6 @@ namespace {
 using testutil::tiny_schedule;
 using testutil::tiny_unet;
 
-TrainBatch synthetic_batch() {
-    SyntheticBatchOptions o;
-    o.batch_size = 3;
-    o.latent_size = 8;
-    o.dim = 64;  // the tiny UNet's cross_attention_dim
-    o.pooled_dim = 32;
-    SyntheticBatchSource source(o);
-    auto gen = at::detail::createCPUGenerator(5);
-    return source.next(gen);
-}
-
 diffusion::NoiseSchedule schedule_predicting(diffusion::PredictionType p) {
     diffusion::NoiseScheduleConfig c = tiny_schedule().config();
     c.prediction_type = p;
@@ -57,7 +46,7 @@ StepOptions every_option(diffusion::PredictionType p) {
 }
 
 TEST(StepNoiseLoss, DeviceDrawsFollowTheirOrderAndTheLossItsFormula) {
-    const TrainBatch batch = synthetic_batch();
+    const TrainBatch batch = testutil::tiny_batch(3);
     const int64_t b = batch.latents.size(0);
     auto unet = tiny_unet();
     auto model = testutil::sdxl_model(unet);

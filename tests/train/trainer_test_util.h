@@ -65,13 +65,26 @@ inline TrainConfig tiny_config(const std::filesystem::path& out, int64_t steps,
     return c;
 }
 
-inline std::unique_ptr<BatchSource> synthetic() {
+// Synthetic batches of the tiny UNet's shapes: 8 x 8 latents, a 64-wide context (its
+// cross_attention_dim) and a 32-wide pooled embedding.
+inline SyntheticBatchOptions tiny_batch_options(int64_t batch_size) {
     SyntheticBatchOptions o;
-    o.batch_size = 2;
+    o.batch_size = batch_size;
     o.latent_size = 8;
-    o.dim = 64;  // the tiny UNet's cross_attention_dim
+    o.dim = 64;
     o.pooled_dim = 32;
-    return std::make_unique<SyntheticBatchSource>(o);
+    return o;
+}
+
+inline std::unique_ptr<BatchSource> synthetic() {
+    return std::make_unique<SyntheticBatchSource>(tiny_batch_options(2));
+}
+
+// One such batch, drawn with a CPU generator seeded 5.
+inline TrainBatch tiny_batch(int64_t batch_size) {
+    SyntheticBatchSource source(tiny_batch_options(batch_size));
+    auto gen = at::detail::createCPUGenerator(5);
+    return source.next(gen);
 }
 
 inline std::unique_ptr<Trainer> make_trainer(const TrainConfig& config) {

@@ -7,7 +7,10 @@
 # env: RUNS ("full lora": full = batch 1 adamw_bf16, lora = r16 batch 4; "fullgc4" = batch 4 with
 #   gradient checkpointing), STEPS (40), ROUNDS (1: old,new pairs per run), PROFILE (A:B: a Kineto trace
 #   of steps A..B of each run, summarised by kernel family), GPU_TESTS (like zero_scale.sh:
-#   "dir/binary[:filter]" built from the new tree and run first).
+#   "dir/binary[:filter]" built from the new tree and run first), VARIANTS (space-separated; each a
+#   comma-joined VAR=value list: every run again from the new build with that environment, labelled
+#   new+VARS, e.g. VARIANTS="DTUNE_FUSED_QKV=1"). A Kineto trace adds ~35 s to a run: leave PROFILE
+#   out of timing calls that are short of device time.
 # Prints one JSON line per run: {"run", "build", "ms_per_step" (wall time of the second half of the
 # steps / steps, from metrics.jsonl's step times), ...}; logs and profiles under $OUT.
 set -uo pipefail
@@ -33,17 +36,17 @@ for t in ${GPU_TESTS:-}; do
     echo "gpu test $b ($filter): exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$log" | tr '\n' ' ')"
     grep -E '^\[  FAILED  \]' "$log" | head -20
 done
-one() {  # run name, build label, build dir
-    local name=$1 label=$2 build=$3 mode extra=()
+one() {  # run name, build label, build dir[, environment VAR=value,...]
+    local name=$1 label=$2 build=$3 vars=${4:-} mode extra=()
     case $name in
         full) mode=full ;;
         lora) mode=lora ;;
         fullgc4) mode=full extra=(--train_batch_size 4 --gradient_checkpointing true) ;;
         *) echo "unknown run $name"; return ;;
     esac
-    local log=$OUT/${name}_$label.log
-    DTUNE_PROFILE_STEPS=${PROFILE:-} timeout -k 10 240 tools/gpu/train_full_size.sh "$build" $W "$mode" "$STEPS" \
-        "${extra[@]}" >"$log" 2>&1
+    local log=$OUT/${name}_${label//[^A-Za-z0-9+]/_}.log
+    env ${vars//,/ } DTUNE_PROFILE_STEPS=${PROFILE:-} timeout -k 10 240 tools/gpu/train_full_size.sh "$build" $W \
+        "$mode" "$STEPS" "${extra[@]}" >"$log" 2>&1
     local rc=$? o=$W/out-$mode-1-1
     python3 - "$o/metrics.jsonl" "$name" "$label" "$rc" <<'PY'
 import json, statistics, sys
@@ -66,14 +69,15 @@ if half:
 print(json.dumps(out))
 PY
     if [[ -n ${PROFILE:-} && -f $o/profile/trace_rank0.json ]]; then
-        python3 bench/summarize_trace.py "$o/profile/trace_rank0.json" --steps 2 >"$OUT/${name}_$label.prof.txt" 2>&1
-        head -12 "$OUT/${name}_$label.prof.txt"
+        python3 bench/summarize_trace.py "$o/profile/trace_rank0.json" --steps 2 >"${log%.log}.prof.txt" 2>&1
+        head -12 "${log%.log}.prof.txt"
     fi
 }
 for name in ${RUNS:-full lora}; do
     for ((r = 0; r < ${ROUNDS:-1}; r++)); do
         [[ -n ${OLD_TAR:-} ]] && one "$name" old $old/build/dev
         one "$name" new build/dev
+        for v in ${VARIANTS:-}; do one "$name" "new+$v" build/dev "$v"; done
     done
 done
 echo "== done at $SECONDS s"
