@@ -280,11 +280,20 @@ void GradReducer::reduce() {
                 "set DTUNE_DDP_OVERLAP=0 to reduce after backward instead");
 }
 
+void GradReducer::set_copy_in(bool on) {
+    std::lock_guard lock(mutex_);
+    copy_in_ = on && !sharded();
+}
+
 void GradReducer::zero_grad() {
     if (!owns_) return;
     std::lock_guard lock(mutex_);
     at::NoGradGuard no_grad;
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        if (persistent(b) && copy_in_) {  // launch() overwrites every view (adopt_grad)
+            for (std::size_t k : buckets_[b]) params_[k].mutable_grad() = at::Tensor();
+            continue;
+        }
         if (persistent(b)) {
             flats_[b].zero_();
             for (std::size_t k : buckets_[b]) params_[k].mutable_grad() = views_[k];
@@ -305,9 +314,12 @@ void GradReducer::abandon_round() {
     const std::vector<char> used = used_;
     reset_round();
     used_ = used;
-    for (std::size_t k = 0; k < params_.size(); ++k)
-        if (views_[k].defined() && !params_[k].grad().is_same(views_[k]))
-            params_[k].mutable_grad() = views_[k];  // a grad the broken-off capture made: never computed
+    for (std::size_t k = 0; k < params_.size(); ++k) {
+        if (!views_[k].defined() || params_[k].grad().is_same(views_[k])) continue;
+        // A grad the broken-off capture made was never computed: the view again, or with copy-in
+        // (one micro-step a round: no sums to keep) no grad, as zero_grad() leaves it.
+        params_[k].mutable_grad() = copy_in_ ? at::Tensor() : views_[k];
+    }
 }
 
 void GradReducer::release_gradients() {

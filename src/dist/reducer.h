@@ -70,6 +70,14 @@ class GradReducer {
     void enable_overlap();
     // The next backward is the last before reduce(): its hooks launch buckets.
     void arm();
+    // Copy-in (all-reduce only, not ZeRO-2): zero_grad() leaves the parameters without grads
+    // instead of zeroing the buckets, so autograd hands backward's fresh gradients over (summing
+    // micro-steps itself) and each is copied into its view when its bucket launches: one copy per
+    // gradient instead of the buckets' zeroing plus an in-place add. The parameters' grads are the
+    // views again from the launch on, as without it. Not for steps whose gradients must sit at
+    // fixed addresses across several CUDA graphs (graphed gradient accumulation).
+    // DTUNE_DDP_GRAD_COPY=1 in the trainer.
+    void set_copy_in(bool on);
     // Zeroes every persistent bucket in place and points each parameter's grad at its view again
     // (ZeRO-2: other ranks' parameters get no grad); starts a new accumulation round.
     void zero_grad();
@@ -123,6 +131,7 @@ class GradReducer {
     std::vector<at::Tensor> flats_;  // per bucket: [numel + n] (ZeRO-2 foreign: while in use only)
     std::vector<std::pair<std::size_t, unsigned>> pre_hooks_;  // ZeRO-2: (parameter, hook position)
     bool owns_ = false;
+    bool copy_in_ = false;
     bool averaged_ = false;  // the backend averaged the last launched bucket (NCCL): no division
     // Round state (guarded by mutex_: hooks run on autograd threads).
     bool overlap_ = false;

@@ -90,6 +90,16 @@ std::size_t gradient_bucket_bytes() {
     return static_cast<std::size_t>(value * (1u << 20));
 }
 
+bool gradient_copy_in_requested() {
+    const char* v = std::getenv("DTUNE_DDP_GRAD_COPY");
+    if (!v || !*v) return false;
+    const std::string s = v;
+    DTUNE_CHECK_AS(UsageError, s == "0" || s == "1", "DTUNE_DDP_GRAD_COPY is '", s,
+                   "'; set it to 1 (copy backward's gradients into the reducer's buckets) or 0 (add them in "
+                   "place, the default)");
+    return s == "1";
+}
+
 bool resolve_offload_optimizer(const TrainConfig& config) {
     const OffloadDevice d =
         resolve_offload_device(config, "offload_optimizer_device", "DTUNE_OFFLOAD_OPTIMIZER_DEVICE");
@@ -224,6 +234,10 @@ void DataParallel::attach(std::vector<at::Tensor> params) {
                     << " broadcasts per step (" << params_.size() << " parameters)";
     const char* overlap = std::getenv("DTUNE_DDP_OVERLAP");
     if (!(overlap && std::string(overlap) == "0")) reducer_->enable_overlap();
+}
+
+void DataParallel::set_gradient_copy_in(bool on) {
+    if (reducer_ && zero_stage_ <= 1) reducer_->set_copy_in(on);
 }
 
 bool DataParallel::updates(std::size_t index) const {

@@ -75,6 +75,11 @@ dist::Zero3Options resolve_zero3_options(const TrainConfig& config);
 // variable for a value that is not a number in (0, 4096].
 std::size_t gradient_bucket_bytes();
 
+// DTUNE_DDP_GRAD_COPY: 1 asks the data-parallel reducer to copy backward's gradients into its
+// buckets (dist::GradReducer::set_copy_in) instead of zeroing them and adding in place; 0 or unset
+// keeps the in-place add (the default until the copy has been timed on GPUs). UsageError otherwise.
+bool gradient_copy_in_requested();
+
 // offload_optimizer_device from config.json, else DTUNE_OFFLOAD_OPTIMIZER_DEVICE (set by `dtune launch
 // --accelerate_config` from deepspeed_config.offload_optimizer_device), else none. true for "cpu"
 // (train::CpuOffloadOptimizer), and for SimpleTuner's fsdp_cpu_offload true; UsageError naming the
@@ -120,6 +125,10 @@ class DataParallel {
     // Broadcasts rank 0's values of `params` to every rank and prepares the reducer (and the ZeRO
     // partition). Call once, before the optimizer is built.
     void attach(std::vector<at::Tensor> params);
+    // After attach(): backward's gradients are copied into the buckets rather than added in place
+    // (dist::GradReducer::set_copy_in). ZeRO-0/1 only; the trainer asks for it without gradient
+    // accumulation.
+    void set_gradient_copy_in(bool on);
     // ZeRO-3, instead of attach(): rank 0's weights everywhere, then the trainable parameters
     // (`names`, `params`, from `model`) sharded by unit (train/zero3_model.h); afterwards 1/N of
     // them is resident between steps and the optimizer updates zero3_slices().

@@ -123,7 +123,7 @@ std::vector<at::Tensor> reference(int world) {
 }
 
 // Data parallel with ZeRO `stage`: rank r takes rows [(micro * world + r) * kRows, +kRows).
-std::vector<at::Tensor> data_parallel(Group& g, int stage, bool overlap) {
+std::vector<at::Tensor> data_parallel(Group& g, int stage, bool overlap, bool copy_in = false) {
     const int world = g.world_size();
     auto p = make_params();
     ZeroPartition partition(p, world, stage == 2 ? ZeroLayout::kContiguous : ZeroLayout::kGreedy);
@@ -131,6 +131,7 @@ std::vector<at::Tensor> data_parallel(Group& g, int stage, bool overlap) {
     if (stage == 2) options.owners = partition.owners();
     GradReducer reducer(g, p, options);
     if (overlap) reducer.enable_overlap();
+    reducer.set_copy_in(copy_in);
     std::vector<std::size_t> mine(p.size());
     std::iota(mine.begin(), mine.end(), 0);
     if (stage >= 1) mine = partition.owned_by(g.rank());
@@ -149,6 +150,8 @@ std::vector<at::Tensor> data_parallel(Group& g, int stage, bool overlap) {
         for (std::size_t i : mine) p[i].mutable_grad() = at::Tensor();  // as Optimizer::zero_grad does
         if (stage >= 1) partition.sync_parameters(g, p);
         reducer.zero_grad();
+        if (copy_in && stage < 2)  // copy-in: no grads until backward makes them, buckets untouched
+            for (const auto& t : p) EXPECT_FALSE(t.grad().defined());
     }
     return p;
 }
@@ -167,6 +170,17 @@ TEST(GradReducerZero, ZeroStagesOnTwoAndThreeRanksEqualOneProcessBitForBit) {
                             << (got[i] - expected[i]).abs().max().item<float>();
                 });
             }
+        // Copy-in (ZeRO-0/1; ZeRO-2 ignores it): autograd's gradients, summed over the micro-steps
+        // by autograd, copied into the buckets at launch.
+        for (int stage : {0, 1, 2})
+            for (bool overlap : {false, true})
+                on_ranks(world, [&](Group& g) {
+                    const auto got = data_parallel(g, stage, overlap, /*copy_in=*/true);
+                    for (std::size_t i = 0; i < got.size(); ++i)
+                        EXPECT_TRUE(at::equal(got[i], expected[i]))
+                            << world << " ranks, ZeRO " << stage << " copy-in" << (overlap ? " overlap" : "")
+                            << ": parameter #" << i << " on rank " << g.rank();
+                });
         // The data matters: a single rank's share alone trains other weights.
         on_ranks(1, [&](Group& g) {
             const auto alone = data_parallel(g, 0, false);
