@@ -201,9 +201,7 @@ TEST(TimestepBiasDraws, StepDrawsBiasedTimestepsFromTheDeviceGenerator) {
     StepOptions rank1 = options;
     rank1.rank = 1;
     rank1.world_size = 2;
-    TrainBatch half;
-    half.latents = batch.latents.narrow(0, 2, 2);
-    for (const auto& [name, c] : batch.cond) half.cond[name] = c.narrow(0, 2, 2);
+    const TrainBatch half = testutil::batch_rows(batch, 2, 2);
     at::manual_seed(11);
     const MicroStep r = micro_step(*model, half, schedule, rank1, 0, gen);
     EXPECT_TRUE(at::equal(r.timesteps, a.timesteps.narrow(0, 2, 2)));

@@ -109,9 +109,7 @@ TEST(StepNoiseLoss, DeviceDrawsFollowTheirOrderAndTheLossItsFormula) {
             StepOptions rank1 = options;
             rank1.rank = 1;
             rank1.world_size = 3;
-            TrainBatch row1;
-            row1.latents = batch.latents.narrow(0, 1, 1);
-            for (const auto& [name, c] : batch.cond) row1.cond[name] = c.narrow(0, 1, 1);
+            const TrainBatch row1 = testutil::batch_rows(batch, 1, 1);
             at::manual_seed(seed);
             const MicroStep r = micro_step(*model, row1, schedule, rank1, 0, gen);
             EXPECT_TRUE(at::equal(r.timesteps, a.timesteps.narrow(0, 1, 1))) << seed;

@@ -80,6 +80,15 @@ inline std::unique_ptr<BatchSource> synthetic() {
     return std::make_unique<SyntheticBatchSource>(tiny_batch_options(2));
 }
 
+// Rows [first, first + count) of a batch's latents and conditioning: what one data-parallel rank
+// trains on.
+inline TrainBatch batch_rows(const TrainBatch& batch, int64_t first, int64_t count) {
+    TrainBatch out;
+    out.latents = batch.latents.narrow(0, first, count);
+    for (const auto& [name, c] : batch.cond) out.cond[name] = c.narrow(0, first, count);
+    return out;
+}
+
 // One such batch, drawn with a CPU generator seeded 5.
 inline TrainBatch tiny_batch(int64_t batch_size) {
     SyntheticBatchSource source(tiny_batch_options(batch_size));
