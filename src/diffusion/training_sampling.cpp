@@ -178,9 +178,13 @@ at::Tensor TimestepCdfCache::get(int64_t batch_size, int64_t num_timesteps,
 at::Tensor draw_timesteps(int64_t batch_size, int64_t num_timesteps, const TimestepSamplingOptions& options,
                           const std::optional<at::Generator>& generator, const at::Device& device,
                           TimestepCdfCache* cache) {
-    if (generator)
-        return timesteps_from_cdf(timestep_cdf(batch_size, num_timesteps, options).to(generator->device()),
-                                  batch_size, generator);
+    if (generator) {
+        // The table is built once per batch size and options (the cache), not every step.
+        const at::Device where = generator->device();
+        const at::Tensor cdf = cache ? cache->get(batch_size, num_timesteps, options, where)
+                                     : timestep_cdf(batch_size, num_timesteps, options).to(where);
+        return timesteps_from_cdf(cdf, batch_size, generator);
+    }
     if (options.bias.strategy == TimestepBiasStrategy::kNone)
         return at::randint(0, num_timesteps, {batch_size},
                            at::TensorOptions().dtype(at::kLong).device(device));

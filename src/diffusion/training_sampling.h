@@ -110,10 +110,11 @@ at::Tensor timestep_cdf(int64_t batch_size, int64_t num_train_timesteps,
 at::Tensor timesteps_from_cdf(const at::Tensor& cdf, int64_t batch_size,
                               const std::optional<at::Generator>& generator);
 
-// timestep_cdf tables kept on their device, one per batch size, options and device, for the draws
-// without a generator (CUDA graphs): a table copied from the host inside a capture would break it,
-// and the first steps of every batch shape run eagerly before it is captured (GraphedStep's warm-up),
-// which fills the cache. Thread-safe; shared by copies of the train::StepOptions that own it.
+// timestep_cdf tables kept on their device, one per batch size, options and device, so a step does
+// not rebuild its table. For the draws without a generator (CUDA graphs) it is required: a table
+// copied from the host inside a capture would break it, and the first steps of every batch shape run
+// eagerly before it is captured (GraphedStep's warm-up), which fills the cache. Thread-safe; shared
+// by copies of the train::StepOptions that own it.
 class TimestepCdfCache {
   public:
     at::Tensor get(int64_t batch_size, int64_t num_train_timesteps, const TimestepSamplingOptions& options,
@@ -125,7 +126,8 @@ class TimestepCdfCache {
 };
 
 // The timesteps of a training step, [B] int64 where drawn. With `generator`: by inverse CDF
-// (timestep_cdf, timesteps_from_cdf) on the generator's device. Without: on `device` with its default
+// (timestep_cdf, timesteps_from_cdf, the table from `cache` when given) on the generator's device.
+// Without: on `device` with its default
 // generator and no host work: the same inverse CDF with a timestep bias (the table from `cache` when
 // given), and one at::randint over [0, T) without one (not segmented: the uniform draw graphed runs
 // have always made, whose marginal is the segmented draw's).

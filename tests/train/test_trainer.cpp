@@ -3,7 +3,9 @@
 // invariant (N steps straight == N/2 + resume + N/2, bit for bit).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <fstream>
+#include <thread>
 
 #include "core/error.h"
 #include "core/fs.h"
@@ -439,6 +441,33 @@ TEST(TrainMetrics, RowsEveryIntervalWithTheWindowsThroughput) {
         EXPECT_EQ(j.at("samples_seen").get<int64_t>(), steps.back() * 2) << line;  // batch 2
     }
     EXPECT_EQ(steps, (std::vector<int64_t>{3, 6}));
+}
+
+// The read-back at a step's end (where the previous step's row, its callbacks and observers run) is
+// step time too: it counts into the next step's, so the rows' step times add up to the wall time.
+// A callback that takes 300 ms per row shows in every row from step 3 on (step 1's row is read at
+// step 2's end, which step 3's time carries), where a step of the tiny model alone is far shorter.
+TEST(TrainMetrics, TheReadBackWaitCountsAsStepTime) {
+    struct Slow : TrainCallback {
+        void on_step_metrics(Trainer&, const StepReport&) override {
+            std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        }
+    };
+    test::TempDir dir;
+    Trainer trainer(config_with(dir.path(), 5, R"({"checkpoint_step_interval": 0})"),
+                    testutil::sdxl_model(tiny_unet()), tiny_schedule(), synthetic());
+    trainer.add_callback(std::make_shared<Slow>());
+    trainer.run();
+    std::ifstream metrics(dir / "metrics.jsonl");
+    int checked = 0;
+    for (std::string line; std::getline(metrics, line);) {
+        const auto j = nlohmann::json::parse(line);
+        if (!j.contains("img_per_s") || j.at("step").get<int64_t>() < 3) continue;
+        const double seconds = 2.0 / j.at("img_per_s").get<double>();  // batch 2
+        EXPECT_GE(seconds, 0.3) << line;
+        ++checked;
+    }
+    EXPECT_EQ(checked, 3);  // steps 3, 4 and 5
 }
 
 // A stop before the run's first step has nothing new to save: no checkpoint-0 (issue #20).

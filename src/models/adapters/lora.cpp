@@ -512,10 +512,10 @@ LoRAAdapters inject_lora(torch::nn::Module& root, const LoRAConfig& config) {
         }
         entries.push_back({name, std::move(layer)});
     }
-    // q/k/v (and cross-attention k/v) weights back to back, for the fused projections (lora_qkv.h).
-    // Reading the switch now refuses a bad DTUNE_FUSED_QKV at setup rather than at the first step.
-    const int64_t groups = pack_lora_projection_groups(root);
-    fused_qkv_lora_enabled();
+    // q/k/v (and cross-attention k/v) weights back to back, for the fused projections (lora_qkv.h),
+    // only when they are on: laying them out copies every such weight. Reading the switch here also
+    // refuses a bad DTUNE_FUSED_QKV at setup rather than at the first step.
+    const int64_t groups = fused_qkv_lora_enabled() ? pack_lora_projection_groups(root) : 0;
     log::info() << "LoRA: " << entries.size() << " layers adapted (rank " << config.rank << ", alpha "
                 << alpha << (config.use_dora ? ", DoRA" : "") << ")";
     if (groups > 0) log::debug() << "LoRA: " << groups << " q/k/v groups laid out for the fused projections";
