@@ -9,7 +9,7 @@
 #   of steps A..B of each run, summarised by kernel family), GPU_TESTS (like zero_scale.sh:
 #   "dir/binary[:filter]" built from the new tree and run first), VARIANTS (space-separated; each a
 #   comma-joined VAR=value list: every run again from the new build with that environment, labelled
-#   new+VARS, e.g. VARIANTS="DTUNE_FUSED_QKV=1"). A Kineto trace adds ~35 s to a run: leave PROFILE
+#   new+VARS, e.g. VARIANTS="DTUNE_FUSED_QKV=1"), VARIANT_RUNS (the runs that get the variants; default all). A Kineto trace adds ~35 s to a run: leave PROFILE
 #   out of timing calls that are short of device time.
 # Prints one JSON line per run: {"run", "build", "ms_per_step" (wall time of the second half of the
 # steps / steps, from metrics.jsonl's step times), ...}; logs and profiles under $OUT.
@@ -77,6 +77,7 @@ for name in ${RUNS:-full lora}; do
     for ((r = 0; r < ${ROUNDS:-1}; r++)); do
         [[ -n ${OLD_TAR:-} ]] && one "$name" old $old/build/dev
         one "$name" new build/dev
+        [[ " ${VARIANT_RUNS:-$name} " == *" $name "* ]] || continue
         for v in ${VARIANTS:-}; do one "$name" "new+$v" build/dev "$v"; done
     done
 done
