@@ -6,7 +6,7 @@
 # 1024², gradient checkpointing, zero_stage 3) on 2 and 4 GPUs. img/s, ms/step and rank 0's peak
 # memory (metrics.jsonl: the steps' peak) per run; one JSON line each in $OUT/zero_scale.jsonl.
 #   OUT=$OUT tools/gpu/zero_scale.sh     env: STEPS (20), STAGES ("0 1 2 3"; "" runs no SDXL full run), GPUS ("1 2 4", capped at
-#   the machine's count), LORA (1), FLUX (0), FLUX_STEPS (6), CAP (240 s a run), FLAT_GPUS (""),
+#   the machine's count), LORA (1), LORA_GPUS (the LoRA runs' GPU counts; default 1 and the most), FLUX (0), FLUX_STEPS (6), CAP (240 s a run), FLAT_GPUS (""),
 #   GRAPH_TEST (0: 1 builds and runs dist_graph_gpu_tests first), TWO_NODE (0; 1: two node processes
 #   on this host, 2 GPUs each on 4 GPUs, 1 each on 2), TWO_NODE_STAGE (1),
 #   FULL_EXTRA (more train_full_size.sh options for the SDXL full runs, e.g. "--gradient_checkpointing true"),
@@ -125,7 +125,8 @@ fi
 # LoRA r16 batch 4 with SimpleTuner's defaults on 1 GPU and on the most (issue #18's data-parallel
 # target), before the full fine-tunes: short runs.
 if [[ ${LORA:-1} == 1 ]]; then
-    for n in 1 "${gpus[-1]}"; do
+    for n in ${LORA_GPUS:-1 ${gpus[-1]}}; do
+        (( n <= have )) || continue
         t0=$SECONDS cap=$(limit)
         (( cap > 0 )) || { echo "lora, $n GPUs: skipped (DEADLINE)"; continue; }
         NPROC=$n timeout -k 20 "$cap" tools/gpu/train_full_size.sh build/dev "$W" lora "$STEPS" >"$OUT/lora_${n}gpu.log" 2>&1
