@@ -92,11 +92,11 @@ std::size_t gradient_bucket_bytes() {
 
 bool gradient_copy_in_requested() {
     const char* v = std::getenv("DTUNE_DDP_GRAD_COPY");
-    if (!v || !*v) return false;
+    if (!v || !*v) return true;
     const std::string s = v;
     DTUNE_CHECK_AS(UsageError, s == "0" || s == "1", "DTUNE_DDP_GRAD_COPY is '", s,
-                   "'; set it to 1 (copy backward's gradients into the reducer's buckets) or 0 (add them in "
-                   "place, the default)");
+                   "'; set it to 1 (copy backward's gradients into the reducer's buckets, the default) or 0 "
+                   "(zero the buckets and add them in place)");
     return s == "1";
 }
 

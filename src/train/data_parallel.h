@@ -75,9 +75,9 @@ dist::Zero3Options resolve_zero3_options(const TrainConfig& config);
 // variable for a value that is not a number in (0, 4096].
 std::size_t gradient_bucket_bytes();
 
-// DTUNE_DDP_GRAD_COPY: 1 asks the data-parallel reducer to copy backward's gradients into its
-// buckets (dist::GradReducer::set_copy_in) instead of zeroing them and adding in place; 0 or unset
-// keeps the in-place add (the default until the copy has been timed on GPUs). UsageError otherwise.
+// DTUNE_DDP_GRAD_COPY: 1 or unset (the default) has the data-parallel reducer copy backward's
+// gradients into its buckets (dist::GradReducer::set_copy_in) instead of zeroing them and adding in
+// place, which 0 keeps (3% faster on 4 H200s for an SDXL full fine-tune). UsageError otherwise.
 bool gradient_copy_in_requested();
 
 // offload_optimizer_device from config.json, else DTUNE_OFFLOAD_OPTIMIZER_DEVICE (set by `dtune launch

@@ -113,16 +113,16 @@ TEST(DistTrain, DeferredReadBackLogsWhatImmediateReadBackLogs) {
     EXPECT_EQ(max_difference(final_weights(w.out("deferred")), final_weights(w.out("sync"))), 0.0);
 }
 
-// DTUNE_DDP_GRAD_COPY=1 (dist::GradReducer::set_copy_in): backward's gradients copied into the
-// buckets instead of added to zeroed ones give the same sums (0 + g is g), so the same weights,
+// DTUNE_DDP_GRAD_COPY=1, the default (dist::GradReducer::set_copy_in): backward's gradients copied into
+// the buckets instead of added to zeroed ones (=0) give the same sums (0 + g is g), so the same weights,
 // bit for bit (ZeRO-1 and gradient accumulation: dist_reducer_tests); a bad value is refused
 // naming the variable.
 TEST(DistTrain, GradientCopyInTrainsWhatTheInPlaceAddTrains) {
     Workspace w;
     const std::string args = "--train_batch_size 1 --max_train_steps 3";
-    const auto a = run_shell(w.train(2, "add", args));
+    const auto a = run_shell("DTUNE_DDP_GRAD_COPY=0 " + w.train(2, "add", args));
     ASSERT_EQ(a.exit_code, 0) << a.output;
-    const auto c = run_shell("DTUNE_DDP_GRAD_COPY=1 " + w.train(2, "copy", args));
+    const auto c = run_shell(w.train(2, "copy", args));
     ASSERT_EQ(c.exit_code, 0) << c.output;
     EXPECT_EQ(max_difference(final_weights(w.out("copy")), final_weights(w.out("add"))), 0.0);
     const auto bad = run_shell("DTUNE_DDP_GRAD_COPY=yes " + w.train(2, "bad", "--max_train_steps 1"));
