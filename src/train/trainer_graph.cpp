@@ -23,7 +23,6 @@
 
 #include "core/error.h"
 #include "core/log.h"
-#include "diffusion/training_sampling.h"
 #include "family/model_family.h"
 #include "train/adapters.h"
 #include "train/data_parallel.h"
@@ -88,20 +87,13 @@ std::string cuda_graph_blocker(
 
 // Why the step trains eagerly ("" when it is graphed): cuda_graph false, else the blocker. Flow
 // matching's graphed step (device draws of noise, sigmas and guidance) is graphed under auto like
-// DDPM's since CudaGraphFluxGpu (tests/train/test_trainer_graph_gpu.cpp) passed on an H200.
+// DDPM's since CudaGraphFluxGpu (tests/train/test_trainer_graph_gpu.cpp) passed on an H200, Beta
+// sigmas (gamma draws by at::_sample_dirichlet inside the capture) included since its FluxBeta cases
+// passed on an H200 (2026-11-28).
 std::string cuda_graph_fallback(const TrainConfig& c, const family::TrainingObjective& objective,
                                 c10::Device device, int world_size, int zero_stage) {
     if (c.text("cuda_graph") == "false") return "cuda_graph is false";
-    std::string blocker = cuda_graph_blocker(c, device, world_size, zero_stage, &objective);
-    // Beta sigmas come from gamma draws (at::_sample_dirichlet) whose capture has not been checked
-    // on a GPU yet (CudaGraphFluxGpu's FluxBeta cases): graphed when asked for, eager under auto
-    // until those cases have passed.
-    if (blocker.empty() && c.text("cuda_graph") == "auto" && objective.flow_matching() &&
-        diffusion::flow_sigma_schedule(objective.flow) == diffusion::FlowSigmaSchedule::kBeta)
-        blocker =
-            "flow_use_beta_schedule is on (its graphed draw is not yet checked on a GPU; set "
-            "cuda_graph true to graph it)";
-    return blocker;
+    return cuda_graph_blocker(c, device, world_size, zero_stage, &objective);
 }
 
 void Trainer::init_graph() {

@@ -359,7 +359,7 @@ INSTANTIATE_TEST_SUITE_P(
 
 // cuda_graph auto graphs a Flux run (CudaGraphFluxGpu checks it matches the eager run), with every
 // sigma schedule: the default logit-normal, Beta and the fast list.
-TEST(CudaGraphFluxGpuAuto, AutoGraphsEverySigmaScheduleButBetaUntilChecked) {
+TEST(CudaGraphFluxGpuAuto, AutoGraphsEverySigmaSchedule) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     for (const nlohmann::json& options :
          {nlohmann::json::object(), nlohmann::json{{"flow_use_beta_schedule", true}},
@@ -370,13 +370,6 @@ TEST(CudaGraphFluxGpuAuto, AutoGraphsEverySigmaScheduleButBetaUntilChecked) {
         o["max_train_steps"] = 4;
         auto trainer = flux_trainer(dir.path(), 1, o);
         trainer->run();
-        // Beta stays eager under auto until the FluxBeta cases above have passed on a GPU
-        // (cuda_graph_fallback); then this expectation flips with it.
-        if (options.contains("flow_use_beta_schedule")) {
-            EXPECT_EQ(trainer->graphed_step(), nullptr);
-            EXPECT_NE(trainer->graph_status().fallback.find("flow_use_beta_schedule"), std::string::npos);
-            continue;
-        }
         EXPECT_NE(trainer->graphed_step(), nullptr) << options.dump();
         EXPECT_EQ(trainer->graph_status().fallback, "") << options.dump();
         if (trainer->graphed_step()) {
