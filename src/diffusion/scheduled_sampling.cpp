@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "core/error.h"
 
@@ -42,25 +43,65 @@ RolloutPlan plan_rollout(const at::Tensor& t, int64_t num_train_timesteps, const
         plan.source = base.clone();
         return plan;
     }
-    at::Tensor mask = at::ones({b}, at::kBool);
-    if (probability < 1.0)
-        mask = at::bernoulli(at::full({b}, std::max(0.0, probability), at::kFloat), generator).to(at::kBool);
-    at::Tensor offsets;
+    const at::Tensor p = at::full({}, std::max(0.0, probability), at::kFloat);
+    plan.offsets = draw_rollout_offsets(b, o, p.to(generator.device()), probability < 1.0, generator,
+                                        generator.device());
+    plan.source = (base + plan.offsets).clamp_max(num_train_timesteps - 1);
+    return plan;
+}
+
+at::Tensor draw_rollout_offsets(int64_t n, const ScheduledSamplingOptions& o, const at::Tensor& probability,
+                                bool draw_mask, const std::optional<at::Generator>& generator,
+                                const at::Device& device) {
+    const auto on = at::TensorOptions().device(device);
+    at::Tensor mask;  // [n] int64 0/1; undefined: every sample
+    if (draw_mask) mask = at::bernoulli(probability.expand({n}).contiguous(), generator).to(at::kLong);
+    at::Tensor offsets;  // [n] int64
     const auto m = static_cast<double>(o.max_step_offset);
     switch (o.strategy) {
         case RolloutStrategy::kUniform:
-            offsets = at::randint(0, o.max_step_offset + 1, {b}, generator, at::kLong);
+            offsets = at::randint(0, o.max_step_offset + 1, {n}, generator, on.dtype(at::kLong));
             break;
         case RolloutStrategy::kBiasedEarly:
-            offsets = at::round(at::rand({b}, generator, at::kFloat).pow(2) * m).to(at::kLong);
+            offsets = at::round(at::rand({n}, generator, on.dtype(at::kFloat)).pow(2) * m).to(at::kLong);
             break;
         case RolloutStrategy::kBiasedLate:
-            offsets = at::round((1.0 - at::rand({b}, generator, at::kFloat).pow(2)) * m).to(at::kLong);
+            offsets =
+                at::round((1.0 - at::rand({n}, generator, on.dtype(at::kFloat)).pow(2)) * m).to(at::kLong);
             break;
     }
-    plan.offsets = offsets * mask.to(at::kLong);
-    plan.source = (base + plan.offsets).clamp_max(num_train_timesteps - 1);
-    return plan;
+    return mask.defined() ? offsets * mask : offsets;
+}
+
+bool rollout_probability_varies(const ScheduledSamplingOptions& o) {
+    const double start = o.prob_start != 0.0 ? o.prob_start : o.probability;
+    const double end = o.prob_end != 0.0 ? o.prob_end : o.probability;
+    return o.ramp_steps > 0 && start != end;
+}
+
+at::Tensor rollout_step(const NoiseSchedule& schedule, PredictionType type, const at::Tensor& x,
+                        const at::Tensor& pred, const at::Tensor& t, const at::Tensor& t_prev) {
+    DTUNE_CHECK_AS(UsageError, type == PredictionType::kEpsilon || type == PredictionType::kVPrediction,
+                   "scheduled sampling rolls out epsilon and v-prediction models only");
+    std::vector<int64_t> shape(static_cast<size_t>(x.dim()), 1);
+    shape[0] = x.size(0);  // [B, 1, ..., 1]
+    const auto coef = [&](const at::Tensor& c) { return c.to(at::kFloat).view(shape); };
+    const at::Tensor a = schedule.alphas_cumprod_at(t).to(at::kDouble);  // [B]
+    const at::Tensor a_prev =
+        at::where(t_prev >= 0, schedule.alphas_cumprod_at(t_prev.clamp_min(0)).to(at::kDouble),
+                  at::ones_like(a));  // [B]
+    const at::Tensor sa = coef(a.sqrt()), s1a = coef((1.0 - a).sqrt());
+    const at::Tensor sp = coef(a_prev.sqrt()), s1p = coef((1.0 - a_prev).sqrt());
+    const at::Tensor xf = x.to(at::kFloat), p = pred.to(at::kFloat);
+    at::Tensor x0, eps;
+    if (type == PredictionType::kEpsilon) {
+        eps = p;
+        x0 = (xf - s1a * eps) / sa;
+    } else {
+        x0 = sa * xf - s1a * p;
+        eps = s1a * xf + sa * p;
+    }
+    return (sp * x0 + s1p * eps).to(x.scalar_type());
 }
 
 at::Tensor rollout_step(const NoiseSchedule& schedule, PredictionType type, const at::Tensor& x,

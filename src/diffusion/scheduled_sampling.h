@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "diffusion/noise_schedule.h"
@@ -54,9 +55,28 @@ RolloutPlan plan_rollout(const at::Tensor& t, int64_t num_train_timesteps,
                          const ScheduledSamplingOptions& options, double probability,
                          at::Generator& generator);
 
+// plan_rollout's offsets for `n` samples, [n] int64 (0: no rollout), one formulation for both step
+// paths: from `generator` on its device, or without one on `device` with its default generator and
+// no host read, so a CUDA graph captures the draws. `probability` is a [] float32 in [0, 1] on that
+// device (a tensor a captured step reads at every replay); the Bernoulli mask is drawn only when
+// `draw_mask` (plan_rollout: when the probability is below 1; the graphed step: always, as its
+// probability may reach 1 later in a ramp).
+at::Tensor draw_rollout_offsets(int64_t n, const ScheduledSamplingOptions& options,
+                                const at::Tensor& probability, bool draw_mask,
+                                const std::optional<at::Generator>& generator, const at::Device& device);
+
+// True when rollout_probability changes from step to step (a ramp between two different values).
+bool rollout_probability_varies(const ScheduledSamplingOptions& options);
+
 // One deterministic DDIM/Euler step of a noised sample x at timestep t ([1] or scalar) to t_prev,
 // from the model output `pred` (epsilon or v, per `type`). Float32 math, x's dtype out.
 at::Tensor rollout_step(const NoiseSchedule& schedule, PredictionType type, const at::Tensor& x,
                         const at::Tensor& pred, int64_t t, int64_t t_prev);
+// The same step per sample: x, pred [B, ...], t and t_prev [B] int64 on x's device (t_prev -1: to the
+// clean sample). The coefficients are computed there in float64 from the cached device table
+// (NoiseSchedule::alphas_cumprod_at), as the host computes them, then rounded to float32: no host
+// read, so a CUDA graph captures it.
+at::Tensor rollout_step(const NoiseSchedule& schedule, PredictionType type, const at::Tensor& x,
+                        const at::Tensor& pred, const at::Tensor& t, const at::Tensor& t_prev);
 
 }  // namespace dtune::diffusion

@@ -93,6 +93,12 @@ struct AdamWBF16::Plan {
     // members share that member's step count.
     std::vector<std::pair<size_t, at::Tensor>> scales;
     std::vector<std::pair<size_t, double>> due;  // (parameter, decay) to subtract after this step
+    // fp16 skipping (found_inf_), all float64 on the group's device: the steps taken per `scales`
+    // entry, the accumulated decay per active parameter, and this step's lr and lr * weight_decay.
+    std::vector<at::Tensor> counts;  // [] per scales entry
+    std::vector<size_t> scale_of;    // per active position: its scales entry
+    at::Tensor decays;               // [active]
+    at::Tensor lr, decay_step;       // []
 };
 
 AdamWBF16::AdamWBF16(std::vector<ParamGroup> groups, at::Generator generator, AdamWBF16Options options)
@@ -122,6 +128,7 @@ std::vector<size_t> AdamWBF16::active_params(size_t group) const {
 
 void AdamWBF16::pack(size_t group, const std::vector<size_t>& active) {
     ParamGroup& g = groups_[group];
+    host_[group] = current_host(group);  // fp16: the counts the old plan kept on the device
     std::vector<Host>& host = host_[group];
     // New parameters start their decay counters at random points (drawn together, read back once)
     // so their decays do not all land on the same step.
@@ -145,6 +152,7 @@ void AdamWBF16::pack(size_t group, const std::vector<size_t>& active) {
         const auto key = std::make_pair(host[k].step, p.device().str());
         auto [it, added] = scale_of.emplace(key, plan->scales.size());
         if (added) plan->scales.emplace_back(k, at::zeros({}, p.options().dtype(at::kFloat)));
+        plan->scale_of.push_back(it->second);
         Bucket* b = plan->buckets.empty() ? nullptr : &plan->buckets.back();
         const int64_t cap = options_.bucket_elements > 0 ? options_.bucket_elements
                             : p.is_cuda()                ? int64_t{1} << 26
@@ -155,6 +163,23 @@ void AdamWBF16::pack(size_t group, const std::vector<size_t>& active) {
         }
         b->members.push_back(k);
         b->numel += p.numel();
+    }
+    if (found_inf_.defined() && !active.empty()) {  // fp16: the counts move to the device
+        const c10::Device device = g.params[active.front()].device();
+        const auto f64 = at::TensorOptions().dtype(at::kDouble);
+        std::vector<double> decays;
+        for (size_t k : active) {
+            DTUNE_CHECK(g.params[k].device() == device, "adamw_bf16 with mixed_precision fp16: \"",
+                        g.names[k], "\" is on ", g.params[k].device().str(), " but \"",
+                        g.names[active.front()], "\" on ", device.str(),
+                        "; put a group's parameters on one device");
+            decays.push_back(host[k].accumulated_decay);
+        }
+        for (const auto& [member, scale] : plan->scales)
+            plan->counts.push_back(at::full({}, host[member].step, f64.device(device)));
+        plan->decays = at::tensor(decays, f64).to(device);  // [active]
+        plan->lr = at::empty({}, f64.device(device));
+        plan->decay_step = at::empty({}, f64.device(device));
     }
     // Flat state per bucket; existing state (earlier steps, a loaded checkpoint) is copied in and the
     // per-parameter tensors become views, so state_dict() writes the same layout as before.
@@ -189,6 +214,11 @@ void AdamWBF16::prepare(size_t group) {
     const ParamGroup& g = groups_[group];
     std::vector<Host>& host = host_[group];
     plan.due.clear();
+    if (!plan.counts.empty()) {  // fp16: the step counts itself on the device (device_scales)
+        plan.lr.fill_(g.lr);
+        plan.decay_step.fill_(g.weight_decay * g.lr);  // the host path's increment, to the bit
+        return;
+    }
     for (size_t k : plan.active) {
         Host& h = host[k];
         h.step += 1;
@@ -201,6 +231,58 @@ void AdamWBF16::prepare(size_t group) {
     // A fill is a kernel with the value as its argument: no synchronisation, and outside a capture.
     for (auto& [member, scale] : plan.scales)
         scale.fill_(-g.lr * std::sqrt(1 - std::pow(options_.beta2, host[member].step)));
+}
+
+std::vector<AdamWBF16::Host> AdamWBF16::current_host(size_t group) const {
+    std::vector<Host> host = host_[group];
+    const Plan* plan = plans_[group].get();
+    if (!plan || plan->counts.empty()) return host;
+    const at::Tensor counts = at::stack(plan->counts).cpu(), decays = plan->decays.cpu();  // outside captures
+    for (size_t j = 0; j < plan->active.size(); ++j) {
+        Host& h = host[plan->active[j]];
+        h.step = counts[static_cast<int64_t>(plan->scale_of[j])].item<double>();
+        h.accumulated_decay = decays[static_cast<int64_t>(j)].item<double>();
+    }
+    return host;
+}
+
+// -lr * sqrt(1 - beta2^t) for t = count + 1, as prepare() computes it on the host (float64, then
+// rounded to float32 by the copy as by fill_).
+void AdamWBF16::device_scales(size_t group) {
+    Plan& plan = *plans_[group];
+    for (size_t i = 0; i < plan.scales.size(); ++i) {
+        const at::Tensor t = plan.counts[i].add(1);
+        plan.scales[i].second.copy_(at::rsub(at::pow(options_.beta2, t), 1).sqrt_().mul_(plan.lr).neg_());
+    }
+}
+
+// After the buckets: counts += 1 - found_inf; each accumulator likewise gains lr * wd, and one past
+// the threshold is subtracted from the shift (times the new weight) and restarts at 0, all masked
+// on the device. An overflowed step adds nothing, so no accumulator comes due.
+void AdamWBF16::device_counts_and_decays(size_t group) {
+    Plan& plan = *plans_[group];
+    ParamGroup& g = groups_[group];
+    const at::Tensor taken = at::rsub(found_inf_.to(plan.decays.device(), at::kDouble), 1);
+    for (const at::Tensor& c : plan.counts) c.add_(taken);
+    const at::Tensor acc = plan.decays.add(plan.decay_step * taken);  // [active]
+    const at::Tensor due = acc.gt(kDecayThreshold);
+    const at::Tensor alpha = at::where(due, acc, 0.0).neg_().to(at::kFloat);  // [active]: -decay or 0
+    plan.decays.copy_(at::where(due, at::zeros_like(acc), acc));
+    for (size_t j = 0; j < plan.active.size(); ++j) {
+        const size_t k = plan.active[j];
+        const auto i = static_cast<int64_t>(j);
+        at::Tensor& shift = state_of(g.names[k]).at("shift");
+        const at::Tensor decayed =
+            at::addcmul(shift.to(at::kFloat), g.params[k].to(at::kFloat), alpha.select(0, i))
+                .to(at::kBFloat16);
+        shift.copy_(at::where(due.select(0, i), decayed, shift));
+    }
+}
+
+bool AdamWBF16::skip_step_on_overflow(const at::Tensor& found_inf) {
+    found_inf_ = found_inf;
+    for (auto& plan : plans_) plan.reset();  // repacked with device counts at the next step
+    return true;
 }
 
 void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale) {
@@ -242,6 +324,9 @@ void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale)
         args.simpletuner_momentum = options_.simpletuner_momentum;
         args.scale = scale.const_data_ptr<float>();
         args.grad_clamp = static_cast<float>(grad_clamp_);
+        const at::Tensor found_inf =
+            found_inf_.defined() ? found_inf_.to(b.exp_avg.device(), at::kFloat) : at::Tensor();
+        if (found_inf.defined()) args.found_inf = found_inf.const_data_ptr<float>();
         const c10::cuda::CUDAGuard guard(b.exp_avg.device());
         const cuda::PhiloxArgs rng = philox_args(generator_, 4);
         void* stream = c10::cuda::getCurrentCUDAStream(b.exp_avg.device().index()).stream();
@@ -301,19 +386,29 @@ void AdamWBF16::update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale)
         return round_stochastic(x32, draw_noise(b.numel, generator_, x32));
     };
 
-    b.exp_avg.mul_(b1);
+    // The new m, v, shift and weights, written back at the end; fp16: only where found_inf is 0.
+    const at::Tensor skip = found_inf_.defined() ? found_inf_.to(b.exp_avg.device()).ne(0) : at::Tensor();
+    auto kept = [&](const at::Tensor& old, const at::Tensor& updated) {
+        return skip.defined() ? at::where(skip, old, updated) : updated;
+    };
+    const at::Tensor m_decayed = b.exp_avg.mul(b1);  // bf16
     const at::Tensor g32 = grad.to(at::kFloat);
-    const at::Tensor m32 = options_.simpletuner_momentum ? g32.add(b.exp_avg.to(at::kFloat), 1 - b1)
-                                                         : b.exp_avg.to(at::kFloat).add_(g32, 1 - b1);
-    b.exp_avg.copy_(sr(m32));
-    b.exp_avg_sq.mul_(b2).addcmul_(grad, grad, 1 - b2);
-    const at::Tensor denom = b.exp_avg_sq.sqrt().add_(options_.eps);  // bf16, as SimpleTuner computes it
-    b.shift.copy_(
-        sr(b.exp_avg.to(at::kFloat).div_(denom.to(at::kFloat)).mul_(scale).add_(b.shift.to(at::kFloat))));
+    const at::Tensor m32 = options_.simpletuner_momentum ? g32.add(m_decayed.to(at::kFloat), 1 - b1)
+                                                         : m_decayed.to(at::kFloat).add_(g32, 1 - b1);
+    const at::Tensor m = sr(m32);
+    // In place without the flag (kept() then hands the bucket's own v back; copy_ to itself is a no-op).
+    const at::Tensor v =
+        (skip.defined() ? b.exp_avg_sq.mul(b2) : b.exp_avg_sq.mul_(b2)).addcmul_(grad, grad, 1 - b2);
+    const at::Tensor denom = v.sqrt().add_(options_.eps);  // bf16, as SimpleTuner computes it
+    const at::Tensor shift =
+        sr(m.to(at::kFloat).div_(denom.to(at::kFloat)).mul_(scale).add_(b.shift.to(at::kFloat)));
     // Move the representable part of the shift into the weight; keep what rounding lost in the shift.
-    const at::Tensor after = sr(b.shift.to(at::kFloat).add_(before.to(at::kFloat)));  // [n] bf16
-    b.shift.copy_(sr(before.sub(after).to(at::kFloat).add_(b.shift.to(at::kFloat))));
-    write_back(after);
+    const at::Tensor after = sr(shift.to(at::kFloat).add_(before.to(at::kFloat)));  // [n] bf16
+    const at::Tensor kept_shift = sr(before.sub(after).to(at::kFloat).add_(shift.to(at::kFloat)));
+    b.exp_avg.copy_(kept(b.exp_avg, m));
+    b.exp_avg_sq.copy_(kept(b.exp_avg_sq, v));
+    b.shift.copy_(kept(b.shift, kept_shift));
+    write_back(kept(before, after));
 }
 
 void AdamWBF16::apply_decays(size_t group) {
@@ -344,8 +439,10 @@ void AdamWBF16::step() {
             prepare(gi);
         }
         Plan& plan = *plans_[gi];
+        if (!plan.counts.empty()) device_scales(gi);  // fp16
         for (Bucket& b : plan.buckets) update_bucket(groups_[gi], b, plan.scales[b.scale].second);
-        if (!device_lr_) apply_decays(gi);
+        if (!plan.counts.empty()) device_counts_and_decays(gi);
+        if (!device_lr_) apply_decays(gi);  // host-decided decays (none under fp16)
     }
 }
 
@@ -370,8 +467,9 @@ TensorMap AdamWBF16::state_dict() const {
     TensorMap out = Optimizer::state_dict();
     const auto cpu = at::TensorOptions().dtype(at::kDouble);
     for (size_t gi = 0; gi < groups_.size(); ++gi) {
-        for (size_t k = 0; k < host_[gi].size(); ++k) {
-            const Host& h = host_[gi][k];
+        const std::vector<Host> host = current_host(gi);  // fp16: with the device counts
+        for (size_t k = 0; k < host.size(); ++k) {
+            const Host& h = host[k];
             if (!h.started) continue;
             out[groups_[gi].names[k] + ".step"] = at::scalar_tensor(h.step, cpu);
             out[groups_[gi].names[k] + ".accumulated_decay"] = at::scalar_tensor(h.accumulated_decay, cpu);

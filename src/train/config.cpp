@@ -191,7 +191,7 @@ const std::vector<OptionSpec>& specs() {
     {"fsdp_version", OptionType::kInt, "2", "FSDP version: 1 and 2 both run dtune's ZeRO stage 3", nullptr},
     {"fsdp_cpu_offload", OptionType::kBool, "false", "FSDP: true keeps ZeRO stage 3's parameter shards and the optimizer state and update in host memory (the same as offload_param_device cpu plus offload_optimizer_device cpu; an explicit other value of either is refused)", nullptr},
     {"fsdp_reshard_after_forward", OptionType::kBool, "true", "ZeRO-3/FSDP: free a block's gathered parameters after its forward and gather them again for its backward (false: keep them until its backward: less communication, more memory)", nullptr},
-    {"cuda_graph", OptionType::kString, "\"auto\"", "dtune: train each batch shape's whole step as one CUDA graph; auto = on CUDA whenever the run's options allow it (any optimizer; bf16, no, or fp16 with an AdamW other than adamw_bf16; any timestep bias and flow sigma schedule; not scheduled sampling), true = also warn when they do not, false = never", "auto,true,false"},
+    {"cuda_graph", OptionType::kString, "\"auto\"", "dtune: train each batch shape's whole step as one CUDA graph; auto = on CUDA whenever the run's options allow it (any optimizer and mixed_precision; any timestep bias and flow sigma schedule; not scheduled sampling), true = also warn when they do not, false = never", "auto,true,false"},
     {"export_single_file", OptionType::kBool, "false", "dtune: full fine-tunes also write one file: SDXL output_dir/sdxl_checkpoint.safetensors (UNet, VAE and text encoders, ldm keys); Flux output_dir/flux_transformer.safetensors (the transformer in Black Forest Labs' layout, as flux1-dev.safetensors)", nullptr},
     };
     return kSpecs;

@@ -10,7 +10,8 @@
 // Where things live: the scale (float32), the clean-step counter (int32), the overflow flag
 // found_inf (float32, exactly 0 or 1) and the skipped-step count (int64) are 0-dim tensors on the
 // parameters' device. unscale() writes found_inf with one multi-tensor kernel per gradient dtype;
-// an optimizer that honours it (Optimizer::skip_step_on_overflow: fused AdamW) skips its update on
+// an optimizer that honours it (Optimizer::skip_step_on_overflow: every optimizer but
+// CpuOffloadOptimizer) skips its update on
 // the device, and update() moves the scale with at::_amp_update_scale_. Nothing is read back:
 // update() returns this step's [found_inf, scale, skipped] for the trainer's deferred read-back
 // (readback.h), which logs them a step later. The same calls run on the CPU (ATen has CPU kernels

@@ -72,6 +72,10 @@ void Optimizer::load_state_dict(const TensorMap& state) {
     state_ = std::move(loaded);
 }
 
+bool OverflowSkip::overflowed_on_host() const {
+    return found_inf.defined() && found_inf.item<float>() != 0.0f;
+}
+
 // ---- Lion ---------------------------------------------------------------------------------------
 
 Lion::Lion(std::vector<ParamGroup> groups, LionOptions options)
@@ -79,7 +83,8 @@ Lion::Lion(std::vector<ParamGroup> groups, LionOptions options)
 
 void Lion::step() {
     at::NoGradGuard no_grad;
-    if (device_lr_) return step_device();  // captured steps: optimizer_graph.cpp
+    if (device_lr_) return step_device();    // captured steps: optimizer_graph.cpp
+    if (skip_.overflowed_on_host()) return;  // fp16 overflow: nothing of the step happens
     for (auto& g : groups_) {
         for (size_t i = 0; i < g.params.size(); ++i) {
             at::Tensor& p = g.params[i];
@@ -105,7 +110,8 @@ SGD::SGD(std::vector<ParamGroup> groups, SGDOptions options)
 
 void SGD::step() {
     at::NoGradGuard no_grad;
-    if (device_lr_) return step_device();  // captured steps: optimizer_graph.cpp
+    if (device_lr_) return step_device();    // captured steps: optimizer_graph.cpp
+    if (skip_.overflowed_on_host()) return;  // fp16 overflow: nothing of the step happens
     for (auto& g : groups_) {
         for (size_t i = 0; i < g.params.size(); ++i) {
             at::Tensor& p = g.params[i];
@@ -152,7 +158,8 @@ double Adafactor::eps1_for(at::ScalarType type) const {
 
 void Adafactor::step() {
     at::NoGradGuard no_grad;
-    if (device_lr_) return step_device();  // captured steps: optimizer_graph.cpp
+    if (device_lr_) return step_device();    // captured steps: optimizer_graph.cpp
+    if (skip_.overflowed_on_host()) return;  // fp16 overflow: nothing of the step happens
     for (auto& g : groups_) {
         for (size_t i = 0; i < g.params.size(); ++i) {
             at::Tensor& p = g.params[i];

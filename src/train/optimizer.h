@@ -100,13 +100,14 @@ class AdamW : public Optimizer {
     void step() override;
     const AdamWOptions& options() const { return options_; }
     // CUDA graphs: from now on the fused path reads each group's lr from a float32 tensor on the
-    // parameters' device, which upload_lr() refreshes from ParamGroup::lr outside any capture; a
-    // captured step then follows LR changes without being recaptured.
+    // parameters' device (the per-tensor loop: a float64 one, and its step counts there too), which
+    // upload_lr() refreshes from ParamGroup::lr outside any capture; a captured step then follows LR
+    // changes without being recaptured.
     void use_device_lr() override { device_lr_ = true; }
     void upload_lr() override;
     // Fused: found_inf goes to the kernel, which leaves the weights and moments alone, and the step
     // counts taken back (what torch.optim.AdamW(fused=True) does under GradScaler); the per-tensor
-    // loop reads the flag on the host (it reads the step counts there anyway).
+    // loop restores them on the device (at::where), also without a host read.
     bool skip_step_on_overflow(const at::Tensor& found_inf) override {
         found_inf_ = found_inf;
         return true;
@@ -120,6 +121,7 @@ class AdamW : public Optimizer {
     bool device_lr_ = false;
     at::Tensor found_inf_;                // fp16 (skip_step_on_overflow); undefined otherwise
     std::vector<at::Tensor> lr_tensors_;  // per group, [] float32 (device_lr_)
+    std::vector<at::Tensor> loop_lr_;     // per group, [] float64 on its device (step_loop)
 };
 
 // ---- AdamW for bf16 weights with stochastic rounding (SimpleTuner's default `adamw_bf16`) ------
@@ -159,6 +161,15 @@ struct AdamWBF16Options {
 // 5e-3 / (lr * wd) steps). Repacking (first step, after load_state_dict, or when the set of
 // parameters with gradients changes) reads the new random decay starts back once.
 //
+// fp16 (skip_step_on_overflow, called before the first step): the step counts and decay accumulators
+// move to the device (float64, per bucket's step count and per parameter), since an overflowed step
+// must leave them as they were with no host read. Each step computes its -lr * sqrt(1 - beta2^t)
+// there from the count (float64; pow is torch's), updates into new tensors kept only where found_inf
+// is 0 (the fused kernel returns at once when it is 1), advances the counts by 1 - found_inf, and
+// applies the decays that came due on the device, masked, as part of the step: one pass over the
+// shift and weights of every parameter per step (their float32 multiply-add may round the last bf16
+// bit of a decayed shift unlike the host path's bf16 add). The rounding noise is drawn either way.
+//
 // Checkpoint state per parameter, as before: exp_avg, exp_avg_sq, shift (bf16, the parameter's
 // shape) and step, accumulated_decay (float64 scalars on the CPU).
 class AdamWBF16 : public Optimizer {
@@ -178,6 +189,7 @@ class AdamWBF16 : public Optimizer {
         grad_clamp_ = clip;
         return true;
     }
+    bool skip_step_on_overflow(const at::Tensor& found_inf) override;
 
   private:
     struct Bucket;
@@ -193,12 +205,18 @@ class AdamWBF16 : public Optimizer {
     void prepare(size_t group);  // host bookkeeping of one step and the device scalars it needs
     void update_bucket(ParamGroup& g, Bucket& b, const at::Tensor& scale);  // scale: [] float32
     void apply_decays(size_t group);
+    // fp16 skipping: one group's host state with the device counts read back (outside any capture),
+    // the device terms of one step, and the counts and decays after its buckets.
+    std::vector<Host> current_host(size_t group) const;
+    void device_scales(size_t group);
+    void device_counts_and_decays(size_t group);
 
     at::Generator generator_;
     AdamWBF16Options options_;
     double grad_clamp_ = 0;  // > 0: gradients read clamped to [-grad_clamp_, grad_clamp_]
     bool device_lr_ = false;
-    std::vector<std::vector<Host>> host_;       // [group][param]
+    at::Tensor found_inf_;                 // fp16 (skip_step_on_overflow): [] float32; undefined otherwise
+    std::vector<std::vector<Host>> host_;  // [group][param]
     std::vector<std::unique_ptr<Plan>> plans_;  // [group]; null: pack at the next step
 };
 
@@ -221,6 +239,18 @@ struct DeviceLr {
     at::Tensor decay;   // [] float32: 1 - lr * weight_decay
 };
 
+// fp16 (Optimizer::skip_step_on_overflow) for Lion, SGD and Adafactor. The host-lr path runs eagerly
+// and reads the flag once before its step (the trainer read it there before); the device-lr path
+// reads nothing: it computes the new weights and state into copies and keeps the old values where
+// the flag is 1 (at::where, exact even when the overflowed gradients hold inf or NaN), and counts
+// that live on the device (SGD's buffer start, Adafactor's step) advance by 1 - found_inf. With the
+// flag 0 the bits are those of the path without it (tests/train/test_optimizer_graph.cpp).
+struct OverflowSkip {
+    at::Tensor found_inf;  // [] float32; undefined: no fp16 loss scaling
+    bool on() const { return found_inf.defined(); }
+    bool overflowed_on_host() const;  // the host-lr path's read
+};
+
 struct LionOptions {
     double beta1 = 0.9;  // optimi-lion's defaults (SimpleTuner: betas .9/.99, wd 0)
     double beta2 = 0.99;
@@ -236,6 +266,11 @@ class Lion : public Optimizer {
     // Multi-tensor kernels over chunks of parameters from now on (see DeviceLr).
     void use_device_lr() override { device_lr_ = true; }
     void upload_lr() override;
+    // fp16: see OverflowSkip.
+    bool skip_step_on_overflow(const at::Tensor& found_inf) override {
+        skip_.found_inf = found_inf;
+        return true;
+    }
 
   private:
     void step_device();  // checks every group, then step_group() for each
@@ -243,6 +278,7 @@ class Lion : public Optimizer {
 
     LionOptions options_;
     bool device_lr_ = false;
+    OverflowSkip skip_;
     std::vector<DeviceLr> lr_;  // per group (device_lr_)
 };
 
@@ -267,13 +303,18 @@ class SGD : public Optimizer {
     // Buffers upload_lr() made for parameters not yet stepped are left out, as the host path has none.
     TensorMap state_dict() const override;
     void load_state_dict(const TensorMap& state) override;
+    // fp16: see OverflowSkip; call it before the first step. A cohort's start is then a device flag
+    // (a first step that overflowed does not start the buffers).
+    bool skip_step_on_overflow(const at::Tensor& found_inf) override;
 
   private:
     // Parameters of one group whose buffers started together (at most two sets: loaded and new).
     struct Cohort {
         bool started = false;
         std::vector<size_t> members;
-        at::Tensor keep, take;  // [] float32 on the group's device
+        at::Tensor keep, take;     // [] float32 on the group's device
+        at::Tensor started_flag;   // fp16 skipping with momentum: [] float32, 1 once started
+        bool has_started() const;  // reads started_flag (outside any capture)
     };
     void prepare_device(size_t group);
     void step_device();  // checks every group, then step_group() for each
@@ -281,6 +322,7 @@ class SGD : public Optimizer {
 
     SGDOptions options_;
     bool device_lr_ = false;
+    OverflowSkip skip_;
     bool uploaded_ = false;                     // upload_lr() since the last after_step()
     std::vector<DeviceLr> lr_;                  // per group (device_lr_)
     std::vector<std::vector<Cohort>> cohorts_;  // [group]; empty: built at the next upload_lr()
@@ -313,6 +355,10 @@ class Adafactor : public Optimizer {
     // "step" comes from the cohorts; parameters not yet stepped are left out.
     TensorMap state_dict() const override;
     void load_state_dict(const TensorMap& state) override;
+    // fp16: see OverflowSkip; call it before the first step. The device-lr path then keeps each
+    // cohort's step count on the device and computes t^beta2_decay and min(lr, 1/sqrt(t)) there in
+    // float64 (sqrt and division as the host's; pow is torch's).
+    bool skip_step_on_overflow(const at::Tensor& found_inf) override;
 
   private:
     struct Chunk {  // parameters whose update temporaries are alive together
@@ -325,6 +371,8 @@ class Adafactor : public Optimizer {
         std::vector<Chunk> chunks;
         at::Tensor rho;                               // [] float64: min(lr, 1/sqrt(t))
         std::map<at::ScalarType, at::Tensor> weight;  // [] per state dtype: 1 - beta2_t = t^beta2_decay
+        at::Tensor count, lr;  // fp16 skipping: [] float64 on the device, steps taken and this step's lr
+        double steps_taken() const;  // `step`, or `count` read back (outside any capture)
     };
     double eps1_for(at::ScalarType type) const;  // the variance floor for weights of `type`
     void prepare_device(size_t group);
@@ -333,6 +381,7 @@ class Adafactor : public Optimizer {
 
     AdafactorOptions options_;
     bool device_lr_ = false;
+    OverflowSkip skip_;
     bool uploaded_ = false;                     // upload_lr() since the last after_step()
     std::vector<DeviceLr> lr_;                  // per group (device_lr_)
     std::vector<std::vector<Cohort>> cohorts_;  // [group]; empty: built at the next upload_lr()

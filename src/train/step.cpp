@@ -4,7 +4,9 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <optional>
+#include <vector>
 
 #include "core/error.h"
 
@@ -54,6 +56,17 @@ int64_t apply_caption_dropout(const family::ModelFamily& family, TrainBatch& bat
         ++dropped;
     }
     return dropped;
+}
+
+void refresh_rollout_probability(const StepOptions& options, int64_t global_step, const at::Device& device) {
+    if (!options.scheduled_sampling.active()) return;
+    const double p =
+        std::clamp(diffusion::rollout_probability(options.scheduled_sampling, global_step), 0.0, 1.0);
+    at::Tensor& slot = *options.rollout_probability;
+    if (!slot.defined() || slot.device() != device)
+        slot = at::full({}, p, at::TensorOptions(device).dtype(at::kFloat));
+    else
+        slot.fill_(p);  // in place: a captured step reads this address
 }
 
 namespace {
@@ -122,6 +135,48 @@ at::Tensor predict(family::Denoiser& model, const family::Conditioning& cond, co
     return model.forward(noisy, t, cond);  // [B, C, h, w]
 }
 
+// Scheduled sampling with options.device_rng: the rollout of roll_out below as fixed-length device
+// work, for a CUDA graph. The offsets are drawn on the device (the same formulation,
+// diffusion::draw_rollout_offsets); every iteration k < max_step_offset runs the whole batch at
+// timestep source - k, and a sample takes that step only while its own rollout runs (source - k > t
+// and > 0; at::where), so no drawn length is read back. Each sample thus gets roll_out's update from
+// the same draws, within float rounding (its model calls see the whole batch, not one sample), at
+// max_step_offset batch forwards a step whoever is rolled out.
+at::Tensor roll_out_on_device(family::Denoiser& model, const TrainBatch& batch,
+                              const diffusion::NoiseSchedule& schedule, const StepOptions& options,
+                              const at::Tensor& latents, const Draws& d, const at::Tensor& noisy, double p) {
+    const auto& ss = options.scheduled_sampling;
+    const int64_t b = latents.size(0), T = schedule.num_train_timesteps();
+    const at::Device device = latents.device();
+    const at::Tensor& slot = *options.rollout_probability;
+    const at::Tensor prob =
+        slot.defined() && slot.device() == device
+            ? slot
+            : at::full({}, std::clamp(p, 0.0, 1.0), at::TensorOptions(device).dtype(at::kFloat));
+    // The mask is always drawn: a ramp may reach 1 after the capture.
+    const at::Tensor offsets =
+        diffusion::draw_rollout_offsets(b * options.world_size, ss, prob, true, std::nullopt, device)
+            .slice(0, options.rank * b, (options.rank + 1) * b);  // [B] int64
+    const at::Tensor& t = d.t_dev;                                // [B] int64
+    const at::Tensor source = (t + offsets).clamp_max(T - 1);     // [B]
+    // A probability of 0 for the whole run: nobody rolls out, at no cost.
+    if (p <= 0 && !diffusion::rollout_probability_varies(ss)) return noisy;
+    std::vector<int64_t> shape(static_cast<size_t>(latents.dim()), 1);
+    shape[0] = b;  // [B, 1, ..., 1]
+    c10::NoGradGuard no_grad;
+    at::Tensor x = schedule.add_noise(latents, d.noise.input_noise, source);  // [B, C, h, w]
+    for (int64_t k = 0; k < ss.max_step_offset; ++k) {
+        const at::Tensor step = source - k;                           // [B]
+        const at::Tensor active = (step > t).logical_and_(step > 0);  // [B] bool
+        const at::Tensor at_step = step.clamp_min(1);                 // a valid timestep when idle
+        const at::Tensor pred = predict(model, batch.cond, x, at_step, options);
+        const at::Tensor next =
+            diffusion::rollout_step(schedule, options.prediction, x, pred, at_step, at_step - 1);
+        x = at::where(active.view(shape), next, x);
+    }
+    return at::where((source > t).view(shape), x, noisy);
+}
+
 // Scheduled sampling (diffusion/scheduled_sampling.h): the rolled-out noisy latents. The plan is
 // drawn for the global batch, so every rank makes the same draws and keeps its own rows.
 at::Tensor roll_out(family::Denoiser& model, const TrainBatch& batch,
@@ -131,6 +186,7 @@ at::Tensor roll_out(family::Denoiser& model, const TrainBatch& batch,
     const auto& ss = options.scheduled_sampling;
     const int64_t b = latents.size(0), T = schedule.num_train_timesteps();
     const double p = diffusion::rollout_probability(ss, global_step);
+    if (options.device_rng) return roll_out_on_device(model, batch, schedule, options, latents, d, noisy, p);
     const diffusion::RolloutPlan plan =
         diffusion::plan_rollout(at::zeros({b * options.world_size}, at::kLong), T, ss, p, generator);
     const at::Tensor offsets = plan.offsets.slice(0, options.rank * b, (options.rank + 1) * b);
@@ -263,7 +319,7 @@ MicroStep micro_step(family::Denoiser& model, const TrainBatch& batch,
     at::Tensor noisy = schedule.add_noise(latents, d.noise.input_noise, t_dev);  // [B, C, h, w]
     const bool rollout_type = options.prediction == diffusion::PredictionType::kEpsilon ||
                               options.prediction == diffusion::PredictionType::kVPrediction;
-    if (options.scheduled_sampling.active() && rollout_type && !options.device_rng)
+    if (options.scheduled_sampling.active() && rollout_type)
         noisy = roll_out(model, batch, schedule, options, latents, d, noisy, global_step, generator);
     at::Tensor target;
     if (batch.regularisation && adapters && !options.diff2flow_loss) {

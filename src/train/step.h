@@ -76,13 +76,25 @@ struct StepOptions {
     // toward noise - latents; loss_type, min-SNR and snr_weight do not apply, as in SimpleTuner.
     bool diff2flow_loss = false;
     // scheduled_sampling_*: rolled-out inputs for some samples (diffusion/scheduled_sampling.h);
-    // epsilon and v-prediction only, not with device_rng.
+    // epsilon and v-prediction only. With device_rng a fixed-length rollout masked per sample
+    // (step.cpp, roll_out_on_device).
     diffusion::ScheduledSamplingOptions scheduled_sampling;
+    // device_rng with scheduled sampling: the step's rollout probability, a [] float32 on the device
+    // that refresh_rollout_probability refills in place before each step, outside any capture, so a
+    // captured step follows a ramp. Empty (tests calling the step directly): the probability of the
+    // step's global_step, which a capture would freeze. Copies of these options share it.
+    std::shared_ptr<at::Tensor> rollout_probability = std::make_shared<at::Tensor>();
     // Tests only (the Flux training parity test): replaces the flow-matching noise and sigmas after
     // they are drawn, so the generator's stream is the same with or without it. Unset in every run;
     // not with device_rng.
     FlowDrawFn fixed_flow_draws;
 };
+
+// CUDA graphs with scheduled sampling: sets *options.rollout_probability to the rollout probability
+// of `global_step` (clamped to [0, 1]) on `device`, made on the first call and refilled in place
+// after it (one small kernel, no wait). Call before every step, outside any capture; a no-op when
+// scheduled sampling is off.
+void refresh_rollout_probability(const StepOptions& options, int64_t global_step, const at::Device& device);
 
 // SimpleTuner's caption dropout: each sample with probability p trains on the empty caption's
 // conditioning as `family` defines it (SDXL: the empty embedding with zeroed pooled embedding and

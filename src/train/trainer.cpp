@@ -311,7 +311,12 @@ void Trainer::init_common() {
     dp_->check_shared_output_dir(output_dir_);
     step_options_.rank = dp_->rank();
     step_options_.world_size = dp_->world_size();
-    if (config_.flag("deterministic")) at::globalContext().setDeterministicAlgorithms(true, false);
+    if (config_.flag("deterministic")) {
+        // cuBLAS is deterministic only with a fixed workspace, and torch refuses a matmul under
+        // deterministic algorithms unless this names one (a value the user set is kept).
+        if (device_.is_cuda()) setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", 0);
+        at::globalContext().setDeterministicAlgorithms(true, false);
+    }
     const uint64_t seed = static_cast<uint64_t>(config_.integer("seed"));
     generator_ = at::detail::createCPUGenerator(seed);
     // adamw_bf16 draws its rounding noise where its update runs: a generator of the weights' device,

@@ -50,38 +50,22 @@ std::string cuda_graph_blocker(
                "the GPU; set it to none" +
                fix + ")";
     // Every optimizer's step is captured with its LR (and Adafactor's step terms) read from the
-    // device (optimizer.h); one added later must be listed here once it is capturable. Lion, SGD and
-    // Adafactor cannot skip an fp16 overflow on the device (Optimizer::skip_step_on_overflow).
+    // device (optimizer.h); one added later must be listed here once it is capturable. Under fp16
+    // each of them skips an overflowed step on the device, step counts included
+    // (Optimizer::skip_step_on_overflow), so fp16 graphs with any of them.
     const std::string opt = c.text("optimizer");
     const bool lion_sgd_adafactor = opt == "optimi-lion" || opt == "torch-sgd" || opt == "torch-adafactor";
     if (!lion_sgd_adafactor && opt != "torch-adamw" && opt != "optimi-adamw" && opt != "adamw_bf16")
         return str("optimizer is ", opt, " (its step is not capturable; set optimizer torch-adamw", fix, ")");
-    if (lion_sgd_adafactor && c.text("mixed_precision") == "fp16")
-        return str("mixed_precision is fp16 with optimizer ", opt,
-                   " (an overflowed step must be read back before it to be skipped; use mixed_precision "
-                   "bf16 or optimizer torch-adamw",
-                   fix, ")");
-    if (c.flag("deterministic"))
-        return "deterministic is true (its per-tensor AdamW reads the step count back to the host; set "
-               "deterministic false" +
-               fix + ")";
-    // fp16's loss scaler lives on the device (loss_scaler.h) and fused AdamW skips an overflowed
-    // step there; adamw_bf16 keeps its step counts and weight-decay accumulators on the host, so an
-    // overflow must be read back before its step (moving them to the device would lift this).
-    if (c.text("mixed_precision") == "fp16" && opt == "adamw_bf16")
-        return "mixed_precision is fp16 with optimizer adamw_bf16 (its step counts live on the host, so "
-               "an overflowed step is skipped there; use optimizer torch-adamw or mixed_precision bf16" +
-               fix + ")";
+    // deterministic's per-tensor AdamW keeps its step counts and lr on the device (AdamW::step_loop).
     // offset_noise, input_perturbation, loss_type huber / smooth_l1, snr_gamma, timestep_bias_strategy
     // and diff2flow_loss are graphed: their draws come from the device generator (a timestep bias by
     // inverse CDF over a table kept on the device, diffusion::draw_timesteps), and huber_c, the
     // min-SNR weights and Diff2Flow's conversion are computed from the device timesteps (train/step.cpp,
     // diffusion/loss.cpp), with no host read. So is every flow-matching sigma schedule (logit-normal,
     // uniform, Beta, flux_fast_schedule: diffusion::draw_flow_sigmas).
-    if (c.integer("scheduled_sampling_max_step_offset") > 0)
-        return "scheduled_sampling_max_step_offset is set (each rollout's length is drawn per sample; set it "
-               "to 0" +
-               fix + ")";
+    // Scheduled sampling rolls out on the device for max_step_offset steps, each sample masked to
+    // its own drawn length, its probability (ramped or not) read from the device (train/step.cpp).
     return {};
 }
 
@@ -165,6 +149,7 @@ StepScalars Trainer::train_graphed_step(double lr) {
     const int64_t accum = config_.integer("gradient_accumulation_steps");
     optimizer_->set_lr(lr);
     optimizer_->upload_lr();  // before the final replay, on the same stream
+    refresh_rollout_probability(step_options_, global_step_, device_);  // scheduled sampling's, likewise
     std::vector<at::Tensor> params;
     for (const auto& p : trainable_) params.push_back(p.tensor);
     // Data parallel: the gradient average is part of the final graph (NCCL collectives are
@@ -183,7 +168,7 @@ StepScalars Trainer::train_graphed_step(double lr) {
     graph_->set_caller_gradients(buckets);
     if (scaler_) {
         // fp16: backward on loss · scale, the gradients unscaled (found_inf set) after the reduction
-        // and before the clip, fused AdamW skipping on found_inf; all captured. update() follows in
+        // and before the clip, the optimizer skipping on found_inf; all captured. update() follows in
         // the loop, outside the graph, as on the eager path.
         DTUNE_CHECK(scaler_skips_on_device_, "internal: optimizer ", optimizer_->name(),
                     " cannot skip an fp16 overflow on the device; cuda_graph_blocker should refuse it");

@@ -7,10 +7,12 @@
 // on the GPU (the fused kernel when it was built, else the ATen path there).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/grad_mode.h>
 #include <gtest/gtest.h>
 
 #include <array>
 #include <cmath>
+#include <limits>
 #include <set>
 #include <string>
 
@@ -369,6 +371,182 @@ TEST_P(AdamWBF16Flat, ClampInsideTheStepEqualsClippingFirst) {
     }
     // The gradients this problem draws reach beyond both bounds: the clamp is exercised.
     EXPECT_GT(pr.grads[0][2].abs().max().item<double>(), 0.01);
+}
+
+// ---- fp16: skip_step_on_overflow ------------------------------------------------------------------
+
+// One step with step t's gradients at `lr`; `overflow`: found_inf is 1 and the gradients hold an inf
+// and a NaN (an overflowed fp16 backward after unscaling). device_lr: the captured-step protocol.
+void flagged_step(AdamWBF16& opt, std::vector<at::Tensor>& params, const Problem& pr, int t, double lr,
+                  const at::Tensor& found_inf, bool overflow, bool device_lr) {
+    opt.set_lr(lr);
+    for (size_t i = 0; i < params.size(); ++i) {
+        at::Tensor grad = pr.grads[t][i].to(params[i].device()).clone();
+        if (overflow) {
+            grad.view(-1)[0] = std::numeric_limits<float>::infinity();
+            grad.view(-1)[grad.numel() - 1] = std::numeric_limits<float>::quiet_NaN();
+        }
+        params[i].mutable_grad() = grad;
+    }
+    found_inf.fill_(overflow ? 1.0 : 0.0);
+    if (device_lr) opt.upload_lr();
+    opt.step();
+    if (device_lr) opt.after_step();
+}
+
+void expect_same_state(const AdamWBF16& a, const std::vector<at::Tensor>& pa, const AdamWBF16& b,
+                       const std::vector<at::Tensor>& pb, const std::string& where) {
+    SCOPED_TRACE(where);
+    for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i], pb[i])) << "parameter " << i;
+    const TensorMap sa = a.state_dict(), sb = b.state_dict();
+    ASSERT_EQ(sa.size(), sb.size());
+    for (const auto& [k, t] : sa) EXPECT_TRUE(sb.count(k) && at::equal(t, sb.at(k))) << k;
+}
+
+// An overflowed step leaves the weights, m, v, shift, the step counts and the decay accumulators
+// bit for bit as they were (plain steps and the captured-step protocol; the first step, and one
+// after two clean steps with decays due every step: lr wd = 5e-3).
+TEST_P(AdamWBF16Flat, OverflowedStepChangesNothing) {
+    const Problem pr(4);
+    for (bool device_lr : {false, true}) {
+        SCOPED_TRACE(device_lr ? "device lr" : "plain");
+        std::vector<at::Tensor> params, reference_params;
+        auto opt = make(device(), pr, params, 1e-2, 0.5, 3);
+        auto reference = make(device(), pr, reference_params, 1e-2, 0.5, 3);  // never stepped
+        const at::Tensor found_inf = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device()));
+        ASSERT_TRUE(opt->skip_step_on_overflow(found_inf));
+        if (device_lr) opt->use_device_lr();
+        flagged_step(*opt, params, pr, 0, 1e-2, found_inf, true, device_lr);
+        for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(params[i], reference_params[i]));
+        // State made for the first step (zeros, the decay starts) may exist; it must be untouched.
+        for (const auto& [k, t] : opt->state_dict()) {
+            if (k.find(".step") != std::string::npos) EXPECT_EQ(t.item<double>(), 0.0) << k;
+            if (k.find("exp_avg") != std::string::npos || k.find("shift") != std::string::npos)
+                EXPECT_EQ(t.abs().max().item<float>(), 0.0f) << k;
+        }
+        for (int t = 0; t < 2; ++t) flagged_step(*opt, params, pr, t, 1e-2, found_inf, false, device_lr);
+        std::vector<at::Tensor> before;
+        for (const auto& p : params) before.push_back(p.detach().clone());
+        const TensorMap state = opt->state_dict();
+        EXPECT_EQ(state.at("a.weight.step").item<double>(), 2.0);
+        flagged_step(*opt, params, pr, 2, 2e-2, found_inf, true, device_lr);
+        for (size_t i = 0; i < params.size(); ++i)
+            EXPECT_TRUE(at::equal(before[i], params[i])) << pr.names[i];
+        const TensorMap after = opt->state_dict();
+        ASSERT_EQ(after.size(), state.size());
+        for (const auto& [k, t] : state) EXPECT_TRUE(at::equal(t, after.at(k))) << k;
+    }
+}
+
+// With the flag 0, steps keep the bits of the optimizer without it (no decay due: wd 0); with
+// decays due at every step (lr wd = 5e-3) the counts, accumulators, weights and moments keep their
+// bits and the decayed shift stays within a bf16 rounding of the host path's.
+TEST_P(AdamWBF16Flat, CleanStepsKeepTheBitsOfThePathWithoutTheFlag) {
+    const Problem pr(5);
+    const std::vector<double> lrs{1e-2, 8e-3, 6e-3, 4e-3, 2e-3};
+    for (bool device_lr : {false, true}) {
+        SCOPED_TRACE(device_lr ? "device lr" : "plain");
+        std::vector<at::Tensor> plain_params, flagged_params;
+        auto plain = make(device(), pr, plain_params, lrs[0], 0.0, 5);
+        auto flagged = make(device(), pr, flagged_params, lrs[0], 0.0, 5);
+        const at::Tensor found_inf = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device()));
+        flagged->skip_step_on_overflow(found_inf);
+        if (device_lr) flagged->use_device_lr();
+        for (int t = 0; t < 5; ++t) {
+            plain->set_lr(lrs[t]);
+            run(*plain, plain_params, pr, t, t + 1);
+            flagged_step(*flagged, flagged_params, pr, t, lrs[t], found_inf, false, device_lr);
+            expect_same_state(*plain, plain_params, *flagged, flagged_params,
+                              "step " + std::to_string(t + 1));
+        }
+    }
+    std::vector<at::Tensor> plain_params, flagged_params;
+    auto plain = make(device(), pr, plain_params, 1e-2, 0.5, 6);
+    auto flagged = make(device(), pr, flagged_params, 1e-2, 0.5, 6);
+    const at::Tensor found_inf = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(device()));
+    flagged->skip_step_on_overflow(found_inf);
+    run(*plain, plain_params, pr, 0, 1);
+    flagged_step(*flagged, flagged_params, pr, 0, 1e-2, found_inf, false, false);
+    for (size_t i = 0; i < plain_params.size(); ++i)
+        EXPECT_TRUE(at::equal(plain_params[i], flagged_params[i]));
+    const TensorMap a = plain->state_dict(), b = flagged->state_dict();
+    for (const auto& [k, t] : a) {
+        if (k.find("shift") == std::string::npos) {
+            EXPECT_TRUE(at::equal(t, b.at(k))) << k;
+        } else {
+            EXPECT_LE(max_abs_diff(t, b.at(k)), t.abs().max().item<double>() * 0x1p-7) << k;
+            EXPECT_GT(t.abs().max().item<double>(), 0.0) << k;
+        }
+    }
+}
+
+// Overflows after one step and twice in a row later: the run equals one with the clean steps only
+// (the overflowed steps still draw rounding noise, so the generator is set back after each), decays
+// included. (An overflowed first step draws the decay starts too: OverflowedStepChangesNothing.)
+TEST_P(AdamWBF16Flat, SkippedStepsAreAsIfTheyNeverHappened) {
+    const Problem pr(6);
+    const std::set<int> overflow_before{1, 4};
+    for (bool device_lr : {false, true}) {
+        SCOPED_TRACE(device_lr ? "device lr" : "plain");
+        std::vector<at::Tensor> clean_params, skipping_params;
+        auto clean = make(device(), pr, clean_params, 1e-2, 0.3, 8);
+        auto skipping = make(device(), pr, skipping_params, 1e-2, 0.3, 8);
+        const auto options = at::TensorOptions().dtype(at::kFloat).device(device());
+        const at::Tensor clean_inf = at::zeros({}, options), skipping_inf = at::zeros({}, options);
+        clean->skip_step_on_overflow(clean_inf);
+        skipping->skip_step_on_overflow(skipping_inf);
+        if (device_lr) {
+            clean->use_device_lr();
+            skipping->use_device_lr();
+        }
+        at::Generator gen = skipping->generators().front();
+        for (int t = 0; t < 6; ++t) {
+            const double lr = 1e-2 * (1.0 - 0.1 * t);
+            if (overflow_before.count(t)) {
+                const auto state = gen.get_state();
+                for (int k = 0; k < (t == 4 ? 2 : 1); ++k)
+                    flagged_step(*skipping, skipping_params, pr, t, 3 * lr, skipping_inf, true, device_lr);
+                gen.set_state(state);
+            }
+            flagged_step(*clean, clean_params, pr, t, lr, clean_inf, false, device_lr);
+            flagged_step(*skipping, skipping_params, pr, t, lr, skipping_inf, false, device_lr);
+            expect_same_state(*clean, clean_params, *skipping, skipping_params,
+                              "step " + std::to_string(t + 1));
+        }
+    }
+}
+
+// A checkpoint of a flagged run (counts read back from the device) resumes into a fresh flagged
+// optimizer like the run that never stopped.
+TEST_P(AdamWBF16Flat, FlaggedRunResumesExactly) {
+    const Problem pr(6);
+    const auto options = at::TensorOptions().dtype(at::kFloat).device(device());
+    std::vector<at::Tensor> straight_params;
+    auto straight = make(device(), pr, straight_params, 1e-2, 0.3, 9);
+    const at::Tensor straight_inf = at::zeros({}, options);
+    straight->skip_step_on_overflow(straight_inf);
+    for (int t = 0; t < 6; ++t)
+        flagged_step(*straight, straight_params, pr, t, 1e-2, straight_inf, false, true);
+
+    std::vector<at::Tensor> first_params;
+    auto first = make(device(), pr, first_params, 1e-2, 0.3, 9);
+    const at::Tensor first_inf = at::zeros({}, options);
+    first->skip_step_on_overflow(first_inf);
+    for (int t = 0; t < 3; ++t) flagged_step(*first, first_params, pr, t, 1e-2, first_inf, false, true);
+    const TensorMap saved = first->state_dict();
+    const auto gen_state = first->generators().front().get_state();
+    std::vector<at::Tensor> resumed_params;
+    auto resumed = make(device(), pr, resumed_params, 1e-2, 0.3, 1);
+    for (size_t i = 0; i < resumed_params.size(); ++i) {
+        at::NoGradGuard no_grad;
+        resumed_params[i].copy_(first_params[i]);
+    }
+    const at::Tensor resumed_inf = at::zeros({}, options);
+    resumed->skip_step_on_overflow(resumed_inf);
+    resumed->load_state_dict(saved);
+    resumed->generators().front().set_state(gen_state);
+    for (int t = 3; t < 6; ++t) flagged_step(*resumed, resumed_params, pr, t, 1e-2, resumed_inf, false, true);
+    expect_same_state(*straight, straight_params, *resumed, resumed_params, "after the resume");
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, AdamWBF16Flat, ::testing::Values(c10::kCPU, c10::kCUDA),

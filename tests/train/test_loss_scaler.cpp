@@ -148,10 +148,11 @@ TEST_P(LossScalerAdamW, SkipsAnOverflowedStepOnTheDevice) {
     EXPECT_EQ(snapshot(*scaled).at("w1.step").item<float>(), 2.0f);
     EXPECT_FALSE(at::equal(a0, w0));  // the last step did move the weights
 
-    // Optimizers without a device skip say so: the trainer then reads the flag and skips step().
+    // Lion (like SGD, Adafactor and adamw_bf16) skips by itself too: on the device with device LRs,
+    // else by reading the flag in step() (tests/train/test_optimizer_graph.cpp).
     at::Tensor l = at::zeros({2}).requires_grad_(true);
     Lion lion({ParamGroup{{"l"}, {l}, 0.1, 0.0}});
-    EXPECT_FALSE(lion.skip_step_on_overflow(scaler.found_inf()));
+    EXPECT_TRUE(lion.skip_step_on_overflow(scaler.found_inf()));
 }
 
 INSTANTIATE_TEST_SUITE_P(FusedAndLoop, LossScalerAdamW, ::testing::Values(true, false),
@@ -239,8 +240,8 @@ TEST_P(LossScalerTrainerOverflow, SkippedStepsLeaveTheWeightsAndAreLoggedLate) {
     EXPECT_EQ(state.at("scale").get<double>(), scale);
 }
 
-// Fused AdamW skips on the device, the per-tensor loop reads the flag itself, Lion cannot skip on
-// the device: the trainer reads the flag and does not call its step.
+// Fused AdamW skips on the device, the per-tensor loop reads the flag itself, and so does Lion's
+// eager (host-lr) step.
 INSTANTIATE_TEST_SUITE_P(Optimizers, LossScalerTrainerOverflow,
                          ::testing::Values(std::pair{"FusedAdamW", R"({"deterministic": false})"},
                                            std::pair{"PerTensorAdamW", R"({"deterministic": true})"},

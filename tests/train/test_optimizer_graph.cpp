@@ -5,7 +5,9 @@
 // trip mid-run (device -> device, host -> device) and continue identically; state the host path
 // would not have yet (SGD buffers not started, Adafactor moments never stepped) is not saved;
 // parameters that started at different steps (two cohorts) still match; a missing gradient is refused.
-// On a CUDA device, a captured step() replays like eager device-lr steps.
+// fp16 (skip_step_on_overflow): an overflowed step changes no bit of the weights or state, clean
+// steps keep today's bits, and skipped steps leave the run as if they never happened.
+// On a CUDA device, a captured step() replays like eager device-lr steps, overflows included.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
@@ -18,6 +20,7 @@
 #endif
 
 #include <functional>
+#include <limits>
 #include <memory>
 #include <set>
 
@@ -249,65 +252,211 @@ TEST(OptimizerDeviceLr, RefusesAMissingGradient) {
     }
 }
 
+// ---- fp16: skip_step_on_overflow ------------------------------------------------------------------
+
+// One step at multiplier(t) with step t's gradients; `overflow`: found_inf is 1 and every gradient
+// holds an inf and a NaN (what an overflowed fp16 backward leaves after unscaling), at another LR.
+void flagged_step(Optimizer& opt, std::vector<at::Tensor>& params, const Problem& pr, bool device, int t,
+                  at::Tensor& found_inf, bool overflow) {
+    for (size_t g = 0; g < opt.param_groups().size(); ++g)
+        opt.param_groups()[g].lr = pr.base_lr[g] * (overflow ? 0.77 : multiplier(t));
+    for (size_t i = 0; i < params.size(); ++i) {
+        at::Tensor grad = pr.grads[t][i].clone();
+        if (overflow) {
+            grad.view(-1)[0] = std::numeric_limits<float>::infinity();
+            grad.view(-1)[grad.numel() - 1] = std::numeric_limits<float>::quiet_NaN();
+        }
+        params[i].mutable_grad() = grad.to(params[i].device());
+    }
+    found_inf.fill_(overflow ? 1.0 : 0.0);
+    if (device) opt.upload_lr();
+    opt.step();
+    if (device) opt.after_step();
+    opt.zero_grad();
+}
+
+// Copies of the weights and the state, to compare against later.
+struct Snapshot {
+    std::vector<at::Tensor> params;
+    TensorMap state;
+    Snapshot(const Optimizer& opt, const std::vector<at::Tensor>& p) : state(opt.state_dict()) {
+        for (const auto& t : p) params.push_back(t.detach().clone());
+    }
+    void expect_equal(const Optimizer& opt, const std::vector<at::Tensor>& p,
+                      const std::string& where) const {
+        SCOPED_TRACE(where);
+        for (size_t i = 0; i < p.size(); ++i) EXPECT_TRUE(at::equal(params[i], p[i])) << "parameter " << i;
+        const TensorMap now = opt.state_dict();
+        ASSERT_EQ(now.size(), state.size());
+        for (const auto& [k, v] : state) EXPECT_TRUE(now.count(k) && at::equal(v, now.at(k))) << k;
+    }
+};
+
+// An overflowed step (found_inf 1, non-finite gradients) leaves the weights and every state tensor,
+// step counts included, bit for bit as they were, on the host-lr path (which reads the flag) and the
+// device-lr path (which selects on the device); the first step overflowing included (SGD's buffers
+// and Adafactor's moments stay unstarted), and a later one.
+TEST(OptimizerOverflowSkip, OverflowedStepChangesNothing) {
+    const Problem pr(kSteps);
+    for (const Case& c : cases()) {
+        for (bool device : {false, true}) {
+            SCOPED_TRACE(std::string(c.name) + (device ? " device-lr" : " host-lr"));
+            std::vector<at::Tensor> params;
+            auto opt = c.make(pr.groups(params));
+            at::Tensor found_inf = at::zeros({}, at::kFloat);
+            ASSERT_TRUE(opt->skip_step_on_overflow(found_inf));
+            if (device) {
+                opt->use_device_lr();
+                opt->upload_lr();  // Lion's zero moments exist from here on, stepped or not
+            }
+            const Snapshot fresh(*opt, params);
+            flagged_step(*opt, params, pr, device, 0, found_inf, true);
+            fresh.expect_equal(*opt, params, "a first step that overflowed");
+            for (int t = 0; t < 3; ++t) flagged_step(*opt, params, pr, device, t, found_inf, false);
+            const Snapshot before(*opt, params);
+            EXPECT_FALSE(at::equal(before.params[0], pr.init[0])) << "the clean steps trained";
+            flagged_step(*opt, params, pr, device, 3, found_inf, true);
+            before.expect_equal(*opt, params, "an overflow after 3 steps");
+        }
+    }
+}
+
+// With the flag set up but 0 at every step, both paths give the bits of the host-lr path without
+// it (today's path), step for step.
+TEST(OptimizerOverflowSkip, CleanStepsEqualThePathWithoutTheFlag) {
+    const Problem pr(kSteps);
+    for (const Case& c : cases()) {
+        for (bool device : {false, true}) {
+            SCOPED_TRACE(std::string(c.name) + (device ? " device-lr" : " host-lr"));
+            std::vector<at::Tensor> plain_params, flagged_params;
+            auto plain = c.make(pr.groups(plain_params));
+            auto flagged = c.make(pr.groups(flagged_params));
+            at::Tensor found_inf = at::zeros({}, at::kFloat);
+            flagged->skip_step_on_overflow(found_inf);
+            if (device) flagged->use_device_lr();
+            for (int t = 0; t < kSteps; ++t) {
+                run(*plain, plain_params, pr, false, t, t + 1);
+                flagged_step(*flagged, flagged_params, pr, device, t, found_inf, false);
+                expect_same(*plain, plain_params, *flagged, flagged_params, "step " + std::to_string(t + 1));
+            }
+        }
+    }
+}
+
+// Overflows first, after 3 clean steps and twice in a row later: the run equals the clean steps
+// alone (Adafactor's t and min(lr, 1/sqrt(t)), SGD's buffer start, the moments), and a checkpoint
+// after it resumes like one without overflows.
+TEST(OptimizerOverflowSkip, SkippedStepsAreAsIfTheyNeverHappened) {
+    const Problem pr(kSteps);
+    const std::set<int> overflow_before{0, 3, 6};
+    for (const Case& c : cases()) {
+        for (bool device : {false, true}) {
+            SCOPED_TRACE(std::string(c.name) + (device ? " device-lr" : " host-lr"));
+            std::vector<at::Tensor> plain_params, flagged_params;
+            auto plain = c.make(pr.groups(plain_params));
+            if (device) plain->use_device_lr();
+            auto flagged = c.make(pr.groups(flagged_params));
+            at::Tensor found_inf = at::zeros({}, at::kFloat);
+            flagged->skip_step_on_overflow(found_inf);
+            if (device) flagged->use_device_lr();
+            for (int t = 0; t < kSteps; ++t) {
+                if (overflow_before.count(t)) {
+                    flagged_step(*flagged, flagged_params, pr, device, t, found_inf, true);
+                    if (t == 6) flagged_step(*flagged, flagged_params, pr, device, t, found_inf, true);
+                }
+                run(*plain, plain_params, pr, device, t, t + 1);
+                flagged_step(*flagged, flagged_params, pr, device, t, found_inf, false);
+                expect_same(*plain, plain_params, *flagged, flagged_params, "step " + std::to_string(t + 1));
+            }
+        }
+    }
+}
+
 #ifdef DTUNE_WITH_CUDA
 
 // On a CUDA device: each optimizer's step() captured once (after one eager step, as GraphedStep
 // warms up) and replayed with new gradients and LRs gives the weights and state of eager device-lr
 // steps. SGD's momentum, dampening and nesterov are checked here only (the trainer's torch-sgd has
-// no momentum key). Skipped without CUDA.
+// no momentum key). fp16: with skip_step_on_overflow, steps 1 (eager, before the capture) and 5 (a
+// replay) overflow, and the replay leaves the weights and state as they were. Skipped without CUDA.
 TEST(OptimizerDeviceLrGpu, CapturedStepReplaysLikeEagerSteps) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     const at::Device cuda(at::kCUDA, 0);
     const Problem pr(kSteps);
     const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(false, 0);  // captures need one
     const c10::cuda::CUDAStreamGuard on_side(side);
-    for (const Case& c : cases()) {
-        SCOPED_TRACE(c.name);
-        std::vector<at::Tensor> eager_params, graph_params;
-        auto eager = c.make(pr.groups(eager_params, cuda));
-        eager->use_device_lr();
-        auto graphed = c.make(pr.groups(graph_params, cuda));
-        graphed->use_device_lr();
-        std::vector<at::Tensor> grads;  // the captured step's gradients, at fixed addresses
-        for (const auto& p : graph_params) grads.push_back(at::zeros_like(p));
-        at::cuda::CUDAGraph graph;
-        for (int t = 0; t < kSteps; ++t) {
-            for (size_t g = 0; g < pr.base_lr.size(); ++g) {
-                eager->param_groups()[g].lr = pr.base_lr[g] * multiplier(t);
-                graphed->param_groups()[g].lr = pr.base_lr[g] * multiplier(t);
+    for (bool fp16 : {false, true})
+        for (const Case& c : cases()) {
+            SCOPED_TRACE(std::string(c.name) + (fp16 ? " fp16" : ""));
+            std::vector<at::Tensor> eager_params, graph_params;
+            auto eager = c.make(pr.groups(eager_params, cuda));
+            auto graphed = c.make(pr.groups(graph_params, cuda));
+            const at::Tensor eager_inf = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(cuda));
+            const at::Tensor graph_inf = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(cuda));
+            if (fp16) {
+                ASSERT_TRUE(eager->skip_step_on_overflow(eager_inf));
+                ASSERT_TRUE(graphed->skip_step_on_overflow(graph_inf));
             }
-            for (size_t i = 0; i < eager_params.size(); ++i) {
-                eager_params[i].mutable_grad() = pr.grads[t][i].to(cuda);
-                grads[i].copy_(pr.grads[t][i].to(cuda));
-                graph_params[i].mutable_grad() = grads[i];
-            }
-            eager->upload_lr();
-            eager->step();
-            eager->after_step();
-            graphed->upload_lr();  // outside the capture, before the replay
-            if (t == 0) {
-                graphed->step();  // the warm-up: state and scalars exist before the capture
-            } else {
-                if (t == 1) {
-                    graph.capture_begin();
-                    graphed->step();
-                    graph.capture_end();
+            eager->use_device_lr();
+            graphed->use_device_lr();
+            std::vector<at::Tensor> grads;  // the captured step's gradients, at fixed addresses
+            for (const auto& p : graph_params) grads.push_back(at::zeros_like(p));
+            at::cuda::CUDAGraph graph;
+            for (int t = 0; t < kSteps; ++t) {
+                for (size_t g = 0; g < pr.base_lr.size(); ++g) {
+                    eager->param_groups()[g].lr = pr.base_lr[g] * multiplier(t);
+                    graphed->param_groups()[g].lr = pr.base_lr[g] * multiplier(t);
                 }
-                graph.replay();
+                const bool overflow = fp16 && (t == 0 || t == 4);
+                for (size_t i = 0; i < eager_params.size(); ++i) {
+                    at::Tensor grad = pr.grads[t][i].clone();
+                    if (overflow) grad.view(-1)[0] = std::numeric_limits<float>::infinity();
+                    eager_params[i].mutable_grad() = grad.to(cuda);
+                    grads[i].copy_(grad.to(cuda));
+                    graph_params[i].mutable_grad() = grads[i];
+                }
+                eager_inf.fill_(overflow ? 1.0 : 0.0);
+                graph_inf.fill_(overflow ? 1.0 : 0.0);
+                std::vector<at::Tensor> before;
+                for (const auto& p : graph_params) before.push_back(p.detach().clone());
+                const TensorMap state_before = t == 4 ? graphed->state_dict() : TensorMap{};
+                eager->upload_lr();
+                eager->step();
+                eager->after_step();
+                graphed->upload_lr();  // outside the capture, before the replay
+                if (t == 0) {
+                    graphed->step();  // the warm-up: state and scalars exist before the capture
+                } else {
+                    if (t == 1) {
+                        graph.capture_begin();
+                        graphed->step();
+                        graph.capture_end();
+                    }
+                    graph.replay();
+                }
+                graphed->after_step();
+                if (overflow) {
+                    for (size_t i = 0; i < graph_params.size(); ++i)
+                        EXPECT_TRUE(at::equal(before[i], graph_params[i]))
+                            << "step " << t + 1 << " parameter " << i;
+                    if (t == 4) {
+                        const TensorMap after = graphed->state_dict();
+                        ASSERT_EQ(after.size(), state_before.size());
+                        for (const auto& [k, v] : state_before) EXPECT_TRUE(at::equal(v, after.at(k))) << k;
+                    }
+                }
             }
-            graphed->after_step();
+            side.synchronize();
+            auto close = [](const at::Tensor& a, const at::Tensor& b) {
+                return at::allclose(a.cpu().to(at::kDouble), b.cpu().to(at::kDouble), 1e-5, 1e-6);
+            };
+            for (size_t i = 0; i < eager_params.size(); ++i)
+                EXPECT_TRUE(close(eager_params[i], graph_params[i])) << "parameter " << i;
+            const TensorMap se = eager->state_dict(), sg = graphed->state_dict();
+            ASSERT_EQ(se.size(), sg.size());
+            for (const auto& [k, v] : se) EXPECT_TRUE(sg.count(k) && close(v, sg.at(k))) << k;
+            EXPECT_FALSE(at::equal(graph_params[0].cpu(), pr.init[0])) << "the replays trained";
         }
-        side.synchronize();
-        auto close = [](const at::Tensor& a, const at::Tensor& b) {
-            return at::allclose(a.cpu().to(at::kDouble), b.cpu().to(at::kDouble), 1e-5, 1e-6);
-        };
-        for (size_t i = 0; i < eager_params.size(); ++i)
-            EXPECT_TRUE(close(eager_params[i], graph_params[i])) << "parameter " << i;
-        const TensorMap se = eager->state_dict(), sg = graphed->state_dict();
-        ASSERT_EQ(se.size(), sg.size());
-        for (const auto& [k, v] : se) EXPECT_TRUE(sg.count(k) && close(v, sg.at(k))) << k;
-        EXPECT_FALSE(at::equal(graph_params[0].cpu(), pr.init[0])) << "the replays trained";
-    }
 }
 
 #endif

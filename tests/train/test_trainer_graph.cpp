@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -13,6 +15,8 @@
 #include "core/log.h"
 #include "models/adapters/lora.h"
 #include "train/graph_step.h"
+#include "train/loss_scaler.h"
+#include "train/optimizer.h"
 #include "train/step.h"
 #include "train/trainer_graph.h"
 #include "trainer_test_util.h"
@@ -41,12 +45,6 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
         "");  // no clipping at all: nothing to clip by value
     const std::vector<std::pair<nlohmann::json, std::string>> cases = {
         {{{"offload_optimizer_device", "cpu"}}, "offload_optimizer_device is cpu"},
-        {{{"optimizer", "optimi-lion"}, {"mixed_precision", "fp16"}},
-         "mixed_precision is fp16 with optimizer optimi-lion"},
-        {{{"deterministic", true}}, "deterministic is true"},
-        {{{"mixed_precision", "fp16"}, {"optimizer", "adamw_bf16"}, {"model_type", "full"}},
-         "mixed_precision is fp16 with optimizer adamw_bf16"},
-        {{{"scheduled_sampling_max_step_offset", 20}}, "scheduled_sampling_max_step_offset is set"},
     };
     for (const auto& [extra, expected] : cases) {
         const std::string got = cuda_graph_blocker(graph_friendly(dir.path(), extra), cuda, 1);
@@ -65,7 +63,15 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
           nlohmann::json{{"timestep_bias_strategy", "earlier"}, {"timestep_bias_portion", 0.1}},
           nlohmann::json{
               {"timestep_bias_strategy", "range"}, {"timestep_bias_begin", 200}, {"timestep_bias_end", 500}},
-          nlohmann::json{{"diff2flow_enabled", true}, {"diff2flow_loss", true}}})
+          nlohmann::json{{"diff2flow_enabled", true}, {"diff2flow_loss", true}},
+          // The per-tensor AdamW keeps its counts on the device; the rollout is masked on the device,
+          // its (ramped) probability read from there (tests/train/test_graphed_rollout.cpp).
+          nlohmann::json{{"deterministic", true}},
+          nlohmann::json{{"scheduled_sampling_max_step_offset", 20}, {"scheduled_sampling_probability", 0.5}},
+          nlohmann::json{{"scheduled_sampling_max_step_offset", 20},
+                         {"scheduled_sampling_ramp_steps", 100},
+                         {"scheduled_sampling_prob_start", 0.1},
+                         {"scheduled_sampling_prob_end", 0.6}}})
         EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path(), extra), cuda, 1), "") << extra.dump();
     // SimpleTuner's defaults (clip by value at 2, lora_dropout 0.1) are graphed: the clamp and the
     // dropout seed are device work inside the step.
@@ -82,6 +88,14 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
                                                              {"gradient_accumulation_steps", 2}}),
                                  cuda, 2, 1),
               "");
+    // Every other optimizer skips an overflowed fp16 step on the device too (skip_step_on_overflow).
+    for (const char* opt : {"optimi-lion", "torch-sgd", "torch-adafactor", "adamw_bf16"})
+        EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path(), {{"mixed_precision", "fp16"},
+                                                                 {"optimizer", opt},
+                                                                 {"model_type", "full"}}),
+                                     cuda, 1),
+                  "")
+            << opt;
     // optimi-adamw is the same fused AdamW.
     EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path(), {{"optimizer", "optimi-adamw"}}), cuda, 1), "");
     // Lion, SGD and Adafactor read their LR and step terms from the device (optimizer_graph.cpp).
@@ -261,6 +275,122 @@ TEST(GraphedStepAccumulation, MatchesTheEagerAccumulationLoop) {
     for (std::size_t i = 0; i < a->params.size(); ++i)
         accum_effect = std::max(accum_effect, (a->params[i] - single->params[i]).abs().max().item<double>());
     EXPECT_GT(accum_effect, 0.0);
+}
+
+// fp16 through the graphed step's definition on the CPU (GraphedStep runs it eagerly there; a GPU
+// captures the same calls): backward on loss x scale, the unscale after backward (found_inf), the
+// clip, and Lion, SGD and Adafactor with device LRs skipping on found_inf themselves, as
+// Trainer::train_graphed_step wires them. Step 2 of 4 overflows (an inf put into a gradient before
+// the unscale, where a real fp16 overflow lands): it must leave the weights as they were, and the
+// whole run must equal the eager loop (Trainer::train_one_step's order, the host-lr step) bit for bit.
+TEST(GraphedStepFp16, OptimizersSkipAnOverflowLikeTheEagerLoop) {
+    constexpr int64_t kSteps = 4, kOverflowAt = 1;
+    constexpr double kClip = 0.05;
+    SyntheticBatchSource source{SyntheticBatchOptions{}};
+    auto data_gen = at::detail::createCPUGenerator(5);
+    std::vector<TrainBatch> batches;
+    for (int64_t i = 0; i < kSteps; ++i) batches.push_back(source.next(data_gen));
+    const auto schedule = testutil::tiny_schedule();
+    using Factory = std::function<std::unique_ptr<Optimizer>(std::vector<ParamGroup>)>;
+    const std::vector<std::pair<const char*, Factory>> optimizers = {
+        {"lion", [](std::vector<ParamGroup> g) { return std::make_unique<Lion>(std::move(g)); }},
+        {"sgd", [](std::vector<ParamGroup> g) { return std::make_unique<SGD>(std::move(g)); }},
+        {"adafactor", [](std::vector<ParamGroup> g) { return std::make_unique<Adafactor>(std::move(g)); }},
+    };
+    struct Run {
+        models::UNet2DConditionModel unet = testutil::tiny_unet();
+        std::optional<models::LoRAAdapters> adapters;
+        std::unique_ptr<Optimizer> opt;
+        std::vector<at::Tensor> params;
+        LossScaler scaler;
+    };
+    auto make = [](const Factory& factory) {
+        auto r = std::make_unique<Run>();
+        models::LoRAConfig lc;
+        lc.rank = 4;
+        lc.init_seed = 3;
+        r->adapters = models::inject_lora(*r->unet, lc);
+        {
+            at::NoGradGuard no_grad;
+            auto gen = at::detail::createCPUGenerator(99);
+            for (auto& t : r->adapters->parameters()) t.copy_(at::randn(t.sizes(), gen) * 0.1);  // non-zero B
+        }
+        r->unet->train();
+        ParamGroup g;
+        for (const auto& [name, t] : r->adapters->named_parameters())
+            g.names.push_back(name), g.params.push_back(t);
+        g.lr = 1e-3;
+        r->params = g.params;
+        r->opt = factory(std::vector<ParamGroup>{g});
+        EXPECT_TRUE(r->opt->skip_step_on_overflow(r->scaler.found_inf()));
+        return r;
+    };
+    auto poison = [](Run& r, int64_t s) {
+        if (s == kOverflowAt) r.params[0].grad().view(-1)[0] = std::numeric_limits<float>::infinity();
+    };
+    auto weights = [](const Run& r) {
+        std::vector<at::Tensor> out;
+        for (const auto& p : r.params) out.push_back(p.detach().clone());
+        return out;
+    };
+    auto same = [](const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
+        for (size_t i = 0; i < a.size(); ++i)
+            if (!at::equal(a[i], b[i])) return false;
+        return true;
+    };
+    for (const auto& [name, factory] : optimizers) {
+        SCOPED_TRACE(name);
+        const auto graphed = make(factory), eager = make(factory);
+        // The graphed step: device LRs, the scaler in the hooks (Trainer::train_graphed_step).
+        {
+            Run& r = *graphed;
+            r.opt->use_device_lr();
+            GraphedStep step;
+            step.set_lr_on_device(true);
+            auto model = testutil::sdxl_model(r.unet);
+            auto gen = at::detail::createCPUGenerator(11);
+            StepHooks hooks;
+            hooks.scale_loss = [&r](const at::Tensor& loss) { return r.scaler.scale_loss(loss); };
+            int64_t s = 0;
+            hooks.after_backward = [&r, &s, &poison] {
+                poison(r, s);
+                r.scaler.unscale(r.params);
+            };
+            for (; s < kSteps; ++s) {
+                const std::vector<at::Tensor> before = weights(r);
+                r.opt->set_lr(1e-3 * (1.0 - 0.2 * static_cast<double>(s)));
+                r.opt->upload_lr();
+                step.run(*model, batches[s], schedule, StepOptions{}, s, gen, *r.opt, r.params, kClip, hooks);
+                r.opt->after_step();
+                r.scaler.update();
+                EXPECT_EQ(same(before, weights(r)), s == kOverflowAt) << "step " << s;
+            }
+            EXPECT_EQ(r.scaler.skipped_steps(), 1);
+            EXPECT_EQ(r.scaler.scale(), 32768.0);  // backed off once
+        }
+        // The eager loop (Trainer::train_one_step, then the host-lr step).
+        {
+            Run& r = *eager;
+            auto model = testutil::sdxl_model(r.unet);
+            auto gen = at::detail::createCPUGenerator(11);
+            for (int64_t s = 0; s < kSteps; ++s) {
+                const MicroStep m = micro_step(*model, batches[s], schedule, StepOptions{}, s, gen, {});
+                r.scaler.scale_loss(m.loss).backward();
+                poison(r, s);
+                r.scaler.unscale(r.params);
+                clip_gradients(r.params, kClip, false, {}, r.opt.get());
+                r.opt->set_lr(1e-3 * (1.0 - 0.2 * static_cast<double>(s)));
+                r.opt->step();
+                r.opt->zero_grad();
+                r.scaler.update();
+            }
+        }
+        for (size_t i = 0; i < graphed->params.size(); ++i)
+            EXPECT_TRUE(at::equal(graphed->params[i], eager->params[i])) << "tensor " << i;
+        const TensorMap a = graphed->opt->state_dict(), b = eager->opt->state_dict();
+        ASSERT_EQ(a.size(), b.size());
+        for (const auto& [k, v] : a) EXPECT_TRUE(b.count(k) && at::equal(v, b.at(k))) << k;
+    }
 }
 
 }  // namespace

@@ -204,12 +204,25 @@ INSTANTIATE_TEST_SUITE_P(
                                                                "timestep_bias_portion": 0.1,
                                                                "timestep_bias_multiplier": 5.0})"},
                       std::pair{"Diff2Flow", R"({"cuda_graph": true, "diff2flow_enabled": true,
-                                                 "diff2flow_loss": true})"}),
+                                                 "diff2flow_loss": true})"},
+                      // deterministic's per-tensor AdamW (step counts and lr on the device), and
+                      // scheduled sampling's rollout masked per sample on the device (train/step.cpp),
+                      // also with a ramped probability (refilled on the device before each replay).
+                      std::pair{"DeterministicAdamWLoop", R"({"cuda_graph": true, "deterministic": true})"},
+                      std::pair{"ScheduledSampling", R"({"cuda_graph": true,
+                                                         "scheduled_sampling_max_step_offset": 4,
+                                                         "scheduled_sampling_probability": 0.5})"},
+                      std::pair{"ScheduledSamplingRamp", R"({"cuda_graph": true,
+                                                             "scheduled_sampling_max_step_offset": 3,
+                                                             "scheduled_sampling_ramp_steps": 6,
+                                                             "scheduled_sampling_prob_start": 0.1,
+                                                             "scheduled_sampling_prob_end": 0.9})"}),
     [](const auto& info) { return std::string(info.param.first); });
 
 // mixed_precision fp16: the device loss scaler (loss_scaler.h) inside the graph (scale, unscale and
-// fused AdamW's overflow skip captured; the scale update after the replay), alone and with the
-// micro graphs of accumulation. adamw_bf16 with fp16 stays eager (cuda_graph_blocker says why).
+// the optimizer's overflow skip captured; the scale update after the replay), alone and with the
+// micro graphs of accumulation; Lion, SGD and Adafactor skip with at::where on the device
+// (optimizer_graph.cpp). adamw_bf16 needs bf16 weights: CudaGraphFp16Gpu below.
 INSTANTIATE_TEST_SUITE_P(
     Fp16, CudaGraphTrainerGpu,
     ::testing::Values(std::pair{"Fp16TorchAdamW", R"({"cuda_graph": true, "mixed_precision": "fp16",
@@ -217,44 +230,68 @@ INSTANTIATE_TEST_SUITE_P(
                       std::pair{"Fp16Accumulation2",
                                 R"({"cuda_graph": true, "mixed_precision": "fp16", "optimizer": "torch-adamw",
                                     "gradient_accumulation_steps": 2, "grad_clip_method": "norm",
-                                    "max_grad_norm": 1.0})"}),
+                                    "max_grad_norm": 1.0})"},
+                      std::pair{"Fp16Lion", R"({"cuda_graph": true, "mixed_precision": "fp16",
+                                                "optimizer": "optimi-lion", "learning_rate": 5e-5})"},
+                      std::pair{"Fp16SGD", R"({"cuda_graph": true, "mixed_precision": "fp16",
+                                               "optimizer": "torch-sgd", "learning_rate": 1e-2})"},
+                      std::pair{"Fp16Adafactor", R"({"cuda_graph": true, "mixed_precision": "fp16",
+                                                     "optimizer": "torch-adafactor", "learning_rate": 1e-2})"},
+                      std::pair{"Fp16AdafactorAccumulation2",
+                                R"({"cuda_graph": true, "mixed_precision": "fp16",
+                                    "optimizer": "torch-adafactor", "learning_rate": 1e-2,
+                                    "gradient_accumulation_steps": 2})"}),
     [](const auto& info) { return std::string(info.param.first); });
 
-// fp16 with a scale that overflows for real: 2^20, x16 after every clean step, /16 after an
-// overflow (the fp16 backward overflows near 2^24 here), so clean and skipped steps alternate, in
-// the replays too. The graphed run must skip the same steps as the eager one, leave the weights
-// alone on them (the harness compares the weights) and log the same scales and skipped counts.
-TEST(CudaGraphFp16Gpu, OverflowedStepsAreSkippedInsideTheReplay) {
-    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-    struct Fp16Run {
-        GraphRun run;
-        std::vector<nlohmann::json> rows;
-    };
-    const auto train = [](const char* warmup, int64_t metrics_interval) {
-        test::TempDir dir;
-        const TrainConfig config = testutil::tiny_config(dir.path(), kSteps,
-                                                         {{"model_type", "lora"},
-                                                          {"lora_rank", 4},
-                                                          {"deterministic", false},
-                                                          {"lr_scheduler", "linear"},
-                                                          {"checkpoint_step_interval", 0},
-                                                          {"metrics_interval", metrics_interval},
-                                                          {"cuda_graph", true},
-                                                          {"mixed_precision", "fp16"},
-                                                          {"optimizer", "torch-adamw"}});
-        const auto owned = sdxl_cuda_trainer(config);
-        Trainer& trainer = *owned;
-        trainer.set_loss_scaler_options(LossScalerOptions{std::ldexp(1.0, 20), 16.0, 1.0 / 16, 1});
-        Fp16Run out;
-        out.run = run_graphed(trainer, dir.path(), warmup);
-        std::ifstream metrics(dir.path() / "metrics.jsonl");
-        for (std::string line; std::getline(metrics, line);)
-            if (!line.empty()) out.rows.push_back(nlohmann::json::parse(line));
-        return out;
-    };
-    const Fp16Run eager = train("1000", 1);
-    const Fp16Run graph = train("2", 1);
-    expect_graph_matches_eager(eager.run, graph.run);
+// fp16 runs whose scale overflows for real (see OverflowedStepsAreSkippedInsideTheReplay): the
+// per-step rows of metrics.jsonl with the run. `options` are added to an fp16 LoRA run; with
+// "model_type": "full" the UNet is bf16 (adamw_bf16 needs bf16 weights).
+struct Fp16Run {
+    GraphRun run;
+    std::vector<nlohmann::json> rows;
+};
+
+Fp16Run train_overflowing_fp16(const char* warmup, const nlohmann::json& options) {
+    test::TempDir dir;
+    nlohmann::json j{{"model_type", "lora"},
+                     {"lora_rank", 4},
+                     {"deterministic", false},
+                     {"lr_scheduler", "linear"},
+                     {"checkpoint_step_interval", 0},
+                     {"metrics_interval", 1},
+                     {"cuda_graph", true},
+                     {"mixed_precision", "fp16"}};
+    j.update(options);
+    const TrainConfig config = testutil::tiny_config(dir.path(), kSteps, j);
+    std::unique_ptr<Trainer> owned;
+    if (j.at("model_type") == "full") {
+        auto unet = testutil::tiny_unet();
+        unet->to(c10::Device(c10::kCUDA, 0), at::kBFloat16);
+        SyntheticBatchOptions o;
+        o.batch_size = 2;
+        o.latent_size = 8;
+        o.dim = 64;
+        o.pooled_dim = 32;
+        o.device = c10::Device(c10::kCUDA, 0);
+        owned = std::make_unique<Trainer>(config, testutil::sdxl_model(unet), testutil::tiny_schedule(),
+                                          std::make_unique<SyntheticBatchSource>(o));
+    } else {
+        owned = sdxl_cuda_trainer(config);
+    }
+    Trainer& trainer = *owned;
+    trainer.set_loss_scaler_options(LossScalerOptions{std::ldexp(1.0, 20), 16.0, 1.0 / 16, 1});
+    Fp16Run out;
+    out.run = run_graphed(trainer, dir.path(), warmup);
+    std::ifstream metrics(dir.path() / "metrics.jsonl");
+    for (std::string line; std::getline(metrics, line);)
+        if (!line.empty()) out.rows.push_back(nlohmann::json::parse(line));
+    return out;
+}
+
+// The graphed run against the eager one: the same scales and skipped steps per row, and at least
+// one replayed step skipped (not all).
+void expect_same_skips(const Fp16Run& eager, const Fp16Run& graph, double weight_tol) {
+    expect_graph_matches_eager(eager.run, graph.run, weight_tol);
     ASSERT_EQ(eager.rows.size(), static_cast<size_t>(kSteps));
     ASSERT_EQ(graph.rows.size(), static_cast<size_t>(kSteps));
     for (int64_t i = 0; i < kSteps; ++i) {
@@ -267,6 +304,33 @@ TEST(CudaGraphFp16Gpu, OverflowedStepsAreSkippedInsideTheReplay) {
     EXPECT_GT(after, before) << "no replayed step overflowed: the test does not exercise the skip";
     EXPECT_LT(after - before, kSteps - 2) << "every replayed step overflowed";
 }
+
+// fp16 with a scale that overflows for real: 2^20, x16 after every clean step, /16 after an
+// overflow (the fp16 backward overflows near 2^24 here), so clean and skipped steps alternate, in
+// the replays too. The graphed run must skip the same steps as the eager one, leave the weights
+// alone on them (the harness compares the weights) and log the same scales and skipped counts:
+// fused AdamW (the kernel's found_inf), Lion, SGD and Adafactor (at::where on the device, Adafactor's
+// step count on the device), and adamw_bf16 on a bf16 full fine-tune (its kernel's found_inf, its
+// step counts and decay accumulators on the device; lr wd up to 5e-3, so decays come due in the run).
+class CudaGraphFp16Gpu : public ::testing::TestWithParam<std::pair<const char*, const char*>> {};
+
+TEST_P(CudaGraphFp16Gpu, OverflowedStepsAreSkippedInsideTheReplay) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const nlohmann::json options = nlohmann::json::parse(GetParam().second);
+    const Fp16Run eager = train_overflowing_fp16("1000", options);
+    const Fp16Run graph = train_overflowing_fp16("2", options);
+    expect_same_skips(eager, graph, options.at("optimizer") == "optimi-lion" ? 0.25 : 0.1);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Optimizers, CudaGraphFp16Gpu,
+    ::testing::Values(std::pair{"TorchAdamW", R"({"optimizer": "torch-adamw"})"},
+                      std::pair{"Lion", R"({"optimizer": "optimi-lion", "learning_rate": 5e-5})"},
+                      std::pair{"SGD", R"({"optimizer": "torch-sgd", "learning_rate": 1e-2})"},
+                      std::pair{"Adafactor", R"({"optimizer": "torch-adafactor", "learning_rate": 1e-2})"},
+                      std::pair{"AdamWBF16Full", R"({"optimizer": "adamw_bf16", "model_type": "full",
+                                                     "learning_rate": 1e-2, "adam_weight_decay": 0.5})"}),
+    [](const auto& info) { return std::string(info.param.first); });
 
 // ---- Flux.1: flow matching ----------------------------------------------------------------------
 

@@ -81,6 +81,8 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 __global__ void adamw_bf16_kernel(const AdamWBF16Chunks batch, __nv_bfloat16* __restrict__ exp_avg,
                                   __nv_bfloat16* __restrict__ exp_avg_sq, __nv_bfloat16* __restrict__ shift,
                                   AdamWBF16Args a, PhiloxArgs rng) {
+    // fp16: an overflowed step writes nothing (its random numbers are spent all the same).
+    if (a.found_inf != nullptr && *a.found_inf != 0.0f) return;
     const AdamWBF16Chunk& c = batch.chunk[blockIdx.y];
     const uint64_t seed = rng.captured ? static_cast<uint64_t>(*rng.seed_ptr) : rng.seed;
     const uint64_t offset =

@@ -23,6 +23,7 @@ struct AdamWBF16Args {
     bool simpletuner_momentum = true;
     const float* scale = nullptr;  // device scalar: -lr * sqrt(1 - beta2^t)
     float grad_clamp = 0;          // > 0: each gradient element is clamped to [-grad_clamp, grad_clamp] first
+    const float* found_inf = nullptr;  // fp16: device scalar; the launch leaves everything as it was when 1
 };
 
 // A run of at most kAdamWBF16ChunkElements of one parameter's elements: its gradient and weight
