@@ -1,13 +1,15 @@
 // Counter-based dropout (models/common/hash_dropout.h) on the CPU: the keep rate, the inverted-dropout
 // scale, backward applying the forward's mask, masks that depend only on (seed value, salt, index)
 // (so refreshing the seed in place changes them and the same value restores them), rank offsets
-// that split one global batch, and the same mask for every dtype and memory layout rule.
+// that split one global batch, and the same mask for every dtype and memory layout rule; and LoRA's
+// adapter products that read their input through the mask (common/lora_dropout.h).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "core/error.h"
 #include "model_test_util.h"
 #include "models/common/hash_dropout.h"
+#include "models/common/lora_dropout.h"
 
 namespace dtune::models {
 namespace {
@@ -129,6 +131,100 @@ TEST(HashDropout, RefusesABadSeedOrP) {
     EXPECT_THROW(hash_dropout(x, at::zeros({1}), 0, 0.1), Error);             // float seed
     EXPECT_THROW(hash_dropout(x, at::zeros({2}, at::kLong), 0, 0.1), Error);  // two values
     EXPECT_THROW(hash_dropout(x, seed_of(1), 0, 1.0), Error);
+}
+
+// The mask as a float64 tensor of 0 and 1 / (1 - p), from hash_dropout itself.
+at::Tensor lora_mask_of(at::IntArrayRef sizes, const LoRADropoutMask& m) {
+    return hash_dropout_no_grad(at::ones(sizes, at::kDouble), m.seed, m.salt, m.p, m.index_offset);
+}
+
+double lora_tolerance(const at::Tensor& ref) {
+    return 1e-5 * std::max(1.0, ref.abs().max().item<double>());
+}
+
+// LoRA's masked adapter products (common/lora_dropout.h) on the CPU, where they run the composite
+// ops: each equals a float64 reference that applies the mask explicitly, at index offsets on and
+// off the 4-element hash groups, for p 0.1 and 0.5, r 4 and 16, row counts that fill no tile, and
+// gh / h given as column slices of wider matrices (the fused q/k/v path). The CUDA kernels are
+// compared with the same references in test_models_gpu.cpp.
+TEST(LoRADropoutUnit, ProductsMatchTheMaskedReference) {
+    torch::manual_seed(8);
+    for (const int64_t n : {37, 301})
+        for (const int64_t r : {4, 16})
+            for (const double p : {0.1, 0.5})
+                for (const int64_t offset : {0, 4001, 123457}) {
+                    SCOPED_TRACE(testing::Message()
+                                 << "n " << n << " r " << r << " p " << p << " offset " << offset);
+                    const int64_t k = 72;
+                    const LoRADropoutMask m{at::full({1}, 31, at::kLong), 7, p, offset};
+                    const at::Tensor x = at::randn({n, k}), a = at::randn({r, k}) * 0.1;
+                    const at::Tensor mask = lora_mask_of({n, k}, m), xm = x.to(at::kDouble) * mask;
+                    // The fused q/k/v path's operands: adapter 1 of 3 owns columns r .. 2r.
+                    const at::Tensor gh_wide = at::randn({n, 3 * r}), gh = gh_wide.narrow(1, r, r);
+
+                    const at::Tensor h_ref = at::mm(xm, a.to(at::kDouble).t());
+                    const at::Tensor h = lora_masked_down(x, a, m);
+                    EXPECT_EQ(h.sizes(), (at::IntArrayRef{n, r}));
+                    EXPECT_LE(test::max_abs_diff(h.to(at::kDouble), h_ref), lora_tolerance(h_ref));
+                    at::Tensor h_wide = at::zeros({n, 3 * r}), h_slice = h_wide.narrow(1, r, r);
+                    lora_masked_down_out(h_slice, x, a, m);
+                    EXPECT_LE(test::max_abs_diff(h_slice.to(at::kDouble), h_ref), lora_tolerance(h_ref));
+                    EXPECT_EQ(h_wide.narrow(1, 0, r).abs().max().item<float>(), 0.0f);
+                    EXPECT_EQ(h_wide.narrow(1, 2 * r, r).abs().max().item<float>(), 0.0f);
+
+                    const at::Tensor da_ref = at::mm(gh.to(at::kDouble).t(), xm);
+                    const at::Tensor da = lora_masked_down_grad(gh, x, m, at::kFloat);
+                    EXPECT_EQ(da.scalar_type(), at::kFloat);
+                    EXPECT_LE(test::max_abs_diff(da.to(at::kDouble), da_ref), lora_tolerance(da_ref));
+
+                    const at::Tensor dx0 = at::randn({n, k});
+                    const at::Tensor dx_ref =
+                        dx0.to(at::kDouble) + mask * at::mm(gh.to(at::kDouble), a.to(at::kDouble));
+                    at::Tensor dx = dx0.clone();
+                    lora_masked_up_add_(dx, gh, a, m);
+                    EXPECT_LE(test::max_abs_diff(dx.to(at::kDouble), dx_ref), lora_tolerance(dx_ref));
+                    // The mask matters: without it the sums differ.
+                    EXPECT_GT(test::max_abs_diff(h.to(at::kDouble), at::mm(x, a.t()).to(at::kDouble)), 1e-3);
+                }
+}
+
+// bf16 operands: the factor gradient comes back in the factor's dtype (float32), and the masked
+// elements are those hash_dropout drops in bf16 too.
+TEST(LoRADropoutUnit, Bf16OperandsAndNoMask) {
+    torch::manual_seed(9);
+    const int64_t n = 45, k = 64, r = 8;
+    const LoRADropoutMask m{at::full({1}, 5, at::kLong), 3, 0.1, 1};
+    const at::Tensor x = at::randn({n, k}).to(at::kBFloat16), a = at::randn({r, k}).to(at::kBFloat16);
+    const at::Tensor gh = at::randn({n, r}).to(at::kBFloat16);
+    const at::Tensor xm = x.to(at::kDouble) * lora_mask_of({n, k}, m);
+    const at::Tensor da = lora_masked_down_grad(gh, x, m, at::kFloat);
+    EXPECT_EQ(da.scalar_type(), at::kFloat);
+    const at::Tensor da_ref = at::mm(gh.to(at::kDouble).t(), xm);
+    EXPECT_LE(test::max_abs_diff(da.to(at::kDouble), da_ref), 1e-2 * da_ref.abs().max().item<double>());
+    const at::Tensor h = lora_masked_down(x, a, m);
+    EXPECT_EQ(h.scalar_type(), at::kBFloat16);
+    const at::Tensor h_ref = at::mm(xm, a.to(at::kDouble).t());
+    EXPECT_LE(test::max_abs_diff(h.to(at::kDouble), h_ref), 1e-2 * h_ref.abs().max().item<double>());
+
+    // No mask (undefined seed, or p 0): the plain products.
+    for (const LoRADropoutMask& none : {LoRADropoutMask{}, LoRADropoutMask{m.seed, 3, 0.0, 1}}) {
+        const at::Tensor xf = x.to(at::kFloat), af = a.to(at::kFloat), gf = gh.to(at::kFloat);
+        EXPECT_TRUE(at::allclose(lora_masked_down(xf, af, none), at::mm(xf, af.t())));
+        EXPECT_TRUE(at::allclose(lora_masked_down_grad(gf, xf, none, at::kFloat), at::mm(gf.t(), xf)));
+        at::Tensor dx = at::zeros({n, k});
+        lora_masked_up_add_(dx, gf, af, none);
+        EXPECT_TRUE(at::allclose(dx, at::mm(gf, af)));
+    }
+}
+
+TEST(LoRADropoutUnit, TheKernelsNeverTakeCpuTensors) {
+    const at::Tensor x = at::randn({16, 64}), a = at::randn({4, 64});
+    EXPECT_FALSE(lora_dropout_kernels_take(x, a));
+    const bool was = lora_dropout_kernels_enabled();
+    set_lora_dropout_kernels(false);
+    EXPECT_FALSE(lora_dropout_kernels_enabled());
+    set_lora_dropout_kernels(true);
+    set_lora_dropout_kernels(was);
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include "models/common/geglu.h"
 #include "models/common/group_norm_act.h"
 #include "models/common/hash_dropout.h"
+#include "models/common/lora_dropout.h"
 #include "models/common/rope.h"
 #include "models/unet/unet_2d_condition.h"
 #include "models/vae/autoencoder_kl.h"
@@ -480,6 +481,126 @@ TEST(ModelsGpu, HashDropoutKernelMatchesTheCpuAndReplaysInAGraph) {
         EXPECT_FALSE(at::equal(masks[1], masks[2]));
     }
 #endif
+}
+
+// The LoRA dropout kernels (common/lora_dropout.h) against a float64 reference that applies
+// hash_dropout's mask explicitly: float32 to float32's accuracy, bf16 to bf16's; rows that fill no
+// block (4097), index offsets on and off the 4-element hash groups, r 16 and 64; with an odd offset
+// gh and h are column slices of wider matrices (the fused q/k/v path). The factor gradient's
+// two-pass sum is the same run to run.
+TEST(ModelsGpu, LoRADropoutKernelsMatchTheMaskedReference) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    torch::manual_seed(12);
+    if (!lora_dropout_kernels_take(at::zeros({8, 64}, at::TensorOptions().device(cuda)),
+                                   at::zeros({4, 64}, at::TensorOptions().device(cuda))))
+        GTEST_SKIP() << "built without the CUDA kernels, or DTUNE_LORA_DROPOUT_KERNELS=0";
+    const int64_t n = 4097;
+    for (auto dtype : {at::kFloat, at::kBFloat16})
+        for (const int64_t k : {640, 1280})
+            for (const int64_t r : {16, 64})
+                for (const int64_t offset : {0, 7 * 4097 * 1280 + 3}) {
+                    SCOPED_TRACE(testing::Message()
+                                 << c10::toString(dtype) << " k " << k << " r " << r << " offset " << offset);
+                    const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+                    const auto on = at::TensorOptions().device(cuda);
+                    const LoRADropoutMask m{at::full({1}, 99, on.dtype(at::kLong)), 21, 0.1, offset};
+                    const at::Tensor x = at::randn({n, k}, on).to(dtype);
+                    const at::Tensor a = (at::randn({r, k}, on) * 0.05).to(dtype);
+                    const bool sliced = offset % 2 == 1;
+                    const at::Tensor gh_wide = at::randn({n, 3 * r}, on).to(dtype);
+                    const at::Tensor gh =
+                        sliced ? gh_wide.narrow(1, r, r) : gh_wide.narrow(1, 0, r).contiguous();
+                    ASSERT_TRUE(lora_dropout_kernels_take(x, a));
+                    // The mask from hash_dropout (same elements in every dtype), as 0 or 1 / (1 - p).
+                    const at::Tensor mask =
+                        hash_dropout_no_grad(at::ones({n, k}, on), m.seed, m.salt, m.p, m.index_offset)
+                            .to(at::kDouble);
+                    const at::Tensor xm = x.to(at::kDouble) * mask, ad = a.to(at::kDouble);
+                    const at::Tensor ghd = gh.to(at::kDouble);
+                    auto close = [&](const at::Tensor& got, const at::Tensor& ref, const char* what) {
+                        EXPECT_LE(test::max_abs_diff(got.to(at::kDouble).cpu(), ref.cpu()),
+                                  tol * ref.abs().max().item<double>())
+                            << what;
+                    };
+
+                    const at::Tensor h_ref = at::mm(xm, ad.t());
+                    at::Tensor h;
+                    if (sliced) {
+                        at::Tensor h_wide = at::zeros({n, 3 * r}, on.dtype(dtype));
+                        h = h_wide.narrow(1, r, r);
+                        lora_masked_down_out(h, x, a, m);
+                        EXPECT_EQ(h_wide.narrow(1, 0, r).abs().max().item<float>(), 0.0f);
+                        EXPECT_EQ(h_wide.narrow(1, 2 * r, r).abs().max().item<float>(), 0.0f);
+                    } else {
+                        h = lora_masked_down(x, a, m);
+                    }
+                    EXPECT_EQ(h.scalar_type(), dtype);
+                    close(h, h_ref, "masked_down");
+
+                    const at::Tensor da = lora_masked_down_grad(gh, x, m, at::kFloat);
+                    EXPECT_EQ(da.scalar_type(), at::kFloat);
+                    close(da, at::mm(ghd.t(), xm), "masked_down_grad");
+                    EXPECT_TRUE(at::equal(da, lora_masked_down_grad(gh, x, m, at::kFloat)))
+                        << "deterministic";
+
+                    const at::Tensor dx0 = at::randn({n, k}, on).to(dtype);
+                    at::Tensor dx = dx0.clone();
+                    lora_masked_up_add_(dx, gh, a, m);
+                    close(dx, dx0.to(at::kDouble) + mask * at::mm(ghd, ad), "masked_up_add_");
+                }
+}
+
+// LoRALinearFunction with lora_dropout 0.1 under bf16 autocast (bf16 base, float32 factors, the way
+// dtune trains): the kernels and the composite path (DTUNE_LORA_DROPOUT_KERNELS=0) give the same
+// output and gradients to bf16's accuracy.
+TEST(ModelsGpu, LoRADropoutKernelsMatchTheCompositeInTraining) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    auto run = [&](bool kernels, double dropout) {
+        torch::manual_seed(43);
+        torch::nn::Module root;
+        AdaptableLinear proj = root.register_module("to_q", AdaptableLinear(640, 1280));
+        LoRAConfig c;
+        c.rank = 16;
+        c.alpha = 16;
+        c.dropout = dropout;
+        c.target_modules = {"to_q"};
+        LoRAAdapters adapters = inject_lora(root, c);
+        {
+            torch::NoGradGuard no_grad;
+            for (auto& t : adapters.parameters()) t.normal_(0.0, 0.05);
+        }
+        root.to(cuda);
+        proj->weight.set_data(proj->weight.to(at::kBFloat16));
+        proj->bias.set_data(proj->bias.to(at::kBFloat16));
+        root.train();
+        adapters.set_dropout_seed(17, /*rank=*/1, /*world_size=*/2);  // a rank offset into the mask
+        const at::Tensor x = at::randn({2, 2049, 640}).to(cuda).requires_grad_(true);  // N = 4098
+        const at::Tensor g = at::randn({2, 2049, 1280}).to(cuda, at::kBFloat16);
+        EXPECT_TRUE(adapters.find("to_q")->takes_whole_forward(x));  // LoRALinearFunction
+        set_lora_dropout_kernels(kernels);
+        at::autocast::set_autocast_enabled(at::kCUDA, true);
+        at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+        const at::Tensor y = proj->forward(x);
+        at::autocast::set_autocast_enabled(at::kCUDA, false);
+        y.backward(g);
+        set_lora_dropout_kernels(true);
+        std::vector<at::Tensor> values{y.detach().cpu().to(at::kFloat), x.grad().cpu()};
+        for (auto& t : adapters.parameters()) {
+            EXPECT_EQ(t.grad().scalar_type(), at::kFloat);
+            values.push_back(t.grad().cpu());
+        }
+        return values;
+    };
+    const auto with = run(true, 0.1), without = run(false, 0.1);
+    ASSERT_EQ(with.size(), without.size());
+    for (std::size_t i = 0; i < with.size(); ++i)
+        EXPECT_LE(test::max_abs_diff(with[i], without[i]), 2e-2 * without[i].abs().max().item<double>())
+            << "tensor " << i;
+    // The dropout is on: without it, A's gradient differs.
+    const auto plain = run(true, 0.0);
+    EXPECT_GT(test::max_abs_diff(with[2], plain[2]), 1e-2 * plain[2].abs().max().item<double>());
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "core/log.h"
 #include "models/adapters/lora_qkv.h"
 #include "models/common/hash_dropout.h"
+#include "models/common/lora_dropout.h"
 #include "models/common/quantize.h"
 
 namespace dtune::models {
@@ -43,6 +44,10 @@ std::string joined(const std::vector<std::string>& items, std::size_t limit = 20
 
 std::atomic<bool> g_fused_lora{true};
 
+LoRADropoutMask mask_of(const LoRALayer::InputDropout& d) {
+    return {d.seed, d.salt, d.p, d.index_offset};
+}
+
 // y = x·Wᵀ + b + s·(x·Aᵀ)·Bᵀ for a frozen W (and b) and trainable A [r, in], B [out, r]. Computes
 // in the autocast dtype (else x's); saves x, W, the cast factors and h = x·Aᵀ. Autograd inputs:
 // x, A, B (edges 0, 1, 2 for needs_input_grad; backward returns one entry per forward argument).
@@ -50,7 +55,8 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
     // The frozen base weight and bias ride outside autograd's inputs (an undefined bias cannot be an
     // input, and neither needs a gradient).
     // The adapter's input dropout (hash_dropout.h), when the layer has one: the mask is applied to
-    // the adapter branch only, recomputed in backward rather than stored.
+    // the adapter branch only, recomputed in backward rather than stored, and read inside the
+    // adapter's products on CUDA (common/lora_dropout.h: no masked copy of x).
     using Dropout = LoRALayer::InputDropout;
     struct Frozen {
         at::Tensor weight, bias;
@@ -70,8 +76,9 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
         const at::Tensor wc = quantized ? at::Tensor() : w.to(ct);
         at::Tensor y = quantized        ? quantized_linear_no_grad(x2, w, base.weight_scale, bias, ct)
                        : bias.defined() ? at::addmm(bias.to(ct), x2, wc.t())
-                                        : at::mm(x2, wc.t());         // [N, out]
-        const at::Tensor h = at::mm(base.dropout.apply(x2), ac.t());  // [N, r]
+                                        : at::mm(x2, wc.t());  // [N, out]
+        const at::Tensor h = base.dropout.seed.defined() ? lora_masked_down(x2, ac, mask_of(base.dropout))
+                                                         : at::mm(x2, ac.t());  // [N, r]
         y.addmm_(h, bc.t(), 1.0, scale);
         ctx->save_for_backward({x2, wc, ac, bc, h});
         if (quantized) {
@@ -120,17 +127,17 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
                      : quantized_linear_input_grad(g, ctx->saved_data["q_weight"].toTensor(),
                                                    ctx->saved_data["q_scale"].toTensor(), g.scalar_type());
             if (drop.seed.defined())
-                drop.add_to(dx, at::mm(gh, ac));  // + mask(s·g·B·A), one pass
+                lora_masked_up_add_(dx, gh, ac, mask_of(drop));  // + mask(s·g·B·A), one pass
             else
                 dx.addmm_(gh, ac);  // + s·g·B·A
             dx = dx.to(dtype("x_dtype")).view(ctx->saved_data["x_sizes"].toIntVector());
         }
         // Factor gradients straight into their (float32) dtype where the GEMM can write it (CUDA).
         const bool out_dtype = g.is_cuda() && g.scalar_type() != at::kFloat;
-        const at::Tensor xa =
-            ctx->needs_input_grad(1) ? drop.apply(x2) : at::Tensor();  // the adapter's input
-        if (ctx->needs_input_grad(1))
-            da = out_dtype ? at::mm(gh.t(), xa, dtype("a_dtype")) : at::mm(gh.t(), xa).to(dtype("a_dtype"));
+        if (ctx->needs_input_grad(1) && drop.seed.defined())
+            da = lora_masked_down_grad(gh, x2, mask_of(drop), dtype("a_dtype"));  // ghᵀ·(masked x)
+        else if (ctx->needs_input_grad(1))
+            da = out_dtype ? at::mm(gh.t(), x2, dtype("a_dtype")) : at::mm(gh.t(), x2).to(dtype("a_dtype"));
         if (ctx->needs_input_grad(2))
             db = out_dtype ? at::addmm(at::empty({g.size(1), h.size(1)}, g.options().dtype(dtype("b_dtype"))),
                                        g.t(), h, dtype("b_dtype"), 0.0, s)
@@ -516,6 +523,7 @@ LoRAAdapters inject_lora(torch::nn::Module& root, const LoRAConfig& config) {
     // only when they are on: laying them out copies every such weight. Reading the switch here also
     // refuses a bad DTUNE_FUSED_QKV at setup rather than at the first step.
     const int64_t groups = fused_qkv_lora_enabled() ? pack_lora_projection_groups(root) : 0;
+    if (config.dropout > 0.0) (void)lora_dropout_kernels_enabled();  // a bad DTUNE_LORA_DROPOUT_KERNELS, too
     log::info() << "LoRA: " << entries.size() << " layers adapted (rank " << config.rank << ", alpha "
                 << alpha << (config.use_dora ? ", DoRA" : "") << ")";
     if (groups > 0) log::debug() << "LoRA: " << groups << " q/k/v groups laid out for the fused projections";

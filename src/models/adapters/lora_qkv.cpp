@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "core/fused_env.h"
 #include "models/adapters/lora.h"
+#include "models/common/lora_dropout.h"
 
 namespace dtune::models {
 namespace {
@@ -136,7 +137,8 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
             h = at::empty({x2.size(0), n * r}, x2.options());
             for (int64_t i = 0; i < n; ++i) {
                 at::Tensor hi = h.narrow(1, i * r, r);
-                at::mm_out(hi, spec.dropouts[i].apply(x2), ac.narrow(0, i * r, r).t());
+                const auto& d = spec.dropouts[i];  // the mask read inside the product (lora_dropout.h)
+                lora_masked_down_out(hi, x2, ac.narrow(0, i * r, r), {d.seed, d.salt, d.p, d.index_offset});
             }
         }
         std::vector<at::Tensor> saved{x2, wc, ac, h};
@@ -228,8 +230,8 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
                 for (int64_t i = 0; i < n; ++i) {
                     const at::Tensor ghi = gh.narrow(1, i * r, r), ai = ac.narrow(0, i * r, r);
                     const LoRALayer::InputDropout& d = drops[i];
-                    if (d.seed.defined())
-                        d.add_to(dx, at::mm(ghi, ai));  // + mask_i(s_i·g_i·B_i·A_i), one pass
+                    if (d.seed.defined())  // + mask_i(s_i·g_i·B_i·A_i), one pass
+                        lora_masked_up_add_(dx, ghi, ai, {d.seed, d.salt, d.p, d.index_offset});
                     else
                         dx.addmm_(ghi, ai);
                 }
@@ -257,8 +259,10 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         } else if (any_a) {
             for (int64_t i = 0; i < n; ++i) {
                 if (!(ctx->needs_input_grad(1 + i) && g[i].defined())) continue;
-                const at::Tensor ghi = gh.narrow(1, i * r, r), xa = drops[i].apply(x2);  // adapter i's input
-                out[1 + i] = out_dtype ? at::mm(ghi.t(), xa, a_dtype(i)) : at::mm(ghi.t(), xa).to(a_dtype(i));
+                const at::Tensor ghi = gh.narrow(1, i * r, r);
+                const LoRALayer::InputDropout& d = drops[i];  // adapter i's input mask (none: x2 itself)
+                out[1 + i] =
+                    lora_masked_down_grad(ghi, x2, {d.seed, d.salt, d.p, d.index_offset}, a_dtype(i));
             }
         }
         for (int64_t i = 0; i < n; ++i) {

@@ -1,0 +1,49 @@
+// The products of LoRA's adapter branch that read its input through the hash-dropout mask
+// (hash_dropout.h), for the fused LoRA functions' forward and backward (adapters/lora.cpp,
+// adapters/lora_qkv.cpp). On CUDA, where the shapes allow (lora_dropout_kernels_take), fused
+// kernels read x once and never store the masked copy (nor gh·A); otherwise, on the CPU and with
+// DTUNE_LORA_DROPOUT_KERNELS=0, the same products through hash_dropout_no_grad and the GEMMs (the
+// kernels accumulate in float32 without rounding the masked input, so in bf16 they differ from
+// that path by rounding only). No autograd. x2 is the adapter's input as [N, in]; a is A [r, in] in
+// x2's dtype; gh is [N, r] (its rows may be strided); the mask is that of
+// hash_dropout_no_grad(x2, seed, salt, p, index_offset).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace dtune::models {
+
+// The hash-dropout mask's arguments (hash_dropout.h).
+struct LoRADropoutMask {
+    at::Tensor seed;  // one int64 element on x2's device
+    uint64_t salt = 0;
+    double p = 0;
+    int64_t index_offset = 0;
+};
+
+// DTUNE_LORA_DROPOUT_KERNELS: "1" (default) uses the kernels where they apply, "0" the composite
+// ops (for A/B timing); read on first use, a bad value is a UsageError. The setter is for tests.
+// DTUNE_FUSED_KERNELS=0 turns the kernels off too.
+void set_lora_dropout_kernels(bool enabled);
+bool lora_dropout_kernels_enabled();
+
+// Whether the kernels take these operands (CUDA build and device, switch on, dtype float32, bf16
+// or fp16, x2 contiguous with `in` a multiple of 8, 1 <= r <= 64, 16-byte aligned x2 and a).
+bool lora_dropout_kernels_take(const at::Tensor& x2, const at::Tensor& a);
+
+// h [N, r] = (mask ⊙ x2)·aᵀ in x2's dtype; the _out form writes into h (x2's dtype, rows may be
+// strided, e.g. a column slice).
+at::Tensor lora_masked_down(const at::Tensor& x2, const at::Tensor& a, const LoRADropoutMask& m);
+void lora_masked_down_out(at::Tensor& h, const at::Tensor& x2, const at::Tensor& a, const LoRADropoutMask& m);
+
+// dA [r, in] = ghᵀ·(mask ⊙ x2), returned in `out_dtype` (the factor's; the kernel accumulates in
+// float32 and is deterministic run to run).
+at::Tensor lora_masked_down_grad(const at::Tensor& gh, const at::Tensor& x2, const LoRADropoutMask& m,
+                                 at::ScalarType out_dtype);
+
+// dx += mask ⊙ (gh·a), rounded once; dx contiguous [N, in] in x2's dtype.
+void lora_masked_up_add_(at::Tensor& dx, const at::Tensor& gh, const at::Tensor& a, const LoRADropoutMask& m);
+
+}  // namespace dtune::models

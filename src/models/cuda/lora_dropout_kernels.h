@@ -1,0 +1,46 @@
+// Launchers of the LoRA kernels that read the adapter's input through its hash-dropout mask
+// (cuda/lora_dropout_kernels.cu) instead of a masked copy; callable from code built without nvcc.
+// x and dx are [n, k] contiguous, a is [r, k] contiguous, all of `dtype`; h and gh are [n, r] with
+// row stride ldh / ldg (a column slice of a wider matrix is fine). The mask of element (row, col)
+// is hash_dropout's for index `index_offset + row · k + col` (common/hash_dropout_math.h).
+// Requirements (the host wrapper checks them): 1 <= r <= kLoRADropoutMaxRank, k a multiple of 8,
+// x, dx and a 16-byte aligned. Built only with DTUNE_WITH_CUDA_KERNELS.
+#pragma once
+
+#include <cstdint>
+
+#include "models/cuda/kernel_dtype.h"
+
+namespace dtune::models::cuda {
+
+constexpr int64_t kLoRADropoutMaxRank = 64;
+
+// The hash-dropout rule as the kernels take it: `seed` points at one int64 on the device.
+struct DropoutRule {
+    const int64_t* seed;
+    uint64_t salt;
+    int64_t index_offset;
+    uint32_t threshold;
+    float scale;
+};
+
+// Each launcher returns the launch's cudaError_t as an int (0 = success).
+
+// h = (mask ⊙ x) · aᵀ, accumulated in float32, stored in `dtype`.
+int lora_masked_down(const void* x, const void* a, void* h, int64_t ldh, int64_t n, int64_t k, int64_t r,
+                     const DropoutRule& rule, KernelDtype dtype, void* stream);
+
+// The number of row splits lora_masked_down_grad uses for n rows: `partials` holds
+// splits · r · k floats.
+int64_t lora_masked_down_grad_splits(int64_t n);
+
+// da [r, k] (float32) = ghᵀ · (mask ⊙ x): per-split partial sums into `partials`, then their sum in
+// a fixed order (deterministic run to run).
+int lora_masked_down_grad(const void* gh, int64_t ldg, const void* x, float* partials, float* da, int64_t n,
+                          int64_t k, int64_t r, const DropoutRule& rule, KernelDtype dtype, void* stream);
+
+// dx += mask ⊙ (gh · a), rounded once to `dtype`; gh · a is never stored.
+int lora_masked_up_add(void* dx, const void* gh, int64_t ldg, const void* a, int64_t n, int64_t k, int64_t r,
+                       const DropoutRule& rule, KernelDtype dtype, void* stream);
+
+}  // namespace dtune::models::cuda
