@@ -4,6 +4,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <string>
 #include <utility>
@@ -43,13 +44,21 @@ void LossScaler::unscale(const std::vector<at::Tensor>& params) {
     const at::Tensor inv_scale = scale_.to(at::kDouble).reciprocal().to(at::kFloat);
     for (auto& [key, grads] : groups) {
         const c10::Device device = grads.front().device();
+        // ATen's CUDA kernel takes float32 and float16 only: bfloat16 gradients go by their norms.
+        const bool by_norms = device.is_cuda() && key.second == at::kBFloat16;
         if (device == found_inf_.device()) {
-            at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf_, inv_scale);
+            if (by_norms)
+                check_and_unscale_by_norms(grads, found_inf_, inv_scale);
+            else
+                at::_amp_foreach_non_finite_check_and_unscale_(grads, found_inf_, inv_scale);
             continue;
         }
         // Gradients on another device (not in the trainer's runs): their own flag, folded in.
         at::Tensor flag = at::zeros({}, found_inf_.options().device(device));
-        at::_amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device));
+        if (by_norms)
+            check_and_unscale_by_norms(grads, flag, inv_scale.to(device));
+        else
+            at::_amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device));
         found_inf_.copy_(at::maximum(found_inf_, flag.to(found_inf_.device())));
     }
 }
@@ -103,6 +112,18 @@ void LossScaler::load_state(const nlohmann::json& state) {
     growth_tracker_.fill_(state.at("growth_tracker").get<int64_t>());
     skipped_.fill_(state.value("skipped_steps", int64_t{0}));
     found_inf_.zero_();
+}
+
+void check_and_unscale_by_norms(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
+                                const at::Tensor& inv_scale) {
+    if (grads.empty()) return;
+    at::NoGradGuard no_grad;
+    // Checked before the multiply, as the fused kernel does (a finite value times inv_scale > 1
+    // could overflow only after it).
+    const std::vector<at::Tensor> norms = at::_foreach_norm(grads, std::numeric_limits<double>::infinity());
+    const at::Tensor bad = at::stack(norms).isfinite().logical_not().any().to(found_inf.scalar_type());
+    found_inf.copy_(at::maximum(found_inf, bad));
+    at::_foreach_mul_(grads, inv_scale);
 }
 
 }  // namespace dtune::train

@@ -78,4 +78,11 @@ class LossScaler {
     at::Tensor skipped_;         // [] int64: optimizer steps skipped so far
 };
 
+// found_inf = max(found_inf, 1 if any element of `grads` is not finite), then grads *= inv_scale,
+// like at::_amp_foreach_non_finite_check_and_unscale_ but for dtypes its CUDA kernel lacks
+// (bfloat16: adamw_bf16's full fine-tunes keep bf16 gradients): per-tensor max-abs norms (NaN and
+// inf carry through), one multi-tensor multiply. No host read, so a CUDA graph can hold it.
+void check_and_unscale_by_norms(const std::vector<at::Tensor>& grads, at::Tensor& found_inf,
+                                const at::Tensor& inv_scale);
+
 }  // namespace dtune::train

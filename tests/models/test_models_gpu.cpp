@@ -492,6 +492,12 @@ TEST(ModelsGpu, LoRADropoutKernelsMatchTheMaskedReference) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     const at::Device cuda(at::kCUDA, 0);
     torch::manual_seed(12);
+    const bool was = lora_dropout_kernels_enabled();  // off by default: on for this test
+    set_lora_dropout_kernels(true);
+    struct Restore {
+        bool on;
+        ~Restore() { set_lora_dropout_kernels(on); }
+    } restore{was};
     if (!lora_dropout_kernels_take(at::zeros({8, 64}, at::TensorOptions().device(cuda)),
                                    at::zeros({4, 64}, at::TensorOptions().device(cuda))))
         GTEST_SKIP() << "built without the CUDA kernels, or DTUNE_LORA_DROPOUT_KERNELS=0";

@@ -29,6 +29,33 @@ struct ScriptedStep {
     bool nan = false;
 };
 
+// bfloat16 gradients on CUDA (adamw_bf16's full fine-tunes) take check_and_unscale_by_norms, since
+// ATen's fused CUDA kernel lacks that dtype: on the CPU, where the fused kernel has it, both give the
+// same flag and the same bits, for finite lists and for an inf or a NaN in any tensor.
+TEST(LossScalerDevice, Bf16NormCheckEqualsTheFusedKernel) {
+    const at::Tensor inv_scale = at::full({}, 1.0f / 1024.0f);
+    for (int bad = -1; bad < 4; ++bad) {  // -1: all finite; 0-1: an inf in tensor 0 / 1; 2-3: a NaN
+        std::vector<at::Tensor> a, b;
+        for (int64_t n : {37, 1000}) {
+            at::Tensor g = (at::randn({n}, at::TensorOptions().dtype(at::kFloat)) * 3000).to(at::kBFloat16);
+            a.push_back(g.clone());
+            b.push_back(g.clone());
+        }
+        if (bad >= 0) {
+            const float v = bad < 2 ? -kInf : std::nanf("");
+            a[bad % 2][5] = v;
+            b[bad % 2][5] = v;
+        }
+        at::Tensor fa = at::zeros({}), fb = at::zeros({});
+        at::_amp_foreach_non_finite_check_and_unscale_(a, fa, inv_scale);
+        check_and_unscale_by_norms(b, fb, inv_scale);
+        EXPECT_EQ(fb.item<float>(), bad >= 0 ? 1.0f : 0.0f) << bad;
+        EXPECT_EQ(fa.item<float>(), fb.item<float>()) << bad;
+        for (std::size_t i = 0; i < a.size(); ++i)
+            EXPECT_TRUE(at::equal(a[i].nan_to_num(0, 0, 0), b[i].nan_to_num(0, 0, 0))) << bad << " " << i;
+    }
+}
+
 TEST(LossScalerDevice, FollowsGradScalerOnAScriptedSeries) {
     // init 1024, x2 after 3 clean steps in a row, x0.5 on an overflow (GradScaler's rules): the
     // scale each step is multiplied by, worked out by hand.
