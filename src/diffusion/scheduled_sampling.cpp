@@ -79,6 +79,28 @@ bool rollout_probability_varies(const ScheduledSamplingOptions& o) {
     return o.ramp_steps > 0 && start != end;
 }
 
+namespace {
+
+// One DDIM step back from the model's prediction, in float32: x0 and eps from x at the current
+// timestep (coefficients sa = sqrt(a), s1a = sqrt(1 - a)), then recombined at the previous one (sp,
+// s1p). The coefficients are doubles (one timestep for the batch) or [B, 1, ..., 1] float tensors.
+template <typename C>
+at::Tensor step_back(PredictionType type, const at::Tensor& x, const at::Tensor& pred, const C& sa,
+                     const C& s1a, const C& sp, const C& s1p) {
+    const at::Tensor xf = x.to(at::kFloat), p = pred.to(at::kFloat);
+    at::Tensor x0, eps;
+    if (type == PredictionType::kEpsilon) {
+        eps = p;
+        x0 = (xf - s1a * eps) / sa;
+    } else {
+        x0 = sa * xf - s1a * p;
+        eps = s1a * xf + sa * p;
+    }
+    return (sp * x0 + s1p * eps).to(x.scalar_type());
+}
+
+}  // namespace
+
 at::Tensor rollout_step(const NoiseSchedule& schedule, PredictionType type, const at::Tensor& x,
                         const at::Tensor& pred, const at::Tensor& t, const at::Tensor& t_prev) {
     DTUNE_CHECK_AS(UsageError, type == PredictionType::kEpsilon || type == PredictionType::kVPrediction,
@@ -92,16 +114,7 @@ at::Tensor rollout_step(const NoiseSchedule& schedule, PredictionType type, cons
                   at::ones_like(a));  // [B]
     const at::Tensor sa = coef(a.sqrt()), s1a = coef((1.0 - a).sqrt());
     const at::Tensor sp = coef(a_prev.sqrt()), s1p = coef((1.0 - a_prev).sqrt());
-    const at::Tensor xf = x.to(at::kFloat), p = pred.to(at::kFloat);
-    at::Tensor x0, eps;
-    if (type == PredictionType::kEpsilon) {
-        eps = p;
-        x0 = (xf - s1a * eps) / sa;
-    } else {
-        x0 = sa * xf - s1a * p;
-        eps = s1a * xf + sa * p;
-    }
-    return (sp * x0 + s1p * eps).to(x.scalar_type());
+    return step_back(type, x, pred, sa, s1a, sp, s1p);
 }
 
 at::Tensor rollout_step(const NoiseSchedule& schedule, PredictionType type, const at::Tensor& x,
@@ -110,17 +123,8 @@ at::Tensor rollout_step(const NoiseSchedule& schedule, PredictionType type, cons
                    "scheduled sampling rolls out epsilon and v-prediction models only");
     const auto& ac = schedule.alphas_cumprod();
     const double a = ac[t].item<double>(), a_prev = t_prev >= 0 ? ac[t_prev].item<double>() : 1.0;
-    const double sa = std::sqrt(a), s1a = std::sqrt(1.0 - a);
-    const at::Tensor xf = x.to(at::kFloat), p = pred.to(at::kFloat);
-    at::Tensor x0, eps;
-    if (type == PredictionType::kEpsilon) {
-        eps = p;
-        x0 = (xf - s1a * eps) / sa;
-    } else {
-        x0 = sa * xf - s1a * p;
-        eps = s1a * xf + sa * p;
-    }
-    return (std::sqrt(a_prev) * x0 + std::sqrt(1.0 - a_prev) * eps).to(x.scalar_type());
+    return step_back(type, x, pred, std::sqrt(a), std::sqrt(1.0 - a), std::sqrt(a_prev),
+                     std::sqrt(1.0 - a_prev));
 }
 
 }  // namespace dtune::diffusion

@@ -64,10 +64,11 @@ GraphRun run_graphed(Trainer& trainer, const std::filesystem::path& dir, const c
     return out;
 }
 
-// A trainer of the tiny SDXL UNet on CUDA, fed batches of 2 synthetic 8 x 8 latents.
-std::unique_ptr<Trainer> sdxl_cuda_trainer(const TrainConfig& config) {
+// A trainer of the tiny SDXL UNet on CUDA (its weights in `dtype`), fed batches of 2 synthetic 8 x 8
+// latents.
+std::unique_ptr<Trainer> sdxl_cuda_trainer(const TrainConfig& config, at::ScalarType dtype = at::kFloat) {
     auto unet = testutil::tiny_unet();
-    unet->to(c10::Device(c10::kCUDA, 0));
+    unet->to(c10::Device(c10::kCUDA, 0), dtype);
     SyntheticBatchOptions o;
     o.batch_size = 2;
     o.latent_size = 8;
@@ -263,21 +264,8 @@ Fp16Run train_overflowing_fp16(const char* warmup, const nlohmann::json& options
                      {"mixed_precision", "fp16"}};
     j.update(options);
     const TrainConfig config = testutil::tiny_config(dir.path(), kSteps, j);
-    std::unique_ptr<Trainer> owned;
-    if (j.at("model_type") == "full") {
-        auto unet = testutil::tiny_unet();
-        unet->to(c10::Device(c10::kCUDA, 0), at::kBFloat16);
-        SyntheticBatchOptions o;
-        o.batch_size = 2;
-        o.latent_size = 8;
-        o.dim = 64;
-        o.pooled_dim = 32;
-        o.device = c10::Device(c10::kCUDA, 0);
-        owned = std::make_unique<Trainer>(config, testutil::sdxl_model(unet), testutil::tiny_schedule(),
-                                          std::make_unique<SyntheticBatchSource>(o));
-    } else {
-        owned = sdxl_cuda_trainer(config);
-    }
+    std::unique_ptr<Trainer> owned =
+        sdxl_cuda_trainer(config, j.at("model_type") == "full" ? at::kBFloat16 : at::kFloat);
     Trainer& trainer = *owned;
     trainer.set_loss_scaler_options(LossScalerOptions{std::ldexp(1.0, 20), 16.0, 1.0 / 16, 1});
     Fp16Run out;
