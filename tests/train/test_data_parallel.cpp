@@ -168,6 +168,11 @@ TEST(DataParallelConfig, FsdpKeysMapOntoZeroStage3) {
         EXPECT_NE(std::string(e.what()).find("DTUNE_BUCKET_MB is 'big'"), std::string::npos) << e.what();
     }
     ::unsetenv("DTUNE_BUCKET_MB");
+    // Gradients copied into the buckets unless DTUNE_DDP_GRAD_COPY=0 (the in-place adds).
+    EXPECT_TRUE(gradient_copy_in_requested());
+    ::setenv("DTUNE_DDP_GRAD_COPY", "0", 1);
+    EXPECT_FALSE(gradient_copy_in_requested());
+    ::unsetenv("DTUNE_DDP_GRAD_COPY");
     c.set("offload_param_device", "nvme", "test");
     try {
         resolve_zero3_options(c);
