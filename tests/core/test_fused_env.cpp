@@ -10,6 +10,7 @@
 #include "core/error.h"
 
 namespace dtune {
+namespace test_fused_env_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TEST(FusedEnv, ValuesOnOffAndUnknown) {
@@ -36,4 +37,5 @@ TEST(FusedEnv, ReadsTheVariableEachTime) {
 }
 
 }  // namespace
+}  // namespace test_fused_env_local
 }  // namespace dtune

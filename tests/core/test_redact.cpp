@@ -9,6 +9,7 @@
 #include <sstream>
 
 namespace dtune {
+namespace test_redact_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 bool has(const std::string& s, const std::string& part) {
@@ -95,4 +96,5 @@ TEST(Redact, LogLinesNeverCarryUrlCredentials) {
 }
 
 }  // namespace
+}  // namespace test_redact_local
 }  // namespace dtune

@@ -8,6 +8,7 @@
 #include "data/sampler.h"
 
 namespace dtune::data {
+namespace test_batch_plan_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TEST(BatchPlan, DocExampleOversubscription) {
@@ -188,4 +189,5 @@ TEST(BatchPlan, ReportedEpochMatchesTheSampler) {
 }
 
 }  // namespace
+}  // namespace test_batch_plan_local
 }  // namespace dtune::data

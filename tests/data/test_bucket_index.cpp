@@ -14,6 +14,7 @@
 #include "support/test_support.h"
 
 namespace dtune::data {
+namespace test_bucket_index_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 void write_png(const std::filesystem::path& p, int w, int h) {
@@ -128,9 +129,11 @@ TEST(BucketIndex, HeaderScanListsFailures) {
 }
 
 }  // namespace
+}  // namespace test_bucket_index_local
 }  // namespace dtune::data
 
 namespace dtune::data {
+namespace test_bucket_index_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TEST(DatasetBuckets, ConfigToRankShards) {
@@ -174,4 +177,5 @@ TEST(DatasetBuckets, ConfigToRankShards) {
 }
 
 }  // namespace
+}  // namespace test_bucket_index_local
 }  // namespace dtune::data

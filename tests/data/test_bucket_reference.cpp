@@ -18,6 +18,7 @@
 #include "data/dataset_config.h"
 
 namespace dtune::data {
+namespace test_bucket_reference_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using nlohmann::json;
@@ -102,4 +103,5 @@ TEST(BucketReference, RandomCropAspectChoicesMatchSimpleTuner) {
 }
 
 }  // namespace
+}  // namespace test_bucket_reference_local
 }  // namespace dtune::data

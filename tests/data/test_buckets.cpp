@@ -10,6 +10,7 @@
 #include "support/test_support.h"
 
 namespace dtune::data {
+namespace test_buckets_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 BucketSettings area_1024(bool crop = false) {
@@ -265,4 +266,5 @@ TEST(Buckets, PropertyRandomSizes) {
 }
 
 }  // namespace
+}  // namespace test_buckets_local
 }  // namespace dtune::data

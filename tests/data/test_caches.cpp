@@ -19,6 +19,7 @@
 #include "support/test_support.h"
 
 namespace dtune::data {
+namespace test_caches_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 // images [B, 3, H, W] → [B, 4, H/8, W/8]: average pool, then a fixed 4×3 mix plus bias.
@@ -472,4 +473,5 @@ TEST_F(CacheTest, TextEmbeddingCache) {
 }
 
 }  // namespace
+}  // namespace test_caches_local
 }  // namespace dtune::data

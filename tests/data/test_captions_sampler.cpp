@@ -12,6 +12,7 @@
 #include "support/test_support.h"
 
 namespace dtune::data {
+namespace test_captions_sampler_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 DatasetConfig captions_config(CaptionStrategy strategy) {
@@ -198,4 +199,5 @@ TEST(Sampler, ResumeContinuesWithTheExactNextBatch) {
 }
 
 }  // namespace
+}  // namespace test_captions_sampler_local
 }  // namespace dtune::data

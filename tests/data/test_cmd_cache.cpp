@@ -19,6 +19,7 @@
 #include "support/test_support.h"
 
 namespace dtune {
+namespace test_cmd_cache_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -180,4 +181,5 @@ TEST_F(CmdCache, BadRankOrWorldSizeIsAUsageError) {
 }
 
 }  // namespace
+}  // namespace test_cmd_cache_local
 }  // namespace dtune

@@ -20,6 +20,7 @@
 #include "support/test_support.h"
 
 namespace dtune::data {
+namespace test_csv_dataset_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -295,4 +296,5 @@ TEST(CsvDataset, BadRowsAreNamedAfterTheOthersWereFetched) {
 }
 
 }  // namespace
+}  // namespace test_csv_dataset_local
 }  // namespace dtune::data

@@ -8,6 +8,7 @@
 #include "support/test_support.h"
 
 namespace dtune::data {
+namespace test_dataset_config_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using nlohmann::json;
@@ -323,4 +324,5 @@ TEST(DatasetConfig, ParquetBlockAndVariables) {
 }
 
 }  // namespace
+}  // namespace test_dataset_config_local
 }  // namespace dtune::data

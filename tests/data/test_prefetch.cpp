@@ -18,6 +18,7 @@
 #include "support/test_support.h"
 
 namespace dtune::data {
+namespace test_prefetch_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 std::vector<std::string> names(int n) {
@@ -179,4 +180,5 @@ TEST(LocalStorage, UnreadableFolderIsSkippedWithOneWarningNamingIt) {
 }
 
 }  // namespace
+}  // namespace test_prefetch_local
 }  // namespace dtune::data

@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 namespace dtune::data {
+namespace test_s3_storage_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using test::S3TestServer;
@@ -246,4 +247,5 @@ TEST(S3Storage, ConfigKeysAreTypeCheckedWithoutShowingSecrets) {
 }
 
 }  // namespace
+}  // namespace test_s3_storage_local
 }  // namespace dtune::data

@@ -22,6 +22,7 @@
 #include "support/test_support.h"
 
 namespace dtune::data {
+namespace test_sample_variants_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 BucketSettings random_aspect(std::vector<CropAspectBucket> buckets) {
@@ -324,4 +325,5 @@ TEST(SampleVariants, RebucketingFollowsTheDatasetSettings) {
 }
 
 }  // namespace
+}  // namespace test_sample_variants_local
 }  // namespace dtune::data

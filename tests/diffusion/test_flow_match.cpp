@@ -13,6 +13,7 @@
 #include "diffusion/flow_match.h"
 
 namespace dtune::diffusion {
+namespace test_flow_match_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 nlohmann::json reference() {
@@ -112,4 +113,5 @@ TEST(FlowMatch, RefusesWhatItDoesNotImplementNamingTheKey) {
 }
 
 }  // namespace
+}  // namespace test_flow_match_local
 }  // namespace dtune::diffusion

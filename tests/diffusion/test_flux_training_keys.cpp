@@ -18,6 +18,7 @@
 #include "diffusion/training_sampling.h"
 
 namespace dtune::diffusion {
+namespace test_flux_training_keys_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 nlohmann::json reference() {
@@ -187,4 +188,5 @@ TEST(FluxTrainingKeys, EmbeddedGuidanceConstantAndRandomRange) {
 }
 
 }  // namespace
+}  // namespace test_flux_training_keys_local
 }  // namespace dtune::diffusion

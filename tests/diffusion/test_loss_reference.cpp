@@ -17,6 +17,7 @@
 #include "diffusion/training_sampling.h"
 
 namespace dtune::diffusion {
+namespace test_loss_reference_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 nlohmann::json reference() {
@@ -96,4 +97,5 @@ TEST(LossReference, Diff2FlowLossMatchesSimpleTunersBridge) {
 }
 
 }  // namespace
+}  // namespace test_loss_reference_local
 }  // namespace dtune::diffusion

@@ -14,6 +14,7 @@
 #include "io/safetensors.h"
 
 namespace dtune::diffusion {
+namespace test_sampler_reference_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 constexpr double kTol = 1e-5;
@@ -196,4 +197,5 @@ TEST_F(SamplerReference, GuidanceRescaleMatchesDiffusers) {
 }
 
 }  // namespace
+}  // namespace test_sampler_reference_local
 }  // namespace dtune::diffusion

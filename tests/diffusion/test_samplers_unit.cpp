@@ -12,6 +12,7 @@
 #include "diffusion/sampler.h"
 
 namespace dtune::diffusion {
+namespace test_samplers_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 at::Generator seeded(uint64_t seed) {
@@ -193,4 +194,5 @@ TEST(Guidance, SdxlTimeIds) {
 }
 
 }  // namespace
+}  // namespace test_samplers_unit_local
 }  // namespace dtune::diffusion

@@ -15,6 +15,7 @@
 #include "diffusion/scheduled_sampling.h"
 
 namespace dtune::diffusion {
+namespace test_scheduled_sampling_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TEST(ScheduledSampling, PlanEqualsSimpleTunersDrawForDraw) {
@@ -81,4 +82,5 @@ TEST(ScheduledSampling, RolloutWithTheTrueNoiseLandsOnTheTargetTimestep) {
 }
 
 }  // namespace
+}  // namespace test_scheduled_sampling_local
 }  // namespace dtune::diffusion

@@ -14,6 +14,7 @@
 #include "support/test_support.h"
 
 namespace dtune::diffusion {
+namespace test_scheduler_fixtures_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 constexpr double kTol = 1e-5;
@@ -107,4 +108,5 @@ TEST_F(SchedulerFixture, InitNoiseSigmaIsLeadingFormula) {
 }
 
 }  // namespace
+}  // namespace test_scheduler_fixtures_local
 }  // namespace dtune::diffusion

@@ -20,6 +20,7 @@
 #include "diffusion/training_sampling.h"
 
 namespace dtune::diffusion {
+namespace test_step_terms_on_device_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 at::Generator seeded(uint64_t seed) {
@@ -289,4 +290,5 @@ TEST(StepNoise, OffsetAndPerturbationHaveTheirStatisticsAndMakeNoHostRead) {
 }
 
 }  // namespace
+}  // namespace test_step_terms_on_device_local
 }  // namespace dtune::diffusion

@@ -12,6 +12,7 @@
 #include "diffusion/training_sampling.h"
 
 namespace dtune::diffusion {
+namespace test_training_math_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 at::Generator seeded(uint64_t seed) {
@@ -281,4 +282,5 @@ TEST(FlowMatching, ShiftsSigmasAndTargets) {
 }
 
 }  // namespace
+}  // namespace test_training_math_local
 }  // namespace dtune::diffusion

@@ -17,6 +17,7 @@
 #include "support/shell.h"
 
 namespace dtune {
+namespace dp_graph_gpu_test_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 int cuda_devices() {
@@ -96,4 +97,5 @@ TEST(DataParallelGraphGpu, TwoRanksCaptureTheOverlappedAllReduceAndEqualOneGpu) 
 }
 
 }  // namespace
+}  // namespace dp_graph_gpu_test_local
 }  // namespace dtune

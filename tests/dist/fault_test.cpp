@@ -16,6 +16,7 @@
 #include "support/shell.h"
 
 namespace dtune::dist {
+namespace fault_test_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -175,4 +176,5 @@ TEST(FaultChannel, LosingRankZerosStoreIsReportedAsRankZeroLost) {
 }
 
 }  // namespace
+}  // namespace fault_test_local
 }  // namespace dtune::dist

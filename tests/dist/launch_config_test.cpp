@@ -9,6 +9,7 @@
 #include "dist/launcher.h"
 
 namespace dtune::dist {
+namespace launch_config_test_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TEST(DistEnv, NoVariablesIsSingleProcess) {
@@ -224,4 +225,5 @@ TEST(Launcher, OmpThreadsShareTheNodesCpus) {
 }
 
 }  // namespace
+}  // namespace launch_config_test_local
 }  // namespace dtune::dist

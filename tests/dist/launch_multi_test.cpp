@@ -17,6 +17,7 @@
 #include "support/shell.h"
 #include "support/test_support.h"
 
+namespace launch_multi_test_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 struct LaunchRun {
@@ -243,3 +244,4 @@ TEST(DistLaunch, ArgumentErrorsAreExplained) {
 }
 
 }  // namespace
+}  // namespace launch_multi_test_local

@@ -19,6 +19,7 @@
 #include "dist/train_launch_util.h"
 
 namespace dtune {
+namespace netns_two_nodes_test_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 constexpr const char* kPrefix = "dtune-t-";  // namespace names: dtune-t-<pid>-<0|1>
@@ -148,4 +149,5 @@ TEST(DistNetns, TwoNodesInNetworkNamespacesTrainLikeOneHost) {
 }
 
 }  // namespace
+}  // namespace netns_two_nodes_test_local
 }  // namespace dtune

@@ -30,6 +30,7 @@
 #include "support/shell.h"
 
 namespace dtune::dist {
+namespace reducer_test_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 DistEnv env_of(int rank, int world, int port) {
@@ -150,8 +151,9 @@ std::vector<at::Tensor> data_parallel(Group& g, int stage, bool overlap, bool co
         for (std::size_t i : mine) p[i].mutable_grad() = at::Tensor();  // as Optimizer::zero_grad does
         if (stage >= 1) partition.sync_parameters(g, p);
         reducer.zero_grad();
-        if (copy_in && stage < 2)  // copy-in: no grads until backward makes them, buckets untouched
+        if (copy_in && stage < 2) {  // copy-in: no grads until backward makes them, buckets untouched
             for (const auto& t : p) EXPECT_FALSE(t.grad().defined());
+        }
     }
     return p;
 }
@@ -382,4 +384,5 @@ TEST(ZeroPartitionSync, FewBroadcastsAndOwnersValuesEverywhere) {
 }
 
 }  // namespace
+}  // namespace reducer_test_local
 }  // namespace dtune::dist

@@ -22,6 +22,7 @@
 #include "dist/train_launch_util.h"
 
 namespace dtune {
+namespace sharded_save_kill_test_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -121,4 +122,5 @@ TEST(DistShardedSave, RankKilledWhileSavingZero1KeepsThePreviousCheckpointAndRes
 }
 
 }  // namespace
+}  // namespace sharded_save_kill_test_local
 }  // namespace dtune

@@ -27,6 +27,7 @@
 #include "support/test_support.h"
 
 namespace dtune {
+namespace train_multi_test_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TEST(DistTrain, TwoRanksEqualOneProcessWithTheGlobalBatchAndOnlyRankZeroWrites) {
@@ -538,4 +539,5 @@ TEST(DistTrain, OutputDirNotSharedIsExplained) {
 }
 
 }  // namespace
+}  // namespace train_multi_test_local
 }  // namespace dtune

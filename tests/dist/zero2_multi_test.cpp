@@ -23,6 +23,7 @@
 #include "dist/train_launch_util.h"
 
 namespace dtune {
+namespace zero2_multi_test_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 // The flags both equivalence runs share: 2 ranks x batch 1 x accumulation 2 (4 images per step),
@@ -189,4 +190,5 @@ TEST(DistZero2, ThreeRanksZeroStagesEqualPlainDataParallel) {
 }
 
 }  // namespace
+}  // namespace zero2_multi_test_local
 }  // namespace dtune

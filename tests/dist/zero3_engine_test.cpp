@@ -32,6 +32,7 @@
 #include "train/zero3_model.h"
 
 namespace dtune {
+namespace zero3_engine_test_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 constexpr int64_t kDim = 8;
@@ -391,4 +392,5 @@ TEST(Zero3Engine, ParameterOffloadKeepsShardsOnTheHost) {
 }
 
 }  // namespace
+}  // namespace zero3_engine_test_local
 }  // namespace dtune

@@ -37,6 +37,7 @@
 #include "train/zero3_model.h"
 
 namespace dtune {
+namespace zero3_lora_multi_test_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 struct BaseLine {
@@ -486,4 +487,5 @@ TEST(DistZero3LoRA, EngineReleasesFrozenBlocksAfterTheirBackwardAndAveragesAdapt
 }
 
 }  // namespace
+}  // namespace zero3_lora_multi_test_local
 }  // namespace dtune

@@ -30,6 +30,7 @@
 #include "support/tiny_flux_data.h"
 
 namespace dtune {
+namespace zero3_multi_test_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 struct ResidentLine {
@@ -478,4 +479,5 @@ TEST(DistZero3, FluxCheckpointOfTwoRanksResumesExactlyOnOneProcess) {
 }
 
 }  // namespace
+}  // namespace zero3_multi_test_local
 }  // namespace dtune

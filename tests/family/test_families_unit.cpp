@@ -14,6 +14,7 @@
 #include "support/test_support.h"
 
 namespace dtune::family {
+namespace test_families_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 const std::filesystem::path kRef = std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref";
@@ -81,4 +82,5 @@ TEST(Families, FluxDenoiserForwardAtChangingSizes) {
 }
 
 }  // namespace
+}  // namespace test_families_unit_local
 }  // namespace dtune::family

@@ -25,6 +25,7 @@
 #include "train/config.h"
 
 namespace dtune::family {
+namespace test_flux_training_keys_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 const std::filesystem::path kRef = std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref";
@@ -231,4 +232,5 @@ TEST(FluxTrainingKeys, ApplyTrainingConfigSetsTheObjectiveAndTheDenoiser) {
 }
 
 }  // namespace
+}  // namespace test_flux_training_keys_local
 }  // namespace dtune::family

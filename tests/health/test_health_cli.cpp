@@ -7,6 +7,7 @@
 #include "support/test_support.h"
 
 namespace dtune {
+namespace test_health_cli_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using test::contains;
@@ -32,4 +33,5 @@ TEST(HealthCli, NoNvmlIsItsOwnExitCodeAndMessage) {
 }
 
 }  // namespace
+}  // namespace test_health_cli_local
 }  // namespace dtune

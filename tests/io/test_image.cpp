@@ -16,6 +16,7 @@
 #include "support/test_support.h"
 
 namespace dtune::io {
+namespace test_image_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 RgbImage random_image(int w, int h, uint32_t seed) {
@@ -352,4 +353,5 @@ TEST(Image, ImageExtensionNamesFormats) {
 }
 
 }  // namespace
+}  // namespace test_image_local
 }  // namespace dtune::io

@@ -9,6 +9,7 @@
 #include "support/test_support.h"
 
 namespace dtune::io {
+namespace test_image_info_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 RgbImage gradient(int w, int h) {
@@ -117,4 +118,5 @@ TEST(ImageInfo, LargeSegmentBeforeFrameHeaderIsFound) {
 }
 
 }  // namespace
+}  // namespace test_image_info_local
 }  // namespace dtune::io

@@ -5,6 +5,7 @@
 #include "io/jsonl_table.h"
 
 namespace dtune::io {
+namespace test_jsonl_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TEST(JsonlUnit, ColumnsInFirstSeenOrderWithNullsForMissingKeys) {
@@ -70,4 +71,5 @@ TEST(TableUnit, RejectsDuplicateNamesAndRaggedColumns) {
 }
 
 }  // namespace
+}  // namespace test_jsonl_unit_local
 }  // namespace dtune::io

@@ -16,6 +16,7 @@
 #include "support/test_support.h"
 
 namespace dtune::io {
+namespace test_parquet_fixtures_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using parquet::PhysicalType;
@@ -194,4 +195,5 @@ TEST(TableFileFixtures, DispatchesByExtensionAndSelectsColumns) {
 }
 
 }  // namespace
+}  // namespace test_parquet_fixtures_local
 }  // namespace dtune::io

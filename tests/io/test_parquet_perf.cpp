@@ -9,6 +9,7 @@
 #include "support/test_support.h"
 
 namespace dtune::io {
+namespace test_parquet_perf_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TEST(ParquetPerf, RowsPerSecond) {
@@ -28,4 +29,5 @@ TEST(ParquetPerf, RowsPerSecond) {
 }
 
 }  // namespace
+}  // namespace test_parquet_perf_local
 }  // namespace dtune::io

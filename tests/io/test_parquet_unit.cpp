@@ -14,6 +14,7 @@
 #include "support/test_support.h"
 
 namespace dtune::io {
+namespace test_parquet_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using testing::build_file;
@@ -231,4 +232,5 @@ TEST(ParquetMalformed, RandomByteEditsNeverEscapeDataError) {
 }
 
 }  // namespace
+}  // namespace test_parquet_unit_local
 }  // namespace dtune::io

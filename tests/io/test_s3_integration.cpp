@@ -19,6 +19,7 @@
 #include <sstream>
 
 namespace dtune::io {
+namespace test_s3_integration_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using test::S3ServerKind;
@@ -340,4 +341,5 @@ TEST(S3Silent, EndpointThatNeverAnswersFailsInBoundedTimeAndLogsEachRetry) {
 }
 
 }  // namespace
+}  // namespace test_s3_integration_local
 }  // namespace dtune::io

@@ -14,6 +14,7 @@
 #include <map>
 
 namespace dtune::io {
+namespace test_sigv4_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 struct Example {
@@ -254,4 +255,5 @@ TEST(S3Xml, ExtractsAndDecodes) {
 }
 
 }  // namespace
+}  // namespace test_sigv4_local
 }  // namespace dtune::io

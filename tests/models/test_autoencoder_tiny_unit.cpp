@@ -13,6 +13,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_autoencoder_tiny_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 const std::filesystem::path kRef = std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref";
@@ -66,4 +67,5 @@ TEST(AutoencoderTiny, RefusesAnotherClassNamingTheFolder) {
 }
 
 }  // namespace
+}  // namespace test_autoencoder_tiny_unit_local
 }  // namespace dtune::models

@@ -20,6 +20,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_flux_lora_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -227,4 +228,5 @@ TEST(FluxLoRA, SkipsTextEncoderTensorsAndSplitsQkv) {
 }
 
 }  // namespace
+}  // namespace test_flux_lora_unit_local
 }  // namespace dtune::models

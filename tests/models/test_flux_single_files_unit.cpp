@@ -23,6 +23,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_flux_single_files_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -199,4 +200,5 @@ TEST(FluxSingleFiles, VaeFileWithOtherLatentChannelsIsRefused) {
 }
 
 }  // namespace
+}  // namespace test_flux_single_files_unit_local
 }  // namespace dtune::models

@@ -13,6 +13,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_flux_transformer_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 const std::filesystem::path kRef = std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref";
@@ -148,4 +149,5 @@ TEST(FluxTransformer, BlackForestLabsSingleFilesLoad) {
 }
 
 }  // namespace
+}  // namespace test_flux_transformer_unit_local
 }  // namespace dtune::models

@@ -11,6 +11,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_flux_vae_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 const std::filesystem::path kRef = std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref";
@@ -36,4 +37,5 @@ TEST(FluxVae, SixteenChannelsAndShiftMatchDiffusers) {
 }
 
 }  // namespace
+}  // namespace test_flux_vae_unit_local
 }  // namespace dtune::models

@@ -8,6 +8,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_geglu_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 // Forward and input gradient of `fn` at `proj` with upstream gradient `up`.
@@ -84,4 +85,5 @@ TEST(Geglu, NonContiguousInputIsHandled) {
 }
 
 }  // namespace
+}  // namespace test_geglu_unit_local
 }  // namespace dtune::models

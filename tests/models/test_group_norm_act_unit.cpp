@@ -14,6 +14,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_group_norm_act_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 at::Tensor reference_group_norm_act(const at::Tensor& x, const torch::nn::GroupNormImpl& norm,
@@ -107,4 +108,5 @@ TEST(AttentionFloatScores, MatchesSdpaInEveryChunking) {
 }
 
 }  // namespace
+}  // namespace test_group_norm_act_unit_local
 }  // namespace dtune::models

@@ -12,6 +12,7 @@
 #include "models/common/lora_dropout.h"
 
 namespace dtune::models {
+namespace test_hash_dropout_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 at::Tensor seed_of(int64_t v) {
@@ -228,4 +229,5 @@ TEST(LoRADropoutUnit, TheKernelsNeverTakeCpuTensors) {
 }
 
 }  // namespace
+}  // namespace test_hash_dropout_unit_local
 }  // namespace dtune::models

@@ -8,6 +8,7 @@
 #include "models/common/layers.h"
 
 namespace dtune::models {
+namespace test_layers_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TEST(Layers, LinearEqualsTorchLinearWithTheSameSeed) {
@@ -85,4 +86,5 @@ TEST(Layers, UnsupportedConvPaddingIsAUsageError) {
 }
 
 }  // namespace
+}  // namespace test_layers_unit_local
 }  // namespace dtune::models

@@ -14,6 +14,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_load_parity_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 std::filesystem::path tiny() {
@@ -77,4 +78,5 @@ TEST(LoadParity, MissingTensorIsStillListed) {
 }
 
 }  // namespace
+}  // namespace test_load_parity_local
 }  // namespace dtune::models

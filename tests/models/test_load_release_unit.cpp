@@ -14,6 +14,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_load_release_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 // Resident KiB of the mapping that contains `address` (0 when none does).
@@ -81,4 +82,5 @@ TEST(LoadRelease, LoadWeightsReleasesWhatItCopied) {
 }
 
 }  // namespace
+}  // namespace test_load_release_unit_local
 }  // namespace dtune::models

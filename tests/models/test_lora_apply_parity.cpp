@@ -19,6 +19,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_lora_apply_parity_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 constexpr double kTol = 1e-4;  // fixtures README
@@ -131,4 +132,5 @@ TEST(LoRAApplyParity, UnknownLayersAreListed) {
 }
 
 }  // namespace
+}  // namespace test_lora_apply_parity_local
 }  // namespace dtune::models

@@ -17,6 +17,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_lora_parity_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 constexpr double kTol = 1e-4;  // fixtures README: float32 CPU outputs of order 1
@@ -196,4 +197,5 @@ TEST(LoRAParity, RankMismatchIsListed) {
 }
 
 }  // namespace
+}  // namespace test_lora_parity_local
 }  // namespace dtune::models

@@ -19,6 +19,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_lora_qkv_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 // The fused path is off by default until checked on a GPU (lora_qkv.cpp); these tests turn it on
@@ -393,4 +394,5 @@ TEST(LoRAQkv, TinyFluxMatchesLayerByLayer) {
 }
 
 }  // namespace
+}  // namespace test_lora_qkv_unit_local
 }  // namespace dtune::models

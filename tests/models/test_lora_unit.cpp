@@ -15,6 +15,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_lora_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 // A miniature of the UNet's naming: attn.to_q / attn.to_out.0 (Linear), conv1 (3×3 conv), norm.
@@ -414,4 +415,5 @@ TEST(LoRAUnit, NonFiniteFactorsAreRefusedByKey) {
 }
 
 }  // namespace
+}  // namespace test_lora_unit_local
 }  // namespace dtune::models

@@ -26,6 +26,7 @@
 #endif
 
 namespace dtune::models {
+namespace test_models_gpu_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 ComponentLoadOptions cuda_bf16() {
@@ -167,8 +168,9 @@ TEST(ModelsGpu, FusedGroupNormMatchesFloat64) {
                     const at::Tensor y =
                         group_norm_act(*norm, x, in_bias.defined() ? in_bias.to(cuda) : in_bias, silu);
                     // The fused kernels keep NHWC; float32 past 1024 channels takes the composite path.
-                    if (dtype != at::kFloat || cs.c <= 1024)
+                    if (dtype != at::kFloat || cs.c <= 1024) {
                         ASSERT_TRUE(y.is_contiguous(at::MemoryFormat::ChannelsLast)) << cs.c << " " << dtype;
+                    }
                     // Reference from the same rounded input, in float64.
                     at::Tensor in = x.cpu().to(at::kDouble);
                     if (in_bias.defined())
@@ -610,4 +612,5 @@ TEST(ModelsGpu, LoRADropoutKernelsMatchTheCompositeInTraining) {
 }
 
 }  // namespace
+}  // namespace test_models_gpu_local
 }  // namespace dtune::models

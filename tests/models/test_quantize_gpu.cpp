@@ -22,6 +22,7 @@
 #endif
 
 namespace dtune::models {
+namespace test_quantize_gpu_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 const c10::Device kCuda(c10::kCUDA, 0);
@@ -163,4 +164,5 @@ TEST(QuantizeGpu, LoRAOnAQuantisedBaseReplaysInACudaGraph) {
 #endif
 
 }  // namespace
+}  // namespace test_quantize_gpu_local
 }  // namespace dtune::models

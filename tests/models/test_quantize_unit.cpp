@@ -19,6 +19,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_quantize_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 const std::filesystem::path kRef = std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref";
@@ -308,4 +309,5 @@ TEST(Quantize, SavedQuantisedModulesLoadIntoAFreshModule) {
 }
 
 }  // namespace
+}  // namespace test_quantize_unit_local
 }  // namespace dtune::models

@@ -18,6 +18,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_sdxl_configs_parity_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 nlohmann::json fixture_json(const std::string& relative) {
@@ -130,4 +131,5 @@ TEST(SDXLConfigsParity, ArchitectureCheckRejectsOtherShapesNamingTheFix) {
 }
 
 }  // namespace
+}  // namespace test_sdxl_configs_parity_local
 }  // namespace dtune::models

@@ -15,6 +15,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_t5_encoder_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 const std::filesystem::path kRef = std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref";
@@ -122,4 +123,5 @@ TEST(T5Encoder, RefusesAnUnsupportedFeedForwardNamingTheKey) {
 }
 
 }  // namespace
+}  // namespace test_t5_encoder_unit_local
 }  // namespace dtune::models

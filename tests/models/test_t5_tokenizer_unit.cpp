@@ -16,6 +16,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_t5_tokenizer_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 const std::filesystem::path kRef = std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref";
@@ -164,4 +165,5 @@ TEST(T5Tokenizer, HubStyleTokenizerJsonSteps) {
 }
 
 }  // namespace
+}  // namespace test_t5_tokenizer_unit_local
 }  // namespace dtune::models

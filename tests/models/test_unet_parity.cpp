@@ -9,6 +9,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_unet_parity_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 constexpr double kTol = 1e-4;  // fixtures README: float32 CPU outputs of order 1
@@ -89,4 +90,5 @@ TEST(UNetParity, CheckpointedGradientsMatchDiffusers) {
 }
 
 }  // namespace
+}  // namespace test_unet_parity_local
 }  // namespace dtune::models

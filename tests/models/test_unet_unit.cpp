@@ -22,6 +22,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_unet_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 // A tiny SD 1.x-shaped config in diffusers' spelling (no use_linear_projection key: conv proj).
@@ -349,4 +350,5 @@ TEST(UNetUnit, SDXLWithoutAddedConditioningIsAUsageError) {
 }
 
 }  // namespace
+}  // namespace test_unet_unit_local
 }  // namespace dtune::models

@@ -8,6 +8,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_vae_parity_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 constexpr double kTol = 1e-4;
@@ -53,4 +54,5 @@ TEST(VAEParity, ConfigValuesAreRead) {
 }
 
 }  // namespace
+}  // namespace test_vae_parity_local
 }  // namespace dtune::models

@@ -9,6 +9,7 @@
 #include "support/test_support.h"
 
 namespace dtune::models {
+namespace test_vae_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 std::filesystem::path tiny_vae() {
@@ -123,4 +124,5 @@ TEST(VAEUnit, ErrorsNameThePathOrShape) {
 }
 
 }  // namespace
+}  // namespace test_vae_unit_local
 }  // namespace dtune::models

@@ -22,6 +22,7 @@
 #include "support/test_support.h"
 
 namespace dtune::report {
+namespace test_clip_score_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 const std::filesystem::path kRef = std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref";
@@ -161,4 +162,5 @@ TEST(ClipScore, ValidationRunsLogTheirScores) {
 }
 
 }  // namespace
+}  // namespace test_clip_score_local
 }  // namespace dtune::report

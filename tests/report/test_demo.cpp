@@ -20,6 +20,7 @@
 #include "support/test_support.h"
 
 namespace dtune::demo {
+namespace test_demo_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TEST(DemoData, CaptionsMatchPixels) {
@@ -179,4 +180,5 @@ TEST(DemoCli, FluxRunsEndToEnd) {
 #endif
 
 }  // namespace
+}  // namespace test_demo_local
 }  // namespace dtune::demo

@@ -14,6 +14,7 @@
 #include "report/eval_loss.h"
 
 namespace dtune::report {
+namespace test_eval_loss_flow_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 const std::filesystem::path kRef = std::filesystem::path(DTUNE_TEST_DATA_DIR) / "ref";
@@ -94,4 +95,5 @@ TEST(EvalLossFlow, ShiftComesFromTheRunAndAMissingSchedulerIsRefused) {
 }
 
 }  // namespace
+}  // namespace test_eval_loss_flow_local
 }  // namespace dtune::report

@@ -19,6 +19,7 @@
 #include "validate/flux_pipeline.h"
 
 namespace dtune::report {
+namespace test_flux_preview_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -106,4 +107,5 @@ TEST(FluxPreview, PreviewDecoderIsTheFamilys) {
 }
 
 }  // namespace
+}  // namespace test_flux_preview_local
 }  // namespace dtune::report

@@ -8,6 +8,7 @@
 #include "support/test_support.h"
 
 namespace dtune::report {
+namespace test_html_report_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TEST(HtmlReport, Base64Rfc4648Vectors) {
@@ -97,4 +98,5 @@ TEST(HtmlReport, ChartScalesPointsIntoThePlotArea) {
 }
 
 }  // namespace
+}  // namespace test_html_report_local
 }  // namespace dtune::report

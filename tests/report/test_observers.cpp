@@ -30,6 +30,7 @@
 #include "train/trainer.h"
 
 namespace dtune::report {
+namespace test_observers_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using testutil::config;
@@ -420,4 +421,5 @@ TEST(EvalLoss, CallbackScoresAnEvalDatasetDeterministically) {
 }
 
 }  // namespace
+}  // namespace test_observers_local
 }  // namespace dtune::report

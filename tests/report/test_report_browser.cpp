@@ -11,6 +11,7 @@
 #include "support/test_support.h"
 
 namespace dtune::report {
+namespace test_report_browser_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 std::string chromium_binary() {
@@ -96,4 +97,5 @@ TEST(ReportBrowser, LoadsWithoutErrorsAndRendersChartsAndImages) {
 }
 
 }  // namespace
+}  // namespace test_report_browser_local
 }  // namespace dtune::report

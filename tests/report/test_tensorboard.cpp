@@ -12,6 +12,7 @@
 #include "support/test_support.h"
 
 namespace dtune::report {
+namespace test_tensorboard_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TEST(TensorBoard, Crc32cMatchesTheStandardCheckValues) {
@@ -154,4 +155,5 @@ TEST(TensorBoard, FullDiskHoldsRecordsAndWritesThemWholeOnceThereIsSpace) {
 }
 
 }  // namespace
+}  // namespace test_tensorboard_local
 }  // namespace dtune::report

@@ -20,6 +20,7 @@
 #include "train/optimizer.h"
 
 namespace dtune::train {
+namespace test_adamw_bf16_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 // The device a test runs on: GTest's parameter (see INSTANTIATE_TEST_SUITE_P at the end).
@@ -420,9 +421,12 @@ TEST_P(AdamWBF16Flat, OverflowedStepChangesNothing) {
         for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(at::equal(params[i], reference_params[i]));
         // State made for the first step (zeros, the decay starts) may exist; it must be untouched.
         for (const auto& [k, t] : opt->state_dict()) {
-            if (k.find(".step") != std::string::npos) EXPECT_EQ(t.item<double>(), 0.0) << k;
-            if (k.find("exp_avg") != std::string::npos || k.find("shift") != std::string::npos)
+            if (k.find(".step") != std::string::npos) {
+                EXPECT_EQ(t.item<double>(), 0.0) << k;
+            }
+            if (k.find("exp_avg") != std::string::npos || k.find("shift") != std::string::npos) {
                 EXPECT_EQ(t.abs().max().item<float>(), 0.0f) << k;
+            }
         }
         for (int t = 0; t < 2; ++t) flagged_step(*opt, params, pr, t, 1e-2, found_inf, false, device_lr);
         std::vector<at::Tensor> before;
@@ -570,4 +574,5 @@ TEST(AdamWBF16State, RefusesStateFromAnotherOptimizer) {
 }
 
 }  // namespace
+}  // namespace test_adamw_bf16_local
 }  // namespace dtune::train

@@ -8,6 +8,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_adamw_bf16_train_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 io::TensorList train_bf16(const std::filesystem::path& out, int64_t steps, TrainResult* result = nullptr) {
@@ -49,4 +50,5 @@ TEST(AdamWBF16Train, FullFineTuneResumesBitExactly) {
 }
 
 }  // namespace
+}  // namespace test_adamw_bf16_train_local
 }  // namespace dtune::train

@@ -14,6 +14,7 @@
 #include "train/optimizer.h"
 
 namespace dtune::train {
+namespace test_adamw_loop_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 // The loop as it was: the step count read back per parameter, the bias corrections as host doubles.
@@ -202,4 +203,5 @@ TEST(AdamWLoop, Bf16WeightsDecay) {
 }
 
 }  // namespace
+}  // namespace test_adamw_loop_local
 }  // namespace dtune::train

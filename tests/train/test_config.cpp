@@ -12,6 +12,7 @@
 #include "train/simpletuner_options.h"
 
 namespace dtune::train {
+namespace test_config_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TrainConfig load_text(const test::TempDir& dir, const std::string& json_text,
@@ -573,4 +574,5 @@ TEST(TrainConfig, EditDistance) {
 }
 
 }  // namespace
+}  // namespace test_config_local
 }  // namespace dtune::train

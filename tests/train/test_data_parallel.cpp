@@ -18,6 +18,7 @@
 #include "train/step.h"
 
 namespace dtune::train {
+namespace test_data_parallel_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 SyntheticBatchOptions synthetic(int64_t batch, int rank, int world) {
@@ -350,4 +351,5 @@ TEST(DataParallel, LaunchedRanksTakeTheirOwnGpu) {
 }
 
 }  // namespace
+}  // namespace test_data_parallel_local
 }  // namespace dtune::train

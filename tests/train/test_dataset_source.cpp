@@ -20,6 +20,7 @@
 #include "train/dataset_source_test_util.h"
 
 namespace dtune::train {
+namespace test_dataset_source_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using namespace test_util;
@@ -361,4 +362,5 @@ TEST(DatasetSource, ThreeRanksServeTheOneProcessBatchesWhenThreeDoesNotDivideThe
 }
 
 }  // namespace
+}  // namespace test_dataset_source_local
 }  // namespace dtune::train

@@ -16,6 +16,7 @@
 #include "train/dataset_source_test_util.h"
 
 namespace dtune::train {
+namespace test_dataset_variants_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using namespace test_util;
@@ -364,4 +365,5 @@ TEST(DatasetVariants, VaeCacheDisableDrawsAFreshSampleEachEpoch) {
 }
 
 }  // namespace
+}  // namespace test_dataset_variants_local
 }  // namespace dtune::train

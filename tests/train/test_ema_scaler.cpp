@@ -12,6 +12,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_ema_scaler_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using testutil::make_trainer;
@@ -198,4 +199,5 @@ TEST(LossScalerTrainer, Fp16OnCpuMatchesNoMixedPrecisionAndCheckpointsTheScale) 
 }
 
 }  // namespace
+}  // namespace test_ema_scaler_local
 }  // namespace dtune::train

@@ -13,6 +13,7 @@
 #include "validate/sdxl_pipeline.h"
 
 namespace dtune::train {
+namespace test_export_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using testutil::make_trainer;
@@ -88,4 +89,5 @@ TEST(TrainExport, SingleFileNeedsAFullFineTune) {
 }
 
 }  // namespace
+}  // namespace test_export_local
 }  // namespace dtune::train

@@ -21,6 +21,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_flow_device_draws_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -324,4 +325,5 @@ TEST(CudaGraphFlow, BlockersAndAutoGraphsFlowMatching) {
 }
 
 }  // namespace
+}  // namespace test_flow_device_draws_local
 }  // namespace dtune::train

@@ -21,6 +21,7 @@
 #include "support/tiny_flux_data.h"
 
 namespace dtune {
+namespace test_flux_train_cli_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -611,4 +612,5 @@ TEST(FluxTrainCli, DoRATrainsMagnitudesAndResumesExactly) {
 }
 
 }  // namespace
+}  // namespace test_flux_train_cli_local
 }  // namespace dtune

@@ -28,6 +28,7 @@
 #include "train/trainer.h"
 
 namespace dtune::train {
+namespace test_flux_train_parity_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -209,4 +210,5 @@ TEST(FluxTrainParity, TenLoRAStepsMatchDiffusersPeftReference) {
 }
 
 }  // namespace
+}  // namespace test_flux_train_parity_local
 }  // namespace dtune::train

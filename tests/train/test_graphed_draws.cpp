@@ -27,6 +27,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_graphed_draws_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using diffusion::TimestepBiasStrategy;
@@ -315,4 +316,5 @@ TEST(FlowScheduleDraws, FastListOnTheDeviceIsSimpleTunersListAndTheEagerFormula)
 }
 
 }  // namespace
+}  // namespace test_graphed_draws_local
 }  // namespace dtune::train

@@ -22,6 +22,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_graphed_rollout_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using diffusion::PredictionType;
@@ -217,4 +218,5 @@ TEST(RolloutOnDevice, GraphedStepTrainsWithRolloutsAndTheDeterministicLoop) {
 }
 
 }  // namespace
+}  // namespace test_graphed_rollout_local
 }  // namespace dtune::train

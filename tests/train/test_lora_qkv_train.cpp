@@ -14,6 +14,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_lora_qkv_train_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 // The fused path is off by default until checked on a GPU (lora_qkv.cpp); these tests turn it on
@@ -95,4 +96,5 @@ TEST(LoRAQkvTrain, FusedAndLayerByLayerTrainTheSameAdaptersWithDropout) {
 }
 
 }  // namespace
+}  // namespace test_lora_qkv_train_local
 }  // namespace dtune::train

@@ -14,6 +14,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_lora_train_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 const std::vector<std::string> kSdxlTargets = family::sdxl_family().default_lora_targets();
@@ -255,4 +256,5 @@ TEST(LoRATrain, FusedDropoutKeepsTheGlobalBatchsRowsAcrossRanks) {
 }
 
 }  // namespace
+}  // namespace test_lora_train_local
 }  // namespace dtune::train

@@ -19,6 +19,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_loss_scaler_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -298,4 +299,5 @@ TEST(LossScalerTrainerOverflow, ResumesBitExactThroughSkippedSteps) {
 }
 
 }  // namespace
+}  // namespace test_loss_scaler_local
 }  // namespace dtune::train

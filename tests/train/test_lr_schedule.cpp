@@ -12,6 +12,7 @@
 #include "train/lr_schedule.h"
 
 namespace dtune::train {
+namespace test_lr_schedule_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 TEST(LRSchedule, MatchesDiffusersCurves) {
@@ -80,4 +81,5 @@ TEST(LRSchedule, NamesAndValidation) {
 }
 
 }  // namespace
+}  // namespace test_lr_schedule_local
 }  // namespace dtune::train

@@ -28,6 +28,7 @@
 #include "train/optimizer.h"
 
 namespace dtune::train {
+namespace test_optimizer_graph_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using Factory = std::function<std::unique_ptr<Optimizer>(std::vector<ParamGroup>)>;
@@ -462,4 +463,5 @@ TEST(OptimizerDeviceLrGpu, CapturedStepReplaysLikeEagerSteps) {
 #endif
 
 }  // namespace
+}  // namespace test_optimizer_graph_local
 }  // namespace dtune::train

@@ -10,6 +10,7 @@
 #include "train/optimizer_offload.h"
 
 namespace dtune::train {
+namespace test_optimizer_offload_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 class CpuOffload : public ::testing::TestWithParam<c10::DeviceType> {
@@ -141,4 +142,5 @@ INSTANTIATE_TEST_SUITE_P(Devices, CpuOffload, ::testing::Values(c10::kCPU, c10::
                          });
 
 }  // namespace
+}  // namespace test_optimizer_offload_local
 }  // namespace dtune::train

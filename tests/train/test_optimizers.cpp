@@ -12,6 +12,7 @@
 #include "train/optimizer.h"
 
 namespace dtune::train {
+namespace test_optimizers_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 const io::SafetensorsFile& ref() {
@@ -244,4 +245,5 @@ TEST(AdamWBF16, DecayIsAppliedOnceAccumulatedAndNeedsBf16) {
 }
 
 }  // namespace
+}  // namespace test_optimizers_local
 }  // namespace dtune::train

@@ -25,6 +25,7 @@
 #include "train_cli_util.h"
 
 namespace dtune {
+namespace test_output_dir_cli_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -286,4 +287,5 @@ TEST(OutputDirCli, DamagedCacheEntryMidRunSavesACheckpointAndNamesTheEntry) {
 }
 
 }  // namespace
+}  // namespace test_output_dir_cli_local
 }  // namespace dtune

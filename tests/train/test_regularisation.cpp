@@ -10,6 +10,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_regularisation_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using testutil::tiny_schedule;
@@ -121,4 +122,5 @@ TEST(Regularisation, MergedAdaptersCannotBeSwitchedOff) {
 }
 
 }  // namespace
+}  // namespace test_regularisation_local
 }  // namespace dtune::train

@@ -16,6 +16,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_resume_checks_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using testutil::synthetic;
@@ -136,4 +137,5 @@ TEST(ResumeChecks, TrainingStateFieldOfTheWrongTypeIsNamed) {
 }
 
 }  // namespace
+}  // namespace test_resume_checks_local
 }  // namespace dtune::train

@@ -19,6 +19,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_run_files_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -213,4 +214,5 @@ TEST(RunFiles, RotationRemovesIncompleteLeftovers) {
 }
 
 }  // namespace
+}  // namespace test_run_files_local
 }  // namespace dtune::train

@@ -19,6 +19,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_step_noise_loss_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using testutil::tiny_schedule;
@@ -182,4 +183,5 @@ TEST(StepNoiseLoss, EveryOptionResumesExactlyAndChangesTraining) {
 }
 
 }  // namespace
+}  // namespace test_step_noise_loss_local
 }  // namespace dtune::train

@@ -25,6 +25,7 @@
 #include "train_cli_util.h"
 
 namespace dtune {
+namespace test_train_cli_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 struct Workspace {
@@ -663,4 +664,5 @@ TEST(TrainCli, PlantedSecretsReachNoOutputFileNorTheConsole) {
 }
 
 }  // namespace
+}  // namespace test_train_cli_local
 }  // namespace dtune

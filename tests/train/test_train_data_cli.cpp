@@ -17,6 +17,7 @@
 #include "support/test_support.h"
 
 namespace dtune {
+namespace test_train_data_cli_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -189,4 +190,5 @@ TEST(TrainDataCli, LoRAWithACsvRegularisationDataset) {
 }
 
 }  // namespace
+}  // namespace test_train_data_cli_local
 }  // namespace dtune

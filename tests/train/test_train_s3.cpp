@@ -28,6 +28,7 @@
 #include "support/test_support.h"
 
 namespace dtune {
+namespace test_train_s3_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -455,4 +456,5 @@ TEST(TrainS3Auth, WrongSecretFailsWithAnActionableError) {
 }
 
 }  // namespace
+}  // namespace test_train_s3_local
 }  // namespace dtune

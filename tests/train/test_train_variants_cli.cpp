@@ -20,6 +20,7 @@
 #include "support/test_support.h"
 
 namespace dtune {
+namespace test_train_variants_cli_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -250,4 +251,5 @@ TEST(TrainVariantsCli, DtuneCacheBuildsWhatRandomAspectTrainsWithinTheAspectRang
 }
 
 }  // namespace
+}  // namespace test_train_variants_cli_local
 }  // namespace dtune

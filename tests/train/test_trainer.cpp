@@ -20,6 +20,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_trainer_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using testutil::synthetic;
@@ -710,4 +711,5 @@ TEST(TrainSignals, StopRequestBeforeTheFirstStepReportsInterruptedWithoutACheckp
 }
 
 }  // namespace
+}  // namespace test_trainer_local
 }  // namespace dtune::train

@@ -22,6 +22,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_trainer_graph_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 using testutil::tiny_config;
@@ -394,4 +395,5 @@ TEST(GraphedStepFp16, OptimizersSkipAnOverflowLikeTheEagerLoop) {
 }
 
 }  // namespace
+}  // namespace test_trainer_graph_local
 }  // namespace dtune::train

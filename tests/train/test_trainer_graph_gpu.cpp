@@ -24,6 +24,7 @@
 #include "trainer_test_util.h"
 
 namespace dtune::train {
+namespace test_trainer_graph_gpu_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 constexpr int64_t kSteps = 6;
@@ -431,4 +432,5 @@ TEST(CudaGraphFluxGpuAuto, AutoGraphsEverySigmaSchedule) {
 }
 
 }  // namespace
+}  // namespace test_trainer_graph_gpu_local
 }  // namespace dtune::train

@@ -15,6 +15,7 @@
 #include "support/test_support.h"
 
 namespace dtune::family {
+namespace test_vae_encode_fn_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 class VaeEncodeFnTest : public ::testing::Test {
@@ -115,4 +116,5 @@ TEST(TextEncoderIdentity, FollowsTheEncoderFilesNotTheFolder) {
 }
 
 }  // namespace
+}  // namespace test_vae_encode_fn_local
 }  // namespace dtune::family

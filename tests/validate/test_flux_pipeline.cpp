@@ -21,6 +21,7 @@
 #include "validate/flux_pipeline.h"
 
 namespace dtune::validate {
+namespace test_flux_pipeline_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 namespace stdfs = std::filesystem;
@@ -429,4 +430,5 @@ TEST(FluxPipeline, DtuneSampleTakesClipAndVaeSingleFiles) {
 }
 
 }  // namespace
+}  // namespace test_flux_pipeline_local
 }  // namespace dtune::validate

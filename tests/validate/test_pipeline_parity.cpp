@@ -19,6 +19,7 @@
 #include "validate/sdxl_pipeline.h"
 
 namespace dtune {
+namespace test_pipeline_parity_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
@@ -100,4 +101,5 @@ TEST(SDXLPipelineParity, SingleFileOfAnotherArchitectureNeedsItsConfigFolder) {
 }
 
 }  // namespace
+}  // namespace test_pipeline_parity_local
 }  // namespace dtune

@@ -14,6 +14,7 @@
 #include "validate/sdxl_pipeline.h"
 
 namespace dtune {
+namespace test_pipeline_unit_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 double max_abs_diff(const at::Tensor& a, const at::Tensor& b) {
@@ -165,4 +166,5 @@ TEST(SDXLPipeline, LoRAAtStrengthZeroChangesNothingAndOneDoes) {
 }
 
 }  // namespace
+}  // namespace test_pipeline_unit_local
 }  // namespace dtune

@@ -20,6 +20,7 @@
 #include "tiny_single_file.h"
 
 namespace dtune {
+namespace test_sample_cli_integration_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
 
 int run(const std::string& cmd) {
@@ -225,4 +226,5 @@ TEST(SampleCli, NonFiniteWeightsOrOutputExit3) {
 }
 
 }  // namespace
+}  // namespace test_sample_cli_integration_local
 }  // namespace dtune
