@@ -81,6 +81,9 @@ class SingleGroup final : public Group {
         };
         return std::make_unique<Done>();
     }
+    std::unique_ptr<Pending> all_reduce_coalesced_async(std::vector<at::Tensor>& tensors, bool) override {
+        return all_reduce_sum_async(tensors.front());
+    }
     void all_reduce_max_(at::Tensor&) override {}
     std::unique_ptr<Pending> reduce_sum_async(at::Tensor& tensor, int) override {
         return all_reduce_sum_async(tensor);
@@ -161,6 +164,17 @@ class C10dGroup final : public Group {
         c10d::AllreduceOptions opts;
         opts.reduceOp = c10d::ReduceOp::AVG;
         return std::make_unique<WorkPending>(*this, backend_->allreduce(tensors, opts));
+    }
+    std::unique_ptr<Pending> all_reduce_coalesced_async(std::vector<at::Tensor>& tensors,
+                                                        bool average) override {
+        const bool nccl = name_ == std::string("nccl");
+        if (average && !nccl) return nullptr;
+        check_open();
+        Trace trace(rank(), average ? "all_reduce_avg_coalesced" : "all_reduce_sum_coalesced",
+                    &tensors.front());
+        c10d::AllreduceCoalescedOptions opts;
+        opts.reduceOp = average ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+        return std::make_unique<WorkPending>(*this, backend_->allreduce_coalesced(tensors, opts));
     }
     void all_reduce_max_(at::Tensor& tensor) override {
         check_open();

@@ -68,6 +68,11 @@ class Group {
     // In place: the mean over ranks in one collective where the backend averages itself (NCCL's
     // ncclAvg), so no division pass follows; nullptr where it does not (Gloo: sum, then divide).
     virtual std::unique_ptr<Pending> all_reduce_avg_async(at::Tensor&) { return nullptr; }
+    // In place, several tensors of one dtype and device in one grouped collective (NCCL: one
+    // ncclGroup of all-reduces, no flat copy): their sums, or with `average` their means where the
+    // backend averages itself (else nullptr, as all_reduce_avg_async).
+    virtual std::unique_ptr<Pending> all_reduce_coalesced_async(std::vector<at::Tensor>& tensors,
+                                                                bool average) = 0;
     virtual void all_reduce_max_(at::Tensor& tensor) = 0;
     // In place on `root`: the sum over ranks (the other ranks' `tensor` is scratch afterwards).
     virtual std::unique_ptr<Pending> reduce_sum_async(at::Tensor& tensor, int root) = 0;

@@ -4,6 +4,7 @@
 
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/_foreach_copy.h>
+#include <ATen/ops/_foreach_div.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -118,27 +119,61 @@ void GradReducer::adopt_grad(std::size_t k) {
     p.mutable_grad() = views_[k];
 }
 
-void GradReducer::launch(std::size_t b) {
-    at::NoGradGuard no_grad;
-    if (!flats_[b].defined()) materialise(b);  // ZeRO-2: no gradient of this bucket arrived here
+// The used flags of bucket b's parameters into `flags` ([n]): a fill in the common cases, else one
+// small upload (pageable memory: staged at once, so the host tensor may go; no stream
+// synchronisation).
+void GradReducer::fill_used_flags(std::size_t b, at::Tensor& flags) {
     const auto& bucket = buckets_[b];
     bool all = true, none = true;
     for (std::size_t k : bucket) {
-        adopt_grad(k);
         all = all && used_[k];
         none = none && !used_[k];
     }
-    // The used flags behind the gradients: a fill in the common cases, else one small upload
-    // (pageable memory: staged at once, so the host tensor may go; no stream synchronisation).
-    at::Tensor flags = flats_[b].slice(0, bucket_numel_[b]);
     if (all || none) {
         flags.fill_(all ? 1 : 0);
-    } else {
-        auto host = at::empty({static_cast<long>(bucket.size())}, at::TensorOptions().dtype(at::kFloat));
-        float* h = host.data_ptr<float>();
-        for (std::size_t j = 0; j < bucket.size(); ++j) h[j] = used_[bucket[j]] ? 1.0f : 0.0f;
-        flags.copy_(host, /*non_blocking=*/true);
+        return;
     }
+    auto host = at::empty({static_cast<long>(bucket.size())}, at::TensorOptions().dtype(at::kFloat));
+    float* h = host.data_ptr<float>();
+    for (std::size_t j = 0; j < bucket.size(); ++j) h[j] = used_[bucket[j]] ? 1.0f : 0.0f;
+    flags.copy_(host, /*non_blocking=*/true);
+}
+
+// Direct: the bucket's gradients as they stand (zeros for a parameter without one, made its grad so
+// that the sum lands there) and its flags, in one grouped all-reduce.
+void GradReducer::launch_direct(std::size_t b) {
+    std::vector<at::Tensor> tensors;
+    tensors.reserve(buckets_[b].size() + 1);
+    for (std::size_t k : buckets_[b]) {
+        at::Tensor& p = params_[k];
+        at::Tensor g = p.grad();
+        if (!g.defined()) {
+            g = at::zeros_like(p, at::MemoryFormat::Contiguous);
+        } else {
+            used_[k] = 1;  // (a grad a caller set counts, as adopt_grad does)
+            const auto format = g.suggest_memory_format();
+            if (g.scalar_type() != p.scalar_type() || !g.is_contiguous(format))
+                g = g.to(p.scalar_type()).contiguous(format);
+        }
+        if (!g.is_same(p.grad())) p.mutable_grad() = g;
+        tensors.push_back(g);
+    }
+    fill_used_flags(b, flags_[b]);
+    tensors.push_back(flags_[b]);
+    launched_[b] = 1;
+    works_[b] = group_.all_reduce_coalesced_async(tensors, /*average=*/true);
+    averaged_ = works_[b] != nullptr;
+    if (!averaged_) works_[b] = group_.all_reduce_coalesced_async(tensors, /*average=*/false);
+}
+
+void GradReducer::launch(std::size_t b) {
+    at::NoGradGuard no_grad;
+    if (direct_) return launch_direct(b);
+    if (!flats_[b].defined()) materialise(b);  // ZeRO-2: no gradient of this bucket arrived here
+    const auto& bucket = buckets_[b];
+    for (std::size_t k : bucket) adopt_grad(k);
+    at::Tensor flags = flats_[b].slice(0, bucket_numel_[b]);  // behind the gradients
+    fill_used_flags(b, flags);
     launched_[b] = 1;
     if (!sharded()) {
         // NCCL averages in the collective (the used flags become count / N: still 0 exactly when
@@ -237,7 +272,7 @@ void GradReducer::resolve_unused() {
     if (unresolved.empty()) return;
     std::vector<at::Tensor> parts;
     for (std::size_t b : unresolved)
-        parts.push_back(flats_[b].slice(0, bucket_numel_[b]).to(flats_[unresolved[0]].device(), at::kFloat));
+        parts.push_back((direct_ ? flags_[b] : flats_[b].slice(0, bucket_numel_[b])).to(at::kFloat));
     const at::Tensor counts = at::cat(parts).to(at::kCPU).contiguous();  // [sum n] ranks that used each
     last_host_reads_ = 1;
     const float* count = counts.data_ptr<float>();
@@ -268,7 +303,14 @@ void GradReducer::reduce() {
             for (std::size_t k : buckets_[b]) views_[k] = at::Tensor();
             continue;
         }
-        if (!averaged_) flats_[b].slice(0, 0, bucket_numel_[b]).div_(n_ranks);  // the mean, in place
+        if (averaged_) continue;
+        if (!direct_) {
+            flats_[b].slice(0, 0, bucket_numel_[b]).div_(n_ranks);  // the mean, in place
+            continue;
+        }
+        std::vector<at::Tensor> grads;
+        for (std::size_t k : buckets_[b]) grads.push_back(params_[k].grad());
+        at::_foreach_div_(grads, static_cast<double>(n_ranks));
     }
     resolve_unused();
     {
@@ -281,8 +323,33 @@ void GradReducer::reduce() {
 }
 
 void GradReducer::set_copy_in(bool on) {
+    if (on) set_direct(false);
     std::lock_guard lock(mutex_);
     copy_in_ = on && !sharded();
+}
+
+void GradReducer::set_direct(bool on) {
+    if (!owns_ || sharded() || on == direct_) return;
+    std::lock_guard lock(mutex_);
+    at::NoGradGuard no_grad;
+    direct_ = on;
+    if (!on) {
+        flags_.clear();
+        for (std::size_t b = 0; b < buckets_.size(); ++b) materialise(b);
+        return;
+    }
+    copy_in_ = false;
+    flags_.assign(buckets_.size(), at::Tensor());
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        const at::Tensor& first = params_[buckets_[b][0]];
+        flags_[b] = at::zeros({static_cast<long>(buckets_[b].size())}, first.options());
+        for (std::size_t k : buckets_[b]) {
+            if (params_[k].grad().defined() && params_[k].grad().is_same(views_[k]))
+                params_[k].mutable_grad() = at::Tensor();
+            views_[k] = at::Tensor();
+        }
+        flats_[b] = at::Tensor();
+    }
 }
 
 void GradReducer::zero_grad() {
@@ -290,7 +357,7 @@ void GradReducer::zero_grad() {
     std::lock_guard lock(mutex_);
     at::NoGradGuard no_grad;
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
-        if (persistent(b) && copy_in_) {  // launch() overwrites every view (adopt_grad)
+        if (persistent(b) && (copy_in_ || direct_)) {  // launch() overwrites every view, or uses the grads
             for (std::size_t k : buckets_[b]) params_[k].mutable_grad() = at::Tensor();
             continue;
         }
@@ -315,6 +382,10 @@ void GradReducer::abandon_round() {
     reset_round();
     used_ = used;
     for (std::size_t k = 0; k < params_.size(); ++k) {
+        if (direct_) {  // one micro-step a round, as with copy-in: no grad, as zero_grad() leaves it
+            params_[k].mutable_grad() = at::Tensor();
+            continue;
+        }
         if (!views_[k].defined() || params_[k].grad().is_same(views_[k])) continue;
         // A grad the broken-off capture made was never computed: the view again, or with copy-in
         // (one micro-step a round: no sums to keep) no grad, as zero_grad() leaves it.
@@ -330,6 +401,8 @@ void GradReducer::release_gradients() {
     overlap_ = false;
     flats_.assign(buckets_.size(), at::Tensor());
     views_.assign(params_.size(), at::Tensor());
+    flags_.clear();
+    direct_ = false;
     reset_round();
 }
 

@@ -78,6 +78,14 @@ class GradReducer {
     // fixed addresses across several CUDA graphs (graphed gradient accumulation).
     // DTUNE_DDP_GRAD_COPY=1 in the trainer.
     void set_copy_in(bool on);
+    // Direct (all-reduce only, not ZeRO-2): no buckets at all. Each bucket's gradients are
+    // all-reduced where backward left them, in one grouped collective with the bucket's used flags
+    // (Group::all_reduce_coalesced_async), so there is neither a copy nor a zeroing pass, and no
+    // second copy of the gradients in memory. zero_grad() leaves the parameters without grads, as
+    // with copy-in; a parameter this rank did not use joins with zeros. Frees the buckets when
+    // turned on. The same restriction on graphed gradient accumulation as copy-in.
+    // DTUNE_DDP_GRAD_COPY=direct in the trainer.
+    void set_direct(bool on);
     // Zeroes every persistent bucket in place and points each parameter's grad at its view again
     // (ZeRO-2: other ranks' parameters get no grad); starts a new accumulation round.
     void zero_grad();
@@ -111,6 +119,8 @@ class GradReducer {
     bool persistent(std::size_t b) const { return !sharded() || bucket_owner_[b] == group_.rank(); }
     void materialise(std::size_t b);
     void adopt_grad(std::size_t k);
+    void launch_direct(std::size_t bucket);
+    void fill_used_flags(std::size_t bucket, at::Tensor& flags);
     void release_finished();
     void resolve_unused();
     void remove_hooks();
@@ -132,7 +142,9 @@ class GradReducer {
     std::vector<std::pair<std::size_t, unsigned>> pre_hooks_;  // ZeRO-2: (parameter, hook position)
     bool owns_ = false;
     bool copy_in_ = false;
-    bool averaged_ = false;  // the backend averaged the last launched bucket (NCCL): no division
+    bool direct_ = false;
+    std::vector<at::Tensor> flags_;  // direct: per bucket, one used flag per parameter [n]
+    bool averaged_ = false;          // the backend averaged the last launched bucket (NCCL): no division
     // Round state (guarded by mutex_: hooks run on autograd threads).
     bool overlap_ = false;
     bool armed_ = false;

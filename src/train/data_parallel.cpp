@@ -90,14 +90,17 @@ std::size_t gradient_bucket_bytes() {
     return static_cast<std::size_t>(value * (1u << 20));
 }
 
-bool gradient_copy_in_requested() {
+GradientHandoff gradient_handoff_requested() {
     const char* v = std::getenv("DTUNE_DDP_GRAD_COPY");
-    if (!v || !*v) return true;
+    if (!v || !*v) return GradientHandoff::kCopyIn;
     const std::string s = v;
-    DTUNE_CHECK_AS(UsageError, s == "0" || s == "1", "DTUNE_DDP_GRAD_COPY is '", s,
-                   "'; set it to 1 (copy backward's gradients into the reducer's buckets, the default) or 0 "
-                   "(zero the buckets and add them in place)");
-    return s == "1";
+    DTUNE_CHECK_AS(UsageError, s == "0" || s == "1" || s == "direct", "DTUNE_DDP_GRAD_COPY is '", s,
+                   "'; set it to 1 (copy backward's gradients into the reducer's buckets, the default), 0 "
+                   "(zero the buckets and add them in place) or direct (all-reduce the gradients where "
+                   "backward left them, no buckets)");
+    return s == "1"   ? GradientHandoff::kCopyIn
+           : s == "0" ? GradientHandoff::kInPlace
+                      : GradientHandoff::kDirect;
 }
 
 bool resolve_offload_optimizer(const TrainConfig& config) {
@@ -236,8 +239,13 @@ void DataParallel::attach(std::vector<at::Tensor> params) {
     if (!(overlap && std::string(overlap) == "0")) reducer_->enable_overlap();
 }
 
-void DataParallel::set_gradient_copy_in(bool on) {
-    if (reducer_ && zero_stage_ <= 1) reducer_->set_copy_in(on);
+void DataParallel::set_gradient_handoff(GradientHandoff handoff) {
+    if (!reducer_ || zero_stage_ > 1) return;
+    reducer_->set_copy_in(handoff == GradientHandoff::kCopyIn);
+    reducer_->set_direct(handoff == GradientHandoff::kDirect);
+    if (handoff == GradientHandoff::kDirect && env_.rank == 0)
+        log::info() << "data parallel: DTUNE_DDP_GRAD_COPY=direct: gradients are all-reduced where backward "
+                       "left them (grouped per bucket), no gradient buckets";
 }
 
 bool DataParallel::updates(std::size_t index) const {

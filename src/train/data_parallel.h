@@ -75,10 +75,15 @@ dist::Zero3Options resolve_zero3_options(const TrainConfig& config);
 // variable for a value that is not a number in (0, 4096].
 std::size_t gradient_bucket_bytes();
 
-// DTUNE_DDP_GRAD_COPY: 1 or unset (the default) has the data-parallel reducer copy backward's
-// gradients into its buckets (dist::GradReducer::set_copy_in) instead of zeroing them and adding in
-// place, which 0 keeps (3% faster on 4 H200s for an SDXL full fine-tune). UsageError otherwise.
-bool gradient_copy_in_requested();
+// How backward's gradients reach the data-parallel all-reduce (ZeRO-0/1), from DTUNE_DDP_GRAD_COPY:
+// kCopyIn (1 or unset, the default): copied into the reducer's buckets when a bucket launches
+// (dist::GradReducer::set_copy_in); kInPlace (0): the buckets are zeroed and backward adds into
+// them (3% slower on 4 H200s for an SDXL full fine-tune); kDirect (direct): no buckets, each
+// bucket's gradients all-reduced where they lie in one grouped collective
+// (dist::GradReducer::set_direct), saving the copy and a gradient-sized buffer. UsageError
+// otherwise.
+enum class GradientHandoff { kInPlace, kCopyIn, kDirect };
+GradientHandoff gradient_handoff_requested();
 
 // offload_optimizer_device from config.json, else DTUNE_OFFLOAD_OPTIMIZER_DEVICE (set by `dtune launch
 // --accelerate_config` from deepspeed_config.offload_optimizer_device), else none. true for "cpu"
@@ -125,10 +130,9 @@ class DataParallel {
     // Broadcasts rank 0's values of `params` to every rank and prepares the reducer (and the ZeRO
     // partition). Call once, before the optimizer is built.
     void attach(std::vector<at::Tensor> params);
-    // After attach(): backward's gradients are copied into the buckets rather than added in place
-    // (dist::GradReducer::set_copy_in). ZeRO-0/1 only; the trainer asks for it without gradient
-    // accumulation.
-    void set_gradient_copy_in(bool on);
+    // After attach(): how backward's gradients reach the all-reduce (GradientHandoff). ZeRO-0/1
+    // only; the trainer asks for copy-in or direct without gradient accumulation.
+    void set_gradient_handoff(GradientHandoff handoff);
     // ZeRO-3, instead of attach(): rank 0's weights everywhere, then the trainable parameters
     // (`names`, `params`, from `model`) sharded by unit (train/zero3_model.h); afterwards 1/N of
     // them is resident between steps and the optimizer updates zero3_slices().

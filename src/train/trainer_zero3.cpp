@@ -58,10 +58,11 @@ void Trainer::attach_data_parallel() {
     }
     if (dp_->zero_stage() != 3) {
         dp_->attach(std::move(tensors));
-        // Copy-in leaves a round's sums to autograd, which a graphed accumulation (gradients at
-        // fixed addresses across its micro-step graphs) cannot use: only one micro-step a step.
-        if (gradient_copy_in_requested() && config_.integer("gradient_accumulation_steps") == 1)
-            dp_->set_gradient_copy_in(true);
+        // Copy-in and direct leave a round's sums to autograd, which a graphed accumulation
+        // (gradients at fixed addresses across its micro-step graphs) cannot use: only one
+        // micro-step a step.
+        if (config_.integer("gradient_accumulation_steps") == 1)
+            dp_->set_gradient_handoff(gradient_handoff_requested());
         return;
     }
     check_zero3_support();

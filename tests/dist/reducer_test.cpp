@@ -124,7 +124,11 @@ std::vector<at::Tensor> reference(int world) {
 }
 
 // Data parallel with ZeRO `stage`: rank r takes rows [(micro * world + r) * kRows, +kRows).
-std::vector<at::Tensor> data_parallel(Group& g, int stage, bool overlap, bool copy_in = false) {
+// How backward's gradients reach the collective: in-place adds into the buckets, copy-in, direct.
+enum class Handoff { kInPlace, kCopyIn, kDirect };
+
+std::vector<at::Tensor> data_parallel(Group& g, int stage, bool overlap,
+                                      Handoff handoff = Handoff::kInPlace) {
     const int world = g.world_size();
     auto p = make_params();
     ZeroPartition partition(p, world, stage == 2 ? ZeroLayout::kContiguous : ZeroLayout::kGreedy);
@@ -132,7 +136,8 @@ std::vector<at::Tensor> data_parallel(Group& g, int stage, bool overlap, bool co
     if (stage == 2) options.owners = partition.owners();
     GradReducer reducer(g, p, options);
     if (overlap) reducer.enable_overlap();
-    reducer.set_copy_in(copy_in);
+    reducer.set_copy_in(handoff == Handoff::kCopyIn);
+    reducer.set_direct(handoff == Handoff::kDirect);
     std::vector<std::size_t> mine(p.size());
     std::iota(mine.begin(), mine.end(), 0);
     if (stage >= 1) mine = partition.owned_by(g.rank());
@@ -151,7 +156,7 @@ std::vector<at::Tensor> data_parallel(Group& g, int stage, bool overlap, bool co
         for (std::size_t i : mine) p[i].mutable_grad() = at::Tensor();  // as Optimizer::zero_grad does
         if (stage >= 1) partition.sync_parameters(g, p);
         reducer.zero_grad();
-        if (copy_in && stage < 2) {  // copy-in: no grads until backward makes them, buckets untouched
+        if (handoff != Handoff::kInPlace && stage < 2) {  // no grads until backward makes them
             for (const auto& t : p) EXPECT_FALSE(t.grad().defined());
         }
     }
@@ -172,17 +177,20 @@ TEST(GradReducerZero, ZeroStagesOnTwoAndThreeRanksEqualOneProcessBitForBit) {
                             << (got[i] - expected[i]).abs().max().item<float>();
                 });
             }
-        // Copy-in (ZeRO-0/1; ZeRO-2 ignores it): autograd's gradients, summed over the micro-steps
-        // by autograd, copied into the buckets at launch.
-        for (int stage : {0, 1, 2})
-            for (bool overlap : {false, true})
-                on_ranks(world, [&](Group& g) {
-                    const auto got = data_parallel(g, stage, overlap, /*copy_in=*/true);
-                    for (std::size_t i = 0; i < got.size(); ++i)
-                        EXPECT_TRUE(at::equal(got[i], expected[i]))
-                            << world << " ranks, ZeRO " << stage << " copy-in" << (overlap ? " overlap" : "")
-                            << ": parameter #" << i << " on rank " << g.rank();
-                });
+        // Copy-in and direct (ZeRO-0/1; ZeRO-2 ignores them): autograd's gradients, summed over the
+        // micro-steps by autograd, copied into the buckets at launch or all-reduced where they lie.
+        for (Handoff handoff : {Handoff::kCopyIn, Handoff::kDirect})
+            for (int stage : {0, 1, 2})
+                for (bool overlap : {false, true})
+                    on_ranks(world, [&](Group& g) {
+                        const auto got = data_parallel(g, stage, overlap, handoff);
+                        for (std::size_t i = 0; i < got.size(); ++i)
+                            EXPECT_TRUE(at::equal(got[i], expected[i]))
+                                << world << " ranks, ZeRO " << stage
+                                << (handoff == Handoff::kDirect ? " direct" : " copy-in")
+                                << (overlap ? " overlap" : "") << ": parameter #" << i << " on rank "
+                                << g.rank();
+                    });
         // The data matters: a single rank's share alone trains other weights.
         on_ranks(1, [&](Group& g) {
             const auto alone = data_parallel(g, 0, false);
@@ -254,11 +262,15 @@ TEST(GradReducer, GradientsAreViewsOfPersistentBuckets) {
     });
 }
 
-TEST(GradReducer, UnusedParametersAndTheOneReadBack) {
-    on_ranks(2, [](Group& g) {
+class GradReducerHandoff : public ::testing::TestWithParam<bool> {};  // direct or the buckets
+
+TEST_P(GradReducerHandoff, UnusedParametersAndTheOneReadBack) {
+    const bool direct = GetParam();
+    on_ranks(2, [direct](Group& g) {
         auto p = make_params();
         GradReducer reducer(g, p, ReducerOptions{96});
         reducer.enable_overlap();
+        reducer.set_direct(direct);
         const Batch b = batch_rows(0, g.rank() * kRows, kRows, 2 * kRows);
         // W_0 unused on every rank; W_3 only on rank 1.
         reducer.arm();
@@ -278,10 +290,18 @@ TEST(GradReducer, UnusedParametersAndTheOneReadBack) {
         // Every rank skipped W_0, so every rank reads its counts back once; none per bucket.
         EXPECT_EQ(reducer.host_reads(), 1u);
         reducer.zero_grad();
+        if (direct) {  // no buckets: no grads until the next backward makes them
+            for (const auto& t : p) EXPECT_FALSE(t.grad().defined());
+            for (std::size_t b = 0; b < reducer.buckets().size(); ++b)
+                EXPECT_FALSE(reducer.bucket_tensor(b).defined()) << "bucket " << b;
+            return;
+        }
         ASSERT_TRUE(p[0].grad().defined());  // a view again, zeroed, for the next step
         EXPECT_EQ(p[0].grad().abs().sum().item<float>(), 0.0f);
     });
 }
+INSTANTIATE_TEST_SUITE_P(Reducer, GradReducerHandoff, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Direct" : "Buckets"; });
 
 TEST(GradReducer, ZeroTwoKeepsOwnBucketsAndReleasesOthers) {
     on_ranks(2, [](Group& g) {

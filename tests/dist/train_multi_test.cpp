@@ -118,7 +118,7 @@ TEST(DistTrain, DeferredReadBackLogsWhatImmediateReadBackLogs) {
 // the buckets instead of added to zeroed ones (=0) give the same sums (0 + g is g), so the same weights,
 // bit for bit (ZeRO-1 and gradient accumulation: dist_reducer_tests); a bad value is refused
 // naming the variable.
-TEST(DistTrain, GradientCopyInTrainsWhatTheInPlaceAddTrains) {
+TEST(DistTrain, GradientCopyInAndDirectTrainWhatTheInPlaceAddTrains) {
     Workspace w;
     const std::string args = "--train_batch_size 1 --max_train_steps 3";
     const auto a = run_shell("DTUNE_DDP_GRAD_COPY=0 " + w.train(2, "add", args));
@@ -126,6 +126,11 @@ TEST(DistTrain, GradientCopyInTrainsWhatTheInPlaceAddTrains) {
     const auto c = run_shell(w.train(2, "copy", args));
     ASSERT_EQ(c.exit_code, 0) << c.output;
     EXPECT_EQ(max_difference(final_weights(w.out("copy")), final_weights(w.out("add"))), 0.0);
+    // No buckets: each bucket's gradients all-reduced where backward left them.
+    const auto d = run_shell("DTUNE_DDP_GRAD_COPY=direct " + w.train(2, "direct", args));
+    ASSERT_EQ(d.exit_code, 0) << d.output;
+    EXPECT_NE(d.output.find("no gradient buckets"), std::string::npos) << d.output;
+    EXPECT_EQ(max_difference(final_weights(w.out("direct")), final_weights(w.out("add"))), 0.0);
     const auto bad = run_shell("DTUNE_DDP_GRAD_COPY=yes " + w.train(2, "bad", "--max_train_steps 1"));
     EXPECT_NE(bad.exit_code, 0);
     EXPECT_NE(bad.output.find("DTUNE_DDP_GRAD_COPY is 'yes'"), std::string::npos) << bad.output;

@@ -169,10 +169,19 @@ TEST(DataParallelConfig, FsdpKeysMapOntoZeroStage3) {
         EXPECT_NE(std::string(e.what()).find("DTUNE_BUCKET_MB is 'big'"), std::string::npos) << e.what();
     }
     ::unsetenv("DTUNE_BUCKET_MB");
-    // Gradients copied into the buckets unless DTUNE_DDP_GRAD_COPY=0 (the in-place adds).
-    EXPECT_TRUE(gradient_copy_in_requested());
+    // Gradients copied into the buckets unless DTUNE_DDP_GRAD_COPY=0 (the in-place adds) or direct.
+    EXPECT_EQ(gradient_handoff_requested(), GradientHandoff::kCopyIn);
     ::setenv("DTUNE_DDP_GRAD_COPY", "0", 1);
-    EXPECT_FALSE(gradient_copy_in_requested());
+    EXPECT_EQ(gradient_handoff_requested(), GradientHandoff::kInPlace);
+    ::setenv("DTUNE_DDP_GRAD_COPY", "direct", 1);
+    EXPECT_EQ(gradient_handoff_requested(), GradientHandoff::kDirect);
+    ::setenv("DTUNE_DDP_GRAD_COPY", "yes", 1);
+    try {
+        gradient_handoff_requested();
+        ADD_FAILURE() << "DTUNE_DDP_GRAD_COPY=yes accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("DTUNE_DDP_GRAD_COPY is 'yes'"), std::string::npos) << e.what();
+    }
     ::unsetenv("DTUNE_DDP_GRAD_COPY");
     c.set("offload_param_device", "nvme", "test");
     try {
