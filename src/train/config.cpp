@@ -896,15 +896,19 @@ void TrainConfig::resolve_tokenizer_max_length() {
     const std::string family = is_null("model_family") ? "" : text("model_family");
     if (family != "flux" && family != "sdxl") return;
     const std::optional<int64_t> given = opt_integer("tokenizer_max_length");
-    const std::optional<int64_t> used =
-        family == "flux" ? std::optional<int64_t>(text("model_flavour") == "schnell" ? 256 : 512)
-                         : std::nullopt;
-    if (given && given != used)
-        log::warn() << "tokenizer_max_length " << *given << " is ignored, as SimpleTuner ignores it: "
-                    << (family == "flux"
-                            ? str("Flux's T5 takes ", *used, " tokens", *used == 256 ? " for [schnell]" : "")
-                            : std::string("SDXL's CLIP takes 77 tokens"));
-    values_["tokenizer_max_length"] = used ? json(*used) : json(nullptr);
+    if (family == "sdxl") {
+        if (given)
+            log::warn() << "tokenizer_max_length " << *given
+                        << " is ignored, as SimpleTuner ignores it: SDXL's CLIP takes 77 tokens";
+        values_["tokenizer_max_length"] = json(nullptr);
+        return;
+    }
+    const int64_t used = text("model_flavour") == "schnell" ? 256 : 512;
+    if (given && *given != used)
+        log::warn() << "tokenizer_max_length " << *given
+                    << " is ignored, as SimpleTuner ignores it: Flux's T5 takes " << used << " tokens"
+                    << (used == 256 ? " for [schnell]" : "");
+    values_["tokenizer_max_length"] = json(used);
 }
 
 std::vector<std::string> TrainConfig::report_to_list() const {
