@@ -7,6 +7,7 @@
 // the buckets in place and puts back any view a caller replaced or dropped (an optimizer's
 // set-to-none zero_grad); a gradient found replaced at launch is copied into its view, so callers
 // that manage `.grad` themselves still get the right sums. With one process nothing is owned.
+// set_copy_in() and set_direct() (below) change how backward's gradients reach the collective.
 //
 // Unused parameters: after the reduction a parameter's grad is defined on every rank iff some rank
 // produced one (the optimizers skip undefined gradients). Each bucket carries one "used" flag per
