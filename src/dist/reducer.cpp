@@ -271,6 +271,7 @@ void GradReducer::resolve_unused() {
     }
     if (unresolved.empty()) return;
     std::vector<at::Tensor> parts;
+    parts.reserve(unresolved.size());
     for (std::size_t b : unresolved)
         parts.push_back((direct_ ? flags_[b] : flats_[b].slice(0, bucket_numel_[b])).to(at::kFloat));
     const at::Tensor counts = at::cat(parts).to(at::kCPU).contiguous();  // [sum n] ranks that used each
@@ -309,6 +310,7 @@ void GradReducer::reduce() {
             continue;
         }
         std::vector<at::Tensor> grads;
+        grads.reserve(buckets_[b].size());
         for (std::size_t k : buckets_[b]) grads.push_back(params_[k].grad());
         at::_foreach_div_(grads, static_cast<double>(n_ranks));
     }
