@@ -240,6 +240,9 @@ void DataParallel::attach(std::vector<at::Tensor> params) {
 }
 
 void DataParallel::set_gradient_handoff(GradientHandoff handoff) {
+    if (reducer_ && zero_stage_ > 1 && handoff == GradientHandoff::kDirect && env_.rank == 0)
+        log::info() << "DTUNE_DDP_GRAD_COPY=direct is for zero_stage 0 and 1; zero_stage " << zero_stage_
+                    << " reduces each gradient bucket to the rank that owns it";
     if (!reducer_ || zero_stage_ > 1) return;
     reducer_->set_copy_in(handoff == GradientHandoff::kCopyIn);
     reducer_->set_direct(handoff == GradientHandoff::kDirect);

@@ -61,8 +61,13 @@ void Trainer::attach_data_parallel() {
         // Copy-in and direct leave a round's sums to autograd, which a graphed accumulation
         // (gradients at fixed addresses across its micro-step graphs) cannot use: only one
         // micro-step a step.
+        const GradientHandoff handoff = gradient_handoff_requested();
         if (config_.integer("gradient_accumulation_steps") == 1)
-            dp_->set_gradient_handoff(gradient_handoff_requested());
+            dp_->set_gradient_handoff(handoff);
+        else if (handoff == GradientHandoff::kDirect && world_size() > 1 && dp_->rank() == 0)
+            log::info() << "DTUNE_DDP_GRAD_COPY=direct is not used with gradient_accumulation_steps "
+                        << config_.integer("gradient_accumulation_steps")
+                        << ": the gradients add up in the reducer's buckets over the micro-steps";
         return;
     }
     check_zero3_support();

@@ -130,6 +130,14 @@ TEST(DistTrain, GradientCopyInAndDirectTrainWhatTheInPlaceAddTrains) {
     const auto d = run_shell("DTUNE_DDP_GRAD_COPY=direct " + w.train(2, "direct", args));
     ASSERT_EQ(d.exit_code, 0) << d.output;
     EXPECT_NE(d.output.find("no gradient buckets"), std::string::npos) << d.output;
+    // ZeRO-2 reduces to each bucket's owner: direct does not apply, and the log says so.
+    const auto z2 =
+        run_shell("DTUNE_DDP_GRAD_COPY=direct " +
+                  w.train(2, "direct_z2", "--train_batch_size 1 --max_train_steps 1 --zero_stage 2"));
+    ASSERT_EQ(z2.exit_code, 0) << z2.output;
+    EXPECT_NE(z2.output.find("DTUNE_DDP_GRAD_COPY=direct is for zero_stage 0 and 1"), std::string::npos)
+        << z2.output;
+    EXPECT_EQ(z2.output.find("no gradient buckets"), std::string::npos) << z2.output;
     EXPECT_EQ(max_difference(final_weights(w.out("direct")), final_weights(w.out("add"))), 0.0);
     const auto bad = run_shell("DTUNE_DDP_GRAD_COPY=yes " + w.train(2, "bad", "--max_train_steps 1"));
     EXPECT_NE(bad.exit_code, 0);
