@@ -1,6 +1,7 @@
 // `dtune` entry point: dispatches to subcommands and turns exceptions into one clear message and
 // an exit code (see core/error.h for the codes).
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -57,6 +58,12 @@ void print_help() {
 
 int main(int argc, char** argv) {
     using namespace dtune;
+    // A write to a socket or pipe whose reader is gone (a rank that died mid-collective, a store
+    // whose host ended, a closed webhook connection) must fail with EPIPE, which the caller
+    // reports, not kill the process with SIGPIPE before it can say what happened. (Python ignores
+    // SIGPIPE at start-up, so PyTorch's own collectives never meet it; `dtune launch` restores the
+    // default for the programs it starts.)
+    std::signal(SIGPIPE, SIG_IGN);
     std::vector<std::string> args(argv + 1, argv + argc);
     if (const char* env = std::getenv("DTUNE_LOG_LEVEL"))
         if (auto lvl = log::parse_level(env)) log::set_level(*lvl);

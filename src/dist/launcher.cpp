@@ -109,6 +109,7 @@ pid_t spawn(const std::vector<std::string>& argv, const std::vector<std::string>
     ::signal(SIGINT, SIG_DFL);
     ::signal(SIGTERM, SIG_DFL);
     ::signal(SIGCHLD, SIG_DFL);
+    ::signal(SIGPIPE, SIG_DFL);  // (ignored in dtune's own process; a dtune worker ignores it again)
     ::execvpe(args[0], args.data(), envs.data());
     const char* msg = "dtune launch: cannot execute the command (not found or not executable)\n";
     [[maybe_unused]] auto n = ::write(STDERR_FILENO, msg, std::strlen(msg));
