@@ -13,6 +13,7 @@
 #include <fstream>
 #include <thread>
 
+#include <fcntl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -496,6 +497,32 @@ TEST(TrainCli, ModelFolderWithoutVaeSaysSoInsteadOfHubAdvice) {
     EXPECT_EQ(out.rfind("3: ", 0), 0u) << out;
     EXPECT_NE(out.find("the model folder sdxl-base has no vae/ folder"), std::string::npos) << out;
     EXPECT_EQ(out.find("hub id"), std::string::npos) << out;
+}
+
+TEST(TrainCli, AClosedOutputPipeIsAnErrorNotAKillingSignal) {
+    // A rank writing to a dead peer's socket was killed by SIGPIPE before it could report the
+    // peer's fault (exit 1 instead of 75, once under load). Here the same signal, deterministically:
+    // `dtune train --help` writes its help into a pipe whose reader is already closed, with SIGPIPE
+    // at its default action in the child as any shell would leave it. dtune must live to exit.
+    int fds[2];
+    ASSERT_EQ(::pipe(fds), 0);
+    ::close(fds[0]);  // no reader: the first write raises SIGPIPE unless it is ignored
+    const pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+        ::signal(SIGPIPE, SIG_DFL);
+        ::dup2(fds[1], STDOUT_FILENO);
+        const int null = ::open("/dev/null", O_WRONLY);
+        ::dup2(null, STDERR_FILENO);
+        ::execl(DTUNE_BIN, DTUNE_BIN, "train", "--help", static_cast<char*>(nullptr));
+        ::_exit(127);
+    }
+    ::close(fds[1]);
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_FALSE(WIFSIGNALED(status)) << "killed by signal " << WTERMSIG(status);
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_NE(WEXITSTATUS(status), 127) << "could not execute " << DTUNE_BIN;
 }
 
 TEST(TrainCli, HelpSaysAwsDatasetsStreamWithoutALocalCopy) {
