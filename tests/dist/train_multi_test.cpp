@@ -116,8 +116,9 @@ TEST(DistTrain, DeferredReadBackLogsWhatImmediateReadBackLogs) {
 
 // DTUNE_DDP_GRAD_COPY=1, the default (dist::GradReducer::set_copy_in): backward's gradients copied into
 // the buckets instead of added to zeroed ones (=0) give the same sums (0 + g is g), so the same weights,
-// bit for bit (ZeRO-1 and gradient accumulation: dist_reducer_tests); a bad value is refused
-// naming the variable.
+// bit for bit (ZeRO-1 and gradient accumulation: dist_reducer_tests); so does =direct (no buckets:
+// the gradients all-reduced where backward left them), which says so in the log, and says when it
+// does not apply; a bad value is refused naming the variable.
 TEST(DistTrain, GradientCopyInAndDirectTrainWhatTheInPlaceAddTrains) {
     Workspace w;
     const std::string args = "--train_batch_size 1 --max_train_steps 3";
@@ -130,7 +131,9 @@ TEST(DistTrain, GradientCopyInAndDirectTrainWhatTheInPlaceAddTrains) {
     const auto d = run_shell("DTUNE_DDP_GRAD_COPY=direct " + w.train(2, "direct", args));
     ASSERT_EQ(d.exit_code, 0) << d.output;
     EXPECT_NE(d.output.find("no gradient buckets"), std::string::npos) << d.output;
-    // ZeRO-2 reduces to each bucket's owner: direct does not apply, and the log says so.
+    EXPECT_EQ(max_difference(final_weights(w.out("direct")), final_weights(w.out("add"))), 0.0);
+    // Where direct does not apply, the log says so: ZeRO-2 reduces to each bucket's owner, and
+    // gradient accumulation sums the micro-steps in the buckets.
     const auto z2 =
         run_shell("DTUNE_DDP_GRAD_COPY=direct " +
                   w.train(2, "direct_z2", "--train_batch_size 1 --max_train_steps 1 --zero_stage 2"));
@@ -138,7 +141,14 @@ TEST(DistTrain, GradientCopyInAndDirectTrainWhatTheInPlaceAddTrains) {
     EXPECT_NE(z2.output.find("DTUNE_DDP_GRAD_COPY=direct is for zero_stage 0 and 1"), std::string::npos)
         << z2.output;
     EXPECT_EQ(z2.output.find("no gradient buckets"), std::string::npos) << z2.output;
-    EXPECT_EQ(max_difference(final_weights(w.out("direct")), final_weights(w.out("add"))), 0.0);
+    const auto acc = run_shell(
+        "DTUNE_DDP_GRAD_COPY=direct " +
+        w.train(2, "direct_acc", "--train_batch_size 1 --max_train_steps 1 --gradient_accumulation_steps 2"));
+    ASSERT_EQ(acc.exit_code, 0) << acc.output;
+    EXPECT_NE(acc.output.find("DTUNE_DDP_GRAD_COPY=direct is not used with gradient_accumulation_steps 2"),
+              std::string::npos)
+        << acc.output;
+    EXPECT_EQ(acc.output.find("no gradient buckets"), std::string::npos) << acc.output;
     const auto bad = run_shell("DTUNE_DDP_GRAD_COPY=yes " + w.train(2, "bad", "--max_train_steps 1"));
     EXPECT_NE(bad.exit_code, 0);
     EXPECT_NE(bad.output.find("DTUNE_DDP_GRAD_COPY is 'yes'"), std::string::npos) << bad.output;
