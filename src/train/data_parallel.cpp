@@ -80,27 +80,34 @@ OffloadDevice resolve_offload_device(const TrainConfig& config, const char* key,
     return d;
 }
 
-std::size_t gradient_bucket_bytes() {
+std::size_t gradient_bucket_bytes(GradientHandoff handoff) {
     const char* mb = std::getenv("DTUNE_BUCKET_MB");
-    if (!mb || !*mb) return dist::ReducerOptions{}.bucket_bytes;
+    if (!mb || !*mb)
+        return handoff == GradientHandoff::kDirect ? std::size_t{100} << 20
+                                                   : dist::ReducerOptions{}.bucket_bytes;
     char* end = nullptr;
     const double value = std::strtod(mb, &end);
     DTUNE_CHECK_AS(UsageError, end && *end == '\0' && value > 0 && value <= 4096, "DTUNE_BUCKET_MB is '", mb,
-                   "'; give the gradient bucket size in MiB, e.g. 25 (the default) or 100");
+                   "'; give the gradient bucket size in MiB, e.g. 100 (the default) or 25");
     return static_cast<std::size_t>(value * (1u << 20));
 }
 
 GradientHandoff gradient_handoff_requested() {
     const char* v = std::getenv("DTUNE_DDP_GRAD_COPY");
-    if (!v || !*v) return GradientHandoff::kCopyIn;
+    if (!v || !*v) return GradientHandoff::kDirect;
     const std::string s = v;
     DTUNE_CHECK_AS(UsageError, s == "0" || s == "1" || s == "direct", "DTUNE_DDP_GRAD_COPY is '", s,
-                   "'; set it to 1 (copy backward's gradients into the reducer's buckets, the default), 0 "
-                   "(zero the buckets and add them in place) or direct (all-reduce the gradients where "
-                   "backward left them, no buckets)");
+                   "'; set it to direct (all-reduce the gradients where backward left them, the default), 1 "
+                   "(copy backward's gradients into the reducer's buckets) or 0 (zero the buckets and add "
+                   "them in place)");
     return s == "1"   ? GradientHandoff::kCopyIn
            : s == "0" ? GradientHandoff::kInPlace
                       : GradientHandoff::kDirect;
+}
+
+bool gradient_handoff_named() {
+    const char* v = std::getenv("DTUNE_DDP_GRAD_COPY");
+    return v && *v;
 }
 
 bool resolve_offload_optimizer(const TrainConfig& config) {
@@ -219,7 +226,7 @@ std::function<void()> DataParallel::barrier_function() {
     return [this] { group_->barrier(); };
 }
 
-void DataParallel::attach(std::vector<at::Tensor> params) {
+void DataParallel::attach(std::vector<at::Tensor> params, GradientHandoff handoff) {
     params_ = std::move(params);
     dist::broadcast_parameters(*group_, params_, 0);
     // ZeRO-2 partitions contiguous runs so that each gradient bucket has one owner to reduce to.
@@ -227,28 +234,31 @@ void DataParallel::attach(std::vector<at::Tensor> params) {
         partition_ = std::make_unique<dist::ZeroPartition>(
             params_, env_.world_size,
             zero_stage_ == 2 ? dist::ZeroLayout::kContiguous : dist::ZeroLayout::kGreedy);
+    const bool talk = env_.world_size > 1 && env_.rank == 0;
+    if (zero_stage_ > 1 && handoff == GradientHandoff::kDirect) {
+        if (talk && gradient_handoff_named())
+            log::info() << "DTUNE_DDP_GRAD_COPY=direct is for zero_stage 0 and 1; zero_stage " << zero_stage_
+                        << " reduces each gradient bucket to the rank that owns it";
+        handoff = GradientHandoff::kInPlace;
+    }
     dist::ReducerOptions reducer_options;
     if (zero_stage_ == 2) reducer_options.owners = partition_->owners();
-    reducer_options.bucket_bytes = gradient_bucket_bytes();
+    reducer_options.bucket_bytes = gradient_bucket_bytes(handoff);
     reducer_ = std::make_unique<dist::GradReducer>(*group_, params_, reducer_options);
-    if (partition_ && env_.rank == 0)
+    if (partition_ && talk)
         log::info() << "ZeRO-" << zero_stage_ << ": " << reducer_->buckets().size() << " gradient buckets; "
                     << "parameters synchronised in " << partition_->sync_buckets(params_).size()
                     << " broadcasts per step (" << params_.size() << " parameters)";
     const char* overlap = std::getenv("DTUNE_DDP_OVERLAP");
     if (!(overlap && std::string(overlap) == "0")) reducer_->enable_overlap();
-}
-
-void DataParallel::set_gradient_handoff(GradientHandoff handoff) {
-    if (reducer_ && zero_stage_ > 1 && handoff == GradientHandoff::kDirect && env_.rank == 0)
-        log::info() << "DTUNE_DDP_GRAD_COPY=direct is for zero_stage 0 and 1; zero_stage " << zero_stage_
-                    << " reduces each gradient bucket to the rank that owns it";
-    if (!reducer_ || zero_stage_ > 1) return;
+    if (zero_stage_ > 1) return;
     reducer_->set_copy_in(handoff == GradientHandoff::kCopyIn);
     reducer_->set_direct(handoff == GradientHandoff::kDirect);
-    if (handoff == GradientHandoff::kDirect && env_.rank == 0)
-        log::info() << "data parallel: DTUNE_DDP_GRAD_COPY=direct: gradients are all-reduced where backward "
-                       "left them (grouped per bucket), no gradient buckets";
+    if (handoff == GradientHandoff::kDirect && talk)
+        log::info() << "data parallel: gradients are all-reduced where backward left them, grouped in "
+                    << reducer_->buckets().size() << " collectives of up to "
+                    << static_cast<double>(reducer_options.bucket_bytes) / (1u << 20)
+                    << " MiB; no gradient buckets (DTUNE_DDP_GRAD_COPY=1 copies them into buckets)";
 }
 
 bool DataParallel::updates(std::size_t index) const {

@@ -73,20 +73,12 @@ std::string cuda_graph_blocker(
 // matching's graphed step (device draws of noise, sigmas and guidance) is graphed under auto like
 // DDPM's since CudaGraphFluxGpu (tests/train/test_trainer_graph_gpu.cpp) passed on an H200, Beta
 // sigmas (gamma draws by at::_sample_dirichlet inside the capture) included since its FluxBeta cases
-// passed on an H200 (2026-11-28).
+// passed on an H200 (2026-11-28), and fp16 with adamw_bf16 since CudaGraphFp16Gpu/AdamWBF16Full did
+// (2026-11-28).
 std::string cuda_graph_fallback(const TrainConfig& c, const family::TrainingObjective& objective,
                                 c10::Device device, int world_size, int zero_stage) {
     if (c.text("cuda_graph") == "false") return "cuda_graph is false";
-    std::string blocker = cuda_graph_blocker(c, device, world_size, zero_stage, &objective);
-    // fp16 with adamw_bf16: its overflow skip on the device is tested on the CPU only; on an H200 the
-    // graphed-vs-eager case (CudaGraphFp16Gpu/AdamWBF16Full) had not run yet when its bf16
-    // gradients' unscale was fixed (LossScaler::unscale). Graphed when asked for, eager under auto.
-    if (blocker.empty() && c.text("cuda_graph") == "auto" && c.text("mixed_precision") == "fp16" &&
-        c.text("optimizer") == "adamw_bf16")
-        blocker =
-            "mixed_precision is fp16 with optimizer adamw_bf16 (its graphed step is not yet checked on a "
-            "GPU; set cuda_graph true to graph it)";
-    return blocker;
+    return cuda_graph_blocker(c, device, world_size, zero_stage, &objective);
 }
 
 void Trainer::init_graph() {

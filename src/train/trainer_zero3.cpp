@@ -57,16 +57,16 @@ void Trainer::attach_data_parallel() {
         names.push_back(p.name);
     }
     if (dp_->zero_stage() != 3) {
-        dp_->attach(std::move(tensors));
         // Copy-in and direct leave a round's sums to autograd, which a graphed accumulation
         // (gradients at fixed addresses across its micro-step graphs) cannot use: only one
         // micro-step a step.
         const GradientHandoff handoff = gradient_handoff_requested();
-        if (config_.integer("gradient_accumulation_steps") == 1)
-            dp_->set_gradient_handoff(handoff);
-        else if (handoff == GradientHandoff::kDirect && world_size() > 1 && dp_->rank() == 0)
+        const int64_t accumulation = config_.integer("gradient_accumulation_steps");
+        dp_->attach(std::move(tensors), accumulation == 1 ? handoff : GradientHandoff::kInPlace);
+        if (accumulation > 1 && handoff == GradientHandoff::kDirect && gradient_handoff_named() &&
+            world_size() > 1 && dp_->rank() == 0)
             log::info() << "DTUNE_DDP_GRAD_COPY=direct is not used with gradient_accumulation_steps "
-                        << config_.integer("gradient_accumulation_steps")
+                        << accumulation
                         << ": the gradients add up in the reducer's buckets over the micro-steps";
         return;
     }

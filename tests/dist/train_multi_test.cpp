@@ -114,41 +114,49 @@ TEST(DistTrain, DeferredReadBackLogsWhatImmediateReadBackLogs) {
     EXPECT_EQ(max_difference(final_weights(w.out("deferred")), final_weights(w.out("sync"))), 0.0);
 }
 
-// DTUNE_DDP_GRAD_COPY=1, the default (dist::GradReducer::set_copy_in): backward's gradients copied into
-// the buckets instead of added to zeroed ones (=0) give the same sums (0 + g is g), so the same weights,
-// bit for bit (ZeRO-1 and gradient accumulation: dist_reducer_tests); so does =direct (no buckets:
-// the gradients all-reduced where backward left them), which says so in the log, and says when it
-// does not apply; a bad value is refused naming the variable.
+// The default gradient handoff (no buckets: each bucket's gradients all-reduced where backward left
+// them, dist::GradReducer::set_direct), DTUNE_DDP_GRAD_COPY=1 (copied into the buckets) and =0 (added
+// into zeroed buckets) give the same sums, so the same weights, bit for bit (ZeRO-1 and gradient
+// accumulation: dist_reducer_tests). The log names the default's groups; an explicit =direct says
+// when it does not apply, the default says nothing there; a bad value is refused naming the variable.
 TEST(DistTrain, GradientCopyInAndDirectTrainWhatTheInPlaceAddTrains) {
     Workspace w;
     const std::string args = "--train_batch_size 1 --max_train_steps 3";
     const auto a = run_shell("DTUNE_DDP_GRAD_COPY=0 " + w.train(2, "add", args));
     ASSERT_EQ(a.exit_code, 0) << a.output;
-    const auto c = run_shell(w.train(2, "copy", args));
+    EXPECT_EQ(a.output.find("no gradient buckets"), std::string::npos) << a.output;
+    const auto c = run_shell("DTUNE_DDP_GRAD_COPY=1 " + w.train(2, "copy", args));
     ASSERT_EQ(c.exit_code, 0) << c.output;
+    EXPECT_EQ(c.output.find("no gradient buckets"), std::string::npos) << c.output;
     EXPECT_EQ(max_difference(final_weights(w.out("copy")), final_weights(w.out("add"))), 0.0);
-    // No buckets: each bucket's gradients all-reduced where backward left them.
-    const auto d = run_shell("DTUNE_DDP_GRAD_COPY=direct " + w.train(2, "direct", args));
+    const auto d = run_shell(w.train(2, "direct", args));
     ASSERT_EQ(d.exit_code, 0) << d.output;
-    EXPECT_NE(d.output.find("no gradient buckets"), std::string::npos) << d.output;
+    EXPECT_NE(d.output.find("collectives of up to 100 MiB; no gradient buckets"), std::string::npos)
+        << d.output;
     EXPECT_EQ(max_difference(final_weights(w.out("direct")), final_weights(w.out("add"))), 0.0);
-    // Where direct does not apply, the log says so: ZeRO-2 reduces to each bucket's owner, and
-    // gradient accumulation sums the micro-steps in the buckets.
-    const auto z2 =
-        run_shell("DTUNE_DDP_GRAD_COPY=direct " +
-                  w.train(2, "direct_z2", "--train_batch_size 1 --max_train_steps 1 --zero_stage 2"));
+    // Where direct does not apply, an explicit request says so: ZeRO-2 reduces to each bucket's
+    // owner, and gradient accumulation sums the micro-steps in the buckets.
+    const std::string z2_args = "--train_batch_size 1 --max_train_steps 1 --zero_stage 2";
+    const auto z2 = run_shell("DTUNE_DDP_GRAD_COPY=direct " + w.train(2, "direct_z2", z2_args));
     ASSERT_EQ(z2.exit_code, 0) << z2.output;
     EXPECT_NE(z2.output.find("DTUNE_DDP_GRAD_COPY=direct is for zero_stage 0 and 1"), std::string::npos)
         << z2.output;
     EXPECT_EQ(z2.output.find("no gradient buckets"), std::string::npos) << z2.output;
-    const auto acc = run_shell(
-        "DTUNE_DDP_GRAD_COPY=direct " +
-        w.train(2, "direct_acc", "--train_batch_size 1 --max_train_steps 1 --gradient_accumulation_steps 2"));
+    const auto z2_default = run_shell(w.train(2, "default_z2", z2_args));
+    ASSERT_EQ(z2_default.exit_code, 0) << z2_default.output;
+    EXPECT_EQ(z2_default.output.find("DTUNE_DDP_GRAD_COPY"), std::string::npos) << z2_default.output;
+    EXPECT_EQ(z2_default.output.find("no gradient buckets"), std::string::npos) << z2_default.output;
+    const std::string acc_args = "--train_batch_size 1 --max_train_steps 1 --gradient_accumulation_steps 2";
+    const auto acc = run_shell("DTUNE_DDP_GRAD_COPY=direct " + w.train(2, "direct_acc", acc_args));
     ASSERT_EQ(acc.exit_code, 0) << acc.output;
     EXPECT_NE(acc.output.find("DTUNE_DDP_GRAD_COPY=direct is not used with gradient_accumulation_steps 2"),
               std::string::npos)
         << acc.output;
     EXPECT_EQ(acc.output.find("no gradient buckets"), std::string::npos) << acc.output;
+    const auto acc_default = run_shell(w.train(2, "default_acc", acc_args));
+    ASSERT_EQ(acc_default.exit_code, 0) << acc_default.output;
+    EXPECT_EQ(acc_default.output.find("DTUNE_DDP_GRAD_COPY"), std::string::npos) << acc_default.output;
+    EXPECT_EQ(acc_default.output.find("no gradient buckets"), std::string::npos) << acc_default.output;
     const auto bad = run_shell("DTUNE_DDP_GRAD_COPY=yes " + w.train(2, "bad", "--max_train_steps 1"));
     EXPECT_NE(bad.exit_code, 0);
     EXPECT_NE(bad.output.find("DTUNE_DDP_GRAD_COPY is 'yes'"), std::string::npos) << bad.output;

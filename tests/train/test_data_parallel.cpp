@@ -157,20 +157,28 @@ TEST(DataParallelConfig, FsdpKeysMapOntoZeroStage3) {
             << e.what();
     }
     ::unsetenv("DTUNE_ZERO3_REDUCE_IN_FLIGHT");
-    // The gradient bucket size (a measurement knob): MiB, else DDP's 25.
-    EXPECT_EQ(gradient_bucket_bytes(), std::size_t{25} << 20);
-    ::setenv("DTUNE_BUCKET_MB", "100", 1);
-    EXPECT_EQ(gradient_bucket_bytes(), std::size_t{100} << 20);
+    // The gradient bucket size: MiB, else 100 for the direct all-reduce and DDP's 25 for flat buckets.
+    EXPECT_EQ(gradient_bucket_bytes(GradientHandoff::kDirect), std::size_t{100} << 20);
+    EXPECT_EQ(gradient_bucket_bytes(GradientHandoff::kCopyIn), std::size_t{25} << 20);
+    EXPECT_EQ(gradient_bucket_bytes(GradientHandoff::kInPlace), std::size_t{25} << 20);
+    ::setenv("DTUNE_BUCKET_MB", "50", 1);
+    EXPECT_EQ(gradient_bucket_bytes(GradientHandoff::kDirect), std::size_t{50} << 20);
+    EXPECT_EQ(gradient_bucket_bytes(GradientHandoff::kCopyIn), std::size_t{50} << 20);
     ::setenv("DTUNE_BUCKET_MB", "big", 1);
     try {
-        gradient_bucket_bytes();
+        gradient_bucket_bytes(GradientHandoff::kDirect);
         ADD_FAILURE() << "DTUNE_BUCKET_MB=big accepted";
     } catch (const UsageError& e) {
         EXPECT_NE(std::string(e.what()).find("DTUNE_BUCKET_MB is 'big'"), std::string::npos) << e.what();
     }
     ::unsetenv("DTUNE_BUCKET_MB");
-    // Gradients copied into the buckets unless DTUNE_DDP_GRAD_COPY=0 (the in-place adds) or direct.
+    // Gradients all-reduced where backward left them unless DTUNE_DDP_GRAD_COPY=1 (copied into the
+    // buckets) or 0 (the in-place adds); only a set variable counts as named.
+    EXPECT_EQ(gradient_handoff_requested(), GradientHandoff::kDirect);
+    EXPECT_FALSE(gradient_handoff_named());
+    ::setenv("DTUNE_DDP_GRAD_COPY", "1", 1);
     EXPECT_EQ(gradient_handoff_requested(), GradientHandoff::kCopyIn);
+    EXPECT_TRUE(gradient_handoff_named());
     ::setenv("DTUNE_DDP_GRAD_COPY", "0", 1);
     EXPECT_EQ(gradient_handoff_requested(), GradientHandoff::kInPlace);
     ::setenv("DTUNE_DDP_GRAD_COPY", "direct", 1);
