@@ -45,6 +45,9 @@ GradReducer::GradReducer(Group& group, std::vector<at::Tensor> params, ReducerOp
     if (!current.empty()) close_bucket();
 
     flats_.assign(buckets_.size(), at::Tensor());
+    staged_.assign(buckets_.size(), 0);
+    slot_bucket_.assign(options.staging_slots, -1);
+    slots_.assign(options.staging_slots, at::Tensor());
     if (group_.world_size() <= 1) return;  // one process: autograd keeps its own gradients
     owns_ = true;
     bucket_of_.assign(params_.size(), 0);
@@ -56,6 +59,12 @@ GradReducer::GradReducer(Group& group, std::vector<at::Tensor> params, ReducerOp
             bucket_of_[k] = b;
             offset_[k] = bucket_numel_[b];
             bucket_numel_[b] += params_[k].numel();
+        }
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+        if (!persistent(b)) {
+            const long numel = bucket_numel_[b] + static_cast<long>(buckets_[b].size());
+            slot_bytes_ =
+                std::max(slot_bytes_, numel * static_cast<long>(params_[buckets_[b][0]].element_size()));
         }
     used_.assign(params_.size(), 0);
     fired_.assign(params_.size(), 0);
@@ -97,6 +106,62 @@ void GradReducer::materialise(std::size_t b) {
     const at::Tensor& first = params_[buckets_[b][0]];
     const long flags = static_cast<long>(buckets_[b].size());
     flats_[b] = at::zeros({bucket_numel_[b] + flags}, first.options());
+    install_views(b);
+}
+
+// ZeRO-2, another rank's bucket in the armed backward: a free staging slot, else the slot of the
+// earliest launched bucket once its reduce has finished (a wait on the device stream); fresh memory
+// when every slot holds a bucket still filling. Zeroed, then the views installed as materialise().
+void GradReducer::stage(std::size_t b) {
+    long pick = -1;
+    for (std::size_t s = 0; s < slots_.size() && pick < 0; ++s)
+        if (slot_bucket_[s] < 0) pick = static_cast<long>(s);
+    if (pick < 0) {
+        for (std::size_t s = 0; s < slots_.size(); ++s) {
+            const long held = slot_bucket_[s];
+            if (launched_[static_cast<std::size_t>(held)] &&
+                (pick < 0 || held < slot_bucket_[static_cast<std::size_t>(pick)]))
+                pick = static_cast<long>(s);
+        }
+        if (pick < 0) return materialise(b);
+        drop_foreign(static_cast<std::size_t>(slot_bucket_[static_cast<std::size_t>(pick)]));
+        ++released_early_;
+    }
+    const auto slot = static_cast<std::size_t>(pick);
+    const at::Tensor& first = params_[buckets_[b][0]];
+    if (!slots_[slot].defined()) slots_[slot] = at::empty({slot_bytes_}, first.options().dtype(at::kByte));
+    const long numel = bucket_numel_[b] + static_cast<long>(buckets_[b].size());
+    flats_[b] =
+        slots_[slot].narrow(0, 0, numel * static_cast<long>(first.element_size())).view(first.scalar_type());
+    flats_[b].zero_();
+    slot_bucket_[slot] = static_cast<long>(b);
+    staged_[b] = 1;
+    install_views(b);
+}
+
+// ZeRO-2: another rank's bucket leaves this rank: its reduce waited for (on the device stream), its
+// memory (fresh, or a staging slot) no longer referenced here. Its parameters' grads went at launch.
+void GradReducer::drop_foreign(std::size_t b) {
+    if (works_[b]) {
+        works_[b]->wait();
+        works_[b].reset();
+    }
+    flats_[b] = at::Tensor();
+    for (std::size_t k : buckets_[b]) views_[k] = at::Tensor();
+    if (staged_[b])
+        for (auto& held : slot_bucket_)
+            if (held == static_cast<long>(b)) held = -1;
+    staged_[b] = 0;
+}
+
+std::size_t GradReducer::staging_bytes() const {
+    std::size_t bytes = 0;
+    for (const auto& s : slots_)
+        if (s.defined()) bytes += static_cast<std::size_t>(s.numel());
+    return bytes;
+}
+
+void GradReducer::install_views(std::size_t b) {
     for (std::size_t k : buckets_[b]) {
         at::Tensor& p = params_[k];
         views_[k] = flats_[b].slice(0, offset_[k], offset_[k] + p.numel()).view(p.sizes());
@@ -169,7 +234,12 @@ void GradReducer::launch_direct(std::size_t b) {
 void GradReducer::launch(std::size_t b) {
     at::NoGradGuard no_grad;
     if (direct_) return launch_direct(b);
-    if (!flats_[b].defined()) materialise(b);  // ZeRO-2: no gradient of this bucket arrived here
+    if (!flats_[b].defined()) {  // ZeRO-2: no gradient of this bucket arrived here
+        if (armed_ && !persistent(b))
+            stage(b);
+        else
+            materialise(b);
+    }
     const auto& bucket = buckets_[b];
     for (std::size_t k : bucket) adopt_grad(k);
     at::Tensor flags = flats_[b].slice(0, bucket_numel_[b]);  // behind the gradients
@@ -189,26 +259,13 @@ void GradReducer::launch(std::size_t b) {
     works_[b] = group_.reduce_sum_async(flats_[b], bucket_owner_[b]);
 }
 
-// ZeRO-2, from the hooks: frees other ranks' buckets whose reduce has finished, in launch order
-// (stops at the first one still in flight).
-void GradReducer::release_finished() {
-    for (; next_release_ < next_launch_; ++next_release_) {
-        const std::size_t b = next_release_;
-        if (persistent(b)) continue;  // kept: this rank's own gradients
-        if (!works_[b]->ready()) break;
-        works_[b].reset();
-        flats_[b] = at::Tensor();
-        for (std::size_t k : buckets_[b]) views_[k] = at::Tensor();
-        ++released_early_;
-    }
-}
-
 // Caller holds mutex_ (or no hook can run yet).
 void GradReducer::reset_round() {
     armed_ = false;
     next_launch_ = 0;
-    next_release_ = 0;
     released_early_ = 0;
+    std::fill(slot_bucket_.begin(), slot_bucket_.end(), -1);
+    std::fill(staged_.begin(), staged_.end(), 0);
     std::fill(used_.begin(), used_.end(), 0);
     std::fill(fired_.begin(), fired_.end(), 0);
     std::fill(launched_.begin(), launched_.end(), 0);
@@ -236,7 +293,10 @@ void GradReducer::on_grad_arriving(std::size_t k) {
     const std::size_t b = bucket_of_[k];
     if (flats_[b].defined() || launched_[b]) return;
     at::NoGradGuard no_grad;
-    materialise(b);
+    if (armed_)
+        stage(b);
+    else
+        materialise(b);
 }
 
 void GradReducer::on_grad_ready(std::size_t k) {
@@ -253,7 +313,6 @@ void GradReducer::on_grad_ready(std::size_t k) {
         launch(next_launch_++);
         ++hook_launches_;
     }
-    if (sharded()) release_finished();
 }
 
 // After the waits: a parameter no rank used loses its grad. Read back only for kept buckets where
@@ -297,13 +356,12 @@ void GradReducer::reduce() {
     const long n_ranks = group_.world_size();
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
         if (!works_[b]) continue;  // ZeRO-2: another rank's bucket, already released
-        works_[b]->wait();
-        works_[b].reset();
-        if (!persistent(b)) {  // the owner has the sum; nothing of it stays here
-            flats_[b] = at::Tensor();
-            for (std::size_t k : buckets_[b]) views_[k] = at::Tensor();
+        if (!persistent(b)) {      // the owner has the sum; nothing of it stays here
+            drop_foreign(b);
             continue;
         }
+        works_[b]->wait();
+        works_[b].reset();
         if (averaged_) continue;
         if (!direct_) {
             flats_[b].slice(0, 0, bucket_numel_[b]).div_(n_ranks);  // the mean, in place
@@ -381,6 +439,15 @@ void GradReducer::abandon_round() {
     if (!owns_) return;
     std::lock_guard lock(mutex_);
     const std::vector<char> used = used_;
+    // A staging slot holds what the broken-off capture recorded, never computed: gone, as at launch.
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+        if (staged_[b]) {
+            flats_[b] = at::Tensor();
+            for (std::size_t k : buckets_[b]) {
+                views_[k] = at::Tensor();
+                params_[k].mutable_grad() = at::Tensor();
+            }
+        }
     reset_round();
     used_ = used;
     for (std::size_t k = 0; k < params_.size(); ++k) {
@@ -404,6 +471,7 @@ void GradReducer::release_gradients() {
     flats_.assign(buckets_.size(), at::Tensor());
     views_.assign(params_.size(), at::Tensor());
     flags_.clear();
+    std::fill(slots_.begin(), slots_.end(), at::Tensor());
     direct_ = false;
     reset_round();
 }

@@ -25,10 +25,15 @@
 //
 // ZeRO-2 (ReducerOptions::owners set): each bucket holds the parameters of one owner rank only and
 // is reduced (summed) to that rank instead of all-reduced. The owner's buckets are persistent; a
-// bucket another rank owns is allocated when its first gradient arrives (a pre-accumulation hook
-// installs the views, so autograd still writes straight into it), its gradients are dropped from
-// the parameters when it is launched, and it is freed as soon as its reduce has finished (checked
-// from the hooks while backward runs), so its memory comes back before backward ends.
+// bucket another rank owns gets its memory when its first gradient arrives (a pre-accumulation hook
+// installs the views, so autograd still writes straight into it), and its gradients are dropped
+// from the parameters when it is launched. In the armed backward that memory is one of a few
+// persistent staging slots (ReducerOptions::staging_slots): a slot is taken over from the earliest
+// launched bucket it holds once that bucket's reduce has finished, by a wait on the device stream
+// (no host poll), so other ranks' gradients take at most staging_slots buckets of memory, at the
+// same addresses every step, and the round can be captured in a CUDA graph. A bucket that finds
+// every slot still filling, and every bucket outside the armed backward (accumulation micro-steps,
+// no overlap), gets fresh memory, freed after its reduce.
 //
 // ZeroPartition (ZeRO-1/2): each parameter belongs to one rank, which alone keeps its optimizer
 // state and updates it; sync_parameters() then copies every parameter from its owner in flat
@@ -56,6 +61,8 @@ struct ReducerOptions {
     // every rank keeps every gradient (all-reduce). Contiguous runs make few buckets (see
     // ZeroLayout::kContiguous).
     std::vector<int> owners;
+    // ZeRO-2: staging slots for other ranks' buckets in the armed backward (see above).
+    std::size_t staging_slots = 4;
 };
 
 class GradReducer {
@@ -109,8 +116,11 @@ class GradReducer {
     // Bucket `b`'s flat tensor, [gradients | one used flag per parameter]; undefined for a ZeRO-2
     // bucket of another rank outside backward (tests).
     const at::Tensor& bucket_tensor(std::size_t b) const { return flats_[b]; }
-    // ZeRO-2: buckets of other ranks dropped while backward ran, in the last reduce() (tests, logs).
+    // ZeRO-2: buckets of other ranks dropped while backward ran (their staging slot taken over),
+    // in the last reduce() (tests, logs).
     std::size_t released_early() const { return last_released_early_; }
+    // ZeRO-2: bytes of the staging slots allocated so far (tests, logs).
+    std::size_t staging_bytes() const;
     // Used-count reads back to the host in the last reduce(): 0 when this rank used every
     // parameter of its kept buckets, else 1 (tests).
     std::size_t host_reads() const { return last_host_reads_; }
@@ -119,10 +129,12 @@ class GradReducer {
     bool sharded() const { return !bucket_owner_.empty(); }
     bool persistent(std::size_t b) const { return !sharded() || bucket_owner_[b] == group_.rank(); }
     void materialise(std::size_t b);
+    void install_views(std::size_t b);
+    void stage(std::size_t b);
+    void drop_foreign(std::size_t b);
     void adopt_grad(std::size_t k);
     void launch_direct(std::size_t bucket);
     void fill_used_flags(std::size_t bucket, at::Tensor& flags);
-    void release_finished();
     void resolve_unused();
     void remove_hooks();
 
@@ -141,6 +153,10 @@ class GradReducer {
     std::vector<at::Tensor> views_;  // per parameter: its gradient's view (undefined: bucket absent)
     std::vector<at::Tensor> flats_;  // per bucket: [numel + n] (ZeRO-2 foreign: while in use only)
     std::vector<std::pair<std::size_t, unsigned>> pre_hooks_;  // ZeRO-2: (parameter, hook position)
+    std::vector<at::Tensor> slots_;  // ZeRO-2: staging slots (bytes), allocated on first use
+    std::vector<long> slot_bucket_;  // per slot: the bucket it holds this round, -1 for none
+    std::vector<char> staged_;       // per bucket: its flat is a staging slot this round
+    long slot_bytes_ = 0;            // the largest foreign bucket, gradients and flags
     bool owns_ = false;
     bool copy_in_ = false;
     bool direct_ = false;
@@ -155,7 +171,6 @@ class GradReducer {
     std::vector<std::size_t> remaining_;  // per bucket: parameters not ready yet
     std::vector<char> launched_;          // per bucket: its collective was started this round
     std::size_t next_launch_ = 0;
-    std::size_t next_release_ = 0;  // ZeRO-2: the first launched bucket not yet checked for release
     std::vector<std::unique_ptr<Pending>> works_;
     std::string twice_;  // a parameter whose hook fired twice this round
     std::size_t hook_launches_ = 0, last_overlapped_ = 0;

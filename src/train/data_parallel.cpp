@@ -288,7 +288,7 @@ void DataParallel::all_reduce_gradients_capturable(const std::vector<at::Tensor>
 }
 
 bool DataParallel::graph_reduces_in_buckets() const {
-    return graph_reducer_allowed_ && reducer_ && reducer_->owns_gradients() && zero_stage_ <= 1;
+    return graph_reducer_allowed_ && reducer_ && reducer_->owns_gradients() && zero_stage_ <= 2;
 }
 
 void DataParallel::zero_gradients_in_step() {

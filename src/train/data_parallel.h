@@ -178,13 +178,14 @@ class DataParallel {
     // all-reduce per 64 MB of `params`' gradients, no overlap with backward. The fallback of the
     // graphed step when graph_reduces_in_buckets() is false.
     void all_reduce_gradients_capturable(const std::vector<at::Tensor>& params);
-    // The graphed data-parallel step (zero_stage 0 or 1, several ranks) keeps the reducer: the grads are
-    // views of its persistent buckets (static addresses, so a graph can hold them), the armed
-    // backward's hooks launch each bucket's all-reduce as soon as it is final (captured with the
-    // rest, so the collectives overlap the backward on every replay), and the step zeroes the
-    // buckets in place at its end (zero_gradients_in_step). ZeRO-1 the same (its parameter
-    // broadcasts run in after_step, after the replay). False with one process, with ZeRO-2/3, or
-    // with DTUNE_GRAPH_REDUCER=0 (then: all_reduce_gradients_capturable after backward).
+    // The graphed data-parallel step (zero_stage 0, 1 or 2, several ranks) keeps the reducer: the
+    // gradients sit at static addresses (autograd's, the reducer's buckets or, ZeRO-2, its staging
+    // slots for other ranks' buckets), the armed backward's hooks launch each bucket's collective as
+    // soon as it is final (captured with the rest, so the collectives overlap the backward on every
+    // replay), and the step clears the gradients at its end (zero_gradients_in_step). ZeRO-1/2 the
+    // same (their parameter broadcasts run in after_step, after the replay). False with one process,
+    // with ZeRO-3, or with DTUNE_GRAPH_REDUCER=0 (then: all_reduce_gradients_capturable after
+    // backward; cuda_graph_blocker keeps ZeRO-2 eager there).
     bool graph_reduces_in_buckets() const;
     // Called by the graphed step after its optimizer step (inside the capture): the buckets zeroed
     // in place and the grads views of them again. From then on after_step() leaves the gradients
@@ -203,8 +204,14 @@ class DataParallel {
     // global norm of all gradients, returned (undefined when no parameter has a gradient). ZeRO-2:
     // each rank holds only its own gradients, so the per-parameter norms are summed over the
     // ranks (one all-reduce of [2, N]) and the norm is taken over the same vector an unsharded run
-    // would stack, so it is bit-identical to one. max_norm <= 0: measure only.
+    // would stack, so it is bit-identical to one. max_norm <= 0: measure only. With
+    // set_step_graphed(true) no step reads back to the host: the positions of this rank's gradients
+    // go to the device once per change of their pattern (before the capture, in the warm-up steps),
+    // and the norm is taken over every parameter's entry (a graph gives every parameter a gradient,
+    // so that is the same vector).
     at::Tensor clip_grad_norm_async(const std::vector<at::Tensor>& params, double max_norm);
+    // The step runs as a CUDA graph (Trainer::init_graph): clip_grad_norm_async stays on the device.
+    void set_step_graphed(bool on) { step_graphed_ = on; }
     // fp16: whether the gradients of any rank overflowed. ZeRO-2 all-reduces `local` (each rank saw
     // only its shard); otherwise every rank holds the same gradients and `local` is returned.
     bool gradients_overflowed(bool local);
@@ -259,6 +266,9 @@ class DataParallel {
     bool sharded_base_only_ = false;  // attach_sharded_base: zero3_ holds a frozen base
     std::vector<at::Tensor> params_;
     bool shard_reported_ = false;
+    bool step_graphed_ = false;
+    std::vector<long> clip_index_;  // ZeRO-2 clip: positions of this rank's gradients, and on the device
+    at::Tensor clip_index_device_;
     bool failed_ = false;  // report_failure() ran: end with abort(), not a normal shutdown
     // zero_gradients_in_step() ran: the graphed step zeroes the gradients, after_step() leaves them.
     bool step_clears_gradients_ = false;

@@ -33,13 +33,17 @@ at::Tensor DataParallel::clip_grad_norm_async(const std::vector<at::Tensor>& par
     if (!grads.empty()) {
         std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
         for (auto& v : norms) v = v.to(device_, at::kFloat);
-        const auto at_index = at::tensor(index, at::TensorOptions().dtype(at::kLong)).to(device_);
-        table[0].index_copy_(0, at_index, at::stack(norms));  // [G] into [N]
-        table[1].index_fill_(0, at_index, 1.0);
+        if (index != clip_index_ || !clip_index_device_.defined()) {  // an upload: not inside a capture
+            clip_index_ = index;
+            clip_index_device_ = at::tensor(index, at::TensorOptions().dtype(at::kLong)).to(device_);
+        }
+        table[0].index_copy_(0, clip_index_device_, at::stack(norms));  // [G] into [N]
+        table[1].index_fill_(0, clip_index_device_, 1.0);
     }
     group_->all_reduce_sum_(table);
-    // The same [G] vector, in the same order, that clip_grad_norm_async stacks unsharded.
-    const at::Tensor held = table[0].masked_select(table[1] > 0.5);  // [G]
+    // The same [G] vector, in the same order, that clip_grad_norm_async stacks unsharded. A graphed
+    // step gives every parameter a gradient: all N entries, with no data-dependent size to read back.
+    const at::Tensor held = step_graphed_ ? table[0] : table[0].masked_select(table[1] > 0.5);  // [G]
     if (held.numel() == 0) return {};
     const at::Tensor total = at::linalg_vector_norm(held, 2);
     if (max_norm <= 0 || grads.empty()) return total;

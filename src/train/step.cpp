@@ -391,7 +391,7 @@ StepTensors optimizer_step_async(family::Denoiser& model, const TrainBatch& batc
     if (hooks.after_backward) hooks.after_backward();
     StepTensors out;
     out.loss = loss;
-    out.grad_norm = clip_gradients(params, max_grad_norm, options.clip_by_value, {}, &optimizer);
+    out.grad_norm = clip_gradients(params, max_grad_norm, options.clip_by_value, hooks.clip_norm, &optimizer);
     optimizer.step();
     optimizer.zero_grad();
     if (hooks.clear_gradients) hooks.clear_gradients();

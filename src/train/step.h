@@ -136,6 +136,9 @@ struct StepHooks {
     // collectives the capture recorded and the reducer's round state, but keep the gradients summed
     // so far (the step goes on eagerly from there).
     std::function<void()> abandon_reduction;
+    // Clipping by norm (and measuring it) after the reduction; unset: clip_grad_norm_async over
+    // `params`. Data parallel: DataParallel::clip_grad_norm_async (ZeRO-2: over every rank's shard).
+    std::function<at::Tensor(const std::vector<at::Tensor>& params, double max_norm)> clip_norm;
 };
 
 // Forward of one micro-batch: loss = per-sample loss averaged over the batch. A regularisation

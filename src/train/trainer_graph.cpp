@@ -38,13 +38,34 @@ std::string cuda_graph_blocker(
     const std::string fix = "; otherwise the run trains without CUDA graphs";
     if (!device.is_cuda()) return str("device is ", device.str(), " (CUDA graphs need a CUDA device)");
     // zero_stage 1 graphs like 0 (the same all-reduce; the optimizer updates this rank's share and
-    // the parameter broadcasts follow the replay); 2 and 3 reduce into per-owner or per-unit
-    // buffers allocated and freed while backward runs.
-    if (world_size > 1 && zero_stage > 1)
+    // the parameter broadcasts follow the replay). zero_stage 2 likewise, its other ranks' buckets
+    // in the reducer's staging slots (static addresses; dist::GradReducer), with one micro-step a
+    // step (accumulation sums whole gradients across micro-step graphs, which would have to stay
+    // allocated), no fp16 (whether any rank's shard overflowed is agreed on the host) and the
+    // bucketed reduction (DTUNE_GRAPH_REDUCER=0's flat all-reduce is not sharded). 3 gathers and
+    // frees every block's parameters during the step.
+    if (world_size > 1 && zero_stage > 2)
         return str("zero_stage is ", zero_stage, " with ", world_size,
-                   " ranks (its gradient buffers come and go during backward, which a graph cannot "
-                   "hold; zero_stage 0 and 1 graph the data-parallel step",
+                   " ranks (its parameters are gathered and freed block by block during the step, which a "
+                   "graph cannot hold; zero_stage 0, 1 and 2 graph the data-parallel step",
                    fix, ")");
+    if (world_size > 1 && zero_stage == 2) {
+        const std::string why = str("zero_stage is 2 with ", world_size, " ranks and ");
+        const int64_t accumulation = c.integer("gradient_accumulation_steps");
+        if (accumulation > 1)
+            return str(why, "gradient_accumulation_steps ", accumulation,
+                       " (its micro-steps hold whole gradients across graphs; zero_stage 1 graphs with "
+                       "accumulation",
+                       fix, ")");
+        if (c.text("mixed_precision") == "fp16")
+            return str(why,
+                       "mixed_precision fp16 (whether any rank's gradient shard overflowed is agreed on "
+                       "the host; use bf16, or zero_stage 1",
+                       fix, ")");
+        const char* reducer = std::getenv("DTUNE_GRAPH_REDUCER");
+        if (reducer && std::string(reducer) == "0")
+            return str(why, "DTUNE_GRAPH_REDUCER=0 (its flat all-reduce is not sharded", fix, ")");
+    }
     if (resolve_offload_optimizer(c))
         return "offload_optimizer_device is cpu (the optimizer step runs on the host between two waits for "
                "the GPU; set it to none" +
@@ -107,6 +128,7 @@ void Trainer::init_graph() {
     const char* env = std::getenv("DTUNE_CUDA_GRAPH_WARMUP");
     const int warmup = env && *env ? std::max(1, std::atoi(env)) : 2;
     graph_ = std::make_unique<GraphedStep>(warmup);
+    dp_->set_step_graphed(true);
     graph_->set_lr_on_device(true);
     step_options_.device_rng = true;
     // Noise and timesteps come from the device's generator: seed it from the run seed, unless a
@@ -166,6 +188,10 @@ StepScalars Trainer::train_graphed_step(double lr) {
     } else if (world_size() > 1) {
         hooks.after_backward = [this, &params] { dp_->all_reduce_gradients_capturable(params); };
     }
+    // The norm clip over the reducer's result: ZeRO-2's over every rank's shard (one all-reduce).
+    hooks.clip_norm = [this](const std::vector<at::Tensor>& p, double max_norm) {
+        return dp_->clip_grad_norm_async(p, max_norm);
+    };
     graph_->set_caller_gradients(buckets);
     if (scaler_) {
         // fp16: backward on loss · scale, the gradients unscaled (found_inf set) after the reduction

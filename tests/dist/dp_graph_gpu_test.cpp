@@ -7,7 +7,8 @@
 // a capture), against one process on one GPU with the global batch (the device draws are made for
 // the global batch, each rank keeping its rows), and against the graph's former flat all-reduce
 // after backward (DTUNE_GRAPH_REDUCER=0), and ZeRO-1's graphed step (the same all-reduce, each rank
-// updating its share, the broadcasts after the replay), and the gradients copied into flat buckets
+// updating its share, the broadcasts after the replay), ZeRO-2's (each bucket reduced to its owner,
+// other ranks' buckets in staging slots), and the gradients copied into flat buckets
 // (DTUNE_DDP_GRAD_COPY=1). The tolerance covers float summation order.
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
@@ -73,6 +74,15 @@ TEST(DataParallelGraphGpu, TwoRanksCaptureTheOverlappedAllReduceAndEqualOneGpu) 
                                  w.train(2, "zero1", common + "--train_batch_size 1 --zero_stage 1"));
     ASSERT_EQ(zero1.exit_code, 0) << zero1.output;
     EXPECT_TRUE(contains(zero1.output, "cuda_graph: captured the step")) << zero1.output;
+    // ZeRO-2: each bucket reduced to its owner, other ranks' buckets in the reducer's staging
+    // slots, the norm clip over every rank's shard; all captured.
+    const auto zero2 = run_shell(env + "DTUNE_CUDA_GRAPH_WARMUP=2 " +
+                                 w.train(2, "zero2", common + "--train_batch_size 1 --zero_stage 2"));
+    ASSERT_EQ(zero2.exit_code, 0) << zero2.output;
+    EXPECT_TRUE(contains(zero2.output, "cuda_graph: captured the step")) << zero2.output;
+    EXPECT_FALSE(contains(zero2.output, "training eagerly")) << zero2.output;
+    EXPECT_FALSE(contains(zero2.output, "capture failed")) << zero2.output;
+    EXPECT_EQ(last_metrics_row(w.out("zero2")).value("graph_replays", -1), 8);
     // The gradients copied into flat buckets, whose all-reduce is captured likewise.
     const auto copy = run_shell(env + "DTUNE_CUDA_GRAPH_WARMUP=2 DTUNE_DDP_GRAD_COPY=1 " +
                                 w.train(2, "copy", common + "--train_batch_size 1"));
@@ -90,6 +100,7 @@ TEST(DataParallelGraphGpu, TwoRanksCaptureTheOverlappedAllReduceAndEqualOneGpu) 
     const double vs_one = max_difference(g, final_weights(w.out("one")));
     const double vs_zero1 = max_difference(g, final_weights(w.out("zero1")));
     const double vs_copy = max_difference(g, final_weights(w.out("copy")));
+    const double vs_zero2 = max_difference(g, final_weights(w.out("zero2")));
     // The weights must have moved far beyond the tolerance (10 AdamW steps of 1e-3).
     std::map<std::string, at::Tensor> initial;
     for (auto& [k, v] : io::load_safetensors(test::fixtures_dir() / "tiny-sdxl" / "unet" /
@@ -98,13 +109,14 @@ TEST(DataParallelGraphGpu, TwoRanksCaptureTheOverlappedAllReduceAndEqualOneGpu) 
     const double moved = max_difference(g, initial);
     std::printf(
         "graphed 2 GPUs vs eager %.3g, vs flat all-reduce %.3g, vs 1 GPU batch 2 %.3g, vs ZeRO-1 %.3g, "
-        "vs copied into buckets %.3g; moved %.3g\n",
-        vs_eager, vs_flat, vs_one, vs_zero1, vs_copy, moved);
+        "vs ZeRO-2 %.3g, vs copied into buckets %.3g; moved %.3g\n",
+        vs_eager, vs_flat, vs_one, vs_zero1, vs_zero2, vs_copy, moved);
     EXPECT_GT(moved, 1e-3);
     EXPECT_LE(vs_eager, 2e-5 + 2e-3 * moved);
     EXPECT_LE(vs_flat, 2e-5 + 2e-3 * moved);
     EXPECT_LE(vs_one, 2e-5 + 2e-3 * moved);
     EXPECT_LE(vs_zero1, 2e-5 + 2e-3 * moved);
+    EXPECT_LE(vs_zero2, 2e-5 + 2e-3 * moved);
     EXPECT_LE(vs_copy, 2e-5 + 2e-3 * moved);
 }
 

@@ -127,12 +127,14 @@ std::vector<at::Tensor> reference(int world) {
 // How backward's gradients reach the collective: in-place adds into the buckets, copy-in, direct.
 enum class Handoff { kInPlace, kCopyIn, kDirect };
 
-std::vector<at::Tensor> data_parallel(Group& g, int stage, bool overlap,
-                                      Handoff handoff = Handoff::kInPlace) {
+// ZeRO-2: `slots` staging slots for other ranks' buckets in the armed backward.
+std::vector<at::Tensor> data_parallel(Group& g, int stage, bool overlap, Handoff handoff = Handoff::kInPlace,
+                                      std::size_t slots = 4) {
     const int world = g.world_size();
     auto p = make_params();
     ZeroPartition partition(p, world, stage == 2 ? ZeroLayout::kContiguous : ZeroLayout::kGreedy);
     ReducerOptions options{64};  // bytes: several buckets
+    options.staging_slots = slots;
     if (stage == 2) options.owners = partition.owners();
     GradReducer reducer(g, p, options);
     if (overlap) reducer.enable_overlap();
@@ -177,6 +179,16 @@ TEST(GradReducerZero, ZeroStagesOnTwoAndThreeRanksEqualOneProcessBitForBit) {
                             << (got[i] - expected[i]).abs().max().item<float>();
                 });
             }
+        // ZeRO-2 with one staging slot (each foreign bucket waits for the previous one's reduce, or
+        // gets fresh memory while that one still fills) and with two.
+        for (std::size_t slots : {1, 2})
+            on_ranks(world, [&](Group& g) {
+                const auto got = data_parallel(g, 2, true, Handoff::kInPlace, slots);
+                for (std::size_t i = 0; i < got.size(); ++i)
+                    EXPECT_TRUE(at::equal(got[i], expected[i]))
+                        << world << " ranks, ZeRO 2 overlap, " << slots << " staging slots: parameter #" << i
+                        << " on rank " << g.rank();
+            });
         // Copy-in and direct (ZeRO-0/1; ZeRO-2 ignores them): autograd's gradients, summed over the
         // micro-steps by autograd, copied into the buckets at launch or all-reduced where they lie.
         for (Handoff handoff : {Handoff::kCopyIn, Handoff::kDirect})
@@ -329,6 +341,54 @@ TEST(GradReducer, ZeroTwoKeepsOwnBucketsAndReleasesOthers) {
                 EXPECT_EQ(now, own) << "rank " << g.rank() << "'s buckets moved";
             }
             own = now;
+            reducer.zero_grad();
+        }
+    });
+}
+
+// A chain x·W0·W1·…·W11 hands backward's gradients over in bucket order (W11 first), so each rank's
+// six buckets of the other rank's weights pass through two staging slots: a slot is taken over from
+// the earliest launched bucket once its reduce has finished, four times a step, the two slots are
+// allocated once, and the owners' sums are those of one process over both ranks' rows.
+TEST(GradReducer, ZeroTwoStagesOtherRanksBucketsInAFewSlots) {
+    on_ranks(2, [](Group& g) {
+        auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
+        std::vector<at::Tensor> p;
+        for (int i = 0; i < 12; ++i)
+            p.push_back((at::eye(4) + 0.25 * at::randn({4, 4}, gen)).set_requires_grad(true));
+        ZeroPartition partition(p, 2, ZeroLayout::kContiguous);
+        ReducerOptions options{64};  // one 4x4 float32 weight per bucket
+        options.owners = partition.owners();
+        options.staging_slots = 2;
+        GradReducer reducer(g, p, options);
+        ASSERT_EQ(reducer.buckets().size(), p.size());
+        reducer.enable_overlap();
+        auto rows = [](int rank, int step) {
+            auto r = at::make_generator<at::CPUGeneratorImpl>(20 + 2 * step + rank);
+            return at::randint(-2, 3, {2, 4}, r).to(at::kFloat);
+        };
+        auto loss = [](const std::vector<at::Tensor>& w, const at::Tensor& x) {
+            at::Tensor y = x;
+            for (const auto& t : w) y = at::matmul(y, t);
+            return y.sum();
+        };
+        for (int step = 0; step < 2; ++step) {
+            reducer.arm();
+            loss(p, rows(g.rank(), step)).backward();
+            reducer.reduce();
+            std::vector<at::Tensor> q;
+            for (const auto& t : p) q.push_back(t.detach().clone().set_requires_grad(true));
+            (loss(q, rows(0, step)) + loss(q, rows(1, step))).backward();
+            for (std::size_t i = 0; i < p.size(); ++i) {
+                const bool mine = partition.owner(i) == g.rank();
+                ASSERT_EQ(p[i].grad().defined(), mine) << "weight " << i << " on rank " << g.rank();
+                if (mine) {
+                    EXPECT_TRUE(at::allclose(p[i].grad(), q[i].grad() / 2, 1e-5, 1e-5))
+                        << "weight " << i << " on rank " << g.rank();
+                }
+            }
+            EXPECT_EQ(reducer.released_early(), 4u) << "rank " << g.rank();
+            EXPECT_EQ(reducer.staging_bytes(), 2u * (16 + 1) * sizeof(float)) << "rank " << g.rank();
             reducer.zero_grad();
         }
     });

@@ -113,9 +113,23 @@ TEST(CudaGraphConditions, NamesTheFirstUnmetCondition) {
               "");
     EXPECT_EQ(
         cuda_graph_blocker(graph_friendly(dir.path(), {{"gradient_accumulation_steps", 3}}), cuda, 2, 1), "");
-    // ZeRO-1 graphs (the same all-reduce; broadcasts after the replay); ZeRO-2/3 do not.
+    // ZeRO-1 graphs (the same all-reduce; broadcasts after the replay); ZeRO-2 too (other ranks'
+    // buckets in staging slots), but not with accumulation, fp16 or the flat all-reduce; ZeRO-3 not.
     EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 2, 1), "");
-    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 2, 2).rfind("zero_stage is 2", 0), 0u);
+    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 2, 2), "");
+    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path(), {{"gradient_accumulation_steps", 2}}), cuda, 2, 2)
+                  .rfind("zero_stage is 2 with 2 ranks and gradient_accumulation_steps 2", 0),
+              0u);
+    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path(), {{"mixed_precision", "fp16"}}), cuda, 2, 2)
+                  .rfind("zero_stage is 2 with 2 ranks and mixed_precision fp16", 0),
+              0u);
+    ::setenv("DTUNE_GRAPH_REDUCER", "0", 1);
+    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 2, 2)
+                  .rfind("zero_stage is 2 with 2 ranks and DTUNE_GRAPH_REDUCER=0", 0),
+              0u);
+    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 2, 1), "");
+    ::unsetenv("DTUNE_GRAPH_REDUCER");
+    EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 1, 2), "");  // one rank: no sharding
     EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 4, 3).rfind("zero_stage is 3", 0), 0u);
     EXPECT_EQ(cuda_graph_blocker(graph_friendly(dir.path()), cuda, 1, 1), "");  // one rank: no sharding
     EXPECT_EQ(
