@@ -88,6 +88,11 @@ class SingleGroup final : public Group {
     std::unique_ptr<Pending> reduce_sum_async(at::Tensor& tensor, int) override {
         return all_reduce_sum_async(tensor);
     }
+    std::unique_ptr<Pending> reduce_coalesced_async(std::vector<at::Tensor>& tensors, int, bool,
+                                                    bool& averaged) override {
+        averaged = true;  // one rank: the sum is the mean
+        return all_reduce_sum_async(tensors.front());
+    }
     void broadcast_(at::Tensor&, int) override {}
     std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override { return {tensor.clone()}; }
     std::unique_ptr<Pending> all_gather_into_async(at::Tensor& out, const at::Tensor& shard) override {
@@ -192,6 +197,42 @@ class C10dGroup final : public Group {
         opts.reduceOp = c10d::ReduceOp::SUM;
         opts.rootRank = root;
         return std::make_unique<WorkPending>(*this, backend_->reduce(tensors, opts));
+    }
+    std::unique_ptr<Pending> reduce_coalesced_async(std::vector<at::Tensor>& tensors, int root, bool average,
+                                                    bool& averaged) override {
+        check_open();
+        Trace trace(rank(), "reduce_coalesced", &tensors.front());
+        c10d::ReduceOptions opts;
+        opts.rootRank = root;
+        if (name_ != std::string("nccl")) {  // Gloo: one reduce each, waited for in order
+            struct All final : Pending {
+                std::vector<std::unique_ptr<Pending>> parts;
+                void wait() override {
+                    for (auto& p : parts) p->wait();
+                }
+                bool ready() override {
+                    for (auto& p : parts)
+                        if (!p->ready()) return false;
+                    return true;
+                }
+            };
+            auto all = std::make_unique<All>();
+            opts.reduceOp = c10d::ReduceOp::SUM;
+            for (auto& t : tensors) {
+                std::vector<at::Tensor> one{t};
+                all->parts.push_back(std::make_unique<WorkPending>(*this, backend_->reduce(one, opts)));
+            }
+            averaged = false;
+            return all;
+        }
+        opts.reduceOp = average ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+        backend_->startCoalescing();
+        for (auto& t : tensors) {
+            std::vector<at::Tensor> one{t};
+            (void)backend_->reduce(one, opts);
+        }
+        averaged = average;
+        return std::make_unique<WorkPending>(*this, backend_->endCoalescing());
     }
     void broadcast_(at::Tensor& tensor, int root) override {
         check_open();

@@ -76,6 +76,11 @@ class Group {
     virtual void all_reduce_max_(at::Tensor& tensor) = 0;
     // In place on `root`: the sum over ranks (the other ranks' `tensor` is scratch afterwards).
     virtual std::unique_ptr<Pending> reduce_sum_async(at::Tensor& tensor, int root) = 0;
+    // reduce_sum_async over several tensors (every rank passes the same sizes in the same order): on
+    // NCCL one grouped call, with `average` the mean on root (ncclAvg); on Gloo one reduce per tensor,
+    // always sums, so `averaged` tells the caller whether a division is left to do.
+    virtual std::unique_ptr<Pending> reduce_coalesced_async(std::vector<at::Tensor>& tensors, int root,
+                                                            bool average, bool& averaged) = 0;
     // In place: `tensor` takes root's values on every rank.
     virtual void broadcast_(at::Tensor& tensor, int root) = 0;
     // Every rank's `tensor` (same shape everywhere), in rank order.

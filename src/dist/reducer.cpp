@@ -226,6 +226,10 @@ void GradReducer::launch_direct(std::size_t b) {
     fill_used_flags(b, flags_[b]);
     tensors.push_back(flags_[b]);
     launched_[b] = 1;
+    if (sharded()) {  // ZeRO-2: this rank's own bucket, reduced to it (the others send their staged views)
+        works_[b] = group_.reduce_coalesced_async(tensors, group_.rank(), /*average=*/true, averaged_);
+        return;
+    }
     works_[b] = group_.all_reduce_coalesced_async(tensors, /*average=*/true);
     averaged_ = works_[b] != nullptr;
     if (!averaged_) works_[b] = group_.all_reduce_coalesced_async(tensors, /*average=*/false);
@@ -233,7 +237,7 @@ void GradReducer::launch_direct(std::size_t b) {
 
 void GradReducer::launch(std::size_t b) {
     at::NoGradGuard no_grad;
-    if (direct_) return launch_direct(b);
+    if (direct_ && persistent(b)) return launch_direct(b);
     if (!flats_[b].defined()) {  // ZeRO-2: no gradient of this bucket arrived here
         if (armed_ && !persistent(b))
             stage(b);
@@ -256,6 +260,17 @@ void GradReducer::launch(std::size_t b) {
     // ZeRO-2: another rank's gradients leave the parameters now; the owner keeps its views.
     if (!persistent(b))
         for (std::size_t k : bucket) params_[k].mutable_grad() = at::Tensor();
+    if (direct_ && !persistent(b)) {
+        // The owner reduces its gradients where autograd left them, one tensor each with the flags
+        // last (launch_direct): the same list here, as views of the staged bucket.
+        std::vector<at::Tensor> tensors;
+        tensors.reserve(bucket.size() + 1);
+        for (std::size_t k : bucket) tensors.push_back(views_[k]);
+        tensors.push_back(flags);
+        bool averaged = false;
+        works_[b] = group_.reduce_coalesced_async(tensors, bucket_owner_[b], /*average=*/true, averaged);
+        return;
+    }
     works_[b] = group_.reduce_sum_async(flats_[b], bucket_owner_[b]);
 }
 
@@ -389,18 +404,20 @@ void GradReducer::set_copy_in(bool on) {
 }
 
 void GradReducer::set_direct(bool on) {
-    if (!owns_ || sharded() || on == direct_) return;
+    if (!owns_ || on == direct_) return;
     std::lock_guard lock(mutex_);
     at::NoGradGuard no_grad;
     direct_ = on;
     if (!on) {
         flags_.clear();
-        for (std::size_t b = 0; b < buckets_.size(); ++b) materialise(b);
+        for (std::size_t b = 0; b < buckets_.size(); ++b)
+            if (persistent(b)) materialise(b);
         return;
     }
     copy_in_ = false;
     flags_.assign(buckets_.size(), at::Tensor());
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        if (!persistent(b)) continue;  // ZeRO-2: other ranks' buckets stay staged (one flat each)
         const at::Tensor& first = params_[buckets_[b][0]];
         flags_[b] = at::zeros({static_cast<long>(buckets_[b].size())}, first.options());
         for (std::size_t k : buckets_[b]) {

@@ -86,12 +86,15 @@ class GradReducer {
     // fixed addresses across several CUDA graphs (graphed gradient accumulation).
     // DTUNE_DDP_GRAD_COPY=1 in the trainer.
     void set_copy_in(bool on);
-    // Direct (all-reduce only, not ZeRO-2): no buckets at all. Each bucket's gradients are
-    // all-reduced where backward left them, in one grouped collective with the bucket's used flags
+    // Direct: no buckets of this rank's own. Each bucket's gradients are all-reduced where backward
+    // left them, in one grouped collective with the bucket's used flags
     // (Group::all_reduce_coalesced_async), so there is neither a copy nor a zeroing pass, and no
-    // second copy of the gradients in memory. zero_grad() leaves the parameters without grads, as
-    // with copy-in; a parameter this rank did not use joins with zeros. Frees the buckets when
-    // turned on. The same restriction on graphed gradient accumulation as copy-in.
+    // second copy of the gradients in memory. ZeRO-2: the owner reduces its buckets that way
+    // (Group::reduce_coalesced_async), while the other ranks send the same bucket from its staged
+    // flat, as views; so no rank holds a persistent gradient buffer. zero_grad() leaves the
+    // parameters without grads, as with copy-in; a parameter this rank did not use joins with
+    // zeros. Frees the buckets when turned on. The same restriction on graphed gradient
+    // accumulation as copy-in.
     // DTUNE_DDP_GRAD_COPY=direct in the trainer.
     void set_direct(bool on);
     // Zeroes every persistent bucket in place and points each parameter's grad at its view again

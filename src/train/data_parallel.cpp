@@ -235,15 +235,17 @@ void DataParallel::attach(std::vector<at::Tensor> params, GradientHandoff handof
             params_, env_.world_size,
             zero_stage_ == 2 ? dist::ZeroLayout::kContiguous : dist::ZeroLayout::kGreedy);
     const bool talk = env_.world_size > 1 && env_.rank == 0;
-    if (zero_stage_ > 1 && handoff == GradientHandoff::kDirect) {
+    if (zero_stage_ > 1 && handoff == GradientHandoff::kCopyIn) {
         if (talk && gradient_handoff_named())
-            log::info() << "DTUNE_DDP_GRAD_COPY=direct is for zero_stage 0 and 1; zero_stage " << zero_stage_
-                        << " reduces each gradient bucket to the rank that owns it";
+            log::info() << "DTUNE_DDP_GRAD_COPY=1 is for zero_stage 0 and 1; zero_stage " << zero_stage_
+                        << " reduces each bucket to the rank that owns it";
         handoff = GradientHandoff::kInPlace;
     }
     dist::ReducerOptions reducer_options;
     if (zero_stage_ == 2) reducer_options.owners = partition_->owners();
-    reducer_options.bucket_bytes = gradient_bucket_bytes(handoff);
+    // ZeRO-2 keeps 25 MiB buckets: other ranks' buckets are staged in a few slots of that size.
+    reducer_options.bucket_bytes =
+        gradient_bucket_bytes(zero_stage_ > 1 ? GradientHandoff::kInPlace : handoff);
     reducer_ = std::make_unique<dist::GradReducer>(*group_, params_, reducer_options);
     if (partition_ && talk)
         log::info() << "ZeRO-" << zero_stage_ << ": " << reducer_->buckets().size() << " gradient buckets; "
@@ -251,10 +253,16 @@ void DataParallel::attach(std::vector<at::Tensor> params, GradientHandoff handof
                     << " broadcasts per step (" << params_.size() << " parameters)";
     const char* overlap = std::getenv("DTUNE_DDP_OVERLAP");
     if (!(overlap && std::string(overlap) == "0")) reducer_->enable_overlap();
-    if (zero_stage_ > 1) return;
     reducer_->set_copy_in(handoff == GradientHandoff::kCopyIn);
     reducer_->set_direct(handoff == GradientHandoff::kDirect);
-    if (handoff == GradientHandoff::kDirect && talk)
+    if (handoff != GradientHandoff::kDirect || !talk) return;
+    if (zero_stage_ > 1)
+        log::info()
+            << "data parallel: ZeRO-2 reduces each of " << reducer_->buckets().size()
+            << " buckets to its owner in one grouped collective, the owner's gradients where backward "
+               "left them and the other ranks' from staging slots; no gradient buckets "
+               "(DTUNE_DDP_GRAD_COPY=0 keeps the owner's in buckets)";
+    else
         log::info() << "data parallel: gradients are all-reduced where backward left them, grouped in "
                     << reducer_->buckets().size() << " collectives of up to "
                     << static_cast<double>(reducer_options.bucket_bytes) / (1u << 20)

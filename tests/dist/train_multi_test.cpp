@@ -117,8 +117,9 @@ TEST(DistTrain, DeferredReadBackLogsWhatImmediateReadBackLogs) {
 // The default gradient handoff (no buckets: each bucket's gradients all-reduced where backward left
 // them, dist::GradReducer::set_direct), DTUNE_DDP_GRAD_COPY=1 (copied into the buckets) and =0 (added
 // into zeroed buckets) give the same sums, so the same weights, bit for bit (ZeRO-1 and gradient
-// accumulation: dist_reducer_tests). The log names the default's groups; an explicit =direct says
-// when it does not apply, the default says nothing there; a bad value is refused naming the variable.
+// accumulation: dist_reducer_tests), with ZeRO-2 too. The log names the default's groups; an explicit
+// request says when it does not apply, the default says nothing there; a bad value is refused naming
+// the variable.
 TEST(DistTrain, GradientCopyInAndDirectTrainWhatTheInPlaceAddTrains) {
     Workspace w;
     const std::string args = "--train_batch_size 1 --max_train_steps 3";
@@ -134,18 +135,24 @@ TEST(DistTrain, GradientCopyInAndDirectTrainWhatTheInPlaceAddTrains) {
     EXPECT_NE(d.output.find("collectives of up to 100 MiB; no gradient buckets"), std::string::npos)
         << d.output;
     EXPECT_EQ(max_difference(final_weights(w.out("direct")), final_weights(w.out("add"))), 0.0);
-    // Where direct does not apply, an explicit request says so: ZeRO-2 reduces to each bucket's
-    // owner, and gradient accumulation sums the micro-steps in the buckets.
-    const std::string z2_args = "--train_batch_size 1 --max_train_steps 1 --zero_stage 2";
-    const auto z2 = run_shell("DTUNE_DDP_GRAD_COPY=direct " + w.train(2, "direct_z2", z2_args));
+    // ZeRO-2 reduces each bucket to its owner the same way (the owner's gradients where backward left
+    // them, the others' from staging slots): the weights of its in-place buckets, bit for bit. Copy-in
+    // does not apply there, and an explicit request says so.
+    const std::string z2_args = "--train_batch_size 1 --max_train_steps 2 --zero_stage 2";
+    const auto z2 = run_shell(w.train(2, "default_z2", z2_args));
     ASSERT_EQ(z2.exit_code, 0) << z2.output;
-    EXPECT_NE(z2.output.find("DTUNE_DDP_GRAD_COPY=direct is for zero_stage 0 and 1"), std::string::npos)
-        << z2.output;
-    EXPECT_EQ(z2.output.find("no gradient buckets"), std::string::npos) << z2.output;
-    const auto z2_default = run_shell(w.train(2, "default_z2", z2_args));
-    ASSERT_EQ(z2_default.exit_code, 0) << z2_default.output;
-    EXPECT_EQ(z2_default.output.find("DTUNE_DDP_GRAD_COPY"), std::string::npos) << z2_default.output;
-    EXPECT_EQ(z2_default.output.find("no gradient buckets"), std::string::npos) << z2_default.output;
+    EXPECT_NE(z2.output.find("ZeRO-2 reduces each of"), std::string::npos) << z2.output;
+    const auto z2_add = run_shell("DTUNE_DDP_GRAD_COPY=0 " + w.train(2, "add_z2", z2_args));
+    ASSERT_EQ(z2_add.exit_code, 0) << z2_add.output;
+    EXPECT_EQ(z2_add.output.find("no gradient buckets"), std::string::npos) << z2_add.output;
+    EXPECT_EQ(max_difference(final_weights(w.out("default_z2")), final_weights(w.out("add_z2"))), 0.0);
+    const auto z2_copy = run_shell("DTUNE_DDP_GRAD_COPY=1 " + w.train(2, "copy_z2", z2_args));
+    ASSERT_EQ(z2_copy.exit_code, 0) << z2_copy.output;
+    EXPECT_NE(z2_copy.output.find("DTUNE_DDP_GRAD_COPY=1 is for zero_stage 0 and 1"), std::string::npos)
+        << z2_copy.output;
+    EXPECT_EQ(max_difference(final_weights(w.out("copy_z2")), final_weights(w.out("add_z2"))), 0.0);
+    // Gradient accumulation sums the micro-steps in the buckets: an explicit direct says it is not
+    // used, the default says nothing.
     const std::string acc_args = "--train_batch_size 1 --max_train_steps 1 --gradient_accumulation_steps 2";
     const auto acc = run_shell("DTUNE_DDP_GRAD_COPY=direct " + w.train(2, "direct_acc", acc_args));
     ASSERT_EQ(acc.exit_code, 0) << acc.output;
