@@ -92,6 +92,16 @@ std::size_t gradient_bucket_bytes(GradientHandoff handoff) {
     return static_cast<std::size_t>(value * (1u << 20));
 }
 
+std::size_t zero2_staging_slots() {
+    const char* v = std::getenv("DTUNE_ZERO2_SLOTS");
+    if (!v || !*v) return dist::ReducerOptions{}.staging_slots;
+    char* end = nullptr;
+    const long slots = std::strtol(v, &end, 10);
+    DTUNE_CHECK_AS(UsageError, end && *end == '\0' && slots >= 1 && slots <= 64, "DTUNE_ZERO2_SLOTS is '", v,
+                   "'; give how many of other ranks' gradient buckets to stage at once, 1 to 64 (default 4)");
+    return static_cast<std::size_t>(slots);
+}
+
 GradientHandoff gradient_handoff_requested() {
     const char* v = std::getenv("DTUNE_DDP_GRAD_COPY");
     if (!v || !*v) return GradientHandoff::kDirect;
@@ -242,7 +252,10 @@ void DataParallel::attach(std::vector<at::Tensor> params, GradientHandoff handof
         handoff = GradientHandoff::kInPlace;
     }
     dist::ReducerOptions reducer_options;
-    if (zero_stage_ == 2) reducer_options.owners = partition_->owners();
+    if (zero_stage_ == 2) {
+        reducer_options.owners = partition_->owners();
+        reducer_options.staging_slots = zero2_staging_slots();
+    }
     // ZeRO-2 keeps 25 MiB buckets: other ranks' buckets are staged in a few slots of that size.
     reducer_options.bucket_bytes =
         gradient_bucket_bytes(zero_stage_ > 1 ? GradientHandoff::kInPlace : handoff);

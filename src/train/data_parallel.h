@@ -89,6 +89,11 @@ bool gradient_handoff_named();
 // value that is not a number in (0, 4096].
 std::size_t gradient_bucket_bytes(GradientHandoff handoff);
 
+// ZeRO-2: how many of other ranks' gradient buckets a rank stages at once in the armed backward
+// (dist::ReducerOptions::staging_slots): DTUNE_ZERO2_SLOTS, else 4; UsageError naming the variable
+// for a value that is not a whole number in [1, 64].
+std::size_t zero2_staging_slots();
+
 // offload_optimizer_device from config.json, else DTUNE_OFFLOAD_OPTIMIZER_DEVICE (set by `dtune launch
 // --accelerate_config` from deepspeed_config.offload_optimizer_device), else none. true for "cpu"
 // (train::CpuOffloadOptimizer), and for SimpleTuner's fsdp_cpu_offload true; UsageError naming the

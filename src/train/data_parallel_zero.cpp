@@ -4,6 +4,7 @@
 // Invariant: with ZeRO-2 each parameter's reduced gradient exists on its owner only, so anything
 // computed from gradients that must be the same on every rank (the clipping coefficient, whether
 // an fp16 step is skipped) goes through one collective here.
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/_foreach_norm.h>
 
 #include "core/error.h"

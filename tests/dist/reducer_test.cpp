@@ -354,6 +354,7 @@ TEST(GradReducer, ZeroTwoStagesOtherRanksBucketsInAFewSlots) {
     on_ranks(2, [](Group& g) {
         auto gen = at::make_generator<at::CPUGeneratorImpl>(11);
         std::vector<at::Tensor> p;
+        p.reserve(12);
         for (int i = 0; i < 12; ++i)
             p.push_back((at::eye(4) + 0.25 * at::randn({4, 4}, gen)).set_requires_grad(true));
         ZeroPartition partition(p, 2, ZeroLayout::kContiguous);
@@ -377,6 +378,7 @@ TEST(GradReducer, ZeroTwoStagesOtherRanksBucketsInAFewSlots) {
             loss(p, rows(g.rank(), step)).backward();
             reducer.reduce();
             std::vector<at::Tensor> q;
+            q.reserve(p.size());
             for (const auto& t : p) q.push_back(t.detach().clone().set_requires_grad(true));
             (loss(q, rows(0, step)) + loss(q, rows(1, step))).backward();
             for (std::size_t i = 0; i < p.size(); ++i) {

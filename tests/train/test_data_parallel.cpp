@@ -172,6 +172,22 @@ TEST(DataParallelConfig, FsdpKeysMapOntoZeroStage3) {
         EXPECT_NE(std::string(e.what()).find("DTUNE_BUCKET_MB is 'big'"), std::string::npos) << e.what();
     }
     ::unsetenv("DTUNE_BUCKET_MB");
+    // ZeRO-2's staging slots: 4, else DTUNE_ZERO2_SLOTS in [1, 64].
+    EXPECT_EQ(zero2_staging_slots(), 4u);
+    ::setenv("DTUNE_ZERO2_SLOTS", "2", 1);
+    EXPECT_EQ(zero2_staging_slots(), 2u);
+    for (const char* bad : {"0", "65", "2x", "-1"}) {
+        ::setenv("DTUNE_ZERO2_SLOTS", bad, 1);
+        try {
+            zero2_staging_slots();
+            ADD_FAILURE() << "DTUNE_ZERO2_SLOTS=" << bad << " accepted";
+        } catch (const UsageError& e) {
+            EXPECT_NE(std::string(e.what()).find(std::string("DTUNE_ZERO2_SLOTS is '") + bad + "'"),
+                      std::string::npos)
+                << e.what();
+        }
+    }
+    ::unsetenv("DTUNE_ZERO2_SLOTS");
     // Gradients all-reduced where backward left them unless DTUNE_DDP_GRAD_COPY=1 (copied into the
     // buckets) or 0 (the in-place adds); only a set variable counts as named.
     EXPECT_EQ(gradient_handoff_requested(), GradientHandoff::kDirect);

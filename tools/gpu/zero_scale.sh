@@ -15,8 +15,9 @@
 #   there: keeps a capped device call from losing every result to its time limit).
 #   ENV_VARIANTS (space-separated; each a comma-joined list of VAR=value: the SDXL full run on the
 #   largest GPU count, zero_stage VARIANT_STAGE (0), again with those variables, e.g.
-#   "NCCL_MAX_NCHANNELS=8 DTUNE_BUCKET_MB=100"), MEM (1: on the largest GPU count, the memory runs
-#   zero_stage 2 and 3 with gradient checkpointing, and 3 with the optimizer offloaded too).
+#   "NCCL_MAX_NCHANNELS=8 DTUNE_BUCKET_MB=100"; with VARIANT_STAGE=2 e.g. "DTUNE_ZERO2_SLOTS=8"),
+#   MEM (1: on the largest GPU count, the memory runs zero_stage 1, 2 and 3 with gradient
+#   checkpointing, and 3 with the optimizer offloaded too).
 #   MEM_SPECS (the memory runs, "stage|options;stage|options"; a third field "|VAR=v,VAR=v" sets that
 #   run's environment, e.g. "3|--gradient_checkpointing true|DTUNE_ZERO3_REDUCE_IN_FLIGHT=8"), FLUX_OUT (the Flux runs' output_dir
 #   root, default $W: a 12 B full fine-tune's checkpoint is ~72 GB, so /dev/shm where the disk is short),
@@ -149,7 +150,7 @@ done
 # target is measured against ZeRO-2 at the same settings), and ZeRO-3 with the optimizer in host memory.
 if [[ ${MEM:-0} == 1 ]]; then
     n=${gpus[-1]}
-    IFS=';' read -ra specs <<<"${MEM_SPECS:-2|--gradient_checkpointing true;3|--gradient_checkpointing true;3|--gradient_checkpointing true --offload_optimizer_device cpu}"
+    IFS=';' read -ra specs <<<"${MEM_SPECS:-1|--gradient_checkpointing true;2|--gradient_checkpointing true;3|--gradient_checkpointing true;3|--gradient_checkpointing true --offload_optimizer_device cpu}"
     for spec in "${specs[@]}"; do
         # "stage|options" or "stage|options|VAR=value,VAR=value" (environment of that run only)
         IFS='|' read -r z extra vars <<<"$spec"
