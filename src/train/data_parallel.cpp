@@ -115,6 +115,11 @@ GradientHandoff gradient_handoff_requested() {
                       : GradientHandoff::kDirect;
 }
 
+bool graph_reducer_disabled() {
+    const char* v = std::getenv("DTUNE_GRAPH_REDUCER");
+    return v && std::string(v) == "0";
+}
+
 bool gradient_handoff_named() {
     const char* v = std::getenv("DTUNE_DDP_GRAD_COPY");
     return v && *v;
@@ -179,8 +184,7 @@ DataParallel::DataParallel(const dist::DistEnv& env, c10::Device device, int zer
     options.fault_poll_interval = env_milliseconds("DTUNE_FAULT_POLL_S", options.fault_poll_interval);
     options.fault_exit_grace = env_milliseconds("DTUNE_FAULT_EXIT_GRACE_S", options.fault_exit_grace);
     group_ = dist::init_group(env_, options);
-    const char* graph_reducer = std::getenv("DTUNE_GRAPH_REDUCER");  // read once: asked every step
-    graph_reducer_allowed_ = !(graph_reducer && std::string(graph_reducer) == "0");
+    graph_reducer_allowed_ = !graph_reducer_disabled();  // read once: asked every step
     if (env_.world_size > 1 && env_.rank == 0)
         log::info() << "data parallel: " << env_.world_size << " ranks, ZeRO stage " << zero_stage_;
 }

@@ -83,6 +83,11 @@ GradientHandoff gradient_handoff_requested();
 // used, and stays quiet about its own default).
 bool gradient_handoff_named();
 
+// DTUNE_GRAPH_REDUCER=0: the graphed data-parallel step all-reduces every gradient in one flat pass
+// after backward instead of through the reducer's buckets (DataParallel::graph_reduces_in_buckets;
+// cuda_graph_blocker keeps ZeRO-2 eager then).
+bool graph_reducer_disabled();
+
 // The data-parallel gradient bucket size for `handoff`: DTUNE_BUCKET_MB (MiB), else 100 MiB for
 // kDirect (one grouped all-reduce per bucket: fewer, larger groups overlapped the backward best on 2
 // H200s) and 25 MiB (DDP's bucket_cap_mb) for the flat buckets; UsageError naming the variable for a

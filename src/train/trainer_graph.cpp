@@ -62,8 +62,7 @@ std::string cuda_graph_blocker(
                        "mixed_precision fp16 (whether any rank's gradient shard overflowed is agreed on "
                        "the host; use bf16, or zero_stage 1",
                        fix, ")");
-        const char* reducer = std::getenv("DTUNE_GRAPH_REDUCER");
-        if (reducer && std::string(reducer) == "0")
+        if (graph_reducer_disabled())
             return str(why, "DTUNE_GRAPH_REDUCER=0 (its flat all-reduce is not sharded", fix, ")");
     }
     if (resolve_offload_optimizer(c))
