@@ -486,77 +486,107 @@ TEST(ModelsGpu, HashDropoutKernelMatchesTheCpuAndReplaysInAGraph) {
 }
 
 // The LoRA dropout kernels (common/lora_dropout.h) against a float64 reference that applies
-// hash_dropout's mask explicitly: float32 to float32's accuracy, bf16 to bf16's; rows that fill no
-// block (4097), index offsets on and off the 4-element hash groups, r 16 and 64; with an odd offset
-// gh and h are column slices of wider matrices (the fused q/k/v path). The factor gradient's
-// two-pass sum is the same run to run.
+// hash_dropout's mask explicitly: float32 to float32's accuracy, bf16 and fp16 (tensor cores) to
+// theirs; rows that fill no block (4097, 13001), index offsets on and off the 4-element hash groups,
+// r 8 to 64 (each block shape); with an odd offset gh and h are column slices of wider matrices (the
+// fused q/k/v path). The factor gradient's two-pass sum is the same run to run, and the decisions
+// the forward kernel records give the backward products the same bits as hashing.
 TEST(ModelsGpu, LoRADropoutKernelsMatchTheMaskedReference) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     const at::Device cuda(at::kCUDA, 0);
     torch::manual_seed(12);
-    const bool was = lora_dropout_kernels_enabled();  // off by default: on for this test
+    const bool was =
+        lora_dropout_kernels_enabled();  // on by default; on for this test whatever the environment
     set_lora_dropout_kernels(true);
     struct Restore {
         bool on;
         ~Restore() { set_lora_dropout_kernels(on); }
     } restore{was};
-    if (!lora_dropout_kernels_take(at::zeros({8, 64}, at::TensorOptions().device(cuda)),
+    if (!lora_dropout_kernels_take(at::zeros({1024, 64}, at::TensorOptions().device(cuda)),
                                    at::zeros({4, 64}, at::TensorOptions().device(cuda))))
         GTEST_SKIP() << "built without the CUDA kernels, or DTUNE_LORA_DROPOUT_KERNELS=0";
-    const int64_t n = 4097;
-    for (auto dtype : {at::kFloat, at::kBFloat16})
-        for (const int64_t k : {640, 1280})
-            for (const int64_t r : {16, 64})
-                for (const int64_t offset : {0, 7 * 4097 * 1280 + 3}) {
-                    SCOPED_TRACE(testing::Message()
-                                 << c10::toString(dtype) << " k " << k << " r " << r << " offset " << offset);
-                    const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
-                    const auto on = at::TensorOptions().device(cuda);
-                    const LoRADropoutMask m{at::full({1}, 99, on.dtype(at::kLong)), 21, 0.1, offset};
-                    const at::Tensor x = at::randn({n, k}, on).to(dtype);
-                    const at::Tensor a = (at::randn({r, k}, on) * 0.05).to(dtype);
-                    const bool sliced = offset % 2 == 1;
-                    const at::Tensor gh_wide = at::randn({n, 3 * r}, on).to(dtype);
-                    const at::Tensor gh =
-                        sliced ? gh_wide.narrow(1, r, r) : gh_wide.narrow(1, 0, r).contiguous();
-                    ASSERT_TRUE(lora_dropout_kernels_take(x, a));
-                    // The mask from hash_dropout (same elements in every dtype), as 0 or 1 / (1 - p).
-                    const at::Tensor mask =
-                        hash_dropout_no_grad(at::ones({n, k}, on), m.seed, m.salt, m.p, m.index_offset)
-                            .to(at::kDouble);
-                    const at::Tensor xm = x.to(at::kDouble) * mask, ad = a.to(at::kDouble);
-                    const at::Tensor ghd = gh.to(at::kDouble);
-                    auto close = [&](const at::Tensor& got, const at::Tensor& ref, const char* what) {
-                        EXPECT_LE(test::max_abs_diff(got.to(at::kDouble).cpu(), ref.cpu()),
-                                  tol * ref.abs().max().item<double>())
-                            << what;
-                    };
+    // A text encoder's keys and values (308 rows) are too few rows for the kernels: the masked copy.
+    EXPECT_FALSE(lora_dropout_kernels_take(at::zeros({308, 2048}, at::TensorOptions().device(cuda)),
+                                           at::zeros({16, 2048}, at::TensorOptions().device(cuda))));
+    // 4097 rows: too few for 32-row blocks at rank 16 (eight-warp blocks of 16 rows instead);
+    // 13001: enough on a 132-SM card.
+    for (const int64_t n : {4097, 13001})
+        for (auto dtype : {at::kFloat, at::kBFloat16, at::kHalf})
+            for (const int64_t k : {640, 1280})
+                for (const int64_t r : {8, 16, 32, 64})
+                    for (const int64_t offset : {0, 7 * 4097 * 1280 + 3}) {
+                        if (n > 4097 && (dtype != at::kBFloat16 || r != 16)) continue;
+                        SCOPED_TRACE(testing::Message() << "n " << n << " " << c10::toString(dtype) << " k "
+                                                        << k << " r " << r << " offset " << offset);
+                        const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+                        const auto on = at::TensorOptions().device(cuda);
+                        const LoRADropoutMask m{at::full({1}, 99, on.dtype(at::kLong)), 21, 0.1, offset};
+                        const at::Tensor x = at::randn({n, k}, on).to(dtype);
+                        const at::Tensor a = (at::randn({r, k}, on) * 0.05).to(dtype);
+                        const bool sliced = offset % 2 == 1;
+                        const at::Tensor gh_wide = at::randn({n, 3 * r}, on).to(dtype);
+                        const at::Tensor gh =
+                            sliced ? gh_wide.narrow(1, r, r) : gh_wide.narrow(1, 0, r).contiguous();
+                        ASSERT_TRUE(lora_dropout_kernels_take(x, a));
+                        // The mask from hash_dropout (same elements in every dtype), as 0 or 1 / (1 - p).
+                        const at::Tensor mask =
+                            hash_dropout_no_grad(at::ones({n, k}, on), m.seed, m.salt, m.p, m.index_offset)
+                                .to(at::kDouble);
+                        const at::Tensor xm = x.to(at::kDouble) * mask, ad = a.to(at::kDouble);
+                        const at::Tensor ghd = gh.to(at::kDouble);
+                        auto close = [&](const at::Tensor& got, const at::Tensor& ref, const char* what) {
+                            EXPECT_LE(test::max_abs_diff(got.to(at::kDouble).cpu(), ref.cpu()),
+                                      tol * ref.abs().max().item<double>())
+                                << what;
+                        };
 
-                    const at::Tensor h_ref = at::mm(xm, ad.t());
-                    at::Tensor h;
-                    if (sliced) {
-                        at::Tensor h_wide = at::zeros({n, 3 * r}, on.dtype(dtype));
-                        h = h_wide.narrow(1, r, r);
-                        lora_masked_down_out(h, x, a, m);
-                        EXPECT_EQ(h_wide.narrow(1, 0, r).abs().max().item<float>(), 0.0f);
-                        EXPECT_EQ(h_wide.narrow(1, 2 * r, r).abs().max().item<float>(), 0.0f);
-                    } else {
-                        h = lora_masked_down(x, a, m);
+                        const at::Tensor h_ref = at::mm(xm, ad.t());
+                        at::Tensor h, keep;
+                        if (sliced) {
+                            at::Tensor h_wide = at::zeros({n, 3 * r}, on.dtype(dtype));
+                            h = h_wide.narrow(1, r, r);
+                            lora_masked_down_out(h, x, a, m, &keep);
+                            EXPECT_EQ(h_wide.narrow(1, 0, r).abs().max().item<float>(), 0.0f);
+                            EXPECT_EQ(h_wide.narrow(1, 2 * r, r).abs().max().item<float>(), 0.0f);
+                        } else {
+                            h = lora_masked_down(x, a, m, &keep);
+                        }
+                        EXPECT_EQ(h.scalar_type(), dtype);
+                        close(h, h_ref, "masked_down");
+                        // The recorded decisions (16-bit types, tensor cores): one bit per element, the
+                        // same as the mask; the backward products read them and give the same bits.
+                        LoRADropoutMask kept = m;
+                        if (dtype == at::kFloat) {
+                            EXPECT_FALSE(keep.defined())
+                                << "float32 takes the CUDA-core kernels, which record nothing";
+                        } else {
+                            ASSERT_TRUE(keep.defined());
+                            ASSERT_EQ(keep.sizes(), (at::IntArrayRef{n, k / 8}));
+                            const at::Tensor bits =
+                                keep.to(at::kInt)
+                                    .unsqueeze(-1)
+                                    .bitwise_right_shift(at::arange(8, on.dtype(at::kInt)))
+                                    .bitwise_and(1)
+                                    .reshape({n, k});
+                            EXPECT_TRUE(at::equal(bits.cpu().to(at::kBool), (mask != 0).cpu()));
+                            kept.keep = keep;
+                        }
+
+                        const at::Tensor da = lora_masked_down_grad(gh, x, m, at::kFloat);
+                        EXPECT_EQ(da.scalar_type(), at::kFloat);
+                        close(da, at::mm(ghd.t(), xm), "masked_down_grad");
+                        EXPECT_TRUE(at::equal(da, lora_masked_down_grad(gh, x, m, at::kFloat)))
+                            << "deterministic";
+                        EXPECT_TRUE(at::equal(da, lora_masked_down_grad(gh, x, kept, at::kFloat))) << "kept";
+
+                        const at::Tensor dx0 = at::randn({n, k}, on).to(dtype);
+                        at::Tensor dx = dx0.clone();
+                        lora_masked_up_add_(dx, gh, a, m);
+                        close(dx, dx0.to(at::kDouble) + mask * at::mm(ghd, ad), "masked_up_add_");
+                        at::Tensor dx_kept = dx0.clone();
+                        lora_masked_up_add_(dx_kept, gh, a, kept);
+                        EXPECT_TRUE(at::equal(dx_kept, dx)) << "kept";
                     }
-                    EXPECT_EQ(h.scalar_type(), dtype);
-                    close(h, h_ref, "masked_down");
-
-                    const at::Tensor da = lora_masked_down_grad(gh, x, m, at::kFloat);
-                    EXPECT_EQ(da.scalar_type(), at::kFloat);
-                    close(da, at::mm(ghd.t(), xm), "masked_down_grad");
-                    EXPECT_TRUE(at::equal(da, lora_masked_down_grad(gh, x, m, at::kFloat)))
-                        << "deterministic";
-
-                    const at::Tensor dx0 = at::randn({n, k}, on).to(dtype);
-                    at::Tensor dx = dx0.clone();
-                    lora_masked_up_add_(dx, gh, a, m);
-                    close(dx, dx0.to(at::kDouble) + mask * at::mm(ghd, ad), "masked_up_add_");
-                }
 }
 
 // LoRALinearFunction with lora_dropout 0.1 under bf16 autocast (bf16 base, float32 factors, the way

@@ -9,8 +9,10 @@
 #   of steps A..B of each run, summarised by kernel family), GPU_TESTS (like zero_scale.sh:
 #   "dir/binary[:filter]" built from the new tree and run first), VARIANTS (space-separated; each a
 #   comma-joined VAR=value list: every run again from the new build with that environment, labelled
-#   new+VARS, e.g. VARIANTS="DTUNE_FUSED_QKV=1"), VARIANT_RUNS (the runs that get the variants; default all). A Kineto trace adds ~35 s to a run: leave PROFILE
-#   out of timing calls that are short of device time.
+#   new+VARS, e.g. VARIANTS="DTUNE_FUSED_QKV=1"), VARIANT_RUNS (the runs that get the variants; default all),
+#   BENCHES (space-separated bench targets, each "target[:arg,arg...]", built from the new tree and
+#   run after the GPU tests, e.g. BENCHES="bench_lora_dropout:--r,16"). A Kineto trace adds ~35 s to a
+#   run: leave PROFILE out of timing calls that are short of device time.
 # Prints one JSON line per run: {"run", "build", "ms_per_step" (wall time of the second half of the
 # steps / steps, from metrics.jsonl's step times), ...}; logs and profiles under $OUT.
 set -uo pipefail
@@ -21,6 +23,7 @@ W=/tmp/ab STEPS=${STEPS:-40}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 targets=(dtune make_random_pipeline)
 for t in ${GPU_TESTS:-}; do b=${t%%:*}; targets+=("${b##*/}"); done
+for t in ${BENCHES:-}; do targets+=("${t%%:*}"); done
 OUT=$OUT tools/gpu/build.sh "${targets[@]}" >/dev/null || exit 1
 old=/tmp/ab_old
 if [[ -n ${OLD_TAR:-} ]]; then
@@ -35,6 +38,12 @@ for t in ${GPU_TESTS:-}; do
     timeout -k 10 300 "build/dev/tests/$b" --gtest_filter="$filter" >"$log" 2>&1
     echo "gpu test $b ($filter): exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$log" | tr '\n' ' ')"
     grep -E '^\[  FAILED  \]' "$log" | head -20
+done
+for t in ${BENCHES:-}; do
+    b=${t%%:*} args=${t#*:}
+    [[ $args == "$t" ]] && args=
+    timeout -k 10 300 "build/dev/bench/$b" ${args//,/ } >"$OUT/bench_$b.log" 2>&1
+    echo "bench $b: exit $?"; cat "$OUT/bench_$b.log"
 done
 one() {  # run name, build label, build dir[, environment VAR=value,...]
     local name=$1 label=$2 build=$3 vars=${4:-} mode extra=()

@@ -55,8 +55,10 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
     // The frozen base weight and bias ride outside autograd's inputs (an undefined bias cannot be an
     // input, and neither needs a gradient).
     // The adapter's input dropout (hash_dropout.h), when the layer has one: the mask is applied to
-    // the adapter branch only, recomputed in backward rather than stored, and read inside the
-    // adapter's products on CUDA (common/lora_dropout.h: no masked copy of x).
+    // the adapter branch only and read inside the adapter's products on CUDA (common/lora_dropout.h:
+    // no masked copy of x; DTUNE_LORA_DROPOUT_KERNELS=0 makes the copy). Backward hashes it
+    // again, or, where the tensor-core kernel recorded the decisions in forward (one bit per
+    // element), reads those.
     using Dropout = LoRALayer::InputDropout;
     struct Frozen {
         at::Tensor weight, bias;
@@ -77,8 +79,10 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
         at::Tensor y = quantized        ? quantized_linear_no_grad(x2, w, base.weight_scale, bias, ct)
                        : bias.defined() ? at::addmm(bias.to(ct), x2, wc.t())
                                         : at::mm(x2, wc.t());  // [N, out]
-        const at::Tensor h = base.dropout.seed.defined() ? lora_masked_down(x2, ac, mask_of(base.dropout))
-                                                         : at::mm(x2, ac.t());  // [N, r]
+        at::Tensor keep;  // the mask's decisions, where the kernel records them (lora_dropout.h)
+        const at::Tensor h = base.dropout.seed.defined()
+                                 ? lora_masked_down(x2, ac, mask_of(base.dropout), &keep)
+                                 : at::mm(x2, ac.t());  // [N, r]
         y.addmm_(h, bc.t(), 1.0, scale);
         ctx->save_for_backward({x2, wc, ac, bc, h});
         if (quantized) {
@@ -91,6 +95,7 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
             ctx->saved_data["drop_salt"] = static_cast<int64_t>(base.dropout.salt);
             ctx->saved_data["drop_p"] = base.dropout.p;
             ctx->saved_data["drop_offset"] = base.dropout.index_offset;
+            if (keep.defined()) ctx->saved_data["drop_keep"] = keep;
         }
         ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
         ctx->saved_data["x_sizes"] = x.sizes().vec();
@@ -110,11 +115,14 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
             return static_cast<at::ScalarType>(ctx->saved_data[key].toInt());
         };
         Dropout drop;
+        LoRADropoutMask mask;
         if (ctx->saved_data.count("drop_seed")) {
             drop.seed = ctx->saved_data["drop_seed"].toTensor();
             drop.salt = static_cast<uint64_t>(ctx->saved_data["drop_salt"].toInt());
             drop.p = ctx->saved_data["drop_p"].toDouble();
             drop.index_offset = ctx->saved_data["drop_offset"].toInt();
+            mask = mask_of(drop);
+            if (ctx->saved_data.count("drop_keep")) mask.keep = ctx->saved_data["drop_keep"].toTensor();
         }
         const at::Tensor g = grads[0].reshape({-1, bc.size(0)}).to(x2.scalar_type());  // [N, out]
         const at::Tensor gh =
@@ -127,7 +135,7 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
                      : quantized_linear_input_grad(g, ctx->saved_data["q_weight"].toTensor(),
                                                    ctx->saved_data["q_scale"].toTensor(), g.scalar_type());
             if (drop.seed.defined())
-                lora_masked_up_add_(dx, gh, ac, mask_of(drop));  // + mask(s·g·B·A), one pass
+                lora_masked_up_add_(dx, gh, ac, mask);  // + mask(s·g·B·A), one pass
             else
                 dx.addmm_(gh, ac);  // + s·g·B·A
             dx = dx.to(dtype("x_dtype")).view(ctx->saved_data["x_sizes"].toIntVector());
@@ -135,7 +143,7 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
         // Factor gradients straight into their (float32) dtype where the GEMM can write it (CUDA).
         const bool out_dtype = g.is_cuda() && g.scalar_type() != at::kFloat;
         if (ctx->needs_input_grad(1) && drop.seed.defined())
-            da = lora_masked_down_grad(gh, x2, mask_of(drop), dtype("a_dtype"));  // ghᵀ·(masked x)
+            da = lora_masked_down_grad(gh, x2, mask, dtype("a_dtype"));  // ghᵀ·(masked x)
         else if (ctx->needs_input_grad(1))
             da = out_dtype ? at::mm(gh.t(), x2, dtype("a_dtype")) : at::mm(gh.t(), x2).to(dtype("a_dtype"));
         if (ctx->needs_input_grad(2))

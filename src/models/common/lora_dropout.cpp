@@ -25,11 +25,11 @@ namespace {
 // UsageError naming the variable).
 bool initial_switch() {
     const char* v = std::getenv("DTUNE_LORA_DROPOUT_KERNELS");
-    if (v == nullptr || *v == '\0') return false;  // off: 220 against 178 ms on an H200 (BENCHMARKS.md)
+    if (v == nullptr || *v == '\0') return true;  // on: 173 against 177 ms on an H200 (BENCHMARKS.md)
     const std::optional<bool> on = parse_fused_kernels_value(v);
     DTUNE_CHECK_AS(UsageError, on.has_value(), "DTUNE_LORA_DROPOUT_KERNELS=", v,
-                   " is not a choice: use 1 (LoRA dropout read inside the adapter's kernels) "
-                   "or 0 (a masked copy of the input, then the GEMMs; the default)");
+                   " is not a choice: use 1 (LoRA dropout read inside the adapter's kernels; the default) "
+                   "or 0 (a masked copy of the input, then the GEMMs)");
     return *on;
 }
 
@@ -49,9 +49,15 @@ bool kernel_mask_ok(const LoRADropoutMask& m, const at::Tensor& x) {
            m.seed.device() == x.device();
 }
 
-cuda::DropoutRule rule_of(const LoRADropoutMask& m) {
-    return {m.seed.const_data_ptr<int64_t>(), m.salt, m.index_offset, hash_dropout_math::threshold_for(m.p),
-            static_cast<float>(1.0 / (1.0 - m.p))};
+// The rule for operands x (or dx) [N, in]; the recorded decisions ride along where they match x.
+cuda::DropoutRule rule_of(const LoRADropoutMask& m, const at::Tensor& x) {
+    cuda::DropoutRule rule{m.seed.const_data_ptr<int64_t>(), m.salt, m.index_offset,
+                           hash_dropout_math::threshold_for(m.p), static_cast<float>(1.0 / (1.0 - m.p))};
+    const at::Tensor& k = m.keep;
+    if (k.defined() && k.scalar_type() == at::kByte && k.device() == x.device() && k.is_contiguous() &&
+        k.sizes() == at::IntArrayRef{x.size(0), x.size(1) / 8})
+        rule.keep_in = k.const_data_ptr<uint8_t>();
+    return rule;
 }
 
 bool aligned16(const at::Tensor& t) {
@@ -68,9 +74,9 @@ bool rows_ok(const at::Tensor& t, const at::Tensor& x2, int64_t r) {
 // to hash_dropout's checks on the composite path.
 bool input_ok(const at::Tensor& x2) {
     const auto t = x2.scalar_type();
-    return x2.is_cuda() && x2.dim() == 2 && x2.is_contiguous() && x2.size(0) > 0 && x2.size(1) % 8 == 0 &&
-           (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && aligned16(x2) &&
-           lora_dropout_kernels_enabled();
+    return x2.is_cuda() && x2.dim() == 2 && x2.is_contiguous() && x2.size(0) >= cuda::kLoRADropoutMinRows &&
+           x2.size(1) % 8 == 0 && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) &&
+           aligned16(x2) && lora_dropout_kernels_enabled();
 }
 #endif
 
@@ -96,21 +102,29 @@ bool lora_dropout_kernels_take(const at::Tensor& x2, const at::Tensor& a) {
 #endif
 }
 
-at::Tensor lora_masked_down(const at::Tensor& x2, const at::Tensor& a, const LoRADropoutMask& m) {
+at::Tensor lora_masked_down(const at::Tensor& x2, const at::Tensor& a, const LoRADropoutMask& m,
+                            at::Tensor* keep) {
     at::Tensor h = at::empty({x2.size(0), a.size(0)}, x2.options());
-    lora_masked_down_out(h, x2, a, m);
+    lora_masked_down_out(h, x2, a, m, keep);
     return h;
 }
 
-void lora_masked_down_out(at::Tensor& h, const at::Tensor& x2, const at::Tensor& a,
-                          const LoRADropoutMask& m) {
+void lora_masked_down_out(at::Tensor& h, const at::Tensor& x2, const at::Tensor& a, const LoRADropoutMask& m,
+                          at::Tensor* keep) {
+    if (keep != nullptr) *keep = at::Tensor();
 #ifdef DTUNE_WITH_CUDA_KERNELS
     if (kernel_mask_ok(m, x2) && lora_dropout_kernels_take(x2, a) && rows_ok(h, x2, a.size(0))) {
         const c10::cuda::CUDAGuard guard(x2.device());
+        const cuda::KernelDtype kt = kernel_dtype(x2.scalar_type(), "lora_masked_down");
+        cuda::DropoutRule rule = rule_of(m, x2);
+        rule.keep_in = nullptr;
+        if (keep != nullptr && cuda::lora_dropout_tensor_cores(kt)) {
+            *keep = at::empty({x2.size(0), x2.size(1) / 8}, x2.options().dtype(at::kByte));
+            rule.keep_out = keep->mutable_data_ptr<uint8_t>();
+        }
         check_launch(
             cuda::lora_masked_down(x2.const_data_ptr(), a.const_data_ptr(), h.mutable_data_ptr(), h.stride(0),
-                                   x2.size(0), x2.size(1), a.size(0), rule_of(m),
-                                   kernel_dtype(x2.scalar_type(), "lora_masked_down"), current_stream_of(x2)),
+                                   x2.size(0), x2.size(1), a.size(0), rule, kt, current_stream_of(x2)),
             "lora_masked_down", "forward");
         return;
     }
@@ -128,14 +142,14 @@ at::Tensor lora_masked_down_grad(const at::Tensor& gh, const at::Tensor& x2, con
         const c10::cuda::CUDAGuard guard(x2.device());
         const int64_t n = x2.size(0), k = x2.size(1);
         at::Tensor da = at::empty({r, k}, x2.options().dtype(at::kFloat));
+        const cuda::KernelDtype kt = kernel_dtype(x2.scalar_type(), "lora_masked_down_grad");
         at::Tensor partials =
-            at::empty({cuda::lora_masked_down_grad_splits(n), r, k}, x2.options().dtype(at::kFloat));
-        check_launch(cuda::lora_masked_down_grad(gh.const_data_ptr(), gh.stride(0), x2.const_data_ptr(),
-                                                 partials.mutable_data_ptr<float>(),
-                                                 da.mutable_data_ptr<float>(), n, k, r, rule_of(m),
-                                                 kernel_dtype(x2.scalar_type(), "lora_masked_down_grad"),
-                                                 current_stream_of(x2)),
-                     "lora_masked_down_grad", "backward");
+            at::empty({cuda::lora_masked_down_grad_splits(n, k, kt), r, k}, x2.options().dtype(at::kFloat));
+        check_launch(
+            cuda::lora_masked_down_grad(gh.const_data_ptr(), gh.stride(0), x2.const_data_ptr(),
+                                        partials.mutable_data_ptr<float>(), da.mutable_data_ptr<float>(), n,
+                                        k, r, rule_of(m, x2), kt, current_stream_of(x2)),
+            "lora_masked_down_grad", "backward");
         return da.to(out_dtype);
     }
 #endif
@@ -153,7 +167,7 @@ void lora_masked_up_add_(at::Tensor& dx, const at::Tensor& gh, const at::Tensor&
         const c10::cuda::CUDAGuard guard(dx.device());
         check_launch(cuda::lora_masked_up_add(
                          dx.mutable_data_ptr(), gh.const_data_ptr(), gh.stride(0), a.const_data_ptr(),
-                         dx.size(0), dx.size(1), a.size(0), rule_of(m),
+                         dx.size(0), dx.size(1), a.size(0), rule_of(m, dx),
                          kernel_dtype(dx.scalar_type(), "lora_masked_up_add_"), current_stream_of(dx)),
                      "lora_masked_up_add_", "backward");
         return;

@@ -1,10 +1,11 @@
 // The products of LoRA's adapter branch that read its input through the hash-dropout mask
 // (hash_dropout.h), for the fused LoRA functions' forward and backward (adapters/lora.cpp,
-// adapters/lora_qkv.cpp). On CUDA with DTUNE_LORA_DROPOUT_KERNELS=1, where the shapes allow
+// adapters/lora_qkv.cpp). On CUDA (DTUNE_LORA_DROPOUT_KERNELS unset or 1), where the shapes allow
 // (lora_dropout_kernels_take), fused kernels read x once and never store the masked copy (nor gh·A);
-// otherwise, on the CPU and with DTUNE_LORA_DROPOUT_KERNELS unset or 0, the same products through
-// hash_dropout_no_grad and the GEMMs (the kernels accumulate in float32 without rounding the masked input, so
-// in bf16 they differ from that path by rounding only). No autograd. x2 is the adapter's input as [N, in]; a
+// otherwise, on the CPU and with DTUNE_LORA_DROPOUT_KERNELS=0, the same products through
+// hash_dropout_no_grad and the GEMMs. In bf16 and fp16 the kernels round the masked input as the copy
+// does and multiply on tensor cores, so they differ from that path by summation order only; float32
+// runs on CUDA cores without rounding the masked input. No autograd. x2 is the adapter's input as [N, in]; a
 // is A [r, in] in x2's dtype; gh is [N, r] (its rows may be strided); the mask is that of
 // hash_dropout_no_grad(x2, seed, salt, p, index_offset).
 #pragma once
@@ -21,22 +22,30 @@ struct LoRADropoutMask {
     uint64_t salt = 0;
     double p = 0;
     int64_t index_offset = 0;
+    // The decisions lora_masked_down kept (its `keep`), for the backward products to read instead of
+    // hashing them again; undefined (or not matching x2): hashed. The same mask either way.
+    at::Tensor keep;
 };
 
-// DTUNE_LORA_DROPOUT_KERNELS: "1" uses the kernels where they apply, "0" (the default: the kernels
-// made an SDXL LoRA batch-4 step slower, 220 against 178 ms on an H200) the composite ops; read on first use,
-// a bad value is a UsageError. The setter is for tests. DTUNE_FUSED_KERNELS=0 turns the kernels off too.
+// DTUNE_LORA_DROPOUT_KERNELS: "1" (the default: an SDXL LoRA batch-4 step with lora_dropout 0.1 took
+// 173 against 177 ms on an H200) uses the kernels where they apply, "0" the composite ops; read on first
+// use, a bad value is a UsageError. The setter is for tests. DTUNE_FUSED_KERNELS=0 turns the kernels off too.
 void set_lora_dropout_kernels(bool enabled);
 bool lora_dropout_kernels_enabled();
 
 // Whether the kernels take these operands (CUDA build and device, switch on, dtype float32, bf16
-// or fp16, x2 contiguous with `in` a multiple of 8, 1 <= r <= 64, 16-byte aligned x2 and a).
+// or fp16, x2 contiguous with at least 1024 rows and `in` a multiple of 8, 1 <= r <= 64, 16-byte
+// aligned x2 and a).
 bool lora_dropout_kernels_take(const at::Tensor& x2, const at::Tensor& a);
 
 // h [N, r] = (mask ⊙ x2)·aᵀ in x2's dtype; the _out form writes into h (x2's dtype, rows may be
-// strided, e.g. a column slice).
-at::Tensor lora_masked_down(const at::Tensor& x2, const at::Tensor& a, const LoRADropoutMask& m);
-void lora_masked_down_out(at::Tensor& h, const at::Tensor& x2, const at::Tensor& a, const LoRADropoutMask& m);
+// strided, e.g. a column slice). With `keep` given, where the tensor-core kernel runs (bf16/fp16 on
+// sm_80+) it also records the mask's decisions there ([N, in / 8] uint8, one bit per element: 1/16
+// of a bf16 x2) for LoRADropoutMask::keep; elsewhere `keep` is left undefined.
+at::Tensor lora_masked_down(const at::Tensor& x2, const at::Tensor& a, const LoRADropoutMask& m,
+                            at::Tensor* keep = nullptr);
+void lora_masked_down_out(at::Tensor& h, const at::Tensor& x2, const at::Tensor& a, const LoRADropoutMask& m,
+                          at::Tensor* keep = nullptr);
 
 // dA [r, in] = ghᵀ·(mask ⊙ x2), returned in `out_dtype` (the factor's; the kernel accumulates in
 // float32 and is deterministic run to run).

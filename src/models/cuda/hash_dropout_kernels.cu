@@ -7,6 +7,7 @@
 
 #include "models/common/hash_dropout_math.h"
 #include "models/cuda/hash_dropout_kernels.h"
+#include "models/cuda/hash_dropout_mask.cuh"
 #include "models/cuda/kernel_utils.cuh"
 
 namespace dtune::models::cuda {
@@ -27,15 +28,12 @@ __global__ void hash_dropout_kernel(const T* __restrict__ in, T* __restrict__ ou
         const Pack<T, V> x = reinterpret_cast<const Pack<T, V>*>(in)[i];
         Pack<T, V> y;
         if constexpr (kAdd) y = reinterpret_cast<const Pack<T, V>*>(out)[i];
-        const uint64_t first = static_cast<uint64_t>(index_offset + i * V);
-        uint64_t hash = math::group_hash(key, first / math::kLanes);
+        float kept[V];
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-            const uint64_t index = first + k;
-            if (k > 0 && index % math::kLanes == 0) hash = math::group_hash(key, index / math::kLanes);
-            const float kept = math::keep_lane(hash, index, threshold) ? to_float(x.v[k]) * scale : 0.0f;
-            y.v[k] = from_float<T>(kAdd ? to_float(y.v[k]) + kept : kept);
-        }
+        for (int k = 0; k < V; ++k) kept[k] = to_float(x.v[k]);
+        hash_mask<V>(kept, key, static_cast<uint64_t>(index_offset + i * V), threshold, scale);
+#pragma unroll
+        for (int k = 0; k < V; ++k) y.v[k] = from_float<T>(kAdd ? to_float(y.v[k]) + kept[k] : kept[k]);
         reinterpret_cast<Pack<T, V>*>(out)[i] = y;
     }
 }

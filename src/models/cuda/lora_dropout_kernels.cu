@@ -1,18 +1,30 @@
 // LoRA's adapter branch with input dropout, without the masked copy of the input: each kernel
 // reads x (or writes dx) once and applies hash_dropout's mask (common/hash_dropout_math.h) to the
-// elements in registers. The three products are thin (r is 4 to 64 against k of hundreds to
-// thousands), so they are bound by the [n, k] pass, not by arithmetic: plain FMAs in float32, no
-// tensor cores.
-// - masked_down, masked_up_add: one warp takes R rows at once (R · r <= 64 accumulators per lane),
-//   each lane a 16-byte pack of columns at a time; a is read through L1 (r · k elements, shared by
-//   every warp), gh's rows are broadcast loads.
-// - masked_down_grad: a block owns 128 columns and a range of rows; its warps split the ranks (16
-//   each) and the rows, sum their rows through shared memory and write one partial per block; a
-//   second kernel adds the partials in a fixed order, so the result is the same run to run.
+// elements on their way into the product. The three products are thin (r is 4 to 64 against k of
+// hundreds to thousands), so they are bound by the [n, k] pass.
+// - 16-bit types (bf16, fp16) on sm_80 and later: tensor cores (WMMA). The masked input is rounded
+//   to the storage type in shared memory, as the masked copy was, and multiplied there, so the
+//   products differ from the copy-then-cuBLAS path by summation order only.
+//   - tc_masked_down: a block owns 16 or 32 rows; its four warps take alternate 64-column chunks
+//     and their sums meet in shared memory in a fixed order.
+//   - tc_masked_up_add: a block owns a 64 x 64 tile of dx; gh · a goes through shared memory, where
+//     the mask is applied on the way to the read-modify-write of dx.
+//   - tc_masked_down_grad: a block owns 64 columns and a range of rows (a multiple of 64); one
+//     partial per block, summed in a fixed order by a second kernel (the same bits run to run).
+// - float32 (and 16-bit types before sm_80): plain FMAs on CUDA cores.
+//   - masked_down, masked_up_add: one warp takes R rows at once (R · r <= 64 accumulators per lane),
+//     each lane a 16-byte pack of columns at a time; a is read through L1 (r · k elements, shared by
+//     every warp), gh's rows are broadcast loads.
+//   - masked_down_grad: a block owns 128 columns and a range of rows; its warps split the ranks (16
+//     each) and the rows, sum their rows through shared memory and write one partial per block; a
+//     second kernel adds the partials in a fixed order, so the result is the same run to run.
 #include <algorithm>
 #include <cstdint>
 
+#include <mma.h>
+
 #include "models/common/hash_dropout_math.h"
+#include "models/cuda/hash_dropout_mask.cuh"
 #include "models/cuda/kernel_utils.cuh"
 #include "models/cuda/lora_dropout_kernels.h"
 
@@ -31,17 +43,19 @@ __device__ __forceinline__ void load_floats(const T* p, float (&v)[V]) {
 }
 
 // v[i] (element `first + i` of the flattened input) scaled by 1 / (1 - p) where the hash keeps it,
-// else 0: hash_dropout's rule, one group hash per four consecutive indices.
+// else 0: hash_dropout's rule (hash_dropout_mask.cuh).
 template <int V>
 __device__ __forceinline__ void apply_mask(float (&v)[V], uint64_t key, uint64_t first,
                                            const DropoutRule& rule) {
-    uint64_t hash = math::group_hash(key, first / math::kLanes);
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-        const uint64_t index = first + i;
-        if (i > 0 && index % math::kLanes == 0) hash = math::group_hash(key, index / math::kLanes);
-        v[i] = math::keep_lane(hash, index, rule.threshold) ? v[i] * rule.scale : 0.0f;
-    }
+    (void)hash_mask<V>(v, key, first, rule.threshold, rule.scale);
+}
+
+// The same for a pack of 8 at flat position `at` (row · k + c) of the tensor-core kernels, hashed;
+// the decisions are written where the rule asks (rule.keep_out).
+__device__ __forceinline__ void mask_pack(float (&v)[8], uint64_t key, int64_t at, const DropoutRule& rule) {
+    const uint32_t kept =
+        hash_mask<8>(v, key, static_cast<uint64_t>(rule.index_offset + at), rule.threshold, rule.scale);
+    if (rule.keep_out != nullptr) rule.keep_out[at / 8] = static_cast<uint8_t>(kept);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -209,6 +223,311 @@ __global__ void sum_splits_kernel(const float* __restrict__ partials, float* __r
     }
 }
 
+// ---- Tensor-core variants for 16-bit types (sm_80 and later) ----
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
+#define DTUNE_TC_LORA 1
+#endif
+
+namespace wmma = nvcuda::wmma;
+constexpr int kTcWarps = 4, kTcThreads = 32 * kTcWarps;
+constexpr int kChunk = 64;             // columns of x, a or dx per tile
+constexpr int kPitch = kChunk + 8;     // shared row pitch of 16-bit tiles (the pad spreads the banks)
+constexpr int kOutPitch = kChunk + 4;  // shared row pitch of float tiles
+constexpr int kPacks = kChunk / 8;     // 16-byte packs per tile row
+using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+__device__ __forceinline__ void zero_pack(void* dst) {
+    *static_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+}
+
+// Row `row`, columns [c, c + 8) of a row-major [rows, k] matrix into `dst` (shared), zeros out of range.
+template <typename T>
+__device__ __forceinline__ void copy_pack(const T* src, int64_t rows, int64_t k, int64_t row, int64_t c,
+                                          T* dst) {
+    if (row < rows && c < k)
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src + row * k + c);
+    else
+        zero_pack(dst);
+}
+
+// Q packs of x (row-major [n, k]) through the mask into shared tiles: all loads first, then the
+// mask and the stores, so a lane has Q loads in flight. Pack q is tile row p / kPacks, pack
+// p % kPacks, p = first + q · stride. kKept: the decisions come from rule.keep_in (set), else they
+// are hashed (a separate instance: the forward kernel's loop stays free of the bytes' registers).
+template <typename T, int Q, bool kKept>
+__device__ __forceinline__ void masked_tile(const T* __restrict__ x, int64_t n, int64_t k, int64_t row0,
+                                            int64_t c0, int first, int stride, T* tile, uint64_t key,
+                                            const DropoutRule& rule) {
+    Pack<T, 8> v[Q];
+    uint8_t kept[Q];
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+        const int p = first + q * stride;
+        const int64_t row = row0 + p / kPacks, c = c0 + (p % kPacks) * 8;
+        kept[q] = 0;
+        if (row < n && c < k) {
+            v[q] = *reinterpret_cast<const Pack<T, 8>*>(x + row * k + c);
+            if constexpr (kKept) kept[q] = rule.keep_in[(row * k + c) / 8];
+        } else {
+            *reinterpret_cast<uint4*>(&v[q]) = make_uint4(0, 0, 0, 0);
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+        const int p = first + q * stride;
+        const int64_t row = row0 + p / kPacks, c = c0 + (p % kPacks) * 8;
+        T* dst = tile + (p / kPacks) * kPitch + (p % kPacks) * 8;
+        if (row < n && c < k) {
+            float f[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) f[e] = to_float(v[q].v[e]);
+            if constexpr (kKept)
+                bits_mask<8>(f, kept[q], rule.scale);
+            else
+                mask_pack(f, key, row * k + c, rule);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[q].v[e] = from_float<T>(f[e]);
+        }
+        *reinterpret_cast<Pack<T, 8>*>(dst) = v[q];
+    }
+}
+
+// h[row, j] = Σ_c round(mask(x))[row, c] · a[j, c]: RT fragments of 16 ranks, MF of 16 rows per warp,
+// W warps per block taking alternate column chunks.
+template <typename T, int RT, int MF, int W>
+__global__ void __launch_bounds__(32 * W, 16 / W)  // 16 warps per SM: at most 128 registers
+    tc_masked_down_kernel(const T* __restrict__ x, const T* __restrict__ a, T* __restrict__ h, int64_t ldh,
+                          int64_t n, int64_t k, int r, DropoutRule rule) {
+#ifdef DTUNE_TC_LORA
+    constexpr int RP = 16 * RT, BM = 16 * MF, kXs = BM * kPitch, kAs = RP * kPitch;
+    __shared__ __align__(128) unsigned char smem[W * (kXs + kAs) * sizeof(T)];
+    static_assert(W * BM * RP * sizeof(float) <= sizeof(smem), "the sums fit the tiles' space");
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    T* xs = reinterpret_cast<T*>(smem) + warp * (kXs + kAs);
+    T* as = xs + kXs;
+    const int64_t row0 = static_cast<int64_t>(blockIdx.x) * BM;
+    const uint64_t key = math::layer_key(static_cast<uint64_t>(*rule.seed), rule.salt);
+    Acc acc[MF][RT];
+#pragma unroll
+    for (int m = 0; m < MF; ++m)
+#pragma unroll
+        for (int t = 0; t < RT; ++t) wmma::fill_fragment(acc[m][t], 0.0f);
+    for (int64_t c0 = static_cast<int64_t>(warp) * kChunk; c0 < k; c0 += W * kChunk) {
+        masked_tile<T, BM * kPacks / 32, false>(x, n, k, row0, c0, lane, 32, xs, key, rule);
+#pragma unroll
+        for (int q = 0; q < RP * kPacks / 32; ++q) {
+            const int p = lane + 32 * q;
+            copy_pack(a, r, k, p / kPacks, c0 + (p % kPacks) * 8,
+                      as + (p / kPacks) * kPitch + (p % kPacks) * 8);
+        }
+        __syncwarp();
+#pragma unroll
+        for (int kk = 0; kk < kChunk / 16; ++kk) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> xf[MF];
+#pragma unroll
+            for (int m = 0; m < MF; ++m)
+                wmma::load_matrix_sync(xf[m], xs + m * 16 * kPitch + kk * 16, kPitch);
+#pragma unroll
+            for (int t = 0; t < RT; ++t) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> af;  // aᵀ
+                wmma::load_matrix_sync(af, as + t * 16 * kPitch + kk * 16, kPitch);
+#pragma unroll
+                for (int m = 0; m < MF; ++m) wmma::mma_sync(acc[m][t], xf[m], af, acc[m][t]);
+            }
+        }
+        __syncwarp();
+    }
+    __syncthreads();
+    float* sums = reinterpret_cast<float*>(smem);  // [warp][BM][RP]
+#pragma unroll
+    for (int m = 0; m < MF; ++m)
+#pragma unroll
+        for (int t = 0; t < RT; ++t)
+            wmma::store_matrix_sync(sums + (warp * BM + m * 16) * RP + t * 16, acc[m][t], RP,
+                                    wmma::mem_row_major);
+    __syncthreads();
+    for (int e = threadIdx.x; e < BM * RP; e += (32 * W)) {
+        const int i = e / RP, j = e % RP;
+        const int64_t row = row0 + i;
+        if (j >= r || row >= n) continue;
+        float s = 0.0f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) s += sums[(w * BM + i) * RP + j];
+        h[row * ldh + j] = from_float<T>(s);
+    }
+#else
+    __trap();
+#endif
+}
+
+// dx[row, c] += mask(Σ_j gh[row, j] · a[j, c]): a block owns 64 rows (16 per warp) and 64 columns.
+template <typename T, int RT>
+__global__ void __launch_bounds__(kTcThreads)
+    tc_masked_up_add_kernel(T* __restrict__ dx, const T* __restrict__ gh, int64_t ldg,
+                            const T* __restrict__ a, int64_t n, int64_t k, int r, DropoutRule rule) {
+#ifdef DTUNE_TC_LORA
+    constexpr int RP = 16 * RT, BM = 16 * kTcWarps, kGp = RP + 8;
+    __shared__ __align__(128) T gs[BM * kGp];
+    __shared__ __align__(128) T as[RP * kPitch];
+    __shared__ __align__(128) float os[kTcWarps * 16 * kOutPitch];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const int64_t row0 = static_cast<int64_t>(blockIdx.x) * BM,
+                  c0 = static_cast<int64_t>(blockIdx.y) * kChunk;
+    // This lane's packs of dx (and their kept decisions), loaded before the product is formed.
+    constexpr int kOwn = 16 * kPacks / 32;
+    Pack<T, 8> d[kOwn];
+    uint8_t kept[kOwn];
+#pragma unroll
+    for (int q = 0; q < kOwn; ++q) {
+        const int p = lane + 32 * q;
+        const int64_t row = row0 + warp * 16 + p / kPacks, c = c0 + (p % kPacks) * 8;
+        kept[q] = 0;
+        if (row < n && c < k) {
+            d[q] = *reinterpret_cast<const Pack<T, 8>*>(dx + row * k + c);
+            if (rule.keep_in != nullptr) kept[q] = rule.keep_in[(row * k + c) / 8];
+        }
+    }
+    for (int e = threadIdx.x; e < BM * RP; e += kTcThreads) {
+        const int i = e / RP, j = e % RP;
+        gs[i * kGp + j] = (row0 + i < n && j < r) ? gh[(row0 + i) * ldg + j] : from_float<T>(0.0f);
+    }
+#pragma unroll
+    for (int q = 0; q < RP * kPacks / kTcThreads + 1; ++q) {
+        const int p = threadIdx.x + kTcThreads * q;
+        if (p < RP * kPacks)
+            copy_pack(a, r, k, p / kPacks, c0 + (p % kPacks) * 8,
+                      as + (p / kPacks) * kPitch + (p % kPacks) * 8);
+    }
+    __syncthreads();
+    Acc acc[kChunk / 16];
+#pragma unroll
+    for (int f = 0; f < kChunk / 16; ++f) wmma::fill_fragment(acc[f], 0.0f);
+#pragma unroll
+    for (int t = 0; t < RT; ++t) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> gf;
+        wmma::load_matrix_sync(gf, gs + warp * 16 * kGp + t * 16, kGp);
+#pragma unroll
+        for (int f = 0; f < kChunk / 16; ++f) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> af;
+            wmma::load_matrix_sync(af, as + t * 16 * kPitch + f * 16, kPitch);
+            wmma::mma_sync(acc[f], gf, af, acc[f]);
+        }
+    }
+    float* o = os + warp * 16 * kOutPitch;
+#pragma unroll
+    for (int f = 0; f < kChunk / 16; ++f)
+        wmma::store_matrix_sync(o + f * 16, acc[f], kOutPitch, wmma::mem_row_major);
+    __syncwarp();
+    const uint64_t key = math::layer_key(static_cast<uint64_t>(*rule.seed), rule.salt);
+#pragma unroll
+    for (int q = 0; q < kOwn; ++q) {
+        const int p = lane + 32 * q, i = p / kPacks, cp = (p % kPacks) * 8;
+        const int64_t row = row0 + warp * 16 + i, c = c0 + cp;
+        if (row >= n || c >= k) continue;
+        float v[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = o[i * kOutPitch + cp + e];
+        if (rule.keep_in != nullptr)
+            bits_mask<8>(v, kept[q], rule.scale);
+        else
+            mask_pack(v, key, row * k + c, rule);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) d[q].v[e] = from_float<T>(to_float(d[q].v[e]) + v[e]);
+        *reinterpret_cast<Pack<T, 8>*>(dx + row * k + c) = d[q];
+    }
+#else
+    __trap();
+#endif
+}
+
+// partials[split, j, c] = Σ over the split's rows of gh[row, j] · round(mask(x))[row, c]: a block
+// owns 64 columns (16 per warp) and rows [begin, end), 64 at a time.
+template <typename T, int RT>
+__global__ void __launch_bounds__(kTcThreads)
+    tc_masked_down_grad_kernel(const T* __restrict__ gh, int64_t ldg, const T* __restrict__ x,
+                               float* __restrict__ partials, int64_t n, int64_t k, int r,
+                               int64_t rows_per_split, DropoutRule rule) {
+#ifdef DTUNE_TC_LORA
+    constexpr int RP = 16 * RT, BM = 64, kGp = RP + 8;
+    __shared__ __align__(128) T xs[BM * kPitch];
+    __shared__ __align__(128) T gs[BM * kGp];
+    __shared__ __align__(128) float os[RP * kOutPitch];
+    const int warp = threadIdx.x / 32;
+    const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kChunk;
+    const int64_t begin = static_cast<int64_t>(blockIdx.y) * rows_per_split;
+    const int64_t end = begin + rows_per_split < n ? begin + rows_per_split : n;
+    const uint64_t key = math::layer_key(static_cast<uint64_t>(*rule.seed), rule.salt);
+    Acc acc[RT];
+#pragma unroll
+    for (int t = 0; t < RT; ++t) wmma::fill_fragment(acc[t], 0.0f);
+    for (int64_t row0 = begin; row0 < end; row0 += BM) {
+        if (rule.keep_in != nullptr)
+            masked_tile<T, BM * kPacks / kTcThreads, true>(x, end, k, row0, c0, threadIdx.x, kTcThreads, xs,
+                                                           key, rule);
+        else
+            masked_tile<T, BM * kPacks / kTcThreads, false>(x, end, k, row0, c0, threadIdx.x, kTcThreads, xs,
+                                                            key, rule);
+        for (int e = threadIdx.x; e < BM * RP; e += kTcThreads) {
+            const int i = e / RP, j = e % RP;
+            gs[i * kGp + j] = (row0 + i < end && j < r) ? gh[(row0 + i) * ldg + j] : from_float<T>(0.0f);
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> xf;
+            wmma::load_matrix_sync(xf, xs + kk * 16 * kPitch + warp * 16, kPitch);
+#pragma unroll
+            for (int t = 0; t < RT; ++t) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> gf;  // ghᵀ
+                wmma::load_matrix_sync(gf, gs + kk * 16 * kGp + t * 16, kGp);
+                wmma::mma_sync(acc[t], gf, xf, acc[t]);
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int t = 0; t < RT; ++t)
+        wmma::store_matrix_sync(os + t * 16 * kOutPitch + warp * 16, acc[t], kOutPitch, wmma::mem_row_major);
+    __syncthreads();
+    float* out = partials + static_cast<int64_t>(blockIdx.y) * r * k;
+    for (int e = threadIdx.x; e < r * kChunk; e += kTcThreads) {
+        const int j = e / kChunk, col = e % kChunk;
+        if (c0 + col < k) out[j * k + c0 + col] = os[j * kOutPitch + col];
+    }
+#else
+    __trap();
+#endif
+}
+
+// Rows per split of tc_masked_down_grad: a multiple of 64, about kTcGradBlocks blocks in all.
+constexpr int64_t kTcGradBlocks = 512;
+int64_t tc_rows_per_split(int64_t n, int64_t k) {
+    const int64_t tiles = (n + 63) / 64, col_tiles = (k + kChunk - 1) / kChunk;
+    const int64_t splits = std::clamp<int64_t>((kTcGradBlocks + col_tiles - 1) / col_tiles, 1, tiles);
+    return 64 * ((tiles + splits - 1) / splits);
+}
+
+// Whether the current device runs the tensor-core kernels (compute capability 8.0 or later).
+bool tensor_cores() {
+    int device = 0, major = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return false;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
+        return false;
+    return major >= 8;
+}
+
+// The current device's SM count (132 on an H100 SXM or H200; 1 if it cannot be read).
+int64_t sm_count() {
+    int device = 0, count = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return 1;
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
+    return count > 0 ? count : 1;
+}
+
+template <typename T>
+constexpr bool kSixteenBit = sizeof(T) == 2;
+
 int64_t rows_per_split(int64_t n) {
     const int64_t splits =
         std::clamp<int64_t>((n + kGradRowsPerSplit - 1) / kGradRowsPerSplit, 1, kGradMaxSplits);
@@ -226,6 +545,25 @@ int launch_down(const void* x, const void* a, void* h, int64_t ldh, int64_t n, i
     const auto* ap = static_cast<const T*>(a);
     auto* hp = static_cast<T*>(h);
     const int ri = static_cast<int>(r);
+    if constexpr (kSixteenBit<T>) {
+        if (tensor_cores()) {
+            auto grid = [&](int mf) { return static_cast<unsigned>((n + 16 * mf - 1) / (16 * mf)); };
+            // Blocks of 32 rows while they give each SM three; below that (4096 rows of an SDXL
+            // 1280-channel layer at batch 4: one block per SM) blocks of 16 rows, eight warps each,
+            // so that each warp walks fewer chunks (rank 16 only: more ranks overflow shared memory).
+            if (r <= 16 && static_cast<int64_t>(grid(2)) < 3 * sm_count())
+                tc_masked_down_kernel<T, 1, 1, 8><<<grid(1), 256, 0, s>>>(xp, ap, hp, ldh, n, k, ri, rule);
+            else if (r <= 16)
+                tc_masked_down_kernel<T, 1, 2, 4><<<grid(2), 128, 0, s>>>(xp, ap, hp, ldh, n, k, ri, rule);
+            else if (r <= 32)
+                tc_masked_down_kernel<T, 2, 2, 4><<<grid(2), 128, 0, s>>>(xp, ap, hp, ldh, n, k, ri, rule);
+            else if (r <= 48)
+                tc_masked_down_kernel<T, 3, 1, 4><<<grid(1), 128, 0, s>>>(xp, ap, hp, ldh, n, k, ri, rule);
+            else
+                tc_masked_down_kernel<T, 4, 1, 4><<<grid(1), 128, 0, s>>>(xp, ap, hp, ldh, n, k, ri, rule);
+            return static_cast<int>(cudaGetLastError());
+        }
+    }
     if (r <= 16)
         masked_down_kernel<T, 16, 4><<<row_blocks(n, 4), kThreads, 0, s>>>(xp, ap, hp, ldh, n, k, ri, rule);
     else if (r <= 32)
@@ -242,6 +580,21 @@ int launch_up_add(void* dx, const void* gh, int64_t ldg, const void* a, int64_t 
     const auto* gp = static_cast<const T*>(gh);
     const auto* ap = static_cast<const T*>(a);
     const int ri = static_cast<int>(r);
+    if constexpr (kSixteenBit<T>) {
+        if (tensor_cores()) {
+            const dim3 grid(static_cast<unsigned>((n + 63) / 64),
+                            static_cast<unsigned>((k + kChunk - 1) / kChunk));
+            if (r <= 16)
+                tc_masked_up_add_kernel<T, 1><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rule);
+            else if (r <= 32)
+                tc_masked_up_add_kernel<T, 2><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rule);
+            else if (r <= 48)
+                tc_masked_up_add_kernel<T, 3><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rule);
+            else
+                tc_masked_up_add_kernel<T, 4><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rule);
+            return static_cast<int>(cudaGetLastError());
+        }
+    }
     if (r <= 16)
         masked_up_add_kernel<T, 16, 4><<<row_blocks(n, 4), kThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rule);
     else if (r <= 32)
@@ -254,6 +607,31 @@ int launch_up_add(void* dx, const void* gh, int64_t ldg, const void* a, int64_t 
 template <typename T>
 int launch_down_grad(const void* gh, int64_t ldg, const void* x, float* partials, float* da, int64_t n,
                      int64_t k, int64_t r, const DropoutRule& rule, cudaStream_t s) {
+    if constexpr (kSixteenBit<T>) {
+        if (tensor_cores()) {
+            const int64_t per = tc_rows_per_split(n, k), splits = (n + per - 1) / per;
+            const dim3 grid(static_cast<unsigned>((k + kChunk - 1) / kChunk), static_cast<unsigned>(splits));
+            const auto* gp = static_cast<const T*>(gh);
+            const auto* xp = static_cast<const T*>(x);
+            const int ri = static_cast<int>(r);
+            if (r <= 16)
+                tc_masked_down_grad_kernel<T, 1>
+                    <<<grid, kTcThreads, 0, s>>>(gp, ldg, xp, partials, n, k, ri, per, rule);
+            else if (r <= 32)
+                tc_masked_down_grad_kernel<T, 2>
+                    <<<grid, kTcThreads, 0, s>>>(gp, ldg, xp, partials, n, k, ri, per, rule);
+            else if (r <= 48)
+                tc_masked_down_grad_kernel<T, 3>
+                    <<<grid, kTcThreads, 0, s>>>(gp, ldg, xp, partials, n, k, ri, per, rule);
+            else
+                tc_masked_down_grad_kernel<T, 4>
+                    <<<grid, kTcThreads, 0, s>>>(gp, ldg, xp, partials, n, k, ri, per, rule);
+            const int err = static_cast<int>(cudaGetLastError());
+            if (err != 0) return err;
+            sum_splits_kernel<<<blocks_for(r * k, 256), 256, 0, s>>>(partials, da, r * k, splits);
+            return static_cast<int>(cudaGetLastError());
+        }
+    }
     const int64_t per = rows_per_split(n), splits = (n + per - 1) / per;
     const dim3 grid(static_cast<unsigned>((k + kGradTile - 1) / kGradTile), static_cast<unsigned>(splits));
     masked_down_grad_kernel<T><<<grid, kThreads, 0, s>>>(static_cast<const T*>(gh), ldg,
@@ -278,8 +656,13 @@ int lora_masked_down(const void* x, const void* a, void* h, int64_t ldh, int64_t
     return static_cast<int>(cudaErrorInvalidValue);
 }
 
-int64_t lora_masked_down_grad_splits(int64_t n) {
-    const int64_t per = rows_per_split(n);
+bool lora_dropout_tensor_cores(KernelDtype dtype) {
+    return dtype != KernelDtype::kFloat && tensor_cores();
+}
+
+int64_t lora_masked_down_grad_splits(int64_t n, int64_t k, KernelDtype dtype) {
+    const int64_t per =
+        dtype != KernelDtype::kFloat && tensor_cores() ? tc_rows_per_split(n, k) : rows_per_split(n);
     return (n + per - 1) / per;
 }
 

@@ -4,6 +4,7 @@
 // row stride ldh / ldg (a column slice of a wider matrix is fine). The mask of element (row, col)
 // is hash_dropout's for index `index_offset + row · k + col` (common/hash_dropout_math.h).
 // Requirements (the host wrapper checks them): 1 <= r <= kLoRADropoutMaxRank, k a multiple of 8,
+// n >= kLoRADropoutMinRows,
 // x, dx and a 16-byte aligned. Built only with DTUNE_WITH_CUDA_KERNELS.
 #pragma once
 
@@ -14,15 +15,28 @@
 namespace dtune::models::cuda {
 
 constexpr int64_t kLoRADropoutMaxRank = 64;
+// Fewer rows than this (a text encoder's keys and values) take the masked copy: too few blocks to
+// fill the card (308 rows of 2048: 38 µs in the kernel against 7 µs for copy + cuBLAS on an H200).
+constexpr int64_t kLoRADropoutMinRows = 1024;
 
 // The hash-dropout rule as the kernels take it: `seed` points at one int64 on the device.
+// The tensor-core kernels (lora_dropout_tensor_cores) can keep the decisions instead of hashing
+// them again: [n, k / 8] bytes, bit e of byte (row, j) set where element (row, 8j + e) is kept.
+// lora_masked_down writes them to `keep_out` when it is set; the two backward kernels read
+// `keep_in` when it is set, else hash.
 struct DropoutRule {
     const int64_t* seed;
     uint64_t salt;
     int64_t index_offset;
     uint32_t threshold;
     float scale;
+    uint8_t* keep_out = nullptr;
+    const uint8_t* keep_in = nullptr;
 };
+
+// Whether `dtype` on the current device takes the tensor-core kernels (16-bit types on sm_80 and
+// later), the only ones that write and read the kept decisions.
+bool lora_dropout_tensor_cores(KernelDtype dtype);
 
 // Each launcher returns the launch's cudaError_t as an int (0 = success).
 
@@ -30,9 +44,9 @@ struct DropoutRule {
 int lora_masked_down(const void* x, const void* a, void* h, int64_t ldh, int64_t n, int64_t k, int64_t r,
                      const DropoutRule& rule, KernelDtype dtype, void* stream);
 
-// The number of row splits lora_masked_down_grad uses for n rows: `partials` holds
-// splits · r · k floats.
-int64_t lora_masked_down_grad_splits(int64_t n);
+// The number of row splits lora_masked_down_grad uses for [n, k] inputs of `dtype` on the current
+// device: `partials` holds splits · r · k floats.
+int64_t lora_masked_down_grad_splits(int64_t n, int64_t k, KernelDtype dtype);
 
 // da [r, k] (float32) = ghᵀ · (mask ⊙ x): per-split partial sums into `partials`, then their sum in
 // a fixed order (deterministic run to run).
