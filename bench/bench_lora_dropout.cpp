@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
     // Flux.1: the joint sequence at 3072.
     const std::vector<std::pair<int64_t, int64_t>> shapes{
         {16384, 640}, {4096, 1280}, {308, 2048}, {4608, 3072}};
-    const bool was = m::lora_dropout_kernels_enabled();
+    const m::LoRADropoutKernels was = m::lora_dropout_kernels_mode();
     for (const auto& [n, k] : shapes) {
         const at::Tensor x = at::randn({n, k}, on).to(at::kBFloat16);
         const at::Tensor a = (at::randn({r, k}, on) * 0.05).to(at::kBFloat16);
@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
         at::Tensor da;
         // The decisions recorded by the forward kernel, for the backward products' last column.
         at::Tensor keep;
-        m::set_lora_dropout_kernels(true);
+        m::set_lora_dropout_kernels(m::LoRADropoutKernels::kTensorCores);
         m::lora_masked_down_out(h, x, a, mask, &keep);
         m::LoRADropoutMask kept = mask;
         kept.keep = keep;
@@ -119,10 +119,10 @@ int main(int argc, char** argv) {
         };
         for (const Op& op : ops) {
             const double plain = graphed_us(op.plain, replays);
-            m::set_lora_dropout_kernels(false);
+            m::set_lora_dropout_kernels(m::LoRADropoutKernels::kOff);
             const double composite = graphed_us(op.masked, replays);
             const at::Tensor ref = op.result();
-            m::set_lora_dropout_kernels(true);
+            m::set_lora_dropout_kernels(m::LoRADropoutKernels::kTensorCores);
             const double kernels = graphed_us(op.masked, replays);
             const double recorded = graphed_us(op.recorded, replays);
             const double diff = rel_diff(op.result(), ref);

@@ -221,10 +221,11 @@ TEST(LoRADropoutUnit, Bf16OperandsAndNoMask) {
 TEST(LoRADropoutUnit, TheKernelsNeverTakeCpuTensors) {
     const at::Tensor x = at::randn({16, 64}), a = at::randn({4, 64});
     EXPECT_FALSE(lora_dropout_kernels_take(x, a));
-    const bool was = lora_dropout_kernels_enabled();
-    set_lora_dropout_kernels(false);
+    const LoRADropoutKernels was = lora_dropout_kernels_mode();
+    set_lora_dropout_kernels(LoRADropoutKernels::kOff);
     EXPECT_FALSE(lora_dropout_kernels_enabled());
-    set_lora_dropout_kernels(true);
+    set_lora_dropout_kernels(LoRADropoutKernels::kAll);
+    EXPECT_FALSE(lora_dropout_kernels_take(x, a));
     set_lora_dropout_kernels(was);
 }
 

@@ -20,6 +20,7 @@
 #include "support/test_support.h"
 
 #ifdef DTUNE_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -495,16 +496,24 @@ TEST(ModelsGpu, LoRADropoutKernelsMatchTheMaskedReference) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     const at::Device cuda(at::kCUDA, 0);
     torch::manual_seed(12);
-    const bool was =
-        lora_dropout_kernels_enabled();  // on by default; on for this test whatever the environment
-    set_lora_dropout_kernels(true);
+    // Every dtype for this test (float32's CUDA-core kernels too), whatever the environment.
     struct Restore {
-        bool on;
-        ~Restore() { set_lora_dropout_kernels(on); }
-    } restore{was};
-    if (!lora_dropout_kernels_take(at::zeros({1024, 64}, at::TensorOptions().device(cuda)),
-                                   at::zeros({4, 64}, at::TensorOptions().device(cuda))))
-        GTEST_SKIP() << "built without the CUDA kernels, or DTUNE_LORA_DROPOUT_KERNELS=0";
+        LoRADropoutKernels mode;
+        ~Restore() { set_lora_dropout_kernels(mode); }
+    } restore{lora_dropout_kernels_mode()};
+    const auto on = at::TensorOptions().device(cuda);
+    set_lora_dropout_kernels(LoRADropoutKernels::kAll);
+    if (!lora_dropout_kernels_take(at::zeros({1024, 64}, on), at::zeros({4, 64}, on)))
+        GTEST_SKIP() << "built without the CUDA kernels, or DTUNE_FUSED_KERNELS=0";
+    // The default mode: bf16 and fp16 on tensor cores (sm_80+), float32 through the masked copy.
+    set_lora_dropout_kernels(LoRADropoutKernels::kTensorCores);
+    EXPECT_FALSE(lora_dropout_kernels_take(at::zeros({1024, 64}, on), at::zeros({4, 64}, on)));
+#ifdef DTUNE_WITH_CUDA
+    EXPECT_EQ(lora_dropout_kernels_take(at::zeros({1024, 64}, on.dtype(at::kBFloat16)),
+                                        at::zeros({4, 64}, on.dtype(at::kBFloat16))),
+              at::cuda::getCurrentDeviceProperties()->major >= 8);
+#endif
+    set_lora_dropout_kernels(LoRADropoutKernels::kAll);
     // A text encoder's keys and values (308 rows) are too few rows for the kernels: the masked copy.
     EXPECT_FALSE(lora_dropout_kernels_take(at::zeros({308, 2048}, at::TensorOptions().device(cuda)),
                                            at::zeros({16, 2048}, at::TensorOptions().device(cuda))));
@@ -519,7 +528,6 @@ TEST(ModelsGpu, LoRADropoutKernelsMatchTheMaskedReference) {
                         SCOPED_TRACE(testing::Message() << "n " << n << " " << c10::toString(dtype) << " k "
                                                         << k << " r " << r << " offset " << offset);
                         const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
-                        const auto on = at::TensorOptions().device(cuda);
                         const LoRADropoutMask m{at::full({1}, 99, on.dtype(at::kLong)), 21, 0.1, offset};
                         const at::Tensor x = at::randn({n, k}, on).to(dtype);
                         const at::Tensor a = (at::randn({r, k}, on) * 0.05).to(dtype);
@@ -595,6 +603,7 @@ TEST(ModelsGpu, LoRADropoutKernelsMatchTheMaskedReference) {
 TEST(ModelsGpu, LoRADropoutKernelsMatchTheCompositeInTraining) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     const at::Device cuda(at::kCUDA, 0);
+    const LoRADropoutKernels mode = lora_dropout_kernels_mode();
     auto run = [&](bool kernels, double dropout) {
         torch::manual_seed(43);
         torch::nn::Module root;
@@ -617,13 +626,13 @@ TEST(ModelsGpu, LoRADropoutKernelsMatchTheCompositeInTraining) {
         const at::Tensor x = at::randn({2, 2049, 640}).to(cuda).requires_grad_(true);  // N = 4098
         const at::Tensor g = at::randn({2, 2049, 1280}).to(cuda, at::kBFloat16);
         EXPECT_TRUE(adapters.find("to_q")->takes_whole_forward(x));  // LoRALinearFunction
-        set_lora_dropout_kernels(kernels);
+        set_lora_dropout_kernels(kernels ? LoRADropoutKernels::kTensorCores : LoRADropoutKernels::kOff);
         at::autocast::set_autocast_enabled(at::kCUDA, true);
         at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
         const at::Tensor y = proj->forward(x);
         at::autocast::set_autocast_enabled(at::kCUDA, false);
         y.backward(g);
-        set_lora_dropout_kernels(true);
+        set_lora_dropout_kernels(mode);
         std::vector<at::Tensor> values{y.detach().cpu().to(at::kFloat), x.grad().cpu()};
         for (auto& t : adapters.parameters()) {
             EXPECT_EQ(t.grad().scalar_type(), at::kFloat);

@@ -23,19 +23,21 @@ namespace {
 
 // Read on first use (not during static initialisation: a bad value must reach the CLI as a
 // UsageError naming the variable).
-bool initial_switch() {
+LoRADropoutKernels initial_mode() {
     const char* v = std::getenv("DTUNE_LORA_DROPOUT_KERNELS");
-    if (v == nullptr || *v == '\0') return true;  // on: 173 against 177 ms on an H200 (BENCHMARKS.md)
+    // Unset: tensor cores only (173 against 177 ms on an H200, BENCHMARKS.md).
+    if (v == nullptr || *v == '\0') return LoRADropoutKernels::kTensorCores;
     const std::optional<bool> on = parse_fused_kernels_value(v);
-    DTUNE_CHECK_AS(UsageError, on.has_value(), "DTUNE_LORA_DROPOUT_KERNELS=", v,
-                   " is not a choice: use 1 (LoRA dropout read inside the adapter's kernels; the default) "
-                   "or 0 (a masked copy of the input, then the GEMMs)");
-    return *on;
+    DTUNE_CHECK_AS(
+        UsageError, on.has_value(), "DTUNE_LORA_DROPOUT_KERNELS=", v,
+        " is not a choice: leave it unset (LoRA dropout read inside the adapter's kernels for "
+        "bf16 and fp16), or use 1 (float32 too) or 0 (a masked copy of the input, then the GEMMs)");
+    return *on ? LoRADropoutKernels::kAll : LoRADropoutKernels::kOff;
 }
 
-std::atomic<bool>& kernels_switch() {
-    static std::atomic<bool> on{initial_switch()};
-    return on;
+std::atomic<LoRADropoutKernels>& kernels_mode() {
+    static std::atomic<LoRADropoutKernels> mode{initial_mode()};
+    return mode;
 }
 
 bool active(const LoRADropoutMask& m) {
@@ -70,24 +72,32 @@ bool rows_ok(const at::Tensor& t, const at::Tensor& x2, int64_t r) {
            t.device() == x2.device() && (t.stride(1) == 1 || r == 1) && t.stride(0) >= r;
 }
 
-// x2 (or dx) as the kernels read it, with the switch on. The mask's own argument errors are left
-// to hash_dropout's checks on the composite path.
+// x2 (or dx) as the kernels read it, in a dtype the mode gives them. The mask's own argument errors
+// are left to hash_dropout's checks on the composite path.
 bool input_ok(const at::Tensor& x2) {
     const auto t = x2.scalar_type();
-    return x2.is_cuda() && x2.dim() == 2 && x2.is_contiguous() && x2.size(0) >= cuda::kLoRADropoutMinRows &&
-           x2.size(1) % 8 == 0 && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) &&
-           aligned16(x2) && lora_dropout_kernels_enabled();
+    if (!(x2.is_cuda() && x2.dim() == 2 && x2.is_contiguous() && x2.size(0) >= cuda::kLoRADropoutMinRows &&
+          x2.size(1) % 8 == 0 && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && aligned16(x2) &&
+          lora_dropout_kernels_enabled()))
+        return false;
+    if (kernels_mode() == LoRADropoutKernels::kAll) return true;
+    const c10::cuda::CUDAGuard guard(x2.device());  // the device the tensor-core check asks about
+    return cuda::lora_dropout_tensor_cores(kernel_dtype(t, "lora_dropout_kernels_take"));
 }
 #endif
 
 }  // namespace
 
-void set_lora_dropout_kernels(bool enabled) {
-    kernels_switch() = enabled;
+void set_lora_dropout_kernels(LoRADropoutKernels mode) {
+    kernels_mode() = mode;
+}
+
+LoRADropoutKernels lora_dropout_kernels_mode() {
+    return kernels_mode();
 }
 
 bool lora_dropout_kernels_enabled() {
-    return kernels_switch() && fused_kernels_allowed();
+    return kernels_mode() != LoRADropoutKernels::kOff && fused_kernels_allowed();
 }
 
 bool lora_dropout_kernels_take(const at::Tensor& x2, const at::Tensor& a) {

@@ -27,15 +27,22 @@ struct LoRADropoutMask {
     at::Tensor keep;
 };
 
-// DTUNE_LORA_DROPOUT_KERNELS: "1" (the default: an SDXL LoRA batch-4 step with lora_dropout 0.1 took
-// 173 against 177 ms on an H200) uses the kernels where they apply, "0" the composite ops; read on first
-// use, a bad value is a UsageError. The setter is for tests. DTUNE_FUSED_KERNELS=0 turns the kernels off too.
-void set_lora_dropout_kernels(bool enabled);
-bool lora_dropout_kernels_enabled();
+// Which operands go through the kernels. DTUNE_LORA_DROPOUT_KERNELS unset: kTensorCores (the default:
+// an SDXL LoRA batch-4 step with lora_dropout 0.1 took 173 against 177 ms on an H200); "1": kAll;
+// "0": kOff. Read on first use, a bad value is a UsageError. The setter is for tests and benchmarks.
+// DTUNE_FUSED_KERNELS=0 turns the kernels off too.
+enum class LoRADropoutKernels {
+    kOff,          // the masked copy and the GEMMs everywhere
+    kTensorCores,  // the kernels for bf16 and fp16 on sm_80 and later (tensor cores)
+    kAll,          // float32 too (CUDA-core FMAs, not measured faster than the copy)
+};
+void set_lora_dropout_kernels(LoRADropoutKernels mode);
+LoRADropoutKernels lora_dropout_kernels_mode();
+bool lora_dropout_kernels_enabled();  // mode not kOff and fused kernels allowed
 
-// Whether the kernels take these operands (CUDA build and device, switch on, dtype float32, bf16
-// or fp16, x2 contiguous with at least 1024 rows and `in` a multiple of 8, 1 <= r <= 64, 16-byte
-// aligned x2 and a).
+// Whether the kernels take these operands (CUDA build and device, mode and dtype: bf16 or fp16 on
+// sm_80+, or float32 too with kAll; x2 contiguous with at least 1024 rows and `in` a multiple of 8,
+// 1 <= r <= 64, 16-byte aligned x2 and a).
 bool lora_dropout_kernels_take(const at::Tensor& x2, const at::Tensor& a);
 
 // h [N, r] = (mask ⊙ x2)·aᵀ in x2's dtype; the _out form writes into h (x2's dtype, rows may be
