@@ -165,8 +165,18 @@ std::unique_ptr<S3TestServer> S3TestServer::start(S3ServerKind kind) {
             s->pid_ = -1;
             return nullptr;
         }
+        // Ready: the S3 port answers (for SeaweedFS, its master and filer too) and the server is
+        // still running half a second later. `weed mini` can answer on its S3 port and then exit
+        // because a later component's port was taken meanwhile (a fresh-clone run saw the first PUT
+        // refused that way); such an exit is retried on other ports like one before answering.
+        auto answers = [&] {
+            if (!answers_http(s->port_)) return false;
+            return !seaweed || (answers_http(base) && answers_http(base + 2));
+        };
         const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-        while (!answers_http(s->port_)) {
+        for (;;) {
+            const bool up = answers();
+            if (up) std::this_thread::sleep_for(std::chrono::milliseconds(500));
             int status = 0;
             if (::waitpid(s->pid_, &status, WNOHANG) == s->pid_) {
                 s->pid_ = -1;
@@ -182,6 +192,7 @@ std::unique_ptr<S3TestServer> S3TestServer::start(S3ServerKind kind) {
                               << tail;
                 return nullptr;
             }
+            if (up) break;
             if (std::chrono::steady_clock::now() > deadline) {
                 ADD_FAILURE() << binary << " did not answer on port " << s->port_
                               << " within 120 s; log: " << log;
