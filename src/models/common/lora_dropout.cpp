@@ -81,8 +81,7 @@ bool input_ok(const at::Tensor& x2) {
           lora_dropout_kernels_enabled()))
         return false;
     if (kernels_mode() == LoRADropoutKernels::kAll) return true;
-    const c10::cuda::CUDAGuard guard(x2.device());  // the device the tensor-core check asks about
-    return cuda::lora_dropout_tensor_cores(kernel_dtype(t, "lora_dropout_kernels_take"));
+    return cuda::lora_dropout_tensor_cores(kernel_dtype(t, "lora_dropout_kernels_take"), x2.get_device());
 }
 #endif
 
@@ -128,7 +127,7 @@ void lora_masked_down_out(at::Tensor& h, const at::Tensor& x2, const at::Tensor&
         const cuda::KernelDtype kt = kernel_dtype(x2.scalar_type(), "lora_masked_down");
         cuda::DropoutRule rule = rule_of(m, x2);
         rule.keep_in = nullptr;
-        if (keep != nullptr && cuda::lora_dropout_tensor_cores(kt)) {
+        if (keep != nullptr && cuda::lora_dropout_tensor_cores(kt, x2.get_device())) {
             *keep = at::empty({x2.size(0), x2.size(1) / 8}, x2.options().dtype(at::kByte));
             rule.keep_out = keep->mutable_data_ptr<uint8_t>();
         }

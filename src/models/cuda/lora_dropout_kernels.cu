@@ -19,6 +19,8 @@
 //     each) and the rows, sum their rows through shared memory and write one partial per block; a
 //     second kernel adds the partials in a fixed order, so the result is the same run to run.
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cstdint>
 
 #include <mma.h>
@@ -508,21 +510,41 @@ int64_t tc_rows_per_split(int64_t n, int64_t k) {
     return 64 * ((tiles + splits - 1) / splits);
 }
 
-// Whether the current device runs the tensor-core kernels (compute capability 8.0 or later).
-bool tensor_cores() {
-    int device = 0, major = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) return false;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess)
-        return false;
-    return major >= 8;
+// A device's compute capability major and SM count, read once per device (every adapter layer's
+// launch asks): {0, 1} where they cannot be read.
+struct DeviceShape {
+    int major = 0;
+    int64_t sms = 1;
+};
+DeviceShape device_shape(int device) {
+    constexpr int kDevices = 64;
+    static std::array<std::atomic<int>, kDevices> majors{}, sms{};  // 0: not read yet
+    if (device < 0 || device >= kDevices) return {};
+    if (majors[device].load(std::memory_order_acquire) == 0) {
+        int major = 0, count = 0;
+        if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+            cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+            return {};
+        sms[device].store(count > 0 ? count : 1, std::memory_order_relaxed);
+        majors[device].store(major, std::memory_order_release);  // after sms: a reader seeing it sees both
+    }
+    const int major = majors[device].load(std::memory_order_acquire);
+    return {major, sms[device].load(std::memory_order_relaxed)};
 }
 
-// The current device's SM count (132 on an H100 SXM or H200; 1 if it cannot be read).
+DeviceShape current_device_shape() {
+    int device = 0;
+    return cudaGetDevice(&device) == cudaSuccess ? device_shape(device) : DeviceShape{};
+}
+
+// Whether the current device runs the tensor-core kernels (compute capability 8.0 or later).
+bool tensor_cores() {
+    return current_device_shape().major >= 8;
+}
+
+// The current device's SM count (132 on an H100 SXM or H200).
 int64_t sm_count() {
-    int device = 0, count = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) return 1;
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
-    return count > 0 ? count : 1;
+    return current_device_shape().sms;
 }
 
 template <typename T>
@@ -656,8 +678,8 @@ int lora_masked_down(const void* x, const void* a, void* h, int64_t ldh, int64_t
     return static_cast<int>(cudaErrorInvalidValue);
 }
 
-bool lora_dropout_tensor_cores(KernelDtype dtype) {
-    return dtype != KernelDtype::kFloat && tensor_cores();
+bool lora_dropout_tensor_cores(KernelDtype dtype, int device) {
+    return dtype != KernelDtype::kFloat && device_shape(device).major >= 8;
 }
 
 int64_t lora_masked_down_grad_splits(int64_t n, int64_t k, KernelDtype dtype) {

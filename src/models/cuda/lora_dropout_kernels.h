@@ -34,9 +34,9 @@ struct DropoutRule {
     const uint8_t* keep_in = nullptr;
 };
 
-// Whether `dtype` on the current device takes the tensor-core kernels (16-bit types on sm_80 and
+// Whether `dtype` on CUDA device `device` takes the tensor-core kernels (16-bit types on sm_80 and
 // later), the only ones that write and read the kept decisions.
-bool lora_dropout_tensor_cores(KernelDtype dtype);
+bool lora_dropout_tensor_cores(KernelDtype dtype, int device);
 
 // Each launcher returns the launch's cudaError_t as an int (0 = success).
 
