@@ -60,6 +60,47 @@ def main():
     print("  top kernels (ms per step, launches per step):")
     for name, us in per_name.most_common(a.top):
         print(f"    {us / s / 1e3:7.2f} {count[name] // s:5d}  {name}")
+    overlap(kernels, s)
+
+
+def union(intervals):
+    """Sorted, merged [start, end) intervals."""
+    out = []
+    for b, e in sorted(intervals):
+        if out and b <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([b, e])
+    return out
+
+
+def length(intervals):
+    return sum(e - b for b, e in intervals)
+
+
+def overlap(kernels, steps):
+    """Data-parallel steps: how much of the collectives' time no other kernel hides, and how long
+    each step's optimizer waits after the last compute kernel before it (the exposed tail)."""
+    nccl = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
+    if not nccl:
+        return
+    comp = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower()]
+    u_nccl, u_comp = union(nccl), union(comp)
+    both = length(union(nccl + comp))
+    exposed = both - length(u_comp)
+    print(f"  collectives: {length(u_nccl) / steps / 1e3:.2f} ms per step on the GPU, "
+          f"{exposed / steps / 1e3:.2f} ms of it with no other kernel running")
+    opt = sorted(e["ts"] for e in kernels if family(e["name"]) == "optimizer")
+    starts = [t for i, t in enumerate(opt) if i == 0 or t - opt[i - 1] > 20e3]  # one per step
+    for t_opt in starts:
+        before = [e for e in kernels if e["ts"] + e["dur"] <= t_opt]
+        last_comp = max((e["ts"] + e["dur"] for e in before if "nccl" not in e["name"].lower()), default=None)
+        last_nccl = max((e["ts"] + e["dur"] for e in before if "nccl" in e["name"].lower()), default=None)
+        if last_comp is None or last_nccl is None:
+            continue
+        print(f"  step tail: optimizer starts {(t_opt - last_comp) / 1e3:.2f} ms after the last kernel before it "
+              f"that is not a collective; the last collective before it ends "
+              f"{(last_nccl - last_comp) / 1e3:+.2f} ms from that kernel")
 
 
 if __name__ == "__main__":

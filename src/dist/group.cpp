@@ -70,6 +70,19 @@ class Trace {
     int64_t seq_ = 0;
 };
 
+// Several collectives waited for as one, in order (Gloo's stand-in for a grouped NCCL call).
+struct AllPending final : Pending {
+    std::vector<std::unique_ptr<Pending>> parts;
+    void wait() override {
+        for (auto& p : parts) p->wait();
+    }
+    bool ready() override {
+        for (auto& p : parts)
+            if (!p->ready()) return false;
+        return true;
+    }
+};
+
 class SingleGroup final : public Group {
   public:
     explicit SingleGroup(DistEnv env) : Group(std::move(env)) {}
@@ -94,6 +107,10 @@ class SingleGroup final : public Group {
         return all_reduce_sum_async(tensors.front());
     }
     void broadcast_(at::Tensor&, int) override {}
+    std::unique_ptr<Pending> broadcast_coalesced_async(std::vector<at::Tensor>& tensors,
+                                                       const std::vector<int>&) override {
+        return all_reduce_sum_async(tensors.front());
+    }
     std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override { return {tensor.clone()}; }
     std::unique_ptr<Pending> all_gather_into_async(at::Tensor& out, const at::Tensor& shard) override {
         out.copy_(shard);
@@ -205,18 +222,7 @@ class C10dGroup final : public Group {
         c10d::ReduceOptions opts;
         opts.rootRank = root;
         if (name_ != std::string("nccl")) {  // Gloo: one reduce each, waited for in order
-            struct All final : Pending {
-                std::vector<std::unique_ptr<Pending>> parts;
-                void wait() override {
-                    for (auto& p : parts) p->wait();
-                }
-                bool ready() override {
-                    for (auto& p : parts)
-                        if (!p->ready()) return false;
-                    return true;
-                }
-            };
-            auto all = std::make_unique<All>();
+            auto all = std::make_unique<AllPending>();
             opts.reduceOp = c10d::ReduceOp::SUM;
             for (auto& t : tensors) {
                 std::vector<at::Tensor> one{t};
@@ -241,6 +247,30 @@ class C10dGroup final : public Group {
         c10d::BroadcastOptions opts;
         opts.rootRank = root;
         wait(backend_->broadcast(tensors, opts));
+    }
+    std::unique_ptr<Pending> broadcast_coalesced_async(std::vector<at::Tensor>& tensors,
+                                                       const std::vector<int>& roots) override {
+        check_open();
+        DTUNE_CHECK(!tensors.empty() && roots.size() == tensors.size(),
+                    "dist: broadcast_coalesced_async needs one root per tensor");
+        Trace trace(rank(), "broadcast_coalesced", &tensors.front());
+        c10d::BroadcastOptions opts;
+        if (name_ != std::string("nccl")) {  // Gloo: one broadcast each, waited for in order
+            auto all = std::make_unique<AllPending>();
+            for (std::size_t i = 0; i < tensors.size(); ++i) {
+                std::vector<at::Tensor> one{tensors[i]};
+                opts.rootRank = roots[i];
+                all->parts.push_back(std::make_unique<WorkPending>(*this, backend_->broadcast(one, opts)));
+            }
+            return all;
+        }
+        backend_->startCoalescing();
+        for (std::size_t i = 0; i < tensors.size(); ++i) {
+            std::vector<at::Tensor> one{tensors[i]};
+            opts.rootRank = roots[i];
+            (void)backend_->broadcast(one, opts);
+        }
+        return std::make_unique<WorkPending>(*this, backend_->endCoalescing());
     }
     std::vector<at::Tensor> all_gather(const at::Tensor& tensor) override {
         check_open();

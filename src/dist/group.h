@@ -83,6 +83,11 @@ class Group {
                                                             bool average, bool& averaged) = 0;
     // In place: `tensor` takes root's values on every rank.
     virtual void broadcast_(at::Tensor& tensor, int root) = 0;
+    // In place, several contiguous tensors, each from its own root (`roots[i]` for `tensors[i]`;
+    // every rank passes the same sizes and roots in the same order): NCCL one grouped call with no
+    // flat copy, Gloo one broadcast per tensor. Nothing is waited for here.
+    virtual std::unique_ptr<Pending> broadcast_coalesced_async(std::vector<at::Tensor>& tensors,
+                                                               const std::vector<int>& roots) = 0;
     // Every rank's `tensor` (same shape everywhere), in rank order.
     virtual std::vector<at::Tensor> all_gather(const at::Tensor& tensor) = 0;
     // ZeRO-3 (zero3.h): `out` [world_size * n] gets every rank's `shard` [n], in rank order; both

@@ -18,6 +18,7 @@
 #include "health/breaker.h"
 #include "train/config.h"
 #include "train/zero3_model.h"  // ShardedModel (the destructor)
+#include "train/zero_sync.h"
 
 namespace dtune::train {
 
@@ -115,6 +116,16 @@ GradientHandoff gradient_handoff_requested() {
                       : GradientHandoff::kDirect;
 }
 
+bool zero_sync_deferred_requested() {
+    const char* v = std::getenv("DTUNE_ZERO_SYNC");
+    if (!v || !*v) return true;
+    const std::string s = v;
+    DTUNE_CHECK_AS(UsageError, s == "forward" || s == "step", "DTUNE_ZERO_SYNC is '", s,
+                   "'; set it to forward (ZeRO-1/2 ranks receive each other's updated parameters during the "
+                   "next forward, the default) or step (right after the optimizer step)");
+    return s == "forward";
+}
+
 bool graph_reducer_disabled() {
     const char* v = std::getenv("DTUNE_GRAPH_REDUCER");
     return v && std::string(v) == "0";
@@ -190,6 +201,7 @@ DataParallel::DataParallel(const dist::DistEnv& env, c10::Device device, int zer
 }
 
 DataParallel::~DataParallel() {
+    deferred_.reset();
     reducer_.reset();
     zero3_.reset();
     if (!group_) return;
@@ -266,8 +278,7 @@ void DataParallel::attach(std::vector<at::Tensor> params, GradientHandoff handof
     reducer_ = std::make_unique<dist::GradReducer>(*group_, params_, reducer_options);
     if (partition_ && talk)
         log::info() << "ZeRO-" << zero_stage_ << ": " << reducer_->buckets().size() << " gradient buckets; "
-                    << "parameters synchronised in " << partition_->sync_buckets(params_).size()
-                    << " broadcasts per step (" << params_.size() << " parameters)";
+                    << params_.size() << " parameters, each updated by one rank";
     const char* overlap = std::getenv("DTUNE_DDP_OVERLAP");
     if (!(overlap && std::string(overlap) == "0")) reducer_->enable_overlap();
     reducer_->set_copy_in(handoff == GradientHandoff::kCopyIn);
@@ -295,6 +306,7 @@ void DataParallel::arm_reduction() {
 }
 
 void DataParallel::reduce_gradients() {
+    if (deferred_) deferred_->wait_all();  // before the optimizer writes any parameter
     if (reducer_) reducer_->reduce();
     if (reducer_ && !overlap_reported_ && env_.rank == 0 && reducer_->owns_gradients()) {
         overlap_reported_ = true;
@@ -309,6 +321,7 @@ void DataParallel::all_reduce_gradients_capturable(const std::vector<at::Tensor>
     // The graphed step keeps its gradients at the graph's static addresses: the reducer's buckets
     // would only double the gradient memory, so they go on first use.
     if (reducer_) reducer_->release_gradients();
+    if (deferred_) deferred_->wait_all();  // before the optimizer writes any parameter
     dist::all_reduce_gradients_flat(*group_, params);
 }
 
@@ -326,9 +339,29 @@ void DataParallel::abandon_reduction() {
     if (reducer_) reducer_->abandon_round();
 }
 
+void DataParallel::defer_parameter_sync(torch::nn::Module& model) {
+    if (!partition_ || env_.world_size <= 1 || deferred_) return;
+    deferred_ = std::make_unique<DeferredParameterSync>(*group_, model, params_, partition_->owners());
+    if (env_.rank == 0)
+        log::info() << "ZeRO-" << zero_stage_ << ": each rank's updated parameters reach the others at the "
+                    << "start of the next forward, in " << deferred_->groups()
+                    << " grouped broadcasts (one per block) overlapping it (DTUNE_ZERO_SYNC=step "
+                    << "broadcasts them right after the step)";
+}
+
+void DataParallel::flush_parameters() {
+    if (deferred_) deferred_->flush();
+}
+
 void DataParallel::after_step() {
     if (zero3_) zero3_after_step();
-    if (partition_) partition_->sync_parameters(*group_, params_);  // few flat broadcasts
+    if (partition_ && !deferred_) {
+        if (!sync_reported_ && env_.rank == 0 && env_.world_size > 1)
+            log::info() << "ZeRO-" << zero_stage_ << ": parameters synchronised right after each step in "
+                        << partition_->sync_buckets(params_).size() << " broadcasts";
+        sync_reported_ = true;
+        partition_->sync_parameters(*group_, params_);  // few flat broadcasts
+    }
     if (step_clears_gradients_) return;  // the graphed step zeroed its buckets already
     // Buckets zeroed in place, every grad a view of its bucket again (the optimizer's zero_grad
     // dropped them); without the reducer's buckets (one process, graphed step) grads are dropped.
@@ -380,6 +413,7 @@ StepAgreement DataParallel::read_agreement(const double* a) const {
 }
 
 void DataParallel::check_identical(const std::vector<std::string>& names, double tolerance) {
+    flush_parameters();
     dist::check_parameters_identical(*group_, params_, names, tolerance);
 }
 

@@ -45,6 +45,7 @@ namespace dtune::train {
 
 class TrainConfig;
 class ShardedModel;
+class DeferredParameterSync;
 
 // What the ranks agreed on after a step. The step loop issues the agreement at the end of each
 // step and reads it one step later (train/readback.h), so a stop or a GPU fault requested during
@@ -82,6 +83,11 @@ GradientHandoff gradient_handoff_requested();
 // Whether DTUNE_DDP_GRAD_COPY names the handoff (the trainer says why an explicit direct is not
 // used, and stays quiet about its own default).
 bool gradient_handoff_named();
+
+// DTUNE_ZERO_SYNC: when ZeRO-1/2 ranks get each other's updated parameters. forward (or unset, the
+// default): at the start of the next forward, overlapping it (DataParallel::defer_parameter_sync);
+// step: right after the optimizer step. UsageError naming the variable otherwise.
+bool zero_sync_deferred_requested();
 
 // DTUNE_GRAPH_REDUCER=0: the graphed data-parallel step all-reduces every gradient in one flat pass
 // after backward instead of through the reducer's buckets (DataParallel::graph_reduces_in_buckets;
@@ -205,8 +211,20 @@ class DataParallel {
     // the round's recorded collectives and keeps the gradients summed so far
     // (dist::GradReducer::abandon_round). No-op without the reducer's buckets.
     void abandon_reduction();
+    // ZeRO-1/2 with several ranks, after attach(): the parameters are no longer broadcast by
+    // after_step() but at the start of the next forward, one grouped broadcast per unit of `model`
+    // overlapping the forward (train/zero_sync.h): before_forward() issues them, each unit waits for
+    // its own, reduce_gradients() waits for any left. Anything else that reads the weights between
+    // steps calls flush_parameters() first (gather_weights() and check_identical() do). No-op
+    // otherwise.
+    void defer_parameter_sync(torch::nn::Module& model);
+    bool defers_parameter_sync() const { return deferred_ != nullptr; }
+    // With the sync deferred: every rank's weights made whole now (collective: every rank calls it
+    // at the same point). No-op otherwise.
+    void flush_parameters();
     // After the optimizer step: ZeRO-1/2 copy the parameters from their owners (one broadcast per
-    // ~64 MB run of an owner's parameters); then clears the gradients of every attached parameter
+    // ~64 MB run of an owner's parameters; deferred to the next forward after
+    // defer_parameter_sync()); then clears the gradients of every attached parameter
     // (the sharded optimizer's zero_grad sees only its own): with several ranks the reducer's
     // buckets are zeroed in place and the grads are views of them again, else grads are dropped.
     void after_step();
@@ -273,7 +291,8 @@ class DataParallel {
     std::unique_ptr<dist::GradReducer> reducer_;
     std::unique_ptr<dist::ZeroPartition> partition_;
     std::unique_ptr<ShardedModel> zero3_;
-    bool sharded_base_only_ = false;  // attach_sharded_base: zero3_ holds a frozen base
+    std::unique_ptr<DeferredParameterSync> deferred_;  // defer_parameter_sync()
+    bool sharded_base_only_ = false;                   // attach_sharded_base: zero3_ holds a frozen base
     std::vector<at::Tensor> params_;
     bool shard_reported_ = false;
     bool step_graphed_ = false;
@@ -283,6 +302,7 @@ class DataParallel {
     // zero_gradients_in_step() ran: the graphed step zeroes the gradients, after_step() leaves them.
     bool step_clears_gradients_ = false;
     bool overlap_reported_ = false;      // reduce_gradients() logged the buckets started in backward
+    bool sync_reported_ = false;         // after_step() logged its ZeRO-1/2 broadcasts
     bool graph_reducer_allowed_ = true;  // DTUNE_GRAPH_REDUCER is not 0 (read at construction)
 };
 

@@ -17,6 +17,7 @@
 #include "train/data_parallel.h"
 #include "train/optimizer.h"
 #include "train/zero3_model.h"
+#include "train/zero_sync.h"
 
 namespace dtune::train {
 
@@ -104,6 +105,7 @@ std::vector<at::Tensor> DataParallel::gradient_holders(const std::vector<at::Ten
 
 void DataParallel::before_forward() {
     if (zero3_) zero3_->engine().begin_forward();
+    if (deferred_) deferred_->begin_forward();  // ZeRO-1/2: the owners' updates, unit by unit
 }
 
 void DataParallel::after_backward() {
@@ -111,6 +113,7 @@ void DataParallel::after_backward() {
 }
 
 bool DataParallel::gather_weights() {
+    flush_parameters();  // ZeRO-1/2 with the sync deferred: whole weights on every rank
     if (!zero3_ || zero3_->engine().gathered_all()) return false;
     zero3_->engine().gather_all();
     return true;

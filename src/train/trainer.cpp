@@ -629,6 +629,7 @@ void Trainer::save(const std::string& why) {
     // Every step's row is on disk before the checkpoint a resume cuts the log back to, and a
     // non-finite loss stops the run before its weights are saved.
     read_back_steps(global_step_);
+    dp_->flush_parameters();  // ZeRO-1/2 with the sync deferred to the next forward
     // ZeRO-3: rank 0 writes the whole weights (a LoRA's checkpoint holds its replicated adapters only)
     const std::shared_ptr<void> whole = lora_ ? nullptr : whole_weights();
     const bool zero = dp_->zero_stage() >= 1;

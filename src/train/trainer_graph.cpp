@@ -178,6 +178,11 @@ StepScalars Trainer::train_graphed_step(double lr) {
     // captured), overlapping the last backward through the reducer's buckets
     // (DataParallel::graph_reduces_in_buckets), which also hold the gradients across the micro-steps.
     StepHooks hooks = step_hooks();
+    if (dp_->defers_parameter_sync())  // ZeRO-1/2: the owners' broadcasts open the captured forward
+        hooks.before_forward = [this, first = std::move(hooks.before_forward)] {
+            dp_->before_forward();
+            if (first) first();
+        };
     const bool buckets = dp_->graph_reduces_in_buckets();
     if (buckets) {
         hooks.before_backward = [this] { dp_->arm_reduction(); };

@@ -7,9 +7,9 @@
 // a capture), against one process on one GPU with the global batch (the device draws are made for
 // the global batch, each rank keeping its rows), and against the graph's former flat all-reduce
 // after backward (DTUNE_GRAPH_REDUCER=0), and ZeRO-1's graphed step (the same all-reduce, each rank
-// updating its share, the broadcasts after the replay), ZeRO-2's (each bucket reduced to its owner,
-// other ranks' buckets in staging slots), and the gradients copied into flat buckets
-// (DTUNE_DDP_GRAD_COPY=1). The tolerance covers float summation order.
+// updating its share, the owners' broadcasts captured at the start of the next forward), ZeRO-2's (each
+// bucket reduced to its owner, other ranks' buckets in staging slots), and the gradients copied into flat
+// buckets (DTUNE_DDP_GRAD_COPY=1). The tolerance covers float summation order.
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
@@ -74,6 +74,10 @@ TEST(DataParallelGraphGpu, TwoRanksCaptureTheOverlappedAllReduceAndEqualOneGpu) 
                                  w.train(2, "zero1", common + "--train_batch_size 1 --zero_stage 1"));
     ASSERT_EQ(zero1.exit_code, 0) << zero1.output;
     EXPECT_TRUE(contains(zero1.output, "cuda_graph: captured the step")) << zero1.output;
+    EXPECT_FALSE(contains(zero1.output, "capture failed")) << zero1.output;
+    // The owners' updates are broadcast at the start of the next (captured) forward.
+    EXPECT_TRUE(contains(zero1.output, "at the start of the next forward")) << zero1.output;
+    EXPECT_EQ(last_metrics_row(w.out("zero1")).value("graph_replays", -1), 8);
     // ZeRO-2: each bucket reduced to its owner, other ranks' buckets in the reducer's staging
     // slots, the norm clip over every rank's shard; all captured.
     const auto zero2 = run_shell(env + "DTUNE_CUDA_GRAPH_WARMUP=2 " +

@@ -100,6 +100,15 @@ inline std::map<std::string, at::Tensor> final_weights(const std::filesystem::pa
     return m;
 }
 
+// A full fine-tune's UNet weights in `out`/checkpoint-`step`.
+inline std::map<std::string, at::Tensor> checkpoint_weights(const std::filesystem::path& out, int step) {
+    std::map<std::string, at::Tensor> m;
+    for (auto& [k, v] : io::load_safetensors(out / ("checkpoint-" + std::to_string(step)) /
+                                             "unet/diffusion_pytorch_model.safetensors"))
+        m[k] = v.clone();
+    return m;
+}
+
 inline double max_difference(const std::map<std::string, at::Tensor>& a,
                              const std::map<std::string, at::Tensor>& b) {
     EXPECT_EQ(a.size(), b.size());

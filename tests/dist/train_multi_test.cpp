@@ -234,11 +234,26 @@ TEST(DistTrain, ZeroOneEqualsPlainDataParallelAndResumesOnOneRank) {
         run_shell(w.train(2, "zero", adam + "--train_batch_size 1 --max_train_steps 4 --zero_stage 1"));
     ASSERT_EQ(zero.exit_code, 0) << zero.output;
     EXPECT_TRUE(contains(zero.output, "ZeRO stage 1")) << zero.output;
+    // The owners' updates reach the other rank during the next forward (the default), one grouped
+    // broadcast per block; the checkpoint at step 2 and the final weights flush them first.
+    EXPECT_TRUE(contains(zero.output, "at the start of the next forward")) << zero.output;
     EXPECT_TRUE(std::filesystem::exists(w.out("zero") / "checkpoint-2/optimizer-shard-1-of-2.safetensors"));
     EXPECT_FALSE(std::filesystem::exists(w.out("zero") / "checkpoint-2/optimizer.safetensors"));
     const double diff = max_difference(final_weights(w.out("plain")), final_weights(w.out("zero")));
     std::printf("ZeRO-1 vs plain data parallel: max |dw| = %.3g\n", diff);
     EXPECT_LE(diff, 1e-6);
+    // The same run with every parameter broadcast right after its step: the same bits.
+    const auto after_step =
+        run_shell("DTUNE_ZERO_SYNC=step " + w.train(2, "zero_step",
+                                                    adam + "--train_batch_size 1 --max_train_steps 4 "
+                                                           "--zero_stage 1"));
+    ASSERT_EQ(after_step.exit_code, 0) << after_step.output;
+    EXPECT_FALSE(contains(after_step.output, "at the start of the next forward")) << after_step.output;
+    EXPECT_TRUE(contains(after_step.output, "parameters synchronised right after each step"))
+        << after_step.output;
+    EXPECT_EQ(max_difference(final_weights(w.out("zero")), final_weights(w.out("zero_step"))), 0.0);
+    EXPECT_EQ(max_difference(checkpoint_weights(w.out("zero"), 2), checkpoint_weights(w.out("zero_step"), 2)),
+              0.0);
     // Each rank's shard of the optimizer in host memory (offload_optimizer_device cpu, as
     // accelerate's deepspeed_config sets it): the same run, the same shard files.
     const auto offload = run_shell(

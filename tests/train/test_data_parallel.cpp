@@ -188,6 +188,20 @@ TEST(DataParallelConfig, FsdpKeysMapOntoZeroStage3) {
         }
     }
     ::unsetenv("DTUNE_ZERO2_SLOTS");
+    // ZeRO-1/2 parameters reach the other ranks during the next forward unless DTUNE_ZERO_SYNC=step.
+    EXPECT_TRUE(zero_sync_deferred_requested());
+    ::setenv("DTUNE_ZERO_SYNC", "step", 1);
+    EXPECT_FALSE(zero_sync_deferred_requested());
+    ::setenv("DTUNE_ZERO_SYNC", "forward", 1);
+    EXPECT_TRUE(zero_sync_deferred_requested());
+    ::setenv("DTUNE_ZERO_SYNC", "later", 1);
+    try {
+        zero_sync_deferred_requested();
+        ADD_FAILURE() << "DTUNE_ZERO_SYNC=later accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("DTUNE_ZERO_SYNC is 'later'"), std::string::npos) << e.what();
+    }
+    ::unsetenv("DTUNE_ZERO_SYNC");
     // Gradients all-reduced where backward left them unless DTUNE_DDP_GRAD_COPY=1 (copied into the
     // buckets) or 0 (the in-place adds); only a set variable counts as named.
     EXPECT_EQ(gradient_handoff_requested(), GradientHandoff::kDirect);

@@ -15,9 +15,11 @@
 #   there: keeps a capped device call from losing every result to its time limit).
 #   ENV_VARIANTS (space-separated; each a comma-joined list of VAR=value: the SDXL full run on the
 #   largest GPU count, zero_stage VARIANT_STAGE (0), again with those variables, e.g.
-#   "NCCL_MAX_NCHANNELS=8 DTUNE_BUCKET_MB=100"; with VARIANT_STAGE=2 e.g. "DTUNE_ZERO2_SLOTS=8"),
-#   MEM (1: on the largest GPU count, the memory runs zero_stage 1, 2 and 3 with gradient
-#   checkpointing, and 3 with the optimizer offloaded too).
+#   "NCCL_MAX_NCHANNELS=8 DTUNE_BUCKET_MB=100"; with VARIANT_STAGE=2 e.g. "DTUNE_ZERO2_SLOTS=8";
+#   "DTUNE_PROFILE_STEPS=15:16" also writes rank 0's and the last rank's trace summaries, *.prof.txt;
+#   the pseudo-variables GPUS=n and ZERO=z run that variant on n GPUs / with zero_stage z instead),
+#   MEM (1: on the largest GPU count, or on each of MEM_GPUS, the memory runs zero_stage 1, 2 and 3
+#   with gradient checkpointing, and 3 with the optimizer offloaded too).
 #   MEM_SPECS (the memory runs, "stage|options;stage|options"; a third field "|VAR=v,VAR=v" sets that
 #   run's environment, e.g. "3|--gradient_checkpointing true|DTUNE_ZERO3_REDUCE_IN_FLIGHT=8"), FLUX_OUT (the Flux runs' output_dir
 #   root, default $W: a 12 B full fine-tune's checkpoint is ~72 GB, so /dev/shm where the disk is short),
@@ -149,7 +151,8 @@ done
 # MEM=1: peak memory per GPU of the sharded stages with gradient checkpointing (issue #24's ZeRO-3
 # target is measured against ZeRO-2 at the same settings), and ZeRO-3 with the optimizer in host memory.
 if [[ ${MEM:-0} == 1 ]]; then
-    n=${gpus[-1]}
+  for n in ${MEM_GPUS:-${gpus[-1]}}; do
+    (( n <= have )) || continue
     IFS=';' read -ra specs <<<"${MEM_SPECS:-1|--gradient_checkpointing true;2|--gradient_checkpointing true;3|--gradient_checkpointing true;3|--gradient_checkpointing true --offload_optimizer_device cpu}"
     for spec in "${specs[@]}"; do
         # "stage|options" or "stage|options|VAR=value,VAR=value" (environment of that run only)
@@ -161,14 +164,24 @@ if [[ ${MEM:-0} == 1 ]]; then
             --zero_stage "$z" $extra >"$log" 2>&1
         row "sdxl full, $n GPUs, zero_stage $z, $extra${vars:+, $vars}" "$log" $? $((SECONDS - t0))
     done
+  done
 fi
 # ENV_VARIANTS: the same run with other NCCL / bucket settings.
 for v in ${ENV_VARIANTS:-}; do
-    n=${gpus[-1]} z=${VARIANT_STAGE:-0} t0=$SECONDS cap=$(limit) log=$OUT/full_${n}gpu_zero${z}_${v//[^A-Za-z0-9]/_}.log
+    n=${gpus[-1]} z=${VARIANT_STAGE:-0} vars=()
+    IFS=',' read -ra kv <<<"$v"
+    for x in "${kv[@]}"; do  # GPUS=n and ZERO=z pick this variant's GPU count and stage
+        case $x in GPUS=*) n=${x#GPUS=} ;; ZERO=*) z=${x#ZERO=} ;; *) vars+=("$x") ;; esac
+    done
+    t0=$SECONDS cap=$(limit) log=$OUT/full_${n}gpu_zero${z}_${v//[^A-Za-z0-9]/_}.log
     (( cap > 0 )) || { echo "variant $v: skipped (DEADLINE)"; continue; }
-    env ${v//,/ } NPROC=$n timeout -k 20 "$cap" tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" \
+    env "${vars[@]}" NPROC=$n timeout -k 20 "$cap" tools/gpu/train_full_size.sh build/dev "$W" full "$STEPS" \
         --zero_stage "$z" >"$log" 2>&1
     row "sdxl full, $n GPUs, zero_stage $z, $v" "$log" $? $((SECONDS - t0))
+    # a variant with DTUNE_PROFILE_STEPS=A:B: rank 0's and the last rank's traces, summarised
+    for tr in "$W/out-full-$n-1"/profile/trace_rank{0,$((n - 1))}.json; do
+        [[ -f $tr ]] && python3 bench/summarize_trace.py "$tr" --steps 2 >"${log%.log}.$(basename "${tr%.json}").prof.txt" 2>&1
+    done
 done
 # FLAT_GPUS: zero_stage 0 again on these GPU counts with DTUNE_GRAPH_REDUCER=0 (the graph's former
 # flat all-reduce after backward), against the overlapped bucket all-reduce above.
@@ -199,4 +212,4 @@ if [[ ${TWO_NODE:-0} == 1 ]] && (( have >= 2 )); then
     fi
 fi
 echo "== done at $SECONDS s"
-tar czf "$OUT/zero_scale_logs.tar.gz" -C "$OUT" $(cd "$OUT" && ls *.log 2>/dev/null) 2>/dev/null
+tar czf "$OUT/zero_scale_logs.tar.gz" -C "$OUT" $(cd "$OUT" && ls *.log *.prof.txt 2>/dev/null) 2>/dev/null
