@@ -16,6 +16,7 @@
 //    same results bit for bit;
 //  - reduce-scatters retired during backward (at most `reduce_in_flight` units' full-size gradients
 //    alive at once) give the same results bit for bit as waiting for all of them at the end.
+// Also ZeRO-1/2's deferred parameter sync (train/zero_sync.h), which uses the same unit hooks.
 #include <gtest/gtest.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/linear.h>
@@ -30,6 +31,7 @@
 #include "support/shell.h"
 #include "support/test_support.h"
 #include "train/zero3_model.h"
+#include "train/zero_sync.h"
 
 namespace dtune {
 namespace zero3_engine_test_local {  // (named: unity builds merge files' anonymous namespaces)
@@ -389,6 +391,89 @@ TEST(Zero3Engine, ParameterOffloadKeepsShardsOnTheHost) {
     Case kept{2, false, false};
     kept.offload = true;
     check_case(kept);
+}
+
+// ZeRO-1/2's deferred parameter sync (train/zero_sync.h) on the same stack, 3 Gloo ranks: parameter
+// i is owned by rank i % 3, which alone holds its new value (the others hold a stale -1). A
+// training forward that starts with begin_forward() (blocks 0, 1 and 3 run, block 2 does not)
+// leaves every parameter at its owner's value on every rank once wait_all() returns, and its
+// output equals a second forward over the synced weights; flush() does the same with no forward.
+// One grouped call per block plus one for the rest (on Gloo, one broadcast per parameter inside).
+struct SyncResult {
+    std::size_t groups = 0, collectives_per_sync = 0;
+    double worst_after_forward = 0, worst_after_flush = 0, output_diff = 0;
+};
+
+SyncResult run_sync_rank(int rank, int world, int port) {
+    dist::DistEnv env;
+    env.rank = rank;
+    env.world_size = world;
+    env.local_rank = rank;
+    env.local_world_size = world;
+    env.master_port = port;
+    env.launched = true;
+    dist::GroupOptions options;
+    options.fault_poll_interval = std::chrono::milliseconds(100);
+    options.collective_timeout = std::chrono::seconds(60);
+    auto group = dist::init_group(env, options);
+    Stack model;
+    const std::vector<at::Tensor> params = model->parameters();
+    std::vector<int> owners;
+    for (std::size_t i = 0; i < params.size(); ++i) owners.push_back(static_cast<int>(i % world));
+    train::DeferredParameterSync sync(*group, *model, params, owners);
+    SyncResult r;
+    r.groups = sync.groups();
+    // Rank `owner`'s update of parameter i in round `round`; the other ranks hold -1.
+    const auto value = [](std::size_t i, int round) { return 10.0 * round + static_cast<double>(i); };
+    const auto update = [&](int round) {
+        at::NoGradGuard no_grad;
+        for (std::size_t i = 0; i < params.size(); ++i)
+            params[i].fill_(owners[i] == rank ? value(i, round) : -1.0);
+    };
+    const auto worst = [&](int round) {
+        double w = 0;
+        for (std::size_t i = 0; i < params.size(); ++i)
+            w = std::max(w, (params[i] - value(i, round)).abs().max().item<double>());
+        return w;
+    };
+    update(1);
+    const std::size_t before = group->collectives_issued();
+    sync.begin_forward();
+    r.collectives_per_sync = group->collectives_issued() - before;
+    const at::Tensor x = batch_of(rank, 0) * 1e-3;
+    at::Tensor out;
+    {
+        at::NoGradGuard no_grad;
+        out = model->forward(x, false, {0, 1, 3});
+    }
+    sync.wait_all();
+    r.worst_after_forward = worst(1);
+    {
+        at::NoGradGuard no_grad;
+        r.output_diff = (model->forward(x, false, {0, 1, 3}) - out).abs().max().item<double>();
+    }
+    update(2);
+    sync.flush();
+    r.worst_after_flush = worst(2);
+    group->barrier();
+    group->shutdown();
+    return r;
+}
+
+TEST(DeferredParameterSync, OwnersValuesReachEveryRankBlockByBlock) {
+    constexpr int kWorld = 3;
+    const int port = test::free_port();
+    std::vector<std::future<SyncResult>> ranks;
+    for (int r = 0; r < kWorld; ++r)
+        ranks.push_back(std::async(std::launch::async, [r, port] { return run_sync_rank(r, kWorld, port); }));
+    for (auto& f : ranks) {
+        const SyncResult r = f.get();
+        EXPECT_EQ(r.groups, static_cast<std::size_t>(kBlocks) + 1);  // the blocks, then proj_in/out
+        EXPECT_EQ(r.collectives_per_sync, r.groups);                 // one grouped call per group
+        EXPECT_EQ(r.worst_after_forward, 0.0);
+        EXPECT_EQ(r.output_diff, 0.0);
+        EXPECT_EQ(r.worst_after_flush, 0.0);
+    }
 }
 
 }  // namespace
