@@ -13,6 +13,7 @@
 
 #include "dist/fault_channel.h"
 #include "dist/group.h"
+#include "dist/loopback_group.h"
 #include "support/shell.h"
 
 namespace dtune::dist {
@@ -58,18 +59,6 @@ TEST(FaultRecord, RoundTripsAndNamesTheFailingRank) {
     EXPECT_FALSE(is_peer_failure(std::runtime_error("CUDA error: an illegal memory access")));
 }
 
-DistEnv env_of(int rank, int port) {
-    DistEnv env;
-    env.rank = rank;
-    env.local_rank = rank;
-    env.world_size = 2;
-    env.local_world_size = 2;
-    env.master_addr = "127.0.0.1";
-    env.master_port = port;
-    env.launched = true;
-    return env;
-}
-
 GroupOptions options() {
     GroupOptions o;
     o.collective_timeout = std::chrono::seconds(60);
@@ -81,8 +70,9 @@ GroupOptions options() {
 // Both ranks' groups, created concurrently (the rendezvous needs both).
 std::pair<std::unique_ptr<Group>, std::unique_ptr<Group>> two_ranks() {
     const int port = test::free_port();
-    auto one = std::async(std::launch::async, [&] { return init_group(env_of(1, port), options()); });
-    auto zero = init_group(env_of(0, port), options());
+    auto one =
+        std::async(std::launch::async, [&] { return init_group(test::loopback_env(1, 2, port), options()); });
+    auto zero = init_group(test::loopback_env(0, 2, port), options());
     return {std::move(zero), one.get()};
 }
 

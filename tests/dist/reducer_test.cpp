@@ -26,24 +26,13 @@
 
 #include "core/error.h"
 #include "dist/group.h"
+#include "dist/loopback_group.h"
 #include "dist/reducer.h"
 #include "support/shell.h"
 
 namespace dtune::dist {
 namespace reducer_test_local {  // (named: unity builds merge files' anonymous namespaces)
 namespace {
-
-DistEnv env_of(int rank, int world, int port) {
-    DistEnv env;
-    env.rank = rank;
-    env.local_rank = rank;
-    env.world_size = world;
-    env.local_world_size = world;
-    env.master_addr = "127.0.0.1";
-    env.master_port = port;
-    env.launched = true;
-    return env;
-}
 
 // Runs fn(group) on `world` ranks, one thread each, and rethrows the first failure.
 void on_ranks(int world, const std::function<void(Group&)>& fn) {
@@ -54,7 +43,7 @@ void on_ranks(int world, const std::function<void(Group&)>& fn) {
     std::vector<std::future<void>> ranks;
     for (int r = 0; r < world; ++r)
         ranks.push_back(std::async(std::launch::async, [&, r] {
-            auto group = init_group(env_of(r, world, port), options);
+            auto group = init_group(test::loopback_env(r, world, port), options);
             fn(*group);
             group->barrier();
         }));

@@ -25,6 +25,7 @@
 #include <map>
 
 #include "dist/group.h"
+#include "dist/loopback_group.h"
 #include "dist/zero3.h"
 #include "models/common/checkpoint.h"
 #include "models/common/unit_hooks.h"
@@ -122,17 +123,7 @@ struct RankResult {
 constexpr double kLr = 0.1;
 
 RankResult run_rank(int rank, int port, const Case& c) {
-    dist::DistEnv env;
-    env.rank = rank;
-    env.world_size = c.world;
-    env.local_rank = rank;
-    env.local_world_size = c.world;
-    env.master_port = port;
-    env.launched = true;
-    dist::GroupOptions options;
-    options.fault_poll_interval = std::chrono::milliseconds(100);
-    options.collective_timeout = std::chrono::seconds(60);  // a mismatched collective fails, not hangs
-    auto group = dist::init_group(env, options);
+    auto group = test::loopback_group(rank, c.world, port);
     Stack model;
     std::vector<std::string> names;
     std::vector<at::Tensor> params;
@@ -405,17 +396,7 @@ struct SyncResult {
 };
 
 SyncResult run_sync_rank(int rank, int world, int port) {
-    dist::DistEnv env;
-    env.rank = rank;
-    env.world_size = world;
-    env.local_rank = rank;
-    env.local_world_size = world;
-    env.master_port = port;
-    env.launched = true;
-    dist::GroupOptions options;
-    options.fault_poll_interval = std::chrono::milliseconds(100);
-    options.collective_timeout = std::chrono::seconds(60);
-    auto group = dist::init_group(env, options);
+    auto group = test::loopback_group(rank, world, port);
     Stack model;
     const std::vector<at::Tensor> params = model->parameters();
     std::vector<int> owners;

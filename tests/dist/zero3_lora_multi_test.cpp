@@ -28,6 +28,7 @@
 
 #include "core/fs.h"
 #include "dist/group.h"
+#include "dist/loopback_group.h"
 #include "dist/train_launch_util.h"
 #include "dist/zero3.h"
 #include "dist/zero3_test_util.h"
@@ -386,17 +387,7 @@ struct FrozenRankResult {
 };
 
 FrozenRankResult run_frozen_rank(int rank, int world, int port, bool checkpointing) {
-    dist::DistEnv env;
-    env.rank = rank;
-    env.world_size = world;
-    env.local_rank = rank;
-    env.local_world_size = world;
-    env.master_port = port;
-    env.launched = true;
-    dist::GroupOptions options;
-    options.fault_poll_interval = std::chrono::milliseconds(100);
-    options.collective_timeout = std::chrono::seconds(60);
-    auto group = dist::init_group(env, options);
+    auto group = test::loopback_group(rank, world, port);
     FrozenStack model;
     std::vector<std::string> names;
     std::vector<at::Tensor> base, trainable;
