@@ -343,10 +343,11 @@ void DataParallel::defer_parameter_sync(torch::nn::Module& model) {
     if (!partition_ || env_.world_size <= 1 || deferred_) return;
     deferred_ = std::make_unique<DeferredParameterSync>(*group_, model, params_, partition_->owners());
     if (env_.rank == 0)
-        log::info() << "ZeRO-" << zero_stage_ << ": each rank's updated parameters reach the others at the "
-                    << "start of the next forward, in " << deferred_->groups()
-                    << " grouped broadcasts (one per block) overlapping it (DTUNE_ZERO_SYNC=step "
-                    << "broadcasts them right after the step)";
+        log::info()
+            << "ZeRO-" << zero_stage_ << ": each rank's updated parameters reach the others at the "
+            << "start of the next forward, in " << deferred_->groups()
+            << " grouped broadcasts (one per block, one for the rest) overlapping it (DTUNE_ZERO_SYNC=step "
+            << "broadcasts them right after the step)";
 }
 
 void DataParallel::flush_parameters() {

@@ -199,7 +199,8 @@ class DataParallel {
     // slots for other ranks' buckets), the armed backward's hooks launch each bucket's collective as
     // soon as it is final (captured with the rest, so the collectives overlap the backward on every
     // replay), and the step clears the gradients at its end (zero_gradients_in_step). ZeRO-1/2 the
-    // same (their parameter broadcasts run in after_step, after the replay). False with one process,
+    // same (their parameter broadcasts open the next captured forward with defer_parameter_sync(),
+    // else they run in after_step, after the replay). False with one process,
     // with ZeRO-3, or with DTUNE_GRAPH_REDUCER=0 (then: all_reduce_gradients_capturable after
     // backward; cuda_graph_blocker keeps ZeRO-2 eager there).
     bool graph_reduces_in_buckets() const;

@@ -38,7 +38,8 @@ std::string cuda_graph_blocker(
     const std::string fix = "; otherwise the run trains without CUDA graphs";
     if (!device.is_cuda()) return str("device is ", device.str(), " (CUDA graphs need a CUDA device)");
     // zero_stage 1 graphs like 0 (the same all-reduce; the optimizer updates this rank's share and
-    // the parameter broadcasts follow the replay). zero_stage 2 likewise, its other ranks' buckets
+    // the parameter broadcasts open the next step's captured forward, or follow the replay with
+    // DTUNE_ZERO_SYNC=step). zero_stage 2 likewise, its other ranks' buckets
     // in the reducer's staging slots (static addresses; dist::GradReducer), with one micro-step a
     // step (accumulation sums whole gradients across micro-step graphs, which would have to stay
     // allocated), no fp16 (whether any rank's shard overflowed is agreed on the host) and the
