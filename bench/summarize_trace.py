@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 # Summarises a Chrome trace written by bench_train_step --profile (Kineto, GPU activity only) into
 # where GPU time goes per step: busy vs idle over the traced span, time by kernel family, and the
-# kernels that cost most. Usage: summarize_trace.py trace_lora4.json [--steps 2] [--top 25]
+# kernels that cost most; for data-parallel traces also how much collective time no other kernel
+# hides, where in the window that time falls, the first 30 ms of the step after the first optimizer
+# step kernel by kernel, and the gap before the optimizer.
+# Usage: summarize_trace.py trace_lora4.json [--steps 2] [--top 25]
 import argparse, collections, json, re
 
 FAMILIES = [  # first match wins
@@ -78,6 +81,81 @@ def length(intervals):
     return sum(e - b for b, e in intervals)
 
 
+def subtract(a, b):
+    """Merged intervals a minus merged intervals b."""
+    out, j = [], 0
+    for s, e in a:
+        cur = s
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            if b[k][0] > cur:
+                out.append([cur, b[k][0]])
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < e:
+            out.append([cur, e])
+    return out
+
+
+def timeline(exposed, kernels, bins=20):
+    """Where in the profiled window the collectives run alone: ms per bin of 1/bins of the window,
+    with the bins where an optimizer step starts marked."""
+    t0 = min(e["ts"] for e in kernels)
+    t1 = max(e["ts"] + e["dur"] for e in kernels)
+    width = (t1 - t0) / bins
+    per = [0.0] * bins
+    for s, e in exposed:
+        for i in range(int((s - t0) // width), min(bins - 1, int((e - t0) // width)) + 1):
+            lo, hi = t0 + i * width, t0 + (i + 1) * width
+            per[i] += max(0.0, min(e, hi) - max(s, lo))
+    opt = [e["ts"] for e in kernels if family(e["name"]) == "optimizer"]
+    marks = {min(bins - 1, int((t - t0) // width)) for t in opt}
+    cells = " ".join(f"{v / 1e3:4.1f}{'*' if i in marks else ' '}" for i, v in enumerate(per))
+    print(f"  collectives alone by twentieths of the window ({width / 1e3:.1f} ms each; * optimizer): {cells}")
+
+
+def step_head(kernels, window_ms=30.0, lines=40):
+    """The first window_ms after the first optimizer step in the trace (the start of the next step):
+    collectives one by one, the other kernels merged into runs between them, per stream."""
+    opt = sorted(e["ts"] + e["dur"] for e in kernels if family(e["name"]) == "optimizer")
+    if not opt:
+        return
+    end_opt = opt[0]
+    for t in opt[1:]:  # the end of the first optimizer cluster
+        if t - end_opt > 20e3:
+            break
+        end_opt = t
+    later = sorted((e for e in kernels if end_opt <= e["ts"] < end_opt + window_ms * 1e3), key=lambda e: e["ts"])
+    print(f"  the next step's first {window_ms:.0f} ms (ms from the optimizer's end; stream; kernel):")
+    run, shown = None, 0
+
+    def flush():
+        nonlocal run, shown
+        if run and shown < lines:
+            print(f"    {(run[0] - end_opt) / 1e3:7.2f}-{(run[1] - end_opt) / 1e3:7.2f}  s{run[3]}  "
+                  f"{run[2]} other kernels ({run[4] / 1e3:.2f} ms busy)")
+            shown += 1
+        run = None
+
+    for e in later:
+        stream = e.get("args", {}).get("stream", "?")
+        if "nccl" in e["name"].lower():
+            flush()
+            if shown < lines:
+                print(f"    {(e['ts'] - end_opt) / 1e3:7.2f}-{(e['ts'] + e['dur'] - end_opt) / 1e3:7.2f}  s{stream}  "
+                      f"{e['name'][:60]}")
+                shown += 1
+            continue
+        if run is None:
+            run = [e["ts"], e["ts"] + e["dur"], 0, stream, 0]
+        run[1] = max(run[1], e["ts"] + e["dur"])
+        run[2] += 1
+        run[4] += e["dur"]
+    flush()
+
+
 def overlap(kernels, steps):
     """Data-parallel steps: how much of the collectives' time no other kernel hides, and how long
     each step's optimizer waits after the last compute kernel before it (the exposed tail)."""
@@ -90,6 +168,8 @@ def overlap(kernels, steps):
     exposed = both - length(u_comp)
     print(f"  collectives: {length(u_nccl) / steps / 1e3:.2f} ms per step on the GPU, "
           f"{exposed / steps / 1e3:.2f} ms of it with no other kernel running")
+    timeline(subtract(u_nccl, u_comp), kernels)
+    step_head(kernels)
     opt = sorted(e["ts"] for e in kernels if family(e["name"]) == "optimizer")
     starts = [t for i, t in enumerate(opt) if i == 0 or t - opt[i - 1] > 20e3]  # one per step
     for t_opt in starts:

@@ -144,6 +144,7 @@ void check_flat_reduce(dist::Group& g, const at::TensorOptions& opts) {
     for (double base : {2.0, 5.0}) {
         fill(base);
         graph.replay();
+        g.note_graph_launch();
         expect(base, "flat all-reduce replayed from a CUDA graph");
     }
 #endif

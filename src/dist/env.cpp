@@ -76,6 +76,12 @@ std::map<std::string, std::string> dist_env_vars(const DistEnv& env) {
             {"MASTER_PORT", std::to_string(env.master_port)}};
 }
 
+std::string ensure_graph_mixing_disabled() {
+    if (const char* value = std::getenv("NCCL_GRAPH_MIXING_SUPPORT")) return value;
+    ::setenv("NCCL_GRAPH_MIXING_SUPPORT", "0", 0);
+    return "0";
+}
+
 std::string ensure_nvls_disabled() {
     if (const char* value = std::getenv("NCCL_NVLS_ENABLE")) return value;
     ::setenv("NCCL_NVLS_ENABLE", "0", 0);

@@ -37,4 +37,12 @@ std::map<std::string, std::string> dist_env_vars(const DistEnv& env);
 // we run on (see docs/multi-node.md). Returns the value in effect.
 std::string ensure_nvls_disabled();
 
+// NCCL_GRAPH_MIXING_SUPPORT: set to 0 unless the environment sets it (returns the value in force).
+// With NCCL's default (1) every collective captured in a CUDA graph is serialised against the other
+// streams at replay, so ZeRO-1's parameter broadcasts ran alone at the start of each step instead of
+// beside the forward (2 H200s: 110.4 ms a step against 100.8 with 0). With 0, NCCL needs a host
+// synchronisation between a graph launch and a later uncaptured collective on the same
+// communicator, which Group::note_graph_launch (dist/group.h) provides.
+std::string ensure_graph_mixing_disabled();
+
 }  // namespace dtune::dist

@@ -9,6 +9,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #if defined(DTUNE_WITH_NCCL)
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -139,11 +140,13 @@ class WorkPending final : public Pending {
 
 class C10dGroup final : public Group {
   public:
+    // `side`: the agreement's communicator (NCCL; null: the main one serves).
     C10dGroup(DistEnv env, c10::intrusive_ptr<c10d::Store> store, c10::intrusive_ptr<c10d::Backend> backend,
-              const char* name, const GroupOptions& options)
+              c10::intrusive_ptr<c10d::Backend> side, const char* name, const GroupOptions& options)
         : Group(std::move(env)),
           store_(std::move(store)),
           backend_(std::move(backend)),
+          side_(std::move(side)),
           name_(name),
           device_(options.device),
           poll_interval_(options.fault_poll_interval),
@@ -177,6 +180,21 @@ class C10dGroup final : public Group {
         c10d::AllreduceOptions opts;
         opts.reduceOp = c10d::ReduceOp::SUM;
         return std::make_unique<WorkPending>(*this, backend_->allreduce(tensors, opts));
+    }
+    std::unique_ptr<Pending> all_reduce_sum_side_async(at::Tensor& tensor) override {
+        if (!side_) return all_reduce_sum_async(tensor);
+        DTUNE_CHECK(backend_, "dist: collective called after shutdown() on rank ", rank(),
+                    "; call shutdown() only at the end of the job");
+        throw_if_peer_failed();
+        count_collective();  // no wait for a graph launch: this communicator is never captured
+        Trace trace(rank(), "all_reduce_sum_side", &tensor);
+        std::vector<at::Tensor> tensors{tensor};
+        c10d::AllreduceOptions opts;
+        opts.reduceOp = c10d::ReduceOp::SUM;
+        return std::make_unique<WorkPending>(*this, side_->allreduce(tensors, opts));
+    }
+    void note_graph_launch() override {
+        if (name_ == std::string("nccl")) graph_launched_.store(true);
     }
     std::unique_ptr<Pending> all_reduce_avg_async(at::Tensor& tensor) override {
         if (name_ != std::string("nccl")) return nullptr;
@@ -264,6 +282,11 @@ class C10dGroup final : public Group {
             }
             return all;
         }
+        if (tensors.size() == 1) {  // one collective: no coalescing group around it
+            std::vector<at::Tensor> one{tensors[0]};
+            opts.rootRank = roots[0];
+            return std::make_unique<WorkPending>(*this, backend_->broadcast(one, opts));
+        }
         backend_->startCoalescing();
         for (std::size_t i = 0; i < tensors.size(); ++i) {
             std::vector<at::Tensor> one{tensors[i]};
@@ -336,10 +359,12 @@ class C10dGroup final : public Group {
         if (peer_fault()) return abort();
         if (channel_) channel_->leave();  // rank 0 keeps the store until every rank stopped watching
         try {
+            if (side_) side_->shutdown();
             backend_->shutdown();
         } catch (const std::exception& e) {
             log::warn() << "dist: backend shutdown: " << e.what();
         }
+        side_.reset();
         backend_.reset();
         channel_.reset();
         store_.reset();
@@ -365,6 +390,7 @@ class C10dGroup final : public Group {
         // Leaked on purpose: destroying the backend joins its threads, and a collective still
         // pending there (the peer that failed never joins it) would block the join.
         (void)backend_.release();
+        (void)side_.release();
         store_.reset();
     }
 
@@ -415,6 +441,18 @@ class C10dGroup final : public Group {
                     "; call shutdown() only at the end of the job");
         throw_if_peer_failed();
         count_collective();  // every collective starts here
+        wait_for_graph_launch();
+    }
+    // NCCL with graph mixing off: a collective issued outside a capture after a graph launch waits
+    // for the device first (note_graph_launch).
+    void wait_for_graph_launch() const {
+#if defined(DTUNE_WITH_NCCL)
+        if (!graph_launched_.load() ||
+            c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None)
+            return;
+        c10::cuda::device_synchronize();
+        graph_launched_.store(false);
+#endif
     }
     // Runs once, on the watcher thread (or in a failed collective's check): says why this rank
     // stops, unblocks NCCL, and bounds the time left to this process.
@@ -427,6 +465,7 @@ class C10dGroup final : public Group {
     void abort_backend() {
         if (aborted_.exchange(true)) return;
         try {
+            if (side_) side_->abort();
             backend_->abort();  // NCCL: aborts the communicators; Gloo: nothing to abort
         } catch (const std::exception& e) {
             log::warn() << "dist: backend abort: " << e.what();
@@ -435,6 +474,8 @@ class C10dGroup final : public Group {
 
     c10::intrusive_ptr<c10d::Store> store_;
     c10::intrusive_ptr<c10d::Backend> backend_;
+    c10::intrusive_ptr<c10d::Backend> side_;           // the agreement's (NCCL), never captured; may be null
+    mutable std::atomic<bool> graph_launched_{false};  // since the last wait_for_graph_launch
     const char* name_;
     at::Device device_;
     std::chrono::milliseconds poll_interval_, exit_grace_;
@@ -494,13 +535,15 @@ c10::intrusive_ptr<c10d::Backend> make_nccl(const DistEnv& env, const c10::intru
 std::unique_ptr<Group> init_group(const DistEnv& env, const GroupOptions& options) {
     if (env.world_size <= 1) return std::make_unique<SingleGroup>(env);
     std::string nvls = ensure_nvls_disabled();
+    const std::string mixing = ensure_graph_mixing_disabled();
     auto store = connect_store(env, options);
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>("dtune/0", store);
-    c10::intrusive_ptr<c10d::Backend> backend;
+    c10::intrusive_ptr<c10d::Backend> backend, side;
     const char* name = "gloo";
     if (options.device.is_cuda()) {
 #if defined(DTUNE_WITH_NCCL)
         backend = make_nccl(env, prefixed, options);
+        side = make_nccl(env, c10::make_intrusive<c10d::PrefixStore>("dtune/side", store), options);
         name = "nccl";
 #else
         throw UsageError(
@@ -513,8 +556,10 @@ std::unique_ptr<Group> init_group(const DistEnv& env, const GroupOptions& option
     if (env.rank == 0)
         log::info() << "dist: " << env.world_size << " ranks over " << name << ", rendezvous "
                     << env.master_addr << ":" << env.master_port << ", NCCL_NVLS_ENABLE=" << nvls
+                    << (options.device.is_cuda() ? str(", NCCL_GRAPH_MIXING_SUPPORT=", mixing)
+                                                 : std::string())
                     << ", collective timeout " << options.collective_timeout.count() / 1000 << " s";
-    return std::make_unique<C10dGroup>(env, store, backend, name, options);
+    return std::make_unique<C10dGroup>(env, store, backend, side, name, options);
 }
 
 }  // namespace dtune::dist

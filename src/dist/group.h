@@ -64,6 +64,19 @@ class Group {
     // In place: sum over ranks (mean divides by the world size afterwards).
     virtual std::unique_ptr<Pending> all_reduce_sum_async(at::Tensor& tensor) = 0;
     void all_reduce_sum_(at::Tensor& tensor) { all_reduce_sum_async(tensor)->wait(); }
+    // all_reduce_sum_async on a second communicator that no CUDA graph ever holds (NCCL): for the
+    // per-step agreement, issued right after a graph launch with no host wait (see
+    // note_graph_launch). Gloo and one process: the same as all_reduce_sum_async.
+    virtual std::unique_ptr<Pending> all_reduce_sum_side_async(at::Tensor& tensor) {
+        return all_reduce_sum_async(tensor);
+    }
+    // A CUDA graph holding this group's collectives was launched (replayed). With NCCL's graph-mixing
+    // support off (NCCL_GRAPH_MIXING_SUPPORT=0, which init_group sets when it is unset), NCCL requires
+    // a host synchronisation between such a launch and the next collective issued outside a graph
+    // on the same communicator: the next collective issued outside a capture first waits for the
+    // device (so only rare eager collectives pay it: checkpoints, validation, warm-up steps of a new
+    // batch shape). No-op for Gloo and one process.
+    virtual void note_graph_launch() {}
     void all_reduce_mean_(at::Tensor& tensor);
     // In place: the mean over ranks in one collective where the backend averages itself (NCCL's
     // ncclAvg), so no division pass follows; nullptr where it does not (Gloo: sum, then divide).

@@ -116,14 +116,28 @@ GradientHandoff gradient_handoff_requested() {
                       : GradientHandoff::kDirect;
 }
 
-bool zero_sync_deferred_requested() {
+ZeroSync zero_sync_requested() {
     const char* v = std::getenv("DTUNE_ZERO_SYNC");
-    if (!v || !*v) return true;
+    if (!v || !*v) return ZeroSync::kForward;
     const std::string s = v;
-    DTUNE_CHECK_AS(UsageError, s == "forward" || s == "step", "DTUNE_ZERO_SYNC is '", s,
+    if (s == "forward") return ZeroSync::kForward;
+    if (s == "forward-params") return ZeroSync::kForwardParams;
+    DTUNE_CHECK_AS(UsageError, s == "step", "DTUNE_ZERO_SYNC is '", s,
                    "'; set it to forward (ZeRO-1/2 ranks receive each other's updated parameters during the "
-                   "next forward, the default) or step (right after the optimizer step)");
-    return s == "forward";
+                   "next forward, one broadcast per block and owner: the default), forward-params (the same, "
+                   "one broadcast per parameter) or step (right after the optimizer step)");
+    return ZeroSync::kStep;
+}
+
+bool zero1_layout_greedy() {
+    const char* v = std::getenv("DTUNE_ZERO1_LAYOUT");
+    if (!v || !*v) return false;
+    const std::string s = v;
+    DTUNE_CHECK_AS(UsageError, s == "contiguous" || s == "greedy", "DTUNE_ZERO1_LAYOUT is '", s,
+                   "'; set it to contiguous (each rank owns a run of consecutive parameters, so a block "
+                   "has one or two owners: the default) or greedy (largest parameter first to the "
+                   "least-loaded rank)");
+    return s == "greedy";
 }
 
 bool graph_reducer_disabled() {
@@ -255,11 +269,13 @@ std::function<void()> DataParallel::barrier_function() {
 void DataParallel::attach(std::vector<at::Tensor> params, GradientHandoff handoff) {
     params_ = std::move(params);
     dist::broadcast_parameters(*group_, params_, 0);
-    // ZeRO-2 partitions contiguous runs so that each gradient bucket has one owner to reduce to.
+    // Contiguous runs: ZeRO-2's gradient buckets then each have one owner to reduce to, and every
+    // block one or two owners to broadcast from (DeferredParameterSync).
     if (zero_stage_ >= 1)
-        partition_ = std::make_unique<dist::ZeroPartition>(
-            params_, env_.world_size,
-            zero_stage_ == 2 ? dist::ZeroLayout::kContiguous : dist::ZeroLayout::kGreedy);
+        partition_ = std::make_unique<dist::ZeroPartition>(params_, env_.world_size,
+                                                           zero_stage_ == 1 && zero1_layout_greedy()
+                                                               ? dist::ZeroLayout::kGreedy
+                                                               : dist::ZeroLayout::kContiguous);
     const bool talk = env_.world_size > 1 && env_.rank == 0;
     if (zero_stage_ > 1 && handoff == GradientHandoff::kCopyIn) {
         if (talk && gradient_handoff_named())
@@ -335,19 +351,24 @@ void DataParallel::zero_gradients_in_step() {
     step_clears_gradients_ = true;
 }
 
+void DataParallel::note_graph_launch() {
+    if (env_.world_size > 1) group_->note_graph_launch();
+}
+
 void DataParallel::abandon_reduction() {
     if (reducer_) reducer_->abandon_round();
 }
 
-void DataParallel::defer_parameter_sync(torch::nn::Module& model) {
+void DataParallel::defer_parameter_sync(torch::nn::Module& model, bool coalesce) {
     if (!partition_ || env_.world_size <= 1 || deferred_) return;
-    deferred_ = std::make_unique<DeferredParameterSync>(*group_, model, params_, partition_->owners());
+    deferred_ =
+        std::make_unique<DeferredParameterSync>(*group_, model, params_, partition_->owners(), coalesce);
     if (env_.rank == 0)
-        log::info()
-            << "ZeRO-" << zero_stage_ << ": each rank's updated parameters reach the others at the "
-            << "start of the next forward, in " << deferred_->groups()
-            << " grouped broadcasts (one per block, one for the rest) overlapping it (DTUNE_ZERO_SYNC=step "
-            << "broadcasts them right after the step)";
+        log::info() << "ZeRO-" << zero_stage_ << ": each rank's updated parameters reach the others at the "
+                    << "start of the next forward, " << deferred_->broadcasts() << " broadcasts in "
+                    << deferred_->groups() << " groups (one per block, one for the rest) overlapping it"
+                    << (coalesce ? ", each block's parameters of one owner in one flat buffer" : "")
+                    << " (DTUNE_ZERO_SYNC=step broadcasts them right after the step)";
 }
 
 void DataParallel::flush_parameters() {
@@ -395,7 +416,8 @@ DataParallel::PendingAgreement DataParallel::agree_async(const at::Tensor& loss,
     if (stop) out.flags.narrow(0, 0, 1).fill_(1.0);
     out.flags.narrow(0, 1, 1).copy_(loss.reshape({1}));
     if (fault_gpu > 0) out.flags.narrow(0, 2 + env_.rank, 1).fill_(static_cast<double>(fault_gpu));
-    out.reduce = group_->all_reduce_sum_async(out.flags);
+    // On the side communicator: issued right after a graph replay, it needs no host wait for it.
+    out.reduce = group_->all_reduce_sum_side_async(out.flags);
     return out;
 }
 

@@ -85,9 +85,18 @@ GradientHandoff gradient_handoff_requested();
 bool gradient_handoff_named();
 
 // DTUNE_ZERO_SYNC: when ZeRO-1/2 ranks get each other's updated parameters. forward (or unset, the
-// default): at the start of the next forward, overlapping it (DataParallel::defer_parameter_sync);
-// step: right after the optimizer step. UsageError naming the variable otherwise.
-bool zero_sync_deferred_requested();
+// default): at the start of the next forward, overlapping it, each block's parameters of one owner
+// moved into one flat buffer and broadcast at once (DataParallel::defer_parameter_sync);
+// forward-params: the same, one broadcast per parameter; step: right after the optimizer step.
+// UsageError naming the variable otherwise.
+enum class ZeroSync { kForward, kForwardParams, kStep };
+ZeroSync zero_sync_requested();
+
+// DTUNE_ZERO1_LAYOUT: which parameters a ZeRO-1 rank owns. contiguous (or unset, the default): a run
+// of consecutive parameters balanced by elements (dist::ZeroLayout::kContiguous, as ZeRO-2), so a
+// block has one or two owners; greedy: largest first to the least-loaded rank. true for greedy;
+// UsageError naming the variable otherwise.
+bool zero1_layout_greedy();
 
 // DTUNE_GRAPH_REDUCER=0: the graphed data-parallel step all-reduces every gradient in one flat pass
 // after backward instead of through the reducer's buckets (DataParallel::graph_reduces_in_buckets;
@@ -212,13 +221,18 @@ class DataParallel {
     // the round's recorded collectives and keeps the gradients summed so far
     // (dist::GradReducer::abandon_round). No-op without the reducer's buckets.
     void abandon_reduction();
+    // A CUDA graph step was launched (dist::Group::note_graph_launch: the next collective issued
+    // outside a graph waits for the device first, as NCCL requires with graph mixing off).
+    void note_graph_launch();
     // ZeRO-1/2 with several ranks, after attach(): the parameters are no longer broadcast by
     // after_step() but at the start of the next forward, one grouped broadcast per unit of `model`
     // overlapping the forward (train/zero_sync.h): before_forward() issues them, each unit waits for
     // its own, reduce_gradients() waits for any left. Anything else that reads the weights between
-    // steps calls flush_parameters() first (gather_weights() and check_identical() do). No-op
+    // steps calls flush_parameters() first (gather_weights() and check_identical() do). `coalesce`:
+    // each unit's parameters of one owner move into one flat buffer, broadcast at once (call it
+    // before anything keeps a parameter's data pointer: the optimizer, a CUDA graph). No-op
     // otherwise.
-    void defer_parameter_sync(torch::nn::Module& model);
+    void defer_parameter_sync(torch::nn::Module& model, bool coalesce = true);
     bool defers_parameter_sync() const { return deferred_ != nullptr; }
     // With the sync deferred: every rank's weights made whole now (collective: every rank calls it
     // at the same point). No-op otherwise.

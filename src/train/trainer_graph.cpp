@@ -218,6 +218,7 @@ StepScalars Trainer::train_graphed_step(double lr) {
                               *generator_, dp_->rank(), dp_->world_size());
         out = graph_->run(*model_, batch, objective_, step_options_, global_step_, *generator_, *optimizer_,
                           params, config_.real("max_grad_norm"), hooks, micro, accum);
+        dp_->note_graph_launch();  // (or an eager warm-up step: then one needless wait at most)
         // A micro-step's loss is already a copy (graph_step.h); the final graph's outputs live at
         // static addresses that the next replay overwrites: queue_step copies them on this stream
         // before any later replay, and the host reads them a step later.

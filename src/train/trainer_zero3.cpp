@@ -66,10 +66,10 @@ void Trainer::attach_data_parallel() {
         // ZeRO-1/2: the owners' updates reach the other ranks during the next forward. Not with
         // gradient accumulation (each micro-step's forward would sync again), EMA (it reads every
         // weight after each step) or a LoRA (its adapters are small; units hold the frozen base).
-        const bool defer = zero_sync_deferred_requested();
-        if (dp_->zero_stage() >= 1 && world_size() > 1 && defer && accumulation == 1 && !lora_ &&
-            !config_.flag("use_ema"))
-            dp_->defer_parameter_sync(model_->module());
+        const ZeroSync sync = zero_sync_requested();
+        if (dp_->zero_stage() >= 1 && world_size() > 1 && sync != ZeroSync::kStep && accumulation == 1 &&
+            !lora_ && !config_.flag("use_ema"))
+            dp_->defer_parameter_sync(model_->module(), sync == ZeroSync::kForward);
         if (accumulation > 1 && handoff == GradientHandoff::kDirect && gradient_handoff_named() &&
             world_size() > 1 && dp_->rank() == 0)
             log::info() << "DTUNE_DDP_GRAD_COPY=direct is not used with gradient_accumulation_steps "

@@ -8,6 +8,13 @@
 // forward waits for a unit's group only where that unit runs (models/common/unit_hooks.h), so on
 // NCCL the broadcasts of later blocks run beside the compute of earlier ones.
 //
+// Coalesced (the default): within a unit, each run of consecutive parameters with the same owner,
+// dtype and device is moved once, at construction, into one flat buffer (each parameter's data a
+// view of it, at an offset aligned to 256 bytes; the TensorImpls stay, so the model, autograd and
+// the optimizer keep theirs), and the run is one broadcast of that buffer. With the contiguous
+// ZeRO-1/2 partition (dist::ZeroLayout::kContiguous) a unit is one or two runs, so a block costs
+// one or two large broadcasts instead of one per parameter.
+//
 // Invariants:
 // - Every forward of a training step starts with a full sync (begin_forward), whether or not the
 //   previous step changed anything: a CUDA graph captured at any step then holds the broadcasts,
@@ -39,9 +46,10 @@ class DeferredParameterSync final : public models::UnitHooks {
   public:
     // `params` with `owners[i]` the rank that updates params[i]; the parameters of `model`'s units
     // are found by identity (a parameter outside every unit goes to the first group). Every
-    // parameter must be contiguous.
+    // parameter must be contiguous. `coalesce`: move each owner run of a unit into one flat buffer
+    // (see the file comment); every rank must pass the same.
     DeferredParameterSync(dist::Group& group, torch::nn::Module& model, const std::vector<at::Tensor>& params,
-                          const std::vector<int>& owners);
+                          const std::vector<int>& owners, bool coalesce = true);
     ~DeferredParameterSync() override;
     DeferredParameterSync(const DeferredParameterSync&) = delete;
     DeferredParameterSync& operator=(const DeferredParameterSync&) = delete;
@@ -55,6 +63,8 @@ class DeferredParameterSync final : public models::UnitHooks {
     void flush();
 
     std::size_t groups() const { return groups_.size(); }
+    // Broadcasts per full sync (one per flat run when coalesced, else one per parameter).
+    std::size_t broadcasts() const;
 
     void before_unit(const torch::nn::Module& unit, bool recompute) override;
     void after_unit(const torch::nn::Module&, bool, const std::vector<at::Tensor>&) override {}
@@ -67,6 +77,9 @@ class DeferredParameterSync final : public models::UnitHooks {
     };
     void issue();
     void wait(std::size_t g);
+    // Replaces each run of two or more consecutive tensors of `g` with one root, dtype and device
+    // by one flat buffer holding their data (`params`: the parameters themselves, re-pointed).
+    static void coalesce(SyncGroup& g, const std::vector<at::Tensor>& params);
 
     dist::Group& group_;
     std::vector<SyncGroup> groups_;  // [0]: outside every unit (may be empty), then one per unit

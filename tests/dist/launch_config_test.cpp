@@ -3,6 +3,9 @@
 // from the inputs.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
+#include <string>
+
 #include "core/error.h"
 #include "dist/env.h"
 #include "dist/launch_config.h"
@@ -47,6 +50,23 @@ TEST(DistEnv, RejectsInconsistentVariables) {
     EXPECT_THROW(
         read_dist_env({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "2"}}),
         UsageError);
+}
+
+// NCCL's graph-mixing support is switched off unless the user chose a value (dist/env.h: the
+// captured collectives then run beside the compute; dist::Group::note_graph_launch keeps it safe).
+TEST(DistEnv, GraphMixingOffUnlessSet) {
+    const char* before = std::getenv("NCCL_GRAPH_MIXING_SUPPORT");
+    const std::string saved = before ? before : "";
+    ::unsetenv("NCCL_GRAPH_MIXING_SUPPORT");
+    EXPECT_EQ(ensure_graph_mixing_disabled(), "0");
+    EXPECT_STREQ(std::getenv("NCCL_GRAPH_MIXING_SUPPORT"), "0");
+    ::setenv("NCCL_GRAPH_MIXING_SUPPORT", "1", 1);
+    EXPECT_EQ(ensure_graph_mixing_disabled(), "1");
+    EXPECT_STREQ(std::getenv("NCCL_GRAPH_MIXING_SUPPORT"), "1");
+    if (before)
+        ::setenv("NCCL_GRAPH_MIXING_SUPPORT", saved.c_str(), 1);
+    else
+        ::unsetenv("NCCL_GRAPH_MIXING_SUPPORT");
 }
 
 // accelerate's file for node 1 of 4 x 8 GPUs with DeepSpeed ZeRO-2 (the layout `accelerate config`

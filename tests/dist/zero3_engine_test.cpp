@@ -384,26 +384,42 @@ TEST(Zero3Engine, ParameterOffloadKeepsShardsOnTheHost) {
     check_case(kept);
 }
 
-// ZeRO-1/2's deferred parameter sync (train/zero_sync.h) on the same stack, 3 Gloo ranks: parameter
-// i is owned by rank i % 3, which alone holds its new value (the others hold a stale -1). A
-// training forward that starts with begin_forward() (blocks 0, 1 and 3 run, block 2 does not)
-// leaves every parameter at its owner's value on every rank once wait_all() returns, and its
-// output equals a second forward over the synced weights; flush() does the same with no forward.
-// One grouped call per block plus one for the rest (on Gloo, one broadcast per parameter inside).
+// ZeRO-1/2's deferred parameter sync (train/zero_sync.h) on the same stack, 3 Gloo ranks: each
+// parameter's owner alone holds its new value (the others hold a stale -1). A training forward that
+// starts with begin_forward() (blocks 0, 1 and 3 run, block 2 does not) leaves every parameter at
+// its owner's value on every rank once wait_all() returns, and its output equals a second forward
+// over the synced weights; flush() does the same with no forward. One grouped call per block plus
+// one for the rest (on Gloo, one broadcast per tensor inside). Three layouts: owners interleaved
+// (i % 3) broadcast per parameter, the same coalesced (no run has two parameters: nothing moves),
+// and contiguous owners coalesced, where each run of one owner in a group is one flat buffer.
+enum class SyncLayout { kInterleaved, kInterleavedCoalesced, kContiguousCoalesced };
+
 struct SyncResult {
-    std::size_t groups = 0, collectives_per_sync = 0;
+    std::size_t groups = 0, broadcasts = 0, collectives_per_sync = 0;
     double worst_after_forward = 0, worst_after_flush = 0, output_diff = 0;
+    // Parameters whose data shares its storage with the parameter before it in the model, and
+    // parameters whose data starts at an offset that is not a multiple of 256 bytes.
+    int shared_with_previous = 0, misaligned = 0;
+    bool gradients_ok = false;  // every parameter got a gradient of its shape from a backward
 };
 
-SyncResult run_sync_rank(int rank, int world, int port) {
+SyncResult run_sync_rank(int rank, int world, int port, SyncLayout layout) {
     auto group = test::loopback_group(rank, world, port);
     Stack model;
     const std::vector<at::Tensor> params = model->parameters();
+    const auto n = static_cast<int>(params.size());
     std::vector<int> owners;
-    for (std::size_t i = 0; i < params.size(); ++i) owners.push_back(static_cast<int>(i % world));
-    train::DeferredParameterSync sync(*group, *model, params, owners);
+    for (int i = 0; i < n; ++i)
+        owners.push_back(layout == SyncLayout::kContiguousCoalesced ? i * world / n : i % world);
+    train::DeferredParameterSync sync(*group, *model, params, owners, layout != SyncLayout::kInterleaved);
     SyncResult r;
     r.groups = sync.groups();
+    r.broadcasts = sync.broadcasts();
+    for (std::size_t i = 0; i < params.size(); ++i) {
+        if (i > 0 && params[i].storage().is_alias_of(params[i - 1].storage())) ++r.shared_with_previous;
+        if (params[i].storage_offset() * static_cast<int64_t>(params[i].element_size()) % 256 != 0)
+            ++r.misaligned;
+    }
     // Rank `owner`'s update of parameter i in round `round`; the other ranks hold -1.
     const auto value = [](std::size_t i, int round) { return 10.0 * round + static_cast<double>(i); };
     const auto update = [&](int round) {
@@ -436,6 +452,10 @@ SyncResult run_sync_rank(int rank, int world, int port) {
     update(2);
     sync.flush();
     r.worst_after_flush = worst(2);
+    model->forward(x, false, {0, 1, 2, 3}).sum().backward();
+    r.gradients_ok = true;
+    for (const auto& p : params)
+        r.gradients_ok = r.gradients_ok && p.grad().defined() && p.grad().sizes() == p.sizes();
     group->barrier();
     group->shutdown();
     return r;
@@ -443,17 +463,37 @@ SyncResult run_sync_rank(int rank, int world, int port) {
 
 TEST(DeferredParameterSync, OwnersValuesReachEveryRankBlockByBlock) {
     constexpr int kWorld = 3;
-    const int port = test::free_port();
-    std::vector<std::future<SyncResult>> ranks;
-    for (int r = 0; r < kWorld; ++r)
-        ranks.push_back(std::async(std::launch::async, [r, port] { return run_sync_rank(r, kWorld, port); }));
-    for (auto& f : ranks) {
-        const SyncResult r = f.get();
-        EXPECT_EQ(r.groups, static_cast<std::size_t>(kBlocks) + 1);  // the blocks, then proj_in/out
-        EXPECT_EQ(r.collectives_per_sync, r.groups);                 // one grouped call per group
-        EXPECT_EQ(r.worst_after_forward, 0.0);
-        EXPECT_EQ(r.output_diff, 0.0);
-        EXPECT_EQ(r.worst_after_flush, 0.0);
+    constexpr int kParams = 4 * kBlocks + 4;  // a block: a and b, weight and bias; proj_in, proj_out
+    for (const auto layout :
+         {SyncLayout::kInterleaved, SyncLayout::kInterleavedCoalesced, SyncLayout::kContiguousCoalesced}) {
+        SCOPED_TRACE(static_cast<int>(layout));
+        const int port = test::free_port();
+        std::vector<std::future<SyncResult>> ranks;
+        for (int r = 0; r < kWorld; ++r)
+            ranks.push_back(std::async(std::launch::async,
+                                       [r, port, layout] { return run_sync_rank(r, kWorld, port, layout); }));
+        for (auto& f : ranks) {
+            const SyncResult r = f.get();
+            EXPECT_EQ(r.groups, static_cast<std::size_t>(kBlocks) + 1);  // the blocks, then proj_in/out
+            EXPECT_EQ(r.collectives_per_sync, r.groups);                 // one grouped call per group
+            EXPECT_EQ(r.worst_after_forward, 0.0);
+            EXPECT_EQ(r.output_diff, 0.0);
+            EXPECT_EQ(r.worst_after_flush, 0.0);
+            EXPECT_TRUE(r.gradients_ok);
+            EXPECT_EQ(r.misaligned, 0);
+            if (layout != SyncLayout::kContiguousCoalesced) {
+                EXPECT_EQ(r.broadcasts, static_cast<std::size_t>(kParams));
+                EXPECT_EQ(r.shared_with_previous, 0);  // every parameter in its own storage
+                continue;
+            }
+            // Owners by position (i * 3 / 20): parameters 0-6 rank 0, 7-13 rank 1, 14-19 rank 2. The
+            // rest group is proj_in (0, 1) and proj_out (18, 19): 2 runs; block 0 (2-5): 1; block 1
+            // (6 | 7-9): 2; block 2 (10-13): 1; block 3 (14-17): 1. Seven broadcasts, and 20 - 7
+            // parameters share a run with the one before them in the model: 1, 3-5, 8-9, 11-13,
+            // 15-17 and 19 (13 in all).
+            EXPECT_EQ(r.broadcasts, 7u);
+            EXPECT_EQ(r.shared_with_previous, 13);
+        }
     }
 }
 

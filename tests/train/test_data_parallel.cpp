@@ -188,20 +188,38 @@ TEST(DataParallelConfig, FsdpKeysMapOntoZeroStage3) {
         }
     }
     ::unsetenv("DTUNE_ZERO2_SLOTS");
-    // ZeRO-1/2 parameters reach the other ranks during the next forward unless DTUNE_ZERO_SYNC=step.
-    EXPECT_TRUE(zero_sync_deferred_requested());
+    // ZeRO-1/2 parameters reach the other ranks during the next forward unless DTUNE_ZERO_SYNC=step,
+    // coalesced per block and owner unless forward-params.
+    EXPECT_EQ(zero_sync_requested(), ZeroSync::kForward);
     ::setenv("DTUNE_ZERO_SYNC", "step", 1);
-    EXPECT_FALSE(zero_sync_deferred_requested());
+    EXPECT_EQ(zero_sync_requested(), ZeroSync::kStep);
     ::setenv("DTUNE_ZERO_SYNC", "forward", 1);
-    EXPECT_TRUE(zero_sync_deferred_requested());
+    EXPECT_EQ(zero_sync_requested(), ZeroSync::kForward);
+    ::setenv("DTUNE_ZERO_SYNC", "forward-params", 1);
+    EXPECT_EQ(zero_sync_requested(), ZeroSync::kForwardParams);
     ::setenv("DTUNE_ZERO_SYNC", "later", 1);
     try {
-        zero_sync_deferred_requested();
+        zero_sync_requested();
         ADD_FAILURE() << "DTUNE_ZERO_SYNC=later accepted";
     } catch (const UsageError& e) {
         EXPECT_NE(std::string(e.what()).find("DTUNE_ZERO_SYNC is 'later'"), std::string::npos) << e.what();
     }
     ::unsetenv("DTUNE_ZERO_SYNC");
+    // ZeRO-1 owns contiguous runs unless DTUNE_ZERO1_LAYOUT=greedy.
+    EXPECT_FALSE(zero1_layout_greedy());
+    ::setenv("DTUNE_ZERO1_LAYOUT", "greedy", 1);
+    EXPECT_TRUE(zero1_layout_greedy());
+    ::setenv("DTUNE_ZERO1_LAYOUT", "contiguous", 1);
+    EXPECT_FALSE(zero1_layout_greedy());
+    ::setenv("DTUNE_ZERO1_LAYOUT", "random", 1);
+    try {
+        zero1_layout_greedy();
+        ADD_FAILURE() << "DTUNE_ZERO1_LAYOUT=random accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("DTUNE_ZERO1_LAYOUT is 'random'"), std::string::npos)
+            << e.what();
+    }
+    ::unsetenv("DTUNE_ZERO1_LAYOUT");
     // Gradients all-reduced where backward left them unless DTUNE_DDP_GRAD_COPY=1 (copied into the
     // buckets) or 0 (the in-place adds); only a set variable counts as named.
     EXPECT_EQ(gradient_handoff_requested(), GradientHandoff::kDirect);
