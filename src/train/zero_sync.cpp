@@ -100,6 +100,7 @@ void DeferredParameterSync::coalesce(SyncGroup& g, const std::vector<at::Tensor>
             view.copy_(p.detach().reshape({-1}));
             // Same TensorImpl (model, autograd and optimizer keep it), its data now in the run.
             p.set_data(view.view(p.sizes()));
+            g.moved.emplace_back(p, view.const_data_ptr());
         }
         g.tensors.push_back(flat);
         begin = end;
@@ -119,6 +120,11 @@ DeferredParameterSync::~DeferredParameterSync() {
 
 void DeferredParameterSync::issue() {
     wait_all();  // a group still in flight from an earlier issue is not overwritten by a second one
+    for (const auto& g : groups_)
+        for (const auto& [p, where] : g.moved)
+            DTUNE_CHECK(p.const_data_ptr() == where, "ZeRO sync: a parameter of shape ", p.sizes(),
+                        " no longer lives in its block's flat buffer (something re-pointed its data, e.g. "
+                        "Module::to); its updates would no longer reach the other ranks");
     at::NoGradGuard no_grad;
     for (auto& g : groups_)
         if (!g.tensors.empty()) g.pending = group_.broadcast_coalesced_async(g.tensors, g.roots);

@@ -31,6 +31,7 @@
 
 #include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "models/common/unit_hooks.h"
@@ -71,9 +72,13 @@ class DeferredParameterSync final : public models::UnitHooks {
 
   private:
     struct SyncGroup {
-        std::vector<at::Tensor> tensors;  // detached parameters, in place
+        std::vector<at::Tensor> tensors;  // detached parameters or flat runs, in place
         std::vector<int> roots;
         std::unique_ptr<dist::Pending> pending;
+        // Coalesced parameters and where their data must stay (inside their run): checked before
+        // every issue, since a parameter re-pointed elsewhere (Module::to) would silently stop
+        // being synced.
+        std::vector<std::pair<at::Tensor, const void*>> moved;
     };
     void issue();
     void wait(std::size_t g);

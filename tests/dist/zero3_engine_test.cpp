@@ -401,6 +401,8 @@ struct SyncResult {
     // parameters whose data starts at an offset that is not a multiple of 256 bytes.
     int shared_with_previous = 0, misaligned = 0;
     bool gradients_ok = false;  // every parameter got a gradient of its shape from a backward
+    // Coalesced: a parameter re-pointed out of its flat buffer makes the next sync fail, naming it.
+    bool repoint_refused = false;
 };
 
 SyncResult run_sync_rank(int rank, int world, int port, SyncLayout layout) {
@@ -456,6 +458,18 @@ SyncResult run_sync_rank(int rank, int world, int port, SyncLayout layout) {
     r.gradients_ok = true;
     for (const auto& p : params)
         r.gradients_ok = r.gradients_ok && p.grad().defined() && p.grad().sizes() == p.sizes();
+    if (layout == SyncLayout::kContiguousCoalesced) {
+        {
+            at::NoGradGuard no_grad;
+            params[1].set_data(params[1].detach().clone());  // proj_in's bias leaves its run
+        }
+        try {
+            sync.flush();  // refused on every rank before any collective is issued
+        } catch (const std::exception& e) {
+            r.repoint_refused =
+                std::string(e.what()).find("no longer lives in its block's flat buffer") != std::string::npos;
+        }
+    }
     group->barrier();
     group->shutdown();
     return r;
@@ -493,6 +507,7 @@ TEST(DeferredParameterSync, OwnersValuesReachEveryRankBlockByBlock) {
             // 15-17 and 19 (13 in all).
             EXPECT_EQ(r.broadcasts, 7u);
             EXPECT_EQ(r.shared_with_previous, 13);
+            EXPECT_TRUE(r.repoint_refused);
         }
     }
 }
