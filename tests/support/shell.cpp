@@ -12,7 +12,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
+#include <random>
 #include <sstream>
+#include <stdexcept>
 
 namespace dtune::test {
 namespace {
@@ -67,15 +69,20 @@ bool line_with(const std::string& text, const std::string& a, const std::string&
 }
 
 int free_port() {
-    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-    socklen_t len = sizeof addr;
-    ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-    ::close(fd);
-    return ntohs(addr.sin_port);
+    static std::mt19937 pick(std::random_device{}() ^ static_cast<unsigned>(::getpid()));
+    std::uniform_int_distribution<int> below_ephemeral(20000, 32000);
+    for (int attempt = 0; attempt < 200; ++attempt) {
+        const int port = below_ephemeral(pick);
+        const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in addr{};
+        addr.sin_family = AF_INET;
+        addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        addr.sin_port = htons(static_cast<uint16_t>(port));
+        const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+        ::close(fd);
+        if (bound) return port;
+    }
+    throw std::runtime_error("free_port: no free TCP port in 20000-32000 on 127.0.0.1 after 200 tries");
 }
 
 }  // namespace dtune::test

@@ -29,8 +29,11 @@ bool contains(const std::string& haystack, const std::string& needle);
 // Whether one line of `text` contains `a` and, after it, `b`.
 bool line_with(const std::string& text, const std::string& a, const std::string& b);
 
-// A TCP port on 127.0.0.1 that was free a moment ago (the kernel's pick), so that tests running
-// in parallel do not collide.
+// A TCP port on 127.0.0.1 that was free a moment ago, so that tests running in parallel do not
+// collide: a random one below the kernel's ephemeral range (32768 and up on Linux), which no
+// process gets by an automatic bind (Gloo's pair sockets, outgoing connections) in the moment
+// between this check and the test's own listen. A port the kernel picks could be handed to such a
+// socket in that moment (seen once in a ctest -j2 run: EADDRINUSE at the rendezvous).
 int free_port();
 
 }  // namespace dtune::test
