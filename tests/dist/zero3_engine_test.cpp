@@ -411,6 +411,7 @@ SyncResult run_sync_rank(int rank, int world, int port, SyncLayout layout) {
     const std::vector<at::Tensor> params = model->parameters();
     const auto n = static_cast<int>(params.size());
     std::vector<int> owners;
+    owners.reserve(params.size());
     for (int i = 0; i < n; ++i)
         owners.push_back(layout == SyncLayout::kContiguousCoalesced ? i * world / n : i % world);
     train::DeferredParameterSync sync(*group, *model, params, owners, layout != SyncLayout::kInterleaved);
@@ -483,6 +484,7 @@ TEST(DeferredParameterSync, OwnersValuesReachEveryRankBlockByBlock) {
         SCOPED_TRACE(static_cast<int>(layout));
         const int port = test::free_port();
         std::vector<std::future<SyncResult>> ranks;
+        ranks.reserve(kWorld);
         for (int r = 0; r < kWorld; ++r)
             ranks.push_back(std::async(std::launch::async,
                                        [r, port, layout] { return run_sync_rank(r, kWorld, port, layout); }));
