@@ -183,10 +183,7 @@ class C10dGroup final : public Group {
     }
     std::unique_ptr<Pending> all_reduce_sum_side_async(at::Tensor& tensor) override {
         if (!side_) return all_reduce_sum_async(tensor);
-        DTUNE_CHECK(backend_, "dist: collective called after shutdown() on rank ", rank(),
-                    "; call shutdown() only at the end of the job");
-        throw_if_peer_failed();
-        count_collective();  // no wait for a graph launch: this communicator is never captured
+        check_open(/*after_graph_launch=*/false);  // this communicator is never captured
         Trace trace(rank(), "all_reduce_sum_side", &tensor);
         std::vector<at::Tensor> tensors{tensor};
         c10d::AllreduceOptions opts;
@@ -436,12 +433,14 @@ class C10dGroup final : public Group {
     }
 
   private:
-    void check_open() const {
+    // `after_graph_launch`: whether this collective's communicator needs the host wait after a
+    // graph launch (the main one; not the side one, which no graph holds).
+    void check_open(bool after_graph_launch = true) const {
         DTUNE_CHECK(backend_, "dist: collective called after shutdown() on rank ", rank(),
                     "; call shutdown() only at the end of the job");
         throw_if_peer_failed();
         count_collective();  // every collective starts here
-        wait_for_graph_launch();
+        if (after_graph_launch) wait_for_graph_launch();
     }
     // NCCL with graph mixing off: a collective issued outside a capture after a graph launch waits
     // for the device first (note_graph_launch).

@@ -1,6 +1,8 @@
 // Launching and stopping loopback S3 servers for tests. See s3_test_server.h.
 #include "s3_test_server.h"
 
+#include "support/shell.h"
+
 #include <arpa/inet.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
@@ -25,18 +27,6 @@ extern char** environ;
 
 namespace dtune::test {
 namespace {
-
-bool port_free(int port) {
-    if (port <= 0 || port > 65535) return false;
-    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-    ::close(fd);
-    return ok;
-}
 
 // A base port such that base..base+count-1 and their gRPC twins (+10000, SeaweedFS's rule) are free.
 int free_port_block(int count) {

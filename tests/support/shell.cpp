@@ -68,19 +68,24 @@ bool line_with(const std::string& text, const std::string& a, const std::string&
     return false;
 }
 
+bool port_free(int port) {
+    if (port <= 0 || port > 65535) return false;
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    ::close(fd);
+    return ok;
+}
+
 int free_port() {
     static std::mt19937 pick(std::random_device{}() ^ static_cast<unsigned>(::getpid()));
     std::uniform_int_distribution<int> below_ephemeral(20000, 32000);
     for (int attempt = 0; attempt < 200; ++attempt) {
         const int port = below_ephemeral(pick);
-        const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-        sockaddr_in addr{};
-        addr.sin_family = AF_INET;
-        addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-        addr.sin_port = htons(static_cast<uint16_t>(port));
-        const bool bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
-        ::close(fd);
-        if (bound) return port;
+        if (port_free(port)) return port;
     }
     throw std::runtime_error("free_port: no free TCP port in 20000-32000 on 127.0.0.1 after 200 tries");
 }

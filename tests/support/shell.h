@@ -35,5 +35,7 @@ bool line_with(const std::string& text, const std::string& a, const std::string&
 // between this check and the test's own listen. A port the kernel picks could be handed to such a
 // socket in that moment (seen once in a ctest -j2 run: EADDRINUSE at the rendezvous).
 int free_port();
+// Whether a TCP listener could bind `port` on 127.0.0.1 right now (false outside 1..65535).
+bool port_free(int port);
 
 }  // namespace dtune::test
