@@ -32,6 +32,7 @@ def main():
     p.add_argument("trace")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--csv", help="write every kernel name with its family, launches and time per step")
     a = p.parse_args()
     events = json.load(open(a.trace))
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
@@ -63,7 +64,32 @@ def main():
     print("  top kernels (ms per step, launches per step):")
     for name, us in per_name.most_common(a.top):
         print(f"    {us / s / 1e3:7.2f} {count[name] // s:5d}  {name}")
+    sizes(kernels, s)
+    if a.csv:
+        with open(a.csv, "w") as f:
+            f.write("family,launches_per_step,ms_per_step,mean_us,name\n")
+            for name, us in per_name.most_common():
+                quoted = '"' + name.replace('"', "'") + '"'
+                f.write(f"{family(name)},{count[name] / s:.1f},{us / s / 1e3:.3f},{us / count[name]:.2f},{quoted}\n")
     overlap(kernels, s)
+
+
+def sizes(kernels, steps):
+    """How much of the step small kernels take: launches and time per duration class. Inside a CUDA
+    graph each launch still costs a microsecond or two of ramp-up, so many short kernels are a cost
+    that fusing removes even where their bytes are few."""
+    edges = [2, 5, 10, 20, 50, 100, 1000, float("inf")]
+    n, t = collections.Counter(), collections.Counter()
+    for e in kernels:
+        cls = next(x for x in edges if e["dur"] < x)
+        n[cls] += 1
+        t[cls] += e["dur"]
+    print("  kernels by duration (launches per step, ms per step):")
+    lo = 0
+    for x in edges:
+        hi = "inf" if x == float("inf") else f"{x:g}"
+        print(f"    {lo:>5g}-{hi:<5} us {n[x] // steps:6d} {t[x] / steps / 1e3:8.2f}")
+        lo = x
 
 
 def union(intervals):

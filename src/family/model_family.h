@@ -64,6 +64,12 @@ class Denoiser {
     virtual std::pair<int64_t, int64_t> set_gradient_checkpointing(bool enabled, int64_t interval) = 0;
     // The dtype the network computes in (its dense dtype when quantised).
     virtual c10::ScalarType dtype() const = 0;
+    // Convolution weights and activations in NHWC memory order (call before adapters, optimizer and
+    // data-parallel set-up: the parameters' storage changes). False: the family has no such mode.
+    virtual bool set_channels_last(bool enabled) {
+        (void)enabled;
+        return false;
+    }
 };
 
 // What the step trains toward and how it draws timesteps.

@@ -15,12 +15,14 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/fused_env.h"
 #include "core/gpu_memory.h"
 #include "core/log.h"
 #include "core/progress.h"
 #include "core/redact.h"
 #include "data/cache_codec.h"
 #include "family/data_encoders.h"
+#include "models/common/group_norm_act.h"
 #include "models/common/quantize.h"
 #include "models/common/weights.h"
 #include "train/adapters.h"
@@ -89,6 +91,25 @@ const family::ModelFamily& family_for(const TrainConfig& config, const std::file
                    " pipeline; set \"model_family\": \"", folder ? folder->name() : "",
                    "\" or point pretrained_model_name_or_path at a ", named.name(), " folder");
     return named;
+}
+
+// DTUNE_CHANNELS_LAST: the network's convolutions and activations in NHWC memory order on CUDA
+// (Denoiser::set_channels_last; GroupNorm + SiLU then run as dtune's NHWC kernels, forward and
+// backward, and cuDNN's convolutions need no layout transposes). Unset or "auto": on for adapter
+// training (model_type lora) on CUDA where the kernels were built and DTUNE_FUSED_KERNELS allows
+// them. Off by default for full fine-tunes: trained 4-D weights would take adamw_bf16's copied path
+// (its in-place path and its state's element order assume NCHW weights), which measured slower.
+// "1"/"on"/"true" or "0"/"off"/"false" decide.
+bool channels_last_requested(const c10::Device& device, bool adapters_only) {
+    const char* v = std::getenv("DTUNE_CHANNELS_LAST");
+    const std::string value = v ? v : "auto";
+    if (value == "auto" || value.empty())
+        return adapters_only && device.is_cuda() && models::fused_inference_kernels_built() &&
+               fused_kernels_allowed();
+    const auto on = parse_fused_kernels_value(value);
+    DTUNE_CHECK_AS(UsageError, on.has_value(), "DTUNE_CHANNELS_LAST='", value,
+                   "' is not understood; use auto (or unset), 1 (on/true) or 0 (off/false)");
+    return *on;
 }
 
 // SimpleTuner's modelspec.architecture value for checkpoints.
@@ -334,6 +355,14 @@ void Trainer::init_common() {
         model_->module().to(device_);
         log::info() << "moved the quantised " << family_->network_name() << " to " << device_.str()
                     << " (quantize_via cpu)";
+    }
+    if (channels_last_requested(device_, config_.text("model_type") == "lora")) {
+        if (model_->set_channels_last(true))
+            log::info() << family_->network_name() << ": channels-last (NHWC) convolutions and GroupNorm "
+                        << "(DTUNE_CHANNELS_LAST=0 keeps NCHW)";
+        else if (std::getenv("DTUNE_CHANNELS_LAST"))
+            log::info() << family_->network_name()
+                        << " has no channels-last mode; DTUNE_CHANNELS_LAST ignored";
     }
     const bool checkpointing = config_.flag("gradient_checkpointing");
     const auto interval = config_.opt_integer("gradient_checkpointing_interval");

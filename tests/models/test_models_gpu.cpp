@@ -5,6 +5,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <map>
+#include <string>
+
 #include "model_test_util.h"
 #include "models/adapters/lora.h"
 #include "models/adapters/lora_qkv.h"
@@ -41,19 +44,48 @@ TEST(ModelsGpu, TinyUNetBf16MatchesFp32Reference) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     io::SafetensorsFile ref(test::fixtures_dir() / "reference" / "unet_io.safetensors");
     auto get = [&](const char* n) { return ref.get(n).to(c10::Device(c10::kCUDA, 0)); };
-    for (bool channels_last : {false, true}) {
-        ComponentLoadOptions o = cuda_bf16();
-        o.channels_last = channels_last;
+    // Channels-last trains through dtune's NHWC GroupNorm + SiLU (forward and backward). Its
+    // gradients are checked against a float32 run of the same UNet: their error must be of the bf16
+    // NCHW run's size (ATen's GroupNorm), not larger.
+    const std::vector<std::string> names{"conv_in.weight", "conv_norm_out.weight",
+                                         "down_blocks.0.resnets.0.norm1.bias"};
+    auto grads_of = [&](ComponentLoadOptions o) {
         UNet2DConditionModel unet = load_unet(test::fixtures_dir() / "tiny-sdxl" / "unet", o);
         unet->set_gradient_checkpointing(true);
         const at::Tensor out = unet->forward(get("sample"), get("timestep"), get("encoder_hidden_states"),
                                              {get("text_embeds"), get("time_ids")});
+        out.to(at::kFloat).square().mean().backward();
+        auto params = unet->named_parameters();
+        std::map<std::string, at::Tensor> grads;
+        for (const auto& name : names) {
+            const at::Tensor g = params.contains(name) ? params[name].grad() : at::Tensor();
+            grads[name] = g.defined() ? g.cpu().to(at::kDouble) : g;
+        }
+        return std::make_pair(out.cpu(), grads);
+    };
+    ComponentLoadOptions f32 = cuda_bf16();
+    f32.dtype = at::kFloat;
+    const auto reference = grads_of(f32).second;
+    double nchw_error[3] = {0, 0, 0};
+    for (bool channels_last : {false, true}) {
+        ComponentLoadOptions o = cuda_bf16();
+        o.channels_last = channels_last;
+        const auto [out, grads] = grads_of(o);
         const at::Tensor expected = ref.get("out");
         // bf16 keeps ~3 significant digits through ~40 layers: a few percent of the output range.
-        EXPECT_LE(test::max_abs_diff(out.cpu(), expected), 0.05 * expected.abs().max().item<double>())
+        EXPECT_LE(test::max_abs_diff(out, expected), 0.05 * expected.abs().max().item<double>())
             << channels_last;
-        out.to(at::kFloat).square().mean().backward();
-        EXPECT_TRUE(unet->named_parameters()["conv_in.weight"].grad().defined());
+        for (size_t i = 0; i < names.size(); ++i) {
+            const at::Tensor& want = reference.at(names[i]);
+            const at::Tensor& got = grads.at(names[i]);
+            ASSERT_TRUE(want.defined() && got.defined()) << names[i];
+            const double error = test::max_abs_diff(got, want) / want.abs().max().item<double>();
+            if (!channels_last) {
+                nchw_error[i] = error;
+                continue;
+            }
+            EXPECT_LE(error, 1.5 * nchw_error[i] + 0.01) << names[i] << ": NCHW's error " << nchw_error[i];
+        }
     }
 }
 
@@ -168,8 +200,8 @@ TEST(ModelsGpu, FusedGroupNormMatchesFloat64) {
                 for (bool silu : {false, true}) {
                     const at::Tensor y =
                         group_norm_act(*norm, x, in_bias.defined() ? in_bias.to(cuda) : in_bias, silu);
-                    // The fused kernels keep NHWC; float32 past 1024 channels takes the composite path.
-                    if (dtype != at::kFloat || cs.c <= 1024) {
+                    // The fused kernels keep NHWC; float32 past 2048 channels takes the composite path.
+                    if (dtype != at::kFloat || cs.c <= 2048) {
                         ASSERT_TRUE(y.is_contiguous(at::MemoryFormat::ChannelsLast)) << cs.c << " " << dtype;
                     }
                     // Reference from the same rounded input, in float64.
@@ -188,6 +220,68 @@ TEST(ModelsGpu, FusedGroupNormMatchesFloat64) {
                 }
             }
             norm->to(at::kCPU, at::kFloat);
+        }
+    }
+}
+
+// The differentiable channels-last GroupNorm(+SiLU) (training a channels-last UNet) against float64
+// autograd on the CPU, from the same rounded input and output gradient: the output, dx and the
+// affine gradients. Channel counts: groups straddling the 8-wide packs (320: 10 per group), the
+// 512-thread block (2560, SDXL's widest up-block input), many statistics blocks per sample (640 at
+// 64x64) and the scalar kernels (12 channels); the input has a large mean.
+TEST(ModelsGpu, FusedGroupNormTrainingMatchesFloat64Gradients) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    ASSERT_TRUE(fused_inference_kernels_built())
+        << "built without the CUDA kernels (no nvcc at configure time)";
+    const at::Device cuda(at::kCUDA, 0);
+    torch::manual_seed(21);
+    struct Case {
+        int64_t c, groups, h, w;
+    };
+    for (const Case& cs :
+         {Case{320, 32, 17, 9}, Case{2560, 32, 8, 8}, Case{640, 32, 64, 64}, Case{12, 4, 33, 31}}) {
+        const at::Tensor x64 = at::randn({2, cs.c, cs.h, cs.w}, at::kDouble) * 2 + 4;
+        const at::Tensor dy64 = at::randn({2, cs.c, cs.h, cs.w}, at::kDouble);
+        const at::Tensor w64 = at::randn({cs.c}, at::kDouble), b64 = at::randn({cs.c}, at::kDouble);
+        for (auto dtype : {at::kFloat, at::kBFloat16}) {
+            for (bool silu : {false, true}) {
+                torch::nn::GroupNorm norm(torch::nn::GroupNormOptions(cs.groups, cs.c).eps(1e-6));
+                {
+                    torch::NoGradGuard no_grad;
+                    norm->weight.copy_(w64);
+                    norm->bias.copy_(b64);
+                }
+                norm->to(cuda);  // float32 weights, as a trained UNet's under autocast
+                const at::Tensor x =
+                    x64.to(cuda, dtype).contiguous(at::MemoryFormat::ChannelsLast).requires_grad_(true);
+                if (dtype == at::kFloat && cs.c > 2048) {  // 4-wide float packs: at most 512 per pixel row
+                    EXPECT_FALSE(fused_group_norm_training_ready(*norm, x)) << cs.c;
+                    continue;
+                }
+                ASSERT_TRUE(fused_group_norm_training_ready(*norm, x)) << cs.c << " " << dtype;
+                const at::Tensor y = group_norm_act(*norm, x, {}, silu);
+                ASSERT_TRUE(y.is_contiguous(at::MemoryFormat::ChannelsLast));
+                const at::Tensor dy = dy64.to(cuda, dtype).contiguous(at::MemoryFormat::ChannelsLast);
+                y.backward(dy);
+
+                const at::Tensor xr = x.detach().cpu().to(at::kDouble).requires_grad_(true);
+                const at::Tensor wr = w64.clone().requires_grad_(true), br = b64.clone().requires_grad_(true);
+                at::Tensor yr = at::group_norm(xr, cs.groups, wr, br, 1e-6);
+                if (silu) yr = at::silu(yr);
+                yr.backward(dy.cpu().to(at::kDouble));
+
+                const std::string what = str("c ", cs.c, " ", dtype, " silu ", silu);
+                auto rel = [](const at::Tensor& got, const at::Tensor& want) {
+                    return test::max_abs_diff(got.cpu().to(at::kDouble), want) /
+                           want.abs().max().item<double>();
+                };
+                // float32: float statistics and sums; bf16: the outputs' rounding (2^-8) dominates.
+                const double tol = dtype == at::kFloat ? 1e-4 : 1.2e-2;
+                EXPECT_LE(rel(y.detach(), yr.detach()), tol) << what << " y";
+                EXPECT_LE(rel(x.grad(), xr.grad()), tol) << what << " dx";
+                EXPECT_LE(rel(norm->weight.grad(), wr.grad()), 1e-4) << what << " dweight";
+                EXPECT_LE(rel(norm->bias.grad(), br.grad()), 1e-4) << what << " dbias";
+            }
         }
     }
 }

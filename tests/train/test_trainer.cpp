@@ -399,6 +399,51 @@ TEST(TrainConfigKeys, GradientCheckpointingIntervalTrainsTheSameWeights) {
     }
 }
 
+// DTUNE_CHANNELS_LAST=1 (NHWC convolutions and GroupNorm; the default for LoRA on CUDA) trains the
+// same adapters as NCHW: on the CPU through the same trainer set-up (the conversion before the
+// adapters, the optimizer and checkpoints), with the composite GroupNorm. A bad value is refused.
+TEST(TrainConfigKeys, ChannelsLastTrainsTheSameAdaptersAndRefusesABadSwitch) {
+    // SGD: Adam's first steps turn float-rounding differences of near-zero gradients into whole
+    // learning-rate steps, so its weights would not show whether the two layouts agree.
+    const std::string lora =
+        R"({"model_type": "lora", "lora_rank": 4, "lora_dropout": 0.1, "optimizer": "torch-sgd"})";
+    auto run_with = [&](const char* value, const std::filesystem::path& dir) {
+        setenv("DTUNE_CHANNELS_LAST", value, 1);
+        try {
+            io::TensorList out = run_trainer(config_with(dir, 2, lora));
+            unsetenv("DTUNE_CHANNELS_LAST");
+            return out;
+        } catch (...) {
+            unsetenv("DTUNE_CHANNELS_LAST");
+            throw;
+        }
+    };
+    test::TempDir nchw, nhwc, bad;
+    const io::TensorList a = run_with("0", nchw.path());
+    testing::internal::CaptureStderr();
+    const io::TensorList b = run_with("1", nhwc.path());
+    const std::string log = testing::internal::GetCapturedStderr();
+    ASSERT_EQ(a.size(), b.size());
+    int64_t adapters = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        ASSERT_EQ(a[i].first, b[i].first);
+        EXPECT_TRUE(at::allclose(a[i].second, b[i].second, 1e-4, 1e-6))
+            << a[i].first << " max diff " << (a[i].second - b[i].second).abs().max().item<double>() << " of "
+            << a[i].second.abs().max().item<double>();
+        // lora_B starts at zero: nonzero means the run trained it
+        if (a[i].first.find(".lora_B") != std::string::npos && a[i].second.abs().max().item<double>() > 0)
+            ++adapters;
+    }
+    EXPECT_GT(adapters, 0);
+    EXPECT_NE(log.find("channels-last (NHWC)"), std::string::npos) << log;
+    try {
+        run_with("sideways", bad.path());
+        ADD_FAILURE() << "DTUNE_CHANNELS_LAST=sideways accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("DTUNE_CHANNELS_LAST"), std::string::npos) << e.what();
+    }
+}
+
 // offload_optimizer_device cpu: the same weights as the optimizer on the training device (both on
 // the CPU here, so bit for bit), resume exact, and the logged offload; a bad value is refused.
 TEST(TrainConfigKeys, OffloadOptimizerTrainsTheSameWeightsAndResumes) {

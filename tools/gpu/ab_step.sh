@@ -4,7 +4,7 @@
 # effect is measured side by side. The old tree comes as a tarball of an earlier commit
 # (git archive <commit> -o .gpusrc/old.tar); it is built under /tmp/ab_old with the same preset.
 #   OUT=$OUT OLD_TAR=.gpusrc/old.tar tools/gpu/ab_step.sh
-# env: RUNS ("full lora": full = batch 1 adamw_bf16, lora = r16 batch 4; "fullgc4" = batch 4 with
+# env: RUNS ("full lora": full = batch 1 adamw_bf16, lora = r16 batch 4, lora0 = the same with lora_dropout 0; "fullgc4" = batch 4 with
 #   gradient checkpointing), STEPS (40), ROUNDS (1: old,new pairs per run), PROFILE (A:B: a Kineto trace
 #   of steps A..B of each run, summarised by kernel family), GPU_TESTS (like zero_scale.sh:
 #   "dir/binary[:filter]" built from the new tree and run first), VARIANTS (space-separated; each a
@@ -50,6 +50,7 @@ one() {  # run name, build label, build dir[, environment VAR=value,...]
     case $name in
         full) mode=full ;;
         lora) mode=lora ;;
+        lora0) mode=lora extra=(--lora_dropout 0) ;;
         fullgc4) mode=full extra=(--train_batch_size 4 --gradient_checkpointing true) ;;
         *) echo "unknown run $name"; return ;;
     esac
@@ -78,7 +79,7 @@ if half:
 print(json.dumps(out))
 PY
     if [[ -n ${PROFILE:-} && -f $o/profile/trace_rank0.json ]]; then
-        python3 bench/summarize_trace.py "$o/profile/trace_rank0.json" --steps 2 >"${log%.log}.prof.txt" 2>&1
+        python3 bench/summarize_trace.py "$o/profile/trace_rank0.json" --steps 2 --top 60 --csv "${log%.log}.kernels.csv" >"${log%.log}.prof.txt" 2>&1
         head -12 "${log%.log}.prof.txt"
     fi
 }
@@ -91,4 +92,4 @@ for name in ${RUNS:-full lora}; do
     done
 done
 echo "== done at $SECONDS s"
-tar czf "$OUT/ab_logs.tar.gz" -C "$OUT" $(cd "$OUT" && ls *.log *.prof.txt 2>/dev/null) 2>/dev/null
+tar czf "$OUT/ab_logs.tar.gz" -C "$OUT" $(cd "$OUT" && ls *.log *.prof.txt *.kernels.csv 2>/dev/null) 2>/dev/null

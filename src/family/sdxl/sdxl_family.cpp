@@ -38,6 +38,10 @@ class SdxlDenoiser final : public Denoiser {
         return unet_->checkpointed_blocks();
     }
     c10::ScalarType dtype() const override { return unet_->dtype(); }
+    bool set_channels_last(bool enabled) override {
+        unet_->set_channels_last(enabled);
+        return true;
+    }
     models::UNet2DConditionModel& unet() { return unet_; }
 
   private:

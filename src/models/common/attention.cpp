@@ -213,7 +213,8 @@ at::Tensor Transformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor
     }
     if (proj_out_linear_) t = proj_out_linear_->forward(t);
     const int64_t out_c = t.size(2);
-    t = t.reshape({b, h, w, out_c}).permute({0, 3, 1, 2}).contiguous();  // [B, C, H, W]
+    // [B, C, H, W] in x's layout: a view when x is channels-last, a copy to NCHW otherwise
+    t = t.reshape({b, h, w, out_c}).permute({0, 3, 1, 2}).contiguous(x.suggest_memory_format());
     if (proj_out_conv_) t = proj_out_conv_->forward(t);
     return t + x;
 }

@@ -91,6 +91,7 @@ at::Tensor group_norm_nhwc(const at::Tensor& x, int64_t groups, const at::Tensor
 }
 
 at::Tensor norm_forward(torch::nn::GroupNormImpl& norm, const at::Tensor& x) {
+    if (fused_group_norm_training_ready(norm, x)) return group_norm_act(norm, x, {}, /*silu=*/false);
     if (g_group_norm_nhwc && x.dim() == 4 && !x.is_contiguous() &&
         x.is_contiguous(at::MemoryFormat::ChannelsLast))
         return group_norm_nhwc(x, norm.options.num_groups(), norm.weight, norm.bias, norm.options.eps());
@@ -154,11 +155,11 @@ at::Tensor ResnetBlock2DImpl::forward_fused(const at::Tensor& x, const at::Tenso
 
 at::Tensor ResnetBlock2DImpl::forward(const at::Tensor& x, const at::Tensor& temb) {
     if (can_fuse(x)) return forward_fused(x, temb);
-    at::Tensor h = conv1_->forward(at::silu(norm_forward(*norm1_, x)));
+    at::Tensor h = conv1_->forward(group_norm_act(*norm1_, x, {}, /*silu=*/true));
     if (time_emb_proj_ && temb.defined()) {
         h = h + time_emb_proj_->forward(at::silu(temb)).unsqueeze(-1).unsqueeze(-1);  // [B, C, 1, 1]
     }
-    h = conv2_->forward(at::silu(norm_forward(*norm2_, h)));
+    h = conv2_->forward(group_norm_act(*norm2_, h, {}, /*silu=*/true));
     at::Tensor shortcut = conv_shortcut_ ? conv_shortcut_->forward(x) : x;
     at::Tensor out = shortcut + h;
     if (options_.output_scale_factor != 1.0) out = out / options_.output_scale_factor;

@@ -3,6 +3,8 @@
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/autograd.h>
 
 #include <atomic>
 #include <cstdint>
@@ -30,6 +32,85 @@ at::Tensor channel_view(const at::Tensor& bias, const at::Tensor& x) {  // [C] o
 at::Tensor float_or_undefined(const at::Tensor& t) {
     return t.defined() ? t.to(at::kFloat).contiguous() : t;
 }
+
+const float* float_ptr(const at::Tensor& t) {
+    return t.defined() ? t.const_data_ptr<float>() : nullptr;
+}
+
+// act(GroupNorm(x)) on channels-last CUDA x, differentiable in x, weight and bias (all defined).
+// Saves x, the affine weights and each group's float32 mean and 1/std (no output).
+struct GroupNormActFunction : public torch::autograd::Function<GroupNormActFunction> {
+    static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                              const at::Tensor& weight, const at::Tensor& bias, int64_t groups, double eps,
+                              bool silu) {
+        const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+        const c10::cuda::CUDAGuard guard(x.device());
+        const int64_t n = x.size(0), c = x.size(1), hw = x.size(2) * x.size(3);
+        const int sm_count = cuda::current_device_sm_count();
+        const at::Tensor w = float_or_undefined(weight), b = float_or_undefined(bias);
+        at::Tensor out = at::empty_like(x, at::MemoryFormat::ChannelsLast);
+        const auto f32 = x.options().dtype(at::kFloat);
+        at::Tensor workspace = at::empty({cuda::group_norm_nhwc_workspace_floats(n, hw, c, sm_count)}, f32);
+        at::Tensor mean_rstd = at::empty({n, groups, 2}, f32);
+        cuda::GroupNormNhwcArgs a;
+        a.x = x.const_data_ptr();
+        a.out = out.mutable_data_ptr();
+        a.weight = float_ptr(w);
+        a.bias = float_ptr(b);
+        a.n = n, a.hw = hw, a.c = c, a.groups = groups;
+        a.eps = eps;
+        a.silu = silu;
+        a.dtype = kernel_dtype(x.scalar_type(), "group_norm_act");
+        a.workspace = workspace.mutable_data_ptr<float>();
+        a.sm_count = sm_count;
+        a.mean_rstd = mean_rstd.mutable_data_ptr<float>();
+        check_launch(cuda::group_norm_nhwc(a, current_stream_of(x)), "group_norm_act", "GroupNorm");
+        ctx->save_for_backward({x, weight, bias, mean_rstd});
+        ctx->saved_data["groups"] = groups;
+        ctx->saved_data["silu"] = silu;
+        return out;
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        const auto saved = ctx->get_saved_variables();
+        const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2], &mean_rstd = saved[3];
+        const c10::cuda::CUDAGuard guard(x.device());
+        const int64_t n = x.size(0), c = x.size(1), hw = x.size(2) * x.size(3);
+        const int sm_count = cuda::current_device_sm_count();
+        const at::Tensor dy = grads[0].to(x.scalar_type()).contiguous(at::MemoryFormat::ChannelsLast);
+        const at::Tensor w = float_or_undefined(weight), b = float_or_undefined(bias);
+        const bool need_w = ctx->needs_input_grad(1), need_b = ctx->needs_input_grad(2);
+        const auto f32 = x.options().dtype(at::kFloat);
+        at::Tensor dx = at::empty_like(x, at::MemoryFormat::ChannelsLast);
+        at::Tensor dw_nc = need_w ? at::empty({n, c}, f32) : at::Tensor();
+        at::Tensor db_nc = need_b ? at::empty({n, c}, f32) : at::Tensor();
+        at::Tensor workspace =
+            at::empty({cuda::group_norm_nhwc_backward_workspace_floats(n, hw, c, sm_count)}, f32);
+        cuda::GroupNormNhwcBackwardArgs a;
+        a.dy = dy.const_data_ptr();
+        a.x = x.const_data_ptr();
+        a.dx = dx.mutable_data_ptr();
+        a.mean_rstd = mean_rstd.const_data_ptr<float>();
+        a.weight = float_ptr(w);
+        a.bias = float_ptr(b);
+        a.dweight_nc = need_w ? dw_nc.mutable_data_ptr<float>() : nullptr;
+        a.dbias_nc = need_b ? db_nc.mutable_data_ptr<float>() : nullptr;
+        a.n = n, a.hw = hw, a.c = c, a.groups = ctx->saved_data["groups"].toInt();
+        a.silu = ctx->saved_data["silu"].toBool();
+        a.dtype = kernel_dtype(x.scalar_type(), "group_norm_act");
+        a.workspace = workspace.mutable_data_ptr<float>();
+        a.sm_count = sm_count;
+        check_launch(cuda::group_norm_nhwc_backward(a, current_stream_of(x)), "group_norm_act",
+                     "GroupNorm backward");
+        return {ctx->needs_input_grad(0) ? dx : at::Tensor(),
+                need_w ? dw_nc.sum(0).to(weight.scalar_type()) : at::Tensor(),
+                need_b ? db_nc.sum(0).to(bias.scalar_type()) : at::Tensor(),
+                at::Tensor(),
+                at::Tensor(),
+                at::Tensor()};
+    }
+};
 #endif
 
 }  // namespace
@@ -62,9 +143,29 @@ bool fused_inference_ready(const at::Tensor& x) {
 #endif
 }
 
+bool fused_group_norm_training_ready(const torch::nn::GroupNormImpl& norm, const at::Tensor& x) {
+#ifdef DTUNE_WITH_CUDA_KERNELS
+    const auto t = x.scalar_type();
+    return g_fused && fused_kernels_allowed() && x.is_cuda() && x.dim() == 4 && x.numel() > 0 &&
+           (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) &&
+           x.is_contiguous(at::MemoryFormat::ChannelsLast) &&
+           reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 == 0 && norm.weight.defined() &&
+           norm.bias.defined() &&
+           cuda::group_norm_nhwc_supported(x.size(1), norm.options.num_groups(),
+                                           kernel_dtype(t, "group_norm_act"));
+#else
+    (void)norm;
+    (void)x;
+    return false;
+#endif
+}
+
 at::Tensor group_norm_act(torch::nn::GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& in_bias,
                           bool silu) {
 #ifdef DTUNE_WITH_CUDA_KERNELS
+    if (!in_bias.defined() && !fused_inference_ready(x) && fused_group_norm_training_ready(norm, x))
+        return GroupNormActFunction::apply(x, norm.weight, norm.bias, norm.options.num_groups(),
+                                           norm.options.eps(), silu);
     const int64_t groups = norm.options.num_groups();
     if (fused_inference_ready(x) && x.numel() > 0 &&
         cuda::group_norm_nhwc_supported(x.size(1), groups, kernel_dtype(x.scalar_type(), "group_norm_act"))) {

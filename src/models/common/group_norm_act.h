@@ -5,7 +5,10 @@
 //   - the bias + residual add that ends a ResNet block, in one pass.
 // ATen's GroupNorm makes a channels-last input NCHW first and back, and the convolution bias is a
 // broadcast add of its own: in the SDXL VAE encoder those cost more GPU time than the
-// convolutions. Gradients are not supported: the fused path runs only with grad mode off.
+// convolutions.
+// With gradients (training a channels-last UNet), GroupNorm + SiLU is one autograd function on the
+// same kernels: the forward also keeps each group's mean and 1/std, and the backward recomputes the
+// normalised value from x, so SiLU's input is neither written nor saved (no input bias there).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -24,10 +27,17 @@ bool fused_inference_kernels_built();
 // is 16-byte aligned.
 bool fused_inference_ready(const at::Tensor& x);
 
+// True when the differentiable fused path may run: the kernels were built and are allowed, x is a
+// 4-D channels-last CUDA tensor (float32, bf16 or fp16) with 16-byte aligned data, `norm` is affine
+// and the kernels cover its channel count. Grad mode may be on or off.
+bool fused_group_norm_training_ready(const torch::nn::GroupNormImpl& norm, const at::Tensor& x);
+
 // y = act(GroupNorm(x + in_bias)) with `norm`'s groups, eps and affine weights; in_bias undefined,
 // [C] or [N, C] (any float dtype), act = SiLU when `silu`. Fused when fused_inference_ready(x) and
-// the shape is supported; otherwise the composite ops (x + in_bias in x's dtype, norm_forward,
-// at::silu), so any caller may use it.
+// the shape is supported; with gradients and no in_bias, fused when
+// fused_group_norm_training_ready (differentiable in x and the affine weights, computed in x's
+// dtype with float statistics as norm_forward does under autocast); otherwise the composite ops
+// (x + in_bias in x's dtype, norm_forward, at::silu), so any caller may use it.
 at::Tensor group_norm_act(torch::nn::GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& in_bias,
                           bool silu);
 

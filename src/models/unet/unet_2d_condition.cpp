@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "models/common/group_norm_act.h"
 #include "models/common/layers.h"
 #include "models/common/quantize.h"
 
@@ -232,7 +233,7 @@ at::Tensor UNet2DConditionModelImpl::forward(const at::Tensor& sample, const at:
     for (auto& block : down_blocks_) x = block->forward(x, emb, context, skips);
     x = mid_block_->forward(x, emb, context);
     for (auto& block : up_blocks_) x = block->forward(x, emb, context, skips);
-    return conv_out_->forward(at::silu(norm_forward(*conv_norm_out_, x)));
+    return conv_out_->forward(group_norm_act(*conv_norm_out_, x, {}, /*silu=*/true));
 }
 
 void UNet2DConditionModelImpl::set_gradient_checkpointing(bool enabled, int64_t interval) {
