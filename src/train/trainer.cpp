@@ -356,7 +356,14 @@ void Trainer::init_common() {
         log::info() << "moved the quantised " << family_->network_name() << " to " << device_.str()
                     << " (quantize_via cpu)";
     }
-    if (channels_last_requested(device_, config_.text("model_type") == "lora")) {
+    const bool adapters_only = config_.text("model_type") == "lora";
+    const bool channels_last = channels_last_requested(device_, adapters_only);
+    // Trained 4-D weights in NHWC order: the sharded and data-parallel paths flatten parameters and
+    // gradients as contiguous NCHW (ZeRO's sync, the gradient all-reduce), so one rank only.
+    DTUNE_CHECK_AS(UsageError, !channels_last || adapters_only || dp_->world_size() == 1,
+                   "DTUNE_CHANNELS_LAST=1 with a full fine-tune runs on one GPU only (", dp_->world_size(),
+                   " ranks here); unset it (NCHW is the default for full fine-tunes)");
+    if (channels_last) {
         if (model_->set_channels_last(true))
             log::info() << family_->network_name() << ": channels-last (NHWC) convolutions and GroupNorm "
                         << "(DTUNE_CHANNELS_LAST=0 keeps NCHW)";
