@@ -16,6 +16,7 @@
 #include "models/common/geglu.h"
 #include "models/common/group_norm_act.h"
 #include "models/common/hash_dropout.h"
+#include "models/common/layer_norm.h"
 #include "models/common/lora_dropout.h"
 #include "models/common/rope.h"
 #include "models/unet/unet_2d_condition.h"
@@ -284,6 +285,87 @@ TEST(ModelsGpu, FusedGroupNormTrainingMatchesFloat64Gradients) {
             }
         }
     }
+}
+
+// The fused LayerNorm and residual add + LayerNorm (layer_norm.h) against float64 autograd on the CPU,
+// from the same rounded inputs and output gradients: widths of 1 to 8 packs per lane (24, 320, 640,
+// 1280, 2048 channels in bf16), 1,001 rows (not a multiple of a block's 8 warps), the affine
+// gradients wanted or not; float32 past 1,024 channels is refused.
+TEST(ModelsGpu, FusedAddLayerNormMatchesFloat64Gradients) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    set_fused_layer_norm(true);  // off by default (slower than ATen's so far); the kernels are tested
+    ASSERT_TRUE(fused_inference_kernels_built())
+        << "built without the CUDA kernels (no nvcc at configure time)";
+    const at::Device cuda(at::kCUDA, 0);
+    torch::manual_seed(23);
+    for (int64_t c : {int64_t{24}, int64_t{320}, int64_t{640}, int64_t{1280}, int64_t{2048}}) {
+        const at::Tensor a64 = at::randn({7, 143, c}, at::kDouble) * 2 + 3,
+                         b64 = at::randn({7, 143, c}, at::kDouble);
+        const at::Tensor dy64 = at::randn({7, 143, c}, at::kDouble),
+                         dh64 = at::randn({7, 143, c}, at::kDouble);
+        const at::Tensor w64 = at::randn({c}, at::kDouble), bias64 = at::randn({c}, at::kDouble);
+        for (auto dtype : {at::kFloat, at::kBFloat16}) {
+            for (bool affine_grad : {false, true}) {
+                torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({c}).eps(1e-5));
+                {
+                    torch::NoGradGuard no_grad;
+                    norm->weight.copy_(w64);
+                    norm->bias.copy_(bias64);
+                }
+                norm->to(cuda);
+                norm->weight.requires_grad_(affine_grad);
+                norm->bias.requires_grad_(affine_grad);
+                const at::Tensor a = a64.to(cuda, dtype).requires_grad_(true);
+                const at::Tensor b = b64.to(cuda, dtype).requires_grad_(true);
+                if (dtype == at::kFloat && c > 1024) {
+                    EXPECT_FALSE(fused_layer_norm_ready(*norm, a)) << c;
+                    continue;
+                }
+                ASSERT_TRUE(fused_layer_norm_ready(*norm, a)) << c << " " << dtype;
+                const at::Tensor dy = dy64.to(cuda, dtype), dh = dh64.to(cuda, dtype);
+                const std::string what = str("c ", c, " ", dtype, " affine grad ", affine_grad);
+                auto rel = [](const at::Tensor& got, const at::Tensor& want) {
+                    return test::max_abs_diff(got.cpu().to(at::kDouble), want) /
+                           want.abs().max().item<double>();
+                };
+                const double tol = dtype == at::kFloat ? 1e-4 : 1.2e-2,
+                             sums = dtype == at::kFloat ? 1e-4 : 2e-3;
+
+                // Residual add + LayerNorm.
+                const auto [h, y] = add_layer_norm(*norm, a, b);
+                torch::autograd::backward({y, h}, {dy, dh});
+                const at::Tensor ar = a.detach().cpu().to(at::kDouble).requires_grad_(true);
+                const at::Tensor br = b.detach().cpu().to(at::kDouble).requires_grad_(true);
+                const at::Tensor wr = w64.clone().requires_grad_(true),
+                                 bbr = bias64.clone().requires_grad_(true);
+                const at::Tensor hr = ar + br;
+                // The norm reads h as stored (rounded to the dtype), as after an unfused add; the
+                // rounding is passed straight through in backward.
+                const at::Tensor stored = hr + (hr.detach().to(dtype).to(at::kDouble) - hr.detach());
+                const at::Tensor yr = at::layer_norm(stored, {c}, wr, bbr, 1e-5);
+                torch::autograd::backward({yr, hr}, {dy.cpu().to(at::kDouble), dh.cpu().to(at::kDouble)});
+                EXPECT_LE(rel(h.detach(), hr.detach()), tol) << what << " h";
+                EXPECT_LE(rel(y.detach(), yr.detach()), tol) << what << " y";
+                EXPECT_LE(rel(a.grad(), ar.grad()), tol) << what << " da";
+                EXPECT_TRUE(at::equal(a.grad(), b.grad())) << what << " db";
+                if (affine_grad) {
+                    EXPECT_LE(rel(norm->weight.grad(), wr.grad()), sums) << what << " dweight";
+                    EXPECT_LE(rel(norm->bias.grad(), bbr.grad()), sums) << what << " dbias";
+                }
+
+                // Plain LayerNorm.
+                const at::Tensor x = a.detach().clone().requires_grad_(true);
+                const at::Tensor y2 = layer_norm(*norm, x);
+                y2.backward(dy);
+                const at::Tensor xr = x.detach().cpu().to(at::kDouble).requires_grad_(true);
+                const at::Tensor y2r = at::layer_norm(xr, {c}, w64, bias64, 1e-5);
+                y2r.backward(dy.cpu().to(at::kDouble));
+                EXPECT_LE(rel(y2.detach(), y2r.detach()), tol) << what << " plain y";
+                EXPECT_LE(rel(x.grad(), xr.grad()), tol) << what << " plain dx";
+            }
+        }
+    }
+    set_fused_layer_norm(false);
 }
 
 TEST(ModelsGpu, FusedAddBiasResidualMatchesComposite) {

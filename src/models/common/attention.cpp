@@ -11,6 +11,7 @@
 #include "models/common/checkpoint.h"
 #include "models/common/geglu.h"
 #include "models/common/group_norm_act.h"
+#include "models/common/layer_norm.h"
 
 namespace dtune::models {
 
@@ -158,10 +159,13 @@ BasicTransformerBlockImpl::BasicTransformerBlockImpl(const TransformerBlockOptio
 }
 
 at::Tensor BasicTransformerBlockImpl::forward(const at::Tensor& x, const at::Tensor& context) {
-    at::Tensor h =
-        x + attn1_->forward(norm_forward(*norm1_, x), options_.only_cross_attention ? context : at::Tensor());
-    h = h + attn2_->forward(norm_forward(*norm2_, h), context);
-    return h + ff_->forward(norm_forward(*norm3_, h));
+    // Each residual add and the norm after it are one function (layer_norm.h: one pass forward, and
+    // in backward the residual's gradient joins the norm's input gradient in the same pass).
+    const at::Tensor a1 =
+        attn1_->forward(layer_norm(*norm1_, x), options_.only_cross_attention ? context : at::Tensor());
+    const auto [h1, n2] = add_layer_norm(*norm2_, a1, x);
+    const auto [h2, n3] = add_layer_norm(*norm3_, attn2_->forward(n2, context), h1);
+    return h2 + ff_->forward(n3);
 }
 
 void Transformer2DModelImpl::set_gradient_checkpointing(CheckpointSelector& selector) {
