@@ -4,7 +4,7 @@
 # effect is measured side by side. The old tree comes as a tarball of an earlier commit
 # (git archive <commit> -o .gpusrc/old.tar); it is built under /tmp/ab_old with the same preset.
 #   OUT=$OUT OLD_TAR=.gpusrc/old.tar tools/gpu/ab_step.sh
-# env: RUNS ("full lora": full = batch 1 adamw_bf16, lora = r16 batch 4, lora0 = the same with lora_dropout 0; "fullgc4" = batch 4 with
+# env: RUNS ("full lora": full = batch 1 adamw_bf16, lora = r16 batch 4, lora0 = the same with lora_dropout 0, lora1 = batch 1; "fullgc4" = batch 4 with
 #   gradient checkpointing), STEPS (40), ROUNDS (1: old,new pairs per run), PROFILE (A:B: a Kineto trace
 #   of steps A..B of each run, summarised by kernel family), GPU_TESTS (like zero_scale.sh:
 #   "dir/binary[:filter]" built from the new tree and run first), VARIANTS (space-separated; each a
@@ -51,6 +51,7 @@ one() {  # run name, build label, build dir[, environment VAR=value,...]
         full) mode=full ;;
         lora) mode=lora ;;
         lora0) mode=lora extra=(--lora_dropout 0) ;;
+        lora1) mode=lora extra=(--train_batch_size 1) ;;
         fullgc4) mode=full extra=(--train_batch_size 4 --gradient_checkpointing true) ;;
         *) echo "unknown run $name"; return ;;
     esac
