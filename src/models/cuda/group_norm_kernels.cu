@@ -26,6 +26,28 @@ constexpr int kThreads = 256;
 
 constexpr int kWideThreads = 512;
 
+// The end of a statistics kernel: the block's threads hold per-channel sums (s, q) over their pixel
+// rows; they are added up row by row (a fixed order) and written as the block's float2 partials of
+// its lane's V channels, out = partial + ((n * bpn + b) * c + lane * V).
+template <int V>
+__device__ __forceinline__ void write_block_partials(const float (&s)[V], const float (&q)[V], float2* sums,
+                                                     int lane, int lanes, int row, int rows, float2* out) {
+#pragma unroll
+    for (int k = 0; k < V; ++k) sums[threadIdx.x * V + k] = make_float2(s[k], q[k]);
+    __syncthreads();
+    if (row != 0) return;
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+        float2 t = make_float2(0.f, 0.f);
+        for (int i = 0; i < rows; ++i) {
+            const float2 u = sums[(i * lanes + lane) * V + k];
+            t.x += u.x;
+            t.y += u.y;
+        }
+        out[k] = t;
+    }
+}
+
 template <typename T, int V, int kBlock>
 __global__ void __launch_bounds__(kBlock)
     gn_stats_kernel(const T* __restrict__ x, const float* __restrict__ in_bias, bool per_sample, int64_t hw,
@@ -53,21 +75,8 @@ __global__ void __launch_bounds__(kBlock)
             }
         }
     }
-#pragma unroll
-    for (int k = 0; k < V; ++k) sums[threadIdx.x * V + k] = make_float2(s[k], q[k]);
-    __syncthreads();
-    if (row == 0) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            float2 t = make_float2(0.f, 0.f);
-            for (int r = 0; r < rows; ++r) {
-                const float2 u = sums[(r * lanes + lane) * V + k];
-                t.x += u.x;
-                t.y += u.y;
-            }
-            partial[(static_cast<int64_t>(n) * bpn + b) * c + lane * V + k] = t;
-        }
-    }
+    write_block_partials<V>(s, q, sums, lane, lanes, row, rows,
+                            partial + (static_cast<int64_t>(n) * bpn + b) * c + lane * V);
 }
 
 constexpr int kFinalizeThreads = 256;
@@ -215,21 +224,8 @@ __global__ void __launch_bounds__(kBlock)
             }
         }
     }
-#pragma unroll
-    for (int k = 0; k < V; ++k) sums[threadIdx.x * V + k] = make_float2(s1[k], s2[k]);
-    __syncthreads();
-    if (row == 0) {
-#pragma unroll
-        for (int k = 0; k < V; ++k) {
-            float2 t = make_float2(0.f, 0.f);
-            for (int q = 0; q < rows; ++q) {
-                const float2 u = sums[(q * lanes + lane) * V + k];
-                t.x += u.x;
-                t.y += u.y;
-            }
-            partial[(static_cast<int64_t>(n) * bpn + b) * c + lane * V + k] = t;
-        }
-    }
+    write_block_partials<V>(s1, s2, sums, lane, lanes, row, rows,
+                            partial + (static_cast<int64_t>(n) * bpn + b) * c + lane * V);
 }
 
 // One block per (group, sample): each group's mean of dx_hat = weight * dz (m1) and of
