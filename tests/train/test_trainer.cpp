@@ -406,11 +406,11 @@ TEST(TrainConfigKeys, ChannelsLastTrainsTheSameAdaptersAndRefusesABadSwitch) {
     // SGD: Adam's first steps turn float-rounding differences of near-zero gradients into whole
     // learning-rate steps, so its weights would not show whether the two layouts agree.
     const std::string lora =
-        R"({"model_type": "lora", "lora_rank": 4, "lora_dropout": 0.1, "optimizer": "torch-sgd"})";
-    auto run_with = [&](const char* value, const std::filesystem::path& dir) {
+        R"({"model_type": "lora", "lora_rank": 4, "lora_dropout": 0.1, "optimizer": "torch-sgd")";
+    auto run_with = [&](const char* value, const std::filesystem::path& dir, const std::string& keys) {
         setenv("DTUNE_CHANNELS_LAST", value, 1);
         try {
-            io::TensorList out = run_trainer(config_with(dir, 2, lora));
+            io::TensorList out = run_trainer(config_with(dir, 2, keys));
             unsetenv("DTUNE_CHANNELS_LAST");
             return out;
         } catch (...) {
@@ -418,26 +418,33 @@ TEST(TrainConfigKeys, ChannelsLastTrainsTheSameAdaptersAndRefusesABadSwitch) {
             throw;
         }
     };
-    test::TempDir nchw, nhwc, bad;
-    const io::TensorList a = run_with("0", nchw.path());
-    testing::internal::CaptureStderr();
-    const io::TensorList b = run_with("1", nhwc.path());
-    const std::string log = testing::internal::GetCapturedStderr();
-    ASSERT_EQ(a.size(), b.size());
-    int64_t adapters = 0;
-    for (size_t i = 0; i < a.size(); ++i) {
-        ASSERT_EQ(a[i].first, b[i].first);
-        EXPECT_TRUE(at::allclose(a[i].second, b[i].second, 1e-4, 1e-6))
-            << a[i].first << " max diff " << (a[i].second - b[i].second).abs().max().item<double>() << " of "
-            << a[i].second.abs().max().item<double>();
-        // lora_B starts at zero: nonzero means the run trained it
-        if (a[i].first.find(".lora_B") != std::string::npos && a[i].second.abs().max().item<double>() > 0)
-            ++adapters;
+    // A dense base, and an int8 base whose channels-last conv weights are dequantised as such.
+    for (const std::string extra :
+         {std::string(), std::string(R"(, "base_model_precision": "int8-quanto")")}) {
+        SCOPED_TRACE(extra);
+        const std::string keys = lora + extra + "}";
+        test::TempDir nchw, nhwc;
+        const io::TensorList a = run_with("0", nchw.path(), keys);
+        testing::internal::CaptureStderr();
+        const io::TensorList b = run_with("1", nhwc.path(), keys);
+        const std::string log = testing::internal::GetCapturedStderr();
+        ASSERT_EQ(a.size(), b.size());
+        int64_t trained = 0;
+        for (size_t i = 0; i < a.size(); ++i) {
+            ASSERT_EQ(a[i].first, b[i].first);
+            EXPECT_TRUE(at::allclose(a[i].second, b[i].second, 1e-4, 1e-6))
+                << a[i].first << " max diff " << (a[i].second - b[i].second).abs().max().item<double>()
+                << " of " << a[i].second.abs().max().item<double>();
+            // lora_B starts at zero: nonzero means the run trained it
+            if (a[i].first.find(".lora_B") != std::string::npos && a[i].second.abs().max().item<double>() > 0)
+                ++trained;
+        }
+        EXPECT_GT(trained, 0);
+        EXPECT_NE(log.find("channels-last (NHWC)"), std::string::npos) << log;
     }
-    EXPECT_GT(adapters, 0);
-    EXPECT_NE(log.find("channels-last (NHWC)"), std::string::npos) << log;
+    test::TempDir bad;
     try {
-        run_with("sideways", bad.path());
+        run_with("sideways", bad.path(), lora + "}");
         ADD_FAILURE() << "DTUNE_CHANNELS_LAST=sideways accepted";
     } catch (const UsageError& e) {
         EXPECT_NE(std::string(e.what()).find("DTUNE_CHANNELS_LAST"), std::string::npos) << e.what();
