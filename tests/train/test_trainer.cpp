@@ -419,7 +419,7 @@ TEST(TrainConfigKeys, ChannelsLastTrainsTheSameAdaptersAndRefusesABadSwitch) {
         }
     };
     // A dense base, and an int8 base whose channels-last conv weights are dequantised as such.
-    for (const std::string extra :
+    for (const std::string& extra :
          {std::string(), std::string(R"(, "base_model_precision": "int8-quanto")")}) {
         SCOPED_TRACE(extra);
         const std::string keys = lora + extra + "}";
