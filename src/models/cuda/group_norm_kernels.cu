@@ -14,6 +14,7 @@
 // x and one write of dx, where ATen's GroupNorm and SiLU backward read and write 8 tensors' worth.
 // A block covers a pixel row of up to 256 channel packs (512 with the wider block: SDXL's 2560-channel
 // up-block inputs).
+#include <atomic>
 #include <cstdint>
 
 #include "models/cuda/group_norm_kernels.h"
@@ -421,10 +422,15 @@ bool group_norm_nhwc_supported(int64_t c, int64_t groups, KernelDtype dtype) {
 }
 
 int current_device_sm_count() {
+    // Every GroupNorm and LayerNorm call asks: the attribute is read once per device.
+    constexpr int kDevices = 64;
+    static std::atomic<int> cached[kDevices] = {};
     int device = 0, count = 1;
-    if (cudaGetDevice(&device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-        return 1;
+    if (cudaGetDevice(&device) != cudaSuccess) return 1;
+    if (device >= 0 && device < kDevices && cached[device].load(std::memory_order_relaxed) > 0)
+        return cached[device].load(std::memory_order_relaxed);
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
+    if (device >= 0 && device < kDevices) cached[device].store(count, std::memory_order_relaxed);
     return count;
 }
 
