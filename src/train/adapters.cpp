@@ -86,6 +86,7 @@ LoRATraining::LoRATraining(torch::nn::Module& model, const TrainConfig& config,
 }
 
 void LoRATraining::begin_forward(at::Generator& generator, bool on_device, int rank, int world_size) {
+    if (cast_dtype_) adapters_.refresh_cast_factors(*cast_dtype_);
     if (!dropout_) return;
     if (on_device) {
         adapters_.draw_dropout_seed(rank, world_size);

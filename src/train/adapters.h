@@ -17,6 +17,7 @@
 #include <ATen/core/Generator.h>
 
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -61,7 +62,15 @@ class LoRATraining {
     // drawn from `generator` (the trainer's CPU generator, the same state on every rank), or with
     // `on_device` from the adapters' device's default generator with no host work (the CUDA-graph
     // step: StepOptions::device_rng), so a captured step draws a new seed on every replay.
+    // With cast_factors_to(dtype) set, it also refreshes the factors' copies in that dtype
+    // (LoRAAdapters::refresh_cast_factors).
     void begin_forward(at::Generator& generator, bool on_device, int rank = 0, int world_size = 1);
+    // The compute dtype whose copies of the factors each training forward refreshes and reads
+    // (nullopt: none; each layer casts). The trainer sets it where the factors are whole and current
+    // at the start of every forward (not under ZeRO-3, nor ZeRO-1/2's sync deferred into the forward).
+    void cast_factors_to(std::optional<at::ScalarType> dtype) { cast_dtype_ = dtype; }
+    // After the step's backward: no later forward (validation, eval loss) reads the copies.
+    void end_step() { adapters_.clear_cast_factors(); }
 
     // Writes the adapters in the configured lora_format, in their own dtype (lossless).
     void save(const std::filesystem::path& file) const;
@@ -76,6 +85,7 @@ class LoRATraining {
     models::LoRAAdapters adapters_;
     models::LoRAFormat format_;
     bool dropout_ = false;
+    std::optional<at::ScalarType> cast_dtype_;
     std::string prefix_;  // the diffusers component the file's keys name ("unet", "transformer")
 };
 

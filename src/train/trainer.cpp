@@ -112,6 +112,18 @@ bool channels_last_requested(const c10::Device& device, bool adapters_only) {
     return *on;
 }
 
+// DTUNE_LORA_CAST_FACTORS: LoRA factors cast to the compute dtype once per forward in one
+// multi-tensor pass (LoRAAdapters::refresh_cast_factors), not per layer. Unset or 1: on; 0: off.
+bool lora_cast_factors_requested() {
+    const char* v = std::getenv("DTUNE_LORA_CAST_FACTORS");
+    if (v == nullptr || *v == '\0') return true;
+    const auto on = parse_fused_kernels_value(v);
+    DTUNE_CHECK_AS(UsageError, on.has_value(), "DTUNE_LORA_CAST_FACTORS='", v,
+                   "' is not understood; use 1 (on/true, the default) or 0 (off/false: each layer casts "
+                   "its factors)");
+    return *on;
+}
+
 // SimpleTuner's modelspec.architecture value for checkpoints.
 const char* modelspec_architecture(const family::ModelFamily& family) {
     return std::string(family.name()) == "flux" ? "flux-1-dev" : "stable-diffusion-xl-v1-base";
@@ -358,6 +370,7 @@ void Trainer::init_common() {
     }
     const bool adapters_only = config_.text("model_type") == "lora";
     const bool channels_last = channels_last_requested(device_, adapters_only);
+    lora_cast_factors_ = lora_cast_factors_requested();
     // Trained 4-D weights in NHWC order: the sharded and data-parallel paths flatten parameters and
     // gradients as contiguous NCHW (ZeRO's sync, the gradient all-reduce), so one rank only.
     DTUNE_CHECK_AS(UsageError, !channels_last || adapters_only || dp_->world_size() == 1,
@@ -992,7 +1005,17 @@ TrainResult Trainer::run_loop() {
         }
         const auto t0 = std::chrono::steady_clock::now();
         const double lr = schedule.lr(global_step_);
-        StepScalars scalars = graph_ ? train_graphed_step(lr) : train_one_step();
+        StepScalars scalars;
+        {
+            // The factors' compute-dtype copies serve this step's forwards only (LoRATraining).
+            struct EndStep {
+                LoRATraining* lora;
+                ~EndStep() {
+                    if (lora) lora->end_step();
+                }
+            } end_step{lora_.get()};
+            scalars = graph_ ? train_graphed_step(lr) : train_one_step();
+        }
         if (!graph_) {
             optimizer_->set_lr(lr);
             // fp16 overflow: fused AdamW skips on the device; other optimizers are not called.

@@ -255,6 +255,7 @@ class Trainer {
     int rank_ = 0;
     std::unique_ptr<DataParallel> dp_;  // data parallelism (a no-op for one process)
     std::unique_ptr<LoRATraining> lora_;
+    bool lora_cast_factors_ = true;  // DTUNE_LORA_CAST_FACTORS (step_hooks)
     std::unique_ptr<EMAModel> ema_;
     std::unique_ptr<LossScaler> scaler_;  // mixed_precision fp16
     // fp16 with an optimizer that cannot skip on the device (Optimizer::skip_step_on_overflow false):

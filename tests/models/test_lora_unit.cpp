@@ -166,6 +166,72 @@ TEST(LoRAUnit, FusedTrainingLinearUnderAutocastKeepsTheDtypes) {
                   2e-2 * p.abs().max().item<double>());
 }
 
+// LoRAAdapters::refresh_cast_factors: one multi-tensor copy of the factors in the compute dtype that
+// the fused function reads instead of casting A and B per layer. Same bits as the casts (bf16
+// autocast on the CPU, float32 factors), the copies really are what the forward reads (a factor
+// changed after the refresh is not seen until the next one), clear_cast_factors() returns the layers
+// to casting, and the conv and DoRA layers, which the fused function does not take, are skipped.
+TEST(LoRAUnit, CastFactorCopiesGiveTheSameBitsAsPerLayerCasts) {
+    torch::manual_seed(5);
+    Tiny tiny;
+    LoRAConfig c = config({"to_q", "xto_q", "conv1"}, 2, 4);
+    LoRAAdapters a = inject_lora(*tiny, c);
+    {
+        torch::NoGradGuard no_grad;
+        for (auto& e : a.entries()) {
+            e.layer->down().normal_();
+            e.layer->up().normal_();
+        }
+        tiny->to_q->weight.set_data(tiny->to_q->weight.to(at::kBFloat16));
+    }
+    LoRALayer& q = *a.find("attn.to_q");
+    const at::Tensor x = at::randn({4, 3});
+    const at::Tensor g = at::randn({4, 2});
+    struct Grads {
+        at::Tensor y, dx, da, db;
+    };
+    auto run = [&]() {
+        const at::Tensor xi = x.clone().requires_grad_(true);
+        for (auto& e : a.entries()) {
+            e.layer->down().mutable_grad() = at::Tensor();
+            e.layer->up().mutable_grad() = at::Tensor();
+        }
+        at::autocast::set_autocast_enabled(at::kCPU, true);
+        at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+        EXPECT_TRUE(q.takes_whole_forward(xi));
+        const at::Tensor y = tiny->to_q->forward(xi);
+        at::autocast::set_autocast_enabled(at::kCPU, false);
+        at::autocast::clear_cache();
+        y.backward(g.to(y.scalar_type()));
+        return Grads{y.detach(), xi.grad(), q.down().grad(), q.up().grad()};
+    };
+    const Grads cast = run();
+    a.refresh_cast_factors(at::kBFloat16);
+    EXPECT_TRUE(a.cast_factors_live());
+    const Grads copied = run();
+    for (auto [got, want] : {std::pair{copied.y, cast.y}, {copied.dx, cast.dx}, {copied.da, cast.da},
+                             {copied.db, cast.db}})
+        EXPECT_TRUE(at::equal(got, want));
+    EXPECT_EQ(copied.da.scalar_type(), at::kFloat);  // the factors' own dtype
+    // A factor changed after the refresh: the forward still reads the copy, until the next refresh.
+    {
+        torch::NoGradGuard no_grad;
+        q.up().mul_(3.0);
+    }
+    EXPECT_TRUE(at::equal(run().y, cast.y));
+    a.refresh_cast_factors(at::kBFloat16);
+    const at::Tensor refreshed = run().y;
+    EXPECT_FALSE(at::equal(refreshed, cast.y));
+    a.clear_cast_factors();
+    EXPECT_FALSE(a.cast_factors_live());
+    EXPECT_TRUE(at::equal(run().y, refreshed));  // cast per layer again, from the current factors
+    // The conv layer (not the fused function's) has no copy; its forward is untouched.
+    a.refresh_cast_factors(at::kBFloat16);
+    const at::Tensor img = at::randn({1, 2, 5, 5});
+    EXPECT_EQ(tiny->conv1->forward(img).sizes(), (at::IntArrayRef{1, 4, 3, 3}));
+    a.clear_cast_factors();
+}
+
 TEST(LoRAUnit, FusedPathOnlyWhereItApplies) {
     auto layer = AdaptableLinear(6, 5);
     torch::nn::Module root;

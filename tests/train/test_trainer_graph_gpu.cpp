@@ -141,6 +141,32 @@ TEST_P(CudaGraphTrainerGpu, ReplaysAndMatchesTheEagerRun) {
     EXPECT_EQ(graph.micro_replays, accum > 1 ? (accum - 1) * kSteps - 2 : 0);
 }
 
+// bf16 autocast with float32 factors: the factors' bf16 copies, refreshed once per forward
+// (DTUNE_LORA_CAST_FACTORS, on by default), train as the per-layer casts do: the same losses and
+// weights eagerly (deterministic, so to float rounding), and a graphed run with the copies matches
+// an eager run without them.
+TEST(CastFactorCopiesGpu, Bf16RunsTrainAsThePerLayerCasts) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const nlohmann::json bf16{{"mixed_precision", "bf16"}, {"deterministic", true}};
+    auto run = [&](const char* copies, const char* warmup) {
+        setenv("DTUNE_LORA_CAST_FACTORS", copies, 1);
+        GraphRun r = train_cuda(warmup, 1, bf16);
+        unsetenv("DTUNE_LORA_CAST_FACTORS");
+        return r;
+    };
+    const GraphRun cast = run("0", "1000");
+    const GraphRun copies = run("1", "1000");
+    ASSERT_EQ(cast.losses.size(), copies.losses.size());
+    for (size_t i = 0; i < cast.losses.size(); ++i)
+        EXPECT_NEAR(copies.losses[i], cast.losses[i], 1e-6 * std::abs(cast.losses[i])) << "step " << i + 1;
+    ASSERT_EQ(cast.weights.size(), copies.weights.size());
+    for (size_t i = 0; i < cast.weights.size(); ++i)
+        EXPECT_LE((copies.weights[i] - cast.weights[i]).norm().item<double>(),
+                  1e-6 * cast.weights[i].norm().item<double>() + 1e-9)
+            << "tensor " << i;
+    expect_graph_matches_eager(cast, run("1", "2"));
+}
+
 // cuda_graph left at auto with SimpleTuner's step defaults; explicit norm clipping without dropout;
 // DoRA with dropout and value clipping; gradient checkpointing with dropout (the recompute must
 // find the same masks inside the graph); gradient accumulation over 2 micro-batches with the

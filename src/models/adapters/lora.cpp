@@ -64,7 +64,14 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
         at::Tensor weight, bias;
         Dropout dropout;
         at::Tensor weight_scale;  // defined: `weight` is quantised (common/quantize.h)
+        at::Tensor a_cast, b_cast;  // A and B already in the compute dtype (LoRALayer::set_cast_factors)
     };
+    // t in dtype `ct`: the ready copy where it is one, else a cast.
+    static at::Tensor in_dtype(const at::Tensor& t, const at::Tensor& ready, at::ScalarType ct) {
+        const bool usable = ready.defined() && ready.scalar_type() == ct && ready.sizes() == t.sizes() &&
+                            ready.device() == t.device();
+        return usable ? ready : t.to(ct);
+    }
     static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const Frozen& base,
                               const at::Tensor& a, const at::Tensor& b, double scale) {
         const at::Tensor &w = base.weight, &bias = base.bias;
@@ -72,7 +79,8 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
         const auto ct = at::autocast::is_autocast_enabled(device) ? at::autocast::get_autocast_dtype(device)
                                                                   : x.scalar_type();
         const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-        const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(ct), ac = a.to(ct), bc = b.to(ct);
+        const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(ct);
+        const at::Tensor ac = in_dtype(a, base.a_cast, ct), bc = in_dtype(b, base.b_cast, ct);
         // A quantised base is dequantised again in backward rather than saved dense.
         const bool quantized = base.weight_scale.defined();
         const at::Tensor wc = quantized ? at::Tensor() : w.to(ct);
@@ -279,7 +287,8 @@ LoRALayer::InputDropout LoRALayer::input_dropout(const at::Tensor& x) const {
 }
 
 at::Tensor LoRALayer::forward_whole(const at::Tensor& x) {
-    const LoRALinearFunction::Frozen frozen{*base_weight_, *base_bias_, input_dropout(x), *base_scale_};
+    const LoRALinearFunction::Frozen frozen{*base_weight_, *base_bias_, input_dropout(x), *base_scale_,
+                                            cast_down_, cast_up_};
     return LoRALinearFunction::apply(x, frozen, down_, up_, scale());
 }
 
@@ -446,6 +455,46 @@ void LoRAAdapters::set_dropout_seed(uint64_t seed, int rank, int world_size) {
 
 void LoRAAdapters::draw_dropout_seed(int rank, int world_size) {
     dropout_seed_tensor(rank, world_size).random_();  // the device's default generator
+}
+
+void LoRAAdapters::refresh_cast_factors(at::ScalarType dtype) {
+    auto stale = [&](const CastFactors& c) {  // a new dtype, or the factors moved
+        LoRALayer& l = *entries_[c.entry].layer;
+        return c.down.scalar_type() != dtype || c.down.device() != l.down().device() ||
+               c.up.device() != l.up().device();
+    };
+    if (cast_.empty() || stale(cast_.front())) {
+        cast_.clear();
+        for (std::size_t i = 0; i < entries_.size(); ++i) {
+            LoRALayer& l = *entries_[i].layer;
+            if (l.kind() != LoRALayer::Kind::kLinear || l.use_dora()) continue;
+            if (l.down().scalar_type() == dtype && l.up().scalar_type() == dtype) continue;  // nothing to cast
+            cast_.push_back({i, at::empty_like(l.down(), l.down().options().dtype(dtype)),
+                             at::empty_like(l.up(), l.up().options().dtype(dtype))});
+        }
+    }
+    if (cast_.empty()) return;
+    std::vector<at::Tensor> to, from;
+    to.reserve(2 * cast_.size());
+    from.reserve(2 * cast_.size());
+    for (const CastFactors& c : cast_) {
+        LoRALayer& l = *entries_[c.entry].layer;
+        to.push_back(c.down);
+        from.push_back(l.down());
+        to.push_back(c.up);
+        from.push_back(l.up());
+        l.set_cast_factors(c.down, c.up);
+    }
+    {
+        const at::NoGradGuard no_grad;
+        at::_foreach_copy_(to, from);
+    }
+    cast_live_ = true;
+}
+
+void LoRAAdapters::clear_cast_factors() {
+    for (const CastFactors& c : cast_) entries_[c.entry].layer->set_cast_factors({}, {});
+    cast_live_ = false;
 }
 
 void LoRAAdapters::merge() {
