@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 
 #include "core/error.h"
 #include "core/fused_env.h"
@@ -24,40 +25,60 @@
 namespace dtune::models {
 namespace {
 
-std::atomic<int> g_switch{-1};  // set_fused_layer_norm: 0 off, 1 on; -1: DTUNE_FUSED_LAYER_NORM decides
+// set_fused_layer_norm: 0 off, 1 on, -1 (reset_fused_layer_norm): DTUNE_FUSED_LAYER_NORM decides.
+std::atomic<int> g_switch{-1};
 
-// DTUNE_FUSED_LAYER_NORM=1 turns the kernels on (off by default: measured slower than ATen's
-// layer_norm and add, docs/BENCHMARKS.md); read once, on first use.
-bool env_allows() {
-    static const bool allowed = [] {
+// DTUNE_FUSED_LAYER_NORM, read once, on first use: unset or "auto" -1 (the kernels where the norm's
+// weight and bias take no gradient), 1 on, 0 off.
+int env_choice() {
+    static const int choice = [] {
         const char* v = std::getenv("DTUNE_FUSED_LAYER_NORM");
-        if (!v) return false;
+        if (!v || *v == '\0' || std::string(v) == "auto") return -1;
         const auto on = parse_fused_kernels_value(v);
         DTUNE_CHECK_AS(UsageError, on.has_value(), "DTUNE_FUSED_LAYER_NORM='", v,
-                       "' is not understood; use 1 (on/true) or 0 (off/false, the default)");
-        return *on;
+                       "' is not understood; use auto (or unset: where the norm's weights are frozen), "
+                       "1 (on/true: everywhere) or 0 (off/false)");
+        return *on ? 1 : 0;
     }();
-    return allowed;
+    return choice;
+}
+
+// 1 on, 0 off, -1 auto.
+int fused_choice() {
+    const int chosen = g_switch;
+    return chosen < 0 ? env_choice() : chosen;
 }
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// A weight or bias as the kernels read it: float32, or the data's dtype, contiguous and 16-byte
+// aligned; other dtypes (and odd layouts) as a float32 copy.
+at::Tensor kernel_param(const at::Tensor& p, at::ScalarType data) {
+    const bool direct = (p.scalar_type() == at::kFloat || p.scalar_type() == data) && p.is_contiguous() &&
+                        reinterpret_cast<uintptr_t>(p.const_data_ptr()) % 16 == 0;
+    return direct ? p : p.to(at::kFloat).contiguous();
+}
+
 // Runs the forward kernel: h (when b is defined) and y written, (mean, rstd) per row returned.
 at::Tensor run_forward(const at::Tensor& a, const at::Tensor& b, at::Tensor& h, at::Tensor& y,
                        const at::Tensor& weight, const at::Tensor& bias, double eps) {
     const c10::cuda::CUDAGuard guard(a.device());
     const int64_t c = a.size(-1), rows = a.numel() / c;
-    const at::Tensor w = weight.to(at::kFloat).contiguous(), bb = bias.to(at::kFloat).contiguous();
+    // The bias in the weight's dtype, so that one flag says how to read both.
+    const at::Tensor w = kernel_param(weight, a.scalar_type());
+    const at::Tensor bb = bias.scalar_type() == w.scalar_type() ? kernel_param(bias, a.scalar_type())
+                                                                : bias.to(w.scalar_type()).contiguous();
     at::Tensor mean_rstd = at::empty({rows, 2}, a.options().dtype(at::kFloat));
     cuda::AddLayerNormArgs args;
     args.a = a.const_data_ptr();
     args.b = b.defined() ? b.const_data_ptr() : nullptr;
     args.h = b.defined() ? h.mutable_data_ptr() : nullptr;
     args.y = y.mutable_data_ptr();
-    args.weight = w.const_data_ptr<float>();
-    args.bias = bb.const_data_ptr<float>();
+    args.weight = w.const_data_ptr();
+    args.bias = bb.const_data_ptr();
+    args.params_float = w.scalar_type() == at::kFloat;
     args.mean_rstd = mean_rstd.mutable_data_ptr<float>();
     args.rows = rows, args.c = c, args.eps = eps;
     args.dtype = kernel_dtype(a.scalar_type(), "layer_norm");
@@ -75,7 +96,7 @@ variable_list run_backward(const at::Tensor& dy_in, const at::Tensor& dh_in_raw,
     const int sm_count = cuda::current_device_sm_count();
     const at::Tensor dy = dy_in.defined() ? dy_in.to(h.scalar_type()).contiguous() : at::zeros_like(h);
     const at::Tensor dh_in = dh_in_raw.defined() ? dh_in_raw.to(h.scalar_type()).contiguous() : at::Tensor();
-    const at::Tensor w = weight.to(at::kFloat).contiguous();
+    const at::Tensor w = kernel_param(weight, h.scalar_type());
     at::Tensor dh = at::empty_like(h);
     const bool affine = need_w || need_b;
     const int64_t parts = cuda::add_layer_norm_parts(rows, sm_count);
@@ -86,7 +107,8 @@ variable_list run_backward(const at::Tensor& dy_in, const at::Tensor& dh_in_raw,
     args.dh_in = dh_in.defined() ? dh_in.const_data_ptr() : nullptr;
     args.h = h.const_data_ptr();
     args.mean_rstd = mean_rstd.const_data_ptr<float>();
-    args.weight = w.const_data_ptr<float>();
+    args.weight = w.const_data_ptr();
+    args.params_float = w.scalar_type() == at::kFloat;
     args.dh = dh.mutable_data_ptr();
     args.dweight_part = affine ? dw_part.mutable_data_ptr<float>() : nullptr;
     args.dbias_part = affine ? db_part.mutable_data_ptr<float>() : nullptr;
@@ -141,15 +163,23 @@ struct AddLayerNormFunction : public torch::autograd::Function<AddLayerNormFunct
 void set_fused_layer_norm(bool enabled) {
     g_switch = enabled ? 1 : 0;
 }
+
+void reset_fused_layer_norm() {
+    g_switch = -1;
+}
 bool fused_layer_norm_enabled() {
-    const int chosen = g_switch;
-    return fused_kernels_allowed() && (chosen < 0 ? env_allows() : chosen == 1);
+    return fused_kernels_allowed() && fused_choice() != 0;
 }
 
 bool fused_layer_norm_ready(const torch::nn::LayerNormImpl& norm, const at::Tensor& x) {
 #ifdef DTUNE_WITH_CUDA_KERNELS
     const auto t = x.scalar_type();
-    if (!(fused_layer_norm_enabled() && x.is_cuda() && x.dim() >= 1 && x.numel() > 0 &&
+    // Auto: where the affine weights take no gradient (frozen, or no gradient recorded); their
+    // gradients' per-block sums made a full fine-tune slower than ATen's (docs/BENCHMARKS.md).
+    const bool frozen = !at::GradMode::is_enabled() ||
+                        !((norm.weight.defined() && norm.weight.requires_grad()) ||
+                          (norm.bias.defined() && norm.bias.requires_grad()));
+    if (!(fused_layer_norm_enabled() && (fused_choice() == 1 || frozen) && x.is_cuda() && x.dim() >= 1 && x.numel() > 0 &&
           (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && x.is_contiguous() &&
           reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 == 0 && norm.weight.defined() &&
           norm.bias.defined() && norm.options.normalized_shape().size() == 1 &&

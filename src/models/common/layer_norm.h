@@ -13,16 +13,21 @@
 
 namespace dtune::models {
 
-// Off by default: on an H200 the kernels made the SDXL LoRA step 1.4 ms slower and a full
-// fine-tune's 7.7 ms slower than ATen's layer_norm and add (docs/BENCHMARKS.md); kept, tested, for
-// tuning. DTUNE_FUSED_LAYER_NORM=1 (read once) or set_fused_layer_norm(true) turns them on;
-// set_fused_layer_norm(false) or DTUNE_FUSED_KERNELS=0 off.
+// By default ("auto") the kernels run where the norm's weight and bias take no gradient: a LoRA
+// run's frozen norms and inference. There, on an H200, they made the SDXL LoRA step 1.6 ms faster
+// than ATen's add and layer_norm; where the affine weights train (a full fine-tune) their per-block
+// gradient sums made the step 6 ms slower, so those norms stay ATen's (docs/BENCHMARKS.md).
+// DTUNE_FUSED_LAYER_NORM (read once): unset or auto, 1 (everywhere), 0 (never);
+// set_fused_layer_norm(true/false) overrides it (tests, benchmarks), reset_fused_layer_norm() hands
+// the choice back; DTUNE_FUSED_KERNELS=0 turns them off too.
 void set_fused_layer_norm(bool enabled);
-bool fused_layer_norm_enabled();
+void reset_fused_layer_norm();
+bool fused_layer_norm_enabled();  // not switched off (the auto rule still applies per norm)
 
-// True when the kernels take x: built and allowed, x a contiguous CUDA tensor (float32, bf16 or
-// fp16, 16-byte aligned) whose last dimension is `norm`'s only normalised dimension, `norm` affine,
-// and the kernels cover that width (add_layer_norm_supported).
+// True when the kernels take x: built and allowed (on, or auto with `norm`'s weight and bias taking
+// no gradient), x a contiguous CUDA tensor (float32, bf16 or fp16, 16-byte aligned) whose last
+// dimension is `norm`'s only normalised dimension, `norm` affine, and the kernels cover that width
+// (add_layer_norm_supported).
 bool fused_layer_norm_ready(const torch::nn::LayerNormImpl& norm, const at::Tensor& x);
 
 // LayerNorm(x), computed in x's dtype with float statistics (as norm_forward under autocast).

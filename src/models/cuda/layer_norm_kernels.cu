@@ -1,5 +1,6 @@
 // Fused residual add + LayerNorm over contiguous rows (transformer blocks: h = attention(...) + x,
-// then the next norm). One warp per row, the row held in registers (P packs of 16 bytes per lane):
+// then the next norm). One warp per row, the row held in registers in its storage type (P packs of
+// 16 bytes per lane), the weight and bias read as 16-byte loads in their own dtype:
 //   forward:  h = a + b rounded to the storage type (the value the unfused add would store), mean
 //             and variance of h in float by two passes over the registers, y = (h - mean) * rstd
 //             * weight + bias rounded once; writes h, y and (mean, rstd);
@@ -17,6 +18,9 @@ namespace dtune::models::cuda {
 namespace {
 
 constexpr int kThreads = 256, kWarps = kThreads / 32, kMaxPacksPerLane = 8;
+// Blocks per SM the register budget must allow (128 registers a thread at 2): a row's loads are
+// one round trip, so it is the warps in flight that hide memory latency.
+constexpr int kMinBlocks = 2;
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -24,39 +28,62 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Elements [ch, ch + V) of a weight or bias: float32, or T (the data's dtype), as 16-byte loads;
+// p null: `none`.
+template <typename T, int V>
+__device__ __forceinline__ void load_param(const void* p, bool is_float, int64_t ch, float none, float (&out)[V]) {
+    if (p == nullptr) {
+#pragma unroll
+        for (int k = 0; k < V; ++k) out[k] = none;
+    } else if (is_float) {
+        const float* f = static_cast<const float*>(p) + ch;
+#pragma unroll
+        for (int k = 0; k < V; k += 4) {
+            const float4 q = *reinterpret_cast<const float4*>(f + k);
+            out[k] = q.x;
+            out[k + 1] = q.y;
+            out[k + 2] = q.z;
+            out[k + 3] = q.w;
+        }
+    } else {
+        const Pack<T, V> q = *reinterpret_cast<const Pack<T, V>*>(static_cast<const T*>(p) + ch);
+#pragma unroll
+        for (int k = 0; k < V; ++k) out[k] = to_float(q.v[k]);
+    }
+}
+
+// One warp per row: the row's packs (h = a + b rounded, or a) stay in registers in the storage
+// type; mean, then the variance about it, from them; then y. All of a row's loads are issued
+// before any arithmetic.
 template <typename T, int V, int P>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     add_ln_forward_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ h,
-                          T* __restrict__ y, const float* __restrict__ weight, const float* __restrict__ bias,
-                          float2* __restrict__ mean_rstd, int64_t rows, int c, float eps) {
+                          T* __restrict__ y, const void* __restrict__ weight, const void* __restrict__ bias,
+                          bool params_float, float2* __restrict__ mean_rstd, int64_t rows, int c, float eps) {
     const int lane = threadIdx.x & 31, packs = c / V;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
     for (int64_t r = blockIdx.x * static_cast<int64_t>(kWarps) + threadIdx.x / 32; r < rows; r += warps) {
         const int64_t base = r * c;
-        float v[P][V];
+        Pack<T, V> v[P], w[P];
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+            const int p = lane + 32 * j;
+            if (p >= packs) continue;
+            v[j] = *reinterpret_cast<const Pack<T, V>*>(a + base + p * V);
+            if (b) w[j] = *reinterpret_cast<const Pack<T, V>*>(b + base + p * V);
+        }
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < P; ++j) {
             const int p = lane + 32 * j;
             if (p >= packs) continue;
-            const Pack<T, V> pa = *reinterpret_cast<const Pack<T, V>*>(a + base + p * V);
             if (b) {
-                const Pack<T, V> pb = *reinterpret_cast<const Pack<T, V>*>(b + base + p * V);
-                Pack<T, V> ph;
 #pragma unroll
-                for (int k = 0; k < V; ++k) {
-                    ph.v[k] = from_float<T>(to_float(pa.v[k]) + to_float(pb.v[k]));
-                    v[j][k] = to_float(ph.v[k]);
-                    sum += v[j][k];
-                }
-                *reinterpret_cast<Pack<T, V>*>(h + base + p * V) = ph;
-            } else {
-#pragma unroll
-                for (int k = 0; k < V; ++k) {
-                    v[j][k] = to_float(pa.v[k]);
-                    sum += v[j][k];
-                }
+                for (int k = 0; k < V; ++k) v[j].v[k] = from_float<T>(to_float(v[j].v[k]) + to_float(w[j].v[k]));
+                *reinterpret_cast<Pack<T, V>*>(h + base + p * V) = v[j];
             }
+#pragma unroll
+            for (int k = 0; k < V; ++k) sum += to_float(v[j].v[k]);
         }
         const float mean = warp_sum(sum) / static_cast<float>(c);
         float sq = 0.f;
@@ -65,7 +92,7 @@ __global__ void __launch_bounds__(kThreads)
             if (lane + 32 * j >= packs) continue;
 #pragma unroll
             for (int k = 0; k < V; ++k) {
-                const float d = v[j][k] - mean;
+                const float d = to_float(v[j].v[k]) - mean;
                 sq += d * d;
             }
         }
@@ -75,24 +102,26 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < P; ++j) {
             const int p = lane + 32 * j;
             if (p >= packs) continue;
+            float wt[V], bs[V];
+            load_param<T, V>(weight, params_float, static_cast<int64_t>(p) * V, 1.f, wt);
+            load_param<T, V>(bias, params_float, static_cast<int64_t>(p) * V, 0.f, bs);
             Pack<T, V> o;
 #pragma unroll
-            for (int k = 0; k < V; ++k) {
-                const int ch = p * V + k;
-                o.v[k] = from_float<T>((v[j][k] - mean) * rstd * (weight ? weight[ch] : 1.f) +
-                                       (bias ? bias[ch] : 0.f));
-            }
+            for (int k = 0; k < V; ++k) o.v[k] = from_float<T>((to_float(v[j].v[k]) - mean) * rstd * wt[k] + bs[k]);
             *reinterpret_cast<Pack<T, V>*>(y + base + p * V) = o;
         }
     }
 }
 
+// One warp per row (a block's warps take rows in turn with the affine sums). dy's and h's packs
+// (and dh_in's) are loaded first and kept in the storage type; the products are formed from them
+// in each of the two passes.
 template <typename T, int V, int P, bool kAffine>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kAffine ? 1 : kMinBlocks)
     add_ln_backward_kernel(const T* __restrict__ dy, const T* dh_in, const T* __restrict__ h,
-                           const float2* __restrict__ mean_rstd, const float* __restrict__ weight, T* dh,
-                           float* __restrict__ dweight_part, float* __restrict__ dbias_part, int64_t rows,
-                           int c) {
+                           const float2* __restrict__ mean_rstd, const void* __restrict__ weight,
+                           bool params_float, T* dh, float* __restrict__ dweight_part,
+                           float* __restrict__ dbias_part, int64_t rows, int c) {
     extern __shared__ float block_sums[];  // kAffine: [2, c]
     const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, packs = c / V;
     const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
@@ -105,25 +134,32 @@ __global__ void __launch_bounds__(kThreads)
     }
     for (int64_t r = blockIdx.x * static_cast<int64_t>(kWarps) + warp; r < rows; r += warps) {
         const int64_t base = r * c;
+        Pack<T, V> pd[P], ph[P], pin[P];
+#pragma unroll
+        for (int j = 0; j < P; ++j) {
+            const int p = lane + 32 * j;
+            if (p >= packs) continue;
+            pd[j] = *reinterpret_cast<const Pack<T, V>*>(dy + base + p * V);
+            ph[j] = *reinterpret_cast<const Pack<T, V>*>(h + base + p * V);
+            if (dh_in) pin[j] = *reinterpret_cast<const Pack<T, V>*>(dh_in + base + p * V);
+        }
         const float2 mr = mean_rstd[r];
-        float g[P][V], xh[P][V];
         float s1 = 0.f, s2 = 0.f;
 #pragma unroll
         for (int j = 0; j < P; ++j) {
             const int p = lane + 32 * j;
             if (p >= packs) continue;
-            const Pack<T, V> pd = *reinterpret_cast<const Pack<T, V>*>(dy + base + p * V);
-            const Pack<T, V> ph = *reinterpret_cast<const Pack<T, V>*>(h + base + p * V);
+            float wt[V];
+            load_param<T, V>(weight, params_float, static_cast<int64_t>(p) * V, 1.f, wt);
 #pragma unroll
             for (int k = 0; k < V; ++k) {
-                const int ch = p * V + k;
-                const float d = to_float(pd.v[k]);
-                xh[j][k] = (to_float(ph.v[k]) - mr.x) * mr.y;
-                g[j][k] = d * (weight ? weight[ch] : 1.f);
-                s1 += g[j][k];
-                s2 += g[j][k] * xh[j][k];
+                const float d = to_float(pd[j].v[k]);
+                const float xh = (to_float(ph[j].v[k]) - mr.x) * mr.y;
+                const float g = d * wt[k];
+                s1 += g;
+                s2 += g * xh;
                 if constexpr (kAffine) {
-                    dw[j][k] += d * xh[j][k];
+                    dw[j][k] += d * xh;
                     db[j][k] += d;
                 }
             }
@@ -133,13 +169,14 @@ __global__ void __launch_bounds__(kThreads)
         for (int j = 0; j < P; ++j) {
             const int p = lane + 32 * j;
             if (p >= packs) continue;
-            Pack<T, V> in{};
-            if (dh_in) in = *reinterpret_cast<const Pack<T, V>*>(dh_in + base + p * V);
+            float wt[V];
+            load_param<T, V>(weight, params_float, static_cast<int64_t>(p) * V, 1.f, wt);
             Pack<T, V> o;
 #pragma unroll
             for (int k = 0; k < V; ++k) {
-                float d = mr.y * (g[j][k] - m1 - xh[j][k] * m2);
-                if (dh_in) d += to_float(in.v[k]);
+                const float xh = (to_float(ph[j].v[k]) - mr.x) * mr.y;
+                float d = mr.y * (to_float(pd[j].v[k]) * wt[k] - m1 - xh * m2);
+                if (dh_in) d += to_float(pin[j].v[k]);
                 o.v[k] = from_float<T>(d);
             }
             *reinterpret_cast<Pack<T, V>*>(dh + base + p * V) = o;
@@ -180,7 +217,7 @@ template <typename T, int V, int P>
 void launch_forward(const AddLayerNormArgs& a, cudaStream_t s) {
     add_ln_forward_kernel<T, V, P><<<grid_for(a.rows, 4 * a.sm_count), kThreads, 0, s>>>(
         static_cast<const T*>(a.a), static_cast<const T*>(a.b), static_cast<T*>(a.h), static_cast<T*>(a.y),
-        a.weight, a.bias, reinterpret_cast<float2*>(a.mean_rstd), a.rows, static_cast<int>(a.c),
+        a.weight, a.bias, a.params_float, reinterpret_cast<float2*>(a.mean_rstd), a.rows, static_cast<int>(a.c),
         static_cast<float>(a.eps));
 }
 
@@ -193,11 +230,11 @@ void launch_backward(const AddLayerNormBackwardArgs& a, cudaStream_t s) {
     if (a.dweight_part)
         add_ln_backward_kernel<T, V, P, true><<<grid, kThreads, 2 * a.c * sizeof(float), s>>>(
             static_cast<const T*>(a.dy), static_cast<const T*>(a.dh_in), static_cast<const T*>(a.h), mr,
-            a.weight, static_cast<T*>(a.dh), a.dweight_part, a.dbias_part, a.rows, c);
+            a.weight, a.params_float, static_cast<T*>(a.dh), a.dweight_part, a.dbias_part, a.rows, c);
     else
         add_ln_backward_kernel<T, V, P, false><<<grid, kThreads, 0, s>>>(
             static_cast<const T*>(a.dy), static_cast<const T*>(a.dh_in), static_cast<const T*>(a.h), mr,
-            a.weight, static_cast<T*>(a.dh), nullptr, nullptr, a.rows, c);
+            a.weight, a.params_float, static_cast<T*>(a.dh), nullptr, nullptr, a.rows, c);
 }
 
 // Calls launch<T, V, P>(args, stream) with P = the packs per lane that c needs.

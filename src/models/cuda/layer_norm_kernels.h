@@ -17,9 +17,10 @@ struct AddLayerNormArgs {
     const void* b = nullptr;        // [rows, c] or null (no add)
     void* h = nullptr;              // [rows, c] out: a + b (null when b is null)
     void* y = nullptr;              // [rows, c] out
-    const float* weight = nullptr;  // float32 [c] or null (1)
-    const float* bias = nullptr;    // float32 [c] or null (0)
-    float* mean_rstd = nullptr;     // [rows, 2] float32 out
+    const void* weight = nullptr;  // [c] or null (1): float32 when params_float, else `dtype`
+    const void* bias = nullptr;    // [c] or null (0): likewise
+    bool params_float = true;
+    float* mean_rstd = nullptr;    // [rows, 2] float32 out
     int64_t rows = 0, c = 0;
     double eps = 1e-5;
     KernelDtype dtype = KernelDtype::kFloat;
@@ -31,7 +32,8 @@ struct AddLayerNormBackwardArgs {
     const void* dh_in = nullptr;       // [rows, c] or null: the gradient h has from its other uses
     const void* h = nullptr;           // [rows, c]: the LayerNorm's input (the forward's h, or a)
     const float* mean_rstd = nullptr;  // [rows, 2] from the forward
-    const float* weight = nullptr;     // float32 [c] or null
+    const void* weight = nullptr;      // [c] or null: float32 when params_float, else `dtype`
+    bool params_float = true;
     void* dh = nullptr;                // [rows, c] out (may alias dh_in)
     float* dweight_part = nullptr;     // null, or [add_layer_norm_parts(rows, sm_count), c] out
     float* dbias_part = nullptr;       // null, or like dweight_part (both or neither)
@@ -42,7 +44,8 @@ struct AddLayerNormBackwardArgs {
 
 // Rows of c channels the kernels handle: c a multiple of the 16-byte pack (8 for bf16/fp16, 4 for
 // float) and at most 2,048 (bf16/fp16) or 1,024 (float) channels. The tensors must be 16-byte
-// aligned (fresh allocations are).
+// aligned (fresh allocations are), the weight and bias too; they are read in their own dtype
+// (float32, or the data's), so a bf16 model's parameters need no cast per call.
 bool add_layer_norm_supported(int64_t c, KernelDtype dtype);
 // Rows of the affine gradients' partial sums the backward writes (their sum over rows is the
 // gradient): one per block of its grid.
