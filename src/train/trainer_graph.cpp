@@ -151,8 +151,8 @@ StepHooks Trainer::step_hooks() {
     // factors are whole and current then (not ZeRO-3's slices, nor ZeRO-1/2's broadcasts that
     // the forward itself waits for).
     const at::ScalarType ct = step_options_.compute_dtype;
-    const bool cast = lora_cast_factors_ && ct != at::kFloat && !dp_->defers_parameter_sync() &&
-                      !dp_->sharded_parameters();
+    const bool cast =
+        lora_cast_factors_ && ct != at::kFloat && !dp_->defers_parameter_sync() && !dp_->sharded_parameters();
     lora_->cast_factors_to(cast ? std::optional<at::ScalarType>(ct) : std::nullopt);
     hooks.before_forward = [this] {
         lora_->begin_forward(*generator_, step_options_.device_rng, dp_->rank(), dp_->world_size());

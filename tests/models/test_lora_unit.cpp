@@ -209,8 +209,8 @@ TEST(LoRAUnit, CastFactorCopiesGiveTheSameBitsAsPerLayerCasts) {
     a.refresh_cast_factors(at::kBFloat16);
     EXPECT_TRUE(a.cast_factors_live());
     const Grads copied = run();
-    for (auto [got, want] : {std::pair{copied.y, cast.y}, {copied.dx, cast.dx}, {copied.da, cast.da},
-                             {copied.db, cast.db}})
+    for (auto [got, want] :
+         {std::pair{copied.y, cast.y}, {copied.dx, cast.dx}, {copied.da, cast.da}, {copied.db, cast.db}})
         EXPECT_TRUE(at::equal(got, want));
     EXPECT_EQ(copied.da.scalar_type(), at::kFloat);  // the factors' own dtype
     // A factor changed after the refresh: the forward still reads the copy, until the next refresh.

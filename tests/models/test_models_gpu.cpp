@@ -305,7 +305,8 @@ TEST(ModelsGpu, FusedAddLayerNormMatchesFloat64Gradients) {
         const at::Tensor dy64 = at::randn({7, 143, c}, at::kDouble),
                          dh64 = at::randn({7, 143, c}, at::kDouble);
         const at::Tensor w64 = at::randn({c}, at::kDouble), bias64 = at::randn({c}, at::kDouble);
-        for (auto [dtype, param_dtype] : {std::pair{at::kFloat, at::kFloat}, {at::kBFloat16, at::kFloat},
+        for (auto [dtype, param_dtype] : {std::pair{at::kFloat, at::kFloat},
+                                          {at::kBFloat16, at::kFloat},
                                           {at::kBFloat16, at::kBFloat16}}) {
             for (bool affine_grad : {false, true}) {
                 torch::nn::LayerNorm norm(torch::nn::LayerNormOptions({c}).eps(1e-5));

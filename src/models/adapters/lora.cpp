@@ -63,7 +63,7 @@ struct LoRALinearFunction : public torch::autograd::Function<LoRALinearFunction>
     struct Frozen {
         at::Tensor weight, bias;
         Dropout dropout;
-        at::Tensor weight_scale;  // defined: `weight` is quantised (common/quantize.h)
+        at::Tensor weight_scale;    // defined: `weight` is quantised (common/quantize.h)
         at::Tensor a_cast, b_cast;  // A and B already in the compute dtype (LoRALayer::set_cast_factors)
     };
     // t in dtype `ct`: the ready copy where it is one, else a cast.
@@ -287,8 +287,9 @@ LoRALayer::InputDropout LoRALayer::input_dropout(const at::Tensor& x) const {
 }
 
 at::Tensor LoRALayer::forward_whole(const at::Tensor& x) {
-    const LoRALinearFunction::Frozen frozen{*base_weight_, *base_bias_, input_dropout(x), *base_scale_,
-                                            cast_down_, cast_up_};
+    LoRALinearFunction::Frozen frozen{*base_weight_, *base_bias_, input_dropout(x), *base_scale_};
+    frozen.a_cast = cast_down_;
+    frozen.b_cast = cast_up_;
     return LoRALinearFunction::apply(x, frozen, down_, up_, scale());
 }
 
@@ -468,7 +469,8 @@ void LoRAAdapters::refresh_cast_factors(at::ScalarType dtype) {
         for (std::size_t i = 0; i < entries_.size(); ++i) {
             LoRALayer& l = *entries_[i].layer;
             if (l.kind() != LoRALayer::Kind::kLinear || l.use_dora()) continue;
-            if (l.down().scalar_type() == dtype && l.up().scalar_type() == dtype) continue;  // nothing to cast
+            if (l.down().scalar_type() == dtype && l.up().scalar_type() == dtype)
+                continue;  // nothing to cast
             cast_.push_back({i, at::empty_like(l.down(), l.down().options().dtype(dtype)),
                              at::empty_like(l.up(), l.up().options().dtype(dtype))});
         }

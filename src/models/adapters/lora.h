@@ -190,7 +190,7 @@ class LoRALayer : public LayerAdapter {
     bool merged_ = false;
     bool enabled_ = true;
     at::Tensor cast_down_, cast_up_;  // set_cast_factors
-    at::Tensor dropout_seed_;  // [1] int64 shared by the adapters (undefined: at::dropout)
+    at::Tensor dropout_seed_;         // [1] int64 shared by the adapters (undefined: at::dropout)
     uint64_t dropout_salt_ = 0;
     int dropout_rank_ = 0, dropout_world_ = 1;  // this rank's rows of the global-batch mask
 };

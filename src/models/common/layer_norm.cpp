@@ -176,11 +176,11 @@ bool fused_layer_norm_ready(const torch::nn::LayerNormImpl& norm, const at::Tens
     const auto t = x.scalar_type();
     // Auto: where the affine weights take no gradient (frozen, or no gradient recorded); their
     // gradients' per-block sums made a full fine-tune slower than ATen's (docs/BENCHMARKS.md).
-    const bool frozen = !at::GradMode::is_enabled() ||
-                        !((norm.weight.defined() && norm.weight.requires_grad()) ||
-                          (norm.bias.defined() && norm.bias.requires_grad()));
-    if (!(fused_layer_norm_enabled() && (fused_choice() == 1 || frozen) && x.is_cuda() && x.dim() >= 1 && x.numel() > 0 &&
-          (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && x.is_contiguous() &&
+    const bool frozen =
+        !at::GradMode::is_enabled() || !((norm.weight.defined() && norm.weight.requires_grad()) ||
+                                         (norm.bias.defined() && norm.bias.requires_grad()));
+    if (!(fused_layer_norm_enabled() && (fused_choice() == 1 || frozen) && x.is_cuda() && x.dim() >= 1 &&
+          x.numel() > 0 && (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) && x.is_contiguous() &&
           reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 == 0 && norm.weight.defined() &&
           norm.bias.defined() && norm.options.normalized_shape().size() == 1 &&
           norm.options.normalized_shape()[0] == x.size(-1)))

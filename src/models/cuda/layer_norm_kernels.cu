@@ -31,7 +31,8 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Elements [ch, ch + V) of a weight or bias: float32, or T (the data's dtype), as 16-byte loads;
 // p null: `none`.
 template <typename T, int V>
-__device__ __forceinline__ void load_param(const void* p, bool is_float, int64_t ch, float none, float (&out)[V]) {
+__device__ __forceinline__ void load_param(const void* p, bool is_float, int64_t ch, float none,
+                                           float (&out)[V]) {
     if (p == nullptr) {
 #pragma unroll
         for (int k = 0; k < V; ++k) out[k] = none;
@@ -79,7 +80,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
             if (p >= packs) continue;
             if (b) {
 #pragma unroll
-                for (int k = 0; k < V; ++k) v[j].v[k] = from_float<T>(to_float(v[j].v[k]) + to_float(w[j].v[k]));
+                for (int k = 0; k < V; ++k)
+                    v[j].v[k] = from_float<T>(to_float(v[j].v[k]) + to_float(w[j].v[k]));
                 *reinterpret_cast<Pack<T, V>*>(h + base + p * V) = v[j];
             }
 #pragma unroll
@@ -107,7 +109,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks)
             load_param<T, V>(bias, params_float, static_cast<int64_t>(p) * V, 0.f, bs);
             Pack<T, V> o;
 #pragma unroll
-            for (int k = 0; k < V; ++k) o.v[k] = from_float<T>((to_float(v[j].v[k]) - mean) * rstd * wt[k] + bs[k]);
+            for (int k = 0; k < V; ++k)
+                o.v[k] = from_float<T>((to_float(v[j].v[k]) - mean) * rstd * wt[k] + bs[k]);
             *reinterpret_cast<Pack<T, V>*>(y + base + p * V) = o;
         }
     }
@@ -217,8 +220,8 @@ template <typename T, int V, int P>
 void launch_forward(const AddLayerNormArgs& a, cudaStream_t s) {
     add_ln_forward_kernel<T, V, P><<<grid_for(a.rows, 4 * a.sm_count), kThreads, 0, s>>>(
         static_cast<const T*>(a.a), static_cast<const T*>(a.b), static_cast<T*>(a.h), static_cast<T*>(a.y),
-        a.weight, a.bias, a.params_float, reinterpret_cast<float2*>(a.mean_rstd), a.rows, static_cast<int>(a.c),
-        static_cast<float>(a.eps));
+        a.weight, a.bias, a.params_float, reinterpret_cast<float2*>(a.mean_rstd), a.rows,
+        static_cast<int>(a.c), static_cast<float>(a.eps));
 }
 
 template <typename T, int V, int P>

@@ -13,14 +13,14 @@
 namespace dtune::models::cuda {
 
 struct AddLayerNormArgs {
-    const void* a = nullptr;        // [rows, c], `dtype`
-    const void* b = nullptr;        // [rows, c] or null (no add)
-    void* h = nullptr;              // [rows, c] out: a + b (null when b is null)
-    void* y = nullptr;              // [rows, c] out
+    const void* a = nullptr;       // [rows, c], `dtype`
+    const void* b = nullptr;       // [rows, c] or null (no add)
+    void* h = nullptr;             // [rows, c] out: a + b (null when b is null)
+    void* y = nullptr;             // [rows, c] out
     const void* weight = nullptr;  // [c] or null (1): float32 when params_float, else `dtype`
     const void* bias = nullptr;    // [c] or null (0): likewise
     bool params_float = true;
-    float* mean_rstd = nullptr;    // [rows, 2] float32 out
+    float* mean_rstd = nullptr;  // [rows, 2] float32 out
     int64_t rows = 0, c = 0;
     double eps = 1e-5;
     KernelDtype dtype = KernelDtype::kFloat;
@@ -34,9 +34,9 @@ struct AddLayerNormBackwardArgs {
     const float* mean_rstd = nullptr;  // [rows, 2] from the forward
     const void* weight = nullptr;      // [c] or null: float32 when params_float, else `dtype`
     bool params_float = true;
-    void* dh = nullptr;                // [rows, c] out (may alias dh_in)
-    float* dweight_part = nullptr;     // null, or [add_layer_norm_parts(rows, sm_count), c] out
-    float* dbias_part = nullptr;       // null, or like dweight_part (both or neither)
+    void* dh = nullptr;             // [rows, c] out (may alias dh_in)
+    float* dweight_part = nullptr;  // null, or [add_layer_norm_parts(rows, sm_count), c] out
+    float* dbias_part = nullptr;    // null, or like dweight_part (both or neither)
     int64_t rows = 0, c = 0;
     KernelDtype dtype = KernelDtype::kFloat;
     int sm_count = 1;
