@@ -14,6 +14,7 @@
 #include "models/adapters/lora_qkv.h"
 #include "models/common/attention.h"
 #include "models/common/blocks.h"
+#include "models/common/component.h"
 #include "models/common/geglu.h"
 #include "models/common/group_norm_act.h"
 #include "models/common/hash_dropout.h"
@@ -285,6 +286,80 @@ TEST(ModelsGpu, FusedGroupNormTrainingMatchesFloat64Gradients) {
                 EXPECT_LE(rel(norm->bias.grad(), br.grad()), 1e-4) << what << " dbias";
             }
         }
+    }
+}
+
+// GroupNormActFunction with an input bias (the ResNet blocks' folded conv bias and time embedding,
+// DTUNE_FUSED_RESNET_TRAINING): y, dx and the input bias's gradient against float64 autograd of
+// GroupNorm(x + in_bias), for a [C] and an [N, C] bias; then a whole ResnetBlock2D (with its 1x1
+// shortcut and a time embedding) trained with the folding against the same block without it:
+// output and every gradient (input, time embedding, the three conv biases, norm2's weight).
+TEST(ModelsGpu, ResnetBiasFoldingInTrainingMatchesTheUnfoldedBlock) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    ASSERT_TRUE(fused_inference_kernels_built())
+        << "built without the CUDA kernels (no nvcc at configure time)";
+    struct Restore {
+        ~Restore() { set_fused_resnet_training(false); }
+    } restore;
+    set_fused_resnet_training(true);
+    const at::Device cuda(at::kCUDA, 0);
+    torch::manual_seed(31);
+    auto rel = [](const at::Tensor& got, const at::Tensor& want) {
+        const at::Tensor w = want.detach().cpu().to(at::kDouble);
+        return test::max_abs_diff(got.detach().cpu().to(at::kDouble), w) / w.abs().max().item<double>();
+    };
+    const int64_t c = 320, groups = 32;
+    const at::Tensor x64 = at::randn({2, c, 12, 10}, at::kDouble) * 2 + 1;
+    const at::Tensor dy64 = at::randn({2, c, 12, 10}, at::kDouble);
+    for (int bias_dims : {1, 2}) {
+        torch::nn::GroupNorm norm(torch::nn::GroupNormOptions(groups, c).eps(1e-6));
+        norm->to(cuda);
+        const at::Tensor x =
+            x64.to(cuda, at::kFloat).contiguous(at::MemoryFormat::ChannelsLast).requires_grad_(true);
+        const at::Tensor in64 = bias_dims == 1 ? at::randn({c}, at::kDouble) : at::randn({2, c}, at::kDouble);
+        const at::Tensor in_bias = in64.to(cuda, at::kFloat).requires_grad_(true);
+        const at::Tensor y = group_norm_act(*norm, x, in_bias, /*silu=*/true);
+        y.backward(dy64.to(cuda, at::kFloat).contiguous(at::MemoryFormat::ChannelsLast));
+        const at::Tensor xr = x64.clone().requires_grad_(true), ir = in64.clone().requires_grad_(true);
+        const at::Tensor view = bias_dims == 1 ? ir.view({1, c, 1, 1}) : ir.view({2, c, 1, 1});
+        const at::Tensor yr = at::silu(at::group_norm(xr + view, groups, {}, {}, 1e-6));
+        yr.backward(dy64);
+        EXPECT_LE(rel(y, yr), 1e-4) << bias_dims;
+        EXPECT_LE(rel(x.grad(), xr.grad()), 1e-4) << bias_dims;
+        EXPECT_LE(rel(in_bias.grad(), ir.grad()), 1e-4) << bias_dims;
+    }
+
+    ResnetBlock2DOptions o;
+    o.in_channels = 320;
+    o.out_channels = 640;
+    o.temb_channels = 64;
+    ResnetBlock2D block(o);
+    block->to(cuda);
+    convert_to_channels_last(*block);
+    const at::Tensor bx = at::randn({2, 320, 16, 16}, at::TensorOptions().device(cuda))
+                              .contiguous(at::MemoryFormat::ChannelsLast);
+    const at::Tensor temb = at::randn({2, 64}, at::TensorOptions().device(cuda));
+    const at::Tensor g = at::randn({2, 640, 16, 16}, at::TensorOptions().device(cuda))
+                             .contiguous(at::MemoryFormat::ChannelsLast);
+    auto run = [&](bool fold) {
+        set_fused_resnet_training(fold);
+        block->zero_grad();
+        const at::Tensor xi = bx.clone().requires_grad_(true), ti = temb.clone().requires_grad_(true);
+        const at::Tensor out = block->forward(xi, ti);
+        out.backward(g);
+        std::vector<at::Tensor> got{out.detach(), xi.grad(), ti.grad()};
+        for (const auto& item : block->named_parameters()) {
+            const std::string& name = item.key();
+            if (name.find("bias") != std::string::npos || name == "norm2.weight")
+                got.push_back(item.value().grad().clone());
+        }
+        return got;
+    };
+    const std::vector<at::Tensor> plain = run(false), folded = run(true);
+    ASSERT_EQ(plain.size(), folded.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+        ASSERT_TRUE(folded[i].defined()) << i;
+        EXPECT_LE(rel(folded[i], plain[i]), 1e-4) << "tensor " << i;
     }
 }
 

@@ -2,6 +2,7 @@
 #include "models/common/blocks.h"
 
 #include <ATen/autocast_mode.h>
+#include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/nn/functional.h>
 
@@ -130,7 +131,9 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options_(o
 }
 
 bool ResnetBlock2DImpl::can_fuse(const at::Tensor& x) const {
-    return fused_inference_ready(x) && !conv1_->adapter() && !conv2_->adapter() &&
+    const bool training = at::GradMode::is_enabled() && fused_resnet_training_enabled() &&
+                          fused_group_norm_training_ready(*norm1_, x);
+    return (fused_inference_ready(x) || training) && !conv1_->adapter() && !conv2_->adapter() &&
            !(conv_shortcut_ && conv_shortcut_->adapter()) && x.scalar_type() == conv1_->dtype();
 }
 

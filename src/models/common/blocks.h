@@ -70,9 +70,10 @@ class ResnetBlock2DImpl : public torch::nn::Module, public HookableUnit {
     at::Tensor forward(const at::Tensor& x, const at::Tensor& temb = {});
 
   private:
-    // Inference on channels-last CUDA input (group_norm_act.h): the convolutions run without bias,
-    // conv1's bias and the time embedding fold into norm2, conv2's (and the shortcut's) into the
-    // residual add. Same math; the roundings differ (fewer).
+    // Inference on channels-last CUDA input (group_norm_act.h), and training there with
+    // fused_resnet_training_enabled(): the convolutions run without bias, conv1's bias and the time
+    // embedding fold into norm2, conv2's (and the shortcut's) into the residual add. Same math; the
+    // roundings differ (fewer).
     bool can_fuse(const at::Tensor& x) const;
     at::Tensor forward_fused(const at::Tensor& x, const at::Tensor& temb);
 

@@ -8,7 +8,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 
+#include "core/error.h"
 #include "core/fused_env.h"
 #include "models/common/blocks.h"
 
@@ -23,6 +25,20 @@ namespace dtune::models {
 namespace {
 
 std::atomic<bool> g_fused{true};
+// set_fused_resnet_training: 0 off, 1 on, -1: DTUNE_FUSED_RESNET_TRAINING decides (read once).
+std::atomic<int> g_resnet_training{-1};
+
+bool resnet_training_env() {
+    static const bool on = [] {
+        const char* v = std::getenv("DTUNE_FUSED_RESNET_TRAINING");
+        if (!v || *v == '\0') return false;
+        const auto parsed = parse_fused_kernels_value(v);
+        DTUNE_CHECK_AS(UsageError, parsed.has_value(), "DTUNE_FUSED_RESNET_TRAINING='", v,
+                       "' is not understood; use 1 (on/true) or 0 (off/false, the default)");
+        return *parsed;
+    }();
+    return on;
+}
 
 at::Tensor channel_view(const at::Tensor& bias, const at::Tensor& x) {  // [C] or [N, C] -> broadcastable
     return bias.dim() == 1 ? bias.view({1, -1, 1, 1}) : bias.view({x.size(0), -1, 1, 1});
@@ -37,12 +53,22 @@ const float* float_ptr(const at::Tensor& t) {
     return t.defined() ? t.const_data_ptr<float>() : nullptr;
 }
 
-// act(GroupNorm(x)) on channels-last CUDA x, differentiable in x, weight and bias (all defined).
-// Saves x, the affine weights and each group's float32 mean and 1/std (no output).
+// A non-empty 4-D channels-last CUDA tensor the kernels read (float32, bf16 or fp16, 16-byte aligned).
+bool nhwc_cuda(const at::Tensor& t) {
+    const auto d = t.scalar_type();
+    return t.is_cuda() && t.dim() == 4 && t.numel() > 0 &&
+           (d == at::kFloat || d == at::kBFloat16 || d == at::kHalf) &&
+           t.is_contiguous(at::MemoryFormat::ChannelsLast) &&
+           reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+}
+
+// act(GroupNorm(x + in_bias)) on channels-last CUDA x, differentiable in x, weight and bias (all
+// defined) and in_bias (undefined, or float32 [C] or [N, C], contiguous). Saves x, the affine
+// weights, in_bias and each group's float32 mean and 1/std (no output).
 struct GroupNormActFunction : public torch::autograd::Function<GroupNormActFunction> {
     static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                              const at::Tensor& weight, const at::Tensor& bias, int64_t groups, double eps,
-                              bool silu) {
+                              const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& in_bias,
+                              int64_t groups, double eps, bool silu) {
         const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
         const c10::cuda::CUDAGuard guard(x.device());
         const int64_t n = x.size(0), c = x.size(1), hw = x.size(2) * x.size(3);
@@ -55,6 +81,8 @@ struct GroupNormActFunction : public torch::autograd::Function<GroupNormActFunct
         cuda::GroupNormNhwcArgs a;
         a.x = x.const_data_ptr();
         a.out = out.mutable_data_ptr();
+        a.in_bias = float_ptr(in_bias);
+        a.in_bias_per_sample = in_bias.defined() && in_bias.dim() == 2;
         a.weight = float_ptr(w);
         a.bias = float_ptr(b);
         a.n = n, a.hw = hw, a.c = c, a.groups = groups;
@@ -65,7 +93,7 @@ struct GroupNormActFunction : public torch::autograd::Function<GroupNormActFunct
         a.sm_count = sm_count;
         a.mean_rstd = mean_rstd.mutable_data_ptr<float>();
         check_launch(cuda::group_norm_nhwc(a, current_stream_of(x)), "group_norm_act", "GroupNorm");
-        ctx->save_for_backward({x, weight, bias, mean_rstd});
+        ctx->save_for_backward({x, weight, bias, mean_rstd, in_bias});
         ctx->saved_data["groups"] = groups;
         ctx->saved_data["silu"] = silu;
         return out;
@@ -75,6 +103,7 @@ struct GroupNormActFunction : public torch::autograd::Function<GroupNormActFunct
                                                    torch::autograd::variable_list grads) {
         const auto saved = ctx->get_saved_variables();
         const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2], &mean_rstd = saved[3];
+        const at::Tensor& in_bias = saved[4];
         const c10::cuda::CUDAGuard guard(x.device());
         const int64_t n = x.size(0), c = x.size(1), hw = x.size(2) * x.size(3);
         const int sm_count = cuda::current_device_sm_count();
@@ -92,6 +121,8 @@ struct GroupNormActFunction : public torch::autograd::Function<GroupNormActFunct
         a.x = x.const_data_ptr();
         a.dx = dx.mutable_data_ptr();
         a.mean_rstd = mean_rstd.const_data_ptr<float>();
+        a.in_bias = float_ptr(in_bias);
+        a.in_bias_per_sample = in_bias.defined() && in_bias.dim() == 2;
         a.weight = float_ptr(w);
         a.bias = float_ptr(b);
         a.dweight_nc = need_w ? dw_nc.mutable_data_ptr<float>() : nullptr;
@@ -103,11 +134,46 @@ struct GroupNormActFunction : public torch::autograd::Function<GroupNormActFunct
         a.sm_count = sm_count;
         check_launch(cuda::group_norm_nhwc_backward(a, current_stream_of(x)), "group_norm_act",
                      "GroupNorm backward");
+        // x + in_bias's gradient is dx's: summed over the pixels (and the samples for a [C] bias).
+        at::Tensor d_in;
+        if (ctx->needs_input_grad(3))
+            d_in =
+                in_bias.dim() == 2 ? dx.sum({2, 3}, false, at::kFloat) : dx.sum({0, 2, 3}, false, at::kFloat);
         return {ctx->needs_input_grad(0) ? dx : at::Tensor(),
                 need_w ? dw_nc.sum(0).to(weight.scalar_type()) : at::Tensor(),
                 need_b ? db_nc.sum(0).to(bias.scalar_type()) : at::Tensor(),
+                d_in,
                 at::Tensor(),
                 at::Tensor(),
+                at::Tensor()};
+    }
+};
+
+// (h + bias + residual) * scale for training on channels-last CUDA tensors: the NHWC kernel into
+// a new tensor; backward hands dout * scale to h and residual (the same tensor) and its pixel sums
+// to bias (float32 [C], or undefined).
+struct AddBiasResidualFunction : public torch::autograd::Function<AddBiasResidualFunction> {
+    static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h,
+                              const at::Tensor& bias, const at::Tensor& residual, double scale) {
+        const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+        const c10::cuda::CUDAGuard guard(h.device());
+        at::Tensor out = at::empty_like(h, at::MemoryFormat::ChannelsLast);
+        check_launch(
+            cuda::add_bias_residual_nhwc(
+                h.const_data_ptr(), float_ptr(bias), residual.defined() ? residual.const_data_ptr() : nullptr,
+                out.mutable_data_ptr(), h.numel() / h.size(1), h.size(1), static_cast<float>(scale),
+                kernel_dtype(h.scalar_type(), "add_bias_residual"), current_stream_of(h)),
+            "add_bias_residual", "add");
+        ctx->saved_data["scale"] = scale;
+        return out;
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        const double scale = ctx->saved_data["scale"].toDouble();
+        const at::Tensor g = scale == 1.0 ? grads[0] : grads[0] * scale;
+        const at::Tensor db = ctx->needs_input_grad(1) ? g.sum({0, 2, 3}, false, at::kFloat) : at::Tensor();
+        return {ctx->needs_input_grad(0) ? g : at::Tensor(), db, ctx->needs_input_grad(2) ? g : at::Tensor(),
                 at::Tensor()};
     }
 };
@@ -117,6 +183,15 @@ struct GroupNormActFunction : public torch::autograd::Function<GroupNormActFunct
 
 void set_fused_inference(bool enabled) {
     g_fused = enabled;
+}
+
+void set_fused_resnet_training(bool enabled) {
+    g_resnet_training = enabled ? 1 : 0;
+}
+
+bool fused_resnet_training_enabled() {
+    const int chosen = g_resnet_training;
+    return fused_kernels_allowed() && (chosen < 0 ? resnet_training_env() : chosen == 1);
 }
 bool fused_inference_enabled() {
     return g_fused && fused_kernels_allowed();
@@ -163,9 +238,16 @@ bool fused_group_norm_training_ready(const torch::nn::GroupNormImpl& norm, const
 at::Tensor group_norm_act(torch::nn::GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& in_bias,
                           bool silu) {
 #ifdef DTUNE_WITH_CUDA_KERNELS
-    if (!in_bias.defined() && !fused_inference_ready(x) && fused_group_norm_training_ready(norm, x))
-        return GroupNormActFunction::apply(x, norm.weight, norm.bias, norm.options.num_groups(),
-                                           norm.options.eps(), silu);
+    // With an input bias: its shape checked, and only where the ResNet blocks fold their biases in
+    // training (fused_resnet_training_enabled).
+    const bool bias_ok =
+        !in_bias.defined() ||
+        (fused_resnet_training_enabled() && in_bias.device() == x.device() && x.dim() == 4 &&
+         ((in_bias.dim() == 1 && in_bias.size(0) == x.size(1)) ||
+          (in_bias.dim() == 2 && in_bias.size(0) == x.size(0) && in_bias.size(1) == x.size(1))));
+    if (bias_ok && !fused_inference_ready(x) && fused_group_norm_training_ready(norm, x))
+        return GroupNormActFunction::apply(x, norm.weight, norm.bias, float_or_undefined(in_bias),
+                                           norm.options.num_groups(), norm.options.eps(), silu);
     const int64_t groups = norm.options.num_groups();
     if (fused_inference_ready(x) && x.numel() > 0 &&
         cuda::group_norm_nhwc_supported(x.size(1), groups, kernel_dtype(x.scalar_type(), "group_norm_act"))) {
@@ -214,6 +296,12 @@ at::Tensor add_bias_residual(at::Tensor h, const at::Tensor& bias, const at::Ten
                      "add_bias_residual", "add");
         return h;
     }
+    if (fused_resnet_training_enabled() && at::GradMode::is_enabled() && nhwc_cuda(h) &&
+        (!residual.defined() || (residual.scalar_type() == h.scalar_type() && residual.sizes() == h.sizes() &&
+                                 residual.is_contiguous(at::MemoryFormat::ChannelsLast) &&
+                                 reinterpret_cast<uintptr_t>(residual.const_data_ptr()) % 16 == 0)) &&
+        (!bias.defined() || (bias.dim() == 1 && bias.size(0) == h.size(1) && bias.device() == h.device())))
+        return AddBiasResidualFunction::apply(h, float_or_undefined(bias), residual, scale);
 #endif
     at::Tensor out = bias.defined() ? h + channel_view(bias, h).to(h.scalar_type()) : h;
     if (residual.defined()) out = residual + out;

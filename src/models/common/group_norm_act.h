@@ -19,6 +19,15 @@ namespace dtune::models {
 // Process-wide switch of the fused inference path (default on). For A/B benchmarks and tests.
 void set_fused_inference(bool enabled);
 bool fused_inference_enabled();
+
+// The ResNet blocks' bias folding in training (off by default: written and compiled, not yet run on
+// a GPU): with gradients on channels-last CUDA input, ResnetBlock2D runs its convolutions without
+// bias, folds conv1's bias and the time embedding into norm2 (GroupNormActFunction with an input
+// bias) and conv2's (and the shortcut's) into the closing residual add (one kernel), instead of
+// three broadcast adds and a residual add per block. DTUNE_FUSED_RESNET_TRAINING=1 (read once) or
+// set_fused_resnet_training(true) turns it on; DTUNE_FUSED_KERNELS=0 off.
+void set_fused_resnet_training(bool enabled);
+bool fused_resnet_training_enabled();
 // Whether this build has the kernels (CMake found nvcc; DTUNE_WITH_CUDA_KERNELS).
 bool fused_inference_kernels_built();
 
@@ -34,16 +43,18 @@ bool fused_group_norm_training_ready(const torch::nn::GroupNormImpl& norm, const
 
 // y = act(GroupNorm(x + in_bias)) with `norm`'s groups, eps and affine weights; in_bias undefined,
 // [C] or [N, C] (any float dtype), act = SiLU when `silu`. Fused when fused_inference_ready(x) and
-// the shape is supported; with gradients and no in_bias, fused when
-// fused_group_norm_training_ready (differentiable in x and the affine weights, computed in x's
-// dtype with float statistics as norm_forward does under autocast); otherwise the composite ops
-// (x + in_bias in x's dtype, norm_forward, at::silu), so any caller may use it.
+// the shape is supported; with gradients, fused when fused_group_norm_training_ready and either no
+// in_bias or fused_resnet_training_enabled() (differentiable in x, the affine weights and in_bias,
+// computed in x's dtype with float statistics as norm_forward does under autocast, x + in_bias
+// added in float); otherwise the composite ops (x + in_bias in x's dtype, norm_forward, at::silu),
+// so any caller may use it.
 at::Tensor group_norm_act(torch::nn::GroupNormImpl& norm, const at::Tensor& x, const at::Tensor& in_bias,
                           bool silu);
 
 // (h + bias + residual) * scale; bias [C] or undefined, residual like h or undefined. Fused (in
 // place into h, which the caller gives up) when fused_inference_ready(h) and residual has h's
-// layout and dtype; otherwise composite ops.
+// layout and dtype; with gradients and fused_resnet_training_enabled(), one differentiable kernel
+// into a new tensor; otherwise composite ops.
 at::Tensor add_bias_residual(at::Tensor h, const at::Tensor& bias, const at::Tensor& residual, double scale);
 
 }  // namespace dtune::models

@@ -192,9 +192,9 @@ __device__ __forceinline__ float act_grad(float dy, float z) {
 template <typename T, int V, int kBlock, bool kSilu>
 __global__ void __launch_bounds__(kBlock)
     gn_bwd_stats_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                        const float2* __restrict__ mean_rstd, const float* __restrict__ weight,
-                        const float* __restrict__ bias, int64_t hw, int c, int groups, int bpn,
-                        float2* __restrict__ partial) {
+                        const float2* __restrict__ mean_rstd, const float* __restrict__ in_bias,
+                        bool per_sample, const float* __restrict__ weight, const float* __restrict__ bias,
+                        int64_t hw, int c, int groups, int bpn, float2* __restrict__ partial) {
     __shared__ float2 sums[kBlock * V];
     const int n = blockIdx.y, b = blockIdx.x, cg = c / groups;
     const int lanes = c / V, rows = kBlock / lanes;
@@ -205,7 +205,8 @@ __global__ void __launch_bounds__(kBlock)
     for (int k = 0; k < V; ++k) {
         const int ch = lane * V + k;
         const float2 mr = mean_rstd[static_cast<int64_t>(n) * groups + ch / cg];
-        mu[k] = mr.x;
+        // With an input bias the norm saw x + in_bias: measured from x, the mean moves by it.
+        mu[k] = mr.x - (in_bias ? in_bias[(per_sample ? static_cast<int64_t>(n) * c : 0) + ch] : 0.f);
         r[k] = mr.y;
         a[k] = r[k] * (weight ? weight[ch] : 1.f);
         sh[k] = (bias ? bias[ch] : 0.f) - mu[k] * a[k];
@@ -235,6 +236,7 @@ __global__ void __launch_bounds__(kBlock)
 // gradients' per-sample sums.
 __global__ void __launch_bounds__(kFinalizeThreads)
     gn_bwd_finalize_kernel(const float2* __restrict__ partial, const float2* __restrict__ mean_rstd,
+                           const float* __restrict__ in_bias, bool per_sample,
                            const float* __restrict__ weight, const float* __restrict__ bias, int64_t hw,
                            int c, int groups, int bpn, float* __restrict__ dweight_nc,
                            float* __restrict__ dbias_nc, float4* __restrict__ coef) {
@@ -261,9 +263,13 @@ __global__ void __launch_bounds__(kFinalizeThreads)
     }
     __syncthreads();
     const float2 mr = mean_rstd[static_cast<int64_t>(n) * groups + g];
-    const double mean = mr.x, rstd = mr.y, m1 = stat[0], m2 = stat[1];
-    const double bx = -rstd * rstd * m2, cx = rstd * rstd * m2 * mean - rstd * m1;
+    const double rstd = mr.y, m1 = stat[0], m2 = stat[1];
+    const double bx = -rstd * rstd * m2;
     for (int ch = g * cg + threadIdx.x; ch < (g + 1) * cg; ch += blockDim.x) {
+        // The mean as seen from x (the norm's input less in_bias): z = a x + shift, dx = a dz + B x + C.
+        const double mean =
+            mr.x - (in_bias ? in_bias[(per_sample ? static_cast<int64_t>(n) * c : 0) + ch] : 0.f);
+        const double cx = rstd * rstd * m2 * mean - rstd * m1;
         const double a = rstd * (weight ? weight[ch] : 1.f);
         const double shift = (bias ? bias[ch] : 0.f) - mean * a;
         coef[static_cast<int64_t>(n) * c + ch] = make_float4(static_cast<float>(a), static_cast<float>(shift),
@@ -370,14 +376,15 @@ void launch_gn_backward(const GroupNormNhwcBackwardArgs& a, cudaStream_t s) {
     const auto* mr = reinterpret_cast<const float2*>(a.mean_rstd);
     const dim3 grid(bpn, static_cast<unsigned>(a.n));
     if (c / V <= kThreads)
-        gn_bwd_stats_kernel<T, V, kThreads, kSilu>
-            <<<grid, kThreads, 0, s>>>(dy, x, mr, a.weight, a.bias, a.hw, c, groups, bpn, partial);
+        gn_bwd_stats_kernel<T, V, kThreads, kSilu><<<grid, kThreads, 0, s>>>(
+            dy, x, mr, a.in_bias, a.in_bias_per_sample, a.weight, a.bias, a.hw, c, groups, bpn, partial);
     else
-        gn_bwd_stats_kernel<T, V, kWideThreads, kSilu>
-            <<<grid, kWideThreads, 0, s>>>(dy, x, mr, a.weight, a.bias, a.hw, c, groups, bpn, partial);
+        gn_bwd_stats_kernel<T, V, kWideThreads, kSilu><<<grid, kWideThreads, 0, s>>>(
+            dy, x, mr, a.in_bias, a.in_bias_per_sample, a.weight, a.bias, a.hw, c, groups, bpn, partial);
     gn_bwd_finalize_kernel<<<dim3(static_cast<unsigned>(groups), static_cast<unsigned>(a.n)),
-                             kFinalizeThreads, 0, s>>>(partial, mr, a.weight, a.bias, a.hw, c, groups, bpn,
-                                                       a.dweight_nc, a.dbias_nc, coef);
+                             kFinalizeThreads, 0, s>>>(partial, mr, a.in_bias, a.in_bias_per_sample, a.weight,
+                                                       a.bias, a.hw, c, groups, bpn, a.dweight_nc, a.dbias_nc,
+                                                       coef);
     const int64_t packs = a.n * a.hw * a.c / V;
     gn_bwd_apply_kernel<T, V, kSilu><<<blocks_for(packs, kThreads), kThreads, 0, s>>>(
         dy, x, static_cast<T*>(a.dx), coef, a.hw * a.c, c, packs);

@@ -1,6 +1,6 @@
 // Launchers of the fused channels-last GroupNorm kernels (cuda/group_norm_kernels.cu):
-// y = act(GroupNorm(x + in_bias)) over x stored NHWC as [n, hw, c], its backward (training without
-// the input bias), and the bias + residual add that closes a ResNet block. Plain pointers, the dtype as a
+// y = act(GroupNorm(x + in_bias)) over x stored NHWC as [n, hw, c], its backward, and the bias +
+// residual add that closes a ResNet block. Plain pointers, the dtype as a
 // code and the stream as an opaque cudaStream_t, so code built without nvcc can call them. Built only when
 // CMake found nvcc (DTUNE_WITH_CUDA_KERNELS).
 #pragma once
@@ -40,18 +40,21 @@ int64_t group_norm_nhwc_workspace_floats(int64_t n, int64_t hw, int64_t c, int s
 // the normalising pass. Returns the launches' cudaError_t as an int (0 = success).
 int group_norm_nhwc(const GroupNormNhwcArgs& args, void* stream);
 
-// The backward of y = act(GroupNorm(x)) (no input bias), from the forward's mean_rstd:
-// dx, and per sample and channel the sums that make the affine gradients (dweight = sum over n of
-// dweight_nc, dbias likewise). With act = SiLU, the normalised value is recomputed from x.
+// The backward of y = act(GroupNorm(x + in_bias)), from the forward's mean_rstd (the statistics of
+// x + in_bias): dx (which is also the gradient of x + in_bias), and per sample and channel the sums
+// that make the affine gradients (dweight = sum over n of dweight_nc, dbias likewise). With act =
+// SiLU, the normalised value is recomputed from x and in_bias.
 struct GroupNormNhwcBackwardArgs {
     const void* dy = nullptr;          // [n, hw, c], `dtype`
     const void* x = nullptr;           // [n, hw, c], `dtype` (the forward's input)
     void* dx = nullptr;                // [n, hw, c], `dtype` out
     const float* mean_rstd = nullptr;  // [n, groups, 2] from the forward
-    const float* weight = nullptr;     // float32 [c] or null (1)
-    const float* bias = nullptr;       // float32 [c] or null (0)
-    float* dweight_nc = nullptr;       // null, or [n, c] float32 out: sum over pixels of dz * x_hat
-    float* dbias_nc = nullptr;         // null, or [n, c] float32 out: sum over pixels of dz
+    const float* in_bias = nullptr;    // the forward's (GroupNormNhwcArgs::in_bias), or null
+    bool in_bias_per_sample = false;
+    const float* weight = nullptr;  // float32 [c] or null (1)
+    const float* bias = nullptr;    // float32 [c] or null (0)
+    float* dweight_nc = nullptr;    // null, or [n, c] float32 out: sum over pixels of dz * x_hat
+    float* dbias_nc = nullptr;      // null, or [n, c] float32 out: sum over pixels of dz
     int64_t n = 0, hw = 0, c = 0, groups = 0;
     bool silu = false;
     KernelDtype dtype = KernelDtype::kFloat;
