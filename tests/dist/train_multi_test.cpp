@@ -319,6 +319,20 @@ TEST(DistTrain, ResumeNeedsTheSameGlobalBatch) {
     EXPECT_TRUE(contains(r.output, "global batch of 2")) << r.output;
 }
 
+// DTUNE_CHANNELS_LAST=1 forces channels-last; with a full fine-tune on more than one rank it is a
+// usage error before any training (ZeRO's sync and the gradient all-reduce flatten NCHW weights),
+// on every rank, and the launcher passes the exit code on.
+TEST(DistTrain, ForcedChannelsLastFullFineTuneOnTwoRanksIsRefused) {
+    Workspace w;
+    const auto r =
+        run_shell("DTUNE_CHANNELS_LAST=1 " + w.train(2, "cl", "--model_type full --max_train_steps 1"));
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_TRUE(
+        contains(r.output, "DTUNE_CHANNELS_LAST=1 with a full fine-tune runs on one GPU only (2 ranks here)"))
+        << r.output;
+    EXPECT_FALSE(std::filesystem::exists(w.out("cl") / "checkpoint-1")) << r.output;
+}
+
 // The pid of the launcher's child that has RANK=`rank` in its environment, or -1.
 pid_t child_with_rank(pid_t launcher, int rank) {
     for (const auto& e : std::filesystem::directory_iterator("/proc")) {
