@@ -107,6 +107,12 @@ class LoRALayer : public LayerAdapter {
     void set_scale(double s);
     bool use_dora() const { return magnitude_.defined(); }
     bool merged() const { return merged_; }
+    // Copies of A and B in a compute dtype that the fused training function reads instead of
+    // casting the factors (LoRAAdapters::refresh_cast_factors); undefined tensors: cast as usual.
+    void set_cast_factors(at::Tensor down, at::Tensor up) {
+        cast_down_ = std::move(down);
+        cast_up_ = std::move(up);
+    }
     // Seeds this layer's dropout masks: with a seed set, every training forward keeps the elements
     // that a hash of (the value `seed` holds when the kernel runs, `salt`, the element's index)
     // keeps (common/hash_dropout.h), so a gradient-checkpointed block that recomputes its forward
@@ -116,12 +122,6 @@ class LoRALayer : public LayerAdapter {
     // Data parallel: with `world_size` > 1 element indices are offset by rank · numel, the place of
     // this rank's rows in the global batch, so N ranks × batch b keep what one process keeps for
     // batch N·b.
-    // Copies of A and B in a compute dtype that the fused training function reads instead of
-    // casting the factors (LoRAAdapters::refresh_cast_factors); undefined tensors: cast as usual.
-    void set_cast_factors(at::Tensor down, at::Tensor up) {
-        cast_down_ = std::move(down);
-        cast_up_ = std::move(up);
-    }
     void set_dropout_seed(const at::Tensor& seed, uint64_t salt, int rank = 0, int world_size = 1) {
         dropout_seed_ = seed;
         dropout_salt_ = salt;
