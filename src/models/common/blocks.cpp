@@ -2,7 +2,6 @@
 #include "models/common/blocks.h"
 
 #include <ATen/autocast_mode.h>
-#include <c10/core/GradMode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/nn/functional.h>
 
@@ -131,8 +130,9 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options_(o
 }
 
 bool ResnetBlock2DImpl::can_fuse(const at::Tensor& x) const {
-    const bool training = at::GradMode::is_enabled() && fused_resnet_training_enabled() &&
-                          fused_group_norm_training_ready(*norm1_, x);
+    // The differentiable kernels, with or without gradients recorded (a checkpointed block's first
+    // pass and its recompute take the same path).
+    const bool training = fused_resnet_training_enabled() && fused_group_norm_training_ready(*norm1_, x);
     return (fused_inference_ready(x) || training) && !conv1_->adapter() && !conv2_->adapter() &&
            !(conv_shortcut_ && conv_shortcut_->adapter()) && x.scalar_type() == conv1_->dtype();
 }

@@ -296,7 +296,7 @@ at::Tensor add_bias_residual(at::Tensor h, const at::Tensor& bias, const at::Ten
                      "add_bias_residual", "add");
         return h;
     }
-    if (fused_resnet_training_enabled() && at::GradMode::is_enabled() && nhwc_cuda(h) &&
+    if (fused_resnet_training_enabled() && nhwc_cuda(h) &&
         (!residual.defined() || (residual.scalar_type() == h.scalar_type() && residual.sizes() == h.sizes() &&
                                  residual.is_contiguous(at::MemoryFormat::ChannelsLast) &&
                                  reinterpret_cast<uintptr_t>(residual.const_data_ptr()) % 16 == 0)) &&

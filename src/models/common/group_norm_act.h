@@ -53,8 +53,8 @@ at::Tensor group_norm_act(torch::nn::GroupNormImpl& norm, const at::Tensor& x, c
 
 // (h + bias + residual) * scale; bias [C] or undefined, residual like h or undefined. Fused (in
 // place into h, which the caller gives up) when fused_inference_ready(h) and residual has h's
-// layout and dtype; with gradients and fused_resnet_training_enabled(), one differentiable kernel
-// into a new tensor; otherwise composite ops.
+// layout and dtype; else, with fused_resnet_training_enabled() on channels-last CUDA tensors, one
+// differentiable kernel into a new tensor; otherwise composite ops.
 at::Tensor add_bias_residual(at::Tensor h, const at::Tensor& bias, const at::Tensor& residual, double scale);
 
 }  // namespace dtune::models
