@@ -451,6 +451,23 @@ TEST(TrainConfigKeys, ChannelsLastTrainsTheSameAdaptersAndRefusesABadSwitch) {
     }
 }
 
+// DTUNE_LORA_CAST_FACTORS (the LoRA factors' compute-dtype copies; the copies themselves are tested
+// in LoRAUnit and CastFactorCopiesGpu): a value that is not a switch stops the run at set-up with
+// the variable named and the accepted values.
+TEST(TrainConfigKeys, LoRACastFactorsRefusesABadSwitch) {
+    test::TempDir dir;
+    setenv("DTUNE_LORA_CAST_FACTORS", "maybe", 1);
+    try {
+        run_trainer(config_with(dir.path(), 1, R"({"model_type": "lora", "lora_rank": 4})"));
+        ADD_FAILURE() << "DTUNE_LORA_CAST_FACTORS=maybe accepted";
+    } catch (const UsageError& e) {
+        EXPECT_NE(std::string(e.what()).find("DTUNE_LORA_CAST_FACTORS='maybe'"), std::string::npos)
+            << e.what();
+        EXPECT_NE(std::string(e.what()).find("0 (off/false"), std::string::npos) << e.what();
+    }
+    unsetenv("DTUNE_LORA_CAST_FACTORS");
+}
+
 // offload_optimizer_device cpu: the same weights as the optimizer on the training device (both on
 // the CPU here, so bit for bit), resume exact, and the logged offload; a bad value is refused.
 TEST(TrainConfigKeys, OffloadOptimizerTrainsTheSameWeightsAndResumes) {

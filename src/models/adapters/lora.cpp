@@ -466,6 +466,8 @@ void LoRAAdapters::refresh_cast_factors(at::ScalarType dtype) {
     };
     if (cast_.empty() || stale(cast_.front())) {
         cast_.clear();
+        cast_to_.clear();
+        cast_from_.clear();
         for (std::size_t i = 0; i < entries_.size(); ++i) {
             LoRALayer& l = *entries_[i].layer;
             if (l.kind() != LoRALayer::Kind::kLinear || l.use_dora()) continue;
@@ -473,23 +475,16 @@ void LoRAAdapters::refresh_cast_factors(at::ScalarType dtype) {
                 continue;  // nothing to cast
             cast_.push_back({i, at::empty_like(l.down(), l.down().options().dtype(dtype)),
                              at::empty_like(l.up(), l.up().options().dtype(dtype))});
+            // The parameters' own handles: set_data on a factor (a dtype or device change) is seen.
+            cast_to_.insert(cast_to_.end(), {cast_.back().down, cast_.back().up});
+            cast_from_.insert(cast_from_.end(), {l.down(), l.up()});
         }
     }
     if (cast_.empty()) return;
-    std::vector<at::Tensor> to, from;
-    to.reserve(2 * cast_.size());
-    from.reserve(2 * cast_.size());
-    for (const CastFactors& c : cast_) {
-        LoRALayer& l = *entries_[c.entry].layer;
-        to.push_back(c.down);
-        from.push_back(l.down());
-        to.push_back(c.up);
-        from.push_back(l.up());
-        l.set_cast_factors(c.down, c.up);
-    }
+    for (const CastFactors& c : cast_) entries_[c.entry].layer->set_cast_factors(c.down, c.up);
     {
         const at::NoGradGuard no_grad;
-        at::_foreach_copy_(to, from);
+        at::_foreach_copy_(cast_to_, cast_from_);
     }
     cast_live_ = true;
 }

@@ -255,6 +255,7 @@ class LoRAAdapters {
         at::Tensor down, up;
     };
     std::vector<CastFactors> cast_;
+    std::vector<at::Tensor> cast_to_, cast_from_;  // the copies and their factors, in one list each
     bool cast_live_ = false;
 };
 
