@@ -49,8 +49,18 @@ at::Tensor float_or_undefined(const at::Tensor& t) {
     return t.defined() ? t.to(at::kFloat).contiguous() : t;
 }
 
+// An optional float32 input of the autograd functions below, always defined: autograd (torch 2.11)
+// cannot record an undefined tensor input, so "none" is an empty tensor.
+at::Tensor float_or_empty(const at::Tensor& t, const at::Tensor& like) {
+    return t.defined() ? t.to(at::kFloat).contiguous() : at::empty({0}, like.options().dtype(at::kFloat));
+}
+
+bool present(const at::Tensor& t) {
+    return t.defined() && t.numel() > 0;
+}
+
 const float* float_ptr(const at::Tensor& t) {
-    return t.defined() ? t.const_data_ptr<float>() : nullptr;
+    return present(t) ? t.const_data_ptr<float>() : nullptr;
 }
 
 // A non-empty 4-D channels-last CUDA tensor the kernels read (float32, bf16 or fp16, 16-byte aligned).
@@ -63,7 +73,7 @@ bool nhwc_cuda(const at::Tensor& t) {
 }
 
 // act(GroupNorm(x + in_bias)) on channels-last CUDA x, differentiable in x, weight and bias (all
-// defined) and in_bias (undefined, or float32 [C] or [N, C], contiguous). Saves x, the affine
+// defined) and in_bias (empty, or float32 [C] or [N, C], contiguous). Saves x, the affine
 // weights, in_bias and each group's float32 mean and 1/std (no output).
 struct GroupNormActFunction : public torch::autograd::Function<GroupNormActFunction> {
     static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
@@ -82,7 +92,7 @@ struct GroupNormActFunction : public torch::autograd::Function<GroupNormActFunct
         a.x = x.const_data_ptr();
         a.out = out.mutable_data_ptr();
         a.in_bias = float_ptr(in_bias);
-        a.in_bias_per_sample = in_bias.defined() && in_bias.dim() == 2;
+        a.in_bias_per_sample = present(in_bias) && in_bias.dim() == 2;
         a.weight = float_ptr(w);
         a.bias = float_ptr(b);
         a.n = n, a.hw = hw, a.c = c, a.groups = groups;
@@ -122,7 +132,7 @@ struct GroupNormActFunction : public torch::autograd::Function<GroupNormActFunct
         a.dx = dx.mutable_data_ptr();
         a.mean_rstd = mean_rstd.const_data_ptr<float>();
         a.in_bias = float_ptr(in_bias);
-        a.in_bias_per_sample = in_bias.defined() && in_bias.dim() == 2;
+        a.in_bias_per_sample = present(in_bias) && in_bias.dim() == 2;
         a.weight = float_ptr(w);
         a.bias = float_ptr(b);
         a.dweight_nc = need_w ? dw_nc.mutable_data_ptr<float>() : nullptr;
@@ -136,7 +146,7 @@ struct GroupNormActFunction : public torch::autograd::Function<GroupNormActFunct
                      "GroupNorm backward");
         // x + in_bias's gradient is dx's: summed over the pixels (and the samples for a [C] bias).
         at::Tensor d_in;
-        if (ctx->needs_input_grad(3))
+        if (ctx->needs_input_grad(3) && present(in_bias))
             d_in =
                 in_bias.dim() == 2 ? dx.sum({2, 3}, false, at::kFloat) : dx.sum({0, 2, 3}, false, at::kFloat);
         return {ctx->needs_input_grad(0) ? dx : at::Tensor(),
@@ -151,7 +161,7 @@ struct GroupNormActFunction : public torch::autograd::Function<GroupNormActFunct
 
 // (h + bias + residual) * scale for training on channels-last CUDA tensors: the NHWC kernel into
 // a new tensor; backward hands dout * scale to h and residual (the same tensor) and its pixel sums
-// to bias (float32 [C], or undefined).
+// to bias (float32 [C]); bias and residual may be empty (none).
 struct AddBiasResidualFunction : public torch::autograd::Function<AddBiasResidualFunction> {
     static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& h,
                               const at::Tensor& bias, const at::Tensor& residual, double scale) {
@@ -160,7 +170,7 @@ struct AddBiasResidualFunction : public torch::autograd::Function<AddBiasResidua
         at::Tensor out = at::empty_like(h, at::MemoryFormat::ChannelsLast);
         check_launch(
             cuda::add_bias_residual_nhwc(
-                h.const_data_ptr(), float_ptr(bias), residual.defined() ? residual.const_data_ptr() : nullptr,
+                h.const_data_ptr(), float_ptr(bias), present(residual) ? residual.const_data_ptr() : nullptr,
                 out.mutable_data_ptr(), h.numel() / h.size(1), h.size(1), static_cast<float>(scale),
                 kernel_dtype(h.scalar_type(), "add_bias_residual"), current_stream_of(h)),
             "add_bias_residual", "add");
@@ -173,6 +183,7 @@ struct AddBiasResidualFunction : public torch::autograd::Function<AddBiasResidua
         const double scale = ctx->saved_data["scale"].toDouble();
         const at::Tensor g = scale == 1.0 ? grads[0] : grads[0] * scale;
         const at::Tensor db = ctx->needs_input_grad(1) ? g.sum({0, 2, 3}, false, at::kFloat) : at::Tensor();
+        // (an empty bias or residual takes no gradient: needs_input_grad is false for it)
         return {ctx->needs_input_grad(0) ? g : at::Tensor(), db, ctx->needs_input_grad(2) ? g : at::Tensor(),
                 at::Tensor()};
     }
@@ -246,7 +257,7 @@ at::Tensor group_norm_act(torch::nn::GroupNormImpl& norm, const at::Tensor& x, c
          ((in_bias.dim() == 1 && in_bias.size(0) == x.size(1)) ||
           (in_bias.dim() == 2 && in_bias.size(0) == x.size(0) && in_bias.size(1) == x.size(1))));
     if (bias_ok && !fused_inference_ready(x) && fused_group_norm_training_ready(norm, x))
-        return GroupNormActFunction::apply(x, norm.weight, norm.bias, float_or_undefined(in_bias),
+        return GroupNormActFunction::apply(x, norm.weight, norm.bias, float_or_empty(in_bias, x),
                                            norm.options.num_groups(), norm.options.eps(), silu);
     const int64_t groups = norm.options.num_groups();
     if (fused_inference_ready(x) && x.numel() > 0 &&
@@ -301,7 +312,8 @@ at::Tensor add_bias_residual(at::Tensor h, const at::Tensor& bias, const at::Ten
                                  residual.is_contiguous(at::MemoryFormat::ChannelsLast) &&
                                  reinterpret_cast<uintptr_t>(residual.const_data_ptr()) % 16 == 0)) &&
         (!bias.defined() || (bias.dim() == 1 && bias.size(0) == h.size(1) && bias.device() == h.device())))
-        return AddBiasResidualFunction::apply(h, float_or_undefined(bias), residual, scale);
+        return AddBiasResidualFunction::apply(h, float_or_empty(bias, h),
+                                              residual.defined() ? residual : at::empty({0}, h.options()), scale);
 #endif
     at::Tensor out = bias.defined() ? h + channel_view(bias, h).to(h.scalar_type()) : h;
     if (residual.defined()) out = residual + out;
