@@ -23,6 +23,7 @@
 #include "data/cache_codec.h"
 #include "family/data_encoders.h"
 #include "models/common/group_norm_act.h"
+#include "models/common/lora_dropout.h"
 #include "models/common/quantize.h"
 #include "models/common/weights.h"
 #include "train/adapters.h"
@@ -371,6 +372,9 @@ void Trainer::init_common() {
     const bool adapters_only = config_.text("model_type") == "lora";
     const bool channels_last = channels_last_requested(device_, adapters_only);
     lora_cast_factors_ = lora_cast_factors_requested();
+    // The kernel switches read on first use: a bad value stops the run here, not in a backward pass.
+    (void)models::lora_dropout_kernels_mode();
+    (void)models::lora_split_sum_in_kernel();
     // Trained 4-D weights in NHWC order: the sharded and data-parallel paths flatten parameters and
     // gradients as contiguous NCHW (ZeRO's sync, the gradient all-reduce), so one rank only.
     DTUNE_CHECK_AS(UsageError, !channels_last || adapters_only || dp_->world_size() == 1,

