@@ -2,10 +2,8 @@
 // composite ops the fused LoRA functions used before the kernels.
 #include "models/common/lora_dropout.h"
 
-#include <array>
 #include <atomic>
 #include <cstdlib>
-#include <mutex>
 #include <optional>
 
 #include "core/error.h"
@@ -14,7 +12,6 @@
 #include "models/common/hash_dropout_math.h"
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "models/common/cuda_launch.h"
@@ -43,21 +40,6 @@ std::atomic<LoRADropoutKernels>& kernels_mode() {
     return mode;
 }
 
-// Whether the masked down-projection's gradient sums its row splits inside its own launch
-// (DTUNE_LORA_SPLIT_SUM: unset or 1 yes, 0 a second kernel; read on first use).
-std::atomic<int>& split_sum_mode() {
-    static std::atomic<int> mode{[] {
-        const char* v = std::getenv("DTUNE_LORA_SPLIT_SUM");
-        if (v == nullptr || *v == '\0') return 1;
-        const std::optional<bool> b = parse_fused_kernels_value(v);
-        DTUNE_CHECK_AS(UsageError, b.has_value(), "DTUNE_LORA_SPLIT_SUM=", v,
-                       " is not a choice: leave it unset or use 1 (the LoRA down-projection's gradient "
-                       "adds its row splits in the same kernel) or 0 (in a second kernel)");
-        return *b ? 1 : 0;
-    }()};
-    return mode;
-}
-
 bool active(const LoRADropoutMask& m) {
     return m.seed.defined() && m.p > 0.0;
 }
@@ -78,35 +60,6 @@ cuda::DropoutRule rule_of(const LoRADropoutMask& m, const at::Tensor& x) {
         k.sizes() == at::IntArrayRef{x.size(0), x.size(1) / 8})
         rule.keep_in = k.const_data_ptr<uint8_t>();
     return rule;
-}
-
-// `tiles` zeroed arrival counters for lora_masked_down_grad on x's device: slices of one buffer
-// per device (made once, outside any CUDA graph capture; every launch leaves its counters at zero),
-// handed out in turn so that launches on different streams do not share them. nullptr where the
-// buffer does not exist yet and a capture is under way, or where the switch is off: the caller
-// then sums in a second kernel.
-unsigned* split_counters(const at::Tensor& x, int64_t tiles) {
-    constexpr int kDevices = 64;
-    constexpr int64_t kSlots = int64_t{1} << 16;
-    struct Slots {
-        std::mutex mutex;
-        std::array<at::Tensor, kDevices> buffers;
-        std::array<int64_t, kDevices> next{};
-    };
-    static auto* slots = new Slots;  // never destroyed: outlives the CUDA context's teardown at exit
-    const int d = x.get_device();
-    if (!lora_split_sum_in_kernel() || d < 0 || d >= kDevices || tiles > kSlots) return nullptr;
-    const std::lock_guard<std::mutex> lock(slots->mutex);
-    at::Tensor& buffer = slots->buffers[d];
-    if (!buffer.defined()) {
-        if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return nullptr;
-        buffer = at::zeros({kSlots}, x.options().dtype(at::kInt));
-    }
-    int64_t& next = slots->next[d];
-    if (next + tiles > kSlots) next = 0;
-    auto* counters = reinterpret_cast<unsigned*>(buffer.mutable_data_ptr<int>() + next);
-    next += tiles;
-    return counters;
 }
 
 bool aligned16(const at::Tensor& t) {
@@ -133,14 +86,6 @@ bool input_ok(const at::Tensor& x2) {
 #endif
 
 }  // namespace
-
-void set_lora_split_sum_in_kernel(bool in_kernel) {
-    split_sum_mode() = in_kernel ? 1 : 0;
-}
-
-bool lora_split_sum_in_kernel() {
-    return split_sum_mode() == 1;
-}
 
 void set_lora_dropout_kernels(LoRADropoutKernels mode) {
     kernels_mode() = mode;
@@ -211,9 +156,8 @@ at::Tensor lora_masked_down_grad(const at::Tensor& gh, const at::Tensor& x2, con
             at::empty({cuda::lora_masked_down_grad_splits(n, k, kt), r, k}, x2.options().dtype(at::kFloat));
         check_launch(
             cuda::lora_masked_down_grad(gh.const_data_ptr(), gh.stride(0), x2.const_data_ptr(),
-                                        partials.mutable_data_ptr<float>(), da.mutable_data_ptr<float>(),
-                                        split_counters(x2, cuda::lora_masked_down_grad_counters(k)), n, k, r,
-                                        rule_of(m, x2), kt, current_stream_of(x2)),
+                                        partials.mutable_data_ptr<float>(), da.mutable_data_ptr<float>(), n,
+                                        k, r, rule_of(m, x2), kt, current_stream_of(x2)),
             "lora_masked_down_grad", "backward");
         return da.to(out_dtype);
     }

@@ -55,13 +55,9 @@ void lora_masked_down_out(at::Tensor& h, const at::Tensor& x2, const at::Tensor&
                           at::Tensor* keep = nullptr);
 
 // dA [r, in] = ghᵀ·(mask ⊙ x2), returned in `out_dtype` (the factor's; the kernel accumulates in
-// float32 and is deterministic run to run). The tensor-core kernel adds its row splits' partial sums
-// in the same launch (the last block of each column tile; DTUNE_LORA_SPLIT_SUM=0 or the setter: in a
-// second kernel, the same bits). The setter is for tests and benchmarks.
+// float32 and is deterministic run to run).
 at::Tensor lora_masked_down_grad(const at::Tensor& gh, const at::Tensor& x2, const LoRADropoutMask& m,
                                  at::ScalarType out_dtype);
-void set_lora_split_sum_in_kernel(bool in_kernel);
-bool lora_split_sum_in_kernel();
 
 // dx += mask ⊙ (gh·a), rounded once; dx contiguous [N, in] in x2's dtype.
 void lora_masked_up_add_(at::Tensor& dx, const at::Tensor& gh, const at::Tensor& a, const LoRADropoutMask& m);

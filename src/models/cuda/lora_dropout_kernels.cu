@@ -10,8 +10,7 @@
 //   - tc_masked_up_add: a block owns a 64 x 64 tile of dx; gh · a goes through shared memory, where
 //     the mask is applied on the way to the read-modify-write of dx.
 //   - tc_masked_down_grad: a block owns 64 columns and a range of rows (a multiple of 64); one
-//     partial per block, summed in a fixed order (the same bits run to run) by the column tile's
-//     last block to finish (arrival counters), or by a second kernel where no counters are given.
+//     partial per block, summed in a fixed order by a second kernel (the same bits run to run).
 // - float32 (and 16-bit types before sm_80): plain FMAs on CUDA cores.
 //   - masked_down, masked_up_add: one warp takes R rows at once (R · r <= 64 accumulators per lane),
 //     each lane a 16-byte pack of columns at a time; a is read through L1 (r · k elements, shared by
@@ -449,8 +448,7 @@ __global__ void __launch_bounds__(kTcThreads)
 template <typename T, int RT>
 __global__ void __launch_bounds__(kTcThreads)
     tc_masked_down_grad_kernel(const T* __restrict__ gh, int64_t ldg, const T* __restrict__ x,
-                               float* __restrict__ partials, float* __restrict__ da,
-                               unsigned* __restrict__ counters, int64_t n, int64_t k, int r,
+                               float* __restrict__ partials, int64_t n, int64_t k, int r,
                                int64_t rows_per_split, DropoutRule rule) {
 #ifdef DTUNE_TC_LORA
     constexpr int RP = 16 * RT, BM = 64, kGp = RP + 8;
@@ -494,38 +492,10 @@ __global__ void __launch_bounds__(kTcThreads)
     for (int t = 0; t < RT; ++t)
         wmma::store_matrix_sync(os + t * 16 * kOutPitch + warp * 16, acc[t], kOutPitch, wmma::mem_row_major);
     __syncthreads();
-    const int64_t plane = static_cast<int64_t>(r) * k;
-    float* out = partials + static_cast<int64_t>(blockIdx.y) * plane;
+    float* out = partials + static_cast<int64_t>(blockIdx.y) * r * k;
     for (int e = threadIdx.x; e < r * kChunk; e += kTcThreads) {
         const int j = e / kChunk, col = e % kChunk;
         if (c0 + col < k) out[j * k + c0 + col] = os[j * kOutPitch + col];
-    }
-    if (counters == nullptr) return;  // sum_splits_kernel adds the partials
-    // The last of the column tile's blocks to finish adds every split's partial in split order (the
-    // bits sum_splits_kernel gives) and puts the tile's counter back to zero for the next launch.
-    __shared__ bool last;
-    __threadfence();  // this thread's partials are visible device-wide before the block counts in
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        last = atomicAdd(counters + blockIdx.x, 1u) == gridDim.y - 1;
-        if (last) counters[blockIdx.x] = 0;
-    }
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    constexpr int kQuads = kChunk / 4;
-    for (int e = threadIdx.x; e < r * kQuads; e += kTcThreads) {
-        const int j = e / kQuads;
-        const int64_t c = c0 + 4 * (e % kQuads);
-        if (c >= k) continue;  // k is a multiple of 8: a quad is wholly in or out
-        const float* p = partials + j * k + c;
-        float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll 8
-        for (unsigned q = 0; q < gridDim.y; ++q) {
-            const float4 v = __ldcg(reinterpret_cast<const float4*>(p + q * plane));  // L2: other SMs wrote it
-            sum.x += v.x, sum.y += v.y, sum.z += v.z, sum.w += v.w;
-        }
-        *reinterpret_cast<float4*>(da + j * k + c) = sum;
     }
 #else
     __trap();
@@ -657,8 +627,8 @@ int launch_up_add(void* dx, const void* gh, int64_t ldg, const void* a, int64_t 
 }
 
 template <typename T>
-int launch_down_grad(const void* gh, int64_t ldg, const void* x, float* partials, float* da, unsigned* counters,
-                     int64_t n, int64_t k, int64_t r, const DropoutRule& rule, cudaStream_t s) {
+int launch_down_grad(const void* gh, int64_t ldg, const void* x, float* partials, float* da, int64_t n,
+                     int64_t k, int64_t r, const DropoutRule& rule, cudaStream_t s) {
     if constexpr (kSixteenBit<T>) {
         if (tensor_cores()) {
             const int64_t per = tc_rows_per_split(n, k), splits = (n + per - 1) / per;
@@ -668,18 +638,18 @@ int launch_down_grad(const void* gh, int64_t ldg, const void* x, float* partials
             const int ri = static_cast<int>(r);
             if (r <= 16)
                 tc_masked_down_grad_kernel<T, 1>
-                    <<<grid, kTcThreads, 0, s>>>(gp, ldg, xp, partials, da, counters, n, k, ri, per, rule);
+                    <<<grid, kTcThreads, 0, s>>>(gp, ldg, xp, partials, n, k, ri, per, rule);
             else if (r <= 32)
                 tc_masked_down_grad_kernel<T, 2>
-                    <<<grid, kTcThreads, 0, s>>>(gp, ldg, xp, partials, da, counters, n, k, ri, per, rule);
+                    <<<grid, kTcThreads, 0, s>>>(gp, ldg, xp, partials, n, k, ri, per, rule);
             else if (r <= 48)
                 tc_masked_down_grad_kernel<T, 3>
-                    <<<grid, kTcThreads, 0, s>>>(gp, ldg, xp, partials, da, counters, n, k, ri, per, rule);
+                    <<<grid, kTcThreads, 0, s>>>(gp, ldg, xp, partials, n, k, ri, per, rule);
             else
                 tc_masked_down_grad_kernel<T, 4>
-                    <<<grid, kTcThreads, 0, s>>>(gp, ldg, xp, partials, da, counters, n, k, ri, per, rule);
+                    <<<grid, kTcThreads, 0, s>>>(gp, ldg, xp, partials, n, k, ri, per, rule);
             const int err = static_cast<int>(cudaGetLastError());
-            if (err != 0 || counters != nullptr) return err;
+            if (err != 0) return err;
             sum_splits_kernel<<<blocks_for(r * k, 256), 256, 0, s>>>(partials, da, r * k, splits);
             return static_cast<int>(cudaGetLastError());
         }
@@ -718,17 +688,14 @@ int64_t lora_masked_down_grad_splits(int64_t n, int64_t k, KernelDtype dtype) {
     return (n + per - 1) / per;
 }
 
-int lora_masked_down_grad(const void* gh, int64_t ldg, const void* x, float* partials, float* da,
-                          unsigned* counters, int64_t n, int64_t k, int64_t r, const DropoutRule& rule,
-                          KernelDtype dtype, void* stream) {
+int lora_masked_down_grad(const void* gh, int64_t ldg, const void* x, float* partials, float* da, int64_t n,
+                          int64_t k, int64_t r, const DropoutRule& rule, KernelDtype dtype, void* stream) {
     auto s = static_cast<cudaStream_t>(stream);
     switch (dtype) {
-        case KernelDtype::kFloat:
-            return launch_down_grad<float>(gh, ldg, x, partials, da, counters, n, k, r, rule, s);
+        case KernelDtype::kFloat: return launch_down_grad<float>(gh, ldg, x, partials, da, n, k, r, rule, s);
         case KernelDtype::kBFloat16:
-            return launch_down_grad<__nv_bfloat16>(gh, ldg, x, partials, da, counters, n, k, r, rule, s);
-        case KernelDtype::kHalf:
-            return launch_down_grad<__half>(gh, ldg, x, partials, da, counters, n, k, r, rule, s);
+            return launch_down_grad<__nv_bfloat16>(gh, ldg, x, partials, da, n, k, r, rule, s);
+        case KernelDtype::kHalf: return launch_down_grad<__half>(gh, ldg, x, partials, da, n, k, r, rule, s);
     }
     return static_cast<int>(cudaErrorInvalidValue);
 }

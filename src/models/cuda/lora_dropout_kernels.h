@@ -48,18 +48,10 @@ int lora_masked_down(const void* x, const void* a, void* h, int64_t ldh, int64_t
 // device: `partials` holds splits · r · k floats.
 int64_t lora_masked_down_grad_splits(int64_t n, int64_t k, KernelDtype dtype);
 
-// The arrival counters lora_masked_down_grad needs: one per 64 columns of x.
-inline int64_t lora_masked_down_grad_counters(int64_t k) {
-    return (k + 63) / 64;
-}
-
 // da [r, k] (float32) = ghᵀ · (mask ⊙ x): per-split partial sums into `partials`, then their sum in
-// a fixed order (deterministic run to run). With `counters` (lora_masked_down_grad_counters(k)
-// unsigned ints, zero on entry and left at zero; the tensor-core kernels only) the last block of
-// each column tile sums them in the same launch; without, a second kernel does.
-int lora_masked_down_grad(const void* gh, int64_t ldg, const void* x, float* partials, float* da,
-                          unsigned* counters, int64_t n, int64_t k, int64_t r, const DropoutRule& rule,
-                          KernelDtype dtype, void* stream);
+// a fixed order (deterministic run to run).
+int lora_masked_down_grad(const void* gh, int64_t ldg, const void* x, float* partials, float* da, int64_t n,
+                          int64_t k, int64_t r, const DropoutRule& rule, KernelDtype dtype, void* stream);
 
 // dx += mask ⊙ (gh · a), rounded once to `dtype`; gh · a is never stored.
 int lora_masked_up_add(void* dx, const void* gh, int64_t ldg, const void* a, int64_t n, int64_t k, int64_t r,
