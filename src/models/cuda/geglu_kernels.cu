@@ -3,7 +3,6 @@
 // float, one rounding per output element. Loads and stores are 16-byte vectors when d and the
 // pointers allow it (d = 2560 / 5120 in SDXL), else one element per thread.
 #include <cstdint>
-#include <cstdlib>
 
 #include "models/common/geglu_math.h"
 #include "models/cuda/geglu_kernels.h"
@@ -12,87 +11,46 @@
 namespace dtune::models::cuda {
 namespace {
 
-// Each thread takes U packs of V elements, a block's threads consecutive packs for each u: the U
-// packs' loads are all issued before any arithmetic, so more bytes are in flight per thread.
-// 256-thread blocks, at least four per SM (at most 64 registers a thread).
-template <typename T, int V, int U>
-__global__ void __launch_bounds__(256, 4) geglu_forward_kernel(const T* __restrict__ proj, T* __restrict__ out, int64_t rows,
+template <typename T, int V>
+__global__ void geglu_forward_kernel(const T* __restrict__ proj, T* __restrict__ out, int64_t rows,
                                      int64_t d) {
     const int64_t packs_per_row = d / V, total = rows * packs_per_row;
-    const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * U;
-    for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * U + threadIdx.x; base < total;
-         base += step) {
-        Pack<T, V> h[U], g[U];
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t r = i / packs_per_row, c = (i - r * packs_per_row) * V;
+        const T* row = proj + r * 2 * d;
+        const Pack<T, V> h = *reinterpret_cast<const Pack<T, V>*>(row + c);
+        const Pack<T, V> g = *reinterpret_cast<const Pack<T, V>*>(row + d + c);
+        Pack<T, V> o;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
-            if (i >= total) break;
-            const int64_t r = i / packs_per_row, c = (i - r * packs_per_row) * V;
-            const T* row = proj + r * 2 * d;
-            h[u] = *reinterpret_cast<const Pack<T, V>*>(row + c);
-            g[u] = *reinterpret_cast<const Pack<T, V>*>(row + d + c);
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
-            if (i >= total) break;
-            const int64_t r = i / packs_per_row, c = (i - r * packs_per_row) * V;
-            Pack<T, V> o;
-#pragma unroll
-            for (int k = 0; k < V; ++k)
-                o.v[k] = from_float<T>(to_float(h[u].v[k]) * geglu_math::gelu(to_float(g[u].v[k])));
-            *reinterpret_cast<Pack<T, V>*>(out + r * d + c) = o;
-        }
+        for (int k = 0; k < V; ++k)
+            o.v[k] = from_float<T>(to_float(h.v[k]) * geglu_math::gelu(to_float(g.v[k])));
+        *reinterpret_cast<Pack<T, V>*>(out + r * d + c) = o;
     }
 }
 
-// At least three per SM in backward (85 registers: U = 2 holds six packs without spilling).
-template <typename T, int V, int U>
-__global__ void __launch_bounds__(256, 3) geglu_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ proj,
+template <typename T, int V>
+__global__ void geglu_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ proj,
                                       T* __restrict__ grad_proj, int64_t rows, int64_t d) {
     const int64_t packs_per_row = d / V, total = rows * packs_per_row;
-    const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * U;
-    for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x * U + threadIdx.x; base < total;
-         base += step) {
-        Pack<T, V> h[U], g[U], go[U];
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+         i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+        const int64_t r = i / packs_per_row, c = (i - r * packs_per_row) * V;
+        const T* row = proj + r * 2 * d;
+        const Pack<T, V> h = *reinterpret_cast<const Pack<T, V>*>(row + c);
+        const Pack<T, V> g = *reinterpret_cast<const Pack<T, V>*>(row + d + c);
+        const Pack<T, V> go = *reinterpret_cast<const Pack<T, V>*>(grad_out + r * d + c);
+        Pack<T, V> gh, gg;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
-            if (i >= total) break;
-            const int64_t r = i / packs_per_row, c = (i - r * packs_per_row) * V;
-            const T* row = proj + r * 2 * d;
-            h[u] = *reinterpret_cast<const Pack<T, V>*>(row + c);
-            g[u] = *reinterpret_cast<const Pack<T, V>*>(row + d + c);
-            go[u] = *reinterpret_cast<const Pack<T, V>*>(grad_out + r * d + c);
+        for (int k = 0; k < V; ++k) {
+            const float gate = to_float(g.v[k]), up = to_float(go.v[k]);
+            gh.v[k] = from_float<T>(up * geglu_math::gelu(gate));
+            gg.v[k] = from_float<T>(up * to_float(h.v[k]) * geglu_math::gelu_grad(gate));
         }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int64_t i = base + static_cast<int64_t>(u) * blockDim.x;
-            if (i >= total) break;
-            const int64_t r = i / packs_per_row, c = (i - r * packs_per_row) * V;
-            Pack<T, V> gh, gg;
-#pragma unroll
-            for (int k = 0; k < V; ++k) {
-                const float gate = to_float(g[u].v[k]), up = to_float(go[u].v[k]);
-                gh.v[k] = from_float<T>(up * geglu_math::gelu(gate));
-                gg.v[k] = from_float<T>(up * to_float(h[u].v[k]) * geglu_math::gelu_grad(gate));
-            }
-            T* grow = grad_proj + r * 2 * d;
-            *reinterpret_cast<Pack<T, V>*>(grow + c) = gh;
-            *reinterpret_cast<Pack<T, V>*>(grow + d + c) = gg;
-        }
+        T* grow = grad_proj + r * 2 * d;
+        *reinterpret_cast<Pack<T, V>*>(grow + c) = gh;
+        *reinterpret_cast<Pack<T, V>*>(grow + d + c) = gg;
     }
-}
-
-// Packs per thread of the vectorised kernels: DTUNE_GEGLU_PACKS (1, 2 or 4; read once), default 2.
-int packs_per_thread() {
-    static const int packs = [] {
-        const char* v = std::getenv("DTUNE_GEGLU_PACKS");
-        if (v == nullptr || *v == '\0') return 2;
-        const int n = std::atoi(v);
-        return n == 1 || n == 4 ? n : 2;
-    }();
-    return packs;
 }
 
 template <typename T>
@@ -100,23 +58,11 @@ int launch_forward(const void* proj, void* out, int64_t rows, int64_t d, cudaStr
     constexpr int kVec = 16 / sizeof(T), kThreads = 256;
     auto* p = static_cast<const T*>(proj);
     auto* o = static_cast<T*>(out);
-    if (d % kVec == 0 && aligned16(proj) && aligned16(out)) {
-        const int64_t packs = rows * d / kVec;
-        switch (packs_per_thread()) {
-            case 1:
-                geglu_forward_kernel<T, kVec, 1><<<blocks_for(packs, kThreads), kThreads, 0, s>>>(p, o, rows, d);
-                break;
-            case 4:
-                geglu_forward_kernel<T, kVec, 4>
-                    <<<blocks_for((packs + 3) / 4, kThreads), kThreads, 0, s>>>(p, o, rows, d);
-                break;
-            default:
-                geglu_forward_kernel<T, kVec, 2>
-                    <<<blocks_for((packs + 1) / 2, kThreads), kThreads, 0, s>>>(p, o, rows, d);
-        }
-    } else {
-        geglu_forward_kernel<T, 1, 1><<<blocks_for(rows * d, kThreads), kThreads, 0, s>>>(p, o, rows, d);
-    }
+    if (d % kVec == 0 && aligned16(proj) && aligned16(out))
+        geglu_forward_kernel<T, kVec>
+            <<<blocks_for(rows * d / kVec, kThreads), kThreads, 0, s>>>(p, o, rows, d);
+    else
+        geglu_forward_kernel<T, 1><<<blocks_for(rows * d, kThreads), kThreads, 0, s>>>(p, o, rows, d);
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -127,24 +73,11 @@ int launch_backward(const void* grad_out, const void* proj, void* grad_proj, int
     auto* go = static_cast<const T*>(grad_out);
     auto* p = static_cast<const T*>(proj);
     auto* gp = static_cast<T*>(grad_proj);
-    if (d % kVec == 0 && aligned16(grad_out) && aligned16(proj) && aligned16(grad_proj)) {
-        const int64_t packs = rows * d / kVec;
-        switch (packs_per_thread()) {
-            case 1:
-                geglu_backward_kernel<T, kVec, 1>
-                    <<<blocks_for(packs, kThreads), kThreads, 0, s>>>(go, p, gp, rows, d);
-                break;
-            case 4:
-                geglu_backward_kernel<T, kVec, 4>
-                    <<<blocks_for((packs + 3) / 4, kThreads), kThreads, 0, s>>>(go, p, gp, rows, d);
-                break;
-            default:
-                geglu_backward_kernel<T, kVec, 2>
-                    <<<blocks_for((packs + 1) / 2, kThreads), kThreads, 0, s>>>(go, p, gp, rows, d);
-        }
-    } else {
-        geglu_backward_kernel<T, 1, 1><<<blocks_for(rows * d, kThreads), kThreads, 0, s>>>(go, p, gp, rows, d);
-    }
+    if (d % kVec == 0 && aligned16(grad_out) && aligned16(proj) && aligned16(grad_proj))
+        geglu_backward_kernel<T, kVec>
+            <<<blocks_for(rows * d / kVec, kThreads), kThreads, 0, s>>>(go, p, gp, rows, d);
+    else
+        geglu_backward_kernel<T, 1><<<blocks_for(rows * d, kThreads), kThreads, 0, s>>>(go, p, gp, rows, d);
     return static_cast<int>(cudaGetLastError());
 }
 
