@@ -372,9 +372,10 @@ void Trainer::init_common() {
     const bool adapters_only = config_.text("model_type") == "lora";
     const bool channels_last = channels_last_requested(device_, adapters_only);
     lora_cast_factors_ = lora_cast_factors_requested();
-    // DTUNE_LORA_DROPOUT_KERNELS is read on first use: a bad value stops the run here, not in a
-    // backward pass.
+    // DTUNE_LORA_DROPOUT_KERNELS and DTUNE_FUSED_RESNET_TRAINING are read on first use: a bad value
+    // stops the run here, not in the first forward or backward pass.
     (void)models::lora_dropout_kernels_mode();
+    (void)models::fused_resnet_training_enabled();
     // Trained 4-D weights in NHWC order: the sharded and data-parallel paths flatten parameters and
     // gradients as contiguous NCHW (ZeRO's sync, the gradient all-reduce), so one rank only.
     DTUNE_CHECK_AS(UsageError, !channels_last || adapters_only || dp_->world_size() == 1,
