@@ -72,6 +72,10 @@ struct AttentionCase {
     bool bias = false;
     double dropout = 0.0;
     bool autocast_bf16 = false;  // bf16 base, float32 factors, CPU autocast (how dtune trains)
+    // The factors' bf16 copies (LoRAAdapters::refresh_cast_factors, as a bf16 training step makes
+    // them), taken before the factors are tripled in place: a run that reads the copies gives the
+    // bits of a run without them, one that reads the factors does not.
+    bool stale_copies = false;
 };
 
 // One forward/backward of an SDXL-shaped attention (2 heads of 16) with LoRA on q/k/v/out, through the
@@ -97,6 +101,11 @@ QkvRun run_attention(const AttentionCase& c, bool fused, bool expect_fused = tru
     }
     EXPECT_EQ(pack_lora_projection_groups(root), 1);  // .to() gave each weight its own storage again
     randomise(adapters);
+    if (c.stale_copies) {
+        adapters.refresh_cast_factors(at::kBFloat16);
+        at::NoGradGuard no_grad;
+        for (auto& t : adapters.parameters()) t.mul_(3.0);
+    }
     root.train();
     if (c.dropout > 0) adapters.set_dropout_seed(11);
     const auto opts = at::TensorOptions().dtype(dtype);
@@ -154,6 +163,20 @@ TEST(LoRAQkv, Bf16AutocastMatchesLayerByLayer) {
         for (std::size_t i = 1; i < fused.grads.size(); ++i)
             EXPECT_EQ(fused.grads[i].scalar_type(), at::kFloat);
         EXPECT_LE(worst_relative(fused, plain), 3e-2);
+    }
+}
+
+// With the factors' bf16 copies (a bf16 training step refreshes them as its forward starts) the
+// fused function reads them, A_q; A_k; A_v as one view of the copies' buffer and each B: the bits
+// of the run that casts the factors itself, though the factors changed after the copies were made.
+TEST(LoRAQkv, Bf16FactorCopiesAreWhatTheFusedFunctionReads) {
+    for (const double dropout : {0.0, 0.5}) {
+        SCOPED_TRACE(dropout);
+        const QkvRun cast = run_attention({false, true, dropout, true}, true);
+        const QkvRun copied = run_attention({false, true, dropout, true, /*stale_copies=*/true}, true);
+        EXPECT_TRUE(at::equal(copied.y, cast.y));
+        ASSERT_EQ(copied.grads.size(), cast.grads.size());
+        for (std::size_t i = 0; i < cast.grads.size(); ++i) EXPECT_TRUE(at::equal(copied.grads[i], cast.grads[i])) << i;
     }
 }
 

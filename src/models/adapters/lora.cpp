@@ -464,17 +464,37 @@ void LoRAAdapters::refresh_cast_factors(at::ScalarType dtype) {
         return c.down.scalar_type() != dtype || c.down.device() != l.down().device() ||
                c.up.device() != l.up().device();
     };
+    auto slot = [](int64_t numel) { return (numel + 63) / 64 * 64; };
     if (cast_.empty() || stale(cast_.front())) {
         cast_.clear();
         cast_to_.clear();
         cast_from_.clear();
+        std::vector<std::size_t> taking;
+        int64_t down_numel = 0;
+        bool one_device = true;
         for (std::size_t i = 0; i < entries_.size(); ++i) {
             LoRALayer& l = *entries_[i].layer;
             if (l.kind() != LoRALayer::Kind::kLinear || l.use_dora()) continue;
             if (l.down().scalar_type() == dtype && l.up().scalar_type() == dtype)
                 continue;  // nothing to cast
-            cast_.push_back({i, at::empty_like(l.down(), l.down().options().dtype(dtype)),
-                             at::empty_like(l.up(), l.up().options().dtype(dtype))});
+            taking.push_back(i);
+            down_numel += slot(l.down().numel());
+            one_device = one_device && l.down().device() == entries_[taking.front()].layer->down().device();
+        }
+        // A's copies back to back in one buffer, in adapter order: a q/k/v group's three are then one
+        // [3r, in] matrix to the fused projections (lora_qkv.h), with no concatenation per forward.
+        // Each starts on a 64-element boundary (the kernels' 16-byte loads; SDXL's r · in is a
+        // multiple of 64, so no gaps there).
+        at::Tensor downs;
+        if (!taking.empty() && one_device)
+            downs = at::empty({down_numel}, entries_[taking.front()].layer->down().options().dtype(dtype));
+        int64_t at_down = 0;
+        for (const std::size_t i : taking) {
+            LoRALayer& l = *entries_[i].layer;
+            at::Tensor down = downs.defined() ? downs.narrow(0, at_down, l.down().numel()).view(l.down().sizes())
+                                              : at::empty_like(l.down(), l.down().options().dtype(dtype));
+            at_down += slot(l.down().numel());
+            cast_.push_back({i, down, at::empty_like(l.up(), l.up().options().dtype(dtype))});
             // The parameters' own handles: set_data on a factor (a dtype or device change) is seen.
             cast_to_.insert(cast_to_.end(), {cast_.back().down, cast_.back().up});
             cast_from_.insert(cast_from_.end(), {l.down(), l.up()});

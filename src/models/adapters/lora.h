@@ -113,6 +113,8 @@ class LoRALayer : public LayerAdapter {
         cast_down_ = std::move(down);
         cast_up_ = std::move(up);
     }
+    const at::Tensor& cast_down() const { return cast_down_; }
+    const at::Tensor& cast_up() const { return cast_up_; }
     // Seeds this layer's dropout masks: with a seed set, every training forward keeps the elements
     // that a hash of (the value `seed` holds when the kernel runs, `salt`, the element's index)
     // keeps (common/hash_dropout.h), so a gradient-checkpointed block that recomputes its forward

@@ -91,6 +91,10 @@ struct FusedSpec {
     int64_t rank = 0;
     std::vector<double> scales;
     std::vector<LoRALayer::InputDropout> dropouts;
+    // The layers' compute-dtype copies of the factors (LoRAAdapters::refresh_cast_factors) where
+    // every layer has them: A_1..A_n as one [n·r, in] view when they lie back to back, and each B.
+    at::Tensor a_cast;
+    std::vector<at::Tensor> b_casts;
 };
 
 std::optional<FusedSpec> fused_spec(const at::Tensor& x, const ProjectionGroup& group) {
@@ -108,6 +112,18 @@ std::optional<FusedSpec> fused_spec(const at::Tensor& x, const ProjectionGroup& 
         s.scales.push_back(lora->scale());
         s.dropouts.push_back(lora->input_dropout(x));
     }
+    std::vector<const at::Tensor*> a_casts;
+    for (const AdaptableLinearImpl* l : group) {
+        const auto* lora = static_cast<const LoRALayer*>(l->adapter());
+        if (!lora->cast_down().defined() || !lora->cast_up().defined()) {
+            s.b_casts.clear();
+            a_casts.clear();
+            break;
+        }
+        a_casts.push_back(&lora->cast_down());
+        s.b_casts.push_back(lora->cast_up());
+    }
+    if (!a_casts.empty()) s.a_cast = rows_view(a_casts);
     s.weight = packed_weight(group);
     if (bias) s.bias = packed_bias(group);
     if (!s.weight.defined() || (bias && !s.bias.defined())) return std::nullopt;
@@ -127,7 +143,10 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(ct);  // [N, in]
         const at::Tensor wc = spec.weight.to(ct);                  // [Σ out, in]
         at::Tensor y = spec.bias.defined() ? at::addmm(spec.bias.to(ct), x2, wc.t()) : at::mm(x2, wc.t());
-        const at::Tensor ac = at::cat(factors.slice(0, n)).to(ct);  // [n·r, in]: A_1; ...; A_n
+        // [n·r, in]: A_1; ...; A_n, the layers' copies where they are in the compute dtype
+        const at::Tensor ac = spec.a_cast.defined() && spec.a_cast.scalar_type() == ct
+                                  ? spec.a_cast
+                                  : at::cat(factors.slice(0, n)).to(ct);
         bool drop = false;
         for (const auto& d : spec.dropouts) drop = drop || d.seed.defined();
         at::Tensor h;  // [N, n·r]: adapter i's (masked x)·A_iᵀ in columns i·r .. (i+1)·r
@@ -145,7 +164,8 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         std::vector<int64_t> a_dtypes, b_dtypes;
         int64_t col = 0;
         for (int64_t i = 0; i < n; ++i) {
-            const at::Tensor bc = factors[n + i].to(ct);  // [out_i, r]
+            const bool copied = i < static_cast<int64_t>(spec.b_casts.size()) && spec.b_casts[i].scalar_type() == ct;
+            const at::Tensor bc = copied ? spec.b_casts[i] : factors[n + i].to(ct);  // [out_i, r]
             y.narrow(1, col, spec.outs[i]).addmm_(h.narrow(1, i * r, r), bc.t(), 1.0, spec.scales[i]);
             col += spec.outs[i];
             saved.push_back(bc);
