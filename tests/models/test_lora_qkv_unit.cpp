@@ -176,7 +176,8 @@ TEST(LoRAQkv, Bf16FactorCopiesAreWhatTheFusedFunctionReads) {
         const QkvRun copied = run_attention({false, true, dropout, true, /*stale_copies=*/true}, true);
         EXPECT_TRUE(at::equal(copied.y, cast.y));
         ASSERT_EQ(copied.grads.size(), cast.grads.size());
-        for (std::size_t i = 0; i < cast.grads.size(); ++i) EXPECT_TRUE(at::equal(copied.grads[i], cast.grads[i])) << i;
+        for (std::size_t i = 0; i < cast.grads.size(); ++i)
+            EXPECT_TRUE(at::equal(copied.grads[i], cast.grads[i])) << i;
     }
 }
 

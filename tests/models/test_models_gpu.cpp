@@ -864,7 +864,6 @@ TEST(ModelsGpu, LoRADropoutKernelsMatchTheMaskedReference) {
                         lora_masked_up_add_(dx_kept, gh, a, kept);
                         EXPECT_TRUE(at::equal(dx_kept, dx)) << "kept";
                     }
-
 }
 
 // LoRALinearFunction with lora_dropout 0.1 under bf16 autocast (bf16 base, float32 factors, the way

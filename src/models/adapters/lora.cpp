@@ -491,8 +491,9 @@ void LoRAAdapters::refresh_cast_factors(at::ScalarType dtype) {
         int64_t at_down = 0;
         for (const std::size_t i : taking) {
             LoRALayer& l = *entries_[i].layer;
-            at::Tensor down = downs.defined() ? downs.narrow(0, at_down, l.down().numel()).view(l.down().sizes())
-                                              : at::empty_like(l.down(), l.down().options().dtype(dtype));
+            at::Tensor down = downs.defined()
+                                  ? downs.narrow(0, at_down, l.down().numel()).view(l.down().sizes())
+                                  : at::empty_like(l.down(), l.down().options().dtype(dtype));
             at_down += slot(l.down().numel());
             cast_.push_back({i, down, at::empty_like(l.up(), l.up().options().dtype(dtype))});
             // The parameters' own handles: set_data on a factor (a dtype or device change) is seen.

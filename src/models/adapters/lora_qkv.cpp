@@ -164,7 +164,8 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         std::vector<int64_t> a_dtypes, b_dtypes;
         int64_t col = 0;
         for (int64_t i = 0; i < n; ++i) {
-            const bool copied = i < static_cast<int64_t>(spec.b_casts.size()) && spec.b_casts[i].scalar_type() == ct;
+            const bool copied =
+                i < static_cast<int64_t>(spec.b_casts.size()) && spec.b_casts[i].scalar_type() == ct;
             const at::Tensor bc = copied ? spec.b_casts[i] : factors[n + i].to(ct);  // [out_i, r]
             y.narrow(1, col, spec.outs[i]).addmm_(h.narrow(1, i * r, r), bc.t(), 1.0, spec.scales[i]);
             col += spec.outs[i];

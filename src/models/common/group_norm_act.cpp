@@ -313,8 +313,8 @@ at::Tensor add_bias_residual(at::Tensor h, const at::Tensor& bias, const at::Ten
                                  residual.is_contiguous(at::MemoryFormat::ChannelsLast) &&
                                  reinterpret_cast<uintptr_t>(residual.const_data_ptr()) % 16 == 0)) &&
         (!bias.defined() || (bias.dim() == 1 && bias.size(0) == h.size(1) && bias.device() == h.device())))
-        return AddBiasResidualFunction::apply(h, float_or_empty(bias, h),
-                                              residual.defined() ? residual : at::empty({0}, h.options()), scale);
+        return AddBiasResidualFunction::apply(
+            h, float_or_empty(bias, h), residual.defined() ? residual : at::empty({0}, h.options()), scale);
 #endif
     at::Tensor out = bias.defined() ? h + channel_view(bias, h).to(h.scalar_type()) : h;
     if (residual.defined()) out = residual + out;
