@@ -8,9 +8,11 @@
 #   gradient checkpointing), STEPS (40), ROUNDS (1: old,new pairs per run), PROFILE (A:B: a Kineto trace
 #   of steps A..B of each run, summarised by kernel family), GPU_TESTS (like zero_scale.sh:
 #   "dir/binary[:filter]" built from the new tree and run first; GPU_TEST_ENV: a comma-joined VAR=value
-#   list set for the GPU tests only, e.g. GPU_TEST_ENV="DTUNE_FUSED_RESNET_TRAINING=1"),
-#   VARIANTS (space-separated; each a comma-joined VAR=value list: every run again from the new build with that environment, labelled
-#   new+VARS, e.g. VARIANTS="DTUNE_FUSED_QKV=1"), VARIANT_RUNS (the runs that get the variants; default all),
+#   list set for the GPU tests only, e.g. GPU_TEST_ENV="DTUNE_FUSED_RESNET_TRAINING=1";
+#   GPU_TEST_TIMEOUT: seconds per test binary, 300; the whole test_trainer_graph_gpu needs more),
+#   VARIANTS (space-separated; each a comma-joined VAR=value list: every run again from the new
+#   build with that environment, labelled new+VARS, e.g. VARIANTS="DTUNE_FUSED_QKV=1"),
+#   VARIANT_RUNS (the runs that get the variants; default all),
 #   BENCHES (space-separated bench targets, each "target[:arg,arg...]", built from the new tree and
 #   run after the GPU tests, e.g. BENCHES="bench_lora_dropout:--r,16"). A Kineto trace adds ~35 s to a
 #   run: leave PROFILE out of timing calls that are short of device time.
@@ -20,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 export NCCL_NVLS_ENABLE=0 DTUNE_FIXTURES=$PWD/shared/fixtures
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
-W=/tmp/ab STEPS=${STEPS:-40} GPU_TEST_ENV=${GPU_TEST_ENV:-}
+W=/tmp/ab STEPS=${STEPS:-40} GPU_TEST_ENV=${GPU_TEST_ENV:-} GPU_TEST_TIMEOUT=${GPU_TEST_TIMEOUT:-300}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1
 targets=(dtune make_random_pipeline)
 for t in ${GPU_TESTS:-}; do b=${t%%:*}; targets+=("${b##*/}"); done
@@ -36,7 +38,7 @@ for t in ${GPU_TESTS:-}; do
     b=${t%%:*} filter=${t#*:}
     [[ $filter == "$t" ]] && filter='*'
     log=$OUT/gpu_test_${b##*/}.log
-    env ${GPU_TEST_ENV//,/ } timeout -k 10 300 "build/dev/tests/$b" --gtest_filter="$filter" >"$log" 2>&1
+    env ${GPU_TEST_ENV//,/ } timeout -k 10 "$GPU_TEST_TIMEOUT" "build/dev/tests/$b" --gtest_filter="$filter" >"$log" 2>&1
     echo "gpu test $b ($filter): exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$log" | tr '\n' ' ')"
     grep -E '^\[  FAILED  \]' "$log" | head -20
 done
