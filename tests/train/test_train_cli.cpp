@@ -295,6 +295,24 @@ TEST(TrainCli, FusedKernelsCanBeTurnedOffForTriage) {
               std::string::npos);
 }
 
+// The kernel switches read on first use (DTUNE_FUSED_RESNET_TRAINING, DTUNE_LORA_DROPOUT_KERNELS):
+// a bad value ends the run with exit 2 naming the variable and its choices, not with a failure in
+// a forward or backward pass.
+TEST(TrainCli, BadKernelSwitchesAreUsageErrors) {
+    Workspace w;
+    const std::string lora = "--model_type lora --lora_rank 4 --max_train_steps 1";
+    EXPECT_EQ(run_status("DTUNE_FUSED_RESNET_TRAINING=maybe " + w.command("bad", lora)), 2);
+    EXPECT_NE(
+        fs::read_file(w.dir / "log.txt")
+            .find("DTUNE_FUSED_RESNET_TRAINING='maybe' is not understood; use 1 (on/true, the default)"),
+        std::string::npos)
+        << fs::read_file(w.dir / "log.txt");
+    EXPECT_EQ(run_status("DTUNE_LORA_DROPOUT_KERNELS=maybe " + w.command("bad2", lora)), 2);
+    EXPECT_NE(fs::read_file(w.dir / "log.txt").find("DTUNE_LORA_DROPOUT_KERNELS=maybe is not a choice"),
+              std::string::npos)
+        << fs::read_file(w.dir / "log.txt");
+}
+
 // A bad DTUNE_MAX_IMAGE_PIXELS stops at start with exit 2, before any image is decoded.
 TEST(TrainCli, BadMaxImagePixelsIsAUsageErrorAtStart) {
     Workspace w;

@@ -232,14 +232,10 @@ bool fused_inference_ready(const at::Tensor& x) {
 
 bool fused_group_norm_training_ready(const torch::nn::GroupNormImpl& norm, const at::Tensor& x) {
 #ifdef DTUNE_WITH_CUDA_KERNELS
-    const auto t = x.scalar_type();
-    return g_fused && fused_kernels_allowed() && x.is_cuda() && x.dim() == 4 && x.numel() > 0 &&
-           (t == at::kFloat || t == at::kBFloat16 || t == at::kHalf) &&
-           x.is_contiguous(at::MemoryFormat::ChannelsLast) &&
-           reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 == 0 && norm.weight.defined() &&
+    return g_fused && fused_kernels_allowed() && nhwc_cuda(x) && norm.weight.defined() &&
            norm.bias.defined() &&
            cuda::group_norm_nhwc_supported(x.size(1), norm.options.num_groups(),
-                                           kernel_dtype(t, "group_norm_act"));
+                                           kernel_dtype(x.scalar_type(), "group_norm_act"));
 #else
     (void)norm;
     (void)x;
@@ -309,9 +305,8 @@ at::Tensor add_bias_residual(at::Tensor h, const at::Tensor& bias, const at::Ten
         return h;
     }
     if (fused_resnet_training_enabled() && nhwc_cuda(h) &&
-        (!residual.defined() || (residual.scalar_type() == h.scalar_type() && residual.sizes() == h.sizes() &&
-                                 residual.is_contiguous(at::MemoryFormat::ChannelsLast) &&
-                                 reinterpret_cast<uintptr_t>(residual.const_data_ptr()) % 16 == 0)) &&
+        (!residual.defined() || (nhwc_cuda(residual) && residual.scalar_type() == h.scalar_type() &&
+                                 residual.sizes() == h.sizes())) &&
         (!bias.defined() || (bias.dim() == 1 && bias.size(0) == h.size(1) && bias.device() == h.device())))
         return AddBiasResidualFunction::apply(
             h, float_or_empty(bias, h), residual.defined() ? residual : at::empty({0}, h.options()), scale);
