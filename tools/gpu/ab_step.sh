@@ -6,7 +6,7 @@
 #   OUT=$OUT OLD_TAR=.gpusrc/old.tar tools/gpu/ab_step.sh
 # env: RUNS ("full lora": full = batch 1 adamw_bf16, lora = r16 batch 4, lora0 = the same with lora_dropout 0, lora1 = batch 1; "fullgc4" = batch 4 with
 #   gradient checkpointing), STEPS (40), ROUNDS (1: old,new pairs per run), PROFILE (A:B: a Kineto trace
-#   of steps A..B of each run, summarised by kernel family), GPU_TESTS (like zero_scale.sh:
+#   of steps A..B of each run in the first round, summarised by kernel family), GPU_TESTS (like zero_scale.sh:
 #   "dir/binary[:filter]" built from the new tree and run first; GPU_TEST_ENV: a comma-joined VAR=value
 #   list set for the GPU tests only, e.g. GPU_TEST_ENV="DTUNE_FUSED_RESNET_TRAINING=1";
 #   GPU_TEST_TIMEOUT: seconds per test binary, 300; the whole test_trainer_graph_gpu needs more),
@@ -49,7 +49,8 @@ for t in ${BENCHES:-}; do
     echo "bench $b: exit $?"; cat "$OUT/bench_$b.log"
 done
 one() {  # run name, build label, build dir[, environment VAR=value,...]
-    local name=$1 label=$2 build=$3 vars=${4:-} mode extra=()
+    local name=$1 label=$2 build=$3 vars=${4:-} mode extra=() prof=${PROFILE:-}
+    ((round > 0)) && prof=
     case $name in
         full) mode=full ;;
         lora) mode=lora ;;
@@ -59,7 +60,7 @@ one() {  # run name, build label, build dir[, environment VAR=value,...]
         *) echo "unknown run $name"; return ;;
     esac
     local log=$OUT/${name}_${label//[^A-Za-z0-9+]/_}.log
-    env ${vars//,/ } DTUNE_PROFILE_STEPS=${PROFILE:-} timeout -k 10 240 tools/gpu/train_full_size.sh "$build" $W \
+    env ${vars//,/ } DTUNE_PROFILE_STEPS=$prof timeout -k 10 240 tools/gpu/train_full_size.sh "$build" $W \
         "$mode" "$STEPS" "${extra[@]}" >"$log" 2>&1
     local rc=$? o=$W/out-$mode-1-1
     python3 - "$o/metrics.jsonl" "$name" "$label" "$rc" <<'PY'
@@ -82,13 +83,13 @@ if half:
                peak_gpu_gib=max(r.get("gpu_memory_gib", 0) for r in rows), final_loss=rows[-1]["loss"])
 print(json.dumps(out))
 PY
-    if [[ -n ${PROFILE:-} && -f $o/profile/trace_rank0.json ]]; then
+    if [[ -n $prof && -f $o/profile/trace_rank0.json ]]; then
         python3 bench/summarize_trace.py "$o/profile/trace_rank0.json" --steps 2 --top 60 --csv "${log%.log}.kernels.csv" >"${log%.log}.prof.txt" 2>&1
         head -12 "${log%.log}.prof.txt"
     fi
 }
 for name in ${RUNS:-full lora}; do
-    for ((r = 0; r < ${ROUNDS:-1}; r++)); do
+    for ((round = 0; round < ${ROUNDS:-1}; round++)); do
         [[ -n ${OLD_TAR:-} ]] && one "$name" old $old/build/dev
         one "$name" new build/dev
         [[ " ${VARIANT_RUNS:-$name} " == *" $name "* ]] || continue
