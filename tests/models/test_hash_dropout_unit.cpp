@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <string>
+#include <vector>
+
 #include "core/error.h"
 #include "model_test_util.h"
 #include "models/common/hash_dropout.h"
@@ -216,6 +219,43 @@ TEST(LoRADropoutUnit, Bf16OperandsAndNoMask) {
         lora_masked_up_add_(dx, gf, af, none);
         EXPECT_TRUE(at::allclose(dx, at::mm(gf, af)));
     }
+}
+
+// The group form (fused q/k/v's dx): every adapter's masked product added, an inactive mask giving
+// the plain product; on the CPU adapter by adapter, the same bits as the single form. Shapes that do
+// not split into adapters of one rank are refused, naming the shapes.
+TEST(LoRADropoutUnit, GroupUpAddSumsEachAdaptersMaskedProduct) {
+    torch::manual_seed(10);
+    const int64_t n = 53, k = 40, r = 4;
+    const at::Tensor a = at::randn({3 * r, k}) * 0.1, gh = at::randn({n, 3 * r}), dx0 = at::randn({n, k});
+    const std::vector<LoRADropoutMask> masks{
+        {at::full({1}, 31, at::kLong), 7, 0.1, 0}, {at::full({1}, 31, at::kLong), 8, 0.5, 11}, {}};
+    at::Tensor dx = dx0.clone(), each = dx0.clone();
+    lora_masked_up_add_group_(dx, gh, a, masks);
+    at::Tensor ref = dx0.to(at::kDouble);
+    for (int64_t i = 0; i < 3; ++i) {
+        const at::Tensor gi = gh.narrow(1, i * r, r), ai = a.narrow(0, i * r, r);
+        lora_masked_up_add_(each, gi, ai, masks[i]);
+        const at::Tensor product = at::mm(gi.to(at::kDouble), ai.to(at::kDouble));
+        ref += masks[i].seed.defined() ? lora_mask_of({n, k}, masks[i]) * product : product;
+    }
+    EXPECT_TRUE(at::equal(dx, each));
+    EXPECT_LE(test::max_abs_diff(dx.to(at::kDouble), ref), lora_tolerance(ref));
+    EXPECT_GT(test::max_abs_diff(dx.to(at::kDouble), dx0.to(at::kDouble) + at::mm(gh, a).to(at::kDouble)),
+              1e-3)
+        << "the masks matter";
+    at::Tensor bad = dx0.clone();
+    EXPECT_THROW(
+        {
+            try {
+                lora_masked_up_add_group_(bad, gh.narrow(1, 0, 3 * r - 1), a, masks);
+            } catch (const std::exception& e) {
+                EXPECT_NE(std::string(e.what()).find("do not hold 3 adapters"), std::string::npos)
+                    << e.what();
+                throw;
+            }
+        },
+        std::exception);
 }
 
 TEST(LoRADropoutUnit, TheKernelsNeverTakeCpuTensors) {

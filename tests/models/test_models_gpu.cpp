@@ -866,6 +866,63 @@ TEST(ModelsGpu, LoRADropoutKernelsMatchTheMaskedReference) {
                     }
 }
 
+// lora_masked_up_add_group_ (fused q/k/v's backward): one pass over dx for two or three adapters with
+// their own masks, against float64 and the per-adapter kernel; the recorded decisions give the same
+// bits as hashing.
+TEST(ModelsGpu, LoRAMaskedUpAddGroupMatchesFloat64) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    const auto on = at::TensorOptions().device(cuda);
+    if (!lora_dropout_kernels_take(at::zeros({1024, 64}, on.dtype(at::kBFloat16)),
+                                   at::zeros({4, 64}, on.dtype(at::kBFloat16))))
+        GTEST_SKIP() << "no tensor-core LoRA dropout kernels here";
+    for (auto dtype : {at::kBFloat16, at::kHalf})
+        for (const int64_t groups : {2, 3})
+            for (const int64_t r : {16, 24, 64}) {
+                const int64_t n = 4100, k = 1280;
+                SCOPED_TRACE(testing::Message()
+                             << c10::toString(dtype) << " groups " << groups << " r " << r);
+                const at::Tensor x = at::randn({n, k}, on).to(dtype);
+                const at::Tensor a = (at::randn({groups * r, k}, on) * 0.05).to(dtype);
+                const at::Tensor gh = at::randn({n, groups * r}, on).to(dtype);
+                std::vector<LoRADropoutMask> masks, kept;
+                at::Tensor ref = at::zeros({n, k}, on.dtype(at::kDouble));
+                for (int64_t i = 0; i < groups; ++i) {
+                    const LoRADropoutMask m{at::full({1}, 99, on.dtype(at::kLong)),
+                                            static_cast<uint64_t>(30 + i), 0.1, 5 * i};
+                    masks.push_back(m);
+                    at::Tensor keep;  // the forward kernel's recorded decisions for this adapter
+                    (void)lora_masked_down(x, a.narrow(0, i * r, r), m, &keep);
+                    ASSERT_TRUE(keep.defined());
+                    kept.push_back(m);
+                    kept.back().keep = keep;
+                    const at::Tensor mask =
+                        hash_dropout_no_grad(at::ones({n, k}, on), m.seed, m.salt, m.p, m.index_offset)
+                            .to(at::kDouble);
+                    ref += mask * at::mm(gh.narrow(1, i * r, r).to(at::kDouble),
+                                         a.narrow(0, i * r, r).to(at::kDouble));
+                }
+                const at::Tensor dx0 = at::randn({n, k}, on).to(dtype);
+                ref += dx0.to(at::kDouble);
+                at::Tensor dx = dx0.clone(), dx_kept = dx0.clone(), dx_each = dx0.clone();
+                lora_masked_up_add_group_(dx, gh, a, masks);
+                lora_masked_up_add_group_(dx_kept, gh, a, kept);
+                for (int64_t i = 0; i < groups; ++i)
+                    lora_masked_up_add_(dx_each, gh.narrow(1, i * r, r), a.narrow(0, i * r, r), masks[i]);
+                // One rounding: within half an ulp of the float64 sum (plus float32's summation).
+                const at::Tensor err = (dx.to(at::kDouble) - ref).abs();
+                const double ulp = dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024;
+                EXPECT_TRUE((err <= ref.abs() * (ulp / 2 + 1e-5) + 1e-6).all().item<bool>())
+                    << "largest error " << err.max().item<double>();
+                EXPECT_TRUE(at::equal(dx_kept, dx)) << "kept decisions";
+                // Adapter by adapter rounds after each: close, and never closer to float64.
+                const at::Tensor err_each = (dx_each.to(at::kDouble) - ref).abs();
+                EXPECT_LE(err.sum().item<double>(), err_each.sum().item<double>());
+                EXPECT_LE(test::max_abs_diff(dx_each.to(at::kDouble).cpu(), dx.to(at::kDouble).cpu()),
+                          4 * ulp * ref.abs().max().item<double>());
+            }
+}
+
 // LoRALinearFunction with lora_dropout 0.1 under bf16 autocast (bf16 base, float32 factors, the way
 // dtune trains): the kernels and the composite path (DTUNE_LORA_DROPOUT_KERNELS=0) give the same
 // output and gradients to bf16's accuracy.

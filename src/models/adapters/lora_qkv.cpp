@@ -150,6 +150,7 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         bool drop = false;
         for (const auto& d : spec.dropouts) drop = drop || d.seed.defined();
         at::Tensor h;  // [N, n·r]: adapter i's (masked x)·A_iᵀ in columns i·r .. (i+1)·r
+        std::vector<at::Tensor> keeps(n);  // the masks' decisions where the kernel records them
         if (!drop) {
             h = at::mm(x2, ac.t());
         } else {
@@ -157,7 +158,8 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
             for (int64_t i = 0; i < n; ++i) {
                 at::Tensor hi = h.narrow(1, i * r, r);
                 const auto& d = spec.dropouts[i];  // the mask read inside the product (lora_dropout.h)
-                lora_masked_down_out(hi, x2, ac.narrow(0, i * r, r), {d.seed, d.salt, d.p, d.index_offset});
+                lora_masked_down_out(hi, x2, ac.narrow(0, i * r, r), {d.seed, d.salt, d.p, d.index_offset},
+                                     &keeps[i]);
             }
         }
         std::vector<at::Tensor> saved{x2, wc, ac, h};
@@ -179,6 +181,8 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
             ctx->saved_data["drop_salt" + k] = static_cast<int64_t>(d.salt);
             ctx->saved_data["drop_p" + k] = d.p;
             ctx->saved_data["drop_offset" + k] = d.index_offset;
+            // The backward kernels read the decisions instead of hashing every element again.
+            if (keeps[i].defined()) ctx->saved_data["drop_keep" + k] = keeps[i];
         }
         ctx->save_for_backward(saved);
         ctx->saved_data["outs"] = spec.outs;
@@ -204,13 +208,15 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         const auto b_dtypes = ctx->saved_data["b_dtypes"].toIntVector();
         const int64_t n = static_cast<int64_t>(outs.size()), r = ctx->saved_data["rank"].toInt();
         const bool drop = ctx->saved_data["drop"].toBool();
-        std::vector<LoRALayer::InputDropout> drops(n);
+        std::vector<LoRADropoutMask> drops(n);
         for (int64_t i = 0; drop && i < n; ++i) {
             const std::string k = std::to_string(i);
             if (!ctx->saved_data.count("drop_seed" + k)) continue;
             drops[i] = {ctx->saved_data["drop_seed" + k].toTensor(),
                         static_cast<uint64_t>(ctx->saved_data["drop_salt" + k].toInt()),
                         ctx->saved_data["drop_p" + k].toDouble(), ctx->saved_data["drop_offset" + k].toInt()};
+            if (ctx->saved_data.count("drop_keep" + k))
+                drops[i].keep = ctx->saved_data["drop_keep" + k].toTensor();
         }
         const int64_t rows = x2.size(0);
         std::vector<at::Tensor> g(n);  // [N, out_i]; undefined: that output was not used
@@ -248,14 +254,7 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
             if (!drop) {
                 dx.addmm_(gh, ac);  // + Σ s_i·g_i·B_i·A_i, K = n·r
             } else {
-                for (int64_t i = 0; i < n; ++i) {
-                    const at::Tensor ghi = gh.narrow(1, i * r, r), ai = ac.narrow(0, i * r, r);
-                    const LoRALayer::InputDropout& d = drops[i];
-                    if (d.seed.defined())  // + mask_i(s_i·g_i·B_i·A_i), one pass
-                        lora_masked_up_add_(dx, ghi, ai, {d.seed, d.salt, d.p, d.index_offset});
-                    else
-                        dx.addmm_(ghi, ai);
-                }
+                lora_masked_up_add_group_(dx, gh, ac, drops);  // + Σ mask_i(s_i·g_i·B_i·A_i), one pass
             }
             dx = dx.to(static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()))
                      .view(ctx->saved_data["x_sizes"].toIntVector());
@@ -281,9 +280,8 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
             for (int64_t i = 0; i < n; ++i) {
                 if (!(ctx->needs_input_grad(1 + i) && g[i].defined())) continue;
                 const at::Tensor ghi = gh.narrow(1, i * r, r);
-                const LoRALayer::InputDropout& d = drops[i];  // adapter i's input mask (none: x2 itself)
-                out[1 + i] =
-                    lora_masked_down_grad(ghi, x2, {d.seed, d.salt, d.p, d.index_offset}, a_dtype(i));
+                // adapter i's input mask (none: x2 itself)
+                out[1 + i] = lora_masked_down_grad(ghi, x2, drops[i], a_dtype(i));
             }
         }
         for (int64_t i = 0; i < n; ++i) {

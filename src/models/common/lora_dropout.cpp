@@ -188,4 +188,37 @@ void lora_masked_up_add_(at::Tensor& dx, const at::Tensor& gh, const at::Tensor&
         dx.addmm_(gh, a);
 }
 
+void lora_masked_up_add_group_(at::Tensor& dx, const at::Tensor& gh, const at::Tensor& a,
+                               const std::vector<LoRADropoutMask>& masks) {
+    const auto count = static_cast<int64_t>(masks.size());
+    DTUNE_CHECK(
+        count >= 1 && gh.dim() == 2 && gh.size(1) % count == 0 && a.dim() == 2 && a.size(0) == gh.size(1),
+        "lora_masked_up_add_group_: gh ", gh.sizes(), " and a ", a.sizes(), " do not hold ", count,
+        " adapters of one rank");
+    const int64_t r = gh.size(1) / count;
+#ifdef DTUNE_WITH_CUDA_KERNELS
+    bool one_pass = count <= cuda::kLoRAMaxGroup && r <= cuda::kLoRADropoutMaxRank && input_ok(dx) &&
+                    dx.sizes() == at::IntArrayRef{gh.size(0), a.size(1)} && rows_ok(gh, dx, count * r) &&
+                    a.is_contiguous() && a.scalar_type() == dx.scalar_type() && a.device() == dx.device() &&
+                    aligned16(a) && dx.scalar_type() != at::kFloat &&
+                    cuda::lora_dropout_tensor_cores(
+                        kernel_dtype(dx.scalar_type(), "lora_masked_up_add_group_"), dx.get_device());
+    for (const LoRADropoutMask& m : masks) one_pass = one_pass && kernel_mask_ok(m, dx);
+    if (one_pass) {
+        const c10::cuda::CUDAGuard guard(dx.device());
+        cuda::DropoutRules rules;
+        rules.count = static_cast<int>(count);
+        for (int64_t i = 0; i < count; ++i) rules.rule[i] = rule_of(masks[i], dx);
+        check_launch(cuda::lora_masked_up_add_group(
+                         dx.mutable_data_ptr(), gh.const_data_ptr(), gh.stride(0), a.const_data_ptr(),
+                         dx.size(0), dx.size(1), r, rules,
+                         kernel_dtype(dx.scalar_type(), "lora_masked_up_add_group_"), current_stream_of(dx)),
+                     "lora_masked_up_add_group_", "backward");
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < count; ++i)
+        lora_masked_up_add_(dx, gh.narrow(1, i * r, r), a.narrow(0, i * r, r), masks[i]);
+}
+
 }  // namespace dtune::models

@@ -13,6 +13,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace dtune::models {
 
@@ -61,5 +62,12 @@ at::Tensor lora_masked_down_grad(const at::Tensor& gh, const at::Tensor& x2, con
 
 // dx += mask ⊙ (gh·a), rounded once; dx contiguous [N, in] in x2's dtype.
 void lora_masked_up_add_(at::Tensor& dx, const at::Tensor& gh, const at::Tensor& a, const LoRADropoutMask& m);
+
+// dx += Σ_i mask_i ⊙ (gh_i·a_i) for adapters of one rank r that read the same input (fused q/k/v):
+// gh [N, n·r] holds adapter i's columns i·r .. (i+1)·r, a [n·r, in] its rows, masks[i] its mask (an
+// inactive one: the plain product). On the tensor-core kernels (every mask active, n <= 3) one pass
+// over dx that sums the n products in float32 and rounds once; elsewhere adapter by adapter.
+void lora_masked_up_add_group_(at::Tensor& dx, const at::Tensor& gh, const at::Tensor& a,
+                               const std::vector<LoRADropoutMask>& masks);
 
 }  // namespace dtune::models

@@ -363,11 +363,17 @@ __global__ void __launch_bounds__(32 * W, 16 / W)  // 16 warps per SM: at most 1
 #endif
 }
 
-// dx[row, c] += mask(Σ_j gh[row, j] · a[j, c]): a block owns 64 rows (16 per warp) and 64 columns.
-template <typename T, int RT>
-__global__ void __launch_bounds__(kTcThreads)
+// dx[row, c] += Σ_g mask_g(Σ_j gh[row, g·r + j] · a[g·r + j, c]) for the group's G adapters (one
+// for a single layer), rounded once: a block owns 64 rows (16 per warp) and 64 columns. Per adapter
+// gh · a goes through shared memory, where its mask is applied on the way into the float sums.
+// Registers: one layer at most 72 for rank <= 16 (7 blocks an SM) and 102 above (5), as before the
+// groups came; a group at most 128 (4 blocks).
+template <typename T, int RT, int G>
+__global__ void __launch_bounds__(kTcThreads, G > 1     ? 4
+                                              : RT == 1 ? 7
+                                                        : 5)
     tc_masked_up_add_kernel(T* __restrict__ dx, const T* __restrict__ gh, int64_t ldg,
-                            const T* __restrict__ a, int64_t n, int64_t k, int r, DropoutRule rule) {
+                            const T* __restrict__ a, int64_t n, int64_t k, int r, DropoutRules rules) {
 #ifdef DTUNE_TC_LORA
     constexpr int RP = 16 * RT, BM = 16 * kTcWarps, kGp = RP + 8;
     __shared__ __align__(128) T gs[BM * kGp];
@@ -376,10 +382,12 @@ __global__ void __launch_bounds__(kTcThreads)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t row0 = static_cast<int64_t>(blockIdx.x) * BM,
                   c0 = static_cast<int64_t>(blockIdx.y) * kChunk;
-    // This lane's packs of dx (and their kept decisions), loaded before the product is formed.
     constexpr int kOwn = 16 * kPacks / 32;
+    // This lane's packs of dx, and the first adapter's kept decisions for them, loaded before the
+    // products are formed; the later adapters' decisions are loaded in their turn.
     Pack<T, 8> d[kOwn];
     uint8_t kept[kOwn];
+    float sum[kOwn][8];
 #pragma unroll
     for (int q = 0; q < kOwn; ++q) {
         const int p = lane + 32 * q;
@@ -387,56 +395,75 @@ __global__ void __launch_bounds__(kTcThreads)
         kept[q] = 0;
         if (row < n && c < k) {
             d[q] = *reinterpret_cast<const Pack<T, 8>*>(dx + row * k + c);
-            if (rule.keep_in != nullptr) kept[q] = rule.keep_in[(row * k + c) / 8];
-        }
-    }
-    for (int e = threadIdx.x; e < BM * RP; e += kTcThreads) {
-        const int i = e / RP, j = e % RP;
-        gs[i * kGp + j] = (row0 + i < n && j < r) ? gh[(row0 + i) * ldg + j] : from_float<T>(0.0f);
-    }
-#pragma unroll
-    for (int q = 0; q < RP * kPacks / kTcThreads + 1; ++q) {
-        const int p = threadIdx.x + kTcThreads * q;
-        if (p < RP * kPacks)
-            copy_pack(a, r, k, p / kPacks, c0 + (p % kPacks) * 8,
-                      as + (p / kPacks) * kPitch + (p % kPacks) * 8);
-    }
-    __syncthreads();
-    Acc acc[kChunk / 16];
-#pragma unroll
-    for (int f = 0; f < kChunk / 16; ++f) wmma::fill_fragment(acc[f], 0.0f);
-#pragma unroll
-    for (int t = 0; t < RT; ++t) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> gf;
-        wmma::load_matrix_sync(gf, gs + warp * 16 * kGp + t * 16, kGp);
-#pragma unroll
-        for (int f = 0; f < kChunk / 16; ++f) {
-            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> af;
-            wmma::load_matrix_sync(af, as + t * 16 * kPitch + f * 16, kPitch);
-            wmma::mma_sync(acc[f], gf, af, acc[f]);
+            if (rules.rule[0].keep_in != nullptr) kept[q] = rules.rule[0].keep_in[(row * k + c) / 8];
         }
     }
     float* o = os + warp * 16 * kOutPitch;
 #pragma unroll
-    for (int f = 0; f < kChunk / 16; ++f)
-        wmma::store_matrix_sync(o + f * 16, acc[f], kOutPitch, wmma::mem_row_major);
-    __syncwarp();
-    const uint64_t key = math::layer_key(static_cast<uint64_t>(*rule.seed), rule.salt);
+    for (int g = 0; g < G; ++g) {
+        const DropoutRule& rule = rules.rule[g];
+        if (g > 0) {
 #pragma unroll
-    for (int q = 0; q < kOwn; ++q) {
-        const int p = lane + 32 * q, i = p / kPacks, cp = (p % kPacks) * 8;
-        const int64_t row = row0 + warp * 16 + i, c = c0 + cp;
-        if (row >= n || c >= k) continue;
-        float v[8];
+            for (int q = 0; q < kOwn; ++q) {
+                const int p = lane + 32 * q;
+                const int64_t row = row0 + warp * 16 + p / kPacks, c = c0 + (p % kPacks) * 8;
+                kept[q] = rule.keep_in != nullptr && row < n && c < k ? rule.keep_in[(row * k + c) / 8] : 0;
+            }
+            __syncthreads();  // every warp is done with the previous adapter's tiles
+        }
+        const T* ag = a + static_cast<int64_t>(g) * r * k;
+        for (int e = threadIdx.x; e < BM * RP; e += kTcThreads) {
+            const int i = e / RP, j = e % RP;
+            gs[i * kGp + j] =
+                (row0 + i < n && j < r) ? gh[(row0 + i) * ldg + g * r + j] : from_float<T>(0.0f);
+        }
 #pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = o[i * kOutPitch + cp + e];
-        if (rule.keep_in != nullptr)
-            bits_mask<8>(v, kept[q], rule.scale);
-        else
-            mask_pack(v, key, row * k + c, rule);
+        for (int q = 0; q < RP * kPacks / kTcThreads + 1; ++q) {
+            const int p = threadIdx.x + kTcThreads * q;
+            if (p < RP * kPacks)
+                copy_pack(ag, r, k, p / kPacks, c0 + (p % kPacks) * 8,
+                          as + (p / kPacks) * kPitch + (p % kPacks) * 8);
+        }
+        __syncthreads();
+        Acc acc[kChunk / 16];
 #pragma unroll
-        for (int e = 0; e < 8; ++e) d[q].v[e] = from_float<T>(to_float(d[q].v[e]) + v[e]);
-        *reinterpret_cast<Pack<T, 8>*>(dx + row * k + c) = d[q];
+        for (int f = 0; f < kChunk / 16; ++f) wmma::fill_fragment(acc[f], 0.0f);
+#pragma unroll
+        for (int t = 0; t < RT; ++t) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> gf;
+            wmma::load_matrix_sync(gf, gs + warp * 16 * kGp + t * 16, kGp);
+#pragma unroll
+            for (int f = 0; f < kChunk / 16; ++f) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> af;
+                wmma::load_matrix_sync(af, as + t * 16 * kPitch + f * 16, kPitch);
+                wmma::mma_sync(acc[f], gf, af, acc[f]);
+            }
+        }
+#pragma unroll
+        for (int f = 0; f < kChunk / 16; ++f)
+            wmma::store_matrix_sync(o + f * 16, acc[f], kOutPitch, wmma::mem_row_major);
+        __syncwarp();
+        const uint64_t key = math::layer_key(static_cast<uint64_t>(*rule.seed), rule.salt);
+#pragma unroll
+        for (int q = 0; q < kOwn; ++q) {
+            const int p = lane + 32 * q, i = p / kPacks, cp = (p % kPacks) * 8;
+            const int64_t row = row0 + warp * 16 + i, c = c0 + cp;
+            if (row >= n || c >= k) continue;
+            float v[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[e] = o[i * kOutPitch + cp + e];
+            if (rule.keep_in != nullptr)
+                bits_mask<8>(v, kept[q], rule.scale);
+            else
+                mask_pack(v, key, row * k + c, rule);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) sum[q][e] = g == 0 ? v[e] : sum[q][e] + v[e];
+            if (g == G - 1) {  // the last adapter's pass writes: each sum leaves registers at once
+#pragma unroll
+                for (int e = 0; e < 8; ++e) d[q].v[e] = from_float<T>(to_float(d[q].v[e]) + sum[q][e]);
+                *reinterpret_cast<Pack<T, 8>*>(dx + row * k + c) = d[q];
+            }
+        }
     }
 #else
     __trap();
@@ -595,6 +622,34 @@ int launch_down(const void* x, const void* a, void* h, int64_t ldh, int64_t n, i
     return static_cast<int>(cudaGetLastError());
 }
 
+// The tensor-core up-add over a group of G adapters of rank r.
+template <typename T, int G>
+void launch_tc_up_add(T* dp, const T* gp, int64_t ldg, const T* ap, int64_t n, int64_t k, int64_t r,
+                      const DropoutRules& rules, cudaStream_t s) {
+    const dim3 grid(static_cast<unsigned>((n + 63) / 64), static_cast<unsigned>((k + kChunk - 1) / kChunk));
+    const int ri = static_cast<int>(r);
+    if (r <= 16)
+        tc_masked_up_add_kernel<T, 1, G><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rules);
+    else if (r <= 32)
+        tc_masked_up_add_kernel<T, 2, G><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rules);
+    else if (r <= 48)
+        tc_masked_up_add_kernel<T, 3, G><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rules);
+    else
+        tc_masked_up_add_kernel<T, 4, G><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rules);
+}
+
+template <typename T>
+int launch_tc_up_add(T* dp, const T* gp, int64_t ldg, const T* ap, int64_t n, int64_t k, int64_t r,
+                     const DropoutRules& rules, cudaStream_t s) {
+    switch (rules.count) {
+        case 1: launch_tc_up_add<T, 1>(dp, gp, ldg, ap, n, k, r, rules, s); break;
+        case 2: launch_tc_up_add<T, 2>(dp, gp, ldg, ap, n, k, r, rules, s); break;
+        case 3: launch_tc_up_add<T, 3>(dp, gp, ldg, ap, n, k, r, rules, s); break;
+        default: return static_cast<int>(cudaErrorInvalidValue);
+    }
+    return static_cast<int>(cudaGetLastError());
+}
+
 template <typename T>
 int launch_up_add(void* dx, const void* gh, int64_t ldg, const void* a, int64_t n, int64_t k, int64_t r,
                   const DropoutRule& rule, cudaStream_t s) {
@@ -604,17 +659,10 @@ int launch_up_add(void* dx, const void* gh, int64_t ldg, const void* a, int64_t 
     const int ri = static_cast<int>(r);
     if constexpr (kSixteenBit<T>) {
         if (tensor_cores()) {
-            const dim3 grid(static_cast<unsigned>((n + 63) / 64),
-                            static_cast<unsigned>((k + kChunk - 1) / kChunk));
-            if (r <= 16)
-                tc_masked_up_add_kernel<T, 1><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rule);
-            else if (r <= 32)
-                tc_masked_up_add_kernel<T, 2><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rule);
-            else if (r <= 48)
-                tc_masked_up_add_kernel<T, 3><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rule);
-            else
-                tc_masked_up_add_kernel<T, 4><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rule);
-            return static_cast<int>(cudaGetLastError());
+            DropoutRules one;
+            one.rule[0] = rule;
+            one.count = 1;
+            return launch_tc_up_add<T>(dp, gp, ldg, ap, n, k, r, one, s);
         }
     }
     if (r <= 16)
@@ -707,6 +755,23 @@ int lora_masked_up_add(void* dx, const void* gh, int64_t ldg, const void* a, int
         case KernelDtype::kFloat: return launch_up_add<float>(dx, gh, ldg, a, n, k, r, rule, s);
         case KernelDtype::kBFloat16: return launch_up_add<__nv_bfloat16>(dx, gh, ldg, a, n, k, r, rule, s);
         case KernelDtype::kHalf: return launch_up_add<__half>(dx, gh, ldg, a, n, k, r, rule, s);
+    }
+    return static_cast<int>(cudaErrorInvalidValue);
+}
+
+int lora_masked_up_add_group(void* dx, const void* gh, int64_t ldg, const void* a, int64_t n, int64_t k,
+                             int64_t r, const DropoutRules& rules, KernelDtype dtype, void* stream) {
+    if (rules.count < 1 || rules.count > kLoRAMaxGroup || !tensor_cores())
+        return static_cast<int>(cudaErrorInvalidValue);
+    auto s = static_cast<cudaStream_t>(stream);
+    switch (dtype) {
+        case KernelDtype::kBFloat16:
+            return launch_tc_up_add(static_cast<__nv_bfloat16*>(dx), static_cast<const __nv_bfloat16*>(gh),
+                                    ldg, static_cast<const __nv_bfloat16*>(a), n, k, r, rules, s);
+        case KernelDtype::kHalf:
+            return launch_tc_up_add(static_cast<__half*>(dx), static_cast<const __half*>(gh), ldg,
+                                    static_cast<const __half*>(a), n, k, r, rules, s);
+        case KernelDtype::kFloat: break;
     }
     return static_cast<int>(cudaErrorInvalidValue);
 }

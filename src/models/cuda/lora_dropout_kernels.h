@@ -34,6 +34,14 @@ struct DropoutRule {
     const uint8_t* keep_in = nullptr;
 };
 
+// The rules of a group of adapters that read the same input (fused q/k/v), for
+// lora_masked_up_add_group: rule[0 .. count).
+constexpr int kLoRAMaxGroup = 3;
+struct DropoutRules {
+    DropoutRule rule[kLoRAMaxGroup] = {};
+    int count = 0;
+};
+
 // Whether `dtype` on CUDA device `device` takes the tensor-core kernels (16-bit types on sm_80 and
 // later), the only ones that write and read the kept decisions.
 bool lora_dropout_tensor_cores(KernelDtype dtype, int device);
@@ -56,5 +64,12 @@ int lora_masked_down_grad(const void* gh, int64_t ldg, const void* x, float* par
 // dx += mask ⊙ (gh · a), rounded once to `dtype`; gh · a is never stored.
 int lora_masked_up_add(void* dx, const void* gh, int64_t ldg, const void* a, int64_t n, int64_t k, int64_t r,
                        const DropoutRule& rule, KernelDtype dtype, void* stream);
+
+// dx += Σ_g mask_g ⊙ (gh_g · a_g) for the group's adapters g < rules.count, summed in float32 and
+// rounded once: one pass over dx. gh_g is columns [g·r, (g+1)·r) of gh (row stride ldg), a_g rows
+// [g·r, (g+1)·r) of a ([count·r, k] contiguous). Tensor cores only (16-bit dtype on sm_80+):
+// cudaErrorInvalidValue otherwise, and for a count outside 1..kLoRAMaxGroup.
+int lora_masked_up_add_group(void* dx, const void* gh, int64_t ldg, const void* a, int64_t n, int64_t k,
+                             int64_t r, const DropoutRules& rules, KernelDtype dtype, void* stream);
 
 }  // namespace dtune::models::cuda
