@@ -221,10 +221,11 @@ TEST(LoRADropoutUnit, Bf16OperandsAndNoMask) {
     }
 }
 
-// The group form (fused q/k/v's dx): every adapter's masked product added, an inactive mask giving
-// the plain product; on the CPU adapter by adapter, the same bits as the single form. Shapes that do
-// not split into adapters of one rank are refused, naming the shapes.
-TEST(LoRADropoutUnit, GroupUpAddSumsEachAdaptersMaskedProduct) {
+// The group forms (fused q/k/v's backward): dx takes every adapter's masked product, an inactive mask
+// giving the plain product, and each adapter's dA comes back in its dtype; on the CPU adapter by
+// adapter, the same bits as the single forms. Shapes that do not split into adapters of one rank are
+// refused, naming the shapes.
+TEST(LoRADropoutUnit, GroupFormsMatchAdapterByAdapter) {
     torch::manual_seed(10);
     const int64_t n = 53, k = 40, r = 4;
     const at::Tensor a = at::randn({3 * r, k}) * 0.1, gh = at::randn({n, 3 * r}), dx0 = at::randn({n, k});
@@ -244,6 +245,15 @@ TEST(LoRADropoutUnit, GroupUpAddSumsEachAdaptersMaskedProduct) {
     EXPECT_GT(test::max_abs_diff(dx.to(at::kDouble), dx0.to(at::kDouble) + at::mm(gh, a).to(at::kDouble)),
               1e-3)
         << "the masks matter";
+    // The factor gradients of the group: each adapter's, bit for bit.
+    const std::vector<at::Tensor> das =
+        lora_masked_down_grad_group(gh, dx0, masks, {at::kFloat, at::kFloat, at::kDouble});
+    ASSERT_EQ(das.size(), 3u);
+    for (int64_t i = 0; i < 3; ++i)
+        EXPECT_TRUE(at::equal(das[i], lora_masked_down_grad(gh.narrow(1, i * r, r), dx0, masks[i],
+                                                            i == 2 ? at::kDouble : at::kFloat)));
+    EXPECT_EQ(das[2].scalar_type(), at::kDouble);
+    EXPECT_THROW(lora_masked_down_grad_group(gh, dx0, masks, {at::kFloat}), std::exception);
     at::Tensor bad = dx0.clone();
     EXPECT_THROW(
         {

@@ -866,10 +866,11 @@ TEST(ModelsGpu, LoRADropoutKernelsMatchTheMaskedReference) {
                     }
 }
 
-// lora_masked_up_add_group_ (fused q/k/v's backward): one pass over dx for two or three adapters with
-// their own masks, against float64 and the per-adapter kernel; the recorded decisions give the same
-// bits as hashing.
-TEST(ModelsGpu, LoRAMaskedUpAddGroupMatchesFloat64) {
+// The group forms of fused q/k/v's backward for two or three adapters with their own masks:
+// lora_masked_up_add_group_ (one pass over dx) against float64 and the per-adapter kernel, the
+// recorded decisions giving the same bits as hashing; lora_masked_down_grad_group (one pass over x)
+// bit for bit the per-adapter kernel's factor gradients, and close to float64.
+TEST(ModelsGpu, LoRAMaskedGroupsMatchFloat64AndThePerAdapterKernels) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     const at::Device cuda(at::kCUDA, 0);
     const auto on = at::TensorOptions().device(cuda);
@@ -920,6 +921,25 @@ TEST(ModelsGpu, LoRAMaskedUpAddGroupMatchesFloat64) {
                 EXPECT_LE(err.sum().item<double>(), err_each.sum().item<double>());
                 EXPECT_LE(test::max_abs_diff(dx_each.to(at::kDouble).cpu(), dx.to(at::kDouble).cpu()),
                           4 * ulp * ref.abs().max().item<double>());
+
+                const std::vector<at::ScalarType> f32(groups, at::kFloat);
+                const std::vector<at::Tensor> das = lora_masked_down_grad_group(gh, x, kept, f32);
+                const std::vector<at::Tensor> das_hashed = lora_masked_down_grad_group(gh, x, masks, f32);
+                ASSERT_EQ(das.size(), static_cast<size_t>(groups));
+                for (int64_t i = 0; i < groups; ++i) {
+                    const at::Tensor gi = gh.narrow(1, i * r, r);
+                    EXPECT_EQ(das[i].sizes(), (at::IntArrayRef{r, k}));
+                    EXPECT_TRUE(at::equal(das[i], lora_masked_down_grad(gi, x, masks[i], at::kFloat)))
+                        << "adapter " << i << ": the per-adapter kernel's bits";
+                    EXPECT_TRUE(at::equal(das_hashed[i], das[i])) << "adapter " << i << ": hashed";
+                    const at::Tensor mask =
+                        hash_dropout_no_grad(at::ones({n, k}, on), masks[i].seed, masks[i].salt, masks[i].p,
+                                             masks[i].index_offset)
+                            .to(at::kDouble);
+                    const at::Tensor da_ref = at::mm(gi.to(at::kDouble).t(), x.to(at::kDouble) * mask);
+                    EXPECT_LE(test::max_abs_diff(das[i].to(at::kDouble).cpu(), da_ref.cpu()),
+                              1e-2 * da_ref.abs().max().item<double>());
+                }
             }
 }
 

@@ -265,10 +265,12 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         const auto b_dtype = [&](int64_t i) { return static_cast<at::ScalarType>(b_dtypes[i]); };
         torch::autograd::variable_list out(2 * n + 2);
         out[0] = dx;
-        bool same_a_dtype = true, any_a = false;
+        bool same_a_dtype = true, any_a = false, all_a = true;
         for (int64_t i = 0; i < n; ++i) {
             same_a_dtype = same_a_dtype && a_dtype(i) == a_dtype(0);
-            any_a = any_a || (ctx->needs_input_grad(1 + i) && g[i].defined());
+            const bool wanted = ctx->needs_input_grad(1 + i) && g[i].defined();
+            any_a = any_a || wanted;
+            all_a = all_a && wanted;
         }
         if (any_a && !drop && same_a_dtype) {
             // [n·r, in]: every dA in one GEMM (all adapters read the same input)
@@ -276,6 +278,12 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
                 out_dtype ? at::mm(gh.t(), x2, a_dtype(0)) : at::mm(gh.t(), x2).to(a_dtype(0));
             for (int64_t i = 0; i < n; ++i)
                 if (ctx->needs_input_grad(1 + i) && g[i].defined()) out[1 + i] = da.narrow(0, i * r, r);
+        } else if (any_a && all_a) {
+            // Every adapter's dA from one pass over x2 (each through its own mask)
+            std::vector<at::ScalarType> dtypes;
+            for (int64_t i = 0; i < n; ++i) dtypes.push_back(a_dtype(i));
+            const std::vector<at::Tensor> das = lora_masked_down_grad_group(gh, x2, drops, dtypes);
+            for (int64_t i = 0; i < n; ++i) out[1 + i] = das[i];
         } else if (any_a) {
             for (int64_t i = 0; i < n; ++i) {
                 if (!(ctx->needs_input_grad(1 + i) && g[i].defined())) continue;

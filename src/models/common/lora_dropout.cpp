@@ -188,6 +188,45 @@ void lora_masked_up_add_(at::Tensor& dx, const at::Tensor& gh, const at::Tensor&
         dx.addmm_(gh, a);
 }
 
+std::vector<at::Tensor> lora_masked_down_grad_group(const at::Tensor& gh, const at::Tensor& x2,
+                                                    const std::vector<LoRADropoutMask>& masks,
+                                                    const std::vector<at::ScalarType>& out_dtypes) {
+    const auto count = static_cast<int64_t>(masks.size());
+    DTUNE_CHECK(count >= 1 && out_dtypes.size() == masks.size() && gh.dim() == 2 && gh.size(1) % count == 0,
+                "lora_masked_down_grad_group: gh ", gh.sizes(), " does not hold ", count,
+                " adapters of one rank (with ", out_dtypes.size(), " output dtypes)");
+    const int64_t r = gh.size(1) / count;
+    std::vector<at::Tensor> out;
+#ifdef DTUNE_WITH_CUDA_KERNELS
+    bool one_pass = count <= cuda::kLoRAMaxGroup && r <= cuda::kLoRADropoutMaxRank && input_ok(x2) &&
+                    x2.scalar_type() != at::kFloat && rows_ok(gh, x2, count * r) &&
+                    cuda::lora_dropout_tensor_cores(
+                        kernel_dtype(x2.scalar_type(), "lora_masked_down_grad_group"), x2.get_device());
+    for (const LoRADropoutMask& m : masks) one_pass = one_pass && kernel_mask_ok(m, x2);
+    if (one_pass) {
+        const c10::cuda::CUDAGuard guard(x2.device());
+        const int64_t n = x2.size(0), k = x2.size(1);
+        cuda::DropoutRules rules;
+        rules.count = static_cast<int>(count);
+        for (int64_t i = 0; i < count; ++i) rules.rule[i] = rule_of(masks[i], x2);
+        const cuda::KernelDtype kt = kernel_dtype(x2.scalar_type(), "lora_masked_down_grad_group");
+        at::Tensor da = at::empty({count * r, k}, x2.options().dtype(at::kFloat));
+        at::Tensor partials = at::empty({cuda::lora_masked_down_grad_splits(n, k, kt), count * r, k},
+                                        x2.options().dtype(at::kFloat));
+        check_launch(cuda::lora_masked_down_grad_group(gh.const_data_ptr(), gh.stride(0), x2.const_data_ptr(),
+                                                       partials.mutable_data_ptr<float>(),
+                                                       da.mutable_data_ptr<float>(), n, k, r, rules, kt,
+                                                       current_stream_of(x2)),
+                     "lora_masked_down_grad_group", "backward");
+        for (int64_t i = 0; i < count; ++i) out.push_back(da.narrow(0, i * r, r).to(out_dtypes[i]));
+        return out;
+    }
+#endif
+    for (int64_t i = 0; i < count; ++i)
+        out.push_back(lora_masked_down_grad(gh.narrow(1, i * r, r), x2, masks[i], out_dtypes[i]));
+    return out;
+}
+
 void lora_masked_up_add_group_(at::Tensor& dx, const at::Tensor& gh, const at::Tensor& a,
                                const std::vector<LoRADropoutMask>& masks) {
     const auto count = static_cast<int64_t>(masks.size());

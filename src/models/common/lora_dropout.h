@@ -60,13 +60,23 @@ void lora_masked_down_out(at::Tensor& h, const at::Tensor& x2, const at::Tensor&
 at::Tensor lora_masked_down_grad(const at::Tensor& gh, const at::Tensor& x2, const LoRADropoutMask& m,
                                  at::ScalarType out_dtype);
 
+// The factor gradients dA_i [r, in] = gh_iᵀ·(mask_i ⊙ x2) of adapters of one rank that read x2
+// (fused q/k/v): gh [N, n·r] holds adapter i's columns i·r .. (i+1)·r; each returned in
+// out_dtypes[i]. On the tensor-core kernels, where every mask carries the forward's decisions (keep)
+// and n <= 3 with n · ⌈r / 16⌉ <= 6, one pass over x2 for all of them; elsewhere adapter by adapter.
+// Deterministic run to run either way.
+std::vector<at::Tensor> lora_masked_down_grad_group(const at::Tensor& gh, const at::Tensor& x2,
+                                                    const std::vector<LoRADropoutMask>& masks,
+                                                    const std::vector<at::ScalarType>& out_dtypes);
+
 // dx += mask ⊙ (gh·a), rounded once; dx contiguous [N, in] in x2's dtype.
 void lora_masked_up_add_(at::Tensor& dx, const at::Tensor& gh, const at::Tensor& a, const LoRADropoutMask& m);
 
 // dx += Σ_i mask_i ⊙ (gh_i·a_i) for adapters of one rank r that read the same input (fused q/k/v):
 // gh [N, n·r] holds adapter i's columns i·r .. (i+1)·r, a [n·r, in] its rows, masks[i] its mask (an
-// inactive one: the plain product). On the tensor-core kernels (every mask active, n <= 3) one pass
-// over dx that sums the n products in float32 and rounds once; elsewhere adapter by adapter.
+// inactive one: the plain product). On the tensor-core kernels (every mask active, n <= 3, and
+// n · ⌈r / 16⌉ <= 6) one pass over dx that sums the n products in float32 and rounds once;
+// elsewhere adapter by adapter.
 void lora_masked_up_add_group_(at::Tensor& dx, const at::Tensor& gh, const at::Tensor& a,
                                const std::vector<LoRADropoutMask>& masks);
 

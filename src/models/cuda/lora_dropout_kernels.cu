@@ -8,7 +8,8 @@
 //   - tc_masked_down: a block owns 16 or 32 rows; its four warps take alternate 64-column chunks
 //     and their sums meet in shared memory in a fixed order.
 //   - tc_masked_up_add: a block owns a 64 x 64 tile of dx; gh · a goes through shared memory, where
-//     the mask is applied on the way to the read-modify-write of dx.
+//     the mask is applied on the way to the read-modify-write of dx. A group of adapters that read
+//     the same input (fused q/k/v) adds its masked products in one read-modify-write.
 //   - tc_masked_down_grad: a block owns 64 columns and a range of rows (a multiple of 64); one
 //     partial per block, summed in a fixed order by a second kernel (the same bits run to run).
 // - float32 (and 16-bit types before sm_80): plain FMAs on CUDA cores.
@@ -364,10 +365,11 @@ __global__ void __launch_bounds__(32 * W, 16 / W)  // 16 warps per SM: at most 1
 }
 
 // dx[row, c] += Σ_g mask_g(Σ_j gh[row, g·r + j] · a[g·r + j, c]) for the group's G adapters (one
-// for a single layer), rounded once: a block owns 64 rows (16 per warp) and 64 columns. Per adapter
-// gh · a goes through shared memory, where its mask is applied on the way into the float sums.
-// Registers: one layer at most 72 for rank <= 16 (7 blocks an SM) and 102 above (5), as before the
-// groups came; a group at most 128 (4 blocks).
+// for a single layer), rounded once: a block owns 64 rows (16 per warp) and 64 columns. Every
+// adapter's gh and a tiles are loaded at once; then per adapter each warp forms its 16 x 64 product,
+// which goes through the warp's shared tile, where the adapter's mask is applied on the way into
+// the float sums. Registers: one layer at most 72 for rank <= 16 (7 blocks an SM) and 102 above (5);
+// a group at most 128 (4 blocks).
 template <typename T, int RT, int G>
 __global__ void __launch_bounds__(kTcThreads, G > 1     ? 4
                                               : RT == 1 ? 7
@@ -376,8 +378,8 @@ __global__ void __launch_bounds__(kTcThreads, G > 1     ? 4
                             const T* __restrict__ a, int64_t n, int64_t k, int r, DropoutRules rules) {
 #ifdef DTUNE_TC_LORA
     constexpr int RP = 16 * RT, BM = 16 * kTcWarps, kGp = RP + 8;
-    __shared__ __align__(128) T gs[BM * kGp];
-    __shared__ __align__(128) T as[RP * kPitch];
+    __shared__ __align__(128) T gs[G][BM * kGp];
+    __shared__ __align__(128) T as[G][RP * kPitch];
     __shared__ __align__(128) float os[kTcWarps * 16 * kOutPitch];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t row0 = static_cast<int64_t>(blockIdx.x) * BM,
@@ -398,6 +400,22 @@ __global__ void __launch_bounds__(kTcThreads, G > 1     ? 4
             if (rules.rule[0].keep_in != nullptr) kept[q] = rules.rule[0].keep_in[(row * k + c) / 8];
         }
     }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+        for (int e = threadIdx.x; e < BM * RP; e += kTcThreads) {
+            const int i = e / RP, j = e % RP;
+            gs[g][i * kGp + j] =
+                (row0 + i < n && j < r) ? gh[(row0 + i) * ldg + g * r + j] : from_float<T>(0.0f);
+        }
+#pragma unroll
+        for (int q = 0; q < RP * kPacks / kTcThreads + 1; ++q) {
+            const int p = threadIdx.x + kTcThreads * q;
+            if (p < RP * kPacks)
+                copy_pack(a + static_cast<int64_t>(g) * r * k, r, k, p / kPacks, c0 + (p % kPacks) * 8,
+                          as[g] + (p / kPacks) * kPitch + (p % kPacks) * 8);
+        }
+    }
+    __syncthreads();
     float* o = os + warp * 16 * kOutPitch;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -409,36 +427,22 @@ __global__ void __launch_bounds__(kTcThreads, G > 1     ? 4
                 const int64_t row = row0 + warp * 16 + p / kPacks, c = c0 + (p % kPacks) * 8;
                 kept[q] = rule.keep_in != nullptr && row < n && c < k ? rule.keep_in[(row * k + c) / 8] : 0;
             }
-            __syncthreads();  // every warp is done with the previous adapter's tiles
         }
-        const T* ag = a + static_cast<int64_t>(g) * r * k;
-        for (int e = threadIdx.x; e < BM * RP; e += kTcThreads) {
-            const int i = e / RP, j = e % RP;
-            gs[i * kGp + j] =
-                (row0 + i < n && j < r) ? gh[(row0 + i) * ldg + g * r + j] : from_float<T>(0.0f);
-        }
-#pragma unroll
-        for (int q = 0; q < RP * kPacks / kTcThreads + 1; ++q) {
-            const int p = threadIdx.x + kTcThreads * q;
-            if (p < RP * kPacks)
-                copy_pack(ag, r, k, p / kPacks, c0 + (p % kPacks) * 8,
-                          as + (p / kPacks) * kPitch + (p % kPacks) * 8);
-        }
-        __syncthreads();
         Acc acc[kChunk / 16];
 #pragma unroll
         for (int f = 0; f < kChunk / 16; ++f) wmma::fill_fragment(acc[f], 0.0f);
 #pragma unroll
         for (int t = 0; t < RT; ++t) {
             wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> gf;
-            wmma::load_matrix_sync(gf, gs + warp * 16 * kGp + t * 16, kGp);
+            wmma::load_matrix_sync(gf, gs[g] + warp * 16 * kGp + t * 16, kGp);
 #pragma unroll
             for (int f = 0; f < kChunk / 16; ++f) {
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> af;
-                wmma::load_matrix_sync(af, as + t * 16 * kPitch + f * 16, kPitch);
+                wmma::load_matrix_sync(af, as[g] + t * 16 * kPitch + f * 16, kPitch);
                 wmma::mma_sync(acc[f], gf, af, acc[f]);
             }
         }
+        if (g > 0) __syncwarp();  // the lanes have read the previous adapter's product from o
 #pragma unroll
         for (int f = 0; f < kChunk / 16; ++f)
             wmma::store_matrix_sync(o + f * 16, acc[f], kOutPitch, wmma::mem_row_major);
@@ -523,6 +527,107 @@ __global__ void __launch_bounds__(kTcThreads)
     for (int e = threadIdx.x; e < r * kChunk; e += kTcThreads) {
         const int j = e / kChunk, col = e % kChunk;
         if (c0 + col < k) out[j * k + c0 + col] = os[j * kOutPitch + col];
+    }
+#else
+    __trap();
+#endif
+}
+
+// The same for a group of G adapters that read the same x (fused q/k/v), each with its own mask,
+// given as the forward's kept decisions (rule.keep_in, required: no hashing here):
+// partials[split, g·r + j, c] = Σ over the split's rows of gh[row, g·r + j] · round(mask_g(x))[row, c].
+// Each 64-row tile of x is read once; every adapter's masked copy of it goes to its own shared tile.
+// The float tiles of the sums reuse the input tiles' space at the end.
+template <typename T, int RT, int G>
+__global__ void __launch_bounds__(kTcThreads, 4)  // at most 128 registers
+    tc_masked_down_grad_group_kernel(const T* __restrict__ gh, int64_t ldg, const T* __restrict__ x,
+                                     float* __restrict__ partials, int64_t n, int64_t k, int r,
+                                     int64_t rows_per_split, DropoutRules rules) {
+#ifdef DTUNE_TC_LORA
+    constexpr int RP = 16 * RT, BM = 64, kGp = RP + 8, Q = BM * kPacks / kTcThreads;
+    constexpr int kXs = BM * kPitch, kGs = BM * kGp;
+    constexpr size_t kIn = G * (kXs + kGs) * sizeof(T), kOut = G * RP * kOutPitch * sizeof(float);
+    __shared__ __align__(128) unsigned char smem[kIn > kOut ? kIn : kOut];
+    T* xs = reinterpret_cast<T*>(smem);  // [G][BM][kPitch]
+    T* gs = xs + G * kXs;                // [G][BM][kGp]
+    const int warp = threadIdx.x / 32;
+    const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kChunk;
+    const int64_t begin = static_cast<int64_t>(blockIdx.y) * rows_per_split;
+    const int64_t end = begin + rows_per_split < n ? begin + rows_per_split : n;
+    Acc acc[G][RT];
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int t = 0; t < RT; ++t) wmma::fill_fragment(acc[g][t], 0.0f);
+    for (int64_t row0 = begin; row0 < end; row0 += BM) {
+        // This thread's packs of the tile, and every adapter's kept decisions for them, all in flight.
+        Pack<T, 8> v[Q];
+        uint8_t kept[G][Q];
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+            const int p = threadIdx.x + q * kTcThreads;
+            const int64_t row = row0 + p / kPacks, c = c0 + (p % kPacks) * 8;
+            if (row < end && c < k) {
+                v[q] = *reinterpret_cast<const Pack<T, 8>*>(x + row * k + c);
+#pragma unroll
+                for (int g = 0; g < G; ++g) kept[g][q] = rules.rule[g].keep_in[(row * k + c) / 8];
+            } else {
+                *reinterpret_cast<uint4*>(&v[q]) = make_uint4(0, 0, 0, 0);
+#pragma unroll
+                for (int g = 0; g < G; ++g) kept[g][q] = 0;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            for (int e = threadIdx.x; e < BM * RP; e += kTcThreads) {
+                const int i = e / RP, j = e % RP;
+                gs[g * kGs + i * kGp + j] =
+                    (row0 + i < end && j < r) ? gh[(row0 + i) * ldg + g * r + j] : from_float<T>(0.0f);
+            }
+#pragma unroll
+            for (int q = 0; q < Q; ++q) {
+                const int p = threadIdx.x + q * kTcThreads;
+                const int64_t row = row0 + p / kPacks, c = c0 + (p % kPacks) * 8;
+                Pack<T, 8> m = v[q];
+                if (row < end && c < k) {
+                    float f[8];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) f[e] = to_float(v[q].v[e]);
+                    bits_mask<8>(f, kept[g][q], rules.rule[g].scale);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) m.v[e] = from_float<T>(f[e]);
+                }
+                *reinterpret_cast<Pack<T, 8>*>(xs + g * kXs + (p / kPacks) * kPitch + (p % kPacks) * 8) = m;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> xf;
+                wmma::load_matrix_sync(xf, xs + g * kXs + kk * 16 * kPitch + warp * 16, kPitch);
+#pragma unroll
+                for (int t = 0; t < RT; ++t) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::col_major> gf;  // ghᵀ
+                    wmma::load_matrix_sync(gf, gs + g * kGs + kk * 16 * kGp + t * 16, kGp);
+                    wmma::mma_sync(acc[g][t], gf, xf, acc[g][t]);
+                }
+            }
+        __syncthreads();
+    }
+    float* os = reinterpret_cast<float*>(smem);  // [G·RP][kOutPitch], over the input tiles
+#pragma unroll
+    for (int g = 0; g < G; ++g)
+#pragma unroll
+        for (int t = 0; t < RT; ++t)
+            wmma::store_matrix_sync(os + (g * RP + t * 16) * kOutPitch + warp * 16, acc[g][t], kOutPitch,
+                                    wmma::mem_row_major);
+    __syncthreads();
+    float* out = partials + static_cast<int64_t>(blockIdx.y) * G * r * k;
+    for (int e = threadIdx.x; e < G * r * kChunk; e += kTcThreads) {
+        const int gj = e / kChunk, col = e % kChunk, g = gj / r, j = gj % r;
+        if (c0 + col < k) out[gj * k + c0 + col] = os[(g * RP + j) * kOutPitch + col];
     }
 #else
     __trap();
@@ -622,20 +727,37 @@ int launch_down(const void* x, const void* a, void* h, int64_t ldh, int64_t n, i
     return static_cast<int>(cudaGetLastError());
 }
 
-// The tensor-core up-add over a group of G adapters of rank r.
-template <typename T, int G>
+// The tensor-core up-add of a group of G adapters with RT rank tiles each: one launch where the
+// group's tiles fit static shared memory (G · RT <= 6), else one launch per adapter.
+template <typename T, int RT, int G>
 void launch_tc_up_add(T* dp, const T* gp, int64_t ldg, const T* ap, int64_t n, int64_t k, int64_t r,
                       const DropoutRules& rules, cudaStream_t s) {
     const dim3 grid(static_cast<unsigned>((n + 63) / 64), static_cast<unsigned>((k + kChunk - 1) / kChunk));
     const int ri = static_cast<int>(r);
+    if constexpr (G == 1 || G * RT <= 6) {
+        tc_masked_up_add_kernel<T, RT, G><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rules);
+    } else {
+        for (int g = 0; g < G; ++g) {
+            DropoutRules one;
+            one.rule[0] = rules.rule[g];
+            one.count = 1;
+            tc_masked_up_add_kernel<T, RT, 1>
+                <<<grid, kTcThreads, 0, s>>>(dp, gp + g * r, ldg, ap + g * r * k, n, k, ri, one);
+        }
+    }
+}
+
+template <typename T, int G>
+void launch_tc_up_add(T* dp, const T* gp, int64_t ldg, const T* ap, int64_t n, int64_t k, int64_t r,
+                      const DropoutRules& rules, cudaStream_t s) {
     if (r <= 16)
-        tc_masked_up_add_kernel<T, 1, G><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rules);
+        launch_tc_up_add<T, 1, G>(dp, gp, ldg, ap, n, k, r, rules, s);
     else if (r <= 32)
-        tc_masked_up_add_kernel<T, 2, G><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rules);
+        launch_tc_up_add<T, 2, G>(dp, gp, ldg, ap, n, k, r, rules, s);
     else if (r <= 48)
-        tc_masked_up_add_kernel<T, 3, G><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rules);
+        launch_tc_up_add<T, 3, G>(dp, gp, ldg, ap, n, k, r, rules, s);
     else
-        tc_masked_up_add_kernel<T, 4, G><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rules);
+        launch_tc_up_add<T, 4, G>(dp, gp, ldg, ap, n, k, r, rules, s);
 }
 
 template <typename T>
@@ -713,6 +835,55 @@ int launch_down_grad(const void* gh, int64_t ldg, const void* x, float* partials
     return static_cast<int>(cudaGetLastError());
 }
 
+// The group's factor gradients: one kernel over x for G adapters (G · RT <= 6: the tiles fit static
+// shared memory; every rule has its kept decisions), then one sum of the splits for all of them;
+// else adapter by adapter.
+template <typename T, int RT, int G>
+int launch_tc_down_grad_group(const T* gp, int64_t ldg, const T* xp, float* partials, float* da, int64_t n,
+                              int64_t k, int64_t r, const DropoutRules& rules, cudaStream_t s) {
+    const int64_t per = tc_rows_per_split(n, k), splits = (n + per - 1) / per;
+    const dim3 grid(static_cast<unsigned>((k + kChunk - 1) / kChunk), static_cast<unsigned>(splits));
+    const int ri = static_cast<int>(r);
+    bool kept = true;
+    for (int g = 0; g < G; ++g) kept = kept && rules.rule[g].keep_in != nullptr;
+    if constexpr (G * RT <= 6) {
+        if (kept) {
+            tc_masked_down_grad_group_kernel<T, RT, G>
+                <<<grid, kTcThreads, 0, s>>>(gp, ldg, xp, partials, n, k, ri, per, rules);
+            const int err = static_cast<int>(cudaGetLastError());
+            if (err != 0) return err;
+            sum_splits_kernel<<<blocks_for(G * r * k, 256), 256, 0, s>>>(partials, da, G * r * k, splits);
+            return static_cast<int>(cudaGetLastError());
+        }
+    }
+    for (int g = 0; g < G; ++g) {
+        const int err =
+            launch_down_grad<T>(gp + g * r, ldg, xp, partials, da + g * r * k, n, k, r, rules.rule[g], s);
+        if (err != 0) return err;
+    }
+    return 0;
+}
+
+template <typename T, int G>
+int launch_tc_down_grad_group(const T* gp, int64_t ldg, const T* xp, float* partials, float* da, int64_t n,
+                              int64_t k, int64_t r, const DropoutRules& rules, cudaStream_t s) {
+    if (r <= 16) return launch_tc_down_grad_group<T, 1, G>(gp, ldg, xp, partials, da, n, k, r, rules, s);
+    if (r <= 32) return launch_tc_down_grad_group<T, 2, G>(gp, ldg, xp, partials, da, n, k, r, rules, s);
+    if (r <= 48) return launch_tc_down_grad_group<T, 3, G>(gp, ldg, xp, partials, da, n, k, r, rules, s);
+    return launch_tc_down_grad_group<T, 4, G>(gp, ldg, xp, partials, da, n, k, r, rules, s);
+}
+
+template <typename T>
+int launch_tc_down_grad_group(const T* gp, int64_t ldg, const T* xp, float* partials, float* da, int64_t n,
+                              int64_t k, int64_t r, const DropoutRules& rules, cudaStream_t s) {
+    switch (rules.count) {
+        case 1: return launch_down_grad<T>(gp, ldg, xp, partials, da, n, k, r, rules.rule[0], s);
+        case 2: return launch_tc_down_grad_group<T, 2>(gp, ldg, xp, partials, da, n, k, r, rules, s);
+        case 3: return launch_tc_down_grad_group<T, 3>(gp, ldg, xp, partials, da, n, k, r, rules, s);
+        default: return static_cast<int>(cudaErrorInvalidValue);
+    }
+}
+
 }  // namespace
 
 int lora_masked_down(const void* x, const void* a, void* h, int64_t ldh, int64_t n, int64_t k, int64_t r,
@@ -755,6 +926,25 @@ int lora_masked_up_add(void* dx, const void* gh, int64_t ldg, const void* a, int
         case KernelDtype::kFloat: return launch_up_add<float>(dx, gh, ldg, a, n, k, r, rule, s);
         case KernelDtype::kBFloat16: return launch_up_add<__nv_bfloat16>(dx, gh, ldg, a, n, k, r, rule, s);
         case KernelDtype::kHalf: return launch_up_add<__half>(dx, gh, ldg, a, n, k, r, rule, s);
+    }
+    return static_cast<int>(cudaErrorInvalidValue);
+}
+
+int lora_masked_down_grad_group(const void* gh, int64_t ldg, const void* x, float* partials, float* da,
+                                int64_t n, int64_t k, int64_t r, const DropoutRules& rules, KernelDtype dtype,
+                                void* stream) {
+    if (rules.count < 1 || rules.count > kLoRAMaxGroup || !tensor_cores())
+        return static_cast<int>(cudaErrorInvalidValue);
+    auto s = static_cast<cudaStream_t>(stream);
+    switch (dtype) {
+        case KernelDtype::kBFloat16:
+            return launch_tc_down_grad_group(static_cast<const __nv_bfloat16*>(gh), ldg,
+                                             static_cast<const __nv_bfloat16*>(x), partials, da, n, k, r,
+                                             rules, s);
+        case KernelDtype::kHalf:
+            return launch_tc_down_grad_group(static_cast<const __half*>(gh), ldg,
+                                             static_cast<const __half*>(x), partials, da, n, k, r, rules, s);
+        case KernelDtype::kFloat: break;
     }
     return static_cast<int>(cudaErrorInvalidValue);
 }

@@ -65,10 +65,19 @@ int lora_masked_down_grad(const void* gh, int64_t ldg, const void* x, float* par
 int lora_masked_up_add(void* dx, const void* gh, int64_t ldg, const void* a, int64_t n, int64_t k, int64_t r,
                        const DropoutRule& rule, KernelDtype dtype, void* stream);
 
+// The factor gradients of a group: da [count·r, k] (float32), rows [g·r, (g+1)·r) = gh_gᵀ · (mask_g ⊙ x)
+// with gh_g as for lora_masked_up_add_group. `partials` holds lora_masked_down_grad_splits(n, k,
+// dtype) · count · r · k floats. One pass over x where the group's tiles fit (count · ⌈r / 16⌉ <= 6),
+// else adapter by adapter; the same bits run to run either way. Tensor cores only, as below.
+int lora_masked_down_grad_group(const void* gh, int64_t ldg, const void* x, float* partials, float* da,
+                                int64_t n, int64_t k, int64_t r, const DropoutRules& rules, KernelDtype dtype,
+                                void* stream);
+
 // dx += Σ_g mask_g ⊙ (gh_g · a_g) for the group's adapters g < rules.count, summed in float32 and
 // rounded once: one pass over dx. gh_g is columns [g·r, (g+1)·r) of gh (row stride ldg), a_g rows
-// [g·r, (g+1)·r) of a ([count·r, k] contiguous). Tensor cores only (16-bit dtype on sm_80+):
-// cudaErrorInvalidValue otherwise, and for a count outside 1..kLoRAMaxGroup.
+// [g·r, (g+1)·r) of a ([count·r, k] contiguous). One pass where the group's tiles fit (count ·
+// ⌈r / 16⌉ <= 6: q/k/v up to rank 32), else adapter by adapter (each rounded). Tensor cores only
+// (16-bit dtype on sm_80+): cudaErrorInvalidValue otherwise, and for a count outside 1..kLoRAMaxGroup.
 int lora_masked_up_add_group(void* dx, const void* gh, int64_t ldg, const void* a, int64_t n, int64_t k,
                              int64_t r, const DropoutRules& rules, KernelDtype dtype, void* stream);
 
