@@ -22,9 +22,8 @@
 // bases and inference (no gradients recorded).
 //
 // The switch: set_fused_qkv_lora() (tests, benchmarks) over DTUNE_FUSED_QKV (read once, on first
-// use: 1/on/true turns the fused path on, 0/off/false or unset leaves it off until it has been
-// checked and timed on a GPU); also off whenever
-// fused_lora_enabled() is (set_fused_lora(false), DTUNE_FUSED_KERNELS=0).
+// use: 1/on/true or unset turns the fused path on, 0/off/false runs q/k/v one by one); also off
+// whenever fused_lora_enabled() is (set_fused_lora(false), DTUNE_FUSED_KERNELS=0).
 #pragma once
 
 #include <ATen/core/Tensor.h>

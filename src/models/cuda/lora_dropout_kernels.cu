@@ -254,6 +254,36 @@ __device__ __forceinline__ void copy_pack(const T* src, int64_t rows, int64_t k,
         zero_pack(dst);
 }
 
+// Rows [row0, row0 + BM) (those below `rows`) of gh's columns [col0, col0 + r) into a shared
+// [BM][RP + 8] tile, zeros elsewhere: 16-byte loads where `packed` (r and ldg multiples of 8, gh
+// and col0 aligned to them), else one element at a time.
+template <typename T, int BM, int RP>
+__device__ __forceinline__ void load_gh_tile(const T* __restrict__ gh, int64_t ldg, int64_t rows,
+                                             int64_t row0, int64_t col0, int r, bool packed, T* tile) {
+    constexpr int kGp = RP + 8, kRowPacks = RP / 8;
+    if (packed) {
+        for (int e = threadIdx.x; e < BM * kRowPacks; e += kTcThreads) {
+            const int i = e / kRowPacks, j = (e % kRowPacks) * 8;
+            if (row0 + i < rows && j < r)
+                *reinterpret_cast<uint4*>(tile + i * kGp + j) =
+                    *reinterpret_cast<const uint4*>(gh + (row0 + i) * ldg + col0 + j);
+            else
+                zero_pack(tile + i * kGp + j);
+        }
+        return;
+    }
+    for (int e = threadIdx.x; e < BM * RP; e += kTcThreads) {
+        const int i = e / RP, j = e % RP;
+        tile[i * kGp + j] =
+            (row0 + i < rows && j < r) ? gh[(row0 + i) * ldg + col0 + j] : from_float<T>(0.0f);
+    }
+}
+
+// Whether gh (row stride ldg, adapters of rank r side by side) takes load_gh_tile's 16-byte loads.
+__device__ __forceinline__ bool gh_packed(const void* gh, int64_t ldg, int r) {
+    return r % 8 == 0 && ldg % 8 == 0 && reinterpret_cast<uintptr_t>(gh) % 16 == 0;
+}
+
 // Q packs of x (row-major [n, k]) through the mask into shared tiles: all loads first, then the
 // mask and the stores, so a lane has Q loads in flight. Pack q is tile row p / kPacks, pack
 // p % kPacks, p = first + q · stride. kKept: the decisions come from rule.keep_in (set), else they
@@ -378,6 +408,7 @@ __global__ void __launch_bounds__(kTcThreads, G > 1     ? 4
                             const T* __restrict__ a, int64_t n, int64_t k, int r, DropoutRules rules) {
 #ifdef DTUNE_TC_LORA
     constexpr int RP = 16 * RT, BM = 16 * kTcWarps, kGp = RP + 8;
+    const bool packed = gh_packed(gh, ldg, r);
     __shared__ __align__(128) T gs[G][BM * kGp];
     __shared__ __align__(128) T as[G][RP * kPitch];
     __shared__ __align__(128) float os[kTcWarps * 16 * kOutPitch];
@@ -402,11 +433,7 @@ __global__ void __launch_bounds__(kTcThreads, G > 1     ? 4
     }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-        for (int e = threadIdx.x; e < BM * RP; e += kTcThreads) {
-            const int i = e / RP, j = e % RP;
-            gs[g][i * kGp + j] =
-                (row0 + i < n && j < r) ? gh[(row0 + i) * ldg + g * r + j] : from_float<T>(0.0f);
-        }
+        load_gh_tile<T, BM, RP>(gh, ldg, n, row0, g * r, r, packed, gs[g]);
 #pragma unroll
         for (int q = 0; q < RP * kPacks / kTcThreads + 1; ++q) {
             const int p = threadIdx.x + kTcThreads * q;
@@ -483,6 +510,7 @@ __global__ void __launch_bounds__(kTcThreads)
                                int64_t rows_per_split, DropoutRule rule) {
 #ifdef DTUNE_TC_LORA
     constexpr int RP = 16 * RT, BM = 64, kGp = RP + 8;
+    const bool packed = gh_packed(gh, ldg, r);
     __shared__ __align__(128) T xs[BM * kPitch];
     __shared__ __align__(128) T gs[BM * kGp];
     __shared__ __align__(128) float os[RP * kOutPitch];
@@ -501,10 +529,7 @@ __global__ void __launch_bounds__(kTcThreads)
         else
             masked_tile<T, BM * kPacks / kTcThreads, false>(x, end, k, row0, c0, threadIdx.x, kTcThreads, xs,
                                                             key, rule);
-        for (int e = threadIdx.x; e < BM * RP; e += kTcThreads) {
-            const int i = e / RP, j = e % RP;
-            gs[i * kGp + j] = (row0 + i < end && j < r) ? gh[(row0 + i) * ldg + j] : from_float<T>(0.0f);
-        }
+        load_gh_tile<T, BM, RP>(gh, ldg, end, row0, 0, r, packed, gs);
         __syncthreads();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk) {
@@ -534,7 +559,8 @@ __global__ void __launch_bounds__(kTcThreads)
 }
 
 // The same for a group of G adapters that read the same x (fused q/k/v), each with its own mask,
-// given as the forward's kept decisions (rule.keep_in, required: no hashing here):
+// given as the forward's kept decisions (rule.keep_in, required: no hashing here), gh as
+// load_gh_tile's 16-byte loads take it (required):
 // partials[split, g·r + j, c] = Σ over the split's rows of gh[row, g·r + j] · round(mask_g(x))[row, c].
 // Each 64-row tile of x is read once; every adapter's masked copy of it goes to its own shared tile.
 // The float tiles of the sums reuse the input tiles' space at the end.
@@ -579,11 +605,7 @@ __global__ void __launch_bounds__(kTcThreads, 4)  // at most 128 registers
         }
 #pragma unroll
         for (int g = 0; g < G; ++g) {
-            for (int e = threadIdx.x; e < BM * RP; e += kTcThreads) {
-                const int i = e / RP, j = e % RP;
-                gs[g * kGs + i * kGp + j] =
-                    (row0 + i < end && j < r) ? gh[(row0 + i) * ldg + g * r + j] : from_float<T>(0.0f);
-            }
+            load_gh_tile<T, BM, RP>(gh, ldg, end, row0, g * r, r, /*packed=*/true, gs + g * kGs);
 #pragma unroll
             for (int q = 0; q < Q; ++q) {
                 const int p = threadIdx.x + q * kTcThreads;
@@ -836,15 +858,15 @@ int launch_down_grad(const void* gh, int64_t ldg, const void* x, float* partials
 }
 
 // The group's factor gradients: one kernel over x for G adapters (G · RT <= 6: the tiles fit static
-// shared memory; every rule has its kept decisions), then one sum of the splits for all of them;
-// else adapter by adapter.
+// shared memory; every rule has its kept decisions; gh's rows in 16-byte packs), then one sum of the
+// splits for all of them; else adapter by adapter.
 template <typename T, int RT, int G>
 int launch_tc_down_grad_group(const T* gp, int64_t ldg, const T* xp, float* partials, float* da, int64_t n,
                               int64_t k, int64_t r, const DropoutRules& rules, cudaStream_t s) {
     const int64_t per = tc_rows_per_split(n, k), splits = (n + per - 1) / per;
     const dim3 grid(static_cast<unsigned>((k + kChunk - 1) / kChunk), static_cast<unsigned>(splits));
     const int ri = static_cast<int>(r);
-    bool kept = true;
+    bool kept = r % 8 == 0 && ldg % 8 == 0 && reinterpret_cast<uintptr_t>(gp) % 16 == 0;  // gh_packed
     for (int g = 0; g < G; ++g) kept = kept && rules.rule[g].keep_in != nullptr;
     if constexpr (G * RT <= 6) {
         if (kept) {
