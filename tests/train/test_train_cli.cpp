@@ -295,7 +295,8 @@ TEST(TrainCli, FusedKernelsCanBeTurnedOffForTriage) {
               std::string::npos);
 }
 
-// The kernel switches read on first use (DTUNE_FUSED_RESNET_TRAINING, DTUNE_LORA_DROPOUT_KERNELS):
+// The kernel switches read on first use (DTUNE_FUSED_RESNET_TRAINING, DTUNE_LORA_DROPOUT_KERNELS,
+// DTUNE_FUSED_QKV):
 // a bad value ends the run with exit 2 naming the variable and its choices, not with a failure in
 // a forward or backward pass.
 TEST(TrainCli, BadKernelSwitchesAreUsageErrors) {
@@ -309,6 +310,12 @@ TEST(TrainCli, BadKernelSwitchesAreUsageErrors) {
         << fs::read_file(w.dir / "log.txt");
     EXPECT_EQ(run_status("DTUNE_LORA_DROPOUT_KERNELS=maybe " + w.command("bad2", lora)), 2);
     EXPECT_NE(fs::read_file(w.dir / "log.txt").find("DTUNE_LORA_DROPOUT_KERNELS=maybe is not a choice"),
+              std::string::npos)
+        << fs::read_file(w.dir / "log.txt");
+    EXPECT_EQ(run_status("DTUNE_FUSED_QKV=maybe " + w.command("bad3", lora)), 2);
+    EXPECT_NE(fs::read_file(w.dir / "log.txt")
+                  .find("DTUNE_FUSED_QKV=maybe is not a choice: use 1 (q/k/v LoRA layers as one function, "
+                        "the default) or 0 (one by one)"),
               std::string::npos)
         << fs::read_file(w.dir / "log.txt");
 }
