@@ -83,6 +83,25 @@ bool input_ok(const at::Tensor& x2) {
     if (kernels_mode() == LoRADropoutKernels::kAll) return true;
     return cuda::lora_dropout_tensor_cores(kernel_dtype(t, "lora_dropout_kernels_take"), x2.get_device());
 }
+
+// The rules of a group of `count` adapters of rank r that read x (or write dx) [N, in] with gh
+// [N, count·r], where the tensor-core group kernels take them (16-bit x, every mask active, at most
+// kLoRAMaxGroup adapters); nullopt otherwise: the caller goes adapter by adapter.
+std::optional<cuda::DropoutRules> group_rules(const at::Tensor& x, const at::Tensor& gh, int64_t count,
+                                              int64_t r, const std::vector<LoRADropoutMask>& masks,
+                                              const char* what) {
+    if (!(count <= cuda::kLoRAMaxGroup && r <= cuda::kLoRADropoutMaxRank && input_ok(x) &&
+          x.scalar_type() != at::kFloat && rows_ok(gh, x, count * r) &&
+          cuda::lora_dropout_tensor_cores(kernel_dtype(x.scalar_type(), what), x.get_device())))
+        return std::nullopt;
+    cuda::DropoutRules rules;
+    rules.count = static_cast<int>(count);
+    for (int64_t i = 0; i < count; ++i) {
+        if (!kernel_mask_ok(masks[i], x)) return std::nullopt;
+        rules.rule[i] = rule_of(masks[i], x);
+    }
+    return rules;
+}
 #endif
 
 }  // namespace
@@ -198,24 +217,16 @@ std::vector<at::Tensor> lora_masked_down_grad_group(const at::Tensor& gh, const 
     const int64_t r = gh.size(1) / count;
     std::vector<at::Tensor> out;
 #ifdef DTUNE_WITH_CUDA_KERNELS
-    bool one_pass = count <= cuda::kLoRAMaxGroup && r <= cuda::kLoRADropoutMaxRank && input_ok(x2) &&
-                    x2.scalar_type() != at::kFloat && rows_ok(gh, x2, count * r) &&
-                    cuda::lora_dropout_tensor_cores(
-                        kernel_dtype(x2.scalar_type(), "lora_masked_down_grad_group"), x2.get_device());
-    for (const LoRADropoutMask& m : masks) one_pass = one_pass && kernel_mask_ok(m, x2);
-    if (one_pass) {
+    if (const auto rules = group_rules(x2, gh, count, r, masks, "lora_masked_down_grad_group")) {
         const c10::cuda::CUDAGuard guard(x2.device());
         const int64_t n = x2.size(0), k = x2.size(1);
-        cuda::DropoutRules rules;
-        rules.count = static_cast<int>(count);
-        for (int64_t i = 0; i < count; ++i) rules.rule[i] = rule_of(masks[i], x2);
         const cuda::KernelDtype kt = kernel_dtype(x2.scalar_type(), "lora_masked_down_grad_group");
         at::Tensor da = at::empty({count * r, k}, x2.options().dtype(at::kFloat));
         at::Tensor partials = at::empty({cuda::lora_masked_down_grad_splits(n, k, kt), count * r, k},
                                         x2.options().dtype(at::kFloat));
         check_launch(cuda::lora_masked_down_grad_group(gh.const_data_ptr(), gh.stride(0), x2.const_data_ptr(),
                                                        partials.mutable_data_ptr<float>(),
-                                                       da.mutable_data_ptr<float>(), n, k, r, rules, kt,
+                                                       da.mutable_data_ptr<float>(), n, k, r, *rules, kt,
                                                        current_stream_of(x2)),
                      "lora_masked_down_grad_group", "backward");
         for (int64_t i = 0; i < count; ++i) out.push_back(da.narrow(0, i * r, r).to(out_dtypes[i]));
@@ -236,21 +247,15 @@ void lora_masked_up_add_group_(at::Tensor& dx, const at::Tensor& gh, const at::T
         " adapters of one rank");
     const int64_t r = gh.size(1) / count;
 #ifdef DTUNE_WITH_CUDA_KERNELS
-    bool one_pass = count <= cuda::kLoRAMaxGroup && r <= cuda::kLoRADropoutMaxRank && input_ok(dx) &&
-                    dx.sizes() == at::IntArrayRef{gh.size(0), a.size(1)} && rows_ok(gh, dx, count * r) &&
-                    a.is_contiguous() && a.scalar_type() == dx.scalar_type() && a.device() == dx.device() &&
-                    aligned16(a) && dx.scalar_type() != at::kFloat &&
-                    cuda::lora_dropout_tensor_cores(
-                        kernel_dtype(dx.scalar_type(), "lora_masked_up_add_group_"), dx.get_device());
-    for (const LoRADropoutMask& m : masks) one_pass = one_pass && kernel_mask_ok(m, dx);
-    if (one_pass) {
+    const bool a_ok = dx.sizes() == at::IntArrayRef{gh.size(0), a.size(1)} && a.is_contiguous() &&
+                      a.scalar_type() == dx.scalar_type() && a.device() == dx.device() && aligned16(a);
+    const auto rules =
+        a_ok ? group_rules(dx, gh, count, r, masks, "lora_masked_up_add_group_") : std::nullopt;
+    if (rules) {
         const c10::cuda::CUDAGuard guard(dx.device());
-        cuda::DropoutRules rules;
-        rules.count = static_cast<int>(count);
-        for (int64_t i = 0; i < count; ++i) rules.rule[i] = rule_of(masks[i], dx);
         check_launch(cuda::lora_masked_up_add_group(
                          dx.mutable_data_ptr(), gh.const_data_ptr(), gh.stride(0), a.const_data_ptr(),
-                         dx.size(0), dx.size(1), r, rules,
+                         dx.size(0), dx.size(1), r, *rules,
                          kernel_dtype(dx.scalar_type(), "lora_masked_up_add_group_"), current_stream_of(dx)),
                      "lora_masked_up_add_group_", "backward");
         return;
