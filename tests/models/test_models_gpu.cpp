@@ -20,6 +20,7 @@
 #include "models/common/hash_dropout.h"
 #include "models/common/layer_norm.h"
 #include "models/common/lora_dropout.h"
+#include "models/common/qk_norm_rope.h"
 #include "models/common/rope.h"
 #include "models/unet/unet_2d_condition.h"
 #include "models/vae/autoencoder_kl.h"
@@ -173,6 +174,112 @@ TEST(ModelsGpu, FusedRotaryEmbeddingMatchesFloat64) {
                 << dtype << " dim " << dim;
         }
     }
+}
+
+// The joint q/k norm + rotary kernels against the composite ops in float64 on the CPU: outputs, the
+// projections' gradients and the norm weights' gradients, for two streams (text + image, a double
+// block) and one (a single block), with q/k/v as column slices of one packed projection output (the
+// fused q/k/v layout, read in place). The three input gradients must come back side by side in one
+// buffer: the fused projection's backward takes them as one GEMM only then.
+TEST(ModelsGpu, JointQKNormRopeMatchesFloat64AndPacksTheGradients) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    torch::manual_seed(23);
+    const int64_t b = 2, heads = 3;
+    for (auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+        for (int64_t dim : {int64_t{128}, int64_t{64}}) {
+            for (const std::vector<int64_t>& seqs :
+                 {std::vector<int64_t>{13, 37}, std::vector<int64_t>{29}}) {
+                const int64_t inner = heads * dim;
+                int64_t seq = 0;
+                for (int64_t s : seqs) seq += s;
+                const at::Tensor angles = at::randn({seq, dim}) * 3;
+                std::vector<at::Tensor> packed, weights;  // per stream [B, S_i, 3·inner]; q, k weights
+                for (int64_t s : seqs) {
+                    packed.push_back(at::randn({b, s, 3 * inner}) * 2 + 0.5);
+                    weights.push_back(at::rand({dim}) + 0.5);
+                    weights.push_back(at::rand({dim}) + 0.5);
+                }
+                const at::Tensor up_q = at::randn({b, seq, heads, dim}),
+                                 up_k = at::randn({b, seq, heads, dim}),
+                                 up_v = at::randn({b, seq, heads, dim});
+                // One run: returns the outputs, the q/k/v input gradients per stream and the weights'.
+                const auto run = [&](at::Device dev, at::ScalarType t, bool fused) {
+                    std::vector<at::Tensor> leaves, wleaves;
+                    std::vector<QKVStream> streams;
+                    for (size_t i = 0; i < seqs.size(); ++i) {
+                        leaves.push_back(packed[i].to(t).to(dev).requires_grad_(true));
+                        wleaves.push_back(weights[2 * i].to(dev, at::kFloat).requires_grad_(true));
+                        wleaves.push_back(weights[2 * i + 1].to(dev, at::kFloat).requires_grad_(true));
+                    }
+                    std::vector<at::Tensor> views;
+                    for (size_t i = 0; i < seqs.size(); ++i) {
+                        const at::Tensor y = leaves[i] * 1;  // a non-leaf, as a GEMM output is
+                        views.push_back(y.narrow(2, 0, inner));
+                        views.push_back(y.narrow(2, inner, inner));
+                        views.push_back(y.narrow(2, 2 * inner, inner));
+                        streams.push_back({views[3 * i], views[3 * i + 1], views[3 * i + 2], wleaves[2 * i],
+                                           wleaves[2 * i + 1]});
+                    }
+                    const auto c = angles.cos().to(dev, at::kFloat), s = angles.sin().to(dev, at::kFloat);
+                    const auto out =
+                        fused ? joint_qk_norm_rope(streams, heads, 1e-6, c, s)
+                              : joint_qk_norm_rope_composite(streams, heads, 1e-6, c.to(t), s.to(t));
+                    const at::Tensor loss = (out[0].to(t) * up_q.to(dev, t)).sum() +
+                                            (out[1].to(t) * up_k.to(dev, t)).sum() +
+                                            (out[2].to(t) * up_v.to(dev, t)).sum();
+                    std::vector<at::Tensor> wrt = views;
+                    wrt.insert(wrt.end(), wleaves.begin(), wleaves.end());
+                    auto grads = torch::autograd::grad({loss}, wrt);
+                    return std::make_pair(std::vector<at::Tensor>(out.begin(), out.end()), grads);
+                };
+                set_fused_qk_norm_rope(true);
+                const auto [out, grads] = run(cuda, dtype, true);
+                const auto [ref, ref_grads] = run(at::kCPU, at::kDouble, false);
+                const std::string what = std::string(c10::toString(dtype)) + " D=" + std::to_string(dim) +
+                                         " streams=" + std::to_string(seqs.size());
+                ASSERT_NE(out[0].grad_fn(), nullptr) << what;
+                EXPECT_NE(out[0].grad_fn()->name().find("JointFunction"), std::string::npos)
+                    << what << ": the kernels did not run (" << out[0].grad_fn()->name() << ")";
+                // bf16: the norm's output and the rotation each round once (and the gradient's likewise)
+                const double rel = dtype == at::kFloat ? 2e-5 : (dtype == at::kHalf ? 2e-3 : 1.6e-2);
+                for (int i = 0; i < 3; ++i)
+                    EXPECT_LE(test::max_abs_diff(out[i].cpu().to(at::kDouble), ref[i]),
+                              rel * ref[i].abs().max().item<double>())
+                        << what << " output " << i;
+                for (size_t i = 0; i < grads.size(); ++i) {
+                    // weights' gradients sum over every row: relative to the sum of magnitudes
+                    const bool weight = i >= 3 * seqs.size();
+                    EXPECT_LE(test::max_abs_diff(grads[i].cpu().to(at::kDouble), ref_grads[i]),
+                              rel * ref_grads[i].abs().max().item<double>() * (weight ? 4 : 1))
+                        << what << " gradient " << i;
+                }
+                for (size_t st = 0; st < seqs.size(); ++st) {  // q, k, v gradients side by side
+                    const at::Tensor &gq = grads[3 * st], &gk = grads[3 * st + 1], &gv = grads[3 * st + 2];
+                    EXPECT_TRUE(gk.storage().is_alias_of(gq.storage()) &&
+                                gv.storage().is_alias_of(gq.storage()))
+                        << what;
+                    EXPECT_EQ(gk.storage_offset(), gq.storage_offset() + inner) << what;
+                    EXPECT_EQ(gv.storage_offset(), gq.storage_offset() + 2 * inner) << what;
+                    EXPECT_EQ(gq.stride(1), 3 * inner) << what;
+                }
+            }
+        }
+    }
+    // Switched off: the composite ops on the GPU, same values within rounding.
+    set_fused_qk_norm_rope(false);
+    const at::Tensor y = at::randn({1, 8, 3 * 256}, at::TensorOptions(cuda).dtype(at::kBFloat16));
+    const at::Tensor w = at::ones({128}, cuda);
+    const at::Tensor angles = at::randn({8, 128}, cuda);
+    const auto composite =
+        joint_qk_norm_rope({{y.narrow(2, 0, 256), y.narrow(2, 256, 256), y.narrow(2, 512, 256), w, w}}, 2,
+                           1e-6, angles.cos(), angles.sin());
+    set_fused_qk_norm_rope(true);
+    const auto fused =
+        joint_qk_norm_rope({{y.narrow(2, 0, 256), y.narrow(2, 256, 256), y.narrow(2, 512, 256), w, w}}, 2,
+                           1e-6, angles.cos(), angles.sin());
+    for (int i = 0; i < 3; ++i)
+        EXPECT_LE(test::max_abs_diff(fused[i].to(at::kFloat), composite[i].to(at::kFloat)), 3e-2) << i;
 }
 
 // The fused channels-last GroupNorm kernels against float64 on the CPU: channel counts that take

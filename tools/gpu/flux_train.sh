@@ -10,7 +10,9 @@
 #   OUT=$OUT tools/gpu/flux_train.sh        env: STEPS (20), RUNS ("gc nogc"; also masked, context, fused,
 #   keys, graph, graphnogc, int8, fp8: see the loop), RUN_LIMIT (240 s a run), FLUX (an existing make_random_flux_pipeline.py folder to reuse), BASELINE (1: the diffusers
 #   step after dtune's, same card), BASELINE_MODES (lora1,lora1gc), COMPILE (0; 1: also under torch.compile),
-#   BENCH (1: each run's options again through bench/bench_trainer, synthetic batches), PROFILE (A:B: a Kineto trace of steps A..B of each run, summarised into the logs)
+#   BENCH (1: each run's options again through bench/bench_trainer, synthetic batches), PROFILE (A:B: a Kineto trace of steps A..B of each run, summarised into the logs),
+#   GPU_TESTS ("dir/binary[:filter] ...": test binaries built with the same release build and run before the runs).
+#   A run name may carry environment settings after '+': "nogc+DTUNE_FUSED_QK_NORM_ROPE=0" is the nogc run with that variable set.
 # Results: $OUT/flux_train.json (one row per run) and $OUT/flux_train_logs.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,7 +25,10 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$logs/gpu.
 whl=$(ls .whl/diffusers-*.whl 2>/dev/null | head -1)
 [[ -n $whl ]] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_diffusers "$whl" \
     >"$logs/pip.log" 2>&1 && export PYTHONPATH=/tmp/site_diffusers${PYTHONPATH:+:$PYTHONPATH}
-(PRESET=release OUT=$logs timeout -k 10 300 tools/gpu/build.sh dtune bench_trainer >"$logs/build.txt" 2>&1; echo $? >"$logs/build.rc") &
+targets=(dtune bench_trainer)
+for t in ${GPU_TESTS:-}; do b=${t%%:*}; targets+=("${b##*/}"); done
+tests_on=$([[ -n ${GPU_TESTS:-} ]] && echo -DDTUNE_BUILD_TESTS=ON)
+(CMAKE_ARGS=$tests_on PRESET=release OUT=$logs timeout -k 10 420 tools/gpu/build.sh "${targets[@]}" >"$logs/build.txt" 2>&1; echo $? >"$logs/build.rc") &
 build_pid=$!
 flux=${FLUX:-$W/flux}
 [[ -f $flux/model_index.json ]] || timeout -k 10 240 python3 tools/ref/make_random_flux_pipeline.py "$flux" --device cuda --seed 1 >"$logs/make.log" 2>&1 ||
@@ -39,8 +44,18 @@ cat >"$W/mdb.json" <<JSON
 ]
 JSON
 echo "== ready at $SECONDS s"
+for t in ${GPU_TESTS:-}; do
+    b=${t%%:*} filter=${t#*:}
+    [[ $filter == "$t" ]] && filter='*'
+    DTUNE_FIXTURES=$root/shared/fixtures timeout -k 10 300 "build/release/tests/$b" --gtest_filter="$filter" \
+        >"$logs/gpu_test_${b##*/}.log" 2>&1
+    echo "gpu test $b ($filter): exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$logs/gpu_test_${b##*/}.log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED  \]|Failure|Expected|Which is|actual' "$logs/gpu_test_${b##*/}.log" | head -30
+done
 : >"$out/flux_train.json"
-for run in $RUNS; do
+for spec in $RUNS; do
+    run=${spec%%+*} vars=()
+    [[ $spec == *+* ]] && IFS=+ read -r -a vars <<<"${spec#*+}"
     # gc / nogc: SimpleTuner's defaults with and without checkpointing; the others checkpoint and
     # add SimpleTuner's Flux keys: masked (flux_attention_masked_training), context
     # (flux_lora_target context), fused (the same with fuse_qkv_projections), keys (random-range
@@ -58,14 +73,14 @@ for run in $RUNS; do
         fp8) keys="--base_model_precision fp8-torchao --quantize_via cpu" ;;
         *) keys="" ;;
     esac
-    o=$W/out-$run
+    name=${spec//[+=]/_} o=$W/out-${spec//[+=]/_}
     args=(--model_family flux --pretrained_model_name_or_path "$flux" --output_dir "$o" --max_train_steps "$STEPS"
         --model_type lora --lora_rank 16 --train_batch_size 1 --optimizer adamw_bf16 --learning_rate 1e-4
         --mixed_precision bf16 --gradient_checkpointing "$gc" --checkpoint_step_interval 1000 --seed 42 --device cuda $keys)
-    DTUNE_PROFILE_STEPS=${PROFILE:-} timeout -k 10 ${RUN_LIMIT:-240} build/release/bin/dtune train "${args[@]}" \
-        --data_backend_config "$W/mdb.json" >"$logs/$run.log" 2>&1
+    env "${vars[@]}" DTUNE_PROFILE_STEPS=${PROFILE:-} timeout -k 10 ${RUN_LIMIT:-240} build/release/bin/dtune train "${args[@]}" \
+        --data_backend_config "$W/mdb.json" >"$logs/$name.log" 2>&1
     rc=$?
-    python3 - "$o/metrics.jsonl" "$run" "$rc" <<'PY' | tee -a "$out/flux_train.json"
+    python3 - "$o/metrics.jsonl" "$spec" "$rc" <<'PY' | tee -a "$out/flux_train.json"
 import json, math, statistics, sys
 path, run, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
 try:
@@ -83,19 +98,20 @@ if half:
     out["all_finite"] = all(math.isfinite(r["loss"]) for r in rows)
 print(json.dumps(out))
 PY
-    grep -h 'loaded the\|cuda_graph\|text cache\|latent\|error' "$logs/$run.log" | head -8
+    grep -h 'loaded the\|cuda_graph\|text cache\|latent\|error' "$logs/$name.log" | head -8
     # BENCH=1: the same options through bench_trainer (the real Trainer, synthetic batches of the
     # same shapes): `dtune train` should come within 5% of it.
     if [[ ${BENCH:-1} == 1 ]]; then
-        timeout -k 10 ${RUN_LIMIT:-240} build/release/bench/bench_trainer "${args[@]}" --output_dir "$W/bench-$run" \
-            >"$logs/bench_$run.log" 2>&1
-        tail -1 "$logs/bench_$run.log" | grep '^{' | sed "s/^{/{\"run\": \"$run\", /" | tee -a "$out/flux_train.json"
+        env "${vars[@]}" timeout -k 10 ${RUN_LIMIT:-240} build/release/bench/bench_trainer "${args[@]}" \
+            --output_dir "$W/bench-$name" >"$logs/bench_$name.log" 2>&1
+        tail -1 "$logs/bench_$name.log" | grep '^{' | sed "s/^{/{\"run\": \"$spec\", /" | tee -a "$out/flux_train.json"
     fi
     if [[ -f $o/profile/trace_rank0.json ]]; then  # PROFILE=A:B (DTUNE_PROFILE_STEPS) traced steps A..B
         span=${PROFILE#*:}; span=$(( span - ${PROFILE%%:*} + 1 ))
         python3 bench/summarize_trace.py "$o/profile/trace_rank0.json" --steps "$span" --top 40 \
-            >"$logs/profile_$run.txt" 2>&1
-        head -60 "$logs/profile_$run.txt"
+            --csv "$logs/kernels_$name.csv" >"$logs/profile_$name.txt" 2>&1
+        head -${PROFILE_LINES:-60} "$logs/profile_$name.txt"
+        gzip -c "$o/profile/trace_rank0.json" >"$logs/trace_$name.json.gz"
     fi
 done
 # The diffusers + PEFT step on the same card (bench/diffusers_flux_baseline.py), eager and, with

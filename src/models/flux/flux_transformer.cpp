@@ -19,7 +19,7 @@
 #include "models/common/blocks.h"
 #include "models/common/checkpoint.h"
 #include "models/common/layers.h"
-#include "models/common/rope.h"
+#include "models/common/qk_norm_rope.h"
 #include "models/common/weights.h"
 
 namespace dtune::models {
@@ -31,11 +31,6 @@ namespace {
 at::Tensor layer_norm(const at::Tensor& x) {
     const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     return at::layer_norm(x, {x.size(-1)}, {}, {}, 1e-6);
-}
-
-// x [B, S, H, Dh] rotated by (cos, sin) [S, Dh] (models/common/rope.h: fused on the GPU).
-at::Tensor apply_rope(const at::Tensor& x, const std::pair<at::Tensor, at::Tensor>& rope) {
-    return rotary_embedding(x, rope.first, rope.second);
 }
 
 // layer_norm(x) · (1 + scale) + shift, the AdaLN modulation; scale and shift [B, 1, D]. With one
@@ -152,7 +147,7 @@ at::Tensor FluxRMSNormImpl::forward(const at::Tensor& x) {
 }
 
 FluxAttentionImpl::FluxAttentionImpl(int64_t dim, int64_t heads, int64_t head_dim, bool added, bool pre_only)
-    : heads_(heads), head_dim_(head_dim) {
+    : heads_(heads) {
     const int64_t inner = heads * head_dim;
     norm_q_ = register_module("norm_q", FluxRMSNorm(head_dim, 1e-6));
     norm_k_ = register_module("norm_k", FluxRMSNorm(head_dim, 1e-6));
@@ -183,22 +178,16 @@ std::vector<ProjectionGroup> FluxAttentionImpl::projection_groups() {
 std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context,
                                                              const std::pair<at::Tensor, at::Tensor>& rope,
                                                              const at::Tensor& key_mask) {
-    const auto heads = [&](const at::Tensor& t) {
-        return t.unflatten(-1, {heads_, head_dim_});
-    };  // [B, S, H, Dh]
+    // Text first, then image; q and k normalised per head and rotated (one kernel each way on the GPU).
     const auto image = project_qkv(x, image_qkv_, fused_qkv_);
-    at::Tensor q = norm_q_->forward(heads(image[0]));
-    at::Tensor k = norm_k_->forward(heads(image[1]));
-    at::Tensor v = heads(image[2]);
+    std::vector<QKVStream> streams;
     const int64_t text = context.defined() ? context.size(1) : 0;
     if (context.defined()) {
         const auto added = project_qkv(context, context_qkv_, fused_qkv_);
-        q = at::cat({norm_added_q_->forward(heads(added[0])), q}, 1);
-        k = at::cat({norm_added_k_->forward(heads(added[1])), k}, 1);
-        v = at::cat({heads(added[2]), v}, 1);
+        streams.push_back({added[0], added[1], added[2], norm_added_q_->weight, norm_added_k_->weight});
     }
-    q = apply_rope(q, rope);
-    k = apply_rope(k, rope);
+    streams.push_back({image[0], image[1], image[2], norm_q_->weight, norm_k_->weight});
+    const auto [q, k, v] = joint_qk_norm_rope(streams, heads_, norm_q_->eps(), rope.first, rope.second);
     // [B, H, S, Dh]. SDPA's own pick, cuDNN's kernel for head_dim 128 on Hopper (twice flash's speed
     // at Flux's sizes), unless set_flux_training_attention / DTUNE_FLUX_ATTENTION=flash ask for the
     // flash kernel by name while gradients are recorded. cuDNN's backward hit an illegal memory
@@ -281,6 +270,7 @@ at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& joint, cons
 
 FluxTransformer2DModelImpl::FluxTransformer2DModelImpl(FluxTransformerConfig config)
     : config_(std::move(config)) {
+    (void)fused_qk_norm_rope_enabled();  // reads DTUNE_FUSED_QK_NORM_ROPE now: a bad value fails the load
     const auto& c = config_;
     const int64_t d = c.inner_dim();
     auto tte = register_module("time_text_embed", std::make_shared<torch::nn::Module>());

@@ -61,6 +61,7 @@ class FluxRMSNormImpl : public torch::nn::Module {
   public:
     FluxRMSNormImpl(int64_t dim, double eps);
     at::Tensor forward(const at::Tensor& x);
+    double eps() const { return eps_; }
     at::Tensor weight;
 
   private:
@@ -94,7 +95,7 @@ class FluxAttentionImpl : public torch::nn::Module, public ProjectionGroupHost {
     std::vector<ProjectionGroup> projection_groups() override;
 
   private:
-    int64_t heads_, head_dim_;
+    int64_t heads_;
     bool fused_qkv_ = false;
     AdaptableLinear to_q_{nullptr}, to_k_{nullptr}, to_v_{nullptr}, to_out_{nullptr};
     AdaptableLinear add_q_proj_{nullptr}, add_k_proj_{nullptr}, add_v_proj_{nullptr}, to_add_out_{nullptr};

@@ -1,0 +1,274 @@
+// Joint-attention inputs on the GPU (see qk_norm_rope_kernels.h). Composite, the same work is a
+// contiguous copy of each strided q/k slice, an RMS norm forward and backward per stream, a cat per
+// tensor and a rotary pass each way; here one launch each way. Each row (token, head) of D elements
+// is held by `lanes` = D / V threads, V elements (16 bytes) each; the row's sums go round the lanes
+// by xor shuffles. Every thread of a warp runs the same loop trips (rows past the end compute on
+// zeros and store nothing), so the shuffles never see a lane that left.
+#include <cstdint>
+
+#include "models/cuda/kernel_utils.cuh"
+#include "models/cuda/qk_norm_rope_kernels.h"
+
+namespace dtune::models::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBackwardBlocks = 1024;  // bounds the weight-gradient partial sums
+
+__device__ __forceinline__ float lanes_sum(float v, int lanes) {
+    for (int o = lanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Where one row lives: its stream, the position in the stream, and the joint indices.
+struct RowAt {
+    int stream;
+    int64_t b, s, local, h;
+};
+
+__device__ __forceinline__ RowAt locate(const JointQKVStreams& in, int64_t row, int64_t seq, int64_t heads) {
+    RowAt r;
+    r.h = row % heads;
+    const int64_t bs = row / heads;
+    r.s = bs % seq;
+    r.b = bs / seq;
+    r.stream = in.streams == 2 && r.s >= in.seq[0] ? 1 : 0;
+    r.local = r.stream == 1 ? r.s - in.seq[0] : r.s;
+    return r;
+}
+
+template <typename T>
+__device__ __forceinline__ const T* source(const JointQKVStreams& in, const RowAt& r, int which, int64_t dim) {
+    return static_cast<const T*>(in.src[r.stream][which]) + r.b * in.batch_stride[r.stream][which] +
+           r.local * in.token_stride[r.stream][which] + r.h * dim;
+}
+
+template <int V>
+__device__ __forceinline__ void load_floats(const float* p, float (&v)[V]) {
+#pragma unroll
+    for (int k = 0; k < V; k += 4) {
+        const float4 f = *reinterpret_cast<const float4*>(p + k);
+        v[k] = f.x;
+        v[k + 1] = f.y;
+        v[k + 2] = f.z;
+        v[k + 3] = f.w;
+    }
+}
+
+// rsqrt(mean(x²) + eps) of the row whose V elements this lane holds (every lane gets it).
+template <int V>
+__device__ __forceinline__ float row_rstd(const float (&x)[V], int lanes, int64_t dim, float eps) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int k = 0; k < V; ++k) ss += x[k] * x[k];
+    return rsqrtf(lanes_sum(ss, lanes) / static_cast<float>(dim) + eps);
+}
+
+// blockIdx.y: 0 = q, 1 = k (normalised and rotated), 2 = v (copied).
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    joint_forward_kernel(JointQKVStreams in, const float* __restrict__ cos, const float* __restrict__ sin,
+                         T* out_q, T* out_k, T* out_v, int64_t batch, int64_t seq, int64_t heads,
+                         int64_t dim, int lanes, float eps) {
+    const int which = blockIdx.y;
+    T* out = which == 0 ? out_q : which == 1 ? out_k : out_v;
+    const int group = threadIdx.x / lanes, lane = threadIdx.x % lanes, rows_per_block = kThreads / lanes;
+    const int64_t rows = batch * seq * heads, d0 = static_cast<int64_t>(lane) * V;
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * rows_per_block; base < rows;
+         base += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+        const int64_t row = base + group;
+        const bool ok = row < rows;
+        const RowAt r = locate(in, ok ? row : 0, seq, heads);
+        const Pack<T, V> x = *reinterpret_cast<const Pack<T, V>*>(source<T>(in, r, which, dim) + d0);
+        auto* dst = reinterpret_cast<Pack<T, V>*>(out + row * dim + d0);
+        if (which == 2) {  // uniform across the block
+            if (ok) *dst = x;
+            continue;
+        }
+        float f[V], w[V], c[V], n[V];
+#pragma unroll
+        for (int k = 0; k < V; ++k) f[k] = to_float(x.v[k]);
+        const float rstd = row_rstd<V>(f, lanes, dim, eps);
+        load_floats<V>(in.weight[r.stream][which] + d0, w);
+        load_floats<V>(cos + r.s * dim + d0, c);
+        load_floats<V>(sin + r.s * dim + d0, n);
+        Pack<T, V> o;
+#pragma unroll
+        for (int k = 0; k < V; k += 2) {
+            const float a = to_float(from_float<T>(f[k] * rstd * w[k]));  // the norm's stored output
+            const float b = to_float(from_float<T>(f[k + 1] * rstd * w[k + 1]));
+            o.v[k] = from_float<T>(a * c[k] - b * n[k]);
+            o.v[k + 1] = from_float<T>(b * c[k + 1] + a * n[k + 1]);
+        }
+        if (ok) *dst = o;
+    }
+}
+
+// blockIdx.y as the forward. dweight partial sums: [which][stream][blockIdx.x][D].
+template <typename T, int V>
+__global__ void __launch_bounds__(kThreads)
+    joint_backward_kernel(JointQKVStreams in, const float* __restrict__ cos, const float* __restrict__ sin,
+                          const T* grad_q, const T* grad_k, const T* grad_v, T* grad_in0, T* grad_in1,
+                          float* dweight, int64_t batch, int64_t seq, int64_t heads, int64_t dim, int lanes,
+                          float eps) {
+    extern __shared__ float partial[];  // [rows_per_block][streams][D], with dweight only
+    const int which = blockIdx.y;
+    const T* grad = which == 0 ? grad_q : which == 1 ? grad_k : grad_v;
+    const int group = threadIdx.x / lanes, lane = threadIdx.x % lanes, rows_per_block = kThreads / lanes;
+    const int64_t rows = batch * seq * heads, d0 = static_cast<int64_t>(lane) * V, inner = heads * dim;
+    float acc[kJointQKVMaxStreams][V] = {};
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * rows_per_block; base < rows;
+         base += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+        const int64_t row = base + group;
+        const bool ok = row < rows;
+        const RowAt r = locate(in, ok ? row : 0, seq, heads);
+        const int64_t stream_seq = in.streams == 2 ? (r.stream == 0 ? in.seq[0] : in.seq[1]) : seq;
+        T* gin = (r.stream == 0 ? grad_in0 : grad_in1) + (r.b * stream_seq + r.local) * 3 * inner +
+                 which * inner + r.h * dim + d0;
+        const Pack<T, V> g = *reinterpret_cast<const Pack<T, V>*>(grad + (ok ? row : 0) * dim + d0);
+        if (which == 2) {
+            if (ok) *reinterpret_cast<Pack<T, V>*>(gin) = g;
+            continue;
+        }
+        const Pack<T, V> x = *reinterpret_cast<const Pack<T, V>*>(source<T>(in, r, which, dim) + d0);
+        float f[V], w[V], c[V], n[V], gn[V];
+#pragma unroll
+        for (int k = 0; k < V; ++k) f[k] = to_float(x.v[k]);
+        const float rstd = row_rstd<V>(f, lanes, dim, eps);
+        load_floats<V>(in.weight[r.stream][which] + d0, w);
+        load_floats<V>(cos + r.s * dim + d0, c);
+        load_floats<V>(sin + r.s * dim + d0, n);
+        float dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < V; k += 2) {  // the rotation's transpose, stored as the norm's output gradient
+            const float a = to_float(g.v[k]), b = to_float(g.v[k + 1]);
+            gn[k] = to_float(from_float<T>(a * c[k] + b * n[k + 1]));
+            gn[k + 1] = to_float(from_float<T>(b * c[k + 1] - a * n[k]));
+        }
+#pragma unroll
+        for (int k = 0; k < V; ++k) dot += w[k] * gn[k] * (f[k] * rstd);
+        const float mean = lanes_sum(dot, lanes) / static_cast<float>(dim);
+        Pack<T, V> o;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+            const float xhat = f[k] * rstd;
+            o.v[k] = from_float<T>(rstd * (w[k] * gn[k] - xhat * mean));
+            if (ok) acc[r.stream][k] += gn[k] * xhat;
+        }
+        if (ok) *reinterpret_cast<Pack<T, V>*>(gin) = o;
+    }
+    if (dweight == nullptr || which == 2) return;
+    const int streams = in.streams;
+    for (int st = 0; st < streams; ++st)
+#pragma unroll
+        for (int k = 0; k < V; ++k) partial[(group * streams + st) * dim + d0 + k] = acc[st][k];
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < streams * dim; i += kThreads) {
+        float sum = 0.0f;
+        for (int gi = 0; gi < rows_per_block; ++gi) sum += partial[gi * streams * dim + i];
+        const int64_t st = i / dim, d = i % dim;
+        dweight[((which * streams + st) * gridDim.x + blockIdx.x) * dim + d] = sum;
+    }
+}
+
+template <typename T>
+constexpr int pack_of() {
+    return 16 / sizeof(T);
+}
+
+int pack_for(KernelDtype dtype) {
+    return dtype == KernelDtype::kFloat ? pack_of<float>() : pack_of<__nv_bfloat16>();
+}
+
+int64_t forward_blocks(int64_t rows, int rows_per_block) {
+    return blocks_for(rows, rows_per_block);
+}
+
+template <typename T>
+int launch_forward(const JointQKVStreams& in, const float* cos, const float* sin, void* const out[3],
+                   int64_t batch, int64_t heads, int64_t dim, float eps, cudaStream_t s) {
+    constexpr int V = pack_of<T>();
+    const int lanes = static_cast<int>(dim / V);
+    int64_t seq = 0;
+    for (int i = 0; i < in.streams; ++i) seq += in.seq[i];
+    const dim3 grid(static_cast<unsigned>(forward_blocks(batch * seq * heads, kThreads / lanes)), 3);
+    joint_forward_kernel<T, V><<<grid, kThreads, 0, s>>>(in, cos, sin, static_cast<T*>(out[0]),
+                                                        static_cast<T*>(out[1]), static_cast<T*>(out[2]),
+                                                        batch, seq, heads, dim, lanes, eps);
+    return static_cast<int>(cudaGetLastError());
+}
+
+template <typename T>
+int launch_backward(const JointQKVStreams& in, const float* cos, const float* sin, const void* const grad[3],
+                    void* const grad_in[kJointQKVMaxStreams], float* dweight, int64_t batch, int64_t heads,
+                    int64_t dim, float eps, cudaStream_t s) {
+    constexpr int V = pack_of<T>();
+    const int lanes = static_cast<int>(dim / V);
+    int64_t seq = 0;
+    for (int i = 0; i < in.streams; ++i) seq += in.seq[i];
+    const int64_t blocks = std::min(forward_blocks(batch * seq * heads, kThreads / lanes), kMaxBackwardBlocks);
+    const size_t shared = dweight ? sizeof(float) * (kThreads / lanes) * in.streams * dim : 0;
+    joint_backward_kernel<T, V><<<dim3(static_cast<unsigned>(blocks), 3), kThreads, shared, s>>>(
+        in, cos, sin, static_cast<const T*>(grad[0]), static_cast<const T*>(grad[1]),
+        static_cast<const T*>(grad[2]), static_cast<T*>(grad_in[0]),
+        static_cast<T*>(in.streams == 2 ? grad_in[1] : grad_in[0]), dweight, batch, seq, heads, dim, lanes,
+        eps);
+    return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace
+
+bool joint_qkv_supported(const JointQKVStreams& in, const float* cos, const float* sin, int64_t heads,
+                         int64_t dim, KernelDtype dtype) {
+    const int v = pack_for(dtype);
+    const int64_t lanes = dim / v;
+    if (in.streams < 1 || in.streams > kJointQKVMaxStreams || heads < 1 || dim % v != 0 || lanes < 1 ||
+        lanes > 32 || (lanes & (lanes - 1)) != 0)
+        return false;
+    if (!aligned16(cos) || !aligned16(sin)) return false;
+    for (int st = 0; st < in.streams; ++st) {
+        for (int i = 0; i < 3; ++i)
+            if (!aligned16(in.src[st][i]) || in.batch_stride[st][i] % v != 0 || in.token_stride[st][i] % v != 0)
+                return false;
+        for (int i = 0; i < 2; ++i)
+            if (!aligned16(in.weight[st][i])) return false;
+    }
+    return true;
+}
+
+int64_t joint_qkv_backward_blocks(int64_t batch, int64_t seq, int64_t heads, int64_t dim, KernelDtype dtype) {
+    const int lanes = static_cast<int>(dim / pack_for(dtype));
+    return std::min(forward_blocks(batch * seq * heads, kThreads / lanes), kMaxBackwardBlocks);
+}
+
+int joint_qk_norm_rope_forward(const JointQKVStreams& in, const float* cos, const float* sin,
+                               void* const out[3], int64_t batch, int64_t heads, int64_t dim, float eps,
+                               KernelDtype dtype, void* stream) {
+    auto s = static_cast<cudaStream_t>(stream);
+    switch (dtype) {
+        case KernelDtype::kFloat: return launch_forward<float>(in, cos, sin, out, batch, heads, dim, eps, s);
+        case KernelDtype::kBFloat16:
+            return launch_forward<__nv_bfloat16>(in, cos, sin, out, batch, heads, dim, eps, s);
+        case KernelDtype::kHalf: return launch_forward<__half>(in, cos, sin, out, batch, heads, dim, eps, s);
+    }
+    return static_cast<int>(cudaErrorInvalidValue);
+}
+
+int joint_qk_norm_rope_backward(const JointQKVStreams& in, const float* cos, const float* sin,
+                                const void* const grad[3], void* const grad_in[kJointQKVMaxStreams],
+                                float* dweight, int64_t batch, int64_t heads, int64_t dim, float eps,
+                                KernelDtype dtype, void* stream) {
+    auto s = static_cast<cudaStream_t>(stream);
+    switch (dtype) {
+        case KernelDtype::kFloat:
+            return launch_backward<float>(in, cos, sin, grad, grad_in, dweight, batch, heads, dim, eps, s);
+        case KernelDtype::kBFloat16:
+            return launch_backward<__nv_bfloat16>(in, cos, sin, grad, grad_in, dweight, batch, heads, dim, eps,
+                                                  s);
+        case KernelDtype::kHalf:
+            return launch_backward<__half>(in, cos, sin, grad, grad_in, dweight, batch, heads, dim, eps, s);
+    }
+    return static_cast<int>(cudaErrorInvalidValue);
+}
+
+}  // namespace dtune::models::cuda
