@@ -23,4 +23,14 @@ bool fused_kernels_allowed() {
                      "on/true, or unset) to keep them");
 }
 
+bool fused_switch_from_env(const char* name, std::string_view on_meaning, std::string_view off_meaning) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') return true;
+    const std::optional<bool> on = parse_fused_kernels_value(v);
+    if (!on)
+        throw UsageError(std::string(name) + "=" + v + " is not a choice: use 1 (" + std::string(on_meaning) +
+                         ", the default) or 0 (" + std::string(off_meaning) + ")");
+    return *on;
+}
+
 }  // namespace dtune

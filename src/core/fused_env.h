@@ -16,5 +16,9 @@ std::optional<bool> parse_fused_kernels_value(std::string_view value);
 // Reads DTUNE_FUSED_KERNELS now (cheap: called on hot paths). Throws UsageError naming the variable
 // and the accepted values when it holds anything else.
 bool fused_kernels_allowed();
+// A per-path switch of the same values (e.g. DTUNE_FUSED_QKV), read from the environment by the
+// caller once: unset or empty = on (the default); otherwise as above. Throws UsageError naming the
+// variable with what 1 (`on_meaning`) and 0 (`off_meaning`) do for anything else.
+bool fused_switch_from_env(const char* name, std::string_view on_meaning, std::string_view off_meaning);
 
 }  // namespace dtune

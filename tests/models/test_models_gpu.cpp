@@ -15,6 +15,7 @@
 #include "models/common/attention.h"
 #include "models/common/blocks.h"
 #include "models/common/component.h"
+#include "models/common/concat_gelu.h"
 #include "models/common/geglu.h"
 #include "models/common/group_norm_act.h"
 #include "models/common/hash_dropout.h"
@@ -280,6 +281,52 @@ TEST(ModelsGpu, JointQKNormRopeMatchesFloat64AndPacksTheGradients) {
                            1e-6, angles.cos(), angles.sin());
     for (int i = 0; i < 3; ++i)
         EXPECT_LE(test::max_abs_diff(fused[i].to(at::kFloat), composite[i].to(at::kFloat)), 3e-2) << i;
+}
+
+// cat([a, gelu_tanh(h)]) as one kernel against the composite ops in the same dtype (within a unit of
+// rounding: the GELU formulas are PyTorch's) and in float64 on the CPU, forward and both input
+// gradients; the attention part's gradient comes back dense. Widths as in a Flux single block (scaled
+// down) and an odd one that takes the composite path.
+TEST(ModelsGpu, ConcatGeluMatchesTheCompositeAndFloat64) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    torch::manual_seed(29);
+    for (auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+        for (const auto& [da, dh] : {std::pair<int64_t, int64_t>{96, 384}, std::pair<int64_t, int64_t>{8, 24},
+                                     std::pair<int64_t, int64_t>{6, 10}}) {
+            const at::Tensor a = at::randn({2, 33, da}), h = at::randn({2, 33, dh}) * 3,
+                             up = at::randn({2, 33, da + dh});
+            const auto run = [&](bool fused, at::Device dev, at::ScalarType t) {
+                set_fused_concat_gelu(fused);
+                const at::Tensor ag = a.to(t).to(dev).requires_grad_(true) *
+                                      1,  // non-leaves: the raw gradients
+                    hg = h.to(t).to(dev).requires_grad_(true) * 1;
+                const at::Tensor out = concat_gelu_tanh(ag, hg);
+                const auto grads = torch::autograd::grad({out}, {ag, hg}, {up.to(t).to(dev)});
+                set_fused_concat_gelu(true);
+                return std::vector<at::Tensor>{out.cpu().to(at::kDouble), grads[0],
+                                               grads[1].cpu().to(at::kDouble), out};
+            };
+            const auto fused = run(true, cuda, dtype), composite = run(false, cuda, dtype);
+            const auto exact = run(false, at::kCPU, at::kDouble);
+            const std::string what =
+                std::string(c10::toString(dtype)) + " " + std::to_string(da) + "+" + std::to_string(dh);
+            const bool packs =
+                da % (16 / c10::elementSize(dtype)) == 0 && dh % (16 / c10::elementSize(dtype)) == 0;
+            EXPECT_EQ(fused[3].grad_fn()->name().find("ConcatGeluFunction") != std::string::npos, packs)
+                << what;
+            EXPECT_TRUE(fused[1].is_contiguous()) << what;
+            const double ulp = dtype == at::kFloat ? 1e-6 : (dtype == at::kHalf ? 1e-3 : 8e-3);
+            for (int i : {0, 2}) {
+                const double scale = exact[i].abs().max().item<double>();
+                EXPECT_LE(test::max_abs_diff(fused[i], composite[i]), ulp * scale) << what << " " << i;
+                EXPECT_LE(test::max_abs_diff(fused[i], exact[i]), ulp * scale) << what << " " << i;
+            }
+            EXPECT_EQ(test::max_abs_diff(fused[1].cpu().to(at::kDouble), exact[1]),
+                      test::max_abs_diff(composite[1].cpu().to(at::kDouble), exact[1]))
+                << what << ": the attention part's gradient is a copy";
+        }
+    }
 }
 
 // The fused channels-last GroupNorm kernels against float64 on the CPU: channel counts that take

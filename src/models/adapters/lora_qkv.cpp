@@ -24,13 +24,7 @@ namespace {
 // CLI as a UsageError naming the variable). On by default: with lora_dropout's group kernels an SDXL
 // LoRA batch-4 step on an H200 took 157.5-158.0 against 158.9-159.9 ms layer by layer.
 bool initial_fused_qkv() {
-    const char* v = std::getenv("DTUNE_FUSED_QKV");
-    if (v == nullptr || *v == '\0') return true;
-    const std::optional<bool> on = parse_fused_kernels_value(v);
-    DTUNE_CHECK_AS(
-        UsageError, on.has_value(), "DTUNE_FUSED_QKV=", v,
-        " is not a choice: use 1 (q/k/v LoRA layers as one function, the default) or 0 (one by one)");
-    return *on;
+    return fused_switch_from_env("DTUNE_FUSED_QKV", "q/k/v LoRA layers as one function", "one by one");
 }
 
 std::atomic<bool>& fused_qkv_switch() {

@@ -27,13 +27,9 @@ namespace {
 // Read on first use, not during static initialisation: a bad value must reach the CLI as a
 // UsageError naming the variable.
 bool initial_fused() {
-    const char* v = std::getenv("DTUNE_FUSED_QK_NORM_ROPE");
-    if (v == nullptr || *v == '\0') return true;
-    const std::optional<bool> on = parse_fused_kernels_value(v);
-    DTUNE_CHECK_AS(UsageError, on.has_value(), "DTUNE_FUSED_QK_NORM_ROPE=", v,
-                   " is not a choice: use 1 (q/k norm, concatenation and rotary embedding as one kernel, "
-                   "the default) or 0 (the composite ops)");
-    return *on;
+    return fused_switch_from_env("DTUNE_FUSED_QK_NORM_ROPE",
+                                 "q/k norm, concatenation and rotary embedding as one kernel",
+                                 "the composite ops");
 }
 
 std::atomic<bool>& fused_switch() {
@@ -63,9 +59,9 @@ cuda::JointQKVStreams describe(at::TensorList inputs) {
 
 struct JointFunction : public torch::autograd::Function<JointFunction> {
     // inputs: per stream q, k, v [B, S_i, H·D] and the q/k norm weights as float32 [D].
-    static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
-                                                  const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
-                                                  double eps) {
+    static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                  at::TensorList inputs, const at::Tensor& cos,
+                                                  const at::Tensor& sin, int64_t heads, double eps) {
         const at::Tensor& q0 = inputs[0];
         const int64_t b = q0.size(0), dim = q0.size(2) / heads, s = cos.size(0);
         const auto options = q0.options();
@@ -74,10 +70,10 @@ struct JointFunction : public torch::autograd::Function<JointFunction> {
         const cuda::JointQKVStreams d = describe(inputs);
         void* const outs[3] = {out[0].data_ptr(), out[1].data_ptr(), out[2].data_ptr()};
         const c10::cuda::CUDAGuard guard(q0.device());
-        check_launch(cuda::joint_qk_norm_rope_forward(d, cos.const_data_ptr<float>(), sin.const_data_ptr<float>(),
-                                                      outs, b, heads, dim, static_cast<float>(eps),
-                                                      kernel_dtype(q0.scalar_type(), "joint q/k norm"),
-                                                      current_stream_of(q0)),
+        check_launch(cuda::joint_qk_norm_rope_forward(
+                         d, cos.const_data_ptr<float>(), sin.const_data_ptr<float>(), outs, b, heads, dim,
+                         static_cast<float>(eps), kernel_dtype(q0.scalar_type(), "joint q/k norm"),
+                         current_stream_of(q0)),
                      "joint q/k norm + rotary embedding", "forward");
         std::vector<at::Tensor> saved;  // per stream q, k, q weight, k weight; then cos, sin
         for (int st = 0; st < d.streams; ++st)
@@ -137,7 +133,8 @@ struct JointFunction : public torch::autograd::Function<JointFunction> {
         for (int st = 0; st < streams; ++st) {
             for (int i = 0; i < 3; ++i) out.push_back(grad_in[st].narrow(2, i * inner, inner));
             for (int i = 0; i < 2; ++i)
-                out.push_back(ctx->needs_input_grad(st * kInputsPerStream + 3 + i) ? dw[i][st] : at::Tensor());
+                out.push_back(ctx->needs_input_grad(st * kInputsPerStream + 3 + i) ? dw[i][st]
+                                                                                   : at::Tensor());
         }
         out.resize(out.size() + 4);  // cos, sin, heads, eps
         return out;
@@ -191,15 +188,18 @@ bool fused_qk_norm_rope_enabled() {
 }
 
 std::array<at::Tensor, 3> joint_qk_norm_rope_composite(const std::vector<QKVStream>& streams, int64_t heads,
-                                                       double eps, const at::Tensor& cos, const at::Tensor& sin) {
-    DTUNE_CHECK_AS(UsageError, !streams.empty() && streams.front().q.dim() == 3 &&
-                                   streams.front().q.size(2) % heads == 0,
-                   "joint q/k norm: expected one or more streams of [B, S, heads·D] projections (heads ", heads,
-                   ")");
+                                                       double eps, const at::Tensor& cos,
+                                                       const at::Tensor& sin) {
+    DTUNE_CHECK_AS(UsageError,
+                   !streams.empty() && streams.front().q.dim() == 3 && streams.front().q.size(2) % heads == 0,
+                   "joint q/k norm: expected one or more streams of [B, S, heads·D] projections (heads ",
+                   heads, ")");
     const int64_t dim = streams.front().q.size(2) / heads;
     std::vector<at::Tensor> q, k, v;
     for (const QKVStream& st : streams) {
-        const auto split = [&](const at::Tensor& t) { return t.unflatten(-1, {heads, dim}); };  // [B, S_i, H, D]
+        const auto split = [&](const at::Tensor& t) {
+            return t.unflatten(-1, {heads, dim});
+        };  // [B, S_i, H, D]
         q.push_back(at::rms_norm(split(st.q), {dim}, st.q_weight.to(st.q.scalar_type()), eps));
         k.push_back(at::rms_norm(split(st.k), {dim}, st.k_weight.to(st.k.scalar_type()), eps));
         v.push_back(split(st.v));

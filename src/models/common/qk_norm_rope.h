@@ -35,7 +35,8 @@ std::array<at::Tensor, 3> joint_qk_norm_rope(const std::vector<QKVStream>& strea
 
 // The composite ops, always: the reference of the fused path.
 std::array<at::Tensor, 3> joint_qk_norm_rope_composite(const std::vector<QKVStream>& streams, int64_t heads,
-                                                       double eps, const at::Tensor& cos, const at::Tensor& sin);
+                                                       double eps, const at::Tensor& cos,
+                                                       const at::Tensor& sin);
 
 // DTUNE_FUSED_QK_NORM_ROPE (read once, on first use: 1/on/true or unset = the kernels where they
 // apply, 0/off/false = the composite ops); set_fused_qk_norm_rope overrides it (tests, benchmarks).

@@ -38,7 +38,8 @@ __device__ __forceinline__ RowAt locate(const JointQKVStreams& in, int64_t row, 
 }
 
 template <typename T>
-__device__ __forceinline__ const T* source(const JointQKVStreams& in, const RowAt& r, int which, int64_t dim) {
+__device__ __forceinline__ const T* source(const JointQKVStreams& in, const RowAt& r, int which,
+                                           int64_t dim) {
     return static_cast<const T*>(in.src[r.stream][which]) + r.b * in.batch_stride[r.stream][which] +
            r.local * in.token_stride[r.stream][which] + r.h * dim;
 }
@@ -68,8 +69,8 @@ __device__ __forceinline__ float row_rstd(const float (&x)[V], int lanes, int64_
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     joint_forward_kernel(JointQKVStreams in, const float* __restrict__ cos, const float* __restrict__ sin,
-                         T* out_q, T* out_k, T* out_v, int64_t batch, int64_t seq, int64_t heads,
-                         int64_t dim, int lanes, float eps) {
+                         T* out_q, T* out_k, T* out_v, int64_t batch, int64_t seq, int64_t heads, int64_t dim,
+                         int lanes, float eps) {
     const int which = blockIdx.y;
     T* out = which == 0 ? out_q : which == 1 ? out_k : out_v;
     const int group = threadIdx.x / lanes, lane = threadIdx.x % lanes, rows_per_block = kThreads / lanes;
@@ -193,8 +194,8 @@ int launch_forward(const JointQKVStreams& in, const float* cos, const float* sin
     for (int i = 0; i < in.streams; ++i) seq += in.seq[i];
     const dim3 grid(static_cast<unsigned>(forward_blocks(batch * seq * heads, kThreads / lanes)), 3);
     joint_forward_kernel<T, V><<<grid, kThreads, 0, s>>>(in, cos, sin, static_cast<T*>(out[0]),
-                                                        static_cast<T*>(out[1]), static_cast<T*>(out[2]),
-                                                        batch, seq, heads, dim, lanes, eps);
+                                                         static_cast<T*>(out[1]), static_cast<T*>(out[2]),
+                                                         batch, seq, heads, dim, lanes, eps);
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -206,7 +207,8 @@ int launch_backward(const JointQKVStreams& in, const float* cos, const float* si
     const int lanes = static_cast<int>(dim / V);
     int64_t seq = 0;
     for (int i = 0; i < in.streams; ++i) seq += in.seq[i];
-    const int64_t blocks = std::min(forward_blocks(batch * seq * heads, kThreads / lanes), kMaxBackwardBlocks);
+    const int64_t blocks =
+        std::min(forward_blocks(batch * seq * heads, kThreads / lanes), kMaxBackwardBlocks);
     const size_t shared = dweight ? sizeof(float) * (kThreads / lanes) * in.streams * dim : 0;
     joint_backward_kernel<T, V><<<dim3(static_cast<unsigned>(blocks), 3), kThreads, shared, s>>>(
         in, cos, sin, static_cast<const T*>(grad[0]), static_cast<const T*>(grad[1]),
@@ -228,7 +230,8 @@ bool joint_qkv_supported(const JointQKVStreams& in, const float* cos, const floa
     if (!aligned16(cos) || !aligned16(sin)) return false;
     for (int st = 0; st < in.streams; ++st) {
         for (int i = 0; i < 3; ++i)
-            if (!aligned16(in.src[st][i]) || in.batch_stride[st][i] % v != 0 || in.token_stride[st][i] % v != 0)
+            if (!aligned16(in.src[st][i]) || in.batch_stride[st][i] % v != 0 ||
+                in.token_stride[st][i] % v != 0)
                 return false;
         for (int i = 0; i < 2; ++i)
             if (!aligned16(in.weight[st][i])) return false;
@@ -263,8 +266,8 @@ int joint_qk_norm_rope_backward(const JointQKVStreams& in, const float* cos, con
         case KernelDtype::kFloat:
             return launch_backward<float>(in, cos, sin, grad, grad_in, dweight, batch, heads, dim, eps, s);
         case KernelDtype::kBFloat16:
-            return launch_backward<__nv_bfloat16>(in, cos, sin, grad, grad_in, dweight, batch, heads, dim, eps,
-                                                  s);
+            return launch_backward<__nv_bfloat16>(in, cos, sin, grad, grad_in, dweight, batch, heads, dim,
+                                                  eps, s);
         case KernelDtype::kHalf:
             return launch_backward<__half>(in, cos, sin, grad, grad_in, dweight, batch, heads, dim, eps, s);
     }

@@ -18,6 +18,7 @@
 #include "core/error.h"
 #include "models/common/blocks.h"
 #include "models/common/checkpoint.h"
+#include "models/common/concat_gelu.h"
 #include "models/common/layers.h"
 #include "models/common/qk_norm_rope.h"
 #include "models/common/weights.h"
@@ -261,16 +262,18 @@ at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& joint, cons
                                                    const at::Tensor& key_mask) {
     const auto m = modulation(norm_, temb, 3);  // shift, scale, gate
     const at::Tensor n = modulate(joint, m[1], m[0]);
-    const at::Tensor mlp = at::gelu(proj_mlp_->forward(n), "tanh");
+    const at::Tensor mlp = proj_mlp_->forward(n);  // gelu_tanh'd below
     const at::Tensor attn = attn_->forward(n, {}, rope, key_mask).first;
-    at::Tensor out = at::addcmul(joint, m[2], proj_out_->forward(at::cat({attn, mlp}, 2)));
+    at::Tensor out = at::addcmul(joint, m[2], proj_out_->forward(concat_gelu_tanh(attn, mlp)));
     if (out.scalar_type() == at::kHalf) out = out.clamp(-65504, 65504);
     return out;
 }
 
 FluxTransformer2DModelImpl::FluxTransformer2DModelImpl(FluxTransformerConfig config)
     : config_(std::move(config)) {
-    (void)fused_qk_norm_rope_enabled();  // reads DTUNE_FUSED_QK_NORM_ROPE now: a bad value fails the load
+    // Read the kernel switches now: a bad DTUNE_FUSED_QK_NORM_ROPE / _CONCAT_GELU fails the load.
+    (void)fused_qk_norm_rope_enabled();
+    (void)fused_concat_gelu_enabled();
     const auto& c = config_;
     const int64_t d = c.inner_dim();
     auto tte = register_module("time_text_embed", std::make_shared<torch::nn::Module>());
