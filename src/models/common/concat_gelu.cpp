@@ -20,23 +20,24 @@ namespace dtune::models {
 namespace {
 
 std::atomic<bool>& fused_switch() {
-    static std::atomic<bool> on{fused_switch_from_env("DTUNE_FUSED_CONCAT_GELU",
-                                                      "attention output and MLP GELU concatenated by one kernel",
-                                                      "at::cat and at::gelu")};
+    static std::atomic<bool> on{fused_switch_from_env(
+        "DTUNE_FUSED_CONCAT_GELU", "attention output and MLP GELU concatenated by one kernel",
+        "at::cat and at::gelu")};
     return on;
 }
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
 struct ConcatGeluFunction : public torch::autograd::Function<ConcatGeluFunction> {
     // a, h contiguous
-    static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a, const at::Tensor& h) {
+    static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a,
+                              const at::Tensor& h) {
         const int64_t da = a.size(-1), dh = h.size(-1), rows = h.numel() / dh;
         auto sizes = h.sizes().vec();
         sizes.back() = da + dh;
         at::Tensor out = at::empty(sizes, h.options());
         const c10::cuda::CUDAGuard guard(h.device());
-        check_launch(cuda::concat_gelu_forward(a.const_data_ptr(), h.const_data_ptr(), out.mutable_data_ptr(), rows,
-                                               da, dh, kernel_dtype(h.scalar_type(), "concat_gelu"),
+        check_launch(cuda::concat_gelu_forward(a.const_data_ptr(), h.const_data_ptr(), out.mutable_data_ptr(),
+                                               rows, da, dh, kernel_dtype(h.scalar_type(), "concat_gelu"),
                                                current_stream_of(h)),
                      "concat_gelu", "forward");
         ctx->save_for_backward({h});
@@ -53,10 +54,11 @@ struct ConcatGeluFunction : public torch::autograd::Function<ConcatGeluFunction>
         sizes.back() = da;
         at::Tensor grad_a = at::empty(sizes, h.options()), grad_h = at::empty_like(h);
         const c10::cuda::CUDAGuard guard(h.device());
-        check_launch(cuda::concat_gelu_backward(g.const_data_ptr(), h.const_data_ptr(), grad_a.mutable_data_ptr(),
-                                                grad_h.mutable_data_ptr(), rows, da, dh,
-                                                kernel_dtype(h.scalar_type(), "concat_gelu"), current_stream_of(h)),
-                     "concat_gelu", "backward");
+        check_launch(
+            cuda::concat_gelu_backward(g.const_data_ptr(), h.const_data_ptr(), grad_a.mutable_data_ptr(),
+                                       grad_h.mutable_data_ptr(), rows, da, dh,
+                                       kernel_dtype(h.scalar_type(), "concat_gelu"), current_stream_of(h)),
+            "concat_gelu", "backward");
         return {grad_a, grad_h};
     }
 };

@@ -35,8 +35,8 @@ __device__ __forceinline__ float gelu_tanh_grad(float dy, float x) {
 
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
-    concat_gelu_forward_kernel(const T* __restrict__ a, const T* __restrict__ h, T* __restrict__ out, int64_t rows,
-                               int64_t da, int64_t dh) {
+    concat_gelu_forward_kernel(const T* __restrict__ a, const T* __restrict__ h, T* __restrict__ out,
+                               int64_t rows, int64_t da, int64_t dh) {
     const int64_t width = (da + dh) / V, pa = da / V, ph = dh / V, total = rows * width;
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
          i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -56,8 +56,9 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
-    concat_gelu_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ h, T* __restrict__ grad_a,
-                                T* __restrict__ grad_h, int64_t rows, int64_t da, int64_t dh) {
+    concat_gelu_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ h,
+                                T* __restrict__ grad_a, T* __restrict__ grad_h, int64_t rows, int64_t da,
+                                int64_t dh) {
     const int64_t width = (da + dh) / V, pa = da / V, ph = dh / V, total = rows * width;
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
          i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -71,7 +72,8 @@ __global__ void __launch_bounds__(kThreads)
         const Pack<T, V> x = reinterpret_cast<const Pack<T, V>*>(h)[j];
         Pack<T, V> o;
 #pragma unroll
-        for (int k = 0; k < V; ++k) o.v[k] = from_float<T>(gelu_tanh_grad(to_float(g.v[k]), to_float(x.v[k])));
+        for (int k = 0; k < V; ++k)
+            o.v[k] = from_float<T>(gelu_tanh_grad(to_float(g.v[k]), to_float(x.v[k])));
         reinterpret_cast<Pack<T, V>*>(grad_h)[j] = o;
     }
 }
@@ -94,14 +96,15 @@ int backward(const void* g, const void* h, void* ga, void* gh, int64_t rows, int
              cudaStream_t s) {
     constexpr int V = pack_of<T>();
     concat_gelu_backward_kernel<T, V><<<blocks_for(rows * (da + dh) / V, kThreads), kThreads, 0, s>>>(
-        static_cast<const T*>(g), static_cast<const T*>(h), static_cast<T*>(ga), static_cast<T*>(gh), rows, da,
-        dh);
+        static_cast<const T*>(g), static_cast<const T*>(h), static_cast<T*>(ga), static_cast<T*>(gh), rows,
+        da, dh);
     return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace
 
-bool concat_gelu_supported(const void* const* pointers, int count, int64_t da, int64_t dh, KernelDtype dtype) {
+bool concat_gelu_supported(const void* const* pointers, int count, int64_t da, int64_t dh,
+                           KernelDtype dtype) {
     const int64_t v = dtype == KernelDtype::kFloat ? pack_of<float>() : pack_of<__nv_bfloat16>();
     if (da < 0 || dh < 1 || da % v != 0 || dh % v != 0) return false;
     for (int i = 0; i < count; ++i)
@@ -120,12 +123,13 @@ int concat_gelu_forward(const void* a, const void* h, void* out, int64_t rows, i
     return static_cast<int>(cudaErrorInvalidValue);
 }
 
-int concat_gelu_backward(const void* grad_out, const void* h, void* grad_a, void* grad_h, int64_t rows, int64_t da,
-                         int64_t dh, KernelDtype dtype, void* stream) {
+int concat_gelu_backward(const void* grad_out, const void* h, void* grad_a, void* grad_h, int64_t rows,
+                         int64_t da, int64_t dh, KernelDtype dtype, void* stream) {
     auto s = static_cast<cudaStream_t>(stream);
     switch (dtype) {
         case KernelDtype::kFloat: return backward<float>(grad_out, h, grad_a, grad_h, rows, da, dh, s);
-        case KernelDtype::kBFloat16: return backward<__nv_bfloat16>(grad_out, h, grad_a, grad_h, rows, da, dh, s);
+        case KernelDtype::kBFloat16:
+            return backward<__nv_bfloat16>(grad_out, h, grad_a, grad_h, rows, da, dh, s);
         case KernelDtype::kHalf: return backward<__half>(grad_out, h, grad_a, grad_h, rows, da, dh, s);
     }
     return static_cast<int>(cudaErrorInvalidValue);

@@ -18,7 +18,7 @@ bool concat_gelu_supported(const void* const* pointers, int count, int64_t da, i
 // Return the launch's cudaError_t as an int (0 = success).
 int concat_gelu_forward(const void* a, const void* h, void* out, int64_t rows, int64_t da, int64_t dh,
                         KernelDtype dtype, void* stream);
-int concat_gelu_backward(const void* grad_out, const void* h, void* grad_a, void* grad_h, int64_t rows, int64_t da,
-                         int64_t dh, KernelDtype dtype, void* stream);
+int concat_gelu_backward(const void* grad_out, const void* h, void* grad_a, void* grad_h, int64_t rows,
+                         int64_t da, int64_t dh, KernelDtype dtype, void* stream);
 
 }  // namespace dtune::models::cuda

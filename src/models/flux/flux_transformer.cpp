@@ -19,6 +19,7 @@
 #include "models/common/blocks.h"
 #include "models/common/checkpoint.h"
 #include "models/common/concat_gelu.h"
+#include "models/common/gated_residual.h"
 #include "models/common/layers.h"
 #include "models/common/qk_norm_rope.h"
 #include "models/common/weights.h"
@@ -239,11 +240,11 @@ std::pair<at::Tensor, at::Tensor> FluxTransformerBlockImpl::forward(
     const at::Tensor nc = modulate(context, c[1], c[0]);
     auto [attn_x, attn_c] = attn_->forward(nx, nc, rope, key_mask);
     const auto gelu = [](const at::Tensor& t) { return at::gelu(t, "tanh"); };
-    at::Tensor h = at::addcmul(x, m[2], attn_x);
-    h = at::addcmul(h, m[5], ff_out_->forward(gelu(ff_in_->forward(modulate(h, m[4], m[3])))));
-    at::Tensor e = at::addcmul(context, c[2], attn_c);
-    e = at::addcmul(e, c[5],
-                    ff_context_out_->forward(gelu(ff_context_in_->forward(modulate(e, c[4], c[3])))));
+    at::Tensor h = gated_residual(x, m[2], attn_x);
+    h = gated_residual(h, m[5], ff_out_->forward(gelu(ff_in_->forward(modulate(h, m[4], m[3])))));
+    at::Tensor e = gated_residual(context, c[2], attn_c);
+    e = gated_residual(e, c[5],
+                       ff_context_out_->forward(gelu(ff_context_in_->forward(modulate(e, c[4], c[3])))));
     if (e.scalar_type() == at::kHalf) e = e.clamp(-65504, 65504);
     return {e, h};
 }
@@ -264,16 +265,18 @@ at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& joint, cons
     const at::Tensor n = modulate(joint, m[1], m[0]);
     const at::Tensor mlp = proj_mlp_->forward(n);  // gelu_tanh'd below
     const at::Tensor attn = attn_->forward(n, {}, rope, key_mask).first;
-    at::Tensor out = at::addcmul(joint, m[2], proj_out_->forward(concat_gelu_tanh(attn, mlp)));
+    at::Tensor out = gated_residual(joint, m[2], proj_out_->forward(concat_gelu_tanh(attn, mlp)));
     if (out.scalar_type() == at::kHalf) out = out.clamp(-65504, 65504);
     return out;
 }
 
 FluxTransformer2DModelImpl::FluxTransformer2DModelImpl(FluxTransformerConfig config)
     : config_(std::move(config)) {
-    // Read the kernel switches now: a bad DTUNE_FUSED_QK_NORM_ROPE / _CONCAT_GELU fails the load.
+    // Read the kernel switches now: a bad DTUNE_FUSED_QK_NORM_ROPE / _CONCAT_GELU / _GATED_RESIDUAL
+    // fails the load, not a training step.
     (void)fused_qk_norm_rope_enabled();
     (void)fused_concat_gelu_enabled();
+    (void)fused_gated_residual_enabled();
     const auto& c = config_;
     const int64_t d = c.inner_dim();
     auto tte = register_module("time_text_embed", std::make_shared<torch::nn::Module>());
