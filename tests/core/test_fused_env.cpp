@@ -36,6 +36,30 @@ TEST(FusedEnv, ReadsTheVariableEachTime) {
     ::unsetenv("DTUNE_FUSED_KERNELS");
 }
 
+// A per-path switch (DTUNE_FUSED_QKV, DTUNE_FUSED_QK_NORM_ROPE, ...): unset or empty is on, the same
+// words as above otherwise, and anything else a usage error naming the variable and both choices.
+TEST(FusedEnv, PerPathSwitchesDefaultOnAndNameTheirChoices) {
+    const char* name = "DTUNE_TEST_FUSED_SWITCH";
+    ::unsetenv(name);
+    EXPECT_TRUE(fused_switch_from_env(name, "one kernel", "the composite ops"));
+    ::setenv(name, "", 1);
+    EXPECT_TRUE(fused_switch_from_env(name, "one kernel", "the composite ops"));
+    ::setenv(name, "off", 1);
+    EXPECT_FALSE(fused_switch_from_env(name, "one kernel", "the composite ops"));
+    ::setenv(name, "1", 1);
+    EXPECT_TRUE(fused_switch_from_env(name, "one kernel", "the composite ops"));
+    ::setenv(name, "maybe", 1);
+    try {
+        fused_switch_from_env(name, "one kernel", "the composite ops");
+        ADD_FAILURE() << "no error for an unknown value";
+    } catch (const UsageError& e) {
+        EXPECT_EQ(std::string(e.what()),
+                  "DTUNE_TEST_FUSED_SWITCH=maybe is not a choice: use 1 (one kernel, the default) or 0 (the "
+                  "composite ops)");
+    }
+    ::unsetenv(name);
+}
+
 }  // namespace
 }  // namespace test_fused_env_local
 }  // namespace dtune

@@ -143,6 +143,27 @@ TEST(FluxTrainCli, FamilyDisagreeingWithTheFolderIsRefused) {
     EXPECT_NE(w.log().find("is a flux pipeline"), std::string::npos) << w.log();
 }
 
+// Flux's kernel switches are read when the transformer loads: a bad value ends the run with exit 2
+// naming the variable and its choices (on a CPU run too, where the kernels never apply).
+TEST(FluxTrainCli, BadKernelSwitchesAreUsageErrorsAtLoad) {
+    FluxWorkspace w;
+    const std::string lora = "--model_type lora --lora_rank 4 --max_train_steps 1";
+    const std::pair<const char*, const char*> cases[] = {
+        {"DTUNE_FUSED_QK_NORM_ROPE", "q/k norm, concatenation and rotary embedding as one kernel"},
+        {"DTUNE_FUSED_CONCAT_GELU", "attention output and MLP GELU concatenated by one kernel"},
+        {"DTUNE_FUSED_GATED_RESIDUAL", "x + gate · y by dtune's vectorised kernels"}};
+    int run = 0;
+    for (const auto& [name, meaning] : cases) {
+        // One variable per process: each switch is read once, and the first bad one ends the load.
+        const std::string out = "bad" + std::to_string(run++);
+        EXPECT_EQ(run_status(std::string(name) + "=maybe " + w.command(out, lora)), 2) << name << w.log();
+        EXPECT_NE(w.log().find(std::string(name) + "=maybe is not a choice: use 1 (" + meaning),
+                  std::string::npos)
+            << w.log();
+        EXPECT_FALSE(stdfs::exists(w.dir / out / "pytorch_lora_weights.safetensors")) << name;
+    }
+}
+
 // `dtune sample` of the run's model with `lora`; the image's pixels.
 std::vector<uint8_t> sample_with(const FluxWorkspace& w, const stdfs::path& lora, const std::string& out) {
     const std::string cmd =

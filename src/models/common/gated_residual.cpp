@@ -19,16 +19,16 @@ namespace dtune::models {
 namespace {
 
 std::atomic<bool>& fused_switch() {
-    static std::atomic<bool> on{fused_switch_from_env("DTUNE_FUSED_GATED_RESIDUAL",
-                                                      "x + gate · y by dtune's vectorised kernels", "at::addcmul")};
+    static std::atomic<bool> on{fused_switch_from_env(
+        "DTUNE_FUSED_GATED_RESIDUAL", "x + gate · y by dtune's vectorised kernels", "at::addcmul")};
     return on;
 }
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
 // gate [B, 1, D] with gate.stride(2) == 1: its rows are gate.stride(0) apart.
 struct GatedResidualFunction : public torch::autograd::Function<GatedResidualFunction> {
-    static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& gate,
-                              const at::Tensor& y) {
+    static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                              const at::Tensor& gate, const at::Tensor& y) {
         const int64_t b = x.size(0), s = x.size(1), d = x.size(2);
         at::Tensor out = at::empty_like(x);
         const c10::cuda::CUDAGuard guard(x.device());
@@ -52,8 +52,8 @@ struct GatedResidualFunction : public torch::autograd::Function<GatedResidualFun
         if (ctx->needs_input_grad(2)) {
             grad_y = at::empty_like(g);
             const c10::cuda::CUDAGuard guard(g.device());
-            check_launch(cuda::gated_residual_backward(g.const_data_ptr(), gate.const_data_ptr(), gate.stride(0),
-                                                       grad_y.mutable_data_ptr(), b, s, d,
+            check_launch(cuda::gated_residual_backward(g.const_data_ptr(), gate.const_data_ptr(),
+                                                       gate.stride(0), grad_y.mutable_data_ptr(), b, s, d,
                                                        kernel_dtype(g.scalar_type(), "gated_residual"),
                                                        current_stream_of(g)),
                          "gated_residual", "backward");
@@ -68,12 +68,13 @@ bool fused_takes(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& 
     const auto t = x.scalar_type();
     if (!fused_gated_residual_enabled() || !x.is_cuda() || x.dim() != 3 || y.sizes() != x.sizes() ||
         gate.dim() != 3 || gate.size(0) != x.size(0) || gate.size(1) != 1 || gate.size(2) != x.size(2) ||
-        y.scalar_type() != t || gate.scalar_type() != t || y.device() != x.device() || gate.device() != x.device() ||
-        (t != at::kBFloat16 && t != at::kHalf && t != at::kFloat) || !x.is_contiguous() || !y.is_contiguous() ||
-        gate.stride(2) != 1)
+        y.scalar_type() != t || gate.scalar_type() != t || y.device() != x.device() ||
+        gate.device() != x.device() || (t != at::kBFloat16 && t != at::kHalf && t != at::kFloat) ||
+        !x.is_contiguous() || !y.is_contiguous() || gate.stride(2) != 1)
         return false;
     const void* pointers[3] = {x.const_data_ptr(), y.const_data_ptr(), gate.const_data_ptr()};
-    return cuda::gated_residual_supported(pointers, 3, x.size(2), gate.stride(0), kernel_dtype(t, "gated_residual"));
+    return cuda::gated_residual_supported(pointers, 3, x.size(2), gate.stride(0),
+                                          kernel_dtype(t, "gated_residual"));
 }
 #endif
 

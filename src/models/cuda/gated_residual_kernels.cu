@@ -15,8 +15,8 @@ constexpr int kThreads = 256;
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
     gated_residual_forward_kernel(const T* __restrict__ x, const T* __restrict__ gate, int64_t gate_stride,
-                                  const T* __restrict__ y, T* __restrict__ out, int64_t seq, int64_t packs_per_row,
-                                  int64_t total) {
+                                  const T* __restrict__ y, T* __restrict__ out, int64_t seq,
+                                  int64_t packs_per_row, int64_t total) {
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
          i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int64_t row = i / packs_per_row, col = i % packs_per_row, b = row / seq;
@@ -25,15 +25,17 @@ __global__ void __launch_bounds__(kThreads)
         const Pack<T, V> gv = reinterpret_cast<const Pack<T, V>*>(gate + b * gate_stride)[col];
         Pack<T, V> o;
 #pragma unroll
-        for (int k = 0; k < V; ++k) o.v[k] = from_float<T>(to_float(xv.v[k]) + to_float(gv.v[k]) * to_float(yv.v[k]));
+        for (int k = 0; k < V; ++k)
+            o.v[k] = from_float<T>(to_float(xv.v[k]) + to_float(gv.v[k]) * to_float(yv.v[k]));
         reinterpret_cast<Pack<T, V>*>(out)[i] = o;
     }
 }
 
 template <typename T, int V>
 __global__ void __launch_bounds__(kThreads)
-    gated_residual_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ gate, int64_t gate_stride,
-                                   T* __restrict__ grad_y, int64_t seq, int64_t packs_per_row, int64_t total) {
+    gated_residual_backward_kernel(const T* __restrict__ grad_out, const T* __restrict__ gate,
+                                   int64_t gate_stride, T* __restrict__ grad_y, int64_t seq,
+                                   int64_t packs_per_row, int64_t total) {
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
          i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
         const int64_t row = i / packs_per_row, col = i % packs_per_row, b = row / seq;
@@ -57,8 +59,8 @@ int forward(const void* x, const void* gate, int64_t gs, const void* y, void* ou
     constexpr int V = pack_of<T>();
     const int64_t total = batch * seq * d / V;
     gated_residual_forward_kernel<T, V><<<blocks_for(total, kThreads), kThreads, 0, s>>>(
-        static_cast<const T*>(x), static_cast<const T*>(gate), gs, static_cast<const T*>(y), static_cast<T*>(out),
-        seq, d / V, total);
+        static_cast<const T*>(x), static_cast<const T*>(gate), gs, static_cast<const T*>(y),
+        static_cast<T*>(out), seq, d / V, total);
     return static_cast<int>(cudaGetLastError());
 }
 
@@ -88,20 +90,23 @@ int gated_residual_forward(const void* x, const void* gate, int64_t gate_stride,
     auto s = static_cast<cudaStream_t>(stream);
     switch (dtype) {
         case KernelDtype::kFloat: return forward<float>(x, gate, gate_stride, y, out, batch, seq, d, s);
-        case KernelDtype::kBFloat16: return forward<__nv_bfloat16>(x, gate, gate_stride, y, out, batch, seq, d, s);
+        case KernelDtype::kBFloat16:
+            return forward<__nv_bfloat16>(x, gate, gate_stride, y, out, batch, seq, d, s);
         case KernelDtype::kHalf: return forward<__half>(x, gate, gate_stride, y, out, batch, seq, d, s);
     }
     return static_cast<int>(cudaErrorInvalidValue);
 }
 
-int gated_residual_backward(const void* grad_out, const void* gate, int64_t gate_stride, void* grad_y, int64_t batch,
-                            int64_t seq, int64_t d, KernelDtype dtype, void* stream) {
+int gated_residual_backward(const void* grad_out, const void* gate, int64_t gate_stride, void* grad_y,
+                            int64_t batch, int64_t seq, int64_t d, KernelDtype dtype, void* stream) {
     auto s = static_cast<cudaStream_t>(stream);
     switch (dtype) {
-        case KernelDtype::kFloat: return backward<float>(grad_out, gate, gate_stride, grad_y, batch, seq, d, s);
+        case KernelDtype::kFloat:
+            return backward<float>(grad_out, gate, gate_stride, grad_y, batch, seq, d, s);
         case KernelDtype::kBFloat16:
             return backward<__nv_bfloat16>(grad_out, gate, gate_stride, grad_y, batch, seq, d, s);
-        case KernelDtype::kHalf: return backward<__half>(grad_out, gate, gate_stride, grad_y, batch, seq, d, s);
+        case KernelDtype::kHalf:
+            return backward<__half>(grad_out, gate, gate_stride, grad_y, batch, seq, d, s);
     }
     return static_cast<int>(cudaErrorInvalidValue);
 }

@@ -17,7 +17,7 @@ bool gated_residual_supported(const void* const* pointers, int count, int64_t d,
 // Return the launch's cudaError_t as an int (0 = success).
 int gated_residual_forward(const void* x, const void* gate, int64_t gate_stride, const void* y, void* out,
                            int64_t batch, int64_t seq, int64_t d, KernelDtype dtype, void* stream);
-int gated_residual_backward(const void* grad_out, const void* gate, int64_t gate_stride, void* grad_y, int64_t batch,
-                            int64_t seq, int64_t d, KernelDtype dtype, void* stream);
+int gated_residual_backward(const void* grad_out, const void* gate, int64_t gate_stride, void* grad_y,
+                            int64_t batch, int64_t seq, int64_t d, KernelDtype dtype, void* stream);
 
 }  // namespace dtune::models::cuda
