@@ -114,25 +114,17 @@ bool concat_gelu_supported(const void* const* pointers, int count, int64_t da, i
 
 int concat_gelu_forward(const void* a, const void* h, void* out, int64_t rows, int64_t da, int64_t dh,
                         KernelDtype dtype, void* stream) {
-    auto s = static_cast<cudaStream_t>(stream);
-    switch (dtype) {
-        case KernelDtype::kFloat: return forward<float>(a, h, out, rows, da, dh, s);
-        case KernelDtype::kBFloat16: return forward<__nv_bfloat16>(a, h, out, rows, da, dh, s);
-        case KernelDtype::kHalf: return forward<__half>(a, h, out, rows, da, dh, s);
-    }
-    return static_cast<int>(cudaErrorInvalidValue);
+    return with_kernel_type(dtype, [&](auto tag) {
+        return forward<decltype(tag)>(a, h, out, rows, da, dh, static_cast<cudaStream_t>(stream));
+    });
 }
 
 int concat_gelu_backward(const void* grad_out, const void* h, void* grad_a, void* grad_h, int64_t rows,
                          int64_t da, int64_t dh, KernelDtype dtype, void* stream) {
-    auto s = static_cast<cudaStream_t>(stream);
-    switch (dtype) {
-        case KernelDtype::kFloat: return backward<float>(grad_out, h, grad_a, grad_h, rows, da, dh, s);
-        case KernelDtype::kBFloat16:
-            return backward<__nv_bfloat16>(grad_out, h, grad_a, grad_h, rows, da, dh, s);
-        case KernelDtype::kHalf: return backward<__half>(grad_out, h, grad_a, grad_h, rows, da, dh, s);
-    }
-    return static_cast<int>(cudaErrorInvalidValue);
+    return with_kernel_type(dtype, [&](auto tag) {
+        return backward<decltype(tag)>(grad_out, h, grad_a, grad_h, rows, da, dh,
+                                       static_cast<cudaStream_t>(stream));
+    });
 }
 
 }  // namespace dtune::models::cuda

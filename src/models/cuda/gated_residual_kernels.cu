@@ -87,28 +87,18 @@ bool gated_residual_supported(const void* const* pointers, int count, int64_t d,
 
 int gated_residual_forward(const void* x, const void* gate, int64_t gate_stride, const void* y, void* out,
                            int64_t batch, int64_t seq, int64_t d, KernelDtype dtype, void* stream) {
-    auto s = static_cast<cudaStream_t>(stream);
-    switch (dtype) {
-        case KernelDtype::kFloat: return forward<float>(x, gate, gate_stride, y, out, batch, seq, d, s);
-        case KernelDtype::kBFloat16:
-            return forward<__nv_bfloat16>(x, gate, gate_stride, y, out, batch, seq, d, s);
-        case KernelDtype::kHalf: return forward<__half>(x, gate, gate_stride, y, out, batch, seq, d, s);
-    }
-    return static_cast<int>(cudaErrorInvalidValue);
+    return with_kernel_type(dtype, [&](auto tag) {
+        return forward<decltype(tag)>(x, gate, gate_stride, y, out, batch, seq, d,
+                                      static_cast<cudaStream_t>(stream));
+    });
 }
 
 int gated_residual_backward(const void* grad_out, const void* gate, int64_t gate_stride, void* grad_y,
                             int64_t batch, int64_t seq, int64_t d, KernelDtype dtype, void* stream) {
-    auto s = static_cast<cudaStream_t>(stream);
-    switch (dtype) {
-        case KernelDtype::kFloat:
-            return backward<float>(grad_out, gate, gate_stride, grad_y, batch, seq, d, s);
-        case KernelDtype::kBFloat16:
-            return backward<__nv_bfloat16>(grad_out, gate, gate_stride, grad_y, batch, seq, d, s);
-        case KernelDtype::kHalf:
-            return backward<__half>(grad_out, gate, gate_stride, grad_y, batch, seq, d, s);
-    }
-    return static_cast<int>(cudaErrorInvalidValue);
+    return with_kernel_type(dtype, [&](auto tag) {
+        return backward<decltype(tag)>(grad_out, gate, gate_stride, grad_y, batch, seq, d,
+                                       static_cast<cudaStream_t>(stream));
+    });
 }
 
 }  // namespace dtune::models::cuda

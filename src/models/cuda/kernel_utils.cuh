@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "models/cuda/kernel_dtype.h"
+
 namespace dtune::models::cuda {
 
 __device__ __forceinline__ float to_float(float v) {
@@ -50,6 +52,18 @@ inline unsigned blocks_for(int64_t work, int threads) {
 
 inline bool aligned16(const void* p) {
     return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// Calls f(T{}) with the storage type of `dtype` (float, __nv_bfloat16 or __half) and returns its
+// result, a launcher's cudaError_t as an int; cudaErrorInvalidValue for an unknown code.
+template <typename F>
+int with_kernel_type(KernelDtype dtype, F&& f) {
+    switch (dtype) {
+        case KernelDtype::kFloat: return f(float{});
+        case KernelDtype::kBFloat16: return f(__nv_bfloat16{});
+        case KernelDtype::kHalf: return f(__half{});
+    }
+    return static_cast<int>(cudaErrorInvalidValue);
 }
 
 }  // namespace dtune::models::cuda

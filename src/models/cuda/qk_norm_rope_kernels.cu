@@ -304,31 +304,20 @@ int64_t joint_qkv_backward_blocks(int64_t batch, int64_t seq, int64_t heads, int
 int joint_qk_norm_rope_forward(const JointQKVStreams& in, const float* cos, const float* sin,
                                void* const out[3], int64_t batch, int64_t heads, int64_t dim, float eps,
                                KernelDtype dtype, void* stream) {
-    auto s = static_cast<cudaStream_t>(stream);
-    switch (dtype) {
-        case KernelDtype::kFloat: return launch_forward<float>(in, cos, sin, out, batch, heads, dim, eps, s);
-        case KernelDtype::kBFloat16:
-            return launch_forward<__nv_bfloat16>(in, cos, sin, out, batch, heads, dim, eps, s);
-        case KernelDtype::kHalf: return launch_forward<__half>(in, cos, sin, out, batch, heads, dim, eps, s);
-    }
-    return static_cast<int>(cudaErrorInvalidValue);
+    return with_kernel_type(dtype, [&](auto tag) {
+        return launch_forward<decltype(tag)>(in, cos, sin, out, batch, heads, dim, eps,
+                                             static_cast<cudaStream_t>(stream));
+    });
 }
 
 int joint_qk_norm_rope_backward(const JointQKVStreams& in, const float* cos, const float* sin,
                                 const void* const grad[3], void* const grad_in[kJointQKVMaxStreams],
                                 float* dweight, int64_t batch, int64_t heads, int64_t dim, float eps,
                                 KernelDtype dtype, void* stream) {
-    auto s = static_cast<cudaStream_t>(stream);
-    switch (dtype) {
-        case KernelDtype::kFloat:
-            return launch_backward<float>(in, cos, sin, grad, grad_in, dweight, batch, heads, dim, eps, s);
-        case KernelDtype::kBFloat16:
-            return launch_backward<__nv_bfloat16>(in, cos, sin, grad, grad_in, dweight, batch, heads, dim,
-                                                  eps, s);
-        case KernelDtype::kHalf:
-            return launch_backward<__half>(in, cos, sin, grad, grad_in, dweight, batch, heads, dim, eps, s);
-    }
-    return static_cast<int>(cudaErrorInvalidValue);
+    return with_kernel_type(dtype, [&](auto tag) {
+        return launch_backward<decltype(tag)>(in, cos, sin, grad, grad_in, dweight, batch, heads, dim, eps,
+                                              static_cast<cudaStream_t>(stream));
+    });
 }
 
 }  // namespace dtune::models::cuda
