@@ -17,7 +17,9 @@
 // reach the image. With fused q/k/v (fuse_qkv_projections) each stream's three projections run as one
 // matmul over their stacked weights: the same products, one kernel. In LoRA training with an adapter
 // on each of a stream's q, k and v, the three run as one fused LoRA function either way
-// (adapters/lora_qkv.h).
+// (adapters/lora_qkv.h). On the GPU the q/k norms, the concatenation and the rotation run as one
+// kernel (common/qk_norm_rope.h), a single block's attention ⊕ GELU(MLP) as another
+// (common/concat_gelu.h), and the gated residuals as a third (common/gated_residual.h).
 // Child modules carry diffusers' names, so a diffusers transformer/ folder loads by name; Linear
 // layers are adaptable (LoRA targets).
 #pragma once
