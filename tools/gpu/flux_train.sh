@@ -60,8 +60,8 @@ for spec in $RUNS; do
     # add SimpleTuner's Flux keys: masked (flux_attention_masked_training), context
     # (flux_lora_target context), fused (the same with fuse_qkv_projections), keys (random-range
     # guidance, Beta sigmas, auto shift: the draws' cost); graph / graphnogc: cuda_graph true;
-    # int8 / fp8: a quantised frozen base (int8-quanto / fp8-torchao), quantised in host memory.
-    gc=$([[ $run == nogc || $run == graphnogc ]] && echo false || echo true)
+    # int8 / fp8 / fp8nogc: a quantised frozen base (int8-quanto / fp8-torchao), quantised in host memory.
+    gc=$([[ $run == nogc || $run == graphnogc || $run == fp8nogc ]] && echo false || echo true)
     case $run in
         masked) keys="--flux_attention_masked_training true" ;;
         context) keys="--flux_lora_target context" ;;
@@ -70,7 +70,7 @@ for spec in $RUNS; do
         graph) keys="--cuda_graph true" ;;      # checkpointing, the step as one CUDA graph
         graphnogc) keys="--cuda_graph true" ;;  # the same without checkpointing
         int8) keys="--base_model_precision int8-quanto --quantize_via cpu" ;;  # the 24 GB recipe
-        fp8) keys="--base_model_precision fp8-torchao --quantize_via cpu" ;;
+        fp8 | fp8nogc) keys="--base_model_precision fp8-torchao --quantize_via cpu" ;;  # fp8nogc: no checkpointing
         *) keys="" ;;
     esac
     name=${spec//[+=]/_} o=$W/out-${spec//[+=]/_}
