@@ -144,10 +144,6 @@ FluxRMSNormImpl::FluxRMSNormImpl(int64_t dim, double eps) : eps_(eps) {
     weight = register_parameter("weight", at::ones({dim}));
 }
 
-at::Tensor FluxRMSNormImpl::forward(const at::Tensor& x) {
-    return at::rms_norm(x, {x.size(-1)}, weight.to(x.scalar_type()), eps_);
-}
-
 FluxAttentionImpl::FluxAttentionImpl(int64_t dim, int64_t heads, int64_t head_dim, bool added, bool pre_only)
     : heads_(heads) {
     const int64_t inner = heads * head_dim;

@@ -58,11 +58,11 @@ struct FluxTransformerConfig {
     static FluxTransformerConfig from_json(const ConfigReader& config);
 };
 
-// Per-head RMSNorm with a learned scale (`weight`), as torch.nn.RMSNorm.
+// Per-head RMSNorm with a learned scale (`weight`), as torch.nn.RMSNorm: the parameter and eps under
+// diffusers' names; FluxAttention applies it through joint_qk_norm_rope (common/qk_norm_rope.h).
 class FluxRMSNormImpl : public torch::nn::Module {
   public:
     FluxRMSNormImpl(int64_t dim, double eps);
-    at::Tensor forward(const at::Tensor& x);
     double eps() const { return eps_; }
     at::Tensor weight;
 
