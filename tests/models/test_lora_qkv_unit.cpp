@@ -13,6 +13,7 @@
 #include "models/adapters/lora.h"
 #include "models/adapters/lora_qkv.h"
 #include "models/common/attention.h"
+#include "models/common/quantize.h"
 #include "models/common/weights.h"
 #include "models/flux/flux_transformer.h"
 #include "models/unet/unet_2d_condition.h"
@@ -218,6 +219,59 @@ TEST(LoRAQkv, PackedGradientsTakeOneGemmAndMatch) {
     const QkvRun fused = run(true), plain = run(false);
     ASSERT_EQ(fused.grads.size(), 7u);  // x, then A and B of q, k, v (to_out.0 is unused here)
     EXPECT_LE(worst_relative(fused, plain), 1e-12);
+}
+
+// A base quantised before injection (base_model_precision, as the trainer orders it): the group is
+// laid out with its scales and fused, through the packed-gradient GEMM (project_group + cat) and
+// the per-layer input gradients (the attention's own backward), equal to the layer-by-layer run.
+TEST(LoRAQkv, QuantisedBasesAreLaidOutAndMatchLayerByLayer) {
+    for (const std::string preset : {"fp8-torchao", "int8-quanto"}) {
+        for (const bool packed_grads : {true, false}) {
+            auto run = [&](bool fused) {
+                torch::manual_seed(9);
+                AttentionOptions o;
+                o.query_dim = 32;
+                o.heads = 2;
+                o.head_dim = 16;
+                o.qkv_bias = true;
+                torch::nn::Module root;
+                Attention attn = root.register_module("attn1", Attention(o));
+                const QuantizeReport report =
+                    quantize_module(root, parse_quant_preset(preset, "base_model_precision"));
+                EXPECT_EQ(report.layers, 4) << preset;
+                LoRAAdapters adapters = inject_lora(root, qkv_lora(0.25));
+                const ProjectionGroup group = attn->projection_groups().at(0);
+                const at::Tensor w = packed_weight(group), s = packed_weight_scale(group);
+                EXPECT_TRUE(w.defined()) << preset;
+                EXPECT_TRUE(s.defined()) << preset;
+                EXPECT_EQ(w.scalar_type(), group[0]->weight.scalar_type());
+                EXPECT_NE(w.scalar_type(), at::kFloat) << preset;  // still quantised
+                EXPECT_EQ(s.sizes(), at::IntArrayRef({96}));
+                randomise(adapters);
+                root.train();
+                adapters.set_dropout_seed(5);
+                const at::Tensor x = at::randn({2, 6, 32}).requires_grad_(true);
+                set_fused_qkv_lora(fused);
+                EXPECT_EQ(projection_group_fuses(x, group), fused) << preset;
+                at::Tensor y;
+                if (packed_grads) {
+                    y = at::cat(project_group(x, group), -1);  // gradients arrive as slices of one buffer
+                } else {
+                    y = attn->forward(x, at::Tensor());
+                }
+                set_fused_qkv_lora(true);
+                y.backward(at::randn(y.sizes()));
+                QkvRun r{y.detach(), {x.grad()}};
+                for (auto& t : adapters.parameters())
+                    if (t.grad().defined()) r.grads.push_back(t.grad());
+                return r;
+            };
+            const QkvRun fused = run(true), plain = run(false);
+            EXPECT_GE(fused.grads.size(), 7u) << preset;
+            EXPECT_LE(worst_relative(fused, plain), 1e-5)
+                << preset << (packed_grads ? " packed" : " per layer");
+        }
+    }
 }
 
 TEST(LoRAQkv, InjectPacksTheWeightsKeepingNamesAndValues) {

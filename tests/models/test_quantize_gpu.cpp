@@ -5,6 +5,8 @@
 //   them) is close to the dense layer holding the dequantised weight, forward and input gradient,
 //   with and without bias;
 // - a LoRA on a quantised base trains inside a CUDA graph, replaying as the eager steps do;
+// - the byte transpose the fp8 input-gradient GEMM reads equals ATen's, and that GEMM at a Flux
+//   shape (big enough to take fp8) is close to the dense one;
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -92,6 +94,41 @@ TEST(QuantizeGpu, QuantisedLinearUnderAutocastIsCloseToTheDenseLayer) {
             }
         }
     }
+}
+
+TEST(QuantizeGpu, ByteTransposeEqualsATen) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    torch::manual_seed(4);
+    // whole tiles, partial tiles, a Flux weight, sizes off the kernel's 16-element grid (ATen's copy)
+    const std::vector<std::pair<int64_t, int64_t>> shapes = {{64, 64},     {80, 48}, {16, 4112},
+                                                             {3072, 9216}, {48, 20}, {33, 64}};
+    for (const auto& [rows, cols] : shapes) {
+        SCOPED_TRACE(str(rows, " x ", cols));
+        const at::Tensor bytes = at::randint(0, 256, {rows + 16, cols}, at::TensorOptions().dtype(at::kByte));
+        // rows 16.. of a bigger buffer: a slice at an offset, as a packed group's layer is
+        const at::Tensor data = bytes.to(kCuda).view(at::kFloat8_e4m3fn).narrow(0, 16, rows);
+        const at::Tensor t = transposed_quantized_weight(data);
+        ASSERT_EQ(t.sizes(), at::IntArrayRef({cols, rows}));
+        ASSERT_TRUE(t.is_contiguous());
+        EXPECT_TRUE(at::equal(t.view(at::kByte).cpu(), bytes.narrow(0, 16, rows).t().contiguous()));
+    }
+}
+
+TEST(QuantizeGpu, Fp8InputGradientAtAFluxShapeIsCloseToTheDenseOne) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    torch::manual_seed(6);
+    // A double block's q/k/v: g [4096, 9216] · W [9216, 3072], past the fp8 GEMM's size threshold.
+    const at::Tensor w = (at::randn({9216, 3072}, kCuda) * 0.02).to(at::kBFloat16);
+    const QuantizedWeight q = quantize_weight(w, QuantFormat::kFloat8);
+    const at::Tensor g = at::randn({4096, 9216}, kCuda).to(at::kBFloat16);
+    const at::Tensor dx = quantized_linear_input_grad(g, q.data, q.scale, at::kBFloat16);
+    const at::Tensor ref = at::mm(g.to(at::kFloat), dequantize_weight(q.data, q.scale, at::kFloat));
+    ASSERT_EQ(dx.sizes(), ref.sizes());
+    // e4m3 rounds each operand to ~3.6% RMS, so the products carry ~5% relative error; a transposed
+    // or shuffled operand gives ~140%.
+    EXPECT_LE(test::reported_diff("dx", dx.to(at::kFloat), ref), 0.15 * ref.abs().max().item<double>());
+    const double rel = (dx.to(at::kFloat) - ref).norm().item<double>() / ref.norm().item<double>();
+    EXPECT_LE(rel, 0.08) << (fp8_gemm_available(kCuda) ? "fp8 GEMM" : "dequantised");
 }
 
 #ifdef DTUNE_WITH_CUDA

@@ -16,6 +16,7 @@
 #include "core/fused_env.h"
 #include "models/adapters/lora.h"
 #include "models/common/lora_dropout.h"
+#include "models/common/quantize.h"
 
 namespace dtune::models {
 namespace {
@@ -80,6 +81,7 @@ at::Tensor packed_columns(const std::vector<at::Tensor>& g) {
 // What the fused function needs besides x and the factors.
 struct FusedSpec {
     at::Tensor weight, bias;  // [Σ out, in] and [Σ out] (or undefined): views of the packed buffer
+    at::Tensor weight_scale;  // [Σ out] float32 for a quantised group (common/quantize.h), else undefined
     std::vector<int64_t> outs;
     int64_t rank = 0;
     std::vector<double> scales;
@@ -95,9 +97,10 @@ std::optional<FusedSpec> fused_spec(const at::Tensor& x, const ProjectionGroup& 
     if (group.size() < 2 || !group.front()->adapter() || !fused_qkv_lora_enabled()) return std::nullopt;
     FusedSpec s;
     const bool bias = group.front()->bias.defined();
+    const bool quantized = group.front()->weight_scale.defined();
     for (const AdaptableLinearImpl* l : group) {
         const auto* lora = dynamic_cast<const LoRALayer*>(l->adapter());
-        if (!lora || !lora->takes_whole_forward(x) || l->weight_scale.defined() ||
+        if (!lora || !lora->takes_whole_forward(x) || l->weight_scale.defined() != quantized ||
             l->bias.defined() != bias || (s.rank > 0 && lora->rank() != s.rank))
             return std::nullopt;
         s.rank = lora->rank();
@@ -119,7 +122,9 @@ std::optional<FusedSpec> fused_spec(const at::Tensor& x, const ProjectionGroup& 
     if (!a_casts.empty()) s.a_cast = rows_view(a_casts);
     s.weight = packed_weight(group);
     if (bias) s.bias = packed_bias(group);
-    if (!s.weight.defined() || (bias && !s.bias.defined())) return std::nullopt;
+    if (quantized) s.weight_scale = packed_weight_scale(group);
+    if (!s.weight.defined() || (bias && !s.bias.defined()) || (quantized && !s.weight_scale.defined()))
+        return std::nullopt;
     return s;
 }
 
@@ -134,8 +139,13 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
                                                                   : x.scalar_type();
         const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
         const at::Tensor x2 = x.reshape({-1, x.size(-1)}).to(ct);  // [N, in]
-        const at::Tensor wc = spec.weight.to(ct);                  // [Σ out, in]
-        at::Tensor y = spec.bias.defined() ? at::addmm(spec.bias.to(ct), x2, wc.t()) : at::mm(x2, wc.t());
+        // [Σ out, in] in the compute dtype; a quantised group is read as stored (quantize.h: the fp8
+        // GEMM, or dequantised per use), here and in backward, never saved dense.
+        const bool quantized = spec.weight_scale.defined();
+        const at::Tensor wc = quantized ? at::Tensor() : spec.weight.to(ct);
+        at::Tensor y = quantized ? quantized_linear_no_grad(x2, spec.weight, spec.weight_scale, spec.bias, ct)
+                       : spec.bias.defined() ? at::addmm(spec.bias.to(ct), x2, wc.t())
+                                             : at::mm(x2, wc.t());
         // [n·r, in]: A_1; ...; A_n, the layers' copies where they are in the compute dtype
         const at::Tensor ac = spec.a_cast.defined() && spec.a_cast.scalar_type() == ct
                                   ? spec.a_cast
@@ -178,6 +188,10 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
             if (keeps[i].defined()) ctx->saved_data["drop_keep" + k] = keeps[i];
         }
         ctx->save_for_backward(saved);
+        if (quantized) {
+            ctx->saved_data["q_weight"] = spec.weight;
+            ctx->saved_data["q_scale"] = spec.weight_scale;
+        }
         ctx->saved_data["outs"] = spec.outs;
         ctx->saved_data["rank"] = r;
         ctx->saved_data["scales"] = spec.scales;
@@ -227,8 +241,25 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         at::Tensor dx;
         if (ctx->needs_input_grad(0)) {
             const at::Tensor g_cat = packed_columns(g);
+            const bool quantized = ctx->saved_data.count("q_weight") > 0;
+            const at::Tensor q_weight = quantized ? ctx->saved_data["q_weight"].toTensor() : at::Tensor(),
+                             q_scale = quantized ? ctx->saved_data["q_scale"].toTensor() : at::Tensor();
             if (g_cat.defined()) {
-                dx = at::mm(g_cat, wc);  // [N, in]: Σ g_i·W_i as one GEMM, K = Σ out
+                // [N, in]: Σ g_i·W_i as one GEMM, K = Σ out
+                dx = quantized ? quantized_linear_input_grad(g_cat, q_weight, q_scale, x2.scalar_type())
+                               : at::mm(g_cat, wc);
+            } else if (quantized) {
+                int64_t row = 0;  // layer by layer, summed (the fp8 GEMM writes no accumulation)
+                for (int64_t i = 0; i < n; ++i) {
+                    const int64_t first = row;
+                    row += outs[i];
+                    if (!g[i].defined()) continue;
+                    const at::Tensor di =
+                        quantized_linear_input_grad(g[i], q_weight.narrow(0, first, outs[i]),
+                                                    q_scale.narrow(0, first, outs[i]), x2.scalar_type());
+                    dx = dx.defined() ? dx.add_(di) : di;
+                }
+                if (!dx.defined()) dx = at::zeros({rows, x2.size(1)}, x2.options());
             } else {
                 // Accumulated in the GEMMs' epilogue: no gradient sum, and no copy into a g_cat
                 // (which would move as many bytes as the sum it replaces).
@@ -312,8 +343,12 @@ std::vector<const at::Tensor*> biases_of(const ProjectionGroup& group) {
 void pack_rows(const std::vector<at::Tensor*>& parts) {
     if (rows_view({parts.begin(), parts.end()}).defined()) return;
     std::vector<at::Tensor> values;
-    for (const at::Tensor* p : parts) values.push_back(p->contiguous());
-    const at::Tensor buffer = at::cat(values, 0);
+    // fp8 weights travel as bytes (concatenation is not defined for every float8 type and device).
+    const at::ScalarType dtype = parts.front()->scalar_type();
+    const bool bytes = at::isFloat8Type(dtype);
+    for (const at::Tensor* p : parts)
+        values.push_back(bytes ? p->contiguous().view(at::kByte) : p->contiguous());
+    const at::Tensor buffer = bytes ? at::cat(values, 0).view(dtype) : at::cat(values, 0);
     int64_t row = 0;
     for (at::Tensor* p : parts) {
         const int64_t n = p->size(0);
@@ -340,29 +375,41 @@ at::Tensor packed_bias(const ProjectionGroup& group) {
     return group.empty() ? at::Tensor() : rows_view(biases_of(group));
 }
 
+at::Tensor packed_weight_scale(const ProjectionGroup& group) {
+    std::vector<const at::Tensor*> scales;
+    for (const AdaptableLinearImpl* l : group) scales.push_back(&l->weight_scale);
+    return group.empty() ? at::Tensor() : rows_view(scales);
+}
+
 bool pack_projection_group(const ProjectionGroup& group) {
     if (group.size() < 2) return false;
     const AdaptableLinearImpl& first = *group.front();
-    const bool bias = first.bias.defined();
+    const bool bias = first.bias.defined(), quantized = first.weight_scale.defined();
     for (const AdaptableLinearImpl* l : group) {
-        const at::Tensor &w = l->weight, &b = l->bias;
-        if (!w.defined() || w.dim() != 2 || l->weight_scale.defined() || w.requires_grad() ||
+        const at::Tensor &w = l->weight, &b = l->bias, &sc = l->weight_scale;
+        if (!w.defined() || w.dim() != 2 || sc.defined() != quantized || w.requires_grad() ||
             w.size(1) != first.weight.size(1) || w.scalar_type() != first.weight.scalar_type() ||
             w.device() != first.weight.device() || b.defined() != bias)
+            return false;
+        if (quantized && (sc.dim() != 1 || sc.size(0) != w.size(0) || sc.scalar_type() != at::kFloat ||
+                          sc.device() != w.device()))
             return false;
         if (bias && (b.dim() != 1 || b.requires_grad() || b.scalar_type() != first.bias.scalar_type() ||
                      b.device() != first.bias.device()))
             return false;
     }
     const at::NoGradGuard no_grad;
-    std::vector<at::Tensor*> weights, biases;
+    std::vector<at::Tensor*> weights, biases, scales;
     for (AdaptableLinearImpl* l : group) {
         weights.push_back(&l->weight);
         biases.push_back(&l->bias);
+        scales.push_back(&l->weight_scale);
     }
     pack_rows(weights);
     if (bias) pack_rows(biases);
-    return packed_weight(group).defined() && (!bias || packed_bias(group).defined());
+    if (quantized) pack_rows(scales);
+    return packed_weight(group).defined() && (!bias || packed_bias(group).defined()) &&
+           (!quantized || packed_weight_scale(group).defined());
 }
 
 int64_t pack_lora_projection_groups(torch::nn::Module& root) {

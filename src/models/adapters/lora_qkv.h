@@ -16,10 +16,12 @@
 // biases) lie back to back in one buffer. pack_projection_group() lays them out so by making the
 // layers' own `weight` / `bias` parameters views into one [Σ out, in] tensor; they stay registered
 // under their names (state_dict, checkpoints and exports are unchanged). inject_lora() packs every
-// group whose layers it adapted. Anything that replaces a weight's storage afterwards (module.to()
-// to another device or dtype, quantisation, ZeRO-3's flat buffers) just makes the check fail and
-// the group run unfused. So do quantised bases, DoRA, other adapter types, unequal ranks, trainable
-// bases and inference (no gradients recorded).
+// group whose layers it adapted. A quantised group (base_model_precision, common/quantize.h) is laid
+// out the same way with its `weight_scale` buffers, and its one GEMM each way is quantised too (the
+// fp8 GEMM where it applies). Anything that replaces a weight's storage afterwards (module.to() to
+// another device or dtype, quantising after injection, ZeRO-3's flat buffers) just makes the check
+// fail and the group run unfused. So do a group quantised in part, DoRA, other adapter types,
+// unequal ranks, trainable bases and inference (no gradients recorded).
 //
 // The switch: set_fused_qkv_lora() (tests, benchmarks) over DTUNE_FUSED_QKV (read once, on first
 // use: 1/on/true or unset turns the fused path on, 0/off/false runs q/k/v one by one); also off
@@ -58,8 +60,8 @@ bool fused_qkv_lora_enabled();
 // Lays the group's weights (and biases, when every layer has one) out back to back in one new
 // buffer and points the parameters at their slices (values unchanged, one copy now). Returns true
 // when the group is packed afterwards (already packed: nothing is copied), false when it cannot be
-// and is left as it was: fewer than two layers, a quantised or trainable weight, different input
-// sizes, dtypes or devices, or a bias on some layers only.
+// and is left as it was: fewer than two layers, a trainable weight, different input sizes, dtypes
+// or devices, or a bias or a quantisation on some layers only.
 bool pack_projection_group(const ProjectionGroup& group);
 // Packs every group of `root`'s ProjectionGroupHost modules whose layers all carry a linear LoRA
 // adapter (no DoRA) of one rank; returns how many groups are packed.
@@ -69,6 +71,8 @@ int64_t pack_lora_projection_groups(torch::nn::Module& root);
 // when the tensors do not lie back to back (or, for biases, when any layer has none).
 at::Tensor packed_weight(const ProjectionGroup& group);
 at::Tensor packed_bias(const ProjectionGroup& group);
+// The [Σ out] float32 weight_scale of a packed quantised group; undefined as above.
+at::Tensor packed_weight_scale(const ProjectionGroup& group);
 
 // Whether project_group(x, group) takes the fused function: the switch is on, every layer's
 // adapter is a LoRALayer taking its own fused training path for x (takes_whole_forward), the ranks

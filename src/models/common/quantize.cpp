@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <sstream>
 
@@ -126,7 +127,7 @@ at::Tensor linear_input_grad(const at::Tensor& g2, const at::Tensor& data, const
 #ifdef DTUNE_WITH_CUDA_KERNELS
     if (use_fp8_gemm(g.size(0), data, g.device(), dtype)) {
         auto [gq, gs] = quantize_rows_fp8(g, scale);
-        const at::Tensor wt = data.t().contiguous();  // [in, out]
+        const at::Tensor wt = transposed_quantized_weight(data);  // [in, out]
         const at::Tensor ones = at::ones({1, data.size(1)}, scale.options());
         return at::_scaled_mm(gq, wt.t(), gs, ones, std::nullopt, std::nullopt, dtype,
                               /*use_fast_accum=*/false);
@@ -315,6 +316,27 @@ at::Tensor quantized_conv2d(const at::Tensor& x, const at::Tensor& data, const a
     check_frozen_bias(bias);
     return QuantizedConv2dFunction::apply(x, Frozen{data, scale, bias},
                                           ConvGeometry{stride.vec(), padding.vec(), dilation.vec(), groups});
+}
+
+at::Tensor transposed_quantized_weight(const at::Tensor& data) {
+    DTUNE_CHECK_AS(UsageError, data.dim() == 2 && data.element_size() == 1,
+                   "transposed_quantized_weight: a 2-D one-byte weight expected, got ", data.sizes(), " ",
+                   data.scalar_type());
+#ifdef DTUNE_WITH_CUDA_KERNELS
+    const at::Tensor d = data.contiguous();
+    const int64_t rows = d.size(0), cols = d.size(1);
+    at::Tensor out = at::empty({cols, rows}, d.options());
+    const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    if (d.is_cuda() && rows % 16 == 0 && cols % 16 == 0 && aligned(d.const_data_ptr()) &&
+        aligned(out.const_data_ptr()) && rows / 64 < 65535) {
+        const c10::cuda::CUDAGuard guard(d.device());
+        check_launch(cuda::transpose_bytes(d.const_data_ptr(), rows, cols, out.mutable_data_ptr(),
+                                           current_stream_of(d)),
+                     "transposed_quantized_weight", "byte transpose");
+        return out;
+    }
+#endif
+    return data.t().contiguous();
 }
 
 bool fp8_gemm_available(const c10::Device& device) {

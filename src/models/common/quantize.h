@@ -59,6 +59,12 @@ at::Tensor quantized_linear_no_grad(const at::Tensor& x2, const at::Tensor& data
 at::Tensor quantized_linear_input_grad(const at::Tensor& g2, const at::Tensor& data, const at::Tensor& scale,
                                        at::ScalarType dtype);
 
+// dataᵀ as a new contiguous [in, out] tensor of the same one-byte dtype: the operand layout the fp8
+// input-gradient GEMM reads. On CUDA a tiled kernel where both sizes are multiples of 16 (ATen's
+// copy of a transposed fp8 view is an element-wise, uncoalesced pass: 37 ms of a Flux LoRA step on
+// an H200); elsewhere ATen's copy.
+at::Tensor transposed_quantized_weight(const at::Tensor& data);
+
 // conv2d(x, W) + bias for W = data · scale, differentiable in x (zero padding).
 at::Tensor quantized_conv2d(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale,
                             const at::Tensor& bias, at::IntArrayRef stride, at::IntArrayRef padding,

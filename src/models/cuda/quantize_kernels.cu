@@ -1,5 +1,6 @@
-// Dequantisation of int8/fp8 weights and per-row fp8 quantisation of activations (see
-// quantize_kernels.h). Both are memory-bound single passes.
+// Dequantisation of int8/fp8 weights, per-row fp8 quantisation of activations and the byte
+// transpose of fp8 weights for the input-gradient GEMM (see quantize_kernels.h). All are
+// memory-bound single passes.
 #include <cuda_fp8.h>
 
 #include <cstdint>
@@ -175,6 +176,43 @@ int launch_quantize_fp8(const void* x, const float* col_scale, int64_t rows, int
     return static_cast<int>(cudaGetLastError());
 }
 
+// One 64 × 64 byte tile per block of 256 threads. Loads: thread t reads 16 bytes of input row t / 4
+// (segment t % 4) into shared rows padded to 17 words, so that the stores' column reads (16 input
+// rows at one byte column) fall on distinct banks. Stores: thread t writes 16 bytes of output row
+// t % 64 (segment t / 64), gathered from 16 shared rows.
+constexpr int kTile = 64;
+constexpr int kTileWords = kTile / 4 + 1;
+
+__global__ void transpose_bytes_kernel(const uint8_t* __restrict__ in, int64_t rows, int64_t cols,
+                                       uint8_t* __restrict__ out) {
+    __shared__ uint32_t tile[kTile][kTileWords];
+    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile,
+                  c0 = static_cast<int64_t>(blockIdx.x) * kTile;
+    const int t = static_cast<int>(threadIdx.x);
+    {
+        const int r = t / 4, seg = t % 4;
+        const int64_t row = r0 + r, col = c0 + seg * 16;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (row < rows && col < cols) v = *reinterpret_cast<const uint4*>(in + row * cols + col);
+        tile[r][seg * 4 + 0] = v.x;
+        tile[r][seg * 4 + 1] = v.y;
+        tile[r][seg * 4 + 2] = v.z;
+        tile[r][seg * 4 + 3] = v.w;
+    }
+    __syncthreads();
+    const int oc = t % kTile, seg = t / kTile;
+    const int64_t orow = c0 + oc, ocol = r0 + seg * 16;
+    if (orow >= cols || ocol >= rows) return;
+    uint32_t words[4] = {0u, 0u, 0u, 0u};
+    const int word = oc / 4, shift = 8 * (oc % 4);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+        const uint32_t b = (tile[seg * 16 + i][word] >> shift) & 0xffu;
+        words[i / 4] |= b << (8 * (i % 4));
+    }
+    *reinterpret_cast<uint4*>(out + orow * rows + ocol) = make_uint4(words[0], words[1], words[2], words[3]);
+}
+
 }  // namespace
 
 int dequantize_rows(const void* q, QuantStorage storage, const float* scale, int64_t rows, int64_t cols,
@@ -198,6 +236,18 @@ int quantize_rows_fp8(const void* x, KernelDtype x_dtype, const float* col_scale
         case KernelDtype::kHalf: return launch_quantize_fp8<__half>(x, col_scale, rows, cols, q, scale, s);
     }
     return static_cast<int>(cudaErrorInvalidValue);
+}
+
+int transpose_bytes(const void* in, int64_t rows, int64_t cols, void* out, void* stream) {
+    if (rows == 0 || cols == 0) return 0;
+    if (rows % 16 != 0 || cols % 16 != 0 || !aligned16(in) || !aligned16(out) ||
+        (rows + kTile - 1) / kTile > 65535)
+        return static_cast<int>(cudaErrorInvalidValue);
+    const dim3 grid(static_cast<unsigned>((cols + kTile - 1) / kTile),
+                    static_cast<unsigned>((rows + kTile - 1) / kTile));
+    transpose_bytes_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+        static_cast<const uint8_t*>(in), rows, cols, static_cast<uint8_t*>(out));
+    return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace dtune::models::cuda

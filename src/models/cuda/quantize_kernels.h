@@ -23,4 +23,9 @@ int dequantize_rows(const void* q, QuantStorage storage, const float* scale, int
 int quantize_rows_fp8(const void* x, KernelDtype x_dtype, const float* col_scale, int64_t rows, int64_t cols,
                       void* q, float* scale, void* stream);
 
+// out [cols, rows] = in [rows, cols]ᵀ for one-byte elements (int8, fp8), through 64 × 64 shared
+// tiles with 16-byte loads and stores. Needs rows and cols multiples of 16 and both pointers 16-byte
+// aligned (else cudaErrorInvalidValue, nothing launched).
+int transpose_bytes(const void* in, int64_t rows, int64_t cols, void* out, void* stream);
+
 }  // namespace dtune::models::cuda
