@@ -5,6 +5,8 @@
 //   them) is close to the dense layer holding the dequantised weight, forward and input gradient,
 //   with and without bias;
 // - a LoRA on a quantised base trains inside a CUDA graph, replaying as the eager steps do;
+// - a Linear over at most 8 rows (the quantised GEMV) equals the dequantised product, int8 and fp8,
+//   float32 and bf16, with and without bias;
 // - the byte transpose the fp8 input-gradient GEMM reads equals ATen's, and that GEMM at a Flux
 //   shape (big enough to take fp8) is close to the dense one;
 #include <ATen/autocast_mode.h>
@@ -96,12 +98,39 @@ TEST(QuantizeGpu, QuantisedLinearUnderAutocastIsCloseToTheDenseLayer) {
     }
 }
 
+TEST(QuantizeGpu, FewRowLinearReadsTheQuantisedWeightDirectly) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    torch::manual_seed(8);
+    for (const auto format : {QuantFormat::kInt8, QuantFormat::kFloat8}) {
+        const QuantizedWeight q = quantize_weight(at::randn({1000, 3072}, kCuda) * 0.05, format);
+        const at::Tensor dense = dequantize_weight(q.data, q.scale, at::kFloat);
+        for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+            for (const int64_t rows : {1, 3, 8, 9}) {  // 9: past the GEMV, the dequantised GEMM
+                for (const bool bias : {false, true}) {
+                    SCOPED_TRACE(str(format == QuantFormat::kInt8 ? "int8 " : "fp8 ", dtype, " rows ", rows,
+                                     bias ? " bias" : ""));
+                    const at::Tensor x = at::randn({rows, 3072}, kCuda).to(dtype);
+                    const at::Tensor b = bias ? at::randn({1000}, kCuda).to(dtype) : at::Tensor();
+                    const at::Tensor y = quantized_linear_no_grad(x, q.data, q.scale, b, dtype);
+                    at::Tensor ref = at::mm(x.to(at::kFloat), dense.t());
+                    if (bias) ref = ref + b.to(at::kFloat);
+                    ASSERT_EQ(y.scalar_type(), dtype);
+                    ASSERT_EQ(y.sizes(), ref.sizes());
+                    // float32 sums in another order; bf16 output rounding (8 bits)
+                    const double tol = (dtype == at::kFloat ? 1e-5 : 8e-3) * ref.abs().max().item<double>();
+                    EXPECT_LE(test::reported_diff("y", y.to(at::kFloat), ref), tol);
+                }
+            }
+        }
+    }
+}
+
 TEST(QuantizeGpu, ByteTransposeEqualsATen) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     torch::manual_seed(4);
     // whole tiles, partial tiles, a Flux weight, sizes off the kernel's 16-element grid (ATen's copy)
-    const std::vector<std::pair<int64_t, int64_t>> shapes = {{64, 64},     {80, 48}, {16, 4112},
-                                                             {3072, 9216}, {48, 20}, {33, 64}};
+    const std::vector<std::pair<int64_t, int64_t>> shapes = {{64, 64}, {80, 48}, {16, 4112}, {3072, 9216},
+                                                             {48, 20}, {33, 64}, {144, 80}};
     for (const auto& [rows, cols] : shapes) {
         SCOPED_TRACE(str(rows, " x ", cols));
         const at::Tensor bytes = at::randint(0, 256, {rows + 16, cols}, at::TensorOptions().dtype(at::kByte));

@@ -50,6 +50,10 @@ at::MemoryFormat layout_of(const at::Tensor& t) {
 }
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
+bool aligned16(const void* p) {
+    return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
 // [rows, cols] with rows = size(0): the raw order of a contiguous or channels-last weight.
 std::pair<int64_t, int64_t> row_shape(const at::Tensor& t) {
     const int64_t rows = t.size(0);
@@ -97,12 +101,40 @@ bool use_fp8_gemm(int64_t m, const at::Tensor& data, const c10::Device& device, 
 }
 #endif
 
+#ifdef DTUNE_WITH_CUDA_KERNELS
+constexpr int64_t kGemvMaxRows = 8;  // quantize_kernels.h: quantized_gemv
+
+// x [M <= 8, in] · Wᵀ (+ b) straight from the quantised bytes (AdaLN's modulation: one token per
+// sample), where the kernel applies; undefined otherwise.
+at::Tensor quantized_gemv(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scale,
+                          const at::Tensor& b, at::ScalarType dtype) {
+    const bool kernel_dtype_ok = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+    if (!x.is_cuda() || x.size(0) > kGemvMaxRows || !kernel_dtype_ok || data.size(1) % 16 != 0 ||
+        !data.is_contiguous())
+        return {};
+    const at::Tensor xc = x.contiguous(), s = scale.contiguous(),
+                     bc = b.defined() ? b.contiguous() : at::Tensor();
+    if (!aligned16(xc.const_data_ptr()) || !aligned16(data.const_data_ptr())) return {};
+    at::Tensor y = at::empty({x.size(0), data.size(0)}, xc.options());
+    const c10::cuda::CUDAGuard guard(x.device());
+    check_launch(
+        cuda::quantized_gemv(
+            xc.const_data_ptr(), x.size(0), x.size(1), data.const_data_ptr(),
+            data.scalar_type() == at::kChar ? cuda::QuantStorage::kInt8 : cuda::QuantStorage::kFloat8E4M3,
+            s.const_data_ptr<float>(), bc.defined() ? bc.const_data_ptr() : nullptr, data.size(0),
+            y.mutable_data_ptr(), kernel_dtype(dtype, "quantized_gemv"), current_stream_of(x)),
+        "quantized_linear", "quantised GEMV");
+    return y;
+}
+#endif
+
 // y [N, out] = x2 [N, in] · Wᵀ (+ bias) without autograd.
 at::Tensor linear_forward(const at::Tensor& x2, const at::Tensor& data, const at::Tensor& scale,
                           const at::Tensor& bias, at::ScalarType dtype) {
     const at::Tensor x = x2.to(dtype);
     const at::Tensor b = bias.defined() ? bias.to(dtype) : at::Tensor();
 #ifdef DTUNE_WITH_CUDA_KERNELS
+    if (at::Tensor y = quantized_gemv(x, data, scale, b, dtype); y.defined()) return y;
     if (use_fp8_gemm(x.size(0), data, x.device(), dtype)) {
         auto [xq, xs] = quantize_rows_fp8(x);
         return at::_scaled_mm(xq, data.t(), xs, scale.view({1, -1}),
@@ -326,9 +358,8 @@ at::Tensor transposed_quantized_weight(const at::Tensor& data) {
     const at::Tensor d = data.contiguous();
     const int64_t rows = d.size(0), cols = d.size(1);
     at::Tensor out = at::empty({cols, rows}, d.options());
-    const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    if (d.is_cuda() && rows % 16 == 0 && cols % 16 == 0 && aligned(d.const_data_ptr()) &&
-        aligned(out.const_data_ptr()) && rows / 64 < 65535) {
+    if (d.is_cuda() && rows % 16 == 0 && cols % 16 == 0 && aligned16(d.const_data_ptr()) &&
+        aligned16(out.const_data_ptr()) && rows / 128 < 65535) {
         const c10::cuda::CUDAGuard guard(d.device());
         check_launch(cuda::transpose_bytes(d.const_data_ptr(), rows, cols, out.mutable_data_ptr(),
                                            current_stream_of(d)),

@@ -176,21 +176,79 @@ int launch_quantize_fp8(const void* x, const float* col_scale, int64_t rows, int
     return static_cast<int>(cudaGetLastError());
 }
 
-// One 64 × 64 byte tile per block of 256 threads. Loads: thread t reads 16 bytes of input row t / 4
-// (segment t % 4) into shared rows padded to 17 words, so that the stores' column reads (16 input
-// rows at one byte column) fall on distinct banks. Stores: thread t writes 16 bytes of output row
-// t % 64 (segment t / 64), gathered from 16 shared rows.
-constexpr int kTile = 64;
-constexpr int kTileWords = kTile / 4 + 1;
+// One warp per output column n (8 per block): each lane walks k in 16-element steps, one 16-byte
+// load of q and 16 of x's values per row, float sums reduced across the warp.
+constexpr int kGemvMaxRows = 8;
+
+template <typename T>
+__device__ __forceinline__ void load16(const T* p, float (&v)[16]) {
+    if constexpr (sizeof(T) == 2) {
+        const Pack<T, 8> a = reinterpret_cast<const Pack<T, 8>*>(p)[0],
+                         b = reinterpret_cast<const Pack<T, 8>*>(p)[1];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = to_float(a.v[i]), v[8 + i] = to_float(b.v[i]);
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float4 f = reinterpret_cast<const float4*>(p)[i];
+            v[4 * i] = f.x, v[4 * i + 1] = f.y, v[4 * i + 2] = f.z, v[4 * i + 3] = f.w;
+        }
+    }
+}
+
+template <typename Q, typename T>
+__global__ void quantized_gemv_kernel(const T* __restrict__ x, int m, int64_t k, const Q* __restrict__ q,
+                                      const float* __restrict__ scale, const T* __restrict__ bias, int64_t n,
+                                      T* __restrict__ y) {
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    const int64_t col = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+    if (col >= n) return;
+    const auto* row = reinterpret_cast<const uint8_t*>(q + col * k);
+    float acc[kGemvMaxRows] = {};
+#pragma unroll 2
+    for (int64_t c = static_cast<int64_t>(lane) * 16; c < k; c += 32 * 16) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(row + c);
+        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+        float w[16];
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            w[i] = stored_to_float(static_cast<uint8_t>((words[i / 4] >> (8 * (i % 4))) & 0xffu),
+                                   static_cast<Q*>(nullptr));
+#pragma unroll
+        for (int r = 0; r < kGemvMaxRows; ++r) {
+            if (r >= m) break;
+            float v[16];
+            load16(x + r * k + c, v);
+#pragma unroll
+            for (int i = 0; i < 16; ++i) acc[r] = fmaf(v[i], w[i], acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < kGemvMaxRows; ++r) {
+        if (r >= m) break;
+        float a = acc[r];
+        for (int offset = 16; offset > 0; offset /= 2) a += __shfl_xor_sync(0xffffffffu, a, offset);
+        if (lane == 0) y[r * n + col] = from_float<T>(a * scale[col] + (bias ? to_float(bias[col]) : 0.0f));
+    }
+}
+
+// One tile of 128 input rows × 64 input columns (bytes) per block of 256 threads. Loads: each
+// thread reads two 16-byte pieces (input rows t / 4 and 64 + t / 4, segment t % 4) into shared rows
+// padded to 17 words, so that the stores' column reads (one byte column of consecutive input rows)
+// fall on distinct banks. Stores: thread t writes 32 consecutive bytes (one full sector) of output
+// row t % 64, gathered from input rows 32 · (t / 64) ...
+constexpr int kTileRows = 128, kTileCols = 64;
+constexpr int kTileWords = kTileCols / 4 + 1;
 
 __global__ void transpose_bytes_kernel(const uint8_t* __restrict__ in, int64_t rows, int64_t cols,
                                        uint8_t* __restrict__ out) {
-    __shared__ uint32_t tile[kTile][kTileWords];
-    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile,
-                  c0 = static_cast<int64_t>(blockIdx.x) * kTile;
+    __shared__ uint32_t tile[kTileRows][kTileWords];
+    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
+    const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
     const int t = static_cast<int>(threadIdx.x);
-    {
-        const int r = t / 4, seg = t % 4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = half * 64 + t / 4, seg = t % 4;
         const int64_t row = r0 + r, col = c0 + seg * 16;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
         if (row < rows && col < cols) v = *reinterpret_cast<const uint4*>(in + row * cols + col);
@@ -200,17 +258,23 @@ __global__ void transpose_bytes_kernel(const uint8_t* __restrict__ in, int64_t r
         tile[r][seg * 4 + 3] = v.w;
     }
     __syncthreads();
-    const int oc = t % kTile, seg = t / kTile;
-    const int64_t orow = c0 + oc, ocol = r0 + seg * 16;
-    if (orow >= cols || ocol >= rows) return;
-    uint32_t words[4] = {0u, 0u, 0u, 0u};
+    const int oc = t % kTileCols, part = t / kTileCols;  // part: input rows 32·part .. 32·part + 31
+    const int64_t orow = c0 + oc;
+    if (orow >= cols) return;
     const int word = oc / 4, shift = 8 * (oc % 4);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
-        const uint32_t b = (tile[seg * 16 + i][word] >> shift) & 0xffu;
-        words[i / 4] |= b << (8 * (i % 4));
+    for (int piece = 0; piece < 2; ++piece) {
+        const int64_t ocol = r0 + part * 32 + piece * 16;
+        uint32_t words[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const uint32_t b = (tile[part * 32 + piece * 16 + i][word] >> shift) & 0xffu;
+            words[i / 4] |= b << (8 * (i % 4));
+        }
+        if (ocol < rows)
+            *reinterpret_cast<uint4*>(out + orow * rows + ocol) =
+                make_uint4(words[0], words[1], words[2], words[3]);
     }
-    *reinterpret_cast<uint4*>(out + orow * rows + ocol) = make_uint4(words[0], words[1], words[2], words[3]);
 }
 
 }  // namespace
@@ -241,13 +305,38 @@ int quantize_rows_fp8(const void* x, KernelDtype x_dtype, const float* col_scale
 int transpose_bytes(const void* in, int64_t rows, int64_t cols, void* out, void* stream) {
     if (rows == 0 || cols == 0) return 0;
     if (rows % 16 != 0 || cols % 16 != 0 || !aligned16(in) || !aligned16(out) ||
-        (rows + kTile - 1) / kTile > 65535)
+        (rows + kTileRows - 1) / kTileRows > 65535)
         return static_cast<int>(cudaErrorInvalidValue);
-    const dim3 grid(static_cast<unsigned>((cols + kTile - 1) / kTile),
-                    static_cast<unsigned>((rows + kTile - 1) / kTile));
+    const dim3 grid(static_cast<unsigned>((cols + kTileCols - 1) / kTileCols),
+                    static_cast<unsigned>((rows + kTileRows - 1) / kTileRows));
     transpose_bytes_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<const uint8_t*>(in), rows, cols, static_cast<uint8_t*>(out));
     return static_cast<int>(cudaGetLastError());
+}
+
+int quantized_gemv(const void* x, int64_t m, int64_t k, const void* q, QuantStorage storage,
+                   const float* scale, const void* bias, int64_t n, void* y, KernelDtype dtype,
+                   void* stream) {
+    if (m == 0 || n == 0) return 0;
+    if (m > kGemvMaxRows || k % 16 != 0 || !aligned16(x) || !aligned16(q))
+        return static_cast<int>(cudaErrorInvalidValue);
+    constexpr int kWarps = 8;
+    const dim3 grid(static_cast<unsigned>((n + kWarps - 1) / kWarps));
+    auto s = static_cast<cudaStream_t>(stream);
+    return with_kernel_type(dtype, [&](auto value) {
+        using T = decltype(value);
+        const auto* xt = static_cast<const T*>(x);
+        const auto* bt = static_cast<const T*>(bias);
+        auto* yt = static_cast<T*>(y);
+        const int mi = static_cast<int>(m);
+        if (storage == QuantStorage::kInt8)
+            quantized_gemv_kernel<int8_t, T>
+                <<<grid, 32 * kWarps, 0, s>>>(xt, mi, k, static_cast<const int8_t*>(q), scale, bt, n, yt);
+        else
+            quantized_gemv_kernel<__nv_fp8_e4m3, T><<<grid, 32 * kWarps, 0, s>>>(
+                xt, mi, k, static_cast<const __nv_fp8_e4m3*>(q), scale, bt, n, yt);
+        return static_cast<int>(cudaGetLastError());
+    });
 }
 
 }  // namespace dtune::models::cuda

@@ -23,9 +23,16 @@ int dequantize_rows(const void* q, QuantStorage storage, const float* scale, int
 int quantize_rows_fp8(const void* x, KernelDtype x_dtype, const float* col_scale, int64_t rows, int64_t cols,
                       void* q, float* scale, void* stream);
 
-// out [cols, rows] = in [rows, cols]ᵀ for one-byte elements (int8, fp8), through 64 × 64 shared
-// tiles with 16-byte loads and stores. Needs rows and cols multiples of 16 and both pointers 16-byte
-// aligned (else cudaErrorInvalidValue, nothing launched).
+// y [m, n] = Σ_k x[m, k] · q[n, k] · scale[n] (+ bias[n]) for a handful of rows (m <= 8: AdaLN's
+// modulation Linears see one token per sample), reading the quantised weight as stored (one pass
+// over its bytes, nothing dequantised). x, bias and y in `dtype`; x and y row-major, k a multiple of
+// 16, x and q 16-byte aligned (else cudaErrorInvalidValue, nothing launched).
+int quantized_gemv(const void* x, int64_t m, int64_t k, const void* q, QuantStorage storage,
+                   const float* scale, const void* bias, int64_t n, void* y, KernelDtype dtype, void* stream);
+
+// out [cols, rows] = in [rows, cols]ᵀ for one-byte elements (int8, fp8), through 128 × 64 shared
+// tiles with 16-byte loads and 32-byte row pieces stored. Needs rows and cols multiples of 16 and both
+// pointers 16-byte aligned (else cudaErrorInvalidValue, nothing launched).
 int transpose_bytes(const void* in, int64_t rows, int64_t cols, void* out, void* stream);
 
 }  // namespace dtune::models::cuda
