@@ -359,7 +359,7 @@ at::Tensor transposed_quantized_weight(const at::Tensor& data) {
     const int64_t rows = d.size(0), cols = d.size(1);
     at::Tensor out = at::empty({cols, rows}, d.options());
     if (d.is_cuda() && rows % 16 == 0 && cols % 16 == 0 && aligned16(d.const_data_ptr()) &&
-        aligned16(out.const_data_ptr()) && rows / 128 < 65535) {
+        aligned16(out.const_data_ptr()) && rows / 64 < 65535) {
         const c10::cuda::CUDAGuard guard(d.device());
         check_launch(cuda::transpose_bytes(d.const_data_ptr(), rows, cols, out.mutable_data_ptr(),
                                            current_stream_of(d)),

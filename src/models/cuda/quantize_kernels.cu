@@ -232,23 +232,21 @@ __global__ void quantized_gemv_kernel(const T* __restrict__ x, int m, int64_t k,
     }
 }
 
-// One tile of 128 input rows × 64 input columns (bytes) per block of 256 threads. Loads: each
-// thread reads two 16-byte pieces (input rows t / 4 and 64 + t / 4, segment t % 4) into shared rows
-// padded to 17 words, so that the stores' column reads (one byte column of consecutive input rows)
-// fall on distinct banks. Stores: thread t writes 32 consecutive bytes (one full sector) of output
-// row t % 64, gathered from input rows 32 · (t / 64) ...
-constexpr int kTileRows = 128, kTileCols = 64;
-constexpr int kTileWords = kTileCols / 4 + 1;
+// One 64 × 64 byte tile per block of 256 threads. Loads: thread t reads 16 bytes of input row t / 4
+// (segment t % 4) into shared rows padded to 17 words, so that the stores' column reads (16 input
+// rows at one byte column) fall on distinct banks. Stores: thread t writes 16 bytes of output row
+// t % 64 (segment t / 64), gathered from 16 shared rows.
+constexpr int kTile = 64;
+constexpr int kTileWords = kTile / 4 + 1;
 
 __global__ void transpose_bytes_kernel(const uint8_t* __restrict__ in, int64_t rows, int64_t cols,
                                        uint8_t* __restrict__ out) {
-    __shared__ uint32_t tile[kTileRows][kTileWords];
-    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileRows;
-    const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kTileCols;
+    __shared__ uint32_t tile[kTile][kTileWords];
+    const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTile,
+                  c0 = static_cast<int64_t>(blockIdx.x) * kTile;
     const int t = static_cast<int>(threadIdx.x);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int r = half * 64 + t / 4, seg = t % 4;
+    {
+        const int r = t / 4, seg = t % 4;
         const int64_t row = r0 + r, col = c0 + seg * 16;
         uint4 v = make_uint4(0u, 0u, 0u, 0u);
         if (row < rows && col < cols) v = *reinterpret_cast<const uint4*>(in + row * cols + col);
@@ -258,23 +256,17 @@ __global__ void transpose_bytes_kernel(const uint8_t* __restrict__ in, int64_t r
         tile[r][seg * 4 + 3] = v.w;
     }
     __syncthreads();
-    const int oc = t % kTileCols, part = t / kTileCols;  // part: input rows 32·part .. 32·part + 31
-    const int64_t orow = c0 + oc;
-    if (orow >= cols) return;
+    const int oc = t % kTile, seg = t / kTile;
+    const int64_t orow = c0 + oc, ocol = r0 + seg * 16;
+    if (orow >= cols || ocol >= rows) return;
+    uint32_t words[4] = {0u, 0u, 0u, 0u};
     const int word = oc / 4, shift = 8 * (oc % 4);
 #pragma unroll
-    for (int piece = 0; piece < 2; ++piece) {
-        const int64_t ocol = r0 + part * 32 + piece * 16;
-        uint32_t words[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const uint32_t b = (tile[part * 32 + piece * 16 + i][word] >> shift) & 0xffu;
-            words[i / 4] |= b << (8 * (i % 4));
-        }
-        if (ocol < rows)
-            *reinterpret_cast<uint4*>(out + orow * rows + ocol) =
-                make_uint4(words[0], words[1], words[2], words[3]);
+    for (int i = 0; i < 16; ++i) {
+        const uint32_t b = (tile[seg * 16 + i][word] >> shift) & 0xffu;
+        words[i / 4] |= b << (8 * (i % 4));
     }
+    *reinterpret_cast<uint4*>(out + orow * rows + ocol) = make_uint4(words[0], words[1], words[2], words[3]);
 }
 
 }  // namespace
@@ -305,10 +297,10 @@ int quantize_rows_fp8(const void* x, KernelDtype x_dtype, const float* col_scale
 int transpose_bytes(const void* in, int64_t rows, int64_t cols, void* out, void* stream) {
     if (rows == 0 || cols == 0) return 0;
     if (rows % 16 != 0 || cols % 16 != 0 || !aligned16(in) || !aligned16(out) ||
-        (rows + kTileRows - 1) / kTileRows > 65535)
+        (rows + kTile - 1) / kTile > 65535)
         return static_cast<int>(cudaErrorInvalidValue);
-    const dim3 grid(static_cast<unsigned>((cols + kTileCols - 1) / kTileCols),
-                    static_cast<unsigned>((rows + kTileRows - 1) / kTileRows));
+    const dim3 grid(static_cast<unsigned>((cols + kTile - 1) / kTile),
+                    static_cast<unsigned>((rows + kTile - 1) / kTile));
     transpose_bytes_kernel<<<grid, 256, 0, static_cast<cudaStream_t>(stream)>>>(
         static_cast<const uint8_t*>(in), rows, cols, static_cast<uint8_t*>(out));
     return static_cast<int>(cudaGetLastError());
