@@ -41,6 +41,15 @@ LoRAConfig qkv_lora(double dropout = 0.0, int64_t rank = 4) {
     return c;
 }
 
+AttentionOptions attention_options(int64_t query_dim, int64_t heads, int64_t head_dim, bool qkv_bias) {
+    AttentionOptions o;
+    o.query_dim = query_dim;
+    o.heads = heads;
+    o.head_dim = head_dim;
+    o.qkv_bias = qkv_bias;
+    return o;
+}
+
 // Non-zero factors (B is zero at init), drawn from a fixed generator.
 void randomise(LoRAAdapters& adapters, uint64_t seed = 7) {
     at::NoGradGuard no_grad;
@@ -229,13 +238,8 @@ TEST(LoRAQkv, QuantisedBasesAreLaidOutAndMatchLayerByLayer) {
         for (const bool packed_grads : {true, false}) {
             auto run = [&](bool fused) {
                 torch::manual_seed(9);
-                AttentionOptions o;
-                o.query_dim = 32;
-                o.heads = 2;
-                o.head_dim = 16;
-                o.qkv_bias = true;
                 torch::nn::Module root;
-                Attention attn = root.register_module("attn1", Attention(o));
+                Attention attn = root.register_module("attn1", Attention(attention_options(32, 2, 16, true)));
                 const QuantizeReport report =
                     quantize_module(root, parse_quant_preset(preset, "base_model_precision"));
                 EXPECT_EQ(report.layers, 4) << preset;
@@ -276,13 +280,8 @@ TEST(LoRAQkv, QuantisedBasesAreLaidOutAndMatchLayerByLayer) {
 
 TEST(LoRAQkv, InjectPacksTheWeightsKeepingNamesAndValues) {
     torch::manual_seed(1);
-    AttentionOptions o;
-    o.query_dim = 16;
-    o.heads = 2;
-    o.head_dim = 8;
-    o.qkv_bias = true;
     auto root = std::make_shared<torch::nn::Module>();
-    Attention attn = root->register_module("attn1", Attention(o));
+    Attention attn = root->register_module("attn1", Attention(attention_options(16, 2, 8, true)));
     std::map<std::string, at::Tensor> before;
     for (const auto& [name, t] : state_dict(*root)) before[name] = t.clone();
     LoRAAdapters adapters = inject_lora(*root, qkv_lora());
