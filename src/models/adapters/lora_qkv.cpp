@@ -343,6 +343,7 @@ std::vector<const at::Tensor*> biases_of(const ProjectionGroup& group) {
 void pack_rows(const std::vector<at::Tensor*>& parts) {
     if (rows_view({parts.begin(), parts.end()}).defined()) return;
     std::vector<at::Tensor> values;
+    values.reserve(parts.size());
     // fp8 weights travel as bytes (concatenation is not defined for every float8 type and device).
     const at::ScalarType dtype = parts.front()->scalar_type();
     const bool bytes = at::isFloat8Type(dtype);
