@@ -33,4 +33,15 @@ bool fused_switch_from_env(const char* name, std::string_view on_meaning, std::s
     return *on;
 }
 
+bool FusedPathSwitch::on() {
+    int state = state_.load();
+    if (state < 0) {
+        // Two first readers compute the same value; a set() in between wins.
+        const int read = fused_switch_from_env(name_, on_meaning_, off_meaning_) ? 1 : 0;
+        state_.compare_exchange_strong(state, read);
+        state = state_.load();
+    }
+    return state == 1;
+}
+
 }  // namespace dtune

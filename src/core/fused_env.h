@@ -5,6 +5,7 @@
 // them on. The per-path switches (models::set_fused_geglu, ...) still apply on top.
 #pragma once
 
+#include <atomic>
 #include <optional>
 #include <string_view>
 
@@ -20,5 +21,25 @@ bool fused_kernels_allowed();
 // caller once: unset or empty = on (the default); otherwise as above. Throws UsageError naming the
 // variable with what 1 (`on_meaning`) and 0 (`off_meaning`) do for anything else.
 bool fused_switch_from_env(const char* name, std::string_view on_meaning, std::string_view off_meaning);
+
+// One such per-path switch (DTUNE_FUSED_QK_NORM_ROPE, ...) as an object with constant
+// initialisation (define it at namespace scope): the variable is read on first use, not during
+// static initialisation, so a bad value reaches the CLI as the UsageError above (and again on the
+// next read until it is fixed); set() overrides it in-process (tests, benchmarks).
+class FusedPathSwitch {
+  public:
+    constexpr FusedPathSwitch(const char* name, std::string_view on_meaning, std::string_view off_meaning)
+        : name_(name), on_meaning_(on_meaning), off_meaning_(off_meaning) {}
+    // The switch alone (the environment's value, or the last set()).
+    bool on();
+    // on() and fused_kernels_allowed(): what a fused path asks before it runs.
+    bool enabled() { return on() && fused_kernels_allowed(); }
+    void set(bool on) { state_.store(on ? 1 : 0); }
+
+  private:
+    const char* name_;
+    std::string_view on_meaning_, off_meaning_;
+    std::atomic<int> state_{-1};  // -1: not read yet
+};
 
 }  // namespace dtune

@@ -60,6 +60,33 @@ TEST(FusedEnv, PerPathSwitchesDefaultOnAndNameTheirChoices) {
     ::unsetenv(name);
 }
 
+// The object the per-path switches are: read on first use (not at construction), a bad value an
+// error on every read until fixed, set() overriding the environment, enabled() also asking
+// DTUNE_FUSED_KERNELS.
+TEST(FusedEnv, PathSwitchReadsOnFirstUseAndCanBeSet) {
+    const char* name = "DTUNE_TEST_FUSED_PATH_SWITCH";
+    ::setenv(name, "maybe", 1);
+    FusedPathSwitch path{name, "one kernel", "the composite ops"};  // constructing reads nothing
+    EXPECT_THROW(path.on(), UsageError);
+    EXPECT_THROW(path.on(), UsageError);  // not cached as either value
+    ::setenv(name, "0", 1);
+    EXPECT_FALSE(path.on());
+    ::setenv(name, "1", 1);
+    EXPECT_FALSE(path.on());  // read once
+    path.set(true);
+    EXPECT_TRUE(path.on());
+    EXPECT_TRUE(path.enabled());
+    ::setenv("DTUNE_FUSED_KERNELS", "0", 1);
+    EXPECT_TRUE(path.on());
+    EXPECT_FALSE(path.enabled());
+    ::unsetenv("DTUNE_FUSED_KERNELS");
+    FusedPathSwitch preset{name, "one kernel", "the composite ops"};
+    ::setenv(name, "maybe", 1);
+    preset.set(false);  // set before any read: the environment is never consulted
+    EXPECT_FALSE(preset.on());
+    ::unsetenv(name);
+}
+
 }  // namespace
 }  // namespace test_fused_env_local
 }  // namespace dtune

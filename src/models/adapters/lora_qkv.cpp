@@ -7,7 +7,6 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -21,17 +20,9 @@
 namespace dtune::models {
 namespace {
 
-// DTUNE_FUSED_QKV, read on first use (not during static initialisation: a bad value must reach the
-// CLI as a UsageError naming the variable). On by default: with lora_dropout's group kernels an SDXL
-// LoRA batch-4 step on an H200 took 157.5-158.0 against 158.9-159.9 ms layer by layer.
-bool initial_fused_qkv() {
-    return fused_switch_from_env("DTUNE_FUSED_QKV", "q/k/v LoRA layers as one function", "one by one");
-}
-
-std::atomic<bool>& fused_qkv_switch() {
-    static std::atomic<bool> on{initial_fused_qkv()};
-    return on;
-}
+// DTUNE_FUSED_QKV. On by default: with lora_dropout's group kernels an SDXL LoRA batch-4 step on an
+// H200 took 157.5-158.0 against 158.9-159.9 ms layer by layer.
+FusedPathSwitch fused_qkv_switch{"DTUNE_FUSED_QKV", "q/k/v LoRA layers as one function", "one by one"};
 
 // The tensors as one view along dim 0 when they lie back to back in one storage, in order, each
 // contiguous and alike in dtype, device and trailing sizes; undefined otherwise. No autograd: for
@@ -361,11 +352,11 @@ void pack_rows(const std::vector<at::Tensor*>& parts) {
 }  // namespace
 
 void set_fused_qkv_lora(bool enabled) {
-    fused_qkv_switch().store(enabled);
+    fused_qkv_switch.set(enabled);
 }
 
 bool fused_qkv_lora_enabled() {
-    return fused_qkv_switch().load() && fused_lora_enabled();
+    return fused_qkv_switch.on() && fused_lora_enabled();
 }
 
 at::Tensor packed_weight(const ProjectionGroup& group) {

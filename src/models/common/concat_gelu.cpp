@@ -4,8 +4,6 @@
 
 #include <torch/autograd.h>
 
-#include <atomic>
-
 #include "core/error.h"
 #include "core/fused_env.h"
 
@@ -19,12 +17,9 @@
 namespace dtune::models {
 namespace {
 
-std::atomic<bool>& fused_switch() {
-    static std::atomic<bool> on{fused_switch_from_env(
-        "DTUNE_FUSED_CONCAT_GELU", "attention output and MLP GELU concatenated by one kernel",
-        "at::cat and at::gelu")};
-    return on;
-}
+FusedPathSwitch concat_gelu_switch{"DTUNE_FUSED_CONCAT_GELU",
+                                   "attention output and MLP GELU concatenated by one kernel",
+                                   "at::cat and at::gelu"};
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
 struct ConcatGeluFunction : public torch::autograd::Function<ConcatGeluFunction> {
@@ -78,11 +73,11 @@ bool fused_takes(const at::Tensor& a, const at::Tensor& h) {
 }  // namespace
 
 void set_fused_concat_gelu(bool enabled) {
-    fused_switch().store(enabled);
+    concat_gelu_switch.set(enabled);
 }
 
 bool fused_concat_gelu_enabled() {
-    return fused_switch().load() && fused_kernels_allowed();
+    return concat_gelu_switch.enabled();
 }
 
 at::Tensor concat_gelu_tanh(const at::Tensor& a, const at::Tensor& h) {

@@ -4,8 +4,6 @@
 
 #include <torch/autograd.h>
 
-#include <atomic>
-
 #include "core/fused_env.h"
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
@@ -18,11 +16,8 @@
 namespace dtune::models {
 namespace {
 
-std::atomic<bool>& fused_switch() {
-    static std::atomic<bool> on{fused_switch_from_env(
-        "DTUNE_FUSED_GATED_RESIDUAL", "x + gate · y by dtune's vectorised kernels", "at::addcmul")};
-    return on;
-}
+FusedPathSwitch gated_residual_switch{"DTUNE_FUSED_GATED_RESIDUAL",
+                                      "x + gate · y by dtune's vectorised kernels", "at::addcmul"};
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
 // gate [B, 1, D] with gate.stride(2) == 1: its rows are gate.stride(0) apart.
@@ -81,11 +76,11 @@ bool fused_takes(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& 
 }  // namespace
 
 void set_fused_gated_residual(bool enabled) {
-    fused_switch().store(enabled);
+    gated_residual_switch.set(enabled);
 }
 
 bool fused_gated_residual_enabled() {
-    return fused_switch().load() && fused_kernels_allowed();
+    return gated_residual_switch.enabled();
 }
 
 at::Tensor gated_residual(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& y) {

@@ -5,7 +5,6 @@
 
 #include <torch/autograd.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -24,18 +23,9 @@
 namespace dtune::models {
 namespace {
 
-// Read on first use, not during static initialisation: a bad value must reach the CLI as a
-// UsageError naming the variable.
-bool initial_fused() {
-    return fused_switch_from_env("DTUNE_FUSED_QK_NORM_ROPE",
-                                 "q/k norm, concatenation and rotary embedding as one kernel",
-                                 "the composite ops");
-}
-
-std::atomic<bool>& fused_switch() {
-    static std::atomic<bool> on{initial_fused()};
-    return on;
-}
+FusedPathSwitch qk_norm_rope_switch{"DTUNE_FUSED_QK_NORM_ROPE",
+                                    "q/k norm, concatenation and rotary embedding as one kernel",
+                                    "the composite ops"};
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
 constexpr int kInputsPerStream = 5;  // q, k, v, q weight, k weight (float32)
@@ -180,11 +170,11 @@ std::optional<std::vector<at::Tensor>> fused_inputs(const std::vector<QKVStream>
 }  // namespace
 
 void set_fused_qk_norm_rope(bool enabled) {
-    fused_switch().store(enabled);
+    qk_norm_rope_switch.set(enabled);
 }
 
 bool fused_qk_norm_rope_enabled() {
-    return fused_switch().load() && fused_kernels_allowed();
+    return qk_norm_rope_switch.enabled();
 }
 
 std::array<at::Tensor, 3> joint_qk_norm_rope_composite(const std::vector<QKVStream>& streams, int64_t heads,
