@@ -32,7 +32,7 @@ at::Tensor DataParallel::clip_grad_norm_async(const std::vector<at::Tensor>& par
     // elsewhere. Every column has one contributor (its owner), so the sum over ranks is exact.
     auto table = at::zeros({2, n}, at::TensorOptions().dtype(at::kFloat).device(device_));
     if (!grads.empty()) {
-        std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
+        std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2, at::kFloat);  // as clip_grad_norm_async
         for (auto& v : norms) v = v.to(device_, at::kFloat);
         if (index != clip_index_ || !clip_index_device_.defined()) {  // an upload: not inside a capture
             clip_index_ = index;

@@ -222,7 +222,9 @@ at::Tensor clip_grad_norm_async(const std::vector<at::Tensor>& params, double ma
     bool uniform = true;  // one device and dtype: the multi-tensor kernels take the whole list
     for (const auto& g : grads)
         uniform = uniform && g.device() == device && g.scalar_type() == grads.front().scalar_type();
-    const std::vector<at::Tensor> norms = at::_foreach_norm(grads, norm_type);
+    // Each norm in float32 straight from the multi-tensor kernel: 16-bit gradients' norms are not
+    // rounded to their dtype, and need no cast each (a 0-d copy kernel per parameter otherwise).
+    const std::vector<at::Tensor> norms = at::_foreach_norm(grads, norm_type, at::kFloat);
     std::vector<at::Tensor> on_device;
     on_device.reserve(norms.size());
     for (const auto& n : norms) on_device.push_back(n.to(device, at::kFloat));
