@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <set>
 #include <string>
@@ -36,9 +37,17 @@ class StepProfiler final : public train::TrainCallback {
 
   private:
     void start(train::Trainer& trainer) {
+        // DTUNE_PROFILE_CPU=1 adds the CPU side on CUDA too (ops with input shapes, linked to their
+        // kernels): for attributing an eager step's kernels to ops (a graph replay has no ops).
+        const char* cpu_env = std::getenv("DTUNE_PROFILE_CPU");
+        const bool cpu = cpu_env != nullptr && std::string(cpu_env) == "1";
         std::set<torch::profiler::impl::ActivityType> activities{torch::profiler::impl::ActivityType::CPU};
-        if (trainer.device().is_cuda()) activities = {torch::profiler::impl::ActivityType::CUDA};
-        const prof::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+        if (trainer.device().is_cuda()) {
+            activities = {torch::profiler::impl::ActivityType::CUDA};
+            if (cpu) activities.insert(torch::profiler::impl::ActivityType::CPU);
+        }
+        const prof::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO,
+                                          /*report_input_shapes=*/cpu);
         prof::prepareProfiler(config, activities);
         prof::enableProfiler(config, activities);
         running_ = true;

@@ -12,7 +12,8 @@
 #   step after dtune's, same card), BASELINE_MODES (lora1,lora1gc), COMPILE (0; 1: also under torch.compile),
 #   BENCH (1: each run's options again through bench/bench_trainer, synthetic batches), PROFILE (A:B: a Kineto trace of steps A..B of each run, summarised into the logs),
 #   GPU_TESTS ("dir/binary[:filter] ...": test binaries built with the same release build and run before the runs).
-#   A run name may carry environment settings after '+': "nogc+DTUNE_FUSED_QK_NORM_ROPE=0" is the nogc run with that variable set.
+#   A run name may carry environment settings after '+': "nogc+DTUNE_FUSED_QK_NORM_ROPE=0" is the nogc run with that variable set
+#   ("nogc+DTUNE_PROFILE_STEPS=2:2" traces that run's second step, an eager one, instead of PROFILE's).
 # Results: $OUT/flux_train.json (one row per run) and $OUT/flux_train_logs.tar.gz.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -77,7 +78,7 @@ for spec in $RUNS; do
     args=(--model_family flux --pretrained_model_name_or_path "$flux" --output_dir "$o" --max_train_steps "$STEPS"
         --model_type lora --lora_rank 16 --train_batch_size 1 --optimizer adamw_bf16 --learning_rate 1e-4
         --mixed_precision bf16 --gradient_checkpointing "$gc" --checkpoint_step_interval 1000 --seed 42 --device cuda $keys)
-    env "${vars[@]}" DTUNE_PROFILE_STEPS=${PROFILE:-} timeout -k 10 ${RUN_LIMIT:-240} build/release/bin/dtune train "${args[@]}" \
+    env DTUNE_PROFILE_STEPS=${PROFILE:-} "${vars[@]}" timeout -k 10 ${RUN_LIMIT:-240} build/release/bin/dtune train "${args[@]}" \
         --data_backend_config "$W/mdb.json" >"$logs/$name.log" 2>&1
     rc=$?
     python3 - "$o/metrics.jsonl" "$spec" "$rc" <<'PY' | tee -a "$out/flux_train.json"
