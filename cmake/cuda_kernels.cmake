@@ -30,7 +30,8 @@ function(dtune_cuda_kernels owner)
   set_target_properties(${owner}_cuda PROPERTIES CUDA_STANDARD 17 CUDA_RUNTIME_LIBRARY Shared
                                                  POSITION_INDEPENDENT_CODE ON)
   target_include_directories(${owner}_cuda PRIVATE ${PROJECT_SOURCE_DIR}/src)
-  target_link_libraries(${owner}_cuda PUBLIC CUDA::cudart)
+  # cuBLASLt: the GEMMs with epilogues (models/cuda/epilogue_gemm.cu); libtorch loads it anyway.
+  target_link_libraries(${owner}_cuda PUBLIC CUDA::cudart CUDA::cublasLt)
   target_link_libraries(${owner} PRIVATE ${owner}_cuda)
   target_compile_definitions(${owner} PRIVATE DTUNE_WITH_CUDA_KERNELS=1)
 endfunction()

@@ -5,6 +5,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <string>
@@ -16,14 +20,17 @@
 #include "models/common/blocks.h"
 #include "models/common/component.h"
 #include "models/common/concat_gelu.h"
+#include "models/common/epilogue_linear.h"
 #include "models/common/gated_residual.h"
 #include "models/common/geglu.h"
+#include "models/common/gelu_mlp.h"
 #include "models/common/group_norm_act.h"
 #include "models/common/hash_dropout.h"
 #include "models/common/layer_norm.h"
 #include "models/common/lora_dropout.h"
 #include "models/common/qk_norm_rope.h"
 #include "models/common/rope.h"
+#include "models/flux/flux_transformer.h"
 #include "models/unet/unet_2d_condition.h"
 #include "models/vae/autoencoder_kl.h"
 #include "support/test_support.h"
@@ -327,6 +334,167 @@ TEST(ModelsGpu, ConcatGeluMatchesTheCompositeAndFloat64) {
                       test::max_abs_diff(composite[1].cpu().to(at::kDouble), exact[1]))
                 << what << ": the attention part's gradient is a copy";
         }
+    }
+}
+
+// The frozen GELU MLPs with the activation in cuBLASLt's epilogues (gelu_mlp.h) against the
+// composite (at::linear, at::gelu / concat_gelu_tanh in bf16) and a float32 reference of the same
+// bf16 inputs: outputs and both input gradients must be as close to the reference as the composite's
+// are. Double-block shape (no concatenated input) and single-block shape (an attention output beside
+// the MLP), with a row count that is no multiple of the tiles; then the single block at Flux's size
+// with its forward + backward timed both ways (printed, not asserted).
+TEST(ModelsGpu, GeluMlpEpilogueGemmsMatchTheComposite) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    torch::manual_seed(31);
+    struct Shape {
+        int64_t rows, in, hidden, da, out;
+    };
+    for (const Shape& sh : {Shape{2 * 301, 256, 1024, 0, 256}, Shape{2 * 301, 256, 1024, 128, 256},
+                            Shape{4608, 3072, 12288, 3072, 3072}}) {
+        AdaptableLinear in(sh.in, sh.hidden), out(sh.da + sh.hidden, sh.out);
+        for (auto* l : {in.get(), out.get()}) {
+            const at::NoGradGuard no_grad;
+            l->weight.set_data(
+                (at::randn_like(l->weight) / std::sqrt(l->weight.size(1))).to(cuda, at::kBFloat16));
+            l->bias.set_data((at::randn_like(l->bias) * 0.5).to(cuda, at::kBFloat16));
+            l->weight.requires_grad_(false);
+            l->bias.requires_grad_(false);
+        }
+        const at::Tensor x = at::randn({2, sh.rows / 2, sh.in}, at::kBFloat16).to(cuda) * 2;
+        const at::Tensor a =
+            sh.da ? at::randn({2, sh.rows / 2, sh.da}, at::kBFloat16).to(cuda) : at::Tensor();
+        const at::Tensor up = at::randn({2, sh.rows / 2, sh.out}, at::kBFloat16).to(cuda);
+        const std::string what = std::to_string(sh.rows) + "x" + std::to_string(sh.in) + "->" +
+                                 std::to_string(sh.hidden) + " +" + std::to_string(sh.da);
+        const auto run = [&](bool fused) {
+            set_fused_gelu_gemm(fused);
+            const at::Tensor xg = x.clone().requires_grad_(true);
+            const at::Tensor ag = a.defined() ? a.clone().requires_grad_(true) : at::Tensor();
+            EXPECT_EQ(gelu_mlp_fuses(sh.da, xg, *in, *out), fused) << what;
+            const at::Tensor y = ag.defined() ? concat_gelu_mlp(ag, xg, *in, *out) : gelu_mlp(xg, *in, *out);
+            EXPECT_EQ(y.grad_fn()->name().find("GeluMlpFunction") != std::string::npos, fused) << what;
+            std::vector<at::Tensor> inputs{xg};
+            if (ag.defined()) inputs.push_back(ag);
+            auto grads = torch::autograd::grad({y}, inputs, {up});
+            set_fused_gelu_gemm(true);
+            grads.insert(grads.begin(), y.detach());
+            return grads;
+        };
+        const auto fused = run(true), composite = run(false);
+        // float32 reference from the same bf16 values
+        const auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
+        const at::Tensor xr = f(x).requires_grad_(true),
+                         ar = a.defined() ? f(a).requires_grad_(true) : at::Tensor();
+        const at::Tensor hr = at::gelu(at::linear(xr, f(in->weight), f(in->bias)), "tanh");
+        const at::Tensor yr =
+            at::linear(ar.defined() ? at::cat({ar, hr}, -1) : hr, f(out->weight), f(out->bias));
+        std::vector<at::Tensor> ref_inputs{xr};
+        if (ar.defined()) ref_inputs.push_back(ar);
+        auto ref = torch::autograd::grad({yr}, ref_inputs, {f(up)});
+        ref.insert(ref.begin(), yr.detach());
+        ASSERT_EQ(fused.size(), ref.size());
+        for (size_t i = 0; i < ref.size(); ++i) {
+            const double scale = ref[i].abs().max().item<double>();
+            const double e_fused = (f(fused[i]) - ref[i]).abs().max().item<double>();
+            const double e_comp = (f(composite[i]) - ref[i]).abs().max().item<double>();
+            EXPECT_LE(e_fused, 1.5 * e_comp + 2e-3 * scale) << what << " output/gradient " << i;
+            EXPECT_LE(e_fused, 3e-2 * scale) << what << " output/gradient " << i;
+        }
+        if (sh.rows < 4096) continue;
+        for (const bool on : {false, true, false, true}) {  // warmed up, then timed
+            set_fused_gelu_gemm(on);
+            const at::Tensor xg = x.clone().requires_grad_(true), ag = a.clone().requires_grad_(true);
+            torch::cuda::synchronize();
+            const auto t0 = std::chrono::steady_clock::now();
+            for (int i = 0; i < 10; ++i) {
+                const at::Tensor y = concat_gelu_mlp(ag, xg, *in, *out);
+                (void)torch::autograd::grad({y}, {xg, ag}, {up});
+            }
+            torch::cuda::synchronize();
+            const double ms =
+                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / 10;
+            std::printf("gelu_mlp %s %s: %.3f ms forward+backward\n", what.c_str(),
+                        on ? "epilogue" : "composite", ms);
+        }
+        set_fused_gelu_gemm(true);
+    }
+}
+
+// add_linear_ (y += x·Wᵀ + b in cuBLASLt's epilogue) against y + at::addmm in bf16 and a float32
+// reference; and Flux's attention with LoRA on both streams' q/k/v (biased layers: the fused group
+// writes the up-projections first and adds the base GEMM in its epilogue) against the layer-by-layer
+// path, with and without lora_dropout, outputs and gradients.
+TEST(ModelsGpu, LinearEpilogueAddsTheBaseOntoTheLoRATerms) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const auto on = at::TensorOptions().device(at::Device(at::kCUDA, 0)).dtype(at::kBFloat16);
+    torch::manual_seed(37);
+    for (const auto& [rows, in, out] :
+         {std::array<int64_t, 3>{4608, 3072, 9216}, std::array<int64_t, 3>{300, 256, 96}}) {
+        const at::Tensor x = at::randn({rows, in}, on), w = at::randn({out, in}, on) / std::sqrt(in),
+                         b = at::randn({out}, on), y0 = at::randn({rows, out}, on);
+        at::Tensor y = y0.clone();
+        ASSERT_TRUE(add_linear_(y, x, w, b)) << rows << "x" << in << "->" << out;
+        const at::Tensor composite = y0 + at::addmm(b, x, w.t());
+        const auto f = [](const at::Tensor& t) { return t.to(at::kFloat); };
+        const at::Tensor ref = f(y0) + at::addmm(f(b), f(x), f(w).t());
+        const double scale = ref.abs().max().item<double>();
+        const double e = (f(y) - ref).abs().max().item<double>(),
+                     e_comp = (f(composite) - ref).abs().max().item<double>();
+        EXPECT_LE(e, 1.5 * e_comp + 1e-3 * scale) << rows;
+        set_fused_linear_epilogue(false);
+        at::Tensor untouched = y0.clone();
+        EXPECT_FALSE(add_linear_(untouched, x, w, b));
+        EXPECT_TRUE(at::equal(untouched, y0));
+        set_fused_linear_epilogue(true);
+    }
+
+    const at::Device cuda(at::kCUDA, 0);
+    const auto run = [&](bool epilogue, double dropout) {
+        torch::manual_seed(43);
+        torch::nn::Module root;
+        FluxAttention attn = root.register_module("attn", FluxAttention(256, 4, 64, /*added=*/true, false));
+        LoRAConfig c;
+        c.rank = 16;
+        c.alpha = 16;
+        c.dropout = dropout;
+        c.target_modules = {"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"};
+        LoRAAdapters adapters = inject_lora(root, c);
+        {
+            torch::NoGradGuard no_grad;
+            for (auto& t : adapters.parameters()) t.normal_(0.0, 0.05);
+        }
+        root.to(cuda);
+        for (auto& item : root.named_parameters())
+            if (item.key().find(".lora_") == std::string::npos)
+                item.value().set_data(item.value().to(at::kBFloat16));
+        EXPECT_EQ(pack_lora_projection_groups(root), 2);
+        root.train();
+        if (dropout > 0) adapters.set_dropout_seed(19);
+        const int64_t text = 64, image = 1024;
+        const at::Tensor ids = at::cat({at::zeros({text, 3}), flux_image_ids(64, 64)}, 0);
+        const auto rope = flux_rope(ids.to(cuda), {16, 24, 24});
+        const at::Tensor x = at::randn({1, image, 256}, on).requires_grad_(true);
+        const at::Tensor ctx = at::randn({1, text, 256}, on).requires_grad_(true);
+        EXPECT_TRUE(projection_group_fuses(x, attn->projection_groups().at(0)));
+        set_fused_linear_epilogue(epilogue);
+        const auto [img_out, txt_out] = attn->forward(x, ctx, rope);
+        set_fused_linear_epilogue(true);
+        const at::Tensor loss =
+            (img_out.to(at::kFloat).square().sum() + txt_out.to(at::kFloat).square().sum()) / 1e3;
+        loss.backward();
+        std::vector<at::Tensor> values{img_out.detach().to(at::kFloat), txt_out.detach().to(at::kFloat),
+                                       x.grad().to(at::kFloat), ctx.grad().to(at::kFloat)};
+        for (auto& t : adapters.parameters()) values.push_back(t.grad().to(at::kFloat));
+        return values;
+    };
+    for (const double dropout : {0.0, 0.1}) {
+        const auto fused = run(true, dropout), plain = run(false, dropout);
+        ASSERT_EQ(fused.size(), plain.size());
+        for (size_t i = 0; i < fused.size(); ++i)
+            EXPECT_LE((fused[i] - plain[i]).abs().max().item<double>(),
+                      2e-2 * plain[i].abs().max().item<double>())
+                << "dropout " << dropout << " tensor " << i;
     }
 }
 
@@ -1071,9 +1239,9 @@ TEST(ModelsGpu, LoRADropoutKernelsMatchTheMaskedReference) {
 }
 
 // The group forms of fused q/k/v's backward for two or three adapters with their own masks:
-// lora_masked_up_add_group_ (one pass over dx) against float64 and the per-adapter kernel, the
-// recorded decisions giving the same bits as hashing; lora_masked_down_grad_group (one pass over x)
-// bit for bit the per-adapter kernel's factor gradients, and close to float64.
+// lora_masked_up_add_group_ (one pass over dx) against float64 and the
+// per-adapter kernel, the recorded decisions giving the same bits as hashing; lora_masked_down_grad_group
+// (one pass over x) bit for bit the per-adapter kernel's factor gradients, and close to float64.
 TEST(ModelsGpu, LoRAMaskedGroupsMatchFloat64AndThePerAdapterKernels) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     const at::Device cuda(at::kCUDA, 0);

@@ -151,7 +151,10 @@ TEST(FluxTrainCli, BadKernelSwitchesAreUsageErrorsAtLoad) {
     const std::pair<const char*, const char*> cases[] = {
         {"DTUNE_FUSED_QK_NORM_ROPE", "q/k norm, concatenation and rotary embedding as one kernel"},
         {"DTUNE_FUSED_CONCAT_GELU", "attention output and MLP GELU concatenated by one kernel"},
-        {"DTUNE_FUSED_GATED_RESIDUAL", "x + gate · y by dtune's vectorised kernels"}};
+        {"DTUNE_FUSED_GATED_RESIDUAL", "x + gate · y by dtune's vectorised kernels"},
+        {"DTUNE_FUSED_GELU_GEMM", "the MLP GELU in the GEMM epilogues (cuBLASLt)"},
+        {"DTUNE_FUSED_LINEAR_EPILOGUE",
+         "a Linear's bias and the sum with the LoRA terms in cuBLASLt's epilogue"}};
     int run = 0;
     for (const auto& [name, meaning] : cases) {
         // One variable per process: each switch is read once, and the first bad one ends the load.

@@ -8,12 +8,14 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include <cstdlib>
+#include <numeric>
 #include <optional>
 #include <string>
 
 #include "core/error.h"
 #include "core/fused_env.h"
 #include "models/adapters/lora.h"
+#include "models/common/epilogue_linear.h"
 #include "models/common/lora_dropout.h"
 #include "models/common/quantize.h"
 
@@ -134,9 +136,6 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         // GEMM, or dequantised per use), here and in backward, never saved dense.
         const bool quantized = spec.weight_scale.defined();
         const at::Tensor wc = quantized ? at::Tensor() : spec.weight.to(ct);
-        at::Tensor y = quantized ? quantized_linear_no_grad(x2, spec.weight, spec.weight_scale, spec.bias, ct)
-                       : spec.bias.defined() ? at::addmm(spec.bias.to(ct), x2, wc.t())
-                                             : at::mm(x2, wc.t());
         // [n·r, in]: A_1; ...; A_n, the layers' copies where they are in the compute dtype
         const at::Tensor ac = spec.a_cast.defined() && spec.a_cast.scalar_type() == ct
                                   ? spec.a_cast
@@ -157,15 +156,35 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
             }
         }
         std::vector<at::Tensor> saved{x2, wc, ac, h};
-        std::vector<int64_t> a_dtypes, b_dtypes;
-        int64_t col = 0;
+        std::vector<at::Tensor> bcs;  // [out_i, r] in the compute dtype
         for (int64_t i = 0; i < n; ++i) {
             const bool copied =
                 i < static_cast<int64_t>(spec.b_casts.size()) && spec.b_casts[i].scalar_type() == ct;
-            const at::Tensor bc = copied ? spec.b_casts[i] : factors[n + i].to(ct);  // [out_i, r]
-            y.narrow(1, col, spec.outs[i]).addmm_(h.narrow(1, i * r, r), bc.t(), 1.0, spec.scales[i]);
-            col += spec.outs[i];
-            saved.push_back(bc);
+            bcs.push_back(copied ? spec.b_casts[i] : factors[n + i].to(ct));
+        }
+        // y = x·Wᵀ + b + Σ s_i·h_i·B_iᵀ. Where cuBLASLt takes it (add_linear_), the up-projections
+        // are written first and the base GEMM adds itself and the bias onto them in its epilogue;
+        // else the base GEMM first and each up-projection added onto its columns.
+        const int64_t total = std::accumulate(spec.outs.begin(), spec.outs.end(), int64_t{0});
+        at::Tensor y;
+        const at::Tensor bc = spec.bias.defined() ? spec.bias.to(ct) : at::Tensor();
+        if (!quantized && add_linear_applies(x2, wc, bc)) {
+            y = at::empty({x2.size(0), total}, x2.options());
+            for (int64_t i = 0, c = 0; i < n; c += spec.outs[i], ++i) {
+                at::Tensor yi = y.narrow(1, c, spec.outs[i]);
+                at::addmm_out(yi, yi, h.narrow(1, i * r, r), bcs[i].t(), 0.0, spec.scales[i]);
+            }
+            if (!add_linear_(y, x2, wc, bc)) y.add_(at::addmm(bc, x2, wc.t()));  // no cuBLASLt algorithm
+        } else {
+            y = quantized      ? quantized_linear_no_grad(x2, spec.weight, spec.weight_scale, spec.bias, ct)
+                : bc.defined() ? at::addmm(bc, x2, wc.t())
+                               : at::mm(x2, wc.t());
+            for (int64_t i = 0, c = 0; i < n; c += spec.outs[i], ++i)
+                y.narrow(1, c, spec.outs[i]).addmm_(h.narrow(1, i * r, r), bcs[i].t(), 1.0, spec.scales[i]);
+        }
+        std::vector<int64_t> a_dtypes, b_dtypes;
+        for (int64_t i = 0; i < n; ++i) {
+            saved.push_back(bcs[i]);
             a_dtypes.push_back(static_cast<int64_t>(factors[i].scalar_type()));
             b_dtypes.push_back(static_cast<int64_t>(factors[n + i].scalar_type()));
             const auto& d = spec.dropouts[i];
@@ -192,7 +211,7 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
         ctx->saved_data["x_sizes"] = x.sizes().vec();
         auto sizes = x.sizes().vec();
-        sizes.back() = col;
+        sizes.back() = total;
         return y.view(sizes).split_with_sizes(spec.outs, -1);  // views: column slices of y
     }
 

@@ -6,7 +6,10 @@
 //   forward:  y = x·[Wq;Wk;Wv]ᵀ (+ [bq;bk;bv]) in one GEMM, then per adapter y_i += s_i·(x_i·A_iᵀ)·B_iᵀ
 //             into its column slice (addmm epilogue), where x_i is x under adapter i's own dropout
 //             mask (the same salt and index offset as its unfused path); without dropout the down
-//             projections are one GEMM over the stacked A's (rank n·r). Returns the n slices.
+//             projections are one GEMM over the stacked A's (rank n·r). With biased 16-bit layers on
+//             CUDA (Flux) the order turns: each y_i = s_i·(x_i·A_iᵀ)·B_iᵀ is written first and the base
+//             GEMM adds x·Wᵀ + b onto them in its cuBLASLt epilogue (common/epilogue_linear.h), one pass
+//             over y fewer. Returns the n slices.
 //   backward: dx = Σ g_i·W_i as GEMMs accumulating into one buffer (one GEMM with K = Σ out_i when
 //             the gradients arrive packed side by side), plus the adapters' terms (one GEMM over the
 //             stacked A's without dropout); dA, dB per adapter as the single-layer function.

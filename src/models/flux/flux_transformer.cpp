@@ -19,7 +19,9 @@
 #include "models/common/blocks.h"
 #include "models/common/checkpoint.h"
 #include "models/common/concat_gelu.h"
+#include "models/common/epilogue_linear.h"
 #include "models/common/gated_residual.h"
+#include "models/common/gelu_mlp.h"
 #include "models/common/layers.h"
 #include "models/common/qk_norm_rope.h"
 #include "models/common/weights.h"
@@ -202,8 +204,10 @@ std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x
     if (!flash && attended.requires_grad() && attended.is_cuda()) attended = DenseOutputGrad::apply(attended);
     at::Tensor out = attended.transpose(1, 2).flatten(2, 3).to(q.scalar_type());  // [B, S, H·Dh]
     if (!context.defined()) return {out, at::Tensor()};
-    const at::Tensor ctx = out.narrow(1, 0, text), img = out.narrow(1, text, out.size(1) - text);
-    return {to_out_->forward(img.contiguous()), to_add_out_->forward(ctx.contiguous())};
+    // One split, not two narrows: its backward concatenates the two gradients in one pass (two
+    // narrows' each zero a full-size gradient, copy their part in and are then summed).
+    const auto parts = out.split_with_sizes({text, out.size(1) - text}, 1);
+    return {to_out_->forward(parts[1].contiguous()), to_add_out_->forward(parts[0].contiguous())};
 }
 
 FluxTransformerBlockImpl::FluxTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim) : dim_(dim) {
@@ -235,12 +239,10 @@ std::pair<at::Tensor, at::Tensor> FluxTransformerBlockImpl::forward(
     const at::Tensor nx = modulate(x, m[1], m[0]);
     const at::Tensor nc = modulate(context, c[1], c[0]);
     auto [attn_x, attn_c] = attn_->forward(nx, nc, rope, key_mask);
-    const auto gelu = [](const at::Tensor& t) { return at::gelu(t, "tanh"); };
     at::Tensor h = gated_residual(x, m[2], attn_x);
-    h = gated_residual(h, m[5], ff_out_->forward(gelu(ff_in_->forward(modulate(h, m[4], m[3])))));
+    h = gated_residual(h, m[5], gelu_mlp(modulate(h, m[4], m[3]), *ff_in_, *ff_out_));
     at::Tensor e = gated_residual(context, c[2], attn_c);
-    e = gated_residual(e, c[5],
-                       ff_context_out_->forward(gelu(ff_context_in_->forward(modulate(e, c[4], c[3])))));
+    e = gated_residual(e, c[5], gelu_mlp(modulate(e, c[4], c[3]), *ff_context_in_, *ff_context_out_));
     if (e.scalar_type() == at::kHalf) e = e.clamp(-65504, 65504);
     return {e, h};
 }
@@ -259,20 +261,27 @@ at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& joint, cons
                                                    const at::Tensor& key_mask) {
     const auto m = modulation(norm_, temb, 3);  // shift, scale, gate
     const at::Tensor n = modulate(joint, m[1], m[0]);
-    const at::Tensor mlp = proj_mlp_->forward(n);  // gelu_tanh'd below
+    // proj_out(cat([attention, gelu_tanh(proj_mlp(n))])): with the GELU in the GEMMs' epilogues where
+    // gelu_mlp.h's fused path takes the layers, else the MLP projection first, as diffusers orders it.
+    const bool fused_mlp = gelu_mlp_fuses(dim_, n, *proj_mlp_, *proj_out_);
+    const at::Tensor mlp = fused_mlp ? at::Tensor() : proj_mlp_->forward(n);
     const at::Tensor attn = attn_->forward(n, {}, rope, key_mask).first;
-    at::Tensor out = gated_residual(joint, m[2], proj_out_->forward(concat_gelu_tanh(attn, mlp)));
+    const at::Tensor projected = fused_mlp ? concat_gelu_mlp(attn, n, *proj_mlp_, *proj_out_)
+                                           : proj_out_->forward(concat_gelu_tanh(attn, mlp));
+    at::Tensor out = gated_residual(joint, m[2], projected);
     if (out.scalar_type() == at::kHalf) out = out.clamp(-65504, 65504);
     return out;
 }
 
 FluxTransformer2DModelImpl::FluxTransformer2DModelImpl(FluxTransformerConfig config)
     : config_(std::move(config)) {
-    // Read the kernel switches now: a bad DTUNE_FUSED_QK_NORM_ROPE / _CONCAT_GELU / _GATED_RESIDUAL
-    // fails the load, not a training step.
+    // Read the kernel switches now: a bad DTUNE_FUSED_QK_NORM_ROPE / _CONCAT_GELU / _GATED_RESIDUAL /
+    // _GELU_GEMM / _LINEAR_EPILOGUE fails the load, not a training step.
     (void)fused_qk_norm_rope_enabled();
     (void)fused_concat_gelu_enabled();
     (void)fused_gated_residual_enabled();
+    (void)fused_gelu_gemm_enabled();
+    (void)fused_linear_epilogue_enabled();
     const auto& c = config_;
     const int64_t d = c.inner_dim();
     auto tte = register_module("time_text_embed", std::make_shared<torch::nn::Module>());
