@@ -53,6 +53,29 @@ ComponentLoadOptions cuda_bf16() {
     return o;
 }
 
+// LoRA r16 (alpha 16) on `targets` of root with the given dropout, the way dtune trains: factors
+// drawn N(0, 0.05) in float32, the rest of root moved to the GPU in bf16, then the projection groups
+// packed (.to() gave each weight its own storage); returns the adapters and the packed group count.
+std::pair<LoRAAdapters, int64_t> lora_on_cuda_bf16(torch::nn::Module& root, std::vector<std::string> targets,
+                                                   double dropout) {
+    LoRAConfig c;
+    c.rank = 16;
+    c.alpha = 16;
+    c.dropout = dropout;
+    c.target_modules = std::move(targets);
+    LoRAAdapters adapters = inject_lora(root, c);
+    {
+        torch::NoGradGuard no_grad;
+        for (auto& t : adapters.parameters()) t.normal_(0.0, 0.05);
+    }
+    root.to(c10::Device(c10::kCUDA, 0));
+    for (auto& item : root.named_parameters())
+        if (item.key().find(".lora_") == std::string::npos)
+            item.value().set_data(item.value().to(at::kBFloat16));
+    const int64_t packed = pack_lora_projection_groups(root);
+    return {std::move(adapters), packed};
+}
+
 TEST(ModelsGpu, TinyUNetBf16MatchesFp32Reference) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     io::SafetensorsFile ref(test::fixtures_dir() / "reference" / "unet_io.safetensors");
@@ -454,21 +477,9 @@ TEST(ModelsGpu, LinearEpilogueAddsTheBaseOntoTheLoRATerms) {
         torch::manual_seed(43);
         torch::nn::Module root;
         FluxAttention attn = root.register_module("attn", FluxAttention(256, 4, 64, /*added=*/true, false));
-        LoRAConfig c;
-        c.rank = 16;
-        c.alpha = 16;
-        c.dropout = dropout;
-        c.target_modules = {"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"};
-        LoRAAdapters adapters = inject_lora(root, c);
-        {
-            torch::NoGradGuard no_grad;
-            for (auto& t : adapters.parameters()) t.normal_(0.0, 0.05);
-        }
-        root.to(cuda);
-        for (auto& item : root.named_parameters())
-            if (item.key().find(".lora_") == std::string::npos)
-                item.value().set_data(item.value().to(at::kBFloat16));
-        EXPECT_EQ(pack_lora_projection_groups(root), 2);
+        auto [adapters, packed] = lora_on_cuda_bf16(
+            root, {"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj"}, dropout);
+        EXPECT_EQ(packed, 2);
         root.train();
         if (dropout > 0) adapters.set_dropout_seed(19);
         const int64_t text = 64, image = 1024;
@@ -981,21 +992,8 @@ TEST(ModelsGpu, FusedQkvLoRAMatchesLayerByLayerUnderAutocast) {
         o.cross_attention_dim = cross ? 2048 : 0;
         torch::nn::Module root;
         Attention attn = root.register_module("attn", Attention(o));
-        LoRAConfig c;
-        c.rank = 16;
-        c.alpha = 16;
-        c.dropout = dropout;
-        c.target_modules = {"to_k", "to_q", "to_v", "to_out.0"};
-        LoRAAdapters adapters = inject_lora(root, c);
-        {
-            torch::NoGradGuard no_grad;
-            for (auto& t : adapters.parameters()) t.normal_(0.0, 0.05);
-        }
-        root.to(cuda);
-        for (auto& item : root.named_parameters())
-            if (item.key().find(".lora_") == std::string::npos)
-                item.value().set_data(item.value().to(at::kBFloat16));
-        EXPECT_EQ(pack_lora_projection_groups(root), 1);  // .to() gave each weight its own storage
+        auto [adapters, packed] = lora_on_cuda_bf16(root, {"to_k", "to_q", "to_v", "to_out.0"}, dropout);
+        EXPECT_EQ(packed, 1);
         root.train();
         if (dropout > 0) adapters.set_dropout_seed(17);
         const at::Tensor x = at::randn({2, 1024, 640}).to(cuda).requires_grad_(true);

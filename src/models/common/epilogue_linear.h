@@ -27,11 +27,16 @@ void set_fused_linear_epilogue(bool enabled);
 bool fused_linear_epilogue_enabled();
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
+// out [N, out] = x2 [N, in]·weightᵀ + bias as cuBLASLt's arguments (row strides taken from the
+// tensors); the caller sets the epilogue's own fields (aux, accumulate).
+cuda::GemmArgs linear_gemm_args(const at::Tensor& x2, const at::Tensor& weight, const at::Tensor& bias,
+                                at::Tensor& out);
 // The current cuBLASLt handle (cublasLtHandle_t) of the current device.
 void* epilogue_lt_handle();
 // Runs g on the current stream of `like`'s device with a workspace from the caching allocator;
 // throws naming `who` when cuBLASLt fails (callers check cuda::epilogue_gemm_supported first).
-void run_epilogue_gemm(const cuda::GemmArgs& g, cuda::GemmEpilogue e, const at::Tensor& like, const char* who);
+void run_epilogue_gemm(const cuda::GemmArgs& g, cuda::GemmEpilogue e, const at::Tensor& like,
+                       const char* who);
 #endif
 
 }  // namespace dtune::models

@@ -36,20 +36,9 @@ using cuda::GemmEpilogue;
 // The forward's GEMM: act = gelu(x·W_inᵀ + b_in), pre = x·W_inᵀ + b_in (when `pre` is defined).
 GemmArgs input_gemm(const at::Tensor& x2, const at::Tensor& w_in, const at::Tensor& b_in, at::Tensor& act,
                     at::Tensor& pre) {
-    GemmArgs g;
-    g.a = x2.const_data_ptr();
-    g.lda = x2.stride(0);
-    g.b = w_in.const_data_ptr();
-    g.ldb = w_in.stride(0);
-    g.b_nk = true;
-    g.d = act.mutable_data_ptr();
-    g.ldd = act.stride(0);
-    g.bias = b_in.const_data_ptr();
+    GemmArgs g = linear_gemm_args(x2, w_in, b_in, act);
     g.aux = pre.defined() ? pre.mutable_data_ptr() : nullptr;
     g.ldaux = pre.defined() ? pre.stride(0) : 0;
-    g.m = x2.size(0);
-    g.n = w_in.size(0);
-    g.k = w_in.size(1);
     return g;
 }
 
@@ -90,7 +79,8 @@ struct GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
         at::Tensor pre = grad ? at::empty({rows, f}, x.options()) : at::Tensor();
         const GemmArgs g = input_gemm(x2, w_in, b_in, act, pre);
         const GemmEpilogue e = grad ? GemmEpilogue::kGeluAuxBias : GemmEpilogue::kGeluBias;
-        if (cuda::epilogue_gemm_supported(g, e, kernel_dtype(x.scalar_type(), "gelu_mlp"), epilogue_lt_handle())) {
+        if (cuda::epilogue_gemm_supported(g, e, kernel_dtype(x.scalar_type(), "gelu_mlp"),
+                                          epilogue_lt_handle())) {
             run_epilogue_gemm(g, e, x, "gelu_mlp");
         } else {  // no epilogue algorithm for these pointers' alignment: the same values in two passes
             const at::Tensor h = at::addmm(b_in, x2, w_in.t());

@@ -52,8 +52,8 @@ cublasLtEpilogue_t lt_epilogue(GemmEpilogue e) {
 }
 
 // Everything the descriptors depend on; the pointers enter through their alignment only.
-using PlanKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int, int, uint32_t,
-                           uint32_t, uint32_t, uint32_t, bool>;
+using PlanKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, int, int,
+                           uint32_t, uint32_t, uint32_t, uint32_t, bool>;
 
 PlanKey key_of(const GemmArgs& g, GemmEpilogue e, KernelDtype dtype) {
     return {g.m,
@@ -97,7 +97,8 @@ struct Plan {
             !ok(cublasLtMatmulDescSetAttribute(op.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi))))
             return;
         if (e != GemmEpilogue::kDGelu &&
-            !ok(cublasLtMatmulDescSetAttribute(op.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias, sizeof(g.bias))))
+            !ok(cublasLtMatmulDescSetAttribute(op.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &g.bias,
+                                               sizeof(g.bias))))
             return;
         if (e == GemmEpilogue::kGeluAuxBias || e == GemmEpilogue::kDGelu) {
             const int64_t ldaux = g.ldaux;
@@ -128,8 +129,8 @@ AlgoCache& algo_cache() {
 }
 
 // The cached algorithm for g (asking cuBLASLt's heuristic the first time): nullptr when none.
-const cublasLtMatmulAlgo_t* algo_for(const GemmArgs& g, GemmEpilogue e, KernelDtype dtype, cublasLtHandle_t handle,
-                                     const Plan& plan) {
+const cublasLtMatmulAlgo_t* algo_for(const GemmArgs& g, GemmEpilogue e, KernelDtype dtype,
+                                     cublasLtHandle_t handle, const Plan& plan) {
     AlgoCache& cache = algo_cache();
     const PlanKey key = key_of(g, e, dtype);
     const std::lock_guard<std::mutex> lock(cache.mutex);
@@ -141,19 +142,21 @@ const cublasLtMatmulAlgo_t* algo_for(const GemmArgs& g, GemmEpilogue e, KernelDt
         const uint32_t align_b = alignment_of(g.b), align_a = alignment_of(g.a), align_d = alignment_of(g.d);
         cublasLtMatmulHeuristicResult_t result{};
         int count = 0;
-        if (plan.status == CUBLAS_STATUS_SUCCESS && cublasLtMatmulPreferenceCreate(&pref.desc) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatmulPreferenceSetAttribute(pref.desc, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
-                                                 sizeof(workspace)) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatmulPreferenceSetAttribute(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_b,
-                                                 sizeof(align_b)) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatmulPreferenceSetAttribute(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_a,
-                                                 sizeof(align_a)) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatmulPreferenceSetAttribute(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d,
-                                                 sizeof(align_d)) == CUBLAS_STATUS_SUCCESS &&
-            cublasLtMatmulPreferenceSetAttribute(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d,
-                                                 sizeof(align_d)) == CUBLAS_STATUS_SUCCESS &&
+        if (plan.status == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulPreferenceCreate(&pref.desc) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulPreferenceSetAttribute(pref.desc, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                 &workspace, sizeof(workspace)) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulPreferenceSetAttribute(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                                                 &align_b, sizeof(align_b)) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulPreferenceSetAttribute(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                                                 &align_a, sizeof(align_a)) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulPreferenceSetAttribute(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                                                 &align_d, sizeof(align_d)) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulPreferenceSetAttribute(pref.desc, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                                                 &align_d, sizeof(align_d)) == CUBLAS_STATUS_SUCCESS &&
             cublasLtMatmulAlgoGetHeuristic(handle, plan.op.desc, plan.lb.desc, plan.la.desc, plan.ld.desc,
-                                           plan.ld.desc, pref.desc, 1, &result, &count) == CUBLAS_STATUS_SUCCESS &&
+                                           plan.ld.desc, pref.desc, 1, &result,
+                                           &count) == CUBLAS_STATUS_SUCCESS &&
             count > 0 && result.state == CUBLAS_STATUS_SUCCESS)
             found = {true, result.algo};
         it = cache.algos.emplace(key, found).first;
@@ -168,12 +171,13 @@ bool epilogue_gemm_supported(const GemmArgs& g, GemmEpilogue epilogue, KernelDty
     return algo_for(g, epilogue, dtype, static_cast<cublasLtHandle_t>(lt_handle), plan) != nullptr;
 }
 
-int epilogue_gemm(const GemmArgs& g, GemmEpilogue epilogue, KernelDtype dtype, void* lt_handle, void* workspace,
-                  void* stream) {
+int epilogue_gemm(const GemmArgs& g, GemmEpilogue epilogue, KernelDtype dtype, void* lt_handle,
+                  void* workspace, void* stream) {
     const auto handle = static_cast<cublasLtHandle_t>(lt_handle);
     const Plan plan(g, epilogue, dtype);
     const cublasLtMatmulAlgo_t* algo = algo_for(g, epilogue, dtype, handle, plan);
-    if (algo == nullptr) return plan.status != CUBLAS_STATUS_SUCCESS ? plan.status : CUBLAS_STATUS_NOT_SUPPORTED;
+    if (algo == nullptr)
+        return plan.status != CUBLAS_STATUS_SUCCESS ? plan.status : CUBLAS_STATUS_NOT_SUPPORTED;
     const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
     return cublasLtMatmul(handle, plan.op.desc, &alpha, g.b, plan.lb.desc, g.a, plan.la.desc, &beta, g.d,
                           plan.ld.desc, g.d, plan.ld.desc, algo, workspace, kEpilogueGemmWorkspace,

@@ -52,7 +52,7 @@ bool epilogue_gemm_supported(const GemmArgs& g, GemmEpilogue epilogue, KernelDty
 
 // Runs it on `stream` with the cached algorithm: 0 on success, else the cublasStatus_t (an
 // unsupported GEMM returns CUBLAS_STATUS_NOT_SUPPORTED, 15, and writes nothing).
-int epilogue_gemm(const GemmArgs& g, GemmEpilogue epilogue, KernelDtype dtype, void* lt_handle, void* workspace,
-                  void* stream);
+int epilogue_gemm(const GemmArgs& g, GemmEpilogue epilogue, KernelDtype dtype, void* lt_handle,
+                  void* workspace, void* stream);
 
 }  // namespace dtune::models::cuda
