@@ -1,10 +1,14 @@
 // models/common/layers.h: outside an UninitializedParameters scope our Linear/Conv2d/Embedding must
 // equal torch::nn's bit for bit (same seeded init, same forward); inside one they allocate in the
-// scope's dtype/device without init, and the scope nests and restores.
+// scope's dtype/device without init, and the scope nests and restores. Also the CPU side of the
+// cuBLASLt epilogue paths (gelu_mlp.h, epilogue_linear.h): never taken there, the composite exactly.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include "core/error.h"
+#include "models/common/adaptable.h"
+#include "models/common/epilogue_linear.h"
+#include "models/common/gelu_mlp.h"
 #include "models/common/layers.h"
 
 namespace dtune::models {
@@ -25,6 +29,36 @@ TEST(Layers, LinearEqualsTorchLinearWithTheSameSeed) {
     Linear no_bias(torch::nn::LinearOptions(5, 3).bias(false));
     EXPECT_FALSE(no_bias->bias.defined());
     EXPECT_EQ(no_bias->named_parameters().size(), 1u);  // "weight" only, like torch's
+}
+
+// On the CPU the GELU MLP and add_linear_ never take cuBLASLt: gelu_mlp / concat_gelu_mlp are the
+// layers' own forward with at::gelu(tanh) (the attention part first in the concatenation), bit for
+// bit, with gradients; add_linear_ declines and leaves y as it was.
+TEST(Layers, EpiloguePathsAreTheCompositeOnTheCpu) {
+    torch::manual_seed(5);
+    AdaptableLinear in(8, 32), out(32, 8), out_cat(4 + 32, 8);
+    for (auto* l : {in.get(), out.get(), out_cat.get()}) {
+        l->weight.requires_grad_(false);
+        l->bias.requires_grad_(false);
+    }
+    const at::Tensor x = torch::randn({2, 5, 8}).requires_grad_(true), a = torch::randn({2, 5, 4});
+    EXPECT_FALSE(gelu_mlp_fuses(0, x, *in, *out));
+    EXPECT_FALSE(gelu_mlp_fuses(4, x, *in, *out_cat));
+    const at::Tensor y = gelu_mlp(x, *in, *out);
+    const at::Tensor ref = out->forward(at::gelu(in->forward(x), "tanh"));
+    EXPECT_TRUE(torch::equal(y, ref));
+    const at::Tensor gy = torch::autograd::grad({y.sum()}, {x})[0],
+                     gref = torch::autograd::grad({ref.sum()}, {x})[0];
+    EXPECT_TRUE(torch::equal(gy, gref));
+    EXPECT_TRUE(torch::equal(concat_gelu_mlp(a, x, *in, *out_cat),
+                             out_cat->forward(at::cat({a, at::gelu(in->forward(x), "tanh")}, -1))));
+
+    const at::Tensor x2 = torch::randn({6, 8}), w = torch::randn({3, 8}), b = torch::randn({3});
+    at::Tensor acc = torch::randn({6, 3});
+    const at::Tensor before = acc.clone();
+    EXPECT_FALSE(add_linear_applies(x2, w, b));
+    EXPECT_FALSE(add_linear_(acc, x2, w, b));
+    EXPECT_TRUE(torch::equal(acc, before));
 }
 
 TEST(Layers, Conv2dEqualsTorchConv2dWithTheSameSeed) {
