@@ -167,18 +167,18 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         // else the base GEMM first and each up-projection added onto its columns.
         const int64_t total = std::accumulate(spec.outs.begin(), spec.outs.end(), int64_t{0});
         at::Tensor y;
-        const at::Tensor bc = spec.bias.defined() ? spec.bias.to(ct) : at::Tensor();
-        if (!quantized && add_linear_applies(x2, wc, bc)) {
+        const at::Tensor bias = spec.bias.defined() ? spec.bias.to(ct) : at::Tensor();
+        if (!quantized && add_linear_applies(x2, wc, bias)) {
             y = at::empty({x2.size(0), total}, x2.options());
             for (int64_t i = 0, c = 0; i < n; c += spec.outs[i], ++i) {
                 at::Tensor yi = y.narrow(1, c, spec.outs[i]);
                 at::addmm_out(yi, yi, h.narrow(1, i * r, r), bcs[i].t(), 0.0, spec.scales[i]);
             }
-            if (!add_linear_(y, x2, wc, bc)) y.add_(at::addmm(bc, x2, wc.t()));  // no cuBLASLt algorithm
+            if (!add_linear_(y, x2, wc, bias)) y.add_(at::addmm(bias, x2, wc.t()));  // no cuBLASLt algorithm
         } else {
-            y = quantized      ? quantized_linear_no_grad(x2, spec.weight, spec.weight_scale, spec.bias, ct)
-                : bc.defined() ? at::addmm(bc, x2, wc.t())
-                               : at::mm(x2, wc.t());
+            y = quantized        ? quantized_linear_no_grad(x2, spec.weight, spec.weight_scale, spec.bias, ct)
+                : bias.defined() ? at::addmm(bias, x2, wc.t())
+                                 : at::mm(x2, wc.t());
             for (int64_t i = 0, c = 0; i < n; c += spec.outs[i], ++i)
                 y.narrow(1, c, spec.outs[i]).addmm_(h.narrow(1, i * r, r), bcs[i].t(), 1.0, spec.scales[i]);
         }

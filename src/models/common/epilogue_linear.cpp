@@ -49,14 +49,16 @@ void* epilogue_lt_handle() {
     return static_cast<void*>(at::cuda::getCurrentCUDABlasLtHandle());
 }
 
-void run_epilogue_gemm(const cuda::GemmArgs& g, cuda::GemmEpilogue e, const at::Tensor& like,
+bool run_epilogue_gemm(const cuda::GemmArgs& g, cuda::GemmEpilogue e, const at::Tensor& like,
                        const char* who) {
     const at::Tensor workspace =
         at::empty({static_cast<int64_t>(cuda::kEpilogueGemmWorkspace)}, like.options().dtype(at::kByte));
     const int status = cuda::epilogue_gemm(g, e, kernel_dtype(like.scalar_type(), who), epilogue_lt_handle(),
                                            workspace.mutable_data_ptr(), current_stream_of(like));
+    if (status == cuda::kEpilogueGemmUnsupported) return false;
     TORCH_CHECK(status == 0, who, ": cuBLASLt matmul failed (status ", status, ") for [", g.m, ", ", g.k,
                 "] x [", g.k, ", ", g.n, "]");
+    return true;
 }
 #endif
 
@@ -78,7 +80,6 @@ bool add_linear_applies(const at::Tensor& x2, const at::Tensor& weight, const at
 
 bool add_linear_(at::Tensor& y, const at::Tensor& x2, const at::Tensor& weight, const at::Tensor& bias) {
 #ifdef DTUNE_WITH_CUDA_KERNELS
-    const auto t = y.scalar_type();
     if (!add_linear_applies(x2, weight, bias) || y.scalar_type() != x2.scalar_type() || y.dim() != 2 ||
         !y.is_contiguous() || y.device() != x2.device() || y.size(0) != x2.size(0) ||
         y.size(1) != weight.size(0))
@@ -86,11 +87,7 @@ bool add_linear_(at::Tensor& y, const at::Tensor& x2, const at::Tensor& weight, 
     cuda::GemmArgs g = linear_gemm_args(x2, weight, bias, y);
     g.accumulate = true;
     const c10::cuda::CUDAGuard guard(y.device());
-    if (!cuda::epilogue_gemm_supported(g, cuda::GemmEpilogue::kBias, kernel_dtype(t, "add_linear_"),
-                                       epilogue_lt_handle()))
-        return false;
-    run_epilogue_gemm(g, cuda::GemmEpilogue::kBias, y, "add_linear_");
-    return true;
+    return run_epilogue_gemm(g, cuda::GemmEpilogue::kBias, y, "add_linear_");
 #else
     (void)y;
     (void)x2;

@@ -33,9 +33,10 @@ cuda::GemmArgs linear_gemm_args(const at::Tensor& x2, const at::Tensor& weight, 
                                 at::Tensor& out);
 // The current cuBLASLt handle (cublasLtHandle_t) of the current device.
 void* epilogue_lt_handle();
-// Runs g on the current stream of `like`'s device with a workspace from the caching allocator;
-// throws naming `who` when cuBLASLt fails (callers check cuda::epilogue_gemm_supported first).
-void run_epilogue_gemm(const cuda::GemmArgs& g, cuda::GemmEpilogue e, const at::Tensor& like,
+// Runs g on the current stream of `like`'s device with a workspace from the caching allocator:
+// true when it ran, false (nothing written) where cuBLASLt has no algorithm for it, so the caller
+// computes the same values with ATen ops; throws naming `who` when cuBLASLt fails otherwise.
+bool run_epilogue_gemm(const cuda::GemmArgs& g, cuda::GemmEpilogue e, const at::Tensor& like,
                        const char* who);
 #endif
 

@@ -11,10 +11,7 @@
 #include "models/common/epilogue_linear.h"
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
-
-#include "models/common/cuda_launch.h"
 #endif
 
 namespace dtune::models {
@@ -79,10 +76,7 @@ struct GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
         at::Tensor pre = grad ? at::empty({rows, f}, x.options()) : at::Tensor();
         const GemmArgs g = input_gemm(x2, w_in, b_in, act, pre);
         const GemmEpilogue e = grad ? GemmEpilogue::kGeluAuxBias : GemmEpilogue::kGeluBias;
-        if (cuda::epilogue_gemm_supported(g, e, kernel_dtype(x.scalar_type(), "gelu_mlp"),
-                                          epilogue_lt_handle())) {
-            run_epilogue_gemm(g, e, x, "gelu_mlp");
-        } else {  // no epilogue algorithm for these pointers' alignment: the same values in two passes
+        if (!run_epilogue_gemm(g, e, x, "gelu_mlp")) {  // no algorithm for this alignment: two passes
             const at::Tensor h = at::addmm(b_in, x2, w_in.t());
             act = at::gelu(h, "tanh");
             if (grad) pre = h;
@@ -115,10 +109,7 @@ struct GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
         if (ctx->needs_input_grad(0)) {
             at::Tensor d_pre = at::empty_like(pre);
             const GemmArgs g = dgelu_gemm(g2, w_out, da, d_pre, pre);
-            const auto dtype = kernel_dtype(pre.scalar_type(), "gelu_mlp");
-            if (cuda::epilogue_gemm_supported(g, GemmEpilogue::kDGelu, dtype, epilogue_lt_handle()))
-                run_epilogue_gemm(g, GemmEpilogue::kDGelu, pre, "gelu_mlp");
-            else  // no epilogue algorithm for this gradient's alignment: the same product, then GELU'
+            if (!run_epilogue_gemm(g, GemmEpilogue::kDGelu, pre, "gelu_mlp"))  // the product, then GELU'
                 d_pre = at::gelu_backward(at::mm(g2, w_out.narrow(1, da, pre.size(1))), pre, "tanh");
             out[0] = at::mm(d_pre, w_in).view(ctx->saved_data["x_sizes"].toIntVector());
         }

@@ -86,7 +86,7 @@ struct Plan {
             return status == CUBLAS_STATUS_SUCCESS;
         };
         if (dtype == KernelDtype::kFloat) {
-            status = CUBLAS_STATUS_NOT_SUPPORTED;
+            status = static_cast<cublasStatus_t>(kEpilogueGemmUnsupported);
             return;
         }
         const cublasOperation_t ta = g.b_nk ? CUBLAS_OP_T : CUBLAS_OP_N, tb = CUBLAS_OP_N;
@@ -166,18 +166,12 @@ const cublasLtMatmulAlgo_t* algo_for(const GemmArgs& g, GemmEpilogue e, KernelDt
 
 }  // namespace
 
-bool epilogue_gemm_supported(const GemmArgs& g, GemmEpilogue epilogue, KernelDtype dtype, void* lt_handle) {
-    const Plan plan(g, epilogue, dtype);
-    return algo_for(g, epilogue, dtype, static_cast<cublasLtHandle_t>(lt_handle), plan) != nullptr;
-}
-
 int epilogue_gemm(const GemmArgs& g, GemmEpilogue epilogue, KernelDtype dtype, void* lt_handle,
                   void* workspace, void* stream) {
     const auto handle = static_cast<cublasLtHandle_t>(lt_handle);
     const Plan plan(g, epilogue, dtype);
     const cublasLtMatmulAlgo_t* algo = algo_for(g, epilogue, dtype, handle, plan);
-    if (algo == nullptr)
-        return plan.status != CUBLAS_STATUS_SUCCESS ? plan.status : CUBLAS_STATUS_NOT_SUPPORTED;
+    if (algo == nullptr) return plan.status != CUBLAS_STATUS_SUCCESS ? plan.status : kEpilogueGemmUnsupported;
     const float alpha = 1.0f, beta = g.accumulate ? 1.0f : 0.0f;
     return cublasLtMatmul(handle, plan.op.desc, &alpha, g.b, plan.lb.desc, g.a, plan.la.desc, &beta, g.d,
                           plan.ld.desc, g.d, plan.ld.desc, algo, workspace, kEpilogueGemmWorkspace,

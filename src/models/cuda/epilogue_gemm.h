@@ -45,13 +45,12 @@ struct GemmArgs {
 // The workspace the GEMMs are planned for (bytes); pass a buffer of this size.
 constexpr size_t kEpilogueGemmWorkspace = size_t{32} << 20;
 
-// Whether cuBLASLt has an algorithm for this GEMM with these pointers' alignment (16-bit dtypes
-// only). The choice is cached per shape, strides, alignment and epilogue. `lt_handle` is a
-// cublasLtHandle_t.
-bool epilogue_gemm_supported(const GemmArgs& g, GemmEpilogue epilogue, KernelDtype dtype, void* lt_handle);
+// What epilogue_gemm returns, writing nothing, where cuBLASLt has no algorithm for the GEMM with
+// these pointers' alignment, or for the dtype (16-bit only): CUBLAS_STATUS_NOT_SUPPORTED.
+constexpr int kEpilogueGemmUnsupported = 15;
 
-// Runs it on `stream` with the cached algorithm: 0 on success, else the cublasStatus_t (an
-// unsupported GEMM returns CUBLAS_STATUS_NOT_SUPPORTED, 15, and writes nothing).
+// Runs it on `stream` (`lt_handle`: a cublasLtHandle_t): 0 on success, else the cublasStatus_t. The
+// algorithm cuBLASLt's heuristic picks is cached per shape, strides, alignment and epilogue.
 int epilogue_gemm(const GemmArgs& g, GemmEpilogue epilogue, KernelDtype dtype, void* lt_handle,
                   void* workspace, void* stream);
 
