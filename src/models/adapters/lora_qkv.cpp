@@ -71,6 +71,26 @@ at::Tensor packed_columns(const std::vector<at::Tensor>& g) {
     return first.as_strided({first.size(0), total}, {total, 1}, first.storage_offset());
 }
 
+// The adapters' up-projections as one block-diagonal [Σ out_i, n·r] matrix: B_i at rows
+// Σ_{j<i} out_j.., columns i·r... The group's up-projections (and their input gradient g·B) are then
+// one GEMM over all outputs instead of one per adapter; the zeros cost n times the (tiny) rank-r
+// arithmetic, not memory traffic.
+at::Tensor block_diagonal(const std::vector<at::Tensor>& bs, const std::vector<int64_t>& outs, int64_t r) {
+    const int64_t total = std::accumulate(outs.begin(), outs.end(), int64_t{0});
+    const int64_t n = static_cast<int64_t>(bs.size());
+    at::Tensor bd = at::zeros({total, n * r}, bs.front().options());
+    for (int64_t i = 0, row = 0; i < n; row += outs[i], ++i)
+        bd.narrow(0, row, outs[i]).narrow(1, i * r, r).copy_(bs[i]);
+    return bd;
+}
+
+// The common scale of the adapters, or nullopt where they differ.
+std::optional<double> common_scale(const std::vector<double>& scales) {
+    for (const double s : scales)
+        if (s != scales.front()) return std::nullopt;
+    return scales.front();
+}
+
 // What the fused function needs besides x and the factors.
 struct FusedSpec {
     at::Tensor weight, bias;  // [Σ out, in] and [Σ out] (or undefined): views of the packed buffer
@@ -168,11 +188,19 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         const int64_t total = std::accumulate(spec.outs.begin(), spec.outs.end(), int64_t{0});
         at::Tensor y;
         const at::Tensor bias = spec.bias.defined() ? spec.bias.to(ct) : at::Tensor();
+        // With one scale the up-projections are one GEMM against the block-diagonal B, also the
+        // backward's g·B (saved).
+        const std::optional<double> scale = common_scale(spec.scales);
+        const at::Tensor bd = scale ? block_diagonal(bcs, spec.outs, r) : at::Tensor();
         if (!quantized && add_linear_applies(x2, wc, bias)) {
             y = at::empty({x2.size(0), total}, x2.options());
-            for (int64_t i = 0, c = 0; i < n; c += spec.outs[i], ++i) {
-                at::Tensor yi = y.narrow(1, c, spec.outs[i]);
-                at::addmm_out(yi, yi, h.narrow(1, i * r, r), bcs[i].t(), 0.0, spec.scales[i]);
+            if (bd.defined()) {
+                at::addmm_out(y, y, h, bd.t(), 0.0, *scale);
+            } else {
+                for (int64_t i = 0, c = 0; i < n; c += spec.outs[i], ++i) {
+                    at::Tensor yi = y.narrow(1, c, spec.outs[i]);
+                    at::addmm_out(yi, yi, h.narrow(1, i * r, r), bcs[i].t(), 0.0, spec.scales[i]);
+                }
             }
             if (!add_linear_(y, x2, wc, bias)) y.add_(at::addmm(bias, x2, wc.t()));  // no cuBLASLt algorithm
         } else {
@@ -183,6 +211,7 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
                 y.narrow(1, c, spec.outs[i]).addmm_(h.narrow(1, i * r, r), bcs[i].t(), 1.0, spec.scales[i]);
         }
         std::vector<int64_t> a_dtypes, b_dtypes;
+        saved.push_back(bd);
         for (int64_t i = 0; i < n; ++i) {
             saved.push_back(bcs[i]);
             a_dtypes.push_back(static_cast<int64_t>(factors[i].scalar_type()));
@@ -218,7 +247,7 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                    torch::autograd::variable_list grads) {
         const auto saved = ctx->get_saved_variables();
-        const at::Tensor &x2 = saved[0], &wc = saved[1], &ac = saved[2], &h = saved[3];
+        const at::Tensor &x2 = saved[0], &wc = saved[1], &ac = saved[2], &h = saved[3], &bd = saved[4];
         const auto outs = ctx->saved_data["outs"].toIntVector();
         const auto scales = ctx->saved_data["scales"].toDoubleVector();
         const auto a_dtypes = ctx->saved_data["a_dtypes"].toIntVector();
@@ -239,18 +268,24 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         std::vector<at::Tensor> g(n);  // [N, out_i]; undefined: that output was not used
         for (int64_t i = 0; i < n; ++i)
             if (grads[i].defined()) g[i] = grads[i].reshape({-1, outs[i]}).to(x2.scalar_type());
-        // s_i·g_i·B_i into columns i·r .. of gh [N, n·r] (zero for an unused output).
+        // s_i·g_i·B_i into columns i·r .. of gh [N, n·r] (zero for an unused output): one GEMM
+        // against the block-diagonal B where the gradients lie side by side in one buffer.
+        const at::Tensor g_cat = packed_columns(g);
+        const bool one_gemm = bd.defined() && g_cat.defined();
         at::Tensor gh = at::empty({rows, n * r}, x2.options());
-        for (int64_t i = 0; i < n; ++i) {
-            at::Tensor ghi = gh.narrow(1, i * r, r);
-            if (g[i].defined())
-                at::addmm_out(ghi, ghi, g[i], saved[4 + i], 0.0, scales[i]);
-            else
-                ghi.zero_();
+        if (one_gemm) {
+            at::addmm_out(gh, gh, g_cat, bd, 0.0, scales.front());
+        } else {
+            for (int64_t i = 0; i < n; ++i) {
+                at::Tensor ghi = gh.narrow(1, i * r, r);
+                if (g[i].defined())
+                    at::addmm_out(ghi, ghi, g[i], saved[5 + i], 0.0, scales[i]);
+                else
+                    ghi.zero_();
+            }
         }
         at::Tensor dx;
         if (ctx->needs_input_grad(0)) {
-            const at::Tensor g_cat = packed_columns(g);
             const bool quantized = ctx->saved_data.count("q_weight") > 0;
             const at::Tensor q_weight = quantized ? ctx->saved_data["q_weight"].toTensor() : at::Tensor(),
                              q_scale = quantized ? ctx->saved_data["q_scale"].toTensor() : at::Tensor();
@@ -325,6 +360,23 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
                 // adapter i's input mask (none: x2 itself)
                 out[1 + i] = lora_masked_down_grad(ghi, x2, drops[i], a_dtype(i));
             }
+        }
+        bool all_b = true, same_b_dtype = true;
+        for (int64_t i = 0; i < n; ++i) {
+            all_b = all_b && ctx->needs_input_grad(1 + n + i);
+            same_b_dtype = same_b_dtype && b_dtype(i) == b_dtype(0);
+        }
+        if (one_gemm && all_b && same_b_dtype) {
+            // s·g_catᵀ·h [Σ out, n·r] in one GEMM reading g once; dB_i is its i-th diagonal block
+            // (the off-diagonal blocks are the rank-r products of other adapters' pairs, unused).
+            const double s = scales.front();
+            const at::Tensor full =
+                out_dtype ? at::addmm(at::empty({g_cat.size(1), n * r}, x2.options().dtype(b_dtype(0))),
+                                      g_cat.t(), h, b_dtype(0), 0.0, s)
+                          : at::mm(g_cat.t(), h).mul_(s).to(b_dtype(0));
+            for (int64_t i = 0, row = 0; i < n; row += outs[i], ++i)
+                out[1 + n + i] = full.narrow(0, row, outs[i]).narrow(1, i * r, r);
+            return out;
         }
         for (int64_t i = 0; i < n; ++i) {
             if (!(ctx->needs_input_grad(1 + n + i) && g[i].defined())) continue;

@@ -276,12 +276,13 @@ at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& joint, cons
 FluxTransformer2DModelImpl::FluxTransformer2DModelImpl(FluxTransformerConfig config)
     : config_(std::move(config)) {
     // Read the kernel switches now: a bad DTUNE_FUSED_QK_NORM_ROPE / _CONCAT_GELU / _GATED_RESIDUAL /
-    // _GELU_GEMM / _LINEAR_EPILOGUE fails the load, not a training step.
+    // _GELU_GEMM / _LINEAR_EPILOGUE or DTUNE_EPILOGUE_GEMM_TUNE fails the load, not a training step.
     (void)fused_qk_norm_rope_enabled();
     (void)fused_concat_gelu_enabled();
     (void)fused_gated_residual_enabled();
     (void)fused_gelu_gemm_enabled();
     (void)fused_linear_epilogue_enabled();
+    (void)epilogue_gemm_tuning_enabled();
     const auto& c = config_;
     const int64_t d = c.inner_dim();
     auto tte = register_module("time_text_embed", std::make_shared<torch::nn::Module>());
@@ -393,6 +394,10 @@ void FluxTransformer2DModelImpl::set_gradient_checkpointing(bool enabled, int64_
     checkpoint_single_.assign(single_blocks_.size(), false);
     for (size_t i = 0; i < blocks_.size(); ++i) checkpoint_double_[i] = selector.take();
     for (size_t i = 0; i < single_blocks_.size(); ++i) checkpoint_single_[i] = selector.take();
+    // The last block's backward comes first, right after the forward: recomputing it would rebuild
+    // the activations it just held, at the same peak (they are alive in backward either way), so it
+    // keeps them. One block's forward less per step, the same gradients.
+    if (!checkpoint_single_.empty()) checkpoint_single_.back() = false;
 }
 
 std::pair<int64_t, int64_t> FluxTransformer2DModelImpl::checkpointed_blocks() const {

@@ -158,7 +158,8 @@ class FluxTransformer2DModelImpl : public torch::nn::Module {
     c10::ScalarType dtype() const { return x_embedder_->dtype(); }
     // Recompute every `interval`-th block (the double-stream blocks, then the single-stream ones, in
     // forward order) in backward instead of keeping its activations (SimpleTuner's
-    // gradient_checkpointing and gradient_checkpointing_interval). Gradients are unchanged.
+    // gradient_checkpointing and gradient_checkpointing_interval), except the last single block,
+    // whose backward runs right after the forward (no memory to save there). Gradients are unchanged.
     void set_gradient_checkpointing(bool enabled, int64_t interval = 1);
     // (checkpointed, all) blocks after the last set_gradient_checkpointing.
     std::pair<int64_t, int64_t> checkpointed_blocks() const;
