@@ -51,10 +51,10 @@ AttentionOptions attention_options(int64_t query_dim, int64_t heads, int64_t hea
 }
 
 // Non-zero factors (B is zero at init), drawn from a fixed generator.
-void randomise(LoRAAdapters& adapters, uint64_t seed = 7) {
+void randomise(LoRAAdapters& adapters, uint64_t seed = 7, double scale = 0.5) {
     at::NoGradGuard no_grad;
     auto gen = at::detail::createCPUGenerator(seed);
-    for (auto& t : adapters.parameters()) t.copy_(at::randn(t.sizes(), gen).to(t.scalar_type()) * 0.5);
+    for (auto& t : adapters.parameters()) t.copy_(at::randn(t.sizes(), gen).to(t.scalar_type()) * scale);
 }
 
 // Everything a run produced: the output, then the input's (and context's) gradient and every
@@ -334,8 +334,11 @@ TEST(LoRAQkv, FallsBackWhereTheFusedPathDoesNotApply) {
         const ProjectionGroup group = attn->projection_groups().at(0);
         EXPECT_TRUE(projection_group_fuses(x, group));
         {
-            at::NoGradGuard no_grad;  // inference
+            at::NoGradGuard no_grad;  // a checkpointed block's first forward: the same path
+            EXPECT_TRUE(projection_group_fuses(x, group));
+            root->eval();  // inference
             EXPECT_FALSE(projection_group_fuses(x, group));
+            root->train();
         }
         set_fused_qkv_lora(false);
         EXPECT_FALSE(projection_group_fuses(x, group));
@@ -420,7 +423,9 @@ TEST(LoRAQkv, TinyUNetMatchesLayerByLayer) {
         }
         EXPECT_GT(blocks, 0);
         EXPECT_EQ(groups, blocks);
-        randomise(adapters, 9);
+        // Factors of a trained adapter's size: at 0.5 the adapted UNet is chaotic (gradients ~1e19)
+        // and rounding-level differences between the two GEMM orders grow to O(1) in its output.
+        randomise(adapters, 9, 0.02);
         unet->train();
         unet->set_gradient_checkpointing(true);
         adapters.set_dropout_seed(4);

@@ -241,8 +241,11 @@ TEST(LoRAUnit, FusedPathOnlyWhereItApplies) {
     const at::Tensor x = at::randn({2, 6});
     EXPECT_TRUE(lora.takes_whole_forward(x));
     {
-        torch::NoGradGuard no_grad;  // inference: the composite path
+        torch::NoGradGuard no_grad;  // training without grad (a checkpointed block's first forward)
+        EXPECT_TRUE(lora.takes_whole_forward(x));
+        root.eval();  // inference: the composite path
         EXPECT_FALSE(lora.takes_whole_forward(x));
+        root.train();
     }
     set_fused_lora(false);
     EXPECT_FALSE(lora.takes_whole_forward(x));

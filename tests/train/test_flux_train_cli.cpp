@@ -154,9 +154,7 @@ TEST(FluxTrainCli, BadKernelSwitchesAreUsageErrorsAtLoad) {
         {"DTUNE_FUSED_GATED_RESIDUAL", "x + gate · y by dtune's vectorised kernels"},
         {"DTUNE_FUSED_GELU_GEMM", "the MLP GELU in the GEMM epilogues (cuBLASLt)"},
         {"DTUNE_FUSED_LINEAR_EPILOGUE",
-         "a Linear's bias and the sum with the LoRA terms in cuBLASLt's epilogue"},
-        {"DTUNE_EPILOGUE_GEMM_TUNE",
-         "time cuBLASLt's candidate algorithms for each epilogue GEMM once and keep the fastest"}};
+         "a Linear's bias and the sum with the LoRA terms in cuBLASLt's epilogue"}};
     int run = 0;
     for (const auto& [name, meaning] : cases) {
         // One variable per process: each switch is read once, and the first bad one ends the load.

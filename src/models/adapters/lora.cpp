@@ -265,10 +265,12 @@ bool fused_lora_enabled() {
 bool LoRALayer::takes_whole_forward(const at::Tensor& x) const {
     // Dropout rides in the fused function when its mask is the seeded hash (recomputable in backward).
     const bool unfusable_drop = dropout_ > 0.0 && host_->is_training() && !dropout_seed_.defined();
+    // Without grad only in training: a checkpointed block's first forward then runs the same kernels
+    // (and gives the same values) as its recomputation; inference keeps the plain ops.
     return fused_lora_enabled() && enabled_ && kind_ == Kind::kLinear && !merged_ && !magnitude_.defined() &&
-           !unfusable_drop && at::GradMode::is_enabled() && (down_.requires_grad() || up_.requires_grad()) &&
-           !base_weight_->requires_grad() && !(base_bias_->defined() && base_bias_->requires_grad()) &&
-           x.numel() > 0 && x.dim() >= 2;
+           !unfusable_drop && (at::GradMode::is_enabled() || host_->is_training()) &&
+           (down_.requires_grad() || up_.requires_grad()) && !base_weight_->requires_grad() &&
+           !(base_bias_->defined() && base_bias_->requires_grad()) && x.numel() > 0 && x.dim() >= 2;
 }
 
 at::Tensor LoRALayer::InputDropout::apply(const at::Tensor& t) const {

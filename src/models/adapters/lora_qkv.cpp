@@ -7,6 +7,7 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <numeric>
 #include <optional>
@@ -71,17 +72,21 @@ at::Tensor packed_columns(const std::vector<at::Tensor>& g) {
     return first.as_strided({first.size(0), total}, {total, 1}, first.storage_offset());
 }
 
-// The adapters' up-projections as one block-diagonal [Σ out_i, n·r] matrix: B_i at rows
-// Σ_{j<i} out_j.., columns i·r... The group's up-projections (and their input gradient g·B) are then
-// one GEMM over all outputs instead of one per adapter; the zeros cost n times the (tiny) rank-r
-// arithmetic, not memory traffic.
-at::Tensor block_diagonal(const std::vector<at::Tensor>& bs, const std::vector<int64_t>& outs, int64_t r) {
-    const int64_t total = std::accumulate(outs.begin(), outs.end(), int64_t{0});
+// The adapters' up-projections B_i [out, r] stacked as [n, out, r] (a view where they already lie
+// back to back), for batched GEMMs over the group: with one output width and one scale, the up-
+// projections, g·B and the factor gradients gᵀ·h are each one strided-batched GEMM over the
+// adapters' column slices, reading and writing them in place.
+at::Tensor stacked_ups(const std::vector<at::Tensor>& bs) {
+    std::vector<const at::Tensor*> parts;
+    for (const at::Tensor& b : bs) parts.push_back(&b);
+    const at::Tensor rows = rows_view(parts);
     const int64_t n = static_cast<int64_t>(bs.size());
-    at::Tensor bd = at::zeros({total, n * r}, bs.front().options());
-    for (int64_t i = 0, row = 0; i < n; row += outs[i], ++i)
-        bd.narrow(0, row, outs[i]).narrow(1, i * r, r).copy_(bs[i]);
-    return bd;
+    return rows.defined() ? rows.view({n, bs.front().size(0), bs.front().size(1)}) : at::stack(bs);
+}
+
+// Columns [i·w, (i+1)·w) of t [N, n·w], for i < n, as a batch [n, N, w] (a view).
+at::Tensor column_batch(const at::Tensor& t, int64_t n) {
+    return t.view({t.size(0), n, t.size(1) / n}).transpose(0, 1);
 }
 
 // The common scale of the adapters, or nullopt where they differ.
@@ -188,14 +193,17 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         const int64_t total = std::accumulate(spec.outs.begin(), spec.outs.end(), int64_t{0});
         at::Tensor y;
         const at::Tensor bias = spec.bias.defined() ? spec.bias.to(ct) : at::Tensor();
-        // With one scale the up-projections are one GEMM against the block-diagonal B, also the
-        // backward's g·B (saved).
+        // With one scale and one width the up-projections are one batched GEMM over y's column
+        // slices (b3 saved for the backward's g·B the same way).
         const std::optional<double> scale = common_scale(spec.scales);
-        const at::Tensor bd = scale ? block_diagonal(bcs, spec.outs, r) : at::Tensor();
+        const bool same_outs = std::all_of(spec.outs.begin(), spec.outs.end(),
+                                           [&](int64_t o) { return o == spec.outs.front(); });
+        const at::Tensor b3 = scale && same_outs ? stacked_ups(bcs) : at::Tensor();  // [n, out, r]
         if (!quantized && add_linear_applies(x2, wc, bias)) {
             y = at::empty({x2.size(0), total}, x2.options());
-            if (bd.defined()) {
-                at::addmm_out(y, y, h, bd.t(), 0.0, *scale);
+            if (b3.defined()) {
+                at::Tensor y3 = column_batch(y, n);
+                at::baddbmm_out(y3, y3, column_batch(h, n), b3.transpose(1, 2), 0.0, *scale);
             } else {
                 for (int64_t i = 0, c = 0; i < n; c += spec.outs[i], ++i) {
                     at::Tensor yi = y.narrow(1, c, spec.outs[i]);
@@ -207,11 +215,17 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
             y = quantized        ? quantized_linear_no_grad(x2, spec.weight, spec.weight_scale, spec.bias, ct)
                 : bias.defined() ? at::addmm(bias, x2, wc.t())
                                  : at::mm(x2, wc.t());
-            for (int64_t i = 0, c = 0; i < n; c += spec.outs[i], ++i)
-                y.narrow(1, c, spec.outs[i]).addmm_(h.narrow(1, i * r, r), bcs[i].t(), 1.0, spec.scales[i]);
+            if (b3.defined()) {
+                at::Tensor y3 = column_batch(y, n);
+                y3.baddbmm_(column_batch(h, n), b3.transpose(1, 2), 1.0, *scale);
+            } else {
+                for (int64_t i = 0, c = 0; i < n; c += spec.outs[i], ++i)
+                    y.narrow(1, c, spec.outs[i])
+                        .addmm_(h.narrow(1, i * r, r), bcs[i].t(), 1.0, spec.scales[i]);
+            }
         }
         std::vector<int64_t> a_dtypes, b_dtypes;
-        saved.push_back(bd);
+        saved.push_back(b3);
         for (int64_t i = 0; i < n; ++i) {
             saved.push_back(bcs[i]);
             a_dtypes.push_back(static_cast<int64_t>(factors[i].scalar_type()));
@@ -247,7 +261,7 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
     static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                    torch::autograd::variable_list grads) {
         const auto saved = ctx->get_saved_variables();
-        const at::Tensor &x2 = saved[0], &wc = saved[1], &ac = saved[2], &h = saved[3], &bd = saved[4];
+        const at::Tensor &x2 = saved[0], &wc = saved[1], &ac = saved[2], &h = saved[3], &b3 = saved[4];
         const auto outs = ctx->saved_data["outs"].toIntVector();
         const auto scales = ctx->saved_data["scales"].toDoubleVector();
         const auto a_dtypes = ctx->saved_data["a_dtypes"].toIntVector();
@@ -268,13 +282,14 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
         std::vector<at::Tensor> g(n);  // [N, out_i]; undefined: that output was not used
         for (int64_t i = 0; i < n; ++i)
             if (grads[i].defined()) g[i] = grads[i].reshape({-1, outs[i]}).to(x2.scalar_type());
-        // s_i·g_i·B_i into columns i·r .. of gh [N, n·r] (zero for an unused output): one GEMM
-        // against the block-diagonal B where the gradients lie side by side in one buffer.
+        // s_i·g_i·B_i into columns i·r .. of gh [N, n·r] (zero for an unused output): one batched
+        // GEMM where the gradients lie side by side in one buffer.
         const at::Tensor g_cat = packed_columns(g);
-        const bool one_gemm = bd.defined() && g_cat.defined();
+        const bool batched = b3.defined() && g_cat.defined();
         at::Tensor gh = at::empty({rows, n * r}, x2.options());
-        if (one_gemm) {
-            at::addmm_out(gh, gh, g_cat, bd, 0.0, scales.front());
+        if (batched) {
+            at::Tensor gh3 = column_batch(gh, n);
+            at::baddbmm_out(gh3, gh3, column_batch(g_cat, n), b3, 0.0, scales.front());
         } else {
             for (int64_t i = 0; i < n; ++i) {
                 at::Tensor ghi = gh.narrow(1, i * r, r);
@@ -366,16 +381,16 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
             all_b = all_b && ctx->needs_input_grad(1 + n + i);
             same_b_dtype = same_b_dtype && b_dtype(i) == b_dtype(0);
         }
-        if (one_gemm && all_b && same_b_dtype) {
-            // s·g_catᵀ·h [Σ out, n·r] in one GEMM reading g once; dB_i is its i-th diagonal block
-            // (the off-diagonal blocks are the rank-r products of other adapters' pairs, unused).
+        if (batched && all_b && same_b_dtype) {
+            // dB_i = s·g_iᵀ·h_i for every adapter in one batched GEMM, [n, out, r], each reading its
+            // columns of g and h in place.
             const double s = scales.front();
-            const at::Tensor full =
-                out_dtype ? at::addmm(at::empty({g_cat.size(1), n * r}, x2.options().dtype(b_dtype(0))),
-                                      g_cat.t(), h, b_dtype(0), 0.0, s)
-                          : at::mm(g_cat.t(), h).mul_(s).to(b_dtype(0));
-            for (int64_t i = 0, row = 0; i < n; row += outs[i], ++i)
-                out[1 + n + i] = full.narrow(0, row, outs[i]).narrow(1, i * r, r);
+            const at::Tensor gt = column_batch(g_cat, n).transpose(1, 2), h3 = column_batch(h, n);
+            const at::Tensor db =
+                out_dtype ? at::baddbmm(at::empty({n, outs[0], r}, x2.options().dtype(b_dtype(0))), gt, h3,
+                                        b_dtype(0), 0.0, s)
+                          : at::bmm(gt, h3).mul_(s).to(b_dtype(0));
+            for (int64_t i = 0; i < n; ++i) out[1 + n + i] = db[i];
             return out;
         }
         for (int64_t i = 0; i < n; ++i) {

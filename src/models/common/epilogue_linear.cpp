@@ -16,20 +16,8 @@ namespace {
 FusedPathSwitch add_linear_switch{"DTUNE_FUSED_LINEAR_EPILOGUE",
                                   "a Linear's bias and the sum with the LoRA terms in cuBLASLt's epilogue",
                                   "at::addmm and separate adds"};
-FusedPathSwitch tune_switch{
-    "DTUNE_EPILOGUE_GEMM_TUNE",
-    "time cuBLASLt's candidate algorithms for each epilogue GEMM once and keep the fastest",
-    "take cuBLASLt's first choice"};
 
 }  // namespace
-
-void set_epilogue_gemm_tuning(bool enabled) {
-    tune_switch.set(enabled);
-}
-
-bool epilogue_gemm_tuning_enabled() {
-    return tune_switch.on() && !at::globalContext().deterministicAlgorithms();
-}
 
 void set_fused_linear_epilogue(bool enabled) {
     add_linear_switch.set(enabled);
@@ -65,20 +53,8 @@ bool run_epilogue_gemm(const cuda::GemmArgs& g, cuda::GemmEpilogue e, const at::
                        const char* who) {
     const at::Tensor workspace =
         at::empty({static_cast<int64_t>(cuda::kEpilogueGemmWorkspace)}, like.options().dtype(at::kByte));
-    const cuda::KernelDtype dtype = kernel_dtype(like.scalar_type(), who);
-    void* const handle = epilogue_lt_handle();
-    void* const stream = current_stream_of(like);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    // Timed once per key, outside graph capture (the trainer's eager warm-up steps come first).
-    if (epilogue_gemm_tuning_enabled() &&
-        cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &capture) == cudaSuccess &&
-        capture == cudaStreamCaptureStatusNone && cuda::epilogue_gemm_wants_tuning(g, e, dtype, handle)) {
-        const at::Tensor scratch = g.accumulate ? at::empty({g.m * g.ldd}, like.options()) : at::Tensor();
-        // A failure leaves cuBLASLt's first choice in place; the call below reports a real one.
-        (void)cuda::epilogue_gemm_tune(g, e, dtype, handle, workspace.mutable_data_ptr(), stream,
-                                       g.accumulate ? scratch.mutable_data_ptr() : nullptr);
-    }
-    const int status = cuda::epilogue_gemm(g, e, dtype, handle, workspace.mutable_data_ptr(), stream);
+    const int status = cuda::epilogue_gemm(g, e, kernel_dtype(like.scalar_type(), who), epilogue_lt_handle(),
+                                           workspace.mutable_data_ptr(), current_stream_of(like));
     if (status == cuda::kEpilogueGemmUnsupported) return false;
     TORCH_CHECK(status == 0, who, ": cuBLASLt matmul failed (status ", status, ") for [", g.m, ", ", g.k,
                 "] x [", g.k, ", ", g.n, "]");

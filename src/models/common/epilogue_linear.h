@@ -26,14 +26,6 @@ bool add_linear_applies(const at::Tensor& x2, const at::Tensor& weight, const at
 void set_fused_linear_epilogue(bool enabled);
 bool fused_linear_epilogue_enabled();
 
-// DTUNE_EPILOGUE_GEMM_TUNE (read on first use: unset or 1 = on): the first call of each epilogue
-// GEMM shape outside graph capture times cuBLASLt's candidate algorithms and later calls take the
-// fastest (a few ms once per shape; tuned choices can differ run to run in the last bits, so
-// `deterministic` runs take cuBLASLt's first choice). 0 = always the first choice. The setter
-// overrides the variable (tests, benchmarks).
-void set_epilogue_gemm_tuning(bool enabled);
-bool epilogue_gemm_tuning_enabled();
-
 #ifdef DTUNE_WITH_CUDA_KERNELS
 // out [N, out] = x2 [N, in]·weightᵀ + bias as cuBLASLt's arguments (row strides taken from the
 // tensors); the caller sets the epilogue's own fields (aux, accumulate).
@@ -41,10 +33,9 @@ cuda::GemmArgs linear_gemm_args(const at::Tensor& x2, const at::Tensor& weight, 
                                 at::Tensor& out);
 // The current cuBLASLt handle (cublasLtHandle_t) of the current device.
 void* epilogue_lt_handle();
-// Runs g on the current stream of `like`'s device with a workspace from the caching allocator,
-// timing the candidates first where epilogue_gemm_tuning_enabled() and they are not yet: true when
-// it ran, false (nothing written) where cuBLASLt has no algorithm for it, so the caller computes
-// the same values with ATen ops; throws naming `who` when cuBLASLt fails otherwise.
+// Runs g on the current stream of `like`'s device with a workspace from the caching allocator:
+// true when it ran, false (nothing written) where cuBLASLt has no algorithm for it, so the caller
+// computes the same values with ATen ops; throws naming `who` when cuBLASLt fails otherwise.
 bool run_epilogue_gemm(const cuda::GemmArgs& g, cuda::GemmEpilogue e, const at::Tensor& like,
                        const char* who);
 #endif

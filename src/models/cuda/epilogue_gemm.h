@@ -21,7 +21,6 @@
 namespace dtune::models::cuda {
 
 enum class GemmEpilogue {
-    kNone,         // d = a·b (+ d where GemmArgs::accumulate)
     kBias,         // d = a·b + bias (+ d where GemmArgs::accumulate)
     kGeluBias,     // d = gelu_tanh(a·b + bias)
     kGeluAuxBias,  // the same, and aux = a·b + bias (the pre-activation the backward reads)
@@ -50,32 +49,9 @@ constexpr size_t kEpilogueGemmWorkspace = size_t{32} << 20;
 // these pointers' alignment, or for the dtype (16-bit only): CUBLAS_STATUS_NOT_SUPPORTED.
 constexpr int kEpilogueGemmUnsupported = 15;
 
-// Runs it on `stream` (`lt_handle`: a cublasLtHandle_t): 0 on success, else the cublasStatus_t.
-// cuBLASLt's heuristic is asked once per shape, strides, alignment and epilogue for up to
-// kEpilogueGemmCandidates algorithms; a call takes its first choice, or the fastest of them once
-// epilogue_gemm_tune has timed them.
+// Runs it on `stream` (`lt_handle`: a cublasLtHandle_t): 0 on success, else the cublasStatus_t. The
+// algorithm cuBLASLt's heuristic picks is cached per shape, strides, alignment and epilogue.
 int epilogue_gemm(const GemmArgs& g, GemmEpilogue epilogue, KernelDtype dtype, void* lt_handle,
                   void* workspace, void* stream);
-
-constexpr int kEpilogueGemmCandidates = 8;
-
-// Whether g's algorithm is worth timing: cuBLASLt offers more than one and they have not been timed.
-bool epilogue_gemm_wants_tuning(const GemmArgs& g, GemmEpilogue epilogue, KernelDtype dtype, void* lt_handle);
-
-// What epilogue_gemm_tune measured: µs per run of each candidate in the heuristic's order (-1: it
-// failed to run and was left out), and the index kept.
-struct EpilogueGemmTuning {
-    float us[kEpilogueGemmCandidates] = {};
-    int count = 0;
-    int chosen = 0;
-};
-
-// Times each candidate (a warm-up and three runs on `stream`; the host waits for them) and keeps the
-// fastest for every later call with g's key. The runs write d (and aux), as the call that follows
-// will again; an accumulating GEMM reads d and writes `scratch_d` instead (m × ldd elements of the
-// dtype), so d keeps its values. Not while `stream` captures a graph. 0 on success (also where
-// some candidates failed to run), else the first error; the report, when given, is filled.
-int epilogue_gemm_tune(const GemmArgs& g, GemmEpilogue epilogue, KernelDtype dtype, void* lt_handle,
-                       void* workspace, void* stream, void* scratch_d, EpilogueGemmTuning* report = nullptr);
 
 }  // namespace dtune::models::cuda

@@ -276,13 +276,12 @@ at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& joint, cons
 FluxTransformer2DModelImpl::FluxTransformer2DModelImpl(FluxTransformerConfig config)
     : config_(std::move(config)) {
     // Read the kernel switches now: a bad DTUNE_FUSED_QK_NORM_ROPE / _CONCAT_GELU / _GATED_RESIDUAL /
-    // _GELU_GEMM / _LINEAR_EPILOGUE or DTUNE_EPILOGUE_GEMM_TUNE fails the load, not a training step.
+    // _GELU_GEMM / _LINEAR_EPILOGUE fails the load, not a training step.
     (void)fused_qk_norm_rope_enabled();
     (void)fused_concat_gelu_enabled();
     (void)fused_gated_residual_enabled();
     (void)fused_gelu_gemm_enabled();
     (void)fused_linear_epilogue_enabled();
-    (void)epilogue_gemm_tuning_enabled();
     const auto& c = config_;
     const int64_t d = c.inner_dim();
     auto tte = register_module("time_text_embed", std::make_shared<torch::nn::Module>());
