@@ -509,6 +509,59 @@ TEST(ModelsGpu, LinearEpilogueAddsTheBaseOntoTheLoRATerms) {
     }
 }
 
+// A Flux LoRA (SimpleTuner's "all" targets, lora_dropout 0.1) trained with gradient checkpointing:
+// the recomputation skips the MLP output projections (gelu_mlp.h's values_unused: the block output
+// is only differentiated and the frozen modulation's gates need no gradient), and the output and
+// every adapter gradient still equal the run without checkpointing.
+TEST(ModelsGpu, CheckpointedFluxLoRAKeepsTheGradientsWithoutTheMlpOutputs) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    FluxTransformerConfig cfg;
+    cfg.num_layers = 2;
+    cfg.num_single_layers = 2;
+    cfg.attention_head_dim = 64;
+    cfg.num_attention_heads = 4;
+    cfg.joint_attention_dim = 128;
+    cfg.pooled_projection_dim = 64;
+    cfg.guidance_embeds = true;
+    cfg.axes_dims_rope = {16, 24, 24};
+    const int64_t text = 64;
+    const auto on = at::TensorOptions().device(cuda).dtype(at::kBFloat16);
+    torch::manual_seed(47);
+    const at::Tensor x = at::randn({1, 1024, 64}, on), context = at::randn({1, text, 128}, on),
+                     pooled = at::randn({1, 64}, on), t = at::full({1}, 0.6, on),
+                     guidance = at::full({1}, 3.5, on);
+    const at::Tensor img_ids = flux_image_ids(32, 32).to(cuda), txt_ids = at::zeros({text, 3}).to(cuda);
+    const auto run = [&](bool checkpointing) {
+        torch::manual_seed(53);
+        FluxTransformer2DModel model(cfg);
+        auto [adapters, packed] = lora_on_cuda_bf16(
+            *model,
+            {"to_k", "to_q", "to_v", "add_k_proj", "add_q_proj", "add_v_proj", "to_out.0", "to_add_out"},
+            0.1);
+        EXPECT_GT(packed, 0);
+        model->train();
+        adapters.set_dropout_seed(5);
+        model->set_gradient_checkpointing(checkpointing);
+        const at::Tensor out = model->forward(x, context, pooled, t, guidance, img_ids, txt_ids);
+        out.to(at::kFloat).square().mean().backward();
+        std::vector<at::Tensor> values{out.detach().to(at::kFloat)};
+        for (auto& p : adapters.parameters()) values.push_back(p.grad().to(at::kFloat));
+        return values;
+    };
+    const auto plain = run(false), checkpointed = run(true);
+    ASSERT_EQ(plain.size(), checkpointed.size());
+    double worst = 0.0;
+    for (size_t i = 0; i < plain.size(); ++i) {
+        const double scale = plain[i].abs().max().item<double>();
+        ASSERT_GT(scale, 0.0) << "tensor " << i;
+        const double e = (checkpointed[i] - plain[i]).abs().max().item<double>() / scale;
+        worst = std::max(worst, e);
+        EXPECT_LE(e, 1e-2) << "tensor " << i << " (0: the output, then the adapters' gradients)";
+    }
+    std::printf("checkpointed Flux LoRA against the plain run: worst relative difference %.3g\n", worst);
+}
+
 // x + gate · y by the vectorised kernels against at::addcmul in the same dtype and in float64: a gate
 // that is one chunk of a wider modulation row (strided, as AdaLN's), with and without a gradient of
 // its own, batch 1 and 2; and a width that is not whole packs (at::addcmul).

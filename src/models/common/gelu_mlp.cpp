@@ -60,11 +60,12 @@ GemmArgs dgelu_gemm(const at::Tensor& g2, const at::Tensor& w_out, int64_t da, a
 
 // out = cat([a, gelu(x·W_inᵀ + b_in)])·W_outᵀ + b_out. Inputs x, a and the four frozen tensors;
 // gradients for x and a. Without a concatenated input, a is an empty 1-d placeholder (autograd takes
-// no undefined inputs): da = 0.
+// no undefined inputs): da = 0. `values_unused` (see concat_gelu_mlp): out is left unwritten; the
+// backward, which never reads it, is the same.
 struct GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
     static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& a,
                               const at::Tensor& w_in, const at::Tensor& b_in, const at::Tensor& w_out,
-                              const at::Tensor& b_out) {
+                              const at::Tensor& b_out, bool values_unused) {
         const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
         const c10::cuda::CUDAGuard guard(x.device());
         const bool has_a = a.dim() == x.dim();
@@ -83,8 +84,13 @@ struct GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
         }
         // The output projection split along its input: the activation's columns with the bias, then
         // a's accumulated onto them (no concatenated copy of a and the activation).
-        at::Tensor out = at::addmm(b_out, act, w_out.narrow(1, da, f).t());
-        if (da > 0) out.addmm_(a.reshape({rows, da}), w_out.narrow(1, 0, da).t());
+        at::Tensor out;
+        if (values_unused) {
+            out = at::empty({rows, w_out.size(0)}, x.options());
+        } else {
+            out = at::addmm(b_out, act, w_out.narrow(1, da, f).t());
+            if (da > 0) out.addmm_(a.reshape({rows, da}), w_out.narrow(1, 0, da).t());
+        }
         if (ctx != nullptr) {
             ctx->save_for_backward({pre, w_in, w_out});
             ctx->saved_data["da"] = da;
@@ -103,7 +109,7 @@ struct GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
         const int64_t da = ctx->saved_data["da"].toInt();
         const c10::cuda::CUDAGuard guard(pre.device());
         const at::Tensor g2 = grads[0].reshape({-1, w_out.size(0)}).to(pre.scalar_type()).contiguous();
-        torch::autograd::variable_list out(6);
+        torch::autograd::variable_list out(7);  // + the non-tensor `values_unused`
         if (da > 0 && ctx->needs_input_grad(1))
             out[1] = at::mm(g2, w_out.narrow(1, 0, da)).view(ctx->saved_data["a_sizes"].toIntVector());
         if (ctx->needs_input_grad(0)) {
@@ -158,12 +164,13 @@ bool gelu_mlp_fuses(int64_t da, const at::Tensor& x, const AdaptableLinearImpl& 
 #endif
 }
 
-at::Tensor gelu_mlp(const at::Tensor& x, AdaptableLinearImpl& in, AdaptableLinearImpl& out) {
-    return concat_gelu_mlp(at::Tensor(), x, in, out);
+at::Tensor gelu_mlp(const at::Tensor& x, AdaptableLinearImpl& in, AdaptableLinearImpl& out,
+                    bool values_unused) {
+    return concat_gelu_mlp(at::Tensor(), x, in, out, values_unused);
 }
 
 at::Tensor concat_gelu_mlp(const at::Tensor& a, const at::Tensor& x, AdaptableLinearImpl& in,
-                           AdaptableLinearImpl& out) {
+                           AdaptableLinearImpl& out, bool values_unused) {
 #ifdef DTUNE_WITH_CUDA_KERNELS
     const bool a_fits = !a.defined() || (a.device() == x.device() && a.scalar_type() == x.scalar_type() &&
                                          a.dim() == x.dim() &&
@@ -171,10 +178,12 @@ at::Tensor concat_gelu_mlp(const at::Tensor& a, const at::Tensor& x, AdaptableLi
     if (a_fits && gelu_mlp_fuses(a.defined() ? a.size(-1) : 0, x, in, out)) {
         const at::Tensor a_arg = a.defined() ? a : at::empty({0}, x.options());
         if (!at::GradMode::is_enabled())
-            return GeluMlpFunction::forward(nullptr, x, a_arg, in.weight, in.bias, out.weight, out.bias);
-        return GeluMlpFunction::apply(x, a_arg, in.weight, in.bias, out.weight, out.bias);
+            return GeluMlpFunction::forward(nullptr, x, a_arg, in.weight, in.bias, out.weight, out.bias,
+                                            false);
+        return GeluMlpFunction::apply(x, a_arg, in.weight, in.bias, out.weight, out.bias, values_unused);
     }
 #endif
+    (void)values_unused;  // the composite computes the values
     return composite(a, x, in, out);
 }
 

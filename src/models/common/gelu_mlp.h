@@ -22,11 +22,16 @@
 namespace dtune::models {
 
 // x [..., in.in_features] -> [..., out.out_features]
-at::Tensor gelu_mlp(const at::Tensor& x, AdaptableLinearImpl& in, AdaptableLinearImpl& out);
+// values_unused: the caller differentiates through the output but never reads its values (a
+// checkpointed block's recomputation, whose MLP output only enters a gated residual with a gate
+// that needs no gradient). The fused path then skips the output projection's GEMMs and returns an
+// unwritten tensor with the same backward (which never reads the output); the composite ignores it.
+at::Tensor gelu_mlp(const at::Tensor& x, AdaptableLinearImpl& in, AdaptableLinearImpl& out,
+                    bool values_unused = false);
 // a [..., da], x [..., in.in_features] with the same leading sizes -> [..., out.out_features]
 // (out reads da + in.out_features features).
 at::Tensor concat_gelu_mlp(const at::Tensor& a, const at::Tensor& x, AdaptableLinearImpl& in,
-                           AdaptableLinearImpl& out);
+                           AdaptableLinearImpl& out, bool values_unused = false);
 
 // DTUNE_FUSED_GELU_GEMM (read once, on first use: unset or 1 = the epilogue GEMMs where they apply,
 // 0 = the composite); set_fused_gelu_gemm overrides it (tests, benchmarks).

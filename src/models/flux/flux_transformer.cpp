@@ -24,6 +24,7 @@
 #include "models/common/gelu_mlp.h"
 #include "models/common/layers.h"
 #include "models/common/qk_norm_rope.h"
+#include "models/common/unit_hooks.h"
 #include "models/common/weights.h"
 
 namespace dtune::models {
@@ -230,6 +231,19 @@ FluxTransformerBlockImpl::FluxTransformerBlockImpl(int64_t dim, int64_t heads, i
     feed_forward("ff_context", ff_context_in_, ff_context_out_);
 }
 
+namespace {
+
+// Whether a block's last product (its MLP output, entering out = x + gate ⊙ mlp) is computed for
+// its gradient only: in a checkpointed block's recomputation the block output is never read, only
+// differentiated, and gate ⊙ mlp's backward reads mlp only for the gate's own gradient (none when
+// the modulation is frozen, as in LoRA training). fp16 clamps the output, and the clamp's backward
+// reads it, so fp16 computes it.
+bool tail_unused(const at::Tensor& gate) {
+    return in_recompute() && !gate.requires_grad() && gate.scalar_type() != at::kHalf;
+}
+
+}  // namespace
+
 std::pair<at::Tensor, at::Tensor> FluxTransformerBlockImpl::forward(
     const at::Tensor& x, const at::Tensor& context, const at::Tensor& temb,
     const std::pair<at::Tensor, at::Tensor>& rope, const at::Tensor& key_mask) {
@@ -240,9 +254,10 @@ std::pair<at::Tensor, at::Tensor> FluxTransformerBlockImpl::forward(
     const at::Tensor nc = modulate(context, c[1], c[0]);
     auto [attn_x, attn_c] = attn_->forward(nx, nc, rope, key_mask);
     at::Tensor h = gated_residual(x, m[2], attn_x);
-    h = gated_residual(h, m[5], gelu_mlp(modulate(h, m[4], m[3]), *ff_in_, *ff_out_));
+    h = gated_residual(h, m[5], gelu_mlp(modulate(h, m[4], m[3]), *ff_in_, *ff_out_, tail_unused(m[5])));
     at::Tensor e = gated_residual(context, c[2], attn_c);
-    e = gated_residual(e, c[5], gelu_mlp(modulate(e, c[4], c[3]), *ff_context_in_, *ff_context_out_));
+    e = gated_residual(
+        e, c[5], gelu_mlp(modulate(e, c[4], c[3]), *ff_context_in_, *ff_context_out_, tail_unused(c[5])));
     if (e.scalar_type() == at::kHalf) e = e.clamp(-65504, 65504);
     return {e, h};
 }
@@ -266,8 +281,9 @@ at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& joint, cons
     const bool fused_mlp = gelu_mlp_fuses(dim_, n, *proj_mlp_, *proj_out_);
     const at::Tensor mlp = fused_mlp ? at::Tensor() : proj_mlp_->forward(n);
     const at::Tensor attn = attn_->forward(n, {}, rope, key_mask).first;
-    const at::Tensor projected = fused_mlp ? concat_gelu_mlp(attn, n, *proj_mlp_, *proj_out_)
-                                           : proj_out_->forward(concat_gelu_tanh(attn, mlp));
+    const at::Tensor projected = fused_mlp
+                                     ? concat_gelu_mlp(attn, n, *proj_mlp_, *proj_out_, tail_unused(m[2]))
+                                     : proj_out_->forward(concat_gelu_tanh(attn, mlp));
     at::Tensor out = gated_residual(joint, m[2], projected);
     if (out.scalar_type() == at::kHalf) out = out.clamp(-65504, 65504);
     return out;
