@@ -531,7 +531,7 @@ TEST(ModelsGpu, CheckpointedFluxLoRAKeepsTheGradientsWithoutTheMlpOutputs) {
     const at::Tensor x = at::randn({1, 1024, 64}, on), context = at::randn({1, text, 128}, on),
                      pooled = at::randn({1, 64}, on), t = at::full({1}, 0.6, on),
                      guidance = at::full({1}, 3.5, on);
-    const at::Tensor img_ids = flux_image_ids(32, 32).to(cuda), txt_ids = at::zeros({text, 3}).to(cuda);
+    const at::Tensor img_ids = flux_image_ids(64, 64).to(cuda), txt_ids = at::zeros({text, 3}).to(cuda);
     const auto run = [&](bool checkpointing) {
         torch::manual_seed(53);
         FluxTransformer2DModel model(cfg);

@@ -9,7 +9,7 @@
 # wheel in .whl/ (only the folder maker imports diffusers). Carry [".gpudeps.tar.xz", "shared", ".whl"].
 #   OUT=$OUT tools/gpu/flux_train.sh        env: STEPS (20), RUNS ("gc nogc"; also masked, context, fused,
 #   keys, graph, graphnogc, int8, fp8, fp8nogc: see the loop), RUN_LIMIT (240 s a run), FLUX (an existing make_random_flux_pipeline.py folder to reuse), BASELINE (1: the diffusers
-#   step after dtune's, same card), BASELINE_MODES (lora1,lora1gc), COMPILE (0; 1: also under torch.compile),
+#   step after dtune's, same card), BASELINE_MODES (lora1,lora1gc), COMPILE (0; 1: also under torch.compile; COMPILE_MODES, default BASELINE_MODES, picks its modes),
 #   BENCH (1: each run's options again through bench/bench_trainer, synthetic batches), PROFILE (A:B: a Kineto trace of steps A..B of each run, summarised into the logs),
 #   GPU_TESTS ("dir/binary[:filter] ...": test binaries built with the same release build and run before the runs).
 #   A run name may carry environment settings after '+': "nogc+DTUNE_FUSED_QK_NORM_ROPE=0" is the nogc run with that variable set
@@ -124,7 +124,7 @@ if [[ ${BASELINE:-1} == 1 ]]; then
     tail -3 "$logs/diffusers_eager.log"
 fi
 if [[ ${COMPILE:-0} == 1 ]]; then
-    timeout -k 10 480 python3 bench/diffusers_flux_baseline.py --modes "${BASELINE_MODES:-lora1,lora1gc}" --steps 8 \
+    timeout -k 10 480 python3 bench/diffusers_flux_baseline.py --modes "${COMPILE_MODES:-${BASELINE_MODES:-lora1,lora1gc}}" --steps 8 \
         --compile >"$logs/diffusers_compile.log" 2>&1
     grep RESULT "$logs/diffusers_compile.log" | sed 's/^RESULT/{"diffusers_compile":/; s/$/}/' | tee -a "$out/flux_train.json"
     tail -3 "$logs/diffusers_compile.log"
