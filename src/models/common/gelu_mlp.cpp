@@ -60,8 +60,8 @@ GemmArgs dgelu_gemm(const at::Tensor& g2, const at::Tensor& w_out, int64_t da, a
 
 // out = cat([a, gelu(x·W_inᵀ + b_in)])·W_outᵀ + b_out. Inputs x, a and the four frozen tensors;
 // gradients for x and a. Without a concatenated input, a is an empty 1-d placeholder (autograd takes
-// no undefined inputs): da = 0. `values_unused` (see concat_gelu_mlp): out is left unwritten; the
-// backward, which never reads it, is the same.
+// no undefined inputs): da = 0. `values_unused` (see concat_gelu_mlp): out is left unwritten and
+// the input GEMM writes only the pre-activation the backward reads; the backward is the same.
 struct GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
     static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& a,
                               const at::Tensor& w_in, const at::Tensor& b_in, const at::Tensor& w_out,
@@ -72,20 +72,27 @@ struct GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
         const int64_t da = has_a ? a.size(-1) : 0, f = w_in.size(0);
         const at::Tensor x2 = x.reshape({-1, x.size(-1)});
         const int64_t rows = x2.size(0);
-        at::Tensor act = at::empty({rows, f}, x.options());  // gelu(x·W_inᵀ + b_in)
         const bool grad = ctx != nullptr && (x.requires_grad() || a.requires_grad());
         at::Tensor pre = grad ? at::empty({rows, f}, x.options()) : at::Tensor();
-        const GemmArgs g = input_gemm(x2, w_in, b_in, act, pre);
-        const GemmEpilogue e = grad ? GemmEpilogue::kGeluAuxBias : GemmEpilogue::kGeluBias;
-        if (!run_epilogue_gemm(g, e, x, "gelu_mlp")) {  // no algorithm for this alignment: two passes
-            const at::Tensor h = at::addmm(b_in, x2, w_in.t());
-            act = at::gelu(h, "tanh");
-            if (grad) pre = h;
+        at::Tensor act;  // gelu(x·W_inᵀ + b_in), unless only the backward's pre-activation is wanted
+        if (values_unused && grad) {
+            at::Tensor none;
+            if (!run_epilogue_gemm(input_gemm(x2, w_in, b_in, pre, none), GemmEpilogue::kBias, x, "gelu_mlp"))
+                pre = at::addmm(b_in, x2, w_in.t());
+        } else {
+            act = at::empty({rows, f}, x.options());
+            const GemmArgs g = input_gemm(x2, w_in, b_in, act, pre);
+            const GemmEpilogue e = grad ? GemmEpilogue::kGeluAuxBias : GemmEpilogue::kGeluBias;
+            if (!run_epilogue_gemm(g, e, x, "gelu_mlp")) {  // no algorithm for this alignment: two passes
+                const at::Tensor h = at::addmm(b_in, x2, w_in.t());
+                act = at::gelu(h, "tanh");
+                if (grad) pre = h;
+            }
         }
         // The output projection split along its input: the activation's columns with the bias, then
         // a's accumulated onto them (no concatenated copy of a and the activation).
         at::Tensor out;
-        if (values_unused) {
+        if (values_unused && grad) {
             out = at::empty({rows, w_out.size(0)}, x.options());
         } else {
             out = at::addmm(b_out, act, w_out.narrow(1, da, f).t());
