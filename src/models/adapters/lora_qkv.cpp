@@ -78,6 +78,7 @@ at::Tensor packed_columns(const std::vector<at::Tensor>& g) {
 // adapters' column slices, reading and writing them in place.
 at::Tensor stacked_ups(const std::vector<at::Tensor>& bs) {
     std::vector<const at::Tensor*> parts;
+    parts.reserve(bs.size());
     for (const at::Tensor& b : bs) parts.push_back(&b);
     const at::Tensor rows = rows_view(parts);
     const int64_t n = static_cast<int64_t>(bs.size());
