@@ -6,9 +6,12 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
 
+#include <atomic>
+
 #include "core/fused_env.h"
 #include "models/common/concat_gelu.h"
 #include "models/common/epilogue_linear.h"
+#include "models/common/quantize.h"
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
 #include <c10/cuda/CUDAGuard.h>
@@ -20,10 +23,51 @@ namespace {
 FusedPathSwitch gelu_gemm_switch{"DTUNE_FUSED_GELU_GEMM", "the MLP GELU in the GEMM epilogues (cuBLASLt)",
                                  "separate GELU kernels"};
 
+std::atomic<int64_t> skipped_projections{0};
+
+// The frozen output layer of a composite MLP (plain or quantised weight, no adapter).
+struct FrozenOut {
+    at::Tensor weight, scale;
+};
+
+// out(z) for a caller that never reads the values (see concat_gelu_mlp's values_unused): an
+// unwritten output of the layer's dtype and shape whose backward is the layer's own input gradient
+// (a quantised layer's through quantized_linear_input_grad, as QuantizedLinearFunction computes it).
+struct UnreadProjectionFunction : public torch::autograd::Function<UnreadProjectionFunction> {
+    static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& z,
+                              const FrozenOut& w) {
+        const auto device = z.device().type();
+        const at::ScalarType ct = at::autocast::is_autocast_enabled(device)
+                                      ? at::autocast::get_autocast_dtype(device)
+                                      : z.scalar_type();
+        ctx->saved_data["weight"] = w.weight;
+        ctx->saved_data["scale"] = w.scale.defined() ? w.scale : at::Tensor();
+        ctx->saved_data["z_dtype"] = static_cast<int64_t>(z.scalar_type());
+        ctx->saved_data["z_sizes"] = z.sizes().vec();
+        auto sizes = z.sizes().vec();
+        sizes.back() = w.weight.size(0);
+        skipped_projections.fetch_add(1, std::memory_order_relaxed);
+        return at::empty(sizes, z.options().dtype(ct));
+    }
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        const c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+        const at::Tensor weight = ctx->saved_data["weight"].toTensor(),
+                         scale = ctx->saved_data["scale"].toTensor();
+        const at::Tensor g2 = grads[0].reshape({-1, weight.size(0)});
+        const at::Tensor dz = scale.defined()
+                                  ? quantized_linear_input_grad(g2, weight, scale, g2.scalar_type())
+                                  : at::mm(g2, weight.to(g2.scalar_type()));
+        const auto z_dtype = static_cast<at::ScalarType>(ctx->saved_data["z_dtype"].toInt());
+        return {dz.to(z_dtype).view(ctx->saved_data["z_sizes"].toIntVector()),
+                at::Tensor()};  // + the weights
+    }
+};
+
 at::Tensor composite(const at::Tensor& a, const at::Tensor& x, AdaptableLinearImpl& in,
-                     AdaptableLinearImpl& out) {
+                     AdaptableLinearImpl& out, bool values_unused) {
     const at::Tensor h = in.forward(x);
-    return out.forward(a.defined() ? concat_gelu_tanh(a, h) : at::gelu(h, "tanh"));
+    return output_projection(a.defined() ? concat_gelu_tanh(a, h) : at::gelu(h, "tanh"), out, values_unused);
 }
 
 #ifdef DTUNE_WITH_CUDA_KERNELS
@@ -93,6 +137,7 @@ struct GeluMlpFunction : public torch::autograd::Function<GeluMlpFunction> {
         // a's accumulated onto them (no concatenated copy of a and the activation).
         at::Tensor out;
         if (values_unused && grad) {
+            skipped_projections.fetch_add(1, std::memory_order_relaxed);
             out = at::empty({rows, w_out.size(0)}, x.options());
         } else {
             out = at::addmm(b_out, act, w_out.narrow(1, da, f).t());
@@ -142,6 +187,18 @@ bool plain_frozen(const AdaptableLinearImpl& l, const at::Tensor& x) {
 
 }  // namespace
 
+at::Tensor output_projection(const at::Tensor& z, AdaptableLinearImpl& out, bool values_unused) {
+    const bool frozen = out.adapter() == nullptr && out.weight.defined() && !out.weight.requires_grad() &&
+                        !(out.bias.defined() && out.bias.requires_grad());
+    if (values_unused && frozen && at::GradMode::is_enabled() && z.requires_grad())
+        return UnreadProjectionFunction::apply(z, FrozenOut{out.weight, out.weight_scale});
+    return out.forward(z);
+}
+
+int64_t gelu_mlp_unread_projections() {
+    return skipped_projections.load(std::memory_order_relaxed);
+}
+
 void set_fused_gelu_gemm(bool enabled) {
     gelu_gemm_switch.set(enabled);
 }
@@ -190,8 +247,7 @@ at::Tensor concat_gelu_mlp(const at::Tensor& a, const at::Tensor& x, AdaptableLi
         return GeluMlpFunction::apply(x, a_arg, in.weight, in.bias, out.weight, out.bias, values_unused);
     }
 #endif
-    (void)values_unused;  // the composite computes the values
-    return composite(a, x, in, out);
+    return composite(a, x, in, out, values_unused);
 }
 
 }  // namespace dtune::models

@@ -24,14 +24,24 @@ namespace dtune::models {
 // x [..., in.in_features] -> [..., out.out_features]
 // values_unused: the caller differentiates through the output but never reads its values (a
 // checkpointed block's recomputation, whose MLP output only enters a gated residual with a gate
-// that needs no gradient). The fused path then skips the output projection's GEMMs and returns an
-// unwritten tensor with the same backward (which never reads the output); the composite ignores it.
+// that needs no gradient). The output projection is then not computed: an unwritten tensor comes
+// back with the same backward (which never reads the output). The fused path also writes only the
+// pre-activation; the composite does so where the output layer is frozen without an adapter (plain
+// or quantised) and still runs the input projection and GELU.
 at::Tensor gelu_mlp(const at::Tensor& x, AdaptableLinearImpl& in, AdaptableLinearImpl& out,
                     bool values_unused = false);
 // a [..., da], x [..., in.in_features] with the same leading sizes -> [..., out.out_features]
 // (out reads da + in.out_features features).
 at::Tensor concat_gelu_mlp(const at::Tensor& a, const at::Tensor& x, AdaptableLinearImpl& in,
                            AdaptableLinearImpl& out, bool values_unused = false);
+
+// out(z), or, where values_unused, out is frozen without an adapter (plain or quantised) and z needs
+// a gradient, an unwritten tensor of out's shape and dtype whose backward is out's input gradient
+// (the composite MLP's output projection, and a single block's when its MLP does not fuse).
+at::Tensor output_projection(const at::Tensor& z, AdaptableLinearImpl& out, bool values_unused);
+
+// How many output projections values_unused has left out in this process (tests, profiling).
+int64_t gelu_mlp_unread_projections();
 
 // DTUNE_FUSED_GELU_GEMM (read once, on first use: unset or 1 = the epilogue GEMMs where they apply,
 // 0 = the composite); set_fused_gelu_gemm overrides it (tests, benchmarks).

@@ -281,9 +281,9 @@ at::Tensor FluxSingleTransformerBlockImpl::forward(const at::Tensor& joint, cons
     const bool fused_mlp = gelu_mlp_fuses(dim_, n, *proj_mlp_, *proj_out_);
     const at::Tensor mlp = fused_mlp ? at::Tensor() : proj_mlp_->forward(n);
     const at::Tensor attn = attn_->forward(n, {}, rope, key_mask).first;
-    const at::Tensor projected = fused_mlp
-                                     ? concat_gelu_mlp(attn, n, *proj_mlp_, *proj_out_, tail_unused(m[2]))
-                                     : proj_out_->forward(concat_gelu_tanh(attn, mlp));
+    const at::Tensor projected =
+        fused_mlp ? concat_gelu_mlp(attn, n, *proj_mlp_, *proj_out_, tail_unused(m[2]))
+                  : output_projection(concat_gelu_tanh(attn, mlp), *proj_out_, tail_unused(m[2]));
     at::Tensor out = gated_residual(joint, m[2], projected);
     if (out.scalar_type() == at::kHalf) out = out.clamp(-65504, 65504);
     return out;
