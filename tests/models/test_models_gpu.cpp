@@ -543,8 +543,12 @@ TEST(ModelsGpu, CheckpointedFluxLoRAKeepsTheGradientsWithoutTheMlpOutputs) {
         model->train();
         adapters.set_dropout_seed(5);
         model->set_gradient_checkpointing(checkpointing);
+        const int64_t unread_before = gelu_mlp_unread_projections();
         const at::Tensor out = model->forward(x, context, pooled, t, guidance, img_ids, txt_ids);
         out.to(at::kFloat).square().mean().backward();
+        // Recomputed: both streams' ff in the two double blocks and the first single block's proj_out
+        // (the last single block is not checkpointed); none without checkpointing.
+        EXPECT_EQ(gelu_mlp_unread_projections() - unread_before, checkpointing ? 5 : 0);
         std::vector<at::Tensor> values{out.detach().to(at::kFloat)};
         for (auto& p : adapters.parameters()) values.push_back(p.grad().to(at::kFloat));
         return values;
