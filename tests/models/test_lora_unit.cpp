@@ -170,7 +170,8 @@ TEST(LoRAUnit, FusedTrainingLinearUnderAutocastKeepsTheDtypes) {
 // the fused function reads instead of casting A and B per layer. Same bits as the casts (bf16
 // autocast on the CPU, float32 factors), the copies really are what the forward reads (a factor
 // changed after the refresh is not seen until the next one), clear_cast_factors() returns the layers
-// to casting, and the conv and DoRA layers, which the fused function does not take, are skipped.
+// to casting, and the conv and DoRA layers, which the fused function does not take, are skipped. The
+// copies lie back to back (A's, then B's, each in adapter order), also for factors already in bf16.
 TEST(LoRAUnit, CastFactorCopiesGiveTheSameBitsAsPerLayerCasts) {
     torch::manual_seed(5);
     Tiny tiny;
@@ -229,6 +230,27 @@ TEST(LoRAUnit, CastFactorCopiesGiveTheSameBitsAsPerLayerCasts) {
     a.refresh_cast_factors(at::kBFloat16);
     const at::Tensor img = at::randn({1, 2, 5, 5});
     EXPECT_EQ(tiny->conv1->forward(img).sizes(), (at::IntArrayRef{1, 4, 3, 3}));
+    // The linear layers' copies lie back to back in adapter order, A's in one buffer and B's in
+    // another (a fused q/k/v group reads them as one matrix each, with no concatenation).
+    LoRALayer& xq = *a.find("xto_q");
+    for (auto [first, second] : {std::pair{&q.cast_down(), &xq.cast_down()}, {&q.cast_up(), &xq.cast_up()}}) {
+        ASSERT_TRUE(first->defined() && second->defined());
+        EXPECT_TRUE(second->storage().is_alias_of(first->storage()));
+        EXPECT_EQ(second->storage_offset(), first->storage_offset() + (first->numel() + 63) / 64 * 64);
+    }
+    a.clear_cast_factors();
+    // Factors already in the compute dtype (adamw_bf16's bf16 factors) are copied too.
+    {
+        torch::NoGradGuard no_grad;
+        for (auto& e : a.entries()) {
+            e.layer->down().set_data(e.layer->down().to(at::kBFloat16));
+            e.layer->up().set_data(e.layer->up().to(at::kBFloat16));
+        }
+    }
+    a.refresh_cast_factors(at::kBFloat16);
+    ASSERT_TRUE(q.cast_down().defined() && q.cast_up().defined());
+    EXPECT_TRUE(at::equal(q.cast_down(), q.down()) && at::equal(q.cast_up(), q.up()));
+    EXPECT_NE(q.cast_down().data_ptr(), q.down().data_ptr());
     a.clear_cast_factors();
 }
 

@@ -1293,8 +1293,9 @@ TEST(ModelsGpu, LoRADropoutKernelsMatchTheMaskedReference) {
                     }
 }
 
-// The group forms of fused q/k/v's backward for two or three adapters with their own masks:
-// lora_masked_up_add_group_ (one pass over dx) against float64 and the
+// The group forms of fused q/k/v's products for two or three adapters with their own masks:
+// lora_masked_down_group_out (one pass over x at rank 16) bit for bit the per-adapter forward kernel,
+// decisions included; lora_masked_up_add_group_ (one pass over dx) against float64 and the
 // per-adapter kernel, the recorded decisions giving the same bits as hashing; lora_masked_down_grad_group
 // (one pass over x) bit for bit the per-adapter kernel's factor gradients, and close to float64.
 TEST(ModelsGpu, LoRAMaskedGroupsMatchFloat64AndThePerAdapterKernels) {
@@ -1315,12 +1316,13 @@ TEST(ModelsGpu, LoRAMaskedGroupsMatchFloat64AndThePerAdapterKernels) {
                 const at::Tensor gh = at::randn({n, groups * r}, on).to(dtype);
                 std::vector<LoRADropoutMask> masks, kept;
                 at::Tensor ref = at::zeros({n, k}, on.dtype(at::kDouble));
+                at::Tensor h_each = at::empty({n, groups * r}, on.dtype(dtype));
                 for (int64_t i = 0; i < groups; ++i) {
                     const LoRADropoutMask m{at::full({1}, 99, on.dtype(at::kLong)),
                                             static_cast<uint64_t>(30 + i), 0.1, 5 * i};
                     masks.push_back(m);
                     at::Tensor keep;  // the forward kernel's recorded decisions for this adapter
-                    (void)lora_masked_down(x, a.narrow(0, i * r, r), m, &keep);
+                    h_each.narrow(1, i * r, r).copy_(lora_masked_down(x, a.narrow(0, i * r, r), m, &keep));
                     ASSERT_TRUE(keep.defined());
                     kept.push_back(m);
                     kept.back().keep = keep;
@@ -1330,6 +1332,18 @@ TEST(ModelsGpu, LoRAMaskedGroupsMatchFloat64AndThePerAdapterKernels) {
                     ref += mask * at::mm(gh.narrow(1, i * r, r).to(at::kDouble),
                                          a.narrow(0, i * r, r).to(at::kDouble));
                 }
+                // The forward products in one pass (rank 16; else adapter by adapter): each adapter's
+                // h and recorded decisions bit for bit the per-adapter kernel's (16-row blocks here),
+                // into a column slice of a wider h as the fused path writes it.
+                at::Tensor h_wide = at::zeros({n, groups * r + 8}, on.dtype(dtype));
+                at::Tensor h_group = h_wide.narrow(1, 0, groups * r);
+                std::vector<at::Tensor> keeps;
+                lora_masked_down_group_out(h_group, x, a, masks, &keeps);
+                EXPECT_TRUE(at::equal(h_group, h_each)) << "group forward";
+                EXPECT_EQ(h_wide.narrow(1, groups * r, 8).abs().max().item<float>(), 0.0f);
+                ASSERT_EQ(keeps.size(), static_cast<size_t>(groups));
+                for (int64_t i = 0; i < groups; ++i)
+                    EXPECT_TRUE(keeps[i].defined() && at::equal(keeps[i], kept[i].keep)) << "keep " << i;
                 const at::Tensor dx0 = at::randn({n, k}, on).to(dtype);
                 ref += dx0.to(at::kDouble);
                 at::Tensor dx = dx0.clone(), dx_kept = dx0.clone(), dx_each = dx0.clone();

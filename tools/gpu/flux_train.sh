@@ -11,7 +11,8 @@
 #   keys, graph, graphnogc, int8, fp8, fp8nogc: see the loop), RUN_LIMIT (240 s a run), FLUX (an existing make_random_flux_pipeline.py folder to reuse), BASELINE (1: the diffusers
 #   step after dtune's, same card), BASELINE_MODES (lora1,lora1gc), COMPILE (0; 1: also under torch.compile; COMPILE_MODES, default BASELINE_MODES, picks its modes),
 #   BENCH (1: each run's options again through bench/bench_trainer, synthetic batches), PROFILE (A:B: a Kineto trace of steps A..B of each run, summarised into the logs),
-#   GPU_TESTS ("dir/binary[:filter] ...": test binaries built with the same release build and run before the runs).
+#   GPU_TESTS ("dir/binary[:filter] ...": test binaries built with the same release build and run before the runs),
+#   MICRO ("bench_lora_dropout ...": bench/ binaries built the same way and run after the tests, JSON lines printed).
 #   A run name may carry environment settings after '+': "nogc+DTUNE_FUSED_QK_NORM_ROPE=0" is the nogc run with that variable set
 #   ("nogc+DTUNE_PROFILE_STEPS=2:2" traces that run's second step, an eager one, instead of PROFILE's).
 # Results: $OUT/flux_train.json (one row per run) and $OUT/flux_train_logs.tar.gz.
@@ -26,7 +27,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$logs/gpu.
 whl=$(ls .whl/diffusers-*.whl 2>/dev/null | head -1)
 [[ -n $whl ]] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_diffusers "$whl" \
     >"$logs/pip.log" 2>&1 && export PYTHONPATH=/tmp/site_diffusers${PYTHONPATH:+:$PYTHONPATH}
-targets=(dtune bench_trainer)
+targets=(dtune bench_trainer ${MICRO:-})
 for t in ${GPU_TESTS:-}; do b=${t%%:*}; targets+=("${b##*/}"); done
 tests_on=$([[ -n ${GPU_TESTS:-} ]] && echo -DDTUNE_BUILD_TESTS=ON)
 (CMAKE_ARGS=$tests_on PRESET=release OUT=$logs timeout -k 10 420 tools/gpu/build.sh "${targets[@]}" >"$logs/build.txt" 2>&1; echo $? >"$logs/build.rc") &
@@ -52,6 +53,10 @@ for t in ${GPU_TESTS:-}; do
         >"$logs/gpu_test_${b##*/}.log" 2>&1
     echo "gpu test $b ($filter): exit $? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$logs/gpu_test_${b##*/}.log" | tr '\n' ' ')"
     grep -E '^\[  FAILED  \]|Failure|Expected|Which is|actual' "$logs/gpu_test_${b##*/}.log" | head -30
+done
+for b in ${MICRO:-}; do  # microbenchmarks (bench/), before the runs: their JSON lines into the logs
+    timeout -k 10 120 "build/release/bench/$b" >"$logs/micro_$b.log" 2>&1
+    echo "micro $b: exit $?"; grep '^{' "$logs/micro_$b.log"
 done
 : >"$out/flux_train.json"
 for spec in $RUNS; do

@@ -472,32 +472,39 @@ void LoRAAdapters::refresh_cast_factors(at::ScalarType dtype) {
         cast_to_.clear();
         cast_from_.clear();
         std::vector<std::size_t> taking;
-        int64_t down_numel = 0;
+        int64_t down_numel = 0, up_numel = 0;
         bool one_device = true;
         for (std::size_t i = 0; i < entries_.size(); ++i) {
             LoRALayer& l = *entries_[i].layer;
             if (l.kind() != LoRALayer::Kind::kLinear || l.use_dora()) continue;
-            if (l.down().scalar_type() == dtype && l.up().scalar_type() == dtype)
-                continue;  // nothing to cast
+            // Factors already in `dtype` (adamw_bf16 trains bf16 factors) are copied too: the copies
+            // lie back to back where the parameters do not.
             taking.push_back(i);
             down_numel += slot(l.down().numel());
-            one_device = one_device && l.down().device() == entries_[taking.front()].layer->down().device();
+            up_numel += slot(l.up().numel());
+            one_device = one_device && l.down().device() == entries_[taking.front()].layer->down().device() &&
+                         l.up().device() == l.down().device();
         }
-        // A's copies back to back in one buffer, in adapter order: a q/k/v group's three are then one
-        // [3r, in] matrix to the fused projections (lora_qkv.h), with no concatenation per forward.
-        // Each starts on a 64-element boundary (the kernels' 16-byte loads; SDXL's r · in is a
-        // multiple of 64, so no gaps there).
-        at::Tensor downs;
-        if (!taking.empty() && one_device)
-            downs = at::empty({down_numel}, entries_[taking.front()].layer->down().options().dtype(dtype));
-        int64_t at_down = 0;
+        // A's copies back to back in one buffer, in adapter order, and B's in another: a q/k/v group's
+        // three are then one [3r, in] matrix and one [3, out, r] batch to the fused projections
+        // (lora_qkv.h), with no concatenation per forward. Each starts on a 64-element boundary (the
+        // kernels' 16-byte loads; r · in is a multiple of 64 for SDXL and Flux, so no gaps there).
+        at::Tensor downs, ups;
+        if (!taking.empty() && one_device) {
+            const auto options = entries_[taking.front()].layer->down().options().dtype(dtype);
+            downs = at::empty({down_numel}, options);
+            ups = at::empty({up_numel}, options);
+        }
+        auto place = [&](const at::Tensor& buffer, int64_t& at, const at::Tensor& factor) {
+            at::Tensor copy = buffer.defined() ? buffer.narrow(0, at, factor.numel()).view(factor.sizes())
+                                               : at::empty_like(factor, factor.options().dtype(dtype));
+            at += slot(factor.numel());
+            return copy;
+        };
+        int64_t at_down = 0, at_up = 0;
         for (const std::size_t i : taking) {
             LoRALayer& l = *entries_[i].layer;
-            at::Tensor down = downs.defined()
-                                  ? downs.narrow(0, at_down, l.down().numel()).view(l.down().sizes())
-                                  : at::empty_like(l.down(), l.down().options().dtype(dtype));
-            at_down += slot(l.down().numel());
-            cast_.push_back({i, down, at::empty_like(l.up(), l.up().options().dtype(dtype))});
+            cast_.push_back({i, place(downs, at_down, l.down()), place(ups, at_up, l.up())});
             // The parameters' own handles: set_data on a factor (a dtype or device change) is seen.
             cast_to_.insert(cast_to_.end(), {cast_.back().down, cast_.back().up});
             cast_from_.insert(cast_from_.end(), {l.down(), l.up()});
