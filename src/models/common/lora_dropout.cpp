@@ -172,9 +172,7 @@ void lora_masked_down_group_out(at::Tensor& h, const at::Tensor& x2, const at::T
     if (keeps != nullptr) keeps->assign(static_cast<size_t>(count), at::Tensor());
 #ifdef DTUNE_WITH_CUDA_KERNELS
     constexpr int64_t kGroupRank = 16;  // the group kernel's one rank tile
-    const bool shape_ok = r == kGroupRank && x2.dim() == 2 && x2.size(1) % 16 == 0 &&
-                          lora_dropout_kernels_take(x2, a) &&
-                          reinterpret_cast<uintptr_t>(a.const_data_ptr()) % 32 == 0;
+    const bool shape_ok = r == kGroupRank && lora_dropout_kernels_take(x2, a);
     if (const auto rules =
             shape_ok ? group_rules(x2, h, count, r, masks, "lora_masked_down_group_out") : std::nullopt) {
         const c10::cuda::CUDAGuard guard(x2.device());

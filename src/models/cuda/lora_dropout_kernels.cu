@@ -416,21 +416,23 @@ __global__ void __launch_bounds__(32 * W, 16 / W)  // 16 warps per SM: at most 1
 }
 
 // The forward products of a group of G adapters of rank 16 that read the same x (fused q/k/v):
-// h[row, g·16 + j] = Σ_c round(mask_g(x))[row, c] · a[g·16 + j, c]. x is read once for the group,
-// the next chunk's loads in flight while this chunk's masks and products are formed; a's fragments
-// come straight from global memory (a few KB a chunk, from L2). Each adapter's chunk order and sums
-// are tc_masked_down_kernel<T, 1, 1, 8>'s, so each h column has that kernel's bits. k % 16 == 0.
+// h[row, g·16 + j] = Σ_c round(mask_g(x))[row, c] · a[g·16 + j, c]. A block owns 16 rows; its four
+// warps take alternate 64-column chunks, and x is read once for the group: a warp's next chunk of x
+// is in flight while it copies this chunk's A tiles to shared memory and forms the G masked
+// products. Four blocks an SM (at most 128 registers), so 4608 rows (Flux's joint sequence) are one
+// wave. The warps' sums meet in shared memory in a fixed order.
 template <typename T, int G>
-__global__ void __launch_bounds__(256, 2)  // 16 warps per SM: at most 128 registers
+__global__ void __launch_bounds__(128, 4)
     tc_masked_down_group_kernel(const T* __restrict__ x, const T* __restrict__ a, T* __restrict__ h,
                                 int64_t ldh, int64_t n, int64_t k,
                                 const __grid_constant__ DropoutRules rules) {
 #ifdef DTUNE_TC_LORA
-    constexpr int W = 8, BM = 16, Q = BM * kPacks / 32, kXs = BM * kPitch;
-    constexpr size_t kTiles = W * kXs * sizeof(T), kSums = G * W * BM * 16 * sizeof(float);
+    constexpr int W = 4, BM = 16, Q = BM * kPacks / 32, kXs = BM * kPitch, kAs = 16 * kPitch;
+    constexpr size_t kTiles = W * (kXs + G * kAs) * sizeof(T), kSums = G * W * BM * 16 * sizeof(float);
     __shared__ __align__(128) unsigned char smem[kTiles > kSums ? kTiles : kSums];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    T* xs = reinterpret_cast<T*>(smem) + warp * kXs;
+    T* xs = reinterpret_cast<T*>(smem) + warp * (kXs + G * kAs);
+    T* as = xs + kXs;
     const int64_t row0 = static_cast<int64_t>(blockIdx.x) * BM;
     uint64_t key[G];
     Acc acc[G];
@@ -447,16 +449,23 @@ __global__ void __launch_bounds__(256, 2)  // 16 warps per SM: at most 128 regis
         Pack<T, 8> next[Q];
         if (c0 + W * kChunk < k) load_packs<T, Q>(x, n, k, row0, c0 + W * kChunk, lane, 32, next);
 #pragma unroll
+        for (int g = 0; g < G; ++g)
+#pragma unroll
+            for (int q = 0; q < 16 * kPacks / 32; ++q) {
+                const int p = lane + 32 * q;
+                copy_pack(a + static_cast<int64_t>(g) * 16 * k, 16, k, p / kPacks, c0 + (p % kPacks) * 8,
+                          as + g * kAs + (p / kPacks) * kPitch + (p % kPacks) * 8);
+            }
+#pragma unroll
         for (int g = 0; g < G; ++g) {
             store_masked<T, Q, false>(v, no_kept, n, k, row0, c0, lane, 32, xs, key[g], rules.rule[g]);
             __syncwarp();
 #pragma unroll
             for (int kk = 0; kk < kChunk / 16; ++kk) {
-                if (c0 + kk * 16 >= k) break;
                 wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> xf;
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> af;  // aᵀ
                 wmma::load_matrix_sync(xf, xs + kk * 16, kPitch);
-                wmma::load_matrix_sync(af, a + g * 16 * k + c0 + kk * 16, static_cast<unsigned>(k));
+                wmma::load_matrix_sync(af, as + g * kAs + kk * 16, kPitch);
                 wmma::mma_sync(acc[g], xf, af, acc[g]);
             }
             __syncwarp();
@@ -1004,9 +1013,9 @@ int launch_tc_down_group(const void* x, const void* a, void* h, int64_t ldh, int
     auto* hp = static_cast<T*>(h);
     const auto grid = static_cast<unsigned>((n + 15) / 16);
     switch (rules.count) {
-        case 1: tc_masked_down_group_kernel<T, 1><<<grid, 256, 0, s>>>(xp, ap, hp, ldh, n, k, rules); break;
-        case 2: tc_masked_down_group_kernel<T, 2><<<grid, 256, 0, s>>>(xp, ap, hp, ldh, n, k, rules); break;
-        case 3: tc_masked_down_group_kernel<T, 3><<<grid, 256, 0, s>>>(xp, ap, hp, ldh, n, k, rules); break;
+        case 1: tc_masked_down_group_kernel<T, 1><<<grid, 128, 0, s>>>(xp, ap, hp, ldh, n, k, rules); break;
+        case 2: tc_masked_down_group_kernel<T, 2><<<grid, 128, 0, s>>>(xp, ap, hp, ldh, n, k, rules); break;
+        case 3: tc_masked_down_group_kernel<T, 3><<<grid, 128, 0, s>>>(xp, ap, hp, ldh, n, k, rules); break;
         default: return static_cast<int>(cudaErrorInvalidValue);
     }
     return static_cast<int>(cudaGetLastError());
@@ -1079,7 +1088,7 @@ int lora_masked_down_grad_group(const void* gh, int64_t ldg, const void* x, floa
 
 int lora_masked_down_group(const void* x, const void* a, void* h, int64_t ldh, int64_t n, int64_t k,
                            const DropoutRules& rules, KernelDtype dtype, void* stream) {
-    if (rules.count < 1 || rules.count > kLoRAMaxGroup || !tensor_cores() || k % 16 != 0)
+    if (rules.count < 1 || rules.count > kLoRAMaxGroup || !tensor_cores())
         return static_cast<int>(cudaErrorInvalidValue);
     auto s = static_cast<cudaStream_t>(stream);
     switch (dtype) {

@@ -54,10 +54,9 @@ int lora_masked_down(const void* x, const void* a, void* h, int64_t ldh, int64_t
 
 // The forward products of a group of adapters of rank 16 that read the same x (fused q/k/v): h
 // columns [g·16, (g+1)·16) (row stride ldh) = (mask_g ⊙ x) · a_gᵀ with a_g rows [g·16, (g+1)·16) of
-// a ([count·16, k] contiguous, 32-byte aligned), x read once for the group; each adapter's decisions
-// are recorded where its rule asks (keep_out). Each adapter's h has lora_masked_down's bits where
-// that takes 16-row blocks of eight warps (below 32 · 3 · SMs rows). Tensor cores only, k a multiple
-// of 16: cudaErrorInvalidValue otherwise, and for a count outside 1..kLoRAMaxGroup.
+// a ([count·16, k] contiguous), x read once for the group; each adapter's decisions are recorded
+// where its rule asks (keep_out), the same as lora_masked_down's. Tensor cores only:
+// cudaErrorInvalidValue otherwise, and for a count outside 1..kLoRAMaxGroup.
 int lora_masked_down_group(const void* x, const void* a, void* h, int64_t ldh, int64_t n, int64_t k,
                            const DropoutRules& rules, KernelDtype dtype, void* stream);
 
