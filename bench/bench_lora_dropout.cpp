@@ -5,8 +5,7 @@
 // training step runs it, so launch overhead is left out. Prints one JSON line per shape and product:
 //   {"bench": "lora_dropout", "op": "down", "n": 16384, "k": 640, "r": 16, "plain_us": ...,
 //    "composite_us": ..., "kernels_us": ..., "max_rel_diff": ...}
-// op: down (h = mask(x)·aᵀ), down_grad (dA = ghᵀ·mask(x)), up_add (dx += mask(gh·a)); down_group3:
-// a fused q/k/v group's three forward products, adapter by adapter (each_us) and in one pass (group_us).
+// op: down (h = mask(x)·aᵀ), down_grad (dA = ghᵀ·mask(x)), up_add (dx += mask(gh·a)).
 // kernels_kept_us: down recording the mask's decisions, the backward products reading them
 // (LoRADropoutMask::keep) instead of hashing. max_rel_diff: kernels against the composite, over the
 // composite's largest magnitude.
@@ -136,36 +135,6 @@ int main(int argc, char** argv) {
                 recorded, diff);
             std::fflush(stdout);
         }
-    }
-    // The forward products of a fused q/k/v group (three adapters of rank 16 on one input, own masks):
-    // adapter by adapter against lora_masked_down_group_out's one pass.
-    m::set_lora_dropout_kernels(m::LoRADropoutKernels::kTensorCores);
-    for (const auto& [n, k] :
-         std::vector<std::pair<int64_t, int64_t>>{{16384, 640}, {4096, 3072}, {4608, 3072}}) {
-        constexpr int64_t kGroup = 3, kRank = 16;
-        const at::Tensor x = at::randn({n, k}, on).to(at::kBFloat16);
-        const at::Tensor a = (at::randn({kGroup * kRank, k}, on) * 0.05).to(at::kBFloat16);
-        std::vector<m::LoRADropoutMask> masks;
-        for (int64_t i = 0; i < kGroup; ++i)
-            masks.push_back({at::full({1}, 7, on.dtype(at::kLong)), static_cast<uint64_t>(3 + i), 0.1, 0});
-        at::Tensor h_each = at::empty({n, kGroup * kRank}, x.options()), h_group = at::empty_like(h_each);
-        std::vector<at::Tensor> keeps(kGroup);
-        const auto each = [&] {
-            for (int64_t i = 0; i < kGroup; ++i) {
-                at::Tensor hi = h_each.narrow(1, i * kRank, kRank);
-                m::lora_masked_down_out(hi, x, a.narrow(0, i * kRank, kRank), masks[i], &keeps[i]);
-            }
-        };
-        const auto group = [&] { m::lora_masked_down_group_out(h_group, x, a, masks, &keeps); };
-        const double each_us = graphed_us(each, replays), group_us = graphed_us(group, replays);
-        each();
-        group();
-        std::printf(
-            "{\"bench\": \"lora_dropout\", \"op\": \"down_group3\", \"n\": %lld, \"k\": %lld, \"r\": %lld, "
-            "\"each_us\": %.2f, \"group_us\": %.2f, \"max_rel_diff\": %.3g}\n",
-            static_cast<long long>(n), static_cast<long long>(k), static_cast<long long>(kRank), each_us,
-            group_us, rel_diff(h_group, h_each));
-        std::fflush(stdout);
     }
     m::set_lora_dropout_kernels(was);
     return 0;

@@ -1293,12 +1293,10 @@ TEST(ModelsGpu, LoRADropoutKernelsMatchTheMaskedReference) {
                     }
 }
 
-// The group forms of fused q/k/v's products for two or three adapters with their own masks:
-// lora_masked_down_group_out (one pass over x at rank 16) against float64 and the per-adapter forward
-// kernel, its recorded decisions bit for bit; lora_masked_up_add_group_ (one pass over dx) against float64
-// and the per-adapter kernel, the recorded decisions giving the same bits as hashing;
-// lora_masked_down_grad_group (one pass over x) bit for bit the per-adapter kernel's factor gradients, and
-// close to float64.
+// The group forms of fused q/k/v's backward for two or three adapters with their own masks:
+// lora_masked_up_add_group_ (one pass over dx) against float64 and the
+// per-adapter kernel, the recorded decisions giving the same bits as hashing; lora_masked_down_grad_group
+// (one pass over x) bit for bit the per-adapter kernel's factor gradients, and close to float64.
 TEST(ModelsGpu, LoRAMaskedGroupsMatchFloat64AndThePerAdapterKernels) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
     const at::Device cuda(at::kCUDA, 0);
@@ -1317,13 +1315,12 @@ TEST(ModelsGpu, LoRAMaskedGroupsMatchFloat64AndThePerAdapterKernels) {
                 const at::Tensor gh = at::randn({n, groups * r}, on).to(dtype);
                 std::vector<LoRADropoutMask> masks, kept;
                 at::Tensor ref = at::zeros({n, k}, on.dtype(at::kDouble));
-                at::Tensor h_each = at::empty({n, groups * r}, on.dtype(dtype));
                 for (int64_t i = 0; i < groups; ++i) {
                     const LoRADropoutMask m{at::full({1}, 99, on.dtype(at::kLong)),
                                             static_cast<uint64_t>(30 + i), 0.1, 5 * i};
                     masks.push_back(m);
                     at::Tensor keep;  // the forward kernel's recorded decisions for this adapter
-                    h_each.narrow(1, i * r, r).copy_(lora_masked_down(x, a.narrow(0, i * r, r), m, &keep));
+                    (void)lora_masked_down(x, a.narrow(0, i * r, r), m, &keep);
                     ASSERT_TRUE(keep.defined());
                     kept.push_back(m);
                     kept.back().keep = keep;
@@ -1333,37 +1330,6 @@ TEST(ModelsGpu, LoRAMaskedGroupsMatchFloat64AndThePerAdapterKernels) {
                     ref += mask * at::mm(gh.narrow(1, i * r, r).to(at::kDouble),
                                          a.narrow(0, i * r, r).to(at::kDouble));
                 }
-                // The forward products in one pass (rank 16; else adapter by adapter), into a column
-                // slice of a wider h as the fused path writes it: each adapter's h within a rounding of
-                // the per-adapter kernel's (a different summation order) and of float64, and the
-                // recorded decisions bit for bit the per-adapter kernel's.
-                at::Tensor h_wide = at::zeros({n, groups * r + 8}, on.dtype(dtype));
-                at::Tensor h_group = h_wide.narrow(1, 0, groups * r);
-                std::vector<at::Tensor> keeps;
-                lora_masked_down_group_out(h_group, x, a, masks, &keeps);
-                const double h_scale = h_each.abs().max().item<double>();
-                EXPECT_LE(test::max_abs_diff(h_group.to(at::kDouble).cpu(), h_each.to(at::kDouble).cpu()),
-                          (dtype == at::kBFloat16 ? 1.0 / 128 : 1.0 / 1024) * h_scale)
-                    << "group forward";
-                if (r != 16) {
-                    EXPECT_TRUE(at::equal(h_group, h_each)) << "adapter by adapter";
-                }
-                for (int64_t i = 0; i < groups; ++i) {
-                    const at::Tensor mask =
-                        hash_dropout_no_grad(at::ones({n, k}, on), masks[i].seed, masks[i].salt, masks[i].p,
-                                             masks[i].index_offset)
-                            .to(at::kDouble);
-                    const at::Tensor h_ref =
-                        at::mm(x.to(at::kDouble) * mask, a.narrow(0, i * r, r).to(at::kDouble).t());
-                    EXPECT_LE(
-                        test::max_abs_diff(h_group.narrow(1, i * r, r).to(at::kDouble).cpu(), h_ref.cpu()),
-                        1e-2 * h_ref.abs().max().item<double>())
-                        << "adapter " << i << " against float64";
-                }
-                EXPECT_EQ(h_wide.narrow(1, groups * r, 8).abs().max().item<float>(), 0.0f);
-                ASSERT_EQ(keeps.size(), static_cast<size_t>(groups));
-                for (int64_t i = 0; i < groups; ++i)
-                    EXPECT_TRUE(keeps[i].defined() && at::equal(keeps[i], kept[i].keep)) << "keep " << i;
                 const at::Tensor dx0 = at::randn({n, k}, on).to(dtype);
                 ref += dx0.to(at::kDouble);
                 at::Tensor dx = dx0.clone(), dx_kept = dx0.clone(), dx_each = dx0.clone();

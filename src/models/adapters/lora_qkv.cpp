@@ -174,9 +174,12 @@ struct LoRAProjectionsFunction : public torch::autograd::Function<LoRAProjection
             h = at::mm(x2, ac.t());
         } else {
             h = at::empty({x2.size(0), n * r}, x2.options());
-            std::vector<LoRADropoutMask> masks;  // read inside the products (lora_dropout.h)
-            for (const auto& d : spec.dropouts) masks.push_back({d.seed, d.salt, d.p, d.index_offset});
-            lora_masked_down_group_out(h, x2, ac, masks, &keeps);  // one pass over x2 where it can
+            for (int64_t i = 0; i < n; ++i) {
+                at::Tensor hi = h.narrow(1, i * r, r);
+                const auto& d = spec.dropouts[i];  // the mask read inside the product (lora_dropout.h)
+                lora_masked_down_out(hi, x2, ac.narrow(0, i * r, r), {d.seed, d.salt, d.p, d.index_offset},
+                                     &keeps[i]);
+            }
         }
         std::vector<at::Tensor> saved{x2, wc, ac, h};
         std::vector<at::Tensor> bcs;  // [out_i, r] in the compute dtype

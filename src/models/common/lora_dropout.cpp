@@ -161,44 +161,6 @@ void lora_masked_down_out(at::Tensor& h, const at::Tensor& x2, const at::Tensor&
     at::mm_out(h, xd, a.t());
 }
 
-void lora_masked_down_group_out(at::Tensor& h, const at::Tensor& x2, const at::Tensor& a,
-                                const std::vector<LoRADropoutMask>& masks, std::vector<at::Tensor>* keeps) {
-    const auto count = static_cast<int64_t>(masks.size());
-    DTUNE_CHECK(
-        count >= 1 && a.dim() == 2 && a.size(0) % count == 0 && h.dim() == 2 && h.size(1) == a.size(0),
-        "lora_masked_down_group_out: a ", a.sizes(), " and h ", h.sizes(), " do not hold ", count,
-        " adapters of one rank");
-    const int64_t r = a.size(0) / count;
-    if (keeps != nullptr) keeps->assign(static_cast<size_t>(count), at::Tensor());
-#ifdef DTUNE_WITH_CUDA_KERNELS
-    constexpr int64_t kGroupRank = 16;  // the group kernel's one rank tile
-    const bool shape_ok = r == kGroupRank && lora_dropout_kernels_take(x2, a);
-    if (const auto rules =
-            shape_ok ? group_rules(x2, h, count, r, masks, "lora_masked_down_group_out") : std::nullopt) {
-        const c10::cuda::CUDAGuard guard(x2.device());
-        cuda::DropoutRules launch = *rules;
-        for (int64_t i = 0; i < count; ++i) {
-            launch.rule[i].keep_in = nullptr;
-            if (keeps != nullptr) {
-                (*keeps)[i] = at::empty({x2.size(0), x2.size(1) / 8}, x2.options().dtype(at::kByte));
-                launch.rule[i].keep_out = (*keeps)[i].mutable_data_ptr<uint8_t>();
-            }
-        }
-        check_launch(cuda::lora_masked_down_group(
-                         x2.const_data_ptr(), a.const_data_ptr(), h.mutable_data_ptr(), h.stride(0),
-                         x2.size(0), x2.size(1), launch,
-                         kernel_dtype(x2.scalar_type(), "lora_masked_down_group_out"), current_stream_of(x2)),
-                     "lora_masked_down_group_out", "forward");
-        return;
-    }
-#endif
-    for (int64_t i = 0; i < count; ++i) {
-        at::Tensor hi = h.narrow(1, i * r, r);
-        lora_masked_down_out(hi, x2, a.narrow(0, i * r, r), masks[i],
-                             keeps != nullptr ? &(*keeps)[i] : nullptr);
-    }
-}
-
 at::Tensor lora_masked_down_grad(const at::Tensor& gh, const at::Tensor& x2, const LoRADropoutMask& m,
                                  at::ScalarType out_dtype) {
 #ifdef DTUNE_WITH_CUDA_KERNELS

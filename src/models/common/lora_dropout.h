@@ -55,15 +55,6 @@ at::Tensor lora_masked_down(const at::Tensor& x2, const at::Tensor& a, const LoR
 void lora_masked_down_out(at::Tensor& h, const at::Tensor& x2, const at::Tensor& a, const LoRADropoutMask& m,
                           at::Tensor* keep = nullptr);
 
-// The forward products of n adapters of one rank r that read x2 (fused q/k/v): h [N, n·r] (rows may
-// be strided) gets adapter i's (mask_i ⊙ x2)·a_iᵀ in columns i·r .. (i+1)·r, with a [n·r, in] (A_1;
-// ...; A_n) and masks[i] adapter i's mask. On the tensor-core kernels, for rank 16, n <= 3 and every
-// mask active, one pass over x2 for all of them (the products differ from adapter by adapter by
-// summation order only); elsewhere adapter by adapter. keeps: as lora_masked_down's `keep`, one per
-// adapter (resized to n).
-void lora_masked_down_group_out(at::Tensor& h, const at::Tensor& x2, const at::Tensor& a,
-                                const std::vector<LoRADropoutMask>& masks, std::vector<at::Tensor>* keeps);
-
 // dA [r, in] = ghᵀ·(mask ⊙ x2), returned in `out_dtype` (the factor's; the kernel accumulates in
 // float32 and is deterministic run to run).
 at::Tensor lora_masked_down_grad(const at::Tensor& gh, const at::Tensor& x2, const LoRADropoutMask& m,

@@ -284,33 +284,33 @@ __device__ __forceinline__ bool gh_packed(const void* gh, int64_t ldg, int r) {
     return r % 8 == 0 && ldg % 8 == 0 && reinterpret_cast<uintptr_t>(gh) % 16 == 0;
 }
 
-// Q packs of x (row-major [n, k]) of the tile at (row0, c0) into registers, zeros out of range:
-// pack q is tile row p / kPacks, pack p % kPacks, p = first + q · stride.
-template <typename T, int Q>
-__device__ __forceinline__ void load_packs(const T* __restrict__ x, int64_t n, int64_t k, int64_t row0,
-                                           int64_t c0, int first, int stride, Pack<T, 8> (&v)[Q]) {
-#pragma unroll
-    for (int q = 0; q < Q; ++q) {
-        const int p = first + q * stride;
-        const int64_t row = row0 + p / kPacks, c = c0 + (p % kPacks) * 8;
-        if (row < n && c < k)
-            v[q] = *reinterpret_cast<const Pack<T, 8>*>(x + row * k + c);
-        else
-            *reinterpret_cast<uint4*>(&v[q]) = make_uint4(0, 0, 0, 0);
-    }
-}
-
-// Those packs through the mask into the shared tile (the same pack positions). kKept: the decisions
-// come from `kept` (rule.keep_in's bytes), else they are hashed (and recorded where the rule asks).
+// Q packs of x (row-major [n, k]) through the mask into shared tiles: all loads first, then the
+// mask and the stores, so a lane has Q loads in flight. Pack q is tile row p / kPacks, pack
+// p % kPacks, p = first + q · stride. kKept: the decisions come from rule.keep_in (set), else they
+// are hashed (a separate instance: the forward kernel's loop stays free of the bytes' registers).
 template <typename T, int Q, bool kKept>
-__device__ __forceinline__ void store_masked(const Pack<T, 8> (&v)[Q], const uint8_t (&kept)[Q], int64_t n,
-                                             int64_t k, int64_t row0, int64_t c0, int first, int stride,
-                                             T* tile, uint64_t key, const DropoutRule& rule) {
+__device__ __forceinline__ void masked_tile(const T* __restrict__ x, int64_t n, int64_t k, int64_t row0,
+                                            int64_t c0, int first, int stride, T* tile, uint64_t key,
+                                            const DropoutRule& rule) {
+    Pack<T, 8> v[Q];
+    uint8_t kept[Q];
 #pragma unroll
     for (int q = 0; q < Q; ++q) {
         const int p = first + q * stride;
         const int64_t row = row0 + p / kPacks, c = c0 + (p % kPacks) * 8;
-        Pack<T, 8> out = v[q];
+        kept[q] = 0;
+        if (row < n && c < k) {
+            v[q] = *reinterpret_cast<const Pack<T, 8>*>(x + row * k + c);
+            if constexpr (kKept) kept[q] = rule.keep_in[(row * k + c) / 8];
+        } else {
+            *reinterpret_cast<uint4*>(&v[q]) = make_uint4(0, 0, 0, 0);
+        }
+    }
+#pragma unroll
+    for (int q = 0; q < Q; ++q) {
+        const int p = first + q * stride;
+        const int64_t row = row0 + p / kPacks, c = c0 + (p % kPacks) * 8;
+        T* dst = tile + (p / kPacks) * kPitch + (p % kPacks) * 8;
         if (row < n && c < k) {
             float f[8];
 #pragma unroll
@@ -320,31 +320,10 @@ __device__ __forceinline__ void store_masked(const Pack<T, 8> (&v)[Q], const uin
             else
                 mask_pack(f, key, row * k + c, rule);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) out.v[e] = from_float<T>(f[e]);
+            for (int e = 0; e < 8; ++e) v[q].v[e] = from_float<T>(f[e]);
         }
-        *reinterpret_cast<Pack<T, 8>*>(tile + (p / kPacks) * kPitch + (p % kPacks) * 8) = out;
+        *reinterpret_cast<Pack<T, 8>*>(dst) = v[q];
     }
-}
-
-// Q packs of x through the mask into shared tiles: all loads first (a lane has Q in flight), then
-// the mask and the stores. kKept: the decisions come from rule.keep_in (set), else they are hashed
-// (a separate instance: the forward kernel's loop stays free of the bytes' registers).
-template <typename T, int Q, bool kKept>
-__device__ __forceinline__ void masked_tile(const T* __restrict__ x, int64_t n, int64_t k, int64_t row0,
-                                            int64_t c0, int first, int stride, T* tile, uint64_t key,
-                                            const DropoutRule& rule) {
-    Pack<T, 8> v[Q];
-    uint8_t kept[Q] = {};
-    load_packs<T, Q>(x, n, k, row0, c0, first, stride, v);
-    if constexpr (kKept) {
-#pragma unroll
-        for (int q = 0; q < Q; ++q) {
-            const int p = first + q * stride;
-            const int64_t row = row0 + p / kPacks, c = c0 + (p % kPacks) * 8;
-            if (row < n && c < k) kept[q] = rule.keep_in[(row * k + c) / 8];
-        }
-    }
-    store_masked<T, Q, kKept>(v, kept, n, k, row0, c0, first, stride, tile, key, rule);
 }
 
 // h[row, j] = Σ_c round(mask(x))[row, c] · a[j, c]: RT fragments of 16 ranks, MF of 16 rows per warp,
@@ -409,84 +388,6 @@ __global__ void __launch_bounds__(32 * W, 16 / W)  // 16 warps per SM: at most 1
 #pragma unroll
         for (int w = 0; w < W; ++w) s += sums[(w * BM + i) * RP + j];
         h[row * ldh + j] = from_float<T>(s);
-    }
-#else
-    __trap();
-#endif
-}
-
-// The forward products of a group of G adapters of rank 16 that read the same x (fused q/k/v):
-// h[row, g·16 + j] = Σ_c round(mask_g(x))[row, c] · a[g·16 + j, c]. A block owns 16 rows; its four
-// warps take alternate 64-column chunks, and x is read once for the group: a warp's next chunk of x
-// is in flight while it copies this chunk's A tiles to shared memory and forms the G masked
-// products. Four blocks an SM (at most 128 registers), so 4608 rows (Flux's joint sequence) are one
-// wave. The warps' sums meet in shared memory in a fixed order.
-template <typename T, int G>
-__global__ void __launch_bounds__(128, 4)
-    tc_masked_down_group_kernel(const T* __restrict__ x, const T* __restrict__ a, T* __restrict__ h,
-                                int64_t ldh, int64_t n, int64_t k,
-                                const __grid_constant__ DropoutRules rules) {
-#ifdef DTUNE_TC_LORA
-    constexpr int W = 4, BM = 16, Q = BM * kPacks / 32, kXs = BM * kPitch, kAs = 16 * kPitch;
-    constexpr size_t kTiles = W * (kXs + G * kAs) * sizeof(T), kSums = G * W * BM * 16 * sizeof(float);
-    __shared__ __align__(128) unsigned char smem[kTiles > kSums ? kTiles : kSums];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    T* xs = reinterpret_cast<T*>(smem) + warp * (kXs + G * kAs);
-    T* as = xs + kXs;
-    const int64_t row0 = static_cast<int64_t>(blockIdx.x) * BM;
-    uint64_t key[G];
-    Acc acc[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        key[g] = math::layer_key(static_cast<uint64_t>(*rules.rule[g].seed), rules.rule[g].salt);
-        wmma::fill_fragment(acc[g], 0.0f);
-    }
-    const uint8_t no_kept[Q] = {};
-    Pack<T, 8> v[Q];
-    int64_t c0 = static_cast<int64_t>(warp) * kChunk;
-    if (c0 < k) load_packs<T, Q>(x, n, k, row0, c0, lane, 32, v);
-    for (; c0 < k; c0 += W * kChunk) {
-        Pack<T, 8> next[Q];
-        if (c0 + W * kChunk < k) load_packs<T, Q>(x, n, k, row0, c0 + W * kChunk, lane, 32, next);
-#pragma unroll
-        for (int g = 0; g < G; ++g)
-#pragma unroll
-            for (int q = 0; q < 16 * kPacks / 32; ++q) {
-                const int p = lane + 32 * q;
-                copy_pack(a + static_cast<int64_t>(g) * 16 * k, 16, k, p / kPacks, c0 + (p % kPacks) * 8,
-                          as + g * kAs + (p / kPacks) * kPitch + (p % kPacks) * 8);
-            }
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            store_masked<T, Q, false>(v, no_kept, n, k, row0, c0, lane, 32, xs, key[g], rules.rule[g]);
-            __syncwarp();
-#pragma unroll
-            for (int kk = 0; kk < kChunk / 16; ++kk) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> xf;
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> af;  // aᵀ
-                wmma::load_matrix_sync(xf, xs + kk * 16, kPitch);
-                wmma::load_matrix_sync(af, as + g * kAs + kk * 16, kPitch);
-                wmma::mma_sync(acc[g], xf, af, acc[g]);
-            }
-            __syncwarp();
-        }
-#pragma unroll
-        for (int q = 0; q < Q; ++q) v[q] = next[q];
-    }
-    __syncthreads();
-    float* sums = reinterpret_cast<float*>(smem);  // [g][warp][BM][16]
-#pragma unroll
-    for (int g = 0; g < G; ++g)
-        wmma::store_matrix_sync(sums + ((g * W + warp) * BM) * 16, acc[g], 16, wmma::mem_row_major);
-    __syncthreads();
-    for (int e = threadIdx.x; e < G * BM * 16; e += 32 * W) {
-        const int g = e / (BM * 16), i = (e / 16) % BM, j = e % 16;
-        const int64_t row = row0 + i;
-        if (row >= n) continue;
-        float s = 0.0f;
-#pragma unroll
-        for (int w = 0; w < W; ++w) s += sums[((g * W + w) * BM + i) * 16 + j];
-        h[row * ldh + g * 16 + j] = from_float<T>(s);
     }
 #else
     __trap();
@@ -1005,22 +906,6 @@ int launch_tc_down_grad_group(const T* gp, int64_t ldg, const T* xp, float* part
     }
 }
 
-template <typename T>
-int launch_tc_down_group(const void* x, const void* a, void* h, int64_t ldh, int64_t n, int64_t k,
-                         const DropoutRules& rules, cudaStream_t s) {
-    const auto* xp = static_cast<const T*>(x);
-    const auto* ap = static_cast<const T*>(a);
-    auto* hp = static_cast<T*>(h);
-    const auto grid = static_cast<unsigned>((n + 15) / 16);
-    switch (rules.count) {
-        case 1: tc_masked_down_group_kernel<T, 1><<<grid, 128, 0, s>>>(xp, ap, hp, ldh, n, k, rules); break;
-        case 2: tc_masked_down_group_kernel<T, 2><<<grid, 128, 0, s>>>(xp, ap, hp, ldh, n, k, rules); break;
-        case 3: tc_masked_down_group_kernel<T, 3><<<grid, 128, 0, s>>>(xp, ap, hp, ldh, n, k, rules); break;
-        default: return static_cast<int>(cudaErrorInvalidValue);
-    }
-    return static_cast<int>(cudaGetLastError());
-}
-
 }  // namespace
 
 int lora_masked_down(const void* x, const void* a, void* h, int64_t ldh, int64_t n, int64_t k, int64_t r,
@@ -1081,19 +966,6 @@ int lora_masked_down_grad_group(const void* gh, int64_t ldg, const void* x, floa
         case KernelDtype::kHalf:
             return launch_tc_down_grad_group(static_cast<const __half*>(gh), ldg,
                                              static_cast<const __half*>(x), partials, da, n, k, r, rules, s);
-        case KernelDtype::kFloat: break;
-    }
-    return static_cast<int>(cudaErrorInvalidValue);
-}
-
-int lora_masked_down_group(const void* x, const void* a, void* h, int64_t ldh, int64_t n, int64_t k,
-                           const DropoutRules& rules, KernelDtype dtype, void* stream) {
-    if (rules.count < 1 || rules.count > kLoRAMaxGroup || !tensor_cores())
-        return static_cast<int>(cudaErrorInvalidValue);
-    auto s = static_cast<cudaStream_t>(stream);
-    switch (dtype) {
-        case KernelDtype::kBFloat16: return launch_tc_down_group<__nv_bfloat16>(x, a, h, ldh, n, k, rules, s);
-        case KernelDtype::kHalf: return launch_tc_down_group<__half>(x, a, h, ldh, n, k, rules, s);
         case KernelDtype::kFloat: break;
     }
     return static_cast<int>(cudaErrorInvalidValue);

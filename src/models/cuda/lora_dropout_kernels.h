@@ -52,14 +52,6 @@ bool lora_dropout_tensor_cores(KernelDtype dtype, int device);
 int lora_masked_down(const void* x, const void* a, void* h, int64_t ldh, int64_t n, int64_t k, int64_t r,
                      const DropoutRule& rule, KernelDtype dtype, void* stream);
 
-// The forward products of a group of adapters of rank 16 that read the same x (fused q/k/v): h
-// columns [g·16, (g+1)·16) (row stride ldh) = (mask_g ⊙ x) · a_gᵀ with a_g rows [g·16, (g+1)·16) of
-// a ([count·16, k] contiguous), x read once for the group; each adapter's decisions are recorded
-// where its rule asks (keep_out), the same as lora_masked_down's. Tensor cores only:
-// cudaErrorInvalidValue otherwise, and for a count outside 1..kLoRAMaxGroup.
-int lora_masked_down_group(const void* x, const void* a, void* h, int64_t ldh, int64_t n, int64_t k,
-                           const DropoutRules& rules, KernelDtype dtype, void* stream);
-
 // The number of row splits lora_masked_down_grad uses for [n, k] inputs of `dtype` on the current
 // device: `partials` holds splits · r · k floats.
 int64_t lora_masked_down_grad_splits(int64_t n, int64_t k, KernelDtype dtype);
