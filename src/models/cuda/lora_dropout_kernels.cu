@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include <cuda_pipeline.h>
 #include <mma.h>
 
 #include "models/common/hash_dropout_math.h"
@@ -238,6 +239,7 @@ constexpr int kChunk = 64;             // columns of x, a or dx per tile
 constexpr int kPitch = kChunk + 8;     // shared row pitch of 16-bit tiles (the pad spreads the banks)
 constexpr int kOutPitch = kChunk + 4;  // shared row pitch of float tiles
 constexpr int kPacks = kChunk / 8;     // 16-byte packs per tile row
+constexpr int kUpAddBlocks = 4;        // tc_masked_up_add's blocks an SM (its launch bounds)
 using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
 
 __device__ __forceinline__ void zero_pack(void* dst) {
@@ -395,106 +397,128 @@ __global__ void __launch_bounds__(32 * W, 16 / W)  // 16 warps per SM: at most 1
 }
 
 // dx[row, c] += Σ_g mask_g(Σ_j gh[row, g·r + j] · a[g·r + j, c]) for the group's G adapters (one
-// for a single layer), rounded once: a block owns 64 rows (16 per warp) and 64 columns. Every
-// adapter's gh and a tiles are loaded at once; then per adapter each warp forms its 16 x 64 product,
-// which goes through the warp's shared tile, where the adapter's mask is applied on the way into
-// the float sums. Registers: one layer at most 72 for rank <= 16 (7 blocks an SM) and 102 above (5);
-// a group at most 128 (4 blocks).
+// for a single layer), rounded once: a block owns 64 rows (16 per warp) and a run of `chunks`
+// 64-column chunks (enough runs to fill the SMs once). The gh tiles are loaded once; chunk by chunk,
+// the next chunk's a tiles are in flight (cp.async, double-buffered where two fit: G · RT <= 3)
+// while this chunk's products are formed, and this chunk's dx packs, read back last, load meanwhile. Per
+// adapter each warp forms its 16 x 64 product, which goes through the warp's shared tile, where the adapter's
+// mask is applied on the way into the float sums. At most 128 registers (kUpAddBlocks blocks an SM).
 template <typename T, int RT, int G>
-__global__ void __launch_bounds__(kTcThreads, G > 1     ? 4
-                                              : RT == 1 ? 7
-                                                        : 5)
+__global__ void __launch_bounds__(kTcThreads, kUpAddBlocks)
     tc_masked_up_add_kernel(T* __restrict__ dx, const T* __restrict__ gh, int64_t ldg,
-                            const T* __restrict__ a, int64_t n, int64_t k, int r, DropoutRules rules) {
+                            const T* __restrict__ a, int64_t n, int64_t k, int r, int chunks,
+                            const __grid_constant__ DropoutRules rules) {
 #ifdef DTUNE_TC_LORA
-    constexpr int RP = 16 * RT, BM = 16 * kTcWarps, kGp = RP + 8;
+    constexpr int RP = 16 * RT, BM = 16 * kTcWarps, kGp = RP + 8, NB = G * RT <= 3 ? 2 : 1;
     const bool packed = gh_packed(gh, ldg, r);
     __shared__ __align__(128) T gs[G][BM * kGp];
-    __shared__ __align__(128) T as[G][RP * kPitch];
+    __shared__ __align__(128) T as[NB][G][RP * kPitch];
     __shared__ __align__(128) float os[kTcWarps * 16 * kOutPitch];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int64_t row0 = static_cast<int64_t>(blockIdx.x) * BM,
-                  c0 = static_cast<int64_t>(blockIdx.y) * kChunk;
+                  first = static_cast<int64_t>(blockIdx.y) * chunks * kChunk,
+                  end = first + static_cast<int64_t>(chunks) * kChunk, last = end < k ? end : k;
     constexpr int kOwn = 16 * kPacks / 32;
-    // This lane's packs of dx, and the first adapter's kept decisions for them, loaded before the
-    // products are formed; the later adapters' decisions are loaded in their turn.
-    Pack<T, 8> d[kOwn];
-    uint8_t kept[kOwn];
-    float sum[kOwn][8];
+    // The group's a tiles of the chunk at c0 into buffer b, without registers (zeros out of range).
+    auto load_a = [&](int64_t c0, int b) {
 #pragma unroll
-    for (int q = 0; q < kOwn; ++q) {
-        const int p = lane + 32 * q;
-        const int64_t row = row0 + warp * 16 + p / kPacks, c = c0 + (p % kPacks) * 8;
-        kept[q] = 0;
-        if (row < n && c < k) {
-            d[q] = *reinterpret_cast<const Pack<T, 8>*>(dx + row * k + c);
-            if (rules.rule[0].keep_in != nullptr) kept[q] = rules.rule[0].keep_in[(row * k + c) / 8];
-        }
-    }
+        for (int g = 0; g < G; ++g)
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-        load_gh_tile<T, BM, RP>(gh, ldg, n, row0, g * r, r, packed, gs[g]);
-#pragma unroll
-        for (int q = 0; q < RP * kPacks / kTcThreads + 1; ++q) {
-            const int p = threadIdx.x + kTcThreads * q;
-            if (p < RP * kPacks)
-                copy_pack(a + static_cast<int64_t>(g) * r * k, r, k, p / kPacks, c0 + (p % kPacks) * 8,
-                          as[g] + (p / kPacks) * kPitch + (p % kPacks) * 8);
-        }
-    }
-    __syncthreads();
-    float* o = os + warp * 16 * kOutPitch;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-        const DropoutRule& rule = rules.rule[g];
-        if (g > 0) {
-#pragma unroll
-            for (int q = 0; q < kOwn; ++q) {
-                const int p = lane + 32 * q;
-                const int64_t row = row0 + warp * 16 + p / kPacks, c = c0 + (p % kPacks) * 8;
-                kept[q] = rule.keep_in != nullptr && row < n && c < k ? rule.keep_in[(row * k + c) / 8] : 0;
+            for (int q = 0; q < RP * kPacks / kTcThreads + 1; ++q) {
+                const int p = threadIdx.x + kTcThreads * q, row = p / kPacks;
+                const int64_t c = c0 + (p % kPacks) * 8;
+                if (p >= RP * kPacks) continue;
+                T* dst = as[b][g] + row * kPitch + (p % kPacks) * 8;
+                if (row < r && c < k)
+                    __pipeline_memcpy_async(dst, a + (static_cast<int64_t>(g) * r + row) * k + c, 16);
+                else
+                    zero_pack(dst);
             }
-        }
-        Acc acc[kChunk / 16];
+        __pipeline_commit();
+    };
+    static_assert(kOwn <= 4, "a lane's kept bytes of one adapter fit one word");
+    // This lane's packs of dx at c0 and every adapter's kept decisions for them (byte q of kept[g]).
+    auto load_d = [&](int64_t c0, Pack<T, 8>(&d)[kOwn], uint32_t(&kept)[G]) {
 #pragma unroll
-        for (int f = 0; f < kChunk / 16; ++f) wmma::fill_fragment(acc[f], 0.0f);
-#pragma unroll
-        for (int t = 0; t < RT; ++t) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> gf;
-            wmma::load_matrix_sync(gf, gs[g] + warp * 16 * kGp + t * 16, kGp);
-#pragma unroll
-            for (int f = 0; f < kChunk / 16; ++f) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> af;
-                wmma::load_matrix_sync(af, as[g] + t * 16 * kPitch + f * 16, kPitch);
-                wmma::mma_sync(acc[f], gf, af, acc[f]);
-            }
-        }
-        if (g > 0) __syncwarp();  // the lanes have read the previous adapter's product from o
-#pragma unroll
-        for (int f = 0; f < kChunk / 16; ++f)
-            wmma::store_matrix_sync(o + f * 16, acc[f], kOutPitch, wmma::mem_row_major);
-        __syncwarp();
-        const uint64_t key = math::layer_key(static_cast<uint64_t>(*rule.seed), rule.salt);
+        for (int g = 0; g < G; ++g) kept[g] = 0;
 #pragma unroll
         for (int q = 0; q < kOwn; ++q) {
-            const int p = lane + 32 * q, i = p / kPacks, cp = (p % kPacks) * 8;
-            const int64_t row = row0 + warp * 16 + i, c = c0 + cp;
+            const int p = lane + 32 * q;
+            const int64_t row = row0 + warp * 16 + p / kPacks, c = c0 + (p % kPacks) * 8;
             if (row >= n || c >= k) continue;
-            float v[8];
+            d[q] = *reinterpret_cast<const Pack<T, 8>*>(dx + row * k + c);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) v[e] = o[i * kOutPitch + cp + e];
-            if (rule.keep_in != nullptr)
-                bits_mask<8>(v, kept[q], rule.scale);
-            else
-                mask_pack(v, key, row * k + c, rule);
+            for (int g = 0; g < G; ++g)
+                if (rules.rule[g].keep_in != nullptr)
+                    kept[g] |= static_cast<uint32_t>(rules.rule[g].keep_in[(row * k + c) / 8]) << (8 * q);
+        }
+    };
 #pragma unroll
-            for (int e = 0; e < 8; ++e) sum[q][e] = g == 0 ? v[e] : sum[q][e] + v[e];
-            if (g == G - 1) {  // the last adapter's pass writes: each sum leaves registers at once
+    for (int g = 0; g < G; ++g) load_gh_tile<T, BM, RP>(gh, ldg, n, row0, g * r, r, packed, gs[g]);
+    if constexpr (NB == 2) load_a(first, 0);
+    float* o = os + warp * 16 * kOutPitch;
+    int b = 0;
+    for (int64_t c0 = first; c0 < last; c0 += kChunk) {
+        const int64_t c1 = c0 + kChunk;
+        const bool more = c1 < last;
+        if constexpr (NB == 1) {
+            __syncthreads();  // every warp is done with the previous chunk's tiles
+            load_a(c0, 0);
+        }
+        __pipeline_wait_prior(0);  // this thread's copies of this chunk's tiles have landed
+        __syncthreads();           // everyone's, and the previous chunk's buffer is free
+        if constexpr (NB == 2)
+            if (more) load_a(c1, b ^ 1);
+        // dx is read back only after the products: its loads have the whole chunk to land.
+        Pack<T, 8> d[kOwn];
+        uint32_t kept[G];
+        load_d(c0, d, kept);
+        float sum[kOwn][8];
 #pragma unroll
-                for (int e = 0; e < 8; ++e) d[q].v[e] = from_float<T>(to_float(d[q].v[e]) + sum[q][e]);
-                *reinterpret_cast<Pack<T, 8>*>(dx + row * k + c) = d[q];
+        for (int g = 0; g < G; ++g) {
+            const DropoutRule& rule = rules.rule[g];
+            Acc acc[kChunk / 16];
+#pragma unroll
+            for (int f = 0; f < kChunk / 16; ++f) wmma::fill_fragment(acc[f], 0.0f);
+#pragma unroll
+            for (int t = 0; t < RT; ++t) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> gf;
+                wmma::load_matrix_sync(gf, gs[g] + warp * 16 * kGp + t * 16, kGp);
+#pragma unroll
+                for (int f = 0; f < kChunk / 16; ++f) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> af;
+                    wmma::load_matrix_sync(af, as[b][g] + t * 16 * kPitch + f * 16, kPitch);
+                    wmma::mma_sync(acc[f], gf, af, acc[f]);
+                }
+            }
+            __syncwarp();  // the lanes have read the previous product from o
+#pragma unroll
+            for (int f = 0; f < kChunk / 16; ++f)
+                wmma::store_matrix_sync(o + f * 16, acc[f], kOutPitch, wmma::mem_row_major);
+            __syncwarp();
+            const uint64_t key = math::layer_key(static_cast<uint64_t>(*rule.seed), rule.salt);
+#pragma unroll
+            for (int q = 0; q < kOwn; ++q) {
+                const int p = lane + 32 * q, i = p / kPacks, cp = (p % kPacks) * 8;
+                const int64_t row = row0 + warp * 16 + i, c = c0 + cp;
+                if (row >= n || c >= k) continue;
+                float v[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[e] = o[i * kOutPitch + cp + e];
+                if (rule.keep_in != nullptr)
+                    bits_mask<8>(v, (kept[g] >> (8 * q)) & 0xffu, rule.scale);
+                else
+                    mask_pack(v, key, row * k + c, rule);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) sum[q][e] = g == 0 ? v[e] : sum[q][e] + v[e];
+                if (g == G - 1) {  // the last adapter's pass writes: each sum leaves registers at once
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) d[q].v[e] = from_float<T>(to_float(d[q].v[e]) + sum[q][e]);
+                    *reinterpret_cast<Pack<T, 8>*>(dx + row * k + c) = d[q];
+                }
             }
         }
+        b = (b + 1) % NB;
     }
 #else
     __trap();
@@ -754,17 +778,24 @@ int launch_down(const void* x, const void* a, void* h, int64_t ldh, int64_t n, i
 template <typename T, int RT, int G>
 void launch_tc_up_add(T* dp, const T* gp, int64_t ldg, const T* ap, int64_t n, int64_t k, int64_t r,
                       const DropoutRules& rules, cudaStream_t s) {
-    const dim3 grid(static_cast<unsigned>((n + 63) / 64), static_cast<unsigned>((k + kChunk - 1) / kChunk));
+    const int64_t row_blocks = (n + 63) / 64, chunks = (k + kChunk - 1) / kChunk;
     const int ri = static_cast<int>(r);
+    // Runs of chunks long enough that the blocks fill the SMs about once (the launch bounds' blocks
+    // an SM): each block then loads its gh tiles once and keeps its next chunk's loads in flight.
+    auto launch = [&](auto kernel, T* d, const T* g, const T* a, const DropoutRules& rs) {
+        const int64_t slots = std::max<int64_t>(1, kUpAddBlocks * sm_count());
+        const int64_t run = std::clamp<int64_t>((row_blocks * chunks + slots - 1) / slots, 1, chunks);
+        const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>((chunks + run - 1) / run));
+        kernel<<<grid, kTcThreads, 0, s>>>(d, g, ldg, a, n, k, ri, static_cast<int>(run), rs);
+    };
     if constexpr (G == 1 || G * RT <= 6) {
-        tc_masked_up_add_kernel<T, RT, G><<<grid, kTcThreads, 0, s>>>(dp, gp, ldg, ap, n, k, ri, rules);
+        launch(tc_masked_up_add_kernel<T, RT, G>, dp, gp, ap, rules);
     } else {
         for (int g = 0; g < G; ++g) {
             DropoutRules one;
             one.rule[0] = rules.rule[g];
             one.count = 1;
-            tc_masked_up_add_kernel<T, RT, 1>
-                <<<grid, kTcThreads, 0, s>>>(dp, gp + g * r, ldg, ap + g * r * k, n, k, ri, one);
+            launch(tc_masked_up_add_kernel<T, RT, 1>, dp, gp + g * r, ap + g * r * k, one);
         }
     }
 }
