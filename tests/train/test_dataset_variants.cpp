@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <map>
+#include <memory>
 #include <set>
 
 #include "core/error.h"
@@ -220,14 +221,31 @@ std::vector<std::pair<int64_t, Draw>> draw_epochs(const DatasetSourceOptions& o,
 TEST(DatasetVariants, CropAspectRandomEpochsKeepToTheAspectRange) {
     // Wide 256×128 images draw buckets 1.0 (aspects 0.5, 1.0) or 2.0; tall 64×128 ones 0.5 or 1.0
     // (aspects 1.0, 2.0). With the range [0.75, 1.5] only bucket 1.0 is trained, in every epoch.
-    Workspace s(8, 8);
-    s.entry["crop"] = true;
-    s.entry["crop_aspect"] = "random";
-    s.entry["crop_aspect_buckets"] = {0.5, 1.0, 2.0};
-    s.entry["minimum_aspect_ratio"] = 0.75;
-    s.entry["maximum_aspect_ratio"] = 1.5;
+    // The draws hash the image paths, which hold this process's temporary directory, so whether the
+    // bucket index's own draw sets any image aside changes from run to run (none in about two runs
+    // of a hundred): seeds are tried in turn (a fresh folder each) until it does.
     const int64_t epochs = 6;
-    const auto draws = draw_epochs(s.options(1, 2), epochs);
+    std::unique_ptr<Workspace> s;
+    std::vector<std::pair<int64_t, Draw>> draws;
+    std::set<std::string> set_aside;  // by the bucket index's own draw
+    uint64_t seed = 42;
+    for (; seed < 42 + 16; ++seed) {
+        s = std::make_unique<Workspace>(8, 8);
+        s->entry["crop"] = true;
+        s->entry["crop_aspect"] = "random";
+        s->entry["crop_aspect_buckets"] = {0.5, 1.0, 2.0};
+        s->entry["minimum_aspect_ratio"] = 0.75;
+        s->entry["maximum_aspect_ratio"] = 1.5;
+        DatasetSourceOptions o = s->options(1, 2);
+        o.seed = seed;
+        draws = draw_epochs(o, epochs);
+        const auto skipped =
+            nlohmann::json::parse(fs::read_file(s->dir / "images" / "skipped_files_pics.json"));
+        set_aside.clear();
+        for (const auto& [path, reason] : skipped.items()) set_aside.insert(path);
+        if (!set_aside.empty()) break;
+    }
+    ASSERT_FALSE(set_aside.empty()) << "no seed had the index's draw set an image aside";
     std::vector<std::set<std::string>> served(epochs);
     for (const auto& [epoch, d] : draws) {
         const float h = d.time_ids[0][4].item<float>(), w = d.time_ids[0][5].item<float>();
@@ -240,26 +258,22 @@ TEST(DatasetVariants, CropAspectRandomEpochsKeepToTheAspectRange) {
     // bucket index drew for them at start (an image the index set aside is drawn again).
     auto settings = random_settings({{0.5, {}}, {1.0, {}}, {2.0, {}}});
     const data::AspectResolutionMap no_pins(0);
-    std::set<std::string> set_aside;  // by the bucket index's own draw
-    const auto skipped = nlohmann::json::parse(fs::read_file(s.dir / "images" / "skipped_files_pics.json"));
-    for (const auto& [path, reason] : skipped.items()) set_aside.insert(path);
     int set_aside_trained = 0;
     for (int64_t e = 0; e < epochs; ++e) {
         std::set<std::string> expected;
         for (const auto& [name, size] : {std::pair<std::string, data::Size>{"wide ", {256, 128}},
                                          std::pair<std::string, data::Size>{"tall ", {64, 128}}})
             for (int i = 0; i < 8; ++i) {
-                const std::string path = image_path(s, name + std::to_string(i) + ".png");
+                const std::string path = image_path(*s, name + std::to_string(i) + ".png");
                 data::SamplePlan indexed;
                 indexed.original = size;
-                const auto plan = data::epoch_plan(settings, indexed, 42, "pics", path, e, no_pins);
+                const auto plan = data::epoch_plan(settings, indexed, seed, "pics", path, e, no_pins);
                 if (plan.aspect == 1.0) expected.insert(path);
             }
         EXPECT_EQ(served[e], expected) << "epoch " << e;
         for (const auto& p : served[e]) set_aside_trained += set_aside.count(p);
     }
-    EXPECT_FALSE(set_aside.empty());  // the index's draw put some images out of range...
-    EXPECT_GT(set_aside_trained, 0);  // ...and later draws train them
+    EXPECT_GT(set_aside_trained, 0);  // the images the index set aside are trained by later draws
 }
 
 TEST(DatasetVariants, CropAspectRandomEpochsKeepToTheUpscaleLimit) {
