@@ -7,9 +7,10 @@
 //   products differ from the copy-then-cuBLAS path by summation order only.
 //   - tc_masked_down: a block owns 16 or 32 rows; its four warps take alternate 64-column chunks
 //     and their sums meet in shared memory in a fixed order.
-//   - tc_masked_up_add: a block owns a 64 x 64 tile of dx; gh · a goes through shared memory, where
-//     the mask is applied on the way to the read-modify-write of dx. A group of adapters that read
-//     the same input (fused q/k/v) adds its masked products in one read-modify-write.
+//   - tc_masked_up_add: a block owns 64 rows of dx and a run of 64-column chunks, the next chunk's
+//     a tiles in flight (cp.async) while this one's gh · a goes through shared memory, where the
+//     mask is applied on the way to the read-modify-write of dx. A group of adapters that read the
+//     same input (fused q/k/v) adds its masked products in one read-modify-write.
 //   - tc_masked_down_grad: a block owns 64 columns and a range of rows (a multiple of 64); one
 //     partial per block, summed in a fixed order by a second kernel (the same bits run to run).
 // - float32 (and 16-bit types before sm_80): plain FMAs on CUDA cores.
