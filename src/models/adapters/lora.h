@@ -238,9 +238,9 @@ class LoRAAdapters {
     // layer: 1,120 a step for SDXL's attention targets). Factors already in `dtype` are copied too,
     // so that all the copies lie back to back (A's in one buffer, B's in another, in adapter order)
     // and a fused q/k/v group reads its three as one matrix each. The copies hold the factors'
-    // values of the moment: call it before each training forward (LoRATraining::begin_forward; a CUDA graph that
-    // captures it refreshes them on every replay) and clear_cast_factors() once the step's backward
-    // is done, before the factors change, so no other forward reads stale copies.
+    // values of the moment: call it before each training forward (LoRATraining::begin_forward; a
+    // CUDA graph that captures it refreshes them on every replay) and clear_cast_factors() once the
+    // step's backward is done, before the factors change, so no other forward reads stale copies.
     void refresh_cast_factors(at::ScalarType dtype);
     void clear_cast_factors();
     bool cast_factors_live() const { return cast_live_; }
