@@ -5,6 +5,7 @@
 // 2×2 packing and image ids must match too; bad inputs are refused with the fix.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <cstdlib>
 
 #include "core/error.h"
 #include "core/quant_preset.h"
@@ -161,6 +162,42 @@ TEST(FluxTransformer, RefusesMissingGuidanceAndBadShapesNamingTheFix) {
     EXPECT_THROW(model->forward(at::zeros({2, 12, 8}), get("encoder"), get("pooled"), get("timestep"),
                                 get("guidance"), get("img_ids"), get("txt_ids")),
                  UsageError);
+}
+
+// DTUNE_ATTENTION_STASH_GIB: a size in GiB (0 turns the stash off), a bad value a UsageError that
+// names the variable; unset, a sixteenth of the machine's memory. A CPU model recomputes (the
+// stash is for CUDA): nothing saved.
+TEST(FluxTransformer, AttentionStashBudgetComesFromTheEnvironment) {
+    struct Restore {
+        ~Restore() { ::unsetenv("DTUNE_ATTENTION_STASH_GIB"); }
+    } restore;
+    ::unsetenv("DTUNE_ATTENTION_STASH_GIB");
+    EXPECT_GT(AttentionStash::budget_from_environment(), 0);
+    ::setenv("DTUNE_ATTENTION_STASH_GIB", "1.5", 1);
+    EXPECT_EQ(AttentionStash::budget_from_environment(), int64_t{3} << 29);
+    ::setenv("DTUNE_ATTENTION_STASH_GIB", "0", 1);
+    EXPECT_EQ(AttentionStash::budget_from_environment(), 0);
+    for (const char* bad : {"lots", "-1", "2GB"}) {
+        ::setenv("DTUNE_ATTENTION_STASH_GIB", bad, 1);
+        try {
+            (void)AttentionStash::budget_from_environment();
+            FAIL() << bad << " was taken";
+        } catch (const UsageError& e) {
+            EXPECT_NE(std::string(e.what()).find("DTUNE_ATTENTION_STASH_GIB"), std::string::npos) << e.what();
+        }
+    }
+    ::unsetenv("DTUNE_ATTENTION_STASH_GIB");
+    FluxTransformer2DModel model = load_flux_transformer(kRef / "tiny-flux-dev");
+    model->set_gradient_checkpointing(true);
+    const io::SafetensorsFile io(kRef / "flux_transformer_io.safetensors");
+    const auto get = [&](const char* n) { return test::fixture_tensor(io, n); };
+    model
+        ->forward(get("hidden"), get("encoder"), get("pooled"), get("timestep"), get("guidance"),
+                  get("img_ids"), get("txt_ids"))
+        .sum()
+        .backward();
+    EXPECT_EQ(model->attention_stash().saved(), 0);
+    EXPECT_EQ(model->attention_stash().host_bytes(), 0);
 }
 
 // In bf16 the timestep itself rounds (0.3 -> 0.30078, so the sinusoids move), as in diffusers: the

@@ -17,6 +17,7 @@
 #include "models/adapters/lora.h"
 #include "models/adapters/lora_qkv.h"
 #include "models/common/attention.h"
+#include "models/common/attention_stash.h"
 #include "models/common/blocks.h"
 #include "models/common/component.h"
 #include "models/common/concat_gelu.h"
@@ -37,6 +38,7 @@
 
 #ifdef DTUNE_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -564,6 +566,125 @@ TEST(ModelsGpu, CheckpointedFluxLoRAKeepsTheGradientsWithoutTheMlpOutputs) {
         EXPECT_LE(e, 1e-2) << "tensor " << i << " (0: the output, then the adapters' gradients)";
     }
     std::printf("checkpointed Flux LoRA against the plain run: worst relative difference %.3g\n", worst);
+}
+
+// Checkpointed Flux blocks keep their attention outputs on the host (attention_stash.h): the
+// recomputation reuses them instead of running the attention kernel, and the adapters' gradients are
+// the recomputing run's bit for bit (the backward reads the same output and statistics); eagerly and
+// replayed from a CUDA graph, where the copies are graph nodes on a side stream.
+TEST(ModelsGpu, CheckpointedFluxAttentionStashGivesTheRecomputedGradients) {
+    if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+    const at::Device cuda(at::kCUDA, 0);
+    FluxTransformerConfig cfg;
+    cfg.num_layers = 2;
+    cfg.num_single_layers = 3;
+    cfg.attention_head_dim = 128;
+    cfg.num_attention_heads = 2;
+    cfg.joint_attention_dim = 128;
+    cfg.pooled_projection_dim = 64;
+    cfg.guidance_embeds = true;
+    cfg.axes_dims_rope = {16, 56, 56};
+    const int64_t text = 64;
+    const auto on = at::TensorOptions().device(cuda).dtype(at::kBFloat16);
+    torch::manual_seed(61);
+    const at::Tensor x = at::randn({1, 1024, 64}, on), context = at::randn({1, text, 128}, on),
+                     pooled = at::randn({1, 64}, on), t = at::full({1}, 0.4, on),
+                     guidance = at::full({1}, 3.5, on);
+    const at::Tensor img_ids = flux_image_ids(64, 64).to(cuda), txt_ids = at::zeros({text, 3}).to(cuda);
+    const at::Tensor probe = at::zeros({1, 2, 1024 + text, 128}, on);
+    if (sdpa_backend_name(probe, probe, probe) != "cudnn_attention")
+        GTEST_SKIP() << "SDPA does not pick cuDNN's kernel here: the stash does not apply";
+    struct Restore {
+        ~Restore() { AttentionStash::set_default_budget(-1); }
+    } restore;
+    // A loss whose output gradient is fixed (w), so that the backward sees the same incoming
+    // gradient whichever forward kernel produced the output (the first forward's attention runs with
+    // its statistics when it keeps its output, without them otherwise: the outputs may differ in the
+    // last bit, the recomputation's inputs and statistics do not).
+    const at::Tensor w = at::randn({1, 1024, 64}, on.dtype(at::kFloat));
+    // budget 0: no stash (every checkpointed block recomputes its attention).
+    const auto run = [&](int64_t budget, bool graphed) {
+        AttentionStash::set_default_budget(budget);
+        torch::manual_seed(67);
+        FluxTransformer2DModel model(cfg);
+        auto [adapters, packed] =
+            lora_on_cuda_bf16(*model, {"to_k", "to_q", "to_v", "to_out.0", "proj_out"}, 0.1);
+        model->train();
+        adapters.set_dropout_seed(9);
+        model->set_gradient_checkpointing(true);
+        std::vector<at::Tensor> params = adapters.parameters();
+        at::Tensor out;
+        const auto step = [&] {
+            out = model->forward(x, context, pooled, t, guidance, img_ids, txt_ids);
+            (out.to(at::kFloat) * w).sum().backward();
+        };
+        if (!graphed) {
+            step();
+        } else {
+#ifdef DTUNE_WITH_CUDA
+            // As graph_step.cpp: warm-up and capture on one side stream (the gradients' accumulators
+            // belong to it), thread-local capture, then two replays.
+            const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
+            at::cuda::CUDAEvent ready;
+            ready.record(c10::cuda::getCurrentCUDAStream());
+            ready.block(side);
+            const c10::cuda::CUDAStreamGuard guard(side);
+            step();
+            for (auto& p : params) p.grad().zero_();
+            at::cuda::CUDAGraph graph;
+            graph.capture_begin({0, 0}, cudaStreamCaptureModeThreadLocal);
+            try {
+                step();
+            } catch (...) {
+                try {
+                    graph.capture_end();
+                } catch (...) {
+                }
+                throw;
+            }
+            graph.capture_end();
+            for (int i = 0; i < 2; ++i) {
+                for (auto& p : params) p.grad().zero_();
+                graph.replay();
+            }
+            torch::cuda::synchronize();
+#endif
+        }
+        const AttentionStash& stash = model->attention_stash();
+        // Checkpointed: both double blocks and the first two single blocks (the last one keeps its
+        // activations); one save and one reuse each per pass (a capture counts once, replays not).
+        const int64_t passes = graphed ? 2 : 1;
+        EXPECT_EQ(stash.saved(), budget > 0 ? 4 * passes : 0);
+        EXPECT_EQ(stash.reused(), budget > 0 ? 4 * passes : 0);
+        EXPECT_EQ(stash.host_bytes() > 0, budget > 0);
+        std::vector<at::Tensor> values{out.detach().to(at::kFloat)};
+        for (auto& p : params) values.push_back(p.grad().to(at::kFloat));
+        return values;
+    };
+    // cuDNN's attention backward accumulates dq with atomics: two recomputing runs may differ in the
+    // last bits. The stash must stay within that noise (or 0.5% of the largest entry): a wrong or stale
+    // output would move the gradients by their own size.
+    for (const bool graphed : {false, true}) {
+        SCOPED_TRACE(graphed ? "graphed" : "eager");
+        const auto recomputed = run(0, graphed), again = run(0, graphed),
+                   stashed = run(int64_t{1} << 30, graphed);
+        ASSERT_EQ(recomputed.size(), stashed.size());
+        double worst = 0.0;
+        for (size_t i = 1; i < recomputed.size(); ++i) {
+            const double scale = recomputed[i].abs().max().item<double>();
+            ASSERT_GT(scale, 0.0) << "gradient " << i;
+            const double noise = (again[i] - recomputed[i]).abs().max().item<double>();
+            const double diff = (stashed[i] - recomputed[i]).abs().max().item<double>();
+            worst = std::max(worst, diff / scale);
+            EXPECT_LE(diff, std::max(3 * noise, 5e-3 * scale))
+                << "gradient " << i << ": " << diff << " against run-to-run " << noise << " (largest "
+                << scale << ")";
+        }
+        const double scale = recomputed[0].abs().max().item<double>();
+        EXPECT_LE((stashed[0] - recomputed[0]).abs().max().item<double>(), 1e-2 * scale) << "output";
+        std::printf("attention stash (%s): worst relative gradient difference %.3g\n",
+                    graphed ? "graphed" : "eager", worst);
+    }
 }
 
 // x + gate · y by the vectorised kernels against at::addcmul in the same dtype and in float64: a gate

@@ -72,7 +72,11 @@ struct Recompute : torch::autograd::Function<Recompute> {
         std::vector<at::Tensor> inputs(all.begin(),
                                        all.begin() + static_cast<std::ptrdiff_t>(body->n_inputs));
         ctx->save_for_backward(inputs);
-        at::Tensor out = body->fn(expand(*body, inputs));  // grad mode is off inside forward
+        at::Tensor out;
+        {
+            const CheckpointedForwardScope checkpointed;  // attention_stash.h keeps its outputs
+            out = body->fn(expand(*body, inputs));        // grad mode is off inside forward
+        }
         ctx->saved_data["body"] = c10::IValue::make_capsule(body);
         return {out};
     }

@@ -22,6 +22,7 @@ std::map<const torch::nn::Module*, UnitHooks*>& registry() {
 }
 
 thread_local bool t_recompute = false;
+thread_local bool t_checkpointed_forward = false;
 
 }  // namespace
 
@@ -52,6 +53,18 @@ RecomputeScope::RecomputeScope() : previous_(t_recompute) {
 
 RecomputeScope::~RecomputeScope() {
     t_recompute = previous_;
+}
+
+bool in_checkpointed_forward() {
+    return t_checkpointed_forward;
+}
+
+CheckpointedForwardScope::CheckpointedForwardScope() : previous_(t_checkpointed_forward) {
+    t_checkpointed_forward = true;
+}
+
+CheckpointedForwardScope::~CheckpointedForwardScope() {
+    t_checkpointed_forward = previous_;
 }
 
 namespace {

@@ -53,6 +53,21 @@ class RecomputeScope {
     bool previous_;
 };
 
+// Whether this thread runs a checkpointed unit's forward (the pass whose activations are dropped and
+// recomputed in backward): code that can keep a costly intermediate for the recomputation (the
+// attention output, attention_stash.h) asks.
+bool in_checkpointed_forward();
+class CheckpointedForwardScope {
+  public:
+    CheckpointedForwardScope();
+    ~CheckpointedForwardScope();
+    CheckpointedForwardScope(const CheckpointedForwardScope&) = delete;
+    CheckpointedForwardScope& operator=(const CheckpointedForwardScope&) = delete;
+
+  private:
+    bool previous_;
+};
+
 // The units under `root` (HookableUnit modules, not nested in another unit), in registration order,
 // with their qualified names ("down_blocks.0.resnets.1").
 std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> find_units(torch::nn::Module& root);

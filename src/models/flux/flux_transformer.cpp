@@ -179,6 +179,9 @@ std::vector<ProjectionGroup> FluxAttentionImpl::projection_groups() {
 std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x, const at::Tensor& context,
                                                              const std::pair<at::Tensor, at::Tensor>& rope,
                                                              const at::Tensor& key_mask) {
+    // A checkpointed block's recomputation: the attention output the forward kept starts back now,
+    // behind the projections.
+    if (stash_ && in_recompute()) stash_->prefetch(stash_slot_);
     // Text first, then image; q and k normalised per head and rotated (one kernel each way on the GPU).
     const auto image = project_qkv(x, image_qkv_, fused_qkv_);
     std::vector<QKVStream> streams;
@@ -198,10 +201,11 @@ std::pair<at::Tensor, at::Tensor> FluxAttentionImpl::forward(const at::Tensor& x
     const bool flash = q.is_cuda() && at::GradMode::is_enabled() && !key_mask.defined() &&
                        flux_training_attention() == FluxTrainingAttention::kFlash &&
                        (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
-    at::Tensor attended =
-        flash ? std::get<0>(at::_scaled_dot_product_flash_attention(qh, kh, vh))
-              : at::scaled_dot_product_attention(
-                    qh, kh, vh, key_mask.defined() ? std::optional<at::Tensor>(key_mask) : std::nullopt);
+    // Unmasked: through the stash (SDPA's pick, keeping a checkpointed block's output on the host).
+    at::Tensor attended = flash ? std::get<0>(at::_scaled_dot_product_flash_attention(qh, kh, vh))
+                          : key_mask.defined() ? at::scaled_dot_product_attention(qh, kh, vh, key_mask)
+                          : stash_             ? stash_->attend(stash_slot_, qh, kh, vh)
+                                               : at::scaled_dot_product_attention(qh, kh, vh);
     if (!flash && attended.requires_grad() && attended.is_cuda()) attended = DenseOutputGrad::apply(attended);
     at::Tensor out = attended.transpose(1, 2).flatten(2, 3).to(q.scalar_type());  // [B, S, H·Dh]
     if (!context.defined()) return {out, at::Tensor()};
@@ -320,6 +324,9 @@ FluxTransformer2DModelImpl::FluxTransformer2DModelImpl(FluxTransformerConfig con
     auto norm_out = register_module("norm_out", std::make_shared<torch::nn::Module>());
     norm_out_ = norm_out->register_module("linear", AdaptableLinear(d, 2 * d));
     proj_out_ = register_module("proj_out", AdaptableLinear(d, c.patch_size * c.patch_size * c.out_channels));
+    stash_ = std::make_shared<AttentionStash>();
+    for (auto& block : blocks_) block->attn()->set_attention_stash(stash_);
+    for (auto& block : single_blocks_) block->attn()->set_attention_stash(stash_);
 }
 
 at::Tensor FluxTransformer2DModelImpl::forward(const at::Tensor& x, const at::Tensor& context,
@@ -392,6 +399,7 @@ at::Tensor FluxTransformer2DModelImpl::forward(const at::Tensor& x, const at::Te
             },
             {joint, temb, rope.first, rope.second, key_mask}, parameter_list(*block));
     }
+    stash_->flush();  // the last saved output's copy is done before anything reuses its memory
     h = joint.narrow(1, text, joint.size(1) - text);
     const auto mod = norm_out_->forward(at::silu(temb)).to(h.scalar_type()).chunk(2, 1);  // scale, shift
     h = modulate(h, mod[0].unsqueeze(1), mod[1].unsqueeze(1));

@@ -35,6 +35,7 @@
 #include "io/safetensors.h"
 #include "models/adapters/lora_qkv.h"
 #include "models/common/adaptable.h"
+#include "models/common/attention_stash.h"
 #include "models/common/blocks.h"
 #include "models/common/component.h"
 
@@ -95,10 +96,17 @@ class FluxAttentionImpl : public torch::nn::Module, public ProjectionGroupHost {
     // The image stream's {to_q, to_k, to_v} and, in double blocks, the text stream's add_*_proj: with
     // a LoRA on each, inject_lora lays them out for the fused LoRA projections (adapters/lora_qkv.h).
     std::vector<ProjectionGroup> projection_groups() override;
+    // Where a checkpointed block keeps its attention output for the recomputation (attention_stash.h).
+    void set_attention_stash(std::shared_ptr<AttentionStash> stash) {
+        stash_ = std::move(stash);
+        stash_slot_ = stash_ ? stash_->add_slot() : -1;
+    }
 
   private:
     int64_t heads_;
     bool fused_qkv_ = false;
+    std::shared_ptr<AttentionStash> stash_;
+    int64_t stash_slot_ = -1;
     AdaptableLinear to_q_{nullptr}, to_k_{nullptr}, to_v_{nullptr}, to_out_{nullptr};
     AdaptableLinear add_q_proj_{nullptr}, add_k_proj_{nullptr}, add_v_proj_{nullptr}, to_add_out_{nullptr};
     ProjectionGroup image_qkv_, context_qkv_;  // the layers above (context_qkv_ empty without `added`)
@@ -163,9 +171,12 @@ class FluxTransformer2DModelImpl : public torch::nn::Module {
     void set_gradient_checkpointing(bool enabled, int64_t interval = 1);
     // (checkpointed, all) blocks after the last set_gradient_checkpointing.
     std::pair<int64_t, int64_t> checkpointed_blocks() const;
+    // The checkpointed blocks' attention outputs, kept for their recomputation (attention_stash.h).
+    const AttentionStash& attention_stash() const { return *stash_; }
 
   private:
     FluxTransformerConfig config_;
+    std::shared_ptr<AttentionStash> stash_;
     std::vector<bool> checkpoint_double_, checkpoint_single_;  // per block; empty: none
     AdaptableLinear x_embedder_{nullptr}, context_embedder_{nullptr}, norm_out_{nullptr}, proj_out_{nullptr};
     TimestepEmbedding timestep_embedder_{nullptr}, guidance_embedder_{nullptr}, text_embedder_{nullptr};
