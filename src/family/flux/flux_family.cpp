@@ -82,6 +82,13 @@ class FluxDenoiser final : public Denoiser {
     }
     std::pair<int64_t, int64_t> set_gradient_checkpointing(bool enabled, int64_t interval) override {
         transformer_->set_gradient_checkpointing(enabled, interval);
+        const int64_t budget = transformer_->attention_stash().budget();
+        const auto params = transformer_->parameters();
+        if (enabled && budget > 0 && !params.empty() && params.front().is_cuda())
+            log::info()
+                << "gradient checkpointing: checkpointed blocks keep their attention outputs in pinned host "
+                   "memory for the recomputation (at most "
+                << budget / (1 << 20) << " MiB; DTUNE_ATTENTION_STASH_GIB sets it, 0 recomputes them)";
         return transformer_->checkpointed_blocks();
     }
     c10::ScalarType dtype() const override { return transformer_->dtype(); }

@@ -69,8 +69,8 @@ struct AuxHolder : torch::CustomClassHolder {
 // a single block's cat([attention, mlp]) hands a slice of wider rows, which cuDNN's backward reads
 // out of bounds (torch 2.11; flux_transformer.cpp's DenseOutputGrad).
 struct StashedAttention : torch::autograd::Function<StashedAttention> {
-    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              const at::Tensor& out, c10::intrusive_ptr<AuxHolder> aux) {
+    static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                              const at::Tensor& v, const at::Tensor& out, c10::intrusive_ptr<AuxHolder> aux) {
         ctx->save_for_backward({q, k, v, out});
         ctx->saved_data["aux"] = c10::IValue::make_capsule(aux);
         return out.view_as(out);
@@ -82,8 +82,8 @@ struct StashedAttention : torch::autograd::Function<StashedAttention> {
         const CudnnAux& a = holder->aux;
         const at::Tensor g = grads[0].transpose(1, 2).contiguous().transpose(1, 2);
         auto [dq, dk, dv] = at::_scaled_dot_product_cudnn_attention_backward(
-            g, saved[0], saved[1], saved[2], saved[3], a.lse, a.seed, a.offset, at::Tensor(), a.cum_q, a.cum_k,
-            a.max_q, a.max_k, /*dropout_p=*/0.0, /*is_causal=*/false);
+            g, saved[0], saved[1], saved[2], saved[3], a.lse, a.seed, a.offset, at::Tensor(), a.cum_q,
+            a.cum_k, a.max_q, a.max_k, /*dropout_p=*/0.0, /*is_causal=*/false);
         return {dq, dk, dv, at::Tensor(), at::Tensor()};
     }
 };
@@ -143,7 +143,8 @@ struct AttentionStash::State {
         s.host = buffer.narrow(0, 0, bytes).view(out.scalar_type()).as_strided(out.sizes(), out.strides());
         ready.record(compute);
         ready.block(copy);
-        C10_CUDA_CHECK(cudaMemcpyAsync(s.host.data_ptr(), out.data_ptr(), bytes, cudaMemcpyDeviceToHost, copy));
+        C10_CUDA_CHECK(
+            cudaMemcpyAsync(s.host.data_ptr(), out.data_ptr(), bytes, cudaMemcpyDeviceToHost, copy));
         copied.record(copy);
         pending = out;
         s.aux = std::move(aux);
@@ -188,7 +189,8 @@ void AttentionStash::prefetch(int64_t slot) {
     state_->fetch(s, s.aux.lse.options());
 }
 
-at::Tensor AttentionStash::attend(int64_t slot, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+at::Tensor AttentionStash::attend(int64_t slot, const at::Tensor& q, const at::Tensor& k,
+                                  const at::Tensor& v) {
     const bool takes = state_->budget > 0 && q.is_cuda() &&
                        (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf) &&
                        at::_fused_sdp_choice(q, k, v) == kCudnnAttention;
@@ -197,8 +199,10 @@ at::Tensor AttentionStash::attend(int64_t slot, const at::Tensor& q, const at::T
     State::Slot& s = *state_->slots.at(static_cast<size_t>(slot));
     if (in_checkpointed_forward() && !at::GradMode::is_enabled()) {
         auto r = at::_scaled_dot_product_cudnn_attention(q, k, v, std::nullopt, /*compute_log_sumexp=*/true);
-        CudnnAux aux{std::get<1>(r), std::get<2>(r), std::get<3>(r), std::get<6>(r), std::get<7>(r),
-                     std::get<4>(r).expect_int(), std::get<5>(r).expect_int()};
+        CudnnAux aux;
+        aux.lse = std::get<1>(r), aux.cum_q = std::get<2>(r), aux.cum_k = std::get<3>(r);
+        aux.max_q = std::get<4>(r).expect_int(), aux.max_k = std::get<5>(r).expect_int();
+        aux.seed = std::get<6>(r), aux.offset = std::get<7>(r);
         state_->save(s, std::get<0>(r), std::move(aux));
         return std::get<0>(r);
     }
@@ -252,6 +256,10 @@ void AttentionStash::flush() {}
 #endif
 
 #ifdef DTUNE_WITH_CUDA
+int64_t AttentionStash::budget() const {
+    return state_->budget;
+}
+
 int64_t AttentionStash::saved() const {
     const std::lock_guard<std::mutex> lock(state_->mutex);
     return state_->saved;
@@ -267,6 +275,10 @@ int64_t AttentionStash::host_bytes() const {
     return state_->held;
 }
 #else
+int64_t AttentionStash::budget() const {
+    return 0;
+}
+
 int64_t AttentionStash::saved() const {
     return 0;
 }

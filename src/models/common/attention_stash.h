@@ -48,8 +48,9 @@ class AttentionStash {
     // Outputs saved and recomputations that reused one, since construction (tests, logs).
     int64_t saved() const;
     int64_t reused() const;
-    // Pinned host bytes held.
+    // Pinned host bytes held, and the most it may hold.
     int64_t host_bytes() const;
+    int64_t budget() const;
 
     // The budget in bytes from DTUNE_ATTENTION_STASH_GIB (UsageError on a bad value) or the default.
     static int64_t budget_from_environment();
