@@ -515,25 +515,39 @@ TEST(ModelsGpu, LinearEpilogueAddsTheBaseOntoTheLoRATerms) {
 // the recomputation skips the MLP output projections (gelu_mlp.h's values_unused: the block output
 // is only differentiated and the frozen modulation's gates need no gradient), and the output and
 // every adapter gradient still equal the run without checkpointing.
+// A small Flux transformer config (two double blocks, `singles` single ones, guidance embedded) and
+// bf16 inputs on the GPU: 1024 image tokens (64 × 64 latents, 2×2-packed), 64 text tokens.
+struct SmallFluxOnGpu {
+    FluxTransformerConfig cfg;
+    at::Tensor x, context, pooled, t, guidance, img_ids, txt_ids;
+    at::TensorOptions on;
+    SmallFluxOnGpu(int64_t singles, int64_t heads, int64_t head_dim, std::vector<int64_t> axes, uint64_t seed,
+                   double sigma) {
+        const at::Device cuda(at::kCUDA, 0);
+        cfg.num_layers = 2;
+        cfg.num_single_layers = singles;
+        cfg.attention_head_dim = head_dim;
+        cfg.num_attention_heads = heads;
+        cfg.joint_attention_dim = 128;
+        cfg.pooled_projection_dim = 64;
+        cfg.guidance_embeds = true;
+        cfg.axes_dims_rope = std::move(axes);
+        on = at::TensorOptions().device(cuda).dtype(at::kBFloat16);
+        torch::manual_seed(seed);
+        x = at::randn({1, 1024, 64}, on), context = at::randn({1, 64, 128}, on),
+        pooled = at::randn({1, 64}, on);
+        t = at::full({1}, sigma, on), guidance = at::full({1}, 3.5, on);
+        img_ids = flux_image_ids(64, 64).to(cuda), txt_ids = at::zeros({64, 3}).to(cuda);
+    }
+    at::Tensor forward(FluxTransformer2DModel& model) const {
+        return model->forward(x, context, pooled, t, guidance, img_ids, txt_ids);
+    }
+};
+
 TEST(ModelsGpu, CheckpointedFluxLoRAKeepsTheGradientsWithoutTheMlpOutputs) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-    const at::Device cuda(at::kCUDA, 0);
-    FluxTransformerConfig cfg;
-    cfg.num_layers = 2;
-    cfg.num_single_layers = 2;
-    cfg.attention_head_dim = 64;
-    cfg.num_attention_heads = 4;
-    cfg.joint_attention_dim = 128;
-    cfg.pooled_projection_dim = 64;
-    cfg.guidance_embeds = true;
-    cfg.axes_dims_rope = {16, 24, 24};
-    const int64_t text = 64;
-    const auto on = at::TensorOptions().device(cuda).dtype(at::kBFloat16);
-    torch::manual_seed(47);
-    const at::Tensor x = at::randn({1, 1024, 64}, on), context = at::randn({1, text, 128}, on),
-                     pooled = at::randn({1, 64}, on), t = at::full({1}, 0.6, on),
-                     guidance = at::full({1}, 3.5, on);
-    const at::Tensor img_ids = flux_image_ids(64, 64).to(cuda), txt_ids = at::zeros({text, 3}).to(cuda);
+    const SmallFluxOnGpu in(2, 4, 64, {16, 24, 24}, 47, 0.6);
+    const FluxTransformerConfig& cfg = in.cfg;
     const auto run = [&](bool checkpointing) {
         torch::manual_seed(53);
         FluxTransformer2DModel model(cfg);
@@ -546,7 +560,7 @@ TEST(ModelsGpu, CheckpointedFluxLoRAKeepsTheGradientsWithoutTheMlpOutputs) {
         adapters.set_dropout_seed(5);
         model->set_gradient_checkpointing(checkpointing);
         const int64_t unread_before = gelu_mlp_unread_projections();
-        const at::Tensor out = model->forward(x, context, pooled, t, guidance, img_ids, txt_ids);
+        const at::Tensor out = in.forward(model);
         out.to(at::kFloat).square().mean().backward();
         // Recomputed: both streams' ff in the two double blocks and the first single block's proj_out
         // (the last single block is not checkpointed); none without checkpointing.
@@ -574,24 +588,9 @@ TEST(ModelsGpu, CheckpointedFluxLoRAKeepsTheGradientsWithoutTheMlpOutputs) {
 // replayed from a CUDA graph, where the copies are graph nodes on a side stream.
 TEST(ModelsGpu, CheckpointedFluxAttentionStashGivesTheRecomputedGradients) {
     if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
-    const at::Device cuda(at::kCUDA, 0);
-    FluxTransformerConfig cfg;
-    cfg.num_layers = 2;
-    cfg.num_single_layers = 3;
-    cfg.attention_head_dim = 128;
-    cfg.num_attention_heads = 2;
-    cfg.joint_attention_dim = 128;
-    cfg.pooled_projection_dim = 64;
-    cfg.guidance_embeds = true;
-    cfg.axes_dims_rope = {16, 56, 56};
-    const int64_t text = 64;
-    const auto on = at::TensorOptions().device(cuda).dtype(at::kBFloat16);
-    torch::manual_seed(61);
-    const at::Tensor x = at::randn({1, 1024, 64}, on), context = at::randn({1, text, 128}, on),
-                     pooled = at::randn({1, 64}, on), t = at::full({1}, 0.4, on),
-                     guidance = at::full({1}, 3.5, on);
-    const at::Tensor img_ids = flux_image_ids(64, 64).to(cuda), txt_ids = at::zeros({text, 3}).to(cuda);
-    const at::Tensor probe = at::zeros({1, 2, 1024 + text, 128}, on);
+    const SmallFluxOnGpu in(3, 2, 128, {16, 56, 56}, 61, 0.4);  // head_dim 128: cuDNN's kernel
+    const auto& on = in.on;
+    const at::Tensor probe = at::zeros({1, 2, 1024 + 64, 128}, on);
     if (sdpa_backend_name(probe, probe, probe) != "cudnn_attention")
         GTEST_SKIP() << "SDPA does not pick cuDNN's kernel here: the stash does not apply";
     struct Restore {
@@ -606,7 +605,7 @@ TEST(ModelsGpu, CheckpointedFluxAttentionStashGivesTheRecomputedGradients) {
     const auto run = [&](int64_t budget, bool graphed) {
         AttentionStash::set_default_budget(budget);
         torch::manual_seed(67);
-        FluxTransformer2DModel model(cfg);
+        FluxTransformer2DModel model(in.cfg);
         auto [adapters, packed] =
             lora_on_cuda_bf16(*model, {"to_k", "to_q", "to_v", "to_out.0", "proj_out"}, 0.1);
         model->train();
@@ -615,7 +614,7 @@ TEST(ModelsGpu, CheckpointedFluxAttentionStashGivesTheRecomputedGradients) {
         std::vector<at::Tensor> params = adapters.parameters();
         at::Tensor out;
         const auto step = [&] {
-            out = model->forward(x, context, pooled, t, guidance, img_ids, txt_ids);
+            out = in.forward(model);
             (out.to(at::kFloat) * w).sum().backward();
         };
         if (!graphed) {
