@@ -17,6 +17,7 @@
 #include "model_test_util.h"
 #include "models/common/blocks.h"
 #include "models/common/checkpoint.h"
+#include "models/common/unit_hooks.h"
 #include "models/common/weights.h"
 #include "models/unet/unet_2d_condition.h"
 #include "support/test_support.h"
@@ -231,6 +232,28 @@ TEST(UNetUnit, CheckpointedFunctionRecomputesInBackward) {
     const at::Tensor c = (x * w).cos().detach();
     EXPECT_LE(test::max_abs_diff(x.grad(), c * w.detach()), 1e-6);
     EXPECT_LE(test::max_abs_diff(w.grad(), (c * x.detach()).sum(0)), 1e-6);
+}
+
+// Each checkpointed() call has its own number, seen by its body in the forward and again in its
+// recomputation (and 0 outside): what attention_stash.h matches a kept output to its recomputation by.
+TEST(UNetUnit, CheckpointCallNumberIsTheSameInForwardAndRecomputation) {
+    EXPECT_EQ(checkpoint_call(), 0u);
+    const at::Tensor x = at::randn({3, 4}).requires_grad_(true);
+    std::vector<std::pair<uint64_t, bool>> seen;  // (call, in recomputation)
+    const CheckpointFn fn = [&](const std::vector<at::Tensor>& in) {
+        seen.emplace_back(checkpoint_call(), in_recompute());
+        return in[0].sin();
+    };
+    // Two calls, one loss: both forwards run before either recomputation (which go in reverse).
+    (checkpointed(fn, {x}, {}) + checkpointed(fn, {x * 2}, {})).sum().backward();
+    ASSERT_EQ(seen.size(), 4u);
+    EXPECT_NE(seen[0].first, 0u);
+    EXPECT_NE(seen[1].first, seen[0].first);
+    EXPECT_FALSE(seen[0].second || seen[1].second);
+    EXPECT_TRUE(seen[2].second && seen[3].second);
+    EXPECT_EQ(seen[2].first, seen[1].first);  // the second call's recomputation comes first
+    EXPECT_EQ(seen[3].first, seen[0].first);
+    EXPECT_EQ(checkpoint_call(), 0u);
 }
 
 TEST(UNetUnit, CheckpointRecomputesUnderTheForwardsAutocast) {

@@ -98,7 +98,9 @@ struct AttentionStash::State {
         at::Tensor host;                  // the saved output's view into one of them
         CudnnAux aux;
         bool valid = false;  // saved by the forward, not yet fetched
+        uint64_t call = 0;   // the checkpointed() call whose forward saved it (unit_hooks.h)
         at::Tensor fetched;  // on its way back (prefetch), until attend takes it
+        uint64_t fetched_call = 0;
         at::cuda::CUDAEvent arrived;
     };
     std::mutex mutex;
@@ -118,6 +120,14 @@ struct AttentionStash::State {
         if (!pending.defined()) return;
         copied.block(compute);
         pending.reset();
+    }
+
+    // Drops the slot's output on its way back, after the current stream waits for its copy (the
+    // memory may be reused by the current stream's next allocation).
+    void drop_fetched(Slot& s) {
+        if (!s.fetched.defined()) return;
+        s.arrived.block(c10::cuda::getCurrentCUDAStream(s.fetched.device().index()));
+        s.fetched.reset();
     }
 
     // A pinned buffer of at least `bytes` among the slot's, or a new one within the budget.
@@ -149,16 +159,20 @@ struct AttentionStash::State {
         pending = out;
         s.aux = std::move(aux);
         s.valid = true;
+        s.call = checkpoint_call();
         ++saved;
     }
 
+    // Only for the recomputation of the call that saved it: were a slot saved twice before a backward
+    // (two forwards of one model, one loss), the earlier call's recomputation computes its own.
     void fetch(Slot& s, const at::TensorOptions& on) {
-        if (!s.valid) return;
+        if (!s.valid || s.call != checkpoint_call()) return;
         s.valid = false;
         const auto compute = c10::cuda::getCurrentCUDAStream(on.device().index());
         const auto copy = side_stream(on.device().index());
         settle(compute);
         s.fetched = at::empty_strided(s.host.sizes(), s.host.strides(), on.dtype(s.host.scalar_type()));
+        s.fetched_call = s.call;
         ready.record(compute);  // the new allocation's earlier users are done
         ready.block(copy);
         const int64_t bytes = s.host.numel() * static_cast<int64_t>(s.host.element_size());
@@ -184,8 +198,8 @@ int64_t AttentionStash::add_slot() {
 void AttentionStash::prefetch(int64_t slot) {
     const std::lock_guard<std::mutex> lock(state_->mutex);
     State::Slot& s = *state_->slots.at(static_cast<size_t>(slot));
-    if (!s.valid || !in_recompute()) return;
-    s.fetched.reset();
+    if (!s.valid || !in_recompute() || s.call != checkpoint_call()) return;
+    state_->drop_fetched(s);
     state_->fetch(s, s.aux.lse.options());
 }
 
@@ -197,7 +211,7 @@ at::Tensor AttentionStash::attend(int64_t slot, const at::Tensor& q, const at::T
     if (!takes) return at::scaled_dot_product_attention(q, k, v);
     const std::lock_guard<std::mutex> lock(state_->mutex);
     State::Slot& s = *state_->slots.at(static_cast<size_t>(slot));
-    if (in_checkpointed_forward() && !at::GradMode::is_enabled()) {
+    if (checkpoint_call() != 0 && !in_recompute() && !at::GradMode::is_enabled()) {
         auto r = at::_scaled_dot_product_cudnn_attention(q, k, v, std::nullopt, /*compute_log_sumexp=*/true);
         CudnnAux aux;
         aux.lse = std::get<1>(r), aux.cum_q = std::get<2>(r), aux.cum_k = std::get<3>(r);
@@ -207,14 +221,16 @@ at::Tensor AttentionStash::attend(int64_t slot, const at::Tensor& q, const at::T
         return std::get<0>(r);
     }
     if (in_recompute() && at::GradMode::is_enabled()) {
-        if (!s.fetched.defined()) state_->fetch(s, q.options());  // no prefetch: fetch now
+        // Another call's prefetched output is dropped; without a prefetch the copy starts now.
+        if (s.fetched.defined() && s.fetched_call != checkpoint_call()) state_->drop_fetched(s);
+        if (!s.fetched.defined()) state_->fetch(s, q.options());
         if (s.fetched.defined()) {
+            s.arrived.block(c10::cuda::getCurrentCUDAStream(q.device().index()));
             at::Tensor out = std::move(s.fetched);
             s.fetched.reset();
             const bool fits = out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() &&
                               out.device() == q.device();
             if (fits) {
-                s.arrived.block(c10::cuda::getCurrentCUDAStream(q.device().index()));
                 auto holder = c10::make_intrusive<AuxHolder>();
                 holder->aux = s.aux;
                 s.aux = {};

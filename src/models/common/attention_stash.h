@@ -13,6 +13,10 @@
 // same forward kernel. GPU memory is unchanged (one output in flight each way); host memory holds
 // one output per checkpointed attention (28 MiB a block for Flux.1 at 1024², batch 1).
 //
+// A kept output is tagged with the checkpointed() call that made it (unit_hooks.h's checkpoint_call)
+// and only that call's recomputation takes it: should one slot be saved twice before a backward (two
+// forwards into one loss), the earlier call recomputes its attention.
+//
 // It applies on CUDA to bf16/fp16 attention without mask or dropout where SDPA picks cuDNN's kernel;
 // elsewhere attend() is SDPA. Copies and waits are stream-ordered (events, no host waits), so a step
 // captured as a CUDA graph replays them. Host buffers are never freed while the stash lives (graphs

@@ -9,6 +9,7 @@
 #include <ATen/autocast_mode.h>
 
 #include <array>
+#include <atomic>
 
 namespace dtune::models {
 namespace {
@@ -22,6 +23,7 @@ struct Body : torch::CustomClassHolder {
     std::vector<at::Tensor> params;
     std::vector<bool> defined;  // which of the original inputs were defined
     std::size_t n_inputs = 0;   // defined inputs; the tensor list is [inputs..., params...]
+    uint64_t call = 0;          // this call's number (unit_hooks.h's checkpoint_call)
     // Autocast (CPU, CUDA) as it was in forward: backward runs on the autograd engine's thread after
     // the caller's autocast scope has closed, and the recomputation must see the same dtypes.
     std::array<bool, 2> autocast{};
@@ -74,8 +76,8 @@ struct Recompute : torch::autograd::Function<Recompute> {
         ctx->save_for_backward(inputs);
         at::Tensor out;
         {
-            const CheckpointedForwardScope checkpointed;  // attention_stash.h keeps its outputs
-            out = body->fn(expand(*body, inputs));        // grad mode is off inside forward
+            const CheckpointCallScope call(body->call);  // attention_stash.h keeps its outputs
+            out = body->fn(expand(*body, inputs));       // grad mode is off inside forward
         }
         ctx->saved_data["body"] = c10::IValue::make_capsule(body);
         return {out};
@@ -105,6 +107,7 @@ struct Recompute : torch::autograd::Function<Recompute> {
             at::AutoGradMode enable(true);
             const ForwardAutocast autocast(*body);
             const RecomputeScope recomputing;  // unit hooks (unit_hooks.h) see a recomputation
+            const CheckpointCallScope call(body->call);
             out = body->fn(expand(*body, inputs));
         }
         variable_list result(body->n_inputs + body->params.size() + 1);  // + the non-tensor `body` arg
@@ -120,7 +123,9 @@ struct Recompute : torch::autograd::Function<Recompute> {
 
 at::Tensor checkpointed(CheckpointFn fn, const std::vector<at::Tensor>& inputs,
                         const std::vector<at::Tensor>& params) {
+    static std::atomic<uint64_t> calls{0};
     auto body = c10::make_intrusive<Body>();
+    body->call = ++calls;
     body->fn = std::move(fn);
     body->params = params;
     for (size_t i = 0; i < kAutocastDevices.size(); ++i) {

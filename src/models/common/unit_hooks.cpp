@@ -22,7 +22,7 @@ std::map<const torch::nn::Module*, UnitHooks*>& registry() {
 }
 
 thread_local bool t_recompute = false;
-thread_local bool t_checkpointed_forward = false;
+thread_local uint64_t t_checkpoint_call = 0;
 
 }  // namespace
 
@@ -55,16 +55,16 @@ RecomputeScope::~RecomputeScope() {
     t_recompute = previous_;
 }
 
-bool in_checkpointed_forward() {
-    return t_checkpointed_forward;
+uint64_t checkpoint_call() {
+    return t_checkpoint_call;
 }
 
-CheckpointedForwardScope::CheckpointedForwardScope() : previous_(t_checkpointed_forward) {
-    t_checkpointed_forward = true;
+CheckpointCallScope::CheckpointCallScope(uint64_t call) : previous_(t_checkpoint_call) {
+    t_checkpoint_call = call;
 }
 
-CheckpointedForwardScope::~CheckpointedForwardScope() {
-    t_checkpointed_forward = previous_;
+CheckpointCallScope::~CheckpointCallScope() {
+    t_checkpoint_call = previous_;
 }
 
 namespace {

@@ -14,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <cstdint>
 #include <functional>
 #include <utility>
 #include <vector>
@@ -53,19 +54,20 @@ class RecomputeScope {
     bool previous_;
 };
 
-// Whether this thread runs a checkpointed unit's forward (the pass whose activations are dropped and
-// recomputed in backward): code that can keep a costly intermediate for the recomputation (the
-// attention output, attention_stash.h) asks.
-bool in_checkpointed_forward();
-class CheckpointedForwardScope {
+// The checkpointed() call whose body this thread runs, in its forward or its recomputation (0: none;
+// each call has its own number). Code that keeps a costly intermediate from a checkpointed forward for
+// the recomputation (the attention output, attention_stash.h) tags it with the call, so that a
+// recomputation only takes what its own forward kept.
+uint64_t checkpoint_call();
+class CheckpointCallScope {
   public:
-    CheckpointedForwardScope();
-    ~CheckpointedForwardScope();
-    CheckpointedForwardScope(const CheckpointedForwardScope&) = delete;
-    CheckpointedForwardScope& operator=(const CheckpointedForwardScope&) = delete;
+    explicit CheckpointCallScope(uint64_t call);
+    ~CheckpointCallScope();
+    CheckpointCallScope(const CheckpointCallScope&) = delete;
+    CheckpointCallScope& operator=(const CheckpointCallScope&) = delete;
 
   private:
-    bool previous_;
+    uint64_t previous_;
 };
 
 // The units under `root` (HookableUnit modules, not nested in another unit), in registration order,
