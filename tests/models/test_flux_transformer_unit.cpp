@@ -165,14 +165,22 @@ TEST(FluxTransformer, RefusesMissingGuidanceAndBadShapesNamingTheFix) {
 }
 
 // DTUNE_ATTENTION_STASH_GIB: a size in GiB (0 turns the stash off), a bad value a UsageError that
-// names the variable; unset, a sixteenth of the machine's memory. A CPU model recomputes (the
-// stash is for CUDA): nothing saved.
+// names the variable; unset, a sixteenth of the machine's memory divided among LOCAL_WORLD_SIZE
+// ranks. A CPU model recomputes (the stash is for CUDA): nothing saved.
 TEST(FluxTransformer, AttentionStashBudgetComesFromTheEnvironment) {
     struct Restore {
-        ~Restore() { ::unsetenv("DTUNE_ATTENTION_STASH_GIB"); }
+        ~Restore() {
+            ::unsetenv("DTUNE_ATTENTION_STASH_GIB");
+            ::unsetenv("LOCAL_WORLD_SIZE");
+        }
     } restore;
     ::unsetenv("DTUNE_ATTENTION_STASH_GIB");
-    EXPECT_GT(AttentionStash::budget_from_environment(), 0);
+    ::unsetenv("LOCAL_WORLD_SIZE");
+    const int64_t machine = AttentionStash::budget_from_environment();
+    EXPECT_GT(machine, 0);
+    ::setenv("LOCAL_WORLD_SIZE", "4", 1);  // four ranks on the node share the default
+    EXPECT_EQ(AttentionStash::budget_from_environment(), machine / 4);
+    ::unsetenv("LOCAL_WORLD_SIZE");
     ::setenv("DTUNE_ATTENTION_STASH_GIB", "1.5", 1);
     EXPECT_EQ(AttentionStash::budget_from_environment(), int64_t{3} << 29);
     ::setenv("DTUNE_ATTENTION_STASH_GIB", "0", 1);

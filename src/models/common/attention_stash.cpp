@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
@@ -31,8 +32,13 @@ std::atomic<int64_t> g_default_budget{-1};  // < 0: the environment's
 int64_t AttentionStash::budget_from_environment() {
     const char* v = std::getenv("DTUNE_ATTENTION_STASH_GIB");
     if (v == nullptr || *v == '\0') {
+        // A sixteenth of the machine's memory, shared by the node's ranks (LOCAL_WORLD_SIZE, which
+        // dtune launch sets and dist/env.cpp checks; anything else counts as one rank here).
         const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-        return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page / 16 : 0;
+        const char* ranks = std::getenv("LOCAL_WORLD_SIZE");
+        const long local = ranks != nullptr ? std::strtol(ranks, nullptr, 10) : 1;
+        const int64_t machine = pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+        return machine / 16 / std::max<long>(local, 1);
     }
     errno = 0;
     char* end = nullptr;
@@ -40,7 +46,9 @@ int64_t AttentionStash::budget_from_environment() {
     DTUNE_CHECK_AS(UsageError, errno == 0 && end != v && *end == '\0' && gib >= 0 && gib < 1e6,
                    "DTUNE_ATTENTION_STASH_GIB=", v,
                    " is not a size: give the pinned host memory in GiB for checkpointed blocks' attention "
-                   "outputs (0 recomputes them instead; unset: a sixteenth of the machine's memory)");
+                   "outputs (0 recomputes them instead; unset: a sixteenth of the machine's memory, shared "
+                   "by the node's "
+                   "ranks)");
     return static_cast<int64_t>(gib * 1024.0 * 1024.0 * 1024.0);
 }
 

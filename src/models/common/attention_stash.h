@@ -21,7 +21,8 @@
 // elsewhere attend() is SDPA. Copies and waits are stream-ordered (events, no host waits), so a step
 // captured as a CUDA graph replays them. Host buffers are never freed while the stash lives (graphs
 // hold their addresses) and are bounded by a budget: DTUNE_ATTENTION_STASH_GIB (default: a
-// sixteenth of physical memory; 0 turns the stash off). Outputs beyond it are recomputed.
+// sixteenth of physical memory divided among the node's ranks, LOCAL_WORLD_SIZE; 0 turns the stash
+// off). Outputs beyond it are recomputed.
 #pragma once
 
 #include <ATen/core/Tensor.h>
